@@ -1,0 +1,661 @@
+"""Final-answer extraction, answer equivalence and the +-1 reward (paper Sec. 1 and 6: the DAPO reward on the last
+\\boxed{}; Sec. 7: rule-based grading of the benchmarks).
+
+`grade(response, gold)` takes the final answer of a response (the last \\boxed{...}, else an explicit "the answer
+is ..." phrase; never "the last number in the text") and decides whether it equals the gold. Answers are read by
+a small hand-written tokenizer + recursive-descent parser for the LaTeX/arithmetic language of math answers that
+builds sympy objects directly: model output never reaches eval, exec, sympify or parse_expr.
+
+Deliberate differences from the paper and from common graders (verl, Math-Verify, Qwen2.5-Math):
+1. The paper compares normalized strings (`mode="strict"` keeps that); the default compares values, because a string
+   match rejects right answers in another form (1/2 = 0.5 = \\frac{2}{4}, x=5 vs 5, 1,000 vs 1000).
+2. Numbers compare exactly (sympy Rationals): 0.33 is not 1/3 and 0.0011 is not 0.001. The one tolerance: a gold
+   that is itself a rounded decimal (a decimal literal with a nonzero fraction, or scientific notation, with >= 2
+   significant digits) accepts a prediction in exact, non-decimal form (a fraction, radical, pi, ...) whose value
+   lies strictly within half a unit of the gold's last digit. A decimal prediction must equal a decimal gold exactly.
+3. Hedged answers ("3 or 4", "3 and 4") are lists of two answers and are wrong for a one-answer gold; an empty or
+   unterminated last box is wrong; a retracted answer ("\\boxed{5} ... wait ... \\boxed{7}") is its last box.
+4. Every grade is bounded without signals (so it works in threads and worker processes): the response tail, the
+   answer length, token count, nesting depth, digits, exponents and factorials are capped, and a deadline is
+   checked in the parser and between comparisons. Anything refused or late grades as not equivalent.
+"""
+import math
+import re
+import time
+from collections import namedtuple
+
+import sympy as sp
+
+# ------------------------------------------------------------------------------------------------ limits
+TIMEOUT_S = 1.0  # wall-clock budget of one grade() call
+TAIL_CHARS = 100_000  # only the end of a response is searched for its final answer
+MAX_ANSWER_CHARS = 2_000  # longer answers are compared as strings only
+MAX_TOKENS = 1_000
+MAX_DEPTH = 60  # parser recursion (nested braces, parentheses, powers)
+MAX_DIGITS = 2_000  # digits of one number literal
+MAX_BITS = 1 << 16  # size of an exact number built by ^, *, ! (about 20,000 digits)
+MAX_LOG_MAGNITUDE = 1e5  # |ln|value|| of a power with a non-integer exponent
+MAX_FACTORIAL = 5_000
+MAX_SYMBOLIC_EXPONENT = 10_000
+
+
+class Refused(Exception):
+    """The answer cannot be read, or is too large, too deep or too slow to grade."""
+
+
+def _tick(deadline):
+    if time.monotonic() > deadline:
+        raise Refused("time limit")
+
+
+# ------------------------------------------------------------------------------------------------ extraction
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*(\{)?")
+
+
+def _boxes(text):
+    """Contents of every \\boxed{...} / \\fbox{...} / \\boxed x in order; None for a box that never closes."""
+    closer, stack = {}, []
+    for m in re.finditer(r"[{}]", text):  # one linear pass of brace matching
+        if m.group() == "{":
+            stack.append(m.start())
+        elif stack:
+            closer[stack.pop()] = m.start()
+    out = []
+    for m in _BOX.finditer(text):
+        if m.group(1):
+            end = closer.get(m.start(1))
+            out.append(None if end is None else text[m.end(1) : end])
+        else:
+            word = re.match(r"[^\s$\\,]+", text[m.end() : m.end() + 100])
+            out.append(word.group().rstrip(".") if word else None)
+    return out
+
+
+_PHRASE = re.compile(r"(?:answer(?:\s*\*\*)?\s*(?:is\b|:|=)|####|答案\s*(?:是|为|:|：))[\s*:]*", re.I)
+_CUT = re.compile(r"\.(?=\s|$)|。|\n|,?\s+(?:since|because|as|which|where|so)\b|,\s*(?:since|because|which|so)\b")
+
+
+def _extract(response):
+    """-> (answer or None, boxes of the searched part). Box first; an unterminated last box means truncated."""
+    text = response[-TAIL_CHARS:]
+    parts = text.rsplit("</think>", 1)
+    for part in ([parts[1], text] if len(parts) == 2 else [text]):
+        boxes = _boxes(part)
+        if boxes:
+            return boxes[-1], boxes
+        phrases = list(_PHRASE.finditer(part[-5000:]))
+        if phrases:
+            rest = part[-5000:][phrases[-1].end() :].lstrip(" *")
+            rest = rest.lstrip("\n") if rest.startswith(("\n\\[", "\n$$")) else rest
+            for a, b in (("\\[", ""), ("\\]", ""), ("\\(", ""), ("\\)", ""), ("$", "")):
+                rest = rest.replace(a, b)
+            answer = _CUT.split(rest.strip(), 1)[0].strip(" *")
+            return answer or None, []
+    return None, []
+
+
+def extract_answer(response):
+    """The final answer of a response as a string ('' for an empty box), or None when there is none."""
+    return _extract(response)[0] if isinstance(response, str) else None
+
+
+# ------------------------------------------------------------------------------------------------ normalization
+_REPLACE = [("\\\\", " \\rowsep "), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\cfrac", "\\frac"), ("\\displaystyle", ""),
+            ("\\textstyle", ""), ("\\!", ""), ("\\,", " "), ("\\;", " "), ("\\:", " "), ("\\ ", " "), ("~", " "),
+            ("\\qquad", " "), ("\\quad", " "), ("{,}", ","), ("\\$", ""), ("$", ""), ("\\(", ""), ("\\)", ""),
+            ("\\varnothing", "\\emptyset"), ("−", "-"), ("×", "\\times "), ("÷", "\\div "), ("≤", "\\le "),
+            ("≥", "\\ge "), ("≠", "\\ne "), ("∞", "\\infty "), ("π", "\\pi "), ("√", "\\sqrt "), ("°", ""),
+            ("\\degree", ""), ("\\mbox", "\\text"), ("\\dbinom", "\\binom"), ("\\tbinom", "\\binom")]
+_WRAPPERS = r"\\(?:text|textbf|textit|textrm|textsf|mathrm|mathbf|mathit|mathsf|boldsymbol|operatorname|bf|rm)"
+_UNWRAP = re.compile(_WRAPPERS + r"\s*\{([^{}]*)\}")
+_UNIT = re.compile(r"(?<=[\d}).!])\s*" + _WRAPPERS + r"\s*\{\s*(?!and\b|or\b)[a-zA-Z][a-zA-Z .]*\}(\s*\^\s*\{?\d\}?)?")
+_UNIT_WORDS = re.compile(r"(?<=\d)\s+(?!and\b|or\b)(?:[a-zA-Z]{2,}\.?\s*)+(\^\s*\{?\d\}?)?$")
+_PERCENT = re.compile(r"\\?%|\bpercent\b")
+_MATRIX = [(re.compile(r"\\begin\{array\}\{[^{}]*\}|\\begin\{[pbvBV]?matrix\}"), " \\matbegin "),
+           (re.compile(r"\\end\{array\}|\\end\{[pbvBV]?matrix\}"), " \\matend ")]
+
+
+def _clean(s):
+    """String-level normalization of one answer -> (text, had a percent sign)."""
+    s = s.strip()
+    if "####" in s:  # a GSM8K solution as gold
+        s = s.rsplit("####", 1)[1]
+    if "\\boxed" in s or "\\fbox" in s:  # a full solution as gold: its last box
+        s = next((b for b in reversed(_boxes(s)) if b), s)
+    for a, b in _REPLACE:
+        s = s.replace(a, b)
+    s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])", "", s)
+    s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ\b", "", s)  # degrees
+    percent = bool(_PERCENT.search(s))
+    s = _PERCENT.sub("", s)
+    s = _UNIT.sub("", s)
+    for _ in range(5):  # \text{...}, \mathbf{...}: keep the content
+        s = _UNWRAP.sub(r"\1", s)
+    for pattern, repl in _MATRIX:
+        s = pattern.sub(lambda m, r=repl: r, s)
+    s = re.sub(r"\s+", " ", s).rstrip(" .,;:。，").lstrip(" ,;:")
+    s = _UNIT_WORDS.sub("", s).strip()
+    s = re.sub(r"\b(?:degrees?|dollars?|cents?|units?)$", "", s).strip()
+    s = re.sub(r"(?<![A-Za-z\d_])(\d+)_\{?\d+\}?", r"\1", s)  # base subscript: 1011_2 -> 1011
+    s = re.sub(r"(?<![\d.}^_a-zA-Z\\])(\d+)\s*\\frac\s*\{(\d+)\}\s*\{(\d+)\}", r"(\1+\2/\3)", s)  # mixed number
+    if re.fullmatch(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?|[+-]?\d{1,3}(?: \d{3})+(?:\.\d+)?", s):  # 1,234 / 1 234
+        s = s.replace(",", "").replace(" ", "")
+    return s, percent
+
+
+def _squash(s):
+    s = re.sub(r"\s+", "", s)
+    return s.lower() if re.fullmatch(r"[A-Za-z]{2,}", s) else s
+
+
+_DECIMAL = re.compile(r"[+-]?(\d*)\.?(\d*)(?:e([+-]?\d+)|\\(?:times|cdot)10\^\{?([+-]?\d+)\}?)?")
+
+
+def _decimal_gold(s):
+    """(value, half unit of the last digit) if `s` is a rounded decimal (see the docstring, point 2), else None."""
+    m = _DECIMAL.fullmatch(re.sub(r"\s+", "", s))
+    if not m or not (m.group(1) or m.group(2)) or len(s) > 60:
+        return None
+    whole, frac, exp = m.group(1), m.group(2), int(m.group(3) or m.group(4) or 0)
+    sci = m.group(3) is not None or m.group(4) is not None
+    if len((whole + frac).lstrip("0")) < 2 or not (sci or frac.strip("0")):
+        return None
+    value = sp.Rational(int(whole + frac), 10 ** len(frac)) * sp.Rational(10) ** exp
+    return (-value if s.lstrip().startswith("-") else value), sp.Rational(5, 10 ** (len(frac) + 1)) * sp.Rational(10) ** exp
+
+
+# ------------------------------------------------------------------------------------------------ parser
+Seq = namedtuple("Seq", "kind items")  # kind: "()" "[]" "(]" "[)" tuples/intervals, "{}" set, "mat" matrix rows
+Eqn = namedtuple("Eqn", "lhs rhs named")  # named: the left side is a name (x, y_1, f(x)), so x=5 also means 5
+
+_TOKEN = re.compile(r"\s*(\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?|\\[a-zA-Z]+|\\[{}|]|[a-zA-Z]+|"
+                    r"<=|>=|!=|[-+*/^_()\[\]{}=<>!|,;&'])")
+_WORDS = {"sin", "cos", "tan", "cot", "sec", "csc", "ln", "log", "exp", "sqrt", "and", "or"}
+_FUNCS = {"sin": sp.sin, "cos": sp.cos, "tan": sp.tan, "cot": sp.cot, "sec": sp.sec, "csc": sp.csc,
+          "arcsin": sp.asin, "arccos": sp.acos, "arctan": sp.atan, "sinh": sp.sinh, "cosh": sp.cosh,
+          "tanh": sp.tanh, "exp": sp.exp, "ln": sp.log, "log": sp.log}
+_CONSTS = {"pi": sp.pi, "infty": sp.oo, "infinity": sp.oo, "emptyset": sp.EmptySet}
+_GREEK = {"alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "vartheta", "iota",
+          "kappa", "lambda", "mu", "nu", "xi", "rho", "sigma", "tau", "upsilon", "phi", "varphi", "chi", "psi", "omega",
+          "Gamma", "Delta", "Theta", "Lambda", "Xi", "Sigma", "Phi", "Psi", "Omega"}
+_RELOPS = {"=": "=", "\\approx": "=", "<": "<", "\\lt": "<", ">": ">", "\\gt": ">", "<=": "<=", "\\le": "<=",
+           "\\leq": "<=", "\\leqslant": "<=", ">=": ">=", "\\ge": ">=", "\\geq": ">=", "\\geqslant": ">=",
+           "\\in": "in"}
+_SEPARATORS = {",", ";", "and", "or"}
+_NAME = re.compile(r"([a-zA-Z]|\\[a-zA-Z]+)(_(\{[^{}]*\}|\w))?(\([^()+\-*/^]*\))?")
+
+
+def _tokenize(s):
+    tokens, i = [], 0
+    while i < len(s):
+        m = _TOKEN.match(s, i)
+        if not m:
+            if s[i:].isspace():
+                break
+            raise Refused(f"unexpected character {s[i]!r}")
+        tok, i = m.group(1), m.end()
+        if tok[0].isalpha() and tok not in _WORDS:
+            if len(tok) > 3:
+                raise Refused(f"word {tok!r}")  # text, not math: compared as a string only
+            tokens.extend(tok)  # xy = x*y
+        else:
+            tokens.append(tok)
+        if len(tokens) > MAX_TOKENS:
+            raise Refused("too many tokens")
+    return tokens
+
+
+def _check(v):
+    """Refuse exact numbers beyond MAX_BITS and undefined values (1/0)."""
+    if v.has(sp.zoo, sp.nan):
+        raise Refused("undefined value")
+    if v.is_Rational and max(abs(v.p).bit_length(), v.q.bit_length()) > MAX_BITS:
+        raise Refused("number too large")
+    return v
+
+
+def _pow(b, e):
+    if isinstance(b, sp.Expr) and isinstance(e, sp.Expr) and b.is_number and e.is_number:
+        if b.is_Rational and e.is_Integer:
+            bits = max(abs(b.p).bit_length(), b.q.bit_length())
+            if bits > 1 and abs(int(e)) * bits > MAX_BITS:
+                raise Refused("power too large")
+        else:
+            try:
+                log_b, e_num = abs(complex(sp.N(b, 15))), abs(complex(sp.N(e, 15)))
+                size = e_num * abs(math.log(log_b)) if log_b else 0.0
+            except (TypeError, ValueError, OverflowError):
+                raise Refused("power not evaluable")
+            if not size <= MAX_LOG_MAGNITUDE:
+                raise Refused("power too large")
+    elif isinstance(e, sp.Expr) and e.is_Integer and abs(int(e)) > MAX_SYMBOLIC_EXPONENT:
+        raise Refused("exponent too large")
+    elif isinstance(e, sp.Expr) and any(isinstance(n, sp.Pow) and n.exp.free_symbols for n in sp.preorder_traversal(e)):
+        raise Refused("power tower")
+    return _check(sp.Pow(b, e))
+
+
+class _Parser:
+    """Recursive descent over the tokens. Grammar (loosest first):
+    items := relation (sep relation)* ; relation := setexpr (relop setexpr)* ; setexpr := sum (\\cup sum)* ;
+    sum := [+-] term ([+-] term)* ; term := power ((* / \\cdot \\times \\div | implicit) power)* ;
+    power := postfix [^ arg] ; postfix := primary [!]* ; primary := number | letter | command | group."""
+
+    def __init__(self, text, deadline):
+        self.toks, self.i, self.depth, self.deadline = _tokenize(text), 0, 0, deadline
+
+    def peek(self, k=0):
+        return self.toks[self.i + k] if self.i + k < len(self.toks) else None
+
+    def take(self, expected=None):
+        _tick(self.deadline)
+        tok = self.peek()
+        if tok is None or (expected is not None and tok != expected):
+            raise Refused(f"expected {expected!r}, got {tok!r}")
+        self.i += 1
+        return tok
+
+    def parse(self):
+        items = self.items()
+        if self.peek() is not None:
+            raise Refused(f"unexpected {self.peek()!r}")
+        return items
+
+    def items(self, separators=_SEPARATORS):
+        items = [self.relation()]
+        while self.peek() in separators:
+            while self.peek() in separators:  # "19, 46, and 82"
+                self.take()
+            items.append(self.relation())
+        return items
+
+    def relation(self):
+        start = self.i
+        sides, ops = [self.setexpr()], []
+        lhs_end = self.i
+        while self.peek() in _RELOPS:
+            ops.append(_RELOPS[self.take()])
+            sides.append(self.setexpr())
+        if not ops:
+            return sides[0]
+        if ops == ["in"]:
+            return _as_set(sides[1])
+        if set(ops) == {"="}:
+            lhs, rhs = sides[0], sides[-1]
+            if len(sides) > 2 or not isinstance(rhs, sp.Expr) or not (lhs.free_symbols or rhs.free_symbols):
+                return rhs  # x = 2 + 3 = 5, 6/8 = 3/4, (a, b) = (1, 2): the last side is the answer
+            return Eqn(lhs, rhs, bool(_NAME.fullmatch("".join(self.toks[start:lhs_end]))))
+        return _interval(sides, ops)
+
+    def setexpr(self):
+        value = self.sum()
+        while self.peek() in ("\\cup", "\\cap", "\\setminus"):
+            op, right = self.take(), _as_set(self.sum())
+            value = {"\\cup": sp.Union, "\\cap": sp.Intersection, "\\setminus": sp.Complement}[op](_as_set(value), right)
+        return value
+
+    def sum(self):
+        sign = -1 if self.peek() == "-" else 1
+        if self.peek() in ("+", "-"):
+            self.take()
+        value = _check(sign * self.term()) if sign < 0 else self.term()
+        while self.peek() in ("+", "-"):
+            sign = 1 if self.take() == "+" else -1
+            value = _check(value + sign * self.term())
+        return value
+
+    def term(self):
+        value = self.power()
+        while True:
+            tok = self.peek()
+            if tok in ("*", "\\cdot", "\\times"):
+                self.take()
+                value = _check(value * self.power())
+            elif tok in ("/", "\\div"):
+                self.take()
+                value = _check(value / self.power())
+            elif self._starts_factor(tok):
+                value = _check(value * self.power())
+            else:
+                return value
+
+    def _starts_factor(self, tok):
+        if tok is None or tok[0].isdigit() or tok == "." or tok in _SEPARATORS:
+            return False  # "12 34" is not a product
+        return tok[0].isalpha() or tok == "(" or (tok[0] == "\\" and tok not in _RELOPS and tok[1:] not in
+                                                  ("cup", "cap", "setminus", "cdot", "times", "div", "over", "}",
+                                                   "rowsep", "matend", "pm", "mp"))
+
+    def power(self):
+        base = self.postfix()
+        if self.peek() == "^":
+            self.take()
+            return _pow(base, self.arg(signed=True))
+        return base
+
+    def postfix(self):
+        value = self.primary()
+        while self.peek() == "!":
+            self.take()
+            if not (value.is_Integer and 0 <= value <= MAX_FACTORIAL):
+                raise Refused("factorial")
+            value = sp.factorial(value)
+        return value
+
+    def arg(self, signed=False):
+        """A command argument: {group} or one token (\\frac12 -> 1/2, x^-1, x^10)."""
+        tok = self.peek()
+        if signed and tok in ("-", "+"):
+            self.take()
+            return -self.arg() if tok == "-" else self.arg()
+        if tok is not None and tok.isdigit() and len(tok) > 1 and not signed:
+            self.toks[self.i : self.i + 1] = [tok[0], tok[1:]]  # \frac12: a single digit argument
+        return self.postfix()
+
+    def primary(self):
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise Refused("nesting too deep")
+        try:
+            return self._primary(self.take())
+        finally:
+            self.depth -= 1
+
+    def _primary(self, tok):
+        if tok[0].isdigit() or tok[0] == ".":
+            return _number(tok)
+        if tok in _FUNCS or tok[1:] in _FUNCS:
+            return self.function(tok.lstrip("\\"))
+        if tok == "sqrt" or tok == "\\sqrt":
+            index = None
+            if self.peek() == "[":
+                self.take()
+                index = self.sum()
+                self.take("]")
+            radicand = self.arg()
+            return _pow(radicand, 1 / index) if index is not None else _check(sp.sqrt(radicand))
+        if tok == "\\frac":
+            num, den = self.arg(), self.arg()
+            return _check(num / den)
+        if tok == "\\binom":
+            n, k = self.arg(), self.arg()
+            if not (n.is_Integer and k.is_Integer and 0 <= n <= MAX_FACTORIAL):
+                raise Refused("binomial")
+            return sp.binomial(n, k)
+        if tok[0].isalpha():
+            return self.symbol(tok)
+        if tok[1:] in _CONSTS:
+            return _CONSTS[tok[1:]]
+        if tok[1:] in _GREEK:
+            return self.symbol(tok[1:])
+        if tok in ("(", "["):
+            items = self.items(separators={","})
+            close = self.take()
+            if close not in (")", "]"):
+                raise Refused("bracket")
+            if len(items) == 1 and tok + close in ("()", "[]"):
+                return items[0]  # grouping
+            return Seq(tok + close, tuple(items))
+        if tok == "{":
+            items = self.items()
+            if self.peek() == "\\over":  # {3 \over 4}
+                self.take()
+                den = self.sum()
+                self.take("}")
+                return _check(items[0] / den)
+            self.take("}")
+            return items[0] if len(items) == 1 else Seq("{}", tuple(items))
+        if tok == "\\{":
+            items = [] if self.peek() == "\\}" else self.items(separators={","})
+            self.take("\\}")
+            return Seq("{}", tuple(items))
+        if tok == "|":
+            value = self.sum()
+            self.take("|")
+            return sp.Abs(value)
+        if tok == "\\matbegin":
+            rows = [self.items(separators={"&"})]
+            while self.peek() == "\\rowsep":
+                self.take()
+                if self.peek() != "\\matend":
+                    rows.append(self.items(separators={"&"}))
+            self.take("\\matend")
+            return Seq("mat", tuple(Seq("()", tuple(r)) for r in rows))
+        raise Refused(f"unexpected {tok!r}")
+
+    def symbol(self, name):
+        if self.peek() == "_":  # x_1, a_{n}: one symbol
+            self.take()
+            sub = [self.take()]
+            if sub[0] == "{":
+                while self.peek() != "}":
+                    sub.append(self.take())
+                sub.append(self.take())
+            name += "_" + "".join(sub).strip("{}")
+        return {"i": sp.I, "e": sp.E}.get(name) or sp.Symbol(name)
+
+    def function(self, name):
+        """\\sin x, \\sin^2 x, \\log_2 8, \\ln(x+1), \\sin 2x \\cos x: the argument is a product of plain factors."""
+        exponent = base = None
+        if self.peek() == "_" and name == "log":
+            self.take()
+            base = self.arg()
+        if self.peek() == "^":
+            self.take()
+            exponent = self.arg(signed=True)
+        if self.peek() in ("(", "{"):
+            arg = self.power()
+        else:
+            arg = self.power()
+            while self._starts_factor(self.peek()) and self.peek().lstrip("\\") not in _FUNCS:
+                arg = _check(arg * self.power())
+        value = sp.log(arg, base) if base is not None else _FUNCS[name](arg)
+        if name == "exp":
+            _pow(sp.E, arg)  # the same size guard as e^{...}
+        return _pow(value, exponent) if exponent is not None else _check(value)
+
+
+def _number(tok):
+    m = re.fullmatch(r"(\d*)\.?(\d*)(?:[eE]([+-]?\d+))?", tok)
+    whole, frac, exp = m.group(1), m.group(2), int(m.group(3) or 0)
+    if len(whole) + len(frac) > MAX_DIGITS or abs(exp) > 1000:
+        raise Refused("number too long")
+    return sp.Rational(int(whole + frac or "0"), 10 ** len(frac)) * sp.Rational(10) ** exp
+
+
+def _as_set(v):
+    """Sets for \\cup and relations: {..} -> FiniteSet, a 2-element bracket pair -> Interval."""
+    if isinstance(v, sp.Set):
+        return v
+    if isinstance(v, Seq) and v.kind == "{}" and all(isinstance(x, sp.Expr) for x in v.items):
+        return sp.FiniteSet(*v.items)
+    if isinstance(v, Seq) and v.kind in ("()", "[]", "(]", "[)") and len(v.items) == 2:
+        lo, hi = v.items
+        if isinstance(lo, sp.Expr) and isinstance(hi, sp.Expr) and not (lo.free_symbols or hi.free_symbols):
+            return sp.Interval(lo, hi, v.kind[0] == "(", v.kind[1] == ")")
+    raise Refused("not a set")
+
+
+def _interval(sides, ops):
+    """0 < x <= 5, x >= 3, 5 > x: the set of the one variable (its name is dropped, like x = 5 -> 5)."""
+    var = next((s for s in sides if isinstance(s, sp.Symbol)), None)
+    if var is None or "=" in ops or "in" in ops:
+        raise Refused("relation")
+    lo, hi, lo_open, hi_open = -sp.oo, sp.oo, True, True
+    for left, op, right in zip(sides, ops, sides[1:]):
+        if right == var:  # a < x  ->  x > a
+            left, right, op = right, left, {"<": ">", ">": "<", "<=": ">=", ">=": "<="}[op]
+        if left != var or not isinstance(right, sp.Expr) or right.free_symbols:
+            raise Refused("relation")
+        if op in ("<", "<="):
+            hi, hi_open = right, op == "<"
+        else:
+            lo, lo_open = right, op == ">"
+    return sp.Interval(lo, hi, lo_open, hi_open)
+
+
+def _parse(text, deadline):
+    """All answers in `text` as a list of values; one \\pm makes two answers."""
+    if len(text) > MAX_ANSWER_CHARS:
+        raise Refused("answer too long")
+    variants = [text]
+    if text.count("\\pm") + text.count("\\mp") == 1:
+        variants = [re.sub(r"\\[pm]{2}", "+", text), re.sub(r"\\[pm]{2}", "-", text)]
+    return [item for v in variants for item in _Parser(v, deadline).parse()]
+
+
+# ------------------------------------------------------------------------------------------------ comparison
+def _is_zero(v):
+    """sympy's evalf returns a precision-less 0.e-160 for an exact zero it cannot simplify (1/(2-sqrt3) - (2+sqrt3))
+    and an accurate value for a tiny nonzero one (2^-2006), so this is an exact test up to ~160 digits."""
+    return all(p == 0 or (p.is_Float and p._prec <= 1) for p in sp.N(v, 30).as_real_imag())
+
+
+def _same_expr(a, b, deadline):
+    _tick(deadline)
+    if a == b:
+        return True
+    if a.is_Rational and b.is_Rational or a.has(sp.oo, -sp.oo) or b.has(sp.oo, -sp.oo):
+        return False
+    symbols = sorted(a.free_symbols | b.free_symbols, key=str)
+    if not symbols:
+        return _is_zero(a - b)
+    for point in ((7, 19), (13, 29), (31, 11)):  # an identity in the symbols: equal at three rational points
+        _tick(deadline)
+        subs = {s: sp.Rational(point[0] + 2 * k, point[1] + 3 * k) for k, s in enumerate(symbols)}
+        if not _is_zero((a - b).subs(subs)):
+            return False
+    return True
+
+
+def _same_equation(a, b, deadline):
+    """Both sides named the same: compare right sides; otherwise the same equation up to a constant factor."""
+    if a.named and b.named and a.lhs == b.lhs:
+        return _same_expr(a.rhs, b.rhs, deadline)
+    da, db = a.lhs - a.rhs, b.lhs - b.rhs
+    if db == 0:
+        return False
+    ratio = sp.cancel(da / db)
+    return not ratio.free_symbols and ratio != 0
+
+
+def _set_parts(s):
+    parts = list(s.args) if isinstance(s, sp.Union) else [s]
+    out = []
+    for p in parts:
+        if isinstance(p, sp.FiniteSet):
+            out.extend(p.args)
+        elif isinstance(p, sp.Interval):
+            out.append(Seq(("(" if p.left_open else "[") + (")" if p.right_open else "]"), (p.start, p.end)))
+        elif p is not sp.EmptySet:
+            raise Refused("set")
+    return out
+
+
+def _same(p, g, deadline):
+    """One predicted value against one gold value."""
+    _tick(deadline)
+    if isinstance(p, Eqn) or isinstance(g, Eqn):
+        if isinstance(p, Eqn) and isinstance(g, Eqn):
+            return _same_equation(p, g, deadline)
+        if isinstance(p, Eqn):
+            return p.named and _same(p.rhs, g, deadline)
+        return g.named and _same(p, g.rhs, deadline)
+    if isinstance(p, sp.Set) or isinstance(g, sp.Set):
+        try:
+            return _match(_set_parts(_as_set(p)), _set_parts(_as_set(g)), deadline)
+        except Refused:
+            return False
+    if isinstance(p, Seq) and isinstance(g, Seq):
+        if p.kind != g.kind or len(p.items) != len(g.items):
+            return False
+        if p.kind == "{}":
+            return _match(list(p.items), list(g.items), deadline)
+        return all(_same(a, b, deadline) for a, b in zip(p.items, g.items))
+    if isinstance(p, sp.Expr) and isinstance(g, sp.Expr):
+        return _same_expr(p, g, deadline)
+    return False
+
+
+def _match(preds, golds, deadline):
+    """Unordered one-to-one match of two lists of answers."""
+    if len(preds) != len(golds):
+        return False
+    left = list(preds)
+    for g in golds:
+        hit = next((k for k, p in enumerate(left) if _same(p, g, deadline)), None)
+        if hit is None:
+            return False
+        left.pop(hit)
+    return True
+
+
+def _equivalent(pred, golds, deadline):
+    (p, p_pct), cleaned = _clean(pred), [_clean(g) for g in golds]
+    g = ", ".join(c for c, _ in cleaned)
+    if not p:
+        return False
+    if _squash(p) == _squash(g):
+        return True
+    letter = re.fullmatch(r"\(?([A-E])\)?", g)  # multiple choice: (C), \textbf{(C) } 12
+    if letter:
+        return bool(re.match(r"\(?" + letter.group(1) + r"(?![A-Za-z])\)?", p))
+    try:
+        p_items, g_items = _parse(p, deadline), _parse(g, deadline)
+        if len(p_items) == 1 and isinstance(p_items[0], Seq) and p_items[0].kind == "{}" and len(g_items) > 1:
+            p_items = list(p_items[0].items)  # {1, 2, 3} for the answers 1, 2, 3
+        if _match(p_items, g_items, deadline):
+            return True
+        if len(p_items) != 1 or len(g_items) != 1 or not isinstance(p_items[0], sp.Expr):
+            return False
+        value = p_items[0]
+        if p_pct != any(pct for _, pct in cleaned) and _same(value / 100 if p_pct else value * 100, g_items[0], deadline):
+            return True  # 25% = 0.25
+        approx = _decimal_gold(g)
+        if approx and value.is_number and not _DECIMAL.fullmatch(re.sub(r"\s+", "", p)):
+            diff = sp.N(sp.Abs(value - approx[0]), 30)
+            return bool(diff.is_real and diff < approx[1])
+        return False
+    except (Refused, RecursionError, TypeError, ValueError, ArithmeticError, AttributeError):
+        return False
+
+
+# ------------------------------------------------------------------------------------------------ public API
+def is_equivalent(pred, gold, timeout=TIMEOUT_S):
+    """Whether the answer string `pred` equals `gold` (a string, or a list of strings for several answers)."""
+    golds = [gold] if isinstance(gold, str) else list(gold)
+    return isinstance(pred, str) and _equivalent(pred, golds, time.monotonic() + timeout)
+
+
+def grade(response, gold, timeout=TIMEOUT_S):
+    """Whether the final answer of `response` equals `gold`; never slower than about `timeout` seconds."""
+    if not isinstance(response, str):
+        return False
+    deadline = time.monotonic() + timeout
+    golds = [gold] if isinstance(gold, str) else list(gold)
+    answer, boxes = _extract(response)
+    if not answer or not answer.strip():
+        return False
+    if _equivalent(answer, golds, deadline):
+        return True
+    try:  # several answers in several boxes: "the roots are \boxed{3} and \boxed{5}"
+        n = len(_parse(", ".join(_clean(g)[0] for g in golds), deadline))
+    except (Refused, RecursionError, TypeError, ValueError, ArithmeticError, AttributeError):
+        return False
+    last = boxes[-n:]
+    return 1 < n <= len(boxes) and all(b and b.strip() for b in last) and _equivalent(", ".join(last), golds, deadline)
+
+
+def reward(response, gold, mode="dapo"):
+    """The RL reward. "dapo": +1 / -1 by `grade`; "binary": 1 / 0; "strict": +1 / -1 by the paper's rule, a
+    normalized string match of the last \\boxed{} only."""
+    if mode == "strict":
+        boxes = _boxes(response[-TAIL_CHARS:]) if isinstance(response, str) else []
+        golds = [gold] if isinstance(gold, str) else list(gold)
+        gold_text = _squash(", ".join(_clean(g)[0] for g in golds))
+        ok = bool(boxes and boxes[-1] and _clean(boxes[-1])[0] and _squash(_clean(boxes[-1])[0]) == gold_text)
+        return 1.0 if ok else -1.0
+    if mode not in ("dapo", "binary"):
+        raise ValueError(f"unknown reward mode {mode!r}")
+    ok = grade(response, gold)
+    return 1.0 if ok else (0.0 if mode == "binary" else -1.0)
