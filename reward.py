@@ -34,7 +34,8 @@ MAX_TOKENS = 1_000
 MAX_DEPTH = 60  # parser recursion (nested braces, parentheses, powers)
 MAX_DIGITS = 2_000  # digits of one number literal
 MAX_BITS = 1 << 16  # size of an exact number built by ^, *, ! (about 20,000 digits)
-MAX_LOG_MAGNITUDE = 1e5  # |ln|value|| of a power with a non-integer exponent
+MAX_LOG_MAGNITUDE = 2e4  # |ln|value|| of a power with a non-integer exponent
+MAX_TRIG_ARGUMENT = 1e6  # |x| in sin x, cos x, ... (with symbols set to 1); larger ones cost seconds to evaluate
 MAX_FACTORIAL = 5_000
 MAX_SYMBOLIC_EXPONENT = 10_000
 
@@ -53,7 +54,7 @@ _BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*(\{)?")
 
 
 def _boxes(text):
-    """Contents of every \\boxed{...} / \\fbox{...} / \\boxed x in order; None for a box that never closes."""
+    """(start, end, content) of every \\boxed{...} / \\fbox{...} / \\boxed x in order; content None: never closed."""
     closer, stack = {}, []
     for m in re.finditer(r"[{}]", text):  # one linear pass of brace matching
         if m.group() == "{":
@@ -64,34 +65,73 @@ def _boxes(text):
     for m in _BOX.finditer(text):
         if m.group(1):
             end = closer.get(m.start(1))
-            out.append(None if end is None else text[m.end(1) : end])
+            out.append((m.start(), end, None) if end is None else (m.start(), end + 1, text[m.end(1) : end]))
         else:
             word = re.match(r"[^\s$\\,]+", text[m.end() : m.end() + 100])
-            out.append(word.group().rstrip(".") if word else None)
+            out.append((m.start(), m.end() + len(word.group()), word.group().rstrip(".")) if word else (m.start(), m.end(), None))
     return out
 
 
+_JOINED = re.compile(r"[\s$]*(?:,|;|and|or|\\text\{\s*(?:and|or)\s*\})?[\s$]*")  # between two boxes of one answer
 _PHRASE = re.compile(r"(?:answer(?:\s*\*\*)?\s*(?:is\b|:|=)|####|答案\s*(?:是|为|:|：))[\s*:]*", re.I)
 _CUT = re.compile(r"\.(?=\s|$)|。|\n|,?\s+(?:since|because|as|which|where|so)\b|,\s*(?:since|because|which|so)\b")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _from_boxes(text, boxes):
+    """The last box, joined with the boxes just before it that only a comma, "and" or "or" separates from it
+    ("\\boxed{3} and \\boxed{5}" -> "3, 5"; "\\boxed{3} or \\boxed{4}" -> "3 or 4", a hedge)."""
+    start, _, answer = boxes[-1]
+    if answer is None:
+        return None  # the response was cut inside its last box
+    run, sep = [answer], ", "
+    for begin, end, content in reversed(boxes[:-1]):
+        between = text[end:start]
+        if content is None or len(between) > 30 or not _JOINED.fullmatch(between):
+            break
+        sep = " or " if "or" in between else sep
+        run = run if content in run else [content] + run
+        start = begin
+    return sep.join(run)
+
+
+def _from_phrase(text):
+    """Without a box: the text after the last "the answer is" / "Answer:" / "####", to the end of its sentence."""
+    phrases = list(_PHRASE.finditer(text))
+    if not phrases:
+        return None
+    rest = text[phrases[-1].end() :].lstrip(" *")
+    rest = rest.lstrip("\n") if rest.startswith(("\n\\[", "\n$$")) else rest
+    for a in ("\\[", "\\]", "\\(", "\\)", "$"):
+        rest = rest.replace(a, "")
+    return _CUT.split(rest.strip(), 1)[0].strip(" *")
+
+
+def _from_conclusion(text):
+    """Without a box or phrase: a complete final sentence that states exactly one number ("So Tom has 35 apples
+    left."). Not "the last number in the text": a truncated, hedged or multi-number ending gives None."""
+    last = text.strip().rsplit("\n", 1)[-1].strip()
+    sentence = re.split(r"(?<=[.!?])\s+", last)[-1]
+    numbers = _NUMBER.findall(sentence)
+    if sentence.endswith((".", "!")) and len(numbers) == 1 and len(sentence.split()) <= 20 and "=" not in sentence:
+        return numbers[0].rstrip(",")
+    return None
 
 
 def _extract(response):
-    """-> (answer or None, boxes of the searched part). Box first; an unterminated last box means truncated."""
+    """-> (answer or None, the last box's content or None). The part after </think> is searched first."""
     text = response[-TAIL_CHARS:]
     parts = text.rsplit("</think>", 1)
     for part in ([parts[1], text] if len(parts) == 2 else [text]):
         boxes = _boxes(part)
         if boxes:
-            return boxes[-1], boxes
-        phrases = list(_PHRASE.finditer(part[-5000:]))
-        if phrases:
-            rest = part[-5000:][phrases[-1].end() :].lstrip(" *")
-            rest = rest.lstrip("\n") if rest.startswith(("\n\\[", "\n$$")) else rest
-            for a, b in (("\\[", ""), ("\\]", ""), ("\\(", ""), ("\\)", ""), ("$", "")):
-                rest = rest.replace(a, b)
-            answer = _CUT.split(rest.strip(), 1)[0].strip(" *")
-            return answer or None, []
-    return None, []
+            return _from_boxes(part, boxes), boxes[-1][2]
+        answer = _from_phrase(part[-5000:])
+        if answer is None and not ("<think>" in part and "</think>" not in part):
+            answer = _from_conclusion(part[-2000:])
+        if answer is not None:
+            return answer or None, None
+    return None, None
 
 
 def extract_answer(response):
@@ -100,7 +140,7 @@ def extract_answer(response):
 
 
 # ------------------------------------------------------------------------------------------------ normalization
-_REPLACE = [("\\\\", " \\rowsep "), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\cfrac", "\\frac"), ("\\displaystyle", ""),
+_REPLACE = [("\\\\", " \\rowsep "), ("**", "^"), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\cfrac", "\\frac"), ("\\displaystyle", ""),
             ("\\textstyle", ""), ("\\!", ""), ("\\,", " "), ("\\;", " "), ("\\:", " "), ("\\ ", " "), ("~", " "),
             ("\\qquad", " "), ("\\quad", " "), ("{,}", ","), ("\\$", ""), ("$", ""), ("\\(", ""), ("\\)", ""),
             ("\\varnothing", "\\emptyset"), ("−", "-"), ("×", "\\times "), ("÷", "\\div "), ("≤", "\\le "),
@@ -109,7 +149,7 @@ _REPLACE = [("\\\\", " \\rowsep "), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac")
 _WRAPPERS = r"\\(?:text|textbf|textit|textrm|textsf|mathrm|mathbf|mathit|mathsf|boldsymbol|operatorname|bf|rm)"
 _UNWRAP = re.compile(_WRAPPERS + r"\s*\{([^{}]*)\}")
 _UNIT = re.compile(r"(?<=[\d}).!])\s*" + _WRAPPERS + r"\s*\{\s*(?!and\b|or\b)[a-zA-Z][a-zA-Z .]*\}(\s*\^\s*\{?\d\}?)?")
-_UNIT_WORDS = re.compile(r"(?<=\d)\s+(?!and\b|or\b)(?:[a-zA-Z]{2,}\.?\s*)+(\^\s*\{?\d\}?)?$")
+_UNIT_WORDS = re.compile(r"(?:(?<=[\d}])|(?<=\\pi))\s+(?!and\b|or\b)[a-zA-Z]{2,}\.?(?:\s+[a-zA-Z]{2,}\.?)*(\s*\^\s*\{?\d\}?)?$")
 _PERCENT = re.compile(r"\\?%|\bpercent\b")
 _MATRIX = [(re.compile(r"\\begin\{array\}\{[^{}]*\}|\\begin\{[pbvBV]?matrix\}"), " \\matbegin "),
            (re.compile(r"\\end\{array\}|\\end\{[pbvBV]?matrix\}"), " \\matend ")]
@@ -121,7 +161,7 @@ def _clean(s):
     if "####" in s:  # a GSM8K solution as gold
         s = s.rsplit("####", 1)[1]
     if "\\boxed" in s or "\\fbox" in s:  # a full solution as gold: its last box
-        s = next((b for b in reversed(_boxes(s)) if b), s)
+        s = next((c for _, _, c in reversed(_boxes(s)) if c), s)
     for a, b in _REPLACE:
         s = s.replace(a, b)
     s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])", "", s)
@@ -148,15 +188,15 @@ def _squash(s):
     return s.lower() if re.fullmatch(r"[A-Za-z]{2,}", s) else s
 
 
-_DECIMAL = re.compile(r"[+-]?(\d*)\.?(\d*)(?:e([+-]?\d+)|\\(?:times|cdot)10\^\{?([+-]?\d+)\}?)?")
+_DECIMAL = re.compile(r"[+-]?(\d*)(?:\.(\d*))?(?:e([+-]?\d+)|\\(?:times|cdot)10\^\{?([+-]?\d+)\}?)?")
 
 
 def _decimal_gold(s):
     """(value, half unit of the last digit) if `s` is a rounded decimal (see the docstring, point 2), else None."""
-    m = _DECIMAL.fullmatch(re.sub(r"\s+", "", s))
-    if not m or not (m.group(1) or m.group(2)) or len(s) > 60:
+    m = _DECIMAL.fullmatch(re.sub(r"\s+", "", s)) if len(s) < 60 else None
+    if not m or not (m.group(1) or m.group(2)):
         return None
-    whole, frac, exp = m.group(1), m.group(2), int(m.group(3) or m.group(4) or 0)
+    whole, frac, exp = m.group(1), m.group(2) or "", int(m.group(3) or m.group(4) or 0)
     sci = m.group(3) is not None or m.group(4) is not None
     if len((whole + frac).lstrip("0")) < 2 or not (sci or frac.strip("0")):
         return None
@@ -180,7 +220,7 @@ _GREEK = {"alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "e
           "Gamma", "Delta", "Theta", "Lambda", "Xi", "Sigma", "Phi", "Psi", "Omega"}
 _RELOPS = {"=": "=", "\\approx": "=", "<": "<", "\\lt": "<", ">": ">", "\\gt": ">", "<=": "<=", "\\le": "<=",
            "\\leq": "<=", "\\leqslant": "<=", ">=": ">=", "\\ge": ">=", "\\geq": ">=", "\\geqslant": ">=",
-           "\\in": "in"}
+           "\\in": "in", "\\ne": "!=", "\\neq": "!=", "!=": "!="}
 _SEPARATORS = {",", ";", "and", "or"}
 _NAME = re.compile(r"([a-zA-Z]|\\[a-zA-Z]+)(_(\{[^{}]*\}|\w))?(\([^()+\-*/^]*\))?")
 
@@ -320,11 +360,14 @@ class _Parser:
                 return value
 
     def _starts_factor(self, tok):
-        if tok is None or tok[0].isdigit() or tok == "." or tok in _SEPARATORS:
-            return False  # "12 34" is not a product
-        return tok[0].isalpha() or tok == "(" or (tok[0] == "\\" and tok not in _RELOPS and tok[1:] not in
-                                                  ("cup", "cap", "setminus", "cdot", "times", "div", "over", "}",
-                                                   "rowsep", "matend", "pm", "mp"))
+        """Implicit multiplication (2x, 3(x+1), 2\\pi, x\\sqrt{2}); a number only after a non-number (12 34 is not 408)."""
+        if tok is None or tok in _SEPARATORS:
+            return False
+        if tok[0].isdigit():
+            return not self.toks[self.i - 1][0].isdigit()
+        name = tok[1:] if tok[0] == "\\" else None
+        return tok[0].isalpha() or tok in ("(", "\\lfloor", "\\lceil", "\\frac", "\\sqrt", "\\binom") or (
+            name in _FUNCS or name in _CONSTS or name in _GREEK)
 
     def power(self):
         base = self.postfix()
@@ -337,7 +380,7 @@ class _Parser:
         value = self.primary()
         while self.peek() == "!":
             self.take()
-            if not (value.is_Integer and 0 <= value <= MAX_FACTORIAL):
+            if not (value.free_symbols or value.is_Integer and 0 <= value <= MAX_FACTORIAL):
                 raise Refused("factorial")
             value = sp.factorial(value)
         return value
@@ -379,7 +422,7 @@ class _Parser:
             return _check(num / den)
         if tok == "\\binom":
             n, k = self.arg(), self.arg()
-            if not (n.is_Integer and k.is_Integer and 0 <= n <= MAX_FACTORIAL):
+            if not (n.free_symbols or k.free_symbols or n.is_Integer and k.is_Integer and 0 <= n <= MAX_FACTORIAL):
                 raise Refused("binomial")
             return sp.binomial(n, k)
         if tok[0].isalpha():
@@ -409,10 +452,10 @@ class _Parser:
             items = [] if self.peek() == "\\}" else self.items(separators={","})
             self.take("\\}")
             return Seq("{}", tuple(items))
-        if tok == "|":
+        if tok in ("|", "\\lfloor", "\\lceil"):  # |x|, floor, ceiling
             value = self.sum()
-            self.take("|")
-            return sp.Abs(value)
+            self.take({"|": "|", "\\lfloor": "\\rfloor", "\\lceil": "\\rceil"}[tok])
+            return {"|": sp.Abs, "\\lfloor": sp.floor, "\\lceil": sp.ceiling}[tok](value)
         if tok == "\\matbegin":
             rows = [self.items(separators={"&"})]
             while self.peek() == "\\rowsep":
@@ -450,8 +493,12 @@ class _Parser:
             while self._starts_factor(self.peek()) and self.peek().lstrip("\\") not in _FUNCS:
                 arg = _check(arg * self.power())
         value = sp.log(arg, base) if base is not None else _FUNCS[name](arg)
-        if name == "exp":
+        if name in ("exp", "sinh", "cosh", "tanh"):
             _pow(sp.E, arg)  # the same size guard as e^{...}
+        elif name in ("sin", "cos", "tan", "cot", "sec", "csc"):
+            size = abs(complex(sp.N(arg.subs({s: 1 for s in arg.free_symbols}), 15)))
+            if not size <= MAX_TRIG_ARGUMENT:
+                raise Refused("trigonometric argument too large")
         return _pow(value, exponent) if exponent is not None else _check(value)
 
 
@@ -479,7 +526,9 @@ def _as_set(v):
 def _interval(sides, ops):
     """0 < x <= 5, x >= 3, 5 > x: the set of the one variable (its name is dropped, like x = 5 -> 5)."""
     var = next((s for s in sides if isinstance(s, sp.Symbol)), None)
-    if var is None or "=" in ops or "in" in ops:
+    if ops == ["!="] and var is not None and isinstance(sides[1 - sides.index(var)], sp.Expr):  # x != 1
+        return sp.Complement(sp.Reals, sp.FiniteSet(sides[1 - sides.index(var)]))
+    if var is None or {"=", "in", "!="} & set(ops):
         raise Refused("relation")
     lo, hi, lo_open, hi_open = -sp.oo, sp.oo, True, True
     for left, op, right in zip(sides, ops, sides[1:]):
@@ -591,6 +640,8 @@ def _match(preds, golds, deadline):
 
 
 def _equivalent(pred, golds, deadline):
+    if len(pred) > 10 * MAX_ANSWER_CHARS:
+        return False  # not a final answer
     (p, p_pct), cleaned = _clean(pred), [_clean(g) for g in golds]
     g = ", ".join(c for c, _ in cleaned)
     if not p:
@@ -616,7 +667,7 @@ def _equivalent(pred, golds, deadline):
             diff = sp.N(sp.Abs(value - approx[0]), 30)
             return bool(diff.is_real and diff < approx[1])
         return False
-    except (Refused, RecursionError, TypeError, ValueError, ArithmeticError, AttributeError):
+    except Exception:  # Refused, or anything sympy raises on a strange answer: not equivalent, never a crash
         return False
 
 
@@ -629,31 +680,18 @@ def is_equivalent(pred, gold, timeout=TIMEOUT_S):
 
 def grade(response, gold, timeout=TIMEOUT_S):
     """Whether the final answer of `response` equals `gold`; never slower than about `timeout` seconds."""
-    if not isinstance(response, str):
-        return False
-    deadline = time.monotonic() + timeout
-    golds = [gold] if isinstance(gold, str) else list(gold)
-    answer, boxes = _extract(response)
-    if not answer or not answer.strip():
-        return False
-    if _equivalent(answer, golds, deadline):
-        return True
-    try:  # several answers in several boxes: "the roots are \boxed{3} and \boxed{5}"
-        n = len(_parse(", ".join(_clean(g)[0] for g in golds), deadline))
-    except (Refused, RecursionError, TypeError, ValueError, ArithmeticError, AttributeError):
-        return False
-    last = boxes[-n:]
-    return 1 < n <= len(boxes) and all(b and b.strip() for b in last) and _equivalent(", ".join(last), golds, deadline)
+    answer = extract_answer(response)
+    return bool(answer and answer.strip()) and is_equivalent(answer, gold, timeout)
 
 
 def reward(response, gold, mode="dapo"):
     """The RL reward. "dapo": +1 / -1 by `grade`; "binary": 1 / 0; "strict": +1 / -1 by the paper's rule, a
     normalized string match of the last \\boxed{} only."""
     if mode == "strict":
-        boxes = _boxes(response[-TAIL_CHARS:]) if isinstance(response, str) else []
+        box = _extract(response)[1] if isinstance(response, str) else None
         golds = [gold] if isinstance(gold, str) else list(gold)
-        gold_text = _squash(", ".join(_clean(g)[0] for g in golds))
-        ok = bool(boxes and boxes[-1] and _clean(boxes[-1])[0] and _squash(_clean(boxes[-1])[0]) == gold_text)
+        pred = _clean(box)[0] if box else ""
+        ok = bool(pred) and _squash(pred) == _squash(", ".join(_clean(g)[0] for g in golds))
         return 1.0 if ok else -1.0
     if mode not in ("dapo", "binary"):
         raise ValueError(f"unknown reward mode {mode!r}")
