@@ -1,0 +1,175 @@
+"""Rollouts: prompt formatting and a hand-written batched sampler with a KV cache (paper Sec. 1 and 6: G responses
+per prompt from the rollout policy pi_old, temperature 1.0 / top-p 1.0 in training, 0.7 / 0.9 in one eval setting).
+
+The sampler is the whole of `generate` below: left-pad the prompts, prefill once, then decode one token per step
+with the model's `DynamicCache`, computing logits only for the last position. Per step it does one forward through
+`model.__call__`, a few tensor ops to sample, and writes into preallocated (B, T) buffers; no logits processors.
+
+Deliberate differences from the paper's stack (veRL + vLLM) and from `transformers.generate`:
+1. The recorded log-prob of a sampled token is taken under the FULL tempered softmax (all real vocabulary rows),
+   not under the renormalized top-p nucleus that vLLM reports; the nucleus would bias the ratio pi_theta / pi_old.
+2. Vocabulary rows >= `vocab_size` (Qwen's embedding has more rows than its tokenizer has tokens) are removed
+   before the softmax, so they are never sampled and do not take probability mass. The recorded log-probs are
+   therefore those of the distribution actually sampled from; the training forward must mask the same rows for the
+   ratio to be exactly 1 on the first mini-batch.
+3. temperature=0 means greedy (argmax); its recorded log-probs are under the temperature-1 softmax.
+4. Rows that have emitted EOS keep being fed (as pad tokens, attention mask 1) until all rows are done or
+   `max_new_tokens` is reached; their outputs are ignored (response_mask 0). This keeps the batch shape fixed.
+5. Under FSDP2, `gathered(policy)` unshards every FSDP module once for the whole rollout phase (memory: one full
+   copy of the parameters per rank, in the FSDP param dtype, for the duration) instead of all-gathering each layer
+   again for every generated token. Inside the decode loop there is then no collective at all, so ranks whose
+   rollouts stop at different lengths cannot hang each other.
+"""
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from transformers import DynamicCache
+
+from model import position_ids_from_mask
+
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def format_prompt(tokenizer, problem: str, chat: bool = True, instruction: str = INSTRUCTION) -> list[int]:
+    """Token ids of `problem` followed by the paper's instruction, as one user turn of the chat template
+    (with the assistant header appended) or, with chat=False, as raw text (for base models)."""
+    content = f"{problem}\n{instruction}" if instruction else problem
+    if not chat:
+        return tokenizer(content).input_ids
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+@dataclass
+class Rollout:
+    """One batch of sampled responses. Prompts are left-padded, responses right-padded."""
+    prompt_ids: torch.Tensor     # (B, P) long, left-padded
+    prompt_mask: torch.Tensor    # (B, P) long 0/1
+    response_ids: torch.Tensor   # (B, T) long, pad after EOS
+    response_mask: torch.Tensor  # (B, T) long 0/1: 1 on every generated token including EOS, 0 after
+    logprobs: torch.Tensor       # (B, T) float32: log pi_old(y_t | x, y_<t) under the full tempered softmax, 0 at pad
+    truncated: torch.Tensor      # (B,) bool: no EOS within max_new_tokens
+
+    def training_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids (B, P+T), attention_mask (B, P+T)) for a teacher-forced forward over prompt + response."""
+        input_ids = torch.cat([self.prompt_ids, self.response_ids], dim=1)  # (B, P+T)
+        attention_mask = torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)  # (B, P+T)
+        return input_ids, attention_mask
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def select(self, idx) -> "Rollout":
+        """The rows `idx` (an int list, slice, or index tensor), e.g. one micro-batch."""
+        return Rollout(*(getattr(self, f.name)[idx] for f in fields(self)))
+
+    def texts(self, tokenizer) -> list[str]:
+        """Decoded responses without special tokens (EOS and padding dropped)."""
+        return [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+                for ids, mask in zip(self.response_ids, self.response_mask)]
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from logits (B, V') -> (token (B,), its log-prob under the full tempered softmax (B,))."""
+    logits = logits.float()
+    if temperature == 0:  # greedy; log-probs under the temperature-1 softmax
+        logp = torch.log_softmax(logits, dim=-1)  # (B, V')
+        token = logits.argmax(dim=-1)  # (B,)
+    else:
+        logp = torch.log_softmax(logits / temperature, dim=-1)  # log pi(v) = z_v / temp - logsumexp(z / temp)
+        probs = logp.exp()  # (B, V')
+        if top_p < 1.0:  # nucleus: the smallest set of most likely tokens whose mass is >= top_p
+            sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V')
+            keep = (sorted_p.cumsum(dim=-1) - sorted_p) < top_p  # mass strictly before the token < p; top always kept
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)  # multinomial renormalizes
+        token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+    return token, logp.gather(-1, token[:, None]).squeeze(1)
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+             eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+             generator: torch.Generator | None = None, vocab_size: int | None = None) -> Rollout:
+    """Sample one response per prompt from the HF causal LM `model` (under FSDP2: `policy.lm` inside `gathered`).
+
+    eos_token_id/pad_token_id default to the model config's. vocab_size = number of real token ids (rows >= it are
+    never sampled; None = all rows). temperature=0 is greedy. `generator` makes the rollout reproducible.
+    """
+    device = next(model.parameters()).device
+    eos_ids = eos_token_id if eos_token_id is not None else model.config.eos_token_id
+    eos = torch.tensor([eos_ids] if isinstance(eos_ids, int) else list(eos_ids), device=device)
+    pad = pad_token_id if pad_token_id is not None else model.config.pad_token_id
+    B, P, T = len(prompt_ids), max(len(p) for p in prompt_ids), max_new_tokens
+
+    prompt = torch.full((B, P), pad, dtype=torch.long)  # (B, P) left-padded
+    prompt_mask = torch.zeros(B, P, dtype=torch.long)  # (B, P)
+    for i, ids in enumerate(prompt_ids):
+        prompt[i, P - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        prompt_mask[i, P - len(ids):] = 1
+    prompt, prompt_mask = prompt.to(device), prompt_mask.to(device)
+    # The attention mask of the whole sequence, preallocated: generated positions are always attended (difference 4).
+    attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, T)], dim=1)  # (B, P+T)
+    first_position = prompt_mask.sum(dim=1)  # (B,) position id of response token 0 (= cumsum(mask) - 1)
+
+    response_ids = torch.full((B, T), pad, dtype=torch.long, device=device)  # (B, T)
+    response_mask = torch.zeros(B, T, dtype=torch.long, device=device)  # (B, T)
+    logprobs = torch.zeros(B, T, dtype=torch.float32, device=device)  # (B, T)
+    done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,) row has emitted EOS
+    # Checking "all done" reads a value back to the host: free on CPU, a pipeline stall on a GPU, so check less often.
+    check_every = 1 if device.type == "cpu" else 8
+
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=prompt, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
+                cache=cache, use_cache=True, logits_to_keep=1)  # prefill: logits of the last position only
+    for t in range(T):
+        logits = out.logits[:, -1, :vocab_size]  # (B, V') real vocabulary rows only (difference 2)
+        token, token_logprob = _sample(logits, temperature, top_p, generator)  # (B,), (B,)
+        token = token.masked_fill(done, pad)  # finished rows emit pad
+        response_ids[:, t] = token
+        logprobs[:, t] = token_logprob.masked_fill(done, 0.0)
+        response_mask[:, t] = ~done  # includes this step's EOS
+        done |= torch.isin(token, eos)
+        if t + 1 == T or ((t + 1) % check_every == 0 and bool(done.all())):
+            break
+        out = model(input_ids=token[:, None], attention_mask=attention_mask[:, :P + t + 1],
+                    position_ids=(first_position + t)[:, None], cache=cache, use_cache=True, logits_to_keep=1)
+
+    T = int(response_mask.sum(dim=1).max())  # drop all-pad columns (with check_every > 1 there can be some)
+    return Rollout(prompt, prompt_mask, response_ids[:, :T], response_mask[:, :T], logprobs[:, :T], ~done)
+
+
+def sample_groups(model, prompt_ids: list[list[int]], group_size: int, **kwargs) -> Rollout:
+    """G = group_size responses per prompt in one batch; group i is rows i*G .. i*G+G-1."""
+    return generate(model, [p for p in prompt_ids for _ in range(group_size)], **kwargs)
+
+
+@contextmanager
+def gathered(policy: torch.nn.Module):
+    """Under FSDP2, hold every FSDP module of `policy` unsharded for the duration (one all-gather per module at
+    entry, one reshard at exit), so decoding `policy.lm` runs no collective per token. A no-op without FSDP.
+
+    Memory: a full copy of the parameters on every rank while inside (e.g. 3.4 GB for 1.7B params in bf16), plus the
+    KV cache. The FSDP pre-forward hooks still run per layer and per token, but find the parameters unsharded.
+    """
+    modules = [m for m in policy.modules() if isinstance(m, FSDPModule)]  # pre-order: the root comes first
+    if not modules:
+        yield policy
+        return
+    # FSDP picks its root as the first FSDP module to run forward. We call `policy.lm` (not the root) directly, so
+    # initialize the root now or the first decoder layer would claim to be the root. (Private API: no public one.)
+    modules[0]._get_fsdp_state()._lazy_init()
+    groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
+    saved = [g.post_forward_mesh_info for g in groups]  # each group's reshard-after-forward setting
+    for m in modules:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()  # collective: every rank enters `gathered` in the same order
+    try:
+        yield policy
+    finally:
+        for g, info in zip(groups, saved):
+            g.post_forward_mesh_info = info
+        for m in modules:
+            m.reshard()
