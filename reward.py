@@ -2,9 +2,10 @@
 \\boxed{}; Sec. 7: rule-based grading of the benchmarks).
 
 `grade(response, gold)` takes the final answer of a response (the last \\boxed{...}, else an explicit "the answer
-is ..." phrase; never "the last number in the text") and decides whether it equals the gold. Answers are read by
-a small hand-written tokenizer + recursive-descent parser for the LaTeX/arithmetic language of math answers that
-builds sympy objects directly: model output never reaches eval, exec, sympify or parse_expr.
+is ..." phrase or a one-number concluding sentence; never "the last number in the text") and decides whether it
+equals the gold. Answers are read by a small hand-written tokenizer + recursive-descent parser for the
+LaTeX/arithmetic language of math answers that builds sympy objects directly: model output never reaches eval, exec,
+sympify or parse_expr.
 
 Deliberate differences from the paper and from common graders (verl, Math-Verify, Qwen2.5-Math):
 1. The paper compares normalized strings (`mode="strict"` keeps that); the default compares values, because a string
@@ -13,11 +14,11 @@ Deliberate differences from the paper and from common graders (verl, Math-Verify
    that is itself a rounded decimal (a decimal literal with a nonzero fraction, or scientific notation, with >= 2
    significant digits) accepts a prediction in exact, non-decimal form (a fraction, radical, pi, ...) whose value
    lies strictly within half a unit of the gold's last digit. A decimal prediction must equal a decimal gold exactly.
-3. Hedged answers ("3 or 4", "3 and 4") are lists of two answers and are wrong for a one-answer gold; an empty or
-   unterminated last box is wrong; a retracted answer ("\\boxed{5} ... wait ... \\boxed{7}") is its last box.
+3. Hedged answers ("3 or 4", "3 and 4", "\\boxed{3} or \\boxed{4}") are lists of two answers and are wrong for a
+   one-answer gold; an empty or unterminated last box is wrong; a retracted answer is its last box.
 4. Every grade is bounded without signals (so it works in threads and worker processes): the response tail, the
-   answer length, token count, nesting depth, digits, exponents and factorials are capped, and a deadline is
-   checked in the parser and between comparisons. Anything refused or late grades as not equivalent.
+   answer length, token count, nesting depth, digits, exponents, factorials and trig arguments are capped and a
+   deadline is checked in the parser and between comparisons. Anything refused or late grades as not equivalent.
 """
 import math
 import re
@@ -29,13 +30,13 @@ import sympy as sp
 # ------------------------------------------------------------------------------------------------ limits
 TIMEOUT_S = 1.0  # wall-clock budget of one grade() call
 TAIL_CHARS = 100_000  # only the end of a response is searched for its final answer
-MAX_ANSWER_CHARS = 2_000  # longer answers are compared as strings only
+MAX_ANSWER_CHARS = 2_000  # longer answers are compared as strings only (and over 10x this, not at all)
 MAX_TOKENS = 1_000
 MAX_DEPTH = 60  # parser recursion (nested braces, parentheses, powers)
 MAX_DIGITS = 2_000  # digits of one number literal
 MAX_BITS = 1 << 16  # size of an exact number built by ^, *, ! (about 20,000 digits)
 MAX_LOG_MAGNITUDE = 2e4  # |ln|value|| of a power with a non-integer exponent
-MAX_TRIG_ARGUMENT = 1e6  # |x| in sin x, cos x, ... (with symbols set to 1); larger ones cost seconds to evaluate
+MAX_TRIG_ARGUMENT = 1e6  # |x| of sin x, cos x, ... (symbols set to 1): larger ones take seconds to evaluate
 MAX_FACTORIAL = 5_000
 MAX_SYMBOLIC_EXPONENT = 10_000
 
@@ -51,6 +52,13 @@ def _tick(deadline):
 
 # ------------------------------------------------------------------------------------------------ extraction
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*(\{)?")
+_JOINED = re.compile(r"[\s$]*(?:,|;|and|or|\\text\{\s*(?:and|or)\s*\})?[\s$]*")  # between two boxes of one answer
+_PHRASE = re.compile(r"(?:answer(?:\s*\*\*)?\s*(?:is\b|:|=|(?:should|would|must|will) be\b)|####|答案\s*(?:是|为|:|："
+                     r"))[\s*:]*", re.I)
+_CUT = re.compile(r"\.(?=\s|$)|。|\n|,?\s+(?:since|because|as|which|where|so)\b|,\s*(?:since|because|which|so)\b")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_PLAN = re.compile(r"(?:let|first|next|then|to|we (?:need|want|must)|find|compute|calculate|determine|suppose|given|"
+                   r"if|consider)\b", re.I)
 
 
 def _boxes(text):
@@ -68,14 +76,8 @@ def _boxes(text):
             out.append((m.start(), end, None) if end is None else (m.start(), end + 1, text[m.end(1) : end]))
         else:
             word = re.match(r"[^\s$\\,]+", text[m.end() : m.end() + 100])
-            out.append((m.start(), m.end() + len(word.group()), word.group().rstrip(".")) if word else (m.start(), m.end(), None))
+            out.append((m.start(), m.end() + len(word.group()), word.group().rstrip(".")) if word else (0, 0, None))
     return out
-
-
-_JOINED = re.compile(r"[\s$]*(?:,|;|and|or|\\text\{\s*(?:and|or)\s*\})?[\s$]*")  # between two boxes of one answer
-_PHRASE = re.compile(r"(?:answer(?:\s*\*\*)?\s*(?:is\b|:|=)|####|答案\s*(?:是|为|:|：))[\s*:]*", re.I)
-_CUT = re.compile(r"\.(?=\s|$)|。|\n|,?\s+(?:since|because|as|which|where|so)\b|,\s*(?:since|because|which|so)\b")
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def _from_boxes(text, boxes):
@@ -108,12 +110,12 @@ def _from_phrase(text):
 
 
 def _from_conclusion(text):
-    """Without a box or phrase: a complete final sentence that states exactly one number ("So Tom has 35 apples
-    left."). Not "the last number in the text": a truncated, hedged or multi-number ending gives None."""
+    """Without a box or phrase: a complete final sentence stating exactly one number ("So Tom has 35 apples left.").
+    Not "the last number in the text": truncated, hedged, multi-number or planning ("Let ...") endings give None."""
     last = text.strip().rsplit("\n", 1)[-1].strip()
     sentence = re.split(r"(?<=[.!?])\s+", last)[-1]
     numbers = _NUMBER.findall(sentence)
-    if sentence.endswith((".", "!")) and len(numbers) == 1 and len(sentence.split()) <= 20 and "=" not in sentence:
+    if sentence.endswith((".", "!")) and len(numbers) == 1 and len(sentence.split()) <= 20 and not _PLAN.match(sentence):
         return numbers[0].rstrip(",")
     return None
 
@@ -122,37 +124,39 @@ def _extract(response):
     """-> (answer or None, the last box's content or None). The part after </think> is searched first."""
     text = response[-TAIL_CHARS:]
     parts = text.rsplit("</think>", 1)
-    for part in ([parts[1], text] if len(parts) == 2 else [text]):
+    for part in [parts[1], text] if len(parts) == 2 else [text]:
         boxes = _boxes(part)
         if boxes:
             return _from_boxes(part, boxes), boxes[-1][2]
         answer = _from_phrase(part[-5000:])
-        if answer is None and not ("<think>" in part and "</think>" not in part):
+        if answer is None and not ("<think>" in part and "</think>" not in part):  # not inside unfinished thinking
             answer = _from_conclusion(part[-2000:])
         if answer is not None:
             return answer or None, None
     return None, None
 
 
-def extract_answer(response):
-    """The final answer of a response as a string ('' for an empty box), or None when there is none."""
-    return _extract(response)[0] if isinstance(response, str) else None
-
-
 # ------------------------------------------------------------------------------------------------ normalization
-_REPLACE = [("\\\\", " \\rowsep "), ("**", "^"), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\cfrac", "\\frac"), ("\\displaystyle", ""),
-            ("\\textstyle", ""), ("\\!", ""), ("\\,", " "), ("\\;", " "), ("\\:", " "), ("\\ ", " "), ("~", " "),
-            ("\\qquad", " "), ("\\quad", " "), ("{,}", ","), ("\\$", ""), ("$", ""), ("\\(", ""), ("\\)", ""),
-            ("\\varnothing", "\\emptyset"), ("−", "-"), ("×", "\\times "), ("÷", "\\div "), ("≤", "\\le "),
-            ("≥", "\\ge "), ("≠", "\\ne "), ("∞", "\\infty "), ("π", "\\pi "), ("√", "\\sqrt "), ("°", ""),
-            ("\\degree", ""), ("\\mbox", "\\text"), ("\\dbinom", "\\binom"), ("\\tbinom", "\\binom")]
+_REPLACE = [("\\\\", " \\rowsep "), ("**", "^"), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\cfrac", "\\frac"),
+            ("\\displaystyle", ""), ("\\textstyle", ""), ("\\!", ""), ("\\,", " "), ("\\;", " "), ("\\:", " "),
+            ("\\ ", " "), ("~", " "), ("\\qquad", " "), ("\\quad", " "), ("{,}", ","), ("\\$", ""), ("$", ""),
+            ("\\(", ""), ("\\)", ""), ("€", ""), ("£", ""), ("¥", ""), ("\\varnothing", "\\emptyset"), ("−", "-"),
+            ("×", "\\times "), ("÷", "\\div "), ("≤", "\\le "), ("≥", "\\ge "), ("≠", "\\ne "), ("∞", "\\infty "),
+            ("π", "\\pi "), ("√", "\\sqrt "), ("°", ""), ("\\degree", ""), ("\\mbox", "\\text"), ("\\dbinom", "\\binom"),
+            ("\\tbinom", "\\binom"), ("\\langle", "("), ("\\rangle", ")"), ("\\mathbb{R}", "\\reals")]
 _WRAPPERS = r"\\(?:text|textbf|textit|textrm|textsf|mathrm|mathbf|mathit|mathsf|boldsymbol|operatorname|bf|rm)"
 _UNWRAP = re.compile(_WRAPPERS + r"\s*\{([^{}]*)\}")
 _UNIT = re.compile(r"(?<=[\d}).!])\s*" + _WRAPPERS + r"\s*\{\s*(?!and\b|or\b)[a-zA-Z][a-zA-Z .]*\}(\s*\^\s*\{?\d\}?)?")
-_UNIT_WORDS = re.compile(r"(?:(?<=[\d}])|(?<=\\pi))\s+(?!and\b|or\b)[a-zA-Z]{2,}\.?(?:\s+[a-zA-Z]{2,}\.?)*(\s*\^\s*\{?\d\}?)?$")
+_UNIT_WORDS = re.compile(r"(?:(?<=[\d}])|(?<=\\pi))\s+(?!and\b|or\b)[a-zA-Z]{2,}\.?(?:\s+[a-zA-Z]{2,}\.?)*"
+                         r"(\s*\^\s*\{?\d\}?)?$")
 _PERCENT = re.compile(r"\\?%|\bpercent\b")
 _MATRIX = [(re.compile(r"\\begin\{array\}\{[^{}]*\}|\\begin\{[pbvBV]?matrix\}"), " \\matbegin "),
            (re.compile(r"\\end\{array\}|\\end\{[pbvBV]?matrix\}"), " \\matend ")]
+
+
+def _repeating(m):  # 0.1\overline{6} -> (15/90)
+    whole, fixed, period = m.group(1) or "0", m.group(2), m.group(3)
+    return f"({int(whole + fixed + period) - int(whole + fixed)}/{10 ** len(fixed) * (10 ** len(period) - 1)})"
 
 
 def _clean(s):
@@ -164,20 +168,25 @@ def _clean(s):
         s = next((c for _, _, c in reversed(_boxes(s)) if c), s)
     for a, b in _REPLACE:
         s = s.replace(a, b)
-    s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])", "", s)
+    s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])|\\(?:text)?color\s*\{[^{}]*\}", "", s)
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ\b", "", s)  # degrees
     percent = bool(_PERCENT.search(s))
-    s = _PERCENT.sub("", s)
-    s = _UNIT.sub("", s)
+    s = _UNIT.sub("", _PERCENT.sub("", s))
     for _ in range(5):  # \text{...}, \mathbf{...}: keep the content
         s = _UNWRAP.sub(r"\1", s)
     for pattern, repl in _MATRIX:
         s = pattern.sub(lambda m, r=repl: r, s)
     s = re.sub(r"\s+", " ", s).rstrip(" .,;:。，").lstrip(" ,;:")
+    s = re.sub(r"^(?:the )?(?:final )?answer(?: is\b|:)\s*", "", s, flags=re.I)
     s = _UNIT_WORDS.sub("", s).strip()
     s = re.sub(r"\b(?:degrees?|dollars?|cents?|units?)$", "", s).strip()
-    s = re.sub(r"(?<![A-Za-z\d_])(\d+)_\{?\d+\}?", r"\1", s)  # base subscript: 1011_2 -> 1011
-    s = re.sub(r"(?<![\d.}^_a-zA-Z\\])(\d+)\s*\\frac\s*\{(\d+)\}\s*\{(\d+)\}", r"(\1+\2/\3)", s)  # mixed number
+    s = re.sub(r"(?<![A-Za-z\d_])(\d+)_\{?\(?\d+\)?\}?", r"\1", s)  # base subscript: 1011_2 -> 1011
+    s = re.sub(r"(\d{0,50})\.(\d{0,50})\\overline\s*\{(\d{1,50})\}", _repeating, s)
+    s = re.sub(r"\\frac\s*(\d)\s*(\d)|\\frac\s*(\{[^{}]*\})\s*(\d)", lambda m: "\\frac{%s}{%s}" % (
+        m.group(1) or m.group(3).strip("{}"), m.group(2) or m.group(4)), s)  # \frac12, \frac{x}2
+    s = re.sub(r"(?<![\d.}^_a-zA-Z\\])(\d+)\s*\\frac\s*\{(\d+)\}\s*\{(\d+)\}", r"(\1+\2/\3)", s)  # 2\frac13
+    s = re.sub(r"^(\d+) (\d+)/(\d+)$", r"(\1+\2/\3)", s)  # 2 1/3
+    s = re.sub(r"(\d)\s*[x*]\s*10\^", r"\1\\times 10^", s)  # 3.2 x 10^5
     if re.fullmatch(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?|[+-]?\d{1,3}(?: \d{3})+(?:\.\d+)?", s):  # 1,234 / 1 234
         s = s.replace(",", "").replace(" ", "")
     return s, percent
@@ -192,7 +201,7 @@ _DECIMAL = re.compile(r"[+-]?(\d*)(?:\.(\d*))?(?:e([+-]?\d+)|\\(?:times|cdot)10\
 
 
 def _decimal_gold(s):
-    """(value, half unit of the last digit) if `s` is a rounded decimal (see the docstring, point 2), else None."""
+    """(value, half unit of the last digit) if `s` is a rounded decimal (docstring, point 2), else None."""
     m = _DECIMAL.fullmatch(re.sub(r"\s+", "", s)) if len(s) < 60 else None
     if not m or not (m.group(1) or m.group(2)):
         return None
@@ -201,37 +210,36 @@ def _decimal_gold(s):
     if len((whole + frac).lstrip("0")) < 2 or not (sci or frac.strip("0")):
         return None
     value = sp.Rational(int(whole + frac), 10 ** len(frac)) * sp.Rational(10) ** exp
-    return (-value if s.lstrip().startswith("-") else value), sp.Rational(5, 10 ** (len(frac) + 1)) * sp.Rational(10) ** exp
+    half = sp.Rational(5, 10 ** (len(frac) + 1)) * sp.Rational(10) ** exp
+    return (-value if s.lstrip().startswith("-") else value), half
 
 
 # ------------------------------------------------------------------------------------------------ parser
 Seq = namedtuple("Seq", "kind items")  # kind: "()" "[]" "(]" "[)" tuples/intervals, "{}" set, "mat" matrix rows
-Eqn = namedtuple("Eqn", "lhs rhs named")  # named: the left side is a name (x, y_1, f(x)), so x=5 also means 5
+Eqn = namedtuple("Eqn", "lhs rhs named")  # named: the left side is a name (x, AB, y_1, f(x)), so x=5 also means 5
+Rel = namedtuple("Rel", "expr strict")  # expr > 0 (strict) or expr >= 0, for relations that are not an interval
 
 _TOKEN = re.compile(r"\s*(\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?|\\[a-zA-Z]+|\\[{}|]|[a-zA-Z]+|"
-                    r"<=|>=|!=|[-+*/^_()\[\]{}=<>!|,;&'])")
-_WORDS = {"sin", "cos", "tan", "cot", "sec", "csc", "ln", "log", "exp", "sqrt", "and", "or"}
+                    r"<=|>=|!=|[-+*/^_()\[\]{}=<>!|,;&])")
 _FUNCS = {"sin": sp.sin, "cos": sp.cos, "tan": sp.tan, "cot": sp.cot, "sec": sp.sec, "csc": sp.csc,
           "arcsin": sp.asin, "arccos": sp.acos, "arctan": sp.atan, "sinh": sp.sinh, "cosh": sp.cosh,
           "tanh": sp.tanh, "exp": sp.exp, "ln": sp.log, "log": sp.log}
-_CONSTS = {"pi": sp.pi, "infty": sp.oo, "infinity": sp.oo, "emptyset": sp.EmptySet}
-_GREEK = {"alpha", "beta", "gamma", "delta", "epsilon", "varepsilon", "zeta", "eta", "theta", "vartheta", "iota",
-          "kappa", "lambda", "mu", "nu", "xi", "rho", "sigma", "tau", "upsilon", "phi", "varphi", "chi", "psi", "omega",
-          "Gamma", "Delta", "Theta", "Lambda", "Xi", "Sigma", "Phi", "Psi", "Omega"}
+_CONSTS = {"pi": sp.pi, "infty": sp.oo, "infinity": sp.oo, "inf": sp.oo, "emptyset": sp.EmptySet, "reals": sp.Reals}
+_WORDS = {"sin", "cos", "tan", "cot", "sec", "csc", "ln", "log", "exp", "sqrt", "and", "or", "pi", "inf", "infinity"}
+_GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi rho sigma "
+             "tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Sigma Phi Psi Omega".split())
 _RELOPS = {"=": "=", "\\approx": "=", "<": "<", "\\lt": "<", ">": ">", "\\gt": ">", "<=": "<=", "\\le": "<=",
            "\\leq": "<=", "\\leqslant": "<=", ">=": ">=", "\\ge": ">=", "\\geq": ">=", "\\geqslant": ">=",
            "\\in": "in", "\\ne": "!=", "\\neq": "!=", "!=": "!="}
 _SEPARATORS = {",", ";", "and", "or"}
-_NAME = re.compile(r"([a-zA-Z]|\\[a-zA-Z]+)(_(\{[^{}]*\}|\w))?(\([^()+\-*/^]*\))?")
+_NAME = re.compile(r"(?:[a-zA-Z]|\\[a-zA-Z]+)+(?:_(?:\{[^{}]*\}|\w))?(?:\([^()+\-*/^]*\))?")
 
 
 def _tokenize(s):
     tokens, i = [], 0
-    while i < len(s):
+    while i < len(s) and not s[i:].isspace():
         m = _TOKEN.match(s, i)
         if not m:
-            if s[i:].isspace():
-                break
             raise Refused(f"unexpected character {s[i]!r}")
         tok, i = m.group(1), m.end()
         if tok[0].isalpha() and tok not in _WORDS:
@@ -254,23 +262,25 @@ def _check(v):
     return v
 
 
+def _magnitude(v):
+    """|v| as a float with every symbol set to 1 (inf when it cannot be evaluated)."""
+    try:
+        return abs(complex(sp.N(v.subs({s: 1 for s in v.free_symbols}), 15)))
+    except (TypeError, ValueError, OverflowError):
+        return float("inf")
+
+
 def _pow(b, e):
-    if isinstance(b, sp.Expr) and isinstance(e, sp.Expr) and b.is_number and e.is_number:
-        if b.is_Rational and e.is_Integer:
+    if b.is_number and e.is_number:
+        if b.is_Rational and e.is_Integer:  # exact: refuse results over MAX_BITS before computing them
             bits = max(abs(b.p).bit_length(), b.q.bit_length())
             if bits > 1 and abs(int(e)) * bits > MAX_BITS:
                 raise Refused("power too large")
-        else:
-            try:
-                log_b, e_num = abs(complex(sp.N(b, 15))), abs(complex(sp.N(e, 15)))
-                size = e_num * abs(math.log(log_b)) if log_b else 0.0
-            except (TypeError, ValueError, OverflowError):
-                raise Refused("power not evaluable")
-            if not size <= MAX_LOG_MAGNITUDE:
-                raise Refused("power too large")
-    elif isinstance(e, sp.Expr) and e.is_Integer and abs(int(e)) > MAX_SYMBOLIC_EXPONENT:
+        elif not _magnitude(e) * abs(math.log(_magnitude(b) or 1.0)) <= MAX_LOG_MAGNITUDE:
+            raise Refused("power too large")
+    elif e.is_Integer and abs(int(e)) > MAX_SYMBOLIC_EXPONENT:
         raise Refused("exponent too large")
-    elif isinstance(e, sp.Expr) and any(isinstance(n, sp.Pow) and n.exp.free_symbols for n in sp.preorder_traversal(e)):
+    elif any(isinstance(n, sp.Pow) and n.exp.free_symbols for n in sp.preorder_traversal(e)):
         raise Refused("power tower")
     return _check(sp.Pow(b, e))
 
@@ -284,8 +294,8 @@ class _Parser:
     def __init__(self, text, deadline):
         self.toks, self.i, self.depth, self.deadline = _tokenize(text), 0, 0, deadline
 
-    def peek(self, k=0):
-        return self.toks[self.i + k] if self.i + k < len(self.toks) else None
+    def peek(self):
+        return self.toks[self.i] if self.i < len(self.toks) else None
 
     def take(self, expected=None):
         _tick(self.deadline)
@@ -325,7 +335,13 @@ class _Parser:
             if len(sides) > 2 or not isinstance(rhs, sp.Expr) or not (lhs.free_symbols or rhs.free_symbols):
                 return rhs  # x = 2 + 3 = 5, 6/8 = 3/4, (a, b) = (1, 2): the last side is the answer
             return Eqn(lhs, rhs, bool(_NAME.fullmatch("".join(self.toks[start:lhs_end]))))
-        return _interval(sides, ops)
+        try:
+            return _interval(sides, ops)
+        except Refused:
+            if len(ops) != 1 or ops[0] not in ("<", "<=", ">", ">="):
+                raise
+            big, small = sides if ops[0][0] == ">" else sides[::-1]
+            return Rel(big - small, len(ops[0]) == 1)
 
     def setexpr(self):
         value = self.sum()
@@ -338,7 +354,7 @@ class _Parser:
         sign = -1 if self.peek() == "-" else 1
         if self.peek() in ("+", "-"):
             self.take()
-        value = _check(sign * self.term()) if sign < 0 else self.term()
+        value = _check(-self.term()) if sign < 0 else self.term()
         while self.peek() in ("+", "-"):
             sign = 1 if self.take() == "+" else -1
             value = _check(value + sign * self.term())
@@ -382,17 +398,17 @@ class _Parser:
             self.take()
             if not (value.free_symbols or value.is_Integer and 0 <= value <= MAX_FACTORIAL):
                 raise Refused("factorial")
-            value = sp.factorial(value)
+            value = _check(sp.factorial(value))
         return value
 
     def arg(self, signed=False):
-        """A command argument: {group} or one token (\\frac12 -> 1/2, x^-1, x^10)."""
+        """A command argument: {group} or one token (x^-1, x^10, and \\frac1{2} reads one digit)."""
         tok = self.peek()
         if signed and tok in ("-", "+"):
             self.take()
             return -self.arg() if tok == "-" else self.arg()
         if tok is not None and tok.isdigit() and len(tok) > 1 and not signed:
-            self.toks[self.i : self.i + 1] = [tok[0], tok[1:]]  # \frac12: a single digit argument
+            self.toks[self.i : self.i + 1] = [tok[0], tok[1:]]
         return self.postfix()
 
     def primary(self):
@@ -405,11 +421,14 @@ class _Parser:
             self.depth -= 1
 
     def _primary(self, tok):
+        name = tok.lstrip("\\")
         if tok[0].isdigit() or tok[0] == ".":
             return _number(tok)
-        if tok in _FUNCS or tok[1:] in _FUNCS:
-            return self.function(tok.lstrip("\\"))
-        if tok == "sqrt" or tok == "\\sqrt":
+        if name in _FUNCS:
+            return self.function(name)
+        if name in _CONSTS:
+            return _CONSTS[name]
+        if name == "sqrt":
             index = None
             if self.peek() == "[":
                 self.take()
@@ -424,13 +443,9 @@ class _Parser:
             n, k = self.arg(), self.arg()
             if not (n.free_symbols or k.free_symbols or n.is_Integer and k.is_Integer and 0 <= n <= MAX_FACTORIAL):
                 raise Refused("binomial")
-            return sp.binomial(n, k)
-        if tok[0].isalpha():
-            return self.symbol(tok)
-        if tok[1:] in _CONSTS:
-            return _CONSTS[tok[1:]]
-        if tok[1:] in _GREEK:
-            return self.symbol(tok[1:])
+            return _check(sp.binomial(n, k))
+        if (len(tok) == 1 and tok.isalpha()) or name in _GREEK:
+            return self.symbol(name)
         if tok in ("(", "["):
             items = self.items(separators={","})
             close = self.take()
@@ -486,20 +501,15 @@ class _Parser:
         if self.peek() == "^":
             self.take()
             exponent = self.arg(signed=True)
-        if self.peek() in ("(", "{"):
-            arg = self.power()
-        else:
-            arg = self.power()
-            while self._starts_factor(self.peek()) and self.peek().lstrip("\\") not in _FUNCS:
-                arg = _check(arg * self.power())
-        value = sp.log(arg, base) if base is not None else _FUNCS[name](arg)
+        grouped, arg = self.peek() in ("(", "{"), self.power()
+        while not grouped and self._starts_factor(self.peek()) and self.peek().lstrip("\\") not in _FUNCS:
+            arg = _check(arg * self.power())
         if name in ("exp", "sinh", "cosh", "tanh"):
             _pow(sp.E, arg)  # the same size guard as e^{...}
-        elif name in ("sin", "cos", "tan", "cot", "sec", "csc"):
-            size = abs(complex(sp.N(arg.subs({s: 1 for s in arg.free_symbols}), 15)))
-            if not size <= MAX_TRIG_ARGUMENT:
-                raise Refused("trigonometric argument too large")
-        return _pow(value, exponent) if exponent is not None else _check(value)
+        elif name not in ("ln", "log") and _magnitude(arg) > MAX_TRIG_ARGUMENT:
+            raise Refused("trigonometric argument too large")
+        value = _check(sp.log(arg, base) if base is not None else _FUNCS[name](arg))
+        return _pow(value, exponent) if exponent is not None else value
 
 
 def _number(tok):
@@ -511,7 +521,7 @@ def _number(tok):
 
 
 def _as_set(v):
-    """Sets for \\cup and relations: {..} -> FiniteSet, a 2-element bracket pair -> Interval."""
+    """Sets for \\cup, \\in and comparisons: {..} -> FiniteSet, a 2-element bracket pair -> Interval."""
     if isinstance(v, sp.Set):
         return v
     if isinstance(v, Seq) and v.kind == "{}" and all(isinstance(x, sp.Expr) for x in v.items):
@@ -524,10 +534,10 @@ def _as_set(v):
 
 
 def _interval(sides, ops):
-    """0 < x <= 5, x >= 3, 5 > x: the set of the one variable (its name is dropped, like x = 5 -> 5)."""
+    """0 < x <= 5, x >= 3, 5 > x, x != 1: the set of the one variable (its name is dropped, like x = 5 -> 5)."""
     var = next((s for s in sides if isinstance(s, sp.Symbol)), None)
-    if ops == ["!="] and var is not None and isinstance(sides[1 - sides.index(var)], sp.Expr):  # x != 1
-        return sp.Complement(sp.Reals, sp.FiniteSet(sides[1 - sides.index(var)]))
+    if ops == ["!="] and var is not None and isinstance(sides[sides.index(var) - 1], sp.Expr):
+        return sp.Complement(sp.Reals, sp.FiniteSet(sides[sides.index(var) - 1]))
     if var is None or {"=", "in", "!="} & set(ops):
         raise Refused("relation")
     lo, hi, lo_open, hi_open = -sp.oo, sp.oo, True, True
@@ -564,34 +574,27 @@ def _same_expr(a, b, deadline):
     _tick(deadline)
     if a == b:
         return True
-    if a.is_Rational and b.is_Rational or a.has(sp.oo, -sp.oo) or b.has(sp.oo, -sp.oo):
+    if a.is_Rational and b.is_Rational or a.has(sp.oo, -sp.oo, sp.zoo) or b.has(sp.oo, -sp.oo, sp.zoo):
         return False
     symbols = sorted(a.free_symbols | b.free_symbols, key=str)
     if not symbols:
         return _is_zero(a - b)
     for point in ((7, 19), (13, 29), (31, 11)):  # an identity in the symbols: equal at three rational points
         _tick(deadline)
-        subs = {s: sp.Rational(point[0] + 2 * k, point[1] + 3 * k) for k, s in enumerate(symbols)}
-        if not _is_zero((a - b).subs(subs)):
+        if not _is_zero((a - b).subs({s: sp.Rational(point[0] + 2 * k, point[1] + 3 * k) for k, s in enumerate(symbols)})):
             return False
     return True
 
 
-def _same_equation(a, b, deadline):
-    """Both sides named the same: compare right sides; otherwise the same equation up to a constant factor."""
-    if a.named and b.named and a.lhs == b.lhs:
-        return _same_expr(a.rhs, b.rhs, deadline)
-    da, db = a.lhs - a.rhs, b.lhs - b.rhs
-    if db == 0:
-        return False
-    ratio = sp.cancel(da / db)
-    return not ratio.free_symbols and ratio != 0
+def _constant_ratio(a, b):
+    """a / b when it is a nonzero constant (the same equation or relation up to a factor), else None."""
+    ratio = sp.cancel(a / b) if b != 0 else sp.zoo
+    return ratio if ratio.is_number and ratio.is_finite and ratio != 0 else None
 
 
 def _set_parts(s):
-    parts = list(s.args) if isinstance(s, sp.Union) else [s]
     out = []
-    for p in parts:
+    for p in s.args if isinstance(s, sp.Union) else [s]:
         if isinstance(p, sp.FiniteSet):
             out.extend(p.args)
         elif isinstance(p, sp.Interval):
@@ -604,12 +607,15 @@ def _set_parts(s):
 def _same(p, g, deadline):
     """One predicted value against one gold value."""
     _tick(deadline)
-    if isinstance(p, Eqn) or isinstance(g, Eqn):
-        if isinstance(p, Eqn) and isinstance(g, Eqn):
-            return _same_equation(p, g, deadline)
-        if isinstance(p, Eqn):
-            return p.named and _same(p.rhs, g, deadline)
-        return g.named and _same(p, g.rhs, deadline)
+    if isinstance(p, Eqn) and isinstance(g, Eqn):  # same names: same right sides; else proportional equations
+        if p.named and g.named and p.lhs == g.lhs:
+            return _same_expr(p.rhs, g.rhs, deadline)
+        return _constant_ratio(p.lhs - p.rhs, g.lhs - g.rhs) is not None
+    if isinstance(p, Eqn) or isinstance(g, Eqn):  # x = 5 against 5
+        return p.named and _same(p.rhs, g, deadline) if isinstance(p, Eqn) else g.named and _same(p, g.rhs, deadline)
+    if isinstance(p, Rel) and isinstance(g, Rel):
+        ratio = _constant_ratio(p.expr, g.expr)
+        return p.strict == g.strict and ratio is not None and bool(ratio > 0)
     if isinstance(p, sp.Set) or isinstance(g, sp.Set):
         try:
             return _match(_set_parts(_as_set(p)), _set_parts(_as_set(g)), deadline)
@@ -621,9 +627,7 @@ def _same(p, g, deadline):
         if p.kind == "{}":
             return _match(list(p.items), list(g.items), deadline)
         return all(_same(a, b, deadline) for a, b in zip(p.items, g.items))
-    if isinstance(p, sp.Expr) and isinstance(g, sp.Expr):
-        return _same_expr(p, g, deadline)
-    return False
+    return isinstance(p, sp.Expr) and isinstance(g, sp.Expr) and _same_expr(p, g, deadline)
 
 
 def _match(preds, golds, deadline):
@@ -637,6 +641,19 @@ def _match(preds, golds, deadline):
             return False
         left.pop(hit)
     return True
+
+
+def _shape(items, other):
+    """Bring a list of answers to the other side's shape: x<-1 or x>2 -> one union; {1, 2} -> the answers 1, 2;
+    x = 1, y = 2 -> the tuple (1, 2)."""
+    if len(items) > 1 and all(isinstance(v, sp.Set) for v in items):
+        return [sp.Union(*items)]
+    if len(items) == 1 and len(other) > 1 and (isinstance(items[0], sp.FiniteSet) or getattr(items[0], "kind", "") == "{}"):
+        return list(items[0].args if isinstance(items[0], sp.FiniteSet) else items[0].items)
+    if len(other) == 1 and isinstance(other[0], Seq) and len(items) == len(other[0].items) > 1 and all(
+            isinstance(v, Eqn) and v.named for v in items):
+        return [Seq(other[0].kind, tuple(v.rhs for v in items))]
+    return items
 
 
 def _equivalent(pred, golds, deadline):
@@ -653,8 +670,7 @@ def _equivalent(pred, golds, deadline):
         return bool(re.match(r"\(?" + letter.group(1) + r"(?![A-Za-z])\)?", p))
     try:
         p_items, g_items = _parse(p, deadline), _parse(g, deadline)
-        if len(p_items) == 1 and isinstance(p_items[0], Seq) and p_items[0].kind == "{}" and len(g_items) > 1:
-            p_items = list(p_items[0].items)  # {1, 2, 3} for the answers 1, 2, 3
+        p_items, g_items = _shape(p_items, g_items), _shape(g_items, p_items)
         if _match(p_items, g_items, deadline):
             return True
         if len(p_items) != 1 or len(g_items) != 1 or not isinstance(p_items[0], sp.Expr):
@@ -672,6 +688,11 @@ def _equivalent(pred, golds, deadline):
 
 
 # ------------------------------------------------------------------------------------------------ public API
+def extract_answer(response):
+    """The final answer of a response as a string ('' for an empty box), or None when there is none."""
+    return _extract(response)[0] if isinstance(response, str) else None
+
+
 def is_equivalent(pred, gold, timeout=TIMEOUT_S):
     """Whether the answer string `pred` equals `gold` (a string, or a list of strings for several answers)."""
     golds = [gold] if isinstance(gold, str) else list(gold)
@@ -691,9 +712,7 @@ def reward(response, gold, mode="dapo"):
         box = _extract(response)[1] if isinstance(response, str) else None
         golds = [gold] if isinstance(gold, str) else list(gold)
         pred = _clean(box)[0] if box else ""
-        ok = bool(pred) and _squash(pred) == _squash(", ".join(_clean(g)[0] for g in golds))
-        return 1.0 if ok else -1.0
+        return 1.0 if pred and _squash(pred) == _squash(", ".join(_clean(g)[0] for g in golds)) else -1.0
     if mode not in ("dapo", "binary"):
         raise ValueError(f"unknown reward mode {mode!r}")
-    ok = grade(response, gold)
-    return 1.0 if ok else (0.0 if mode == "binary" else -1.0)
+    return 1.0 if grade(response, gold) else (0.0 if mode == "binary" else -1.0)
