@@ -1,0 +1,108 @@
+"""S2T, Silencing Spurious Tokens: the token mask of STAPO and its diagnostics (paper Sec. 4, PAPER.md Sec. 4).
+
+A response token is spurious (silenced, I_it = 0) iff all three hold:
+    1. A_i > 0                 it sits in a better-than-average (correct) response,
+    2. p_it < tau_p            low probability under the current policy (tau_p = 0.002),
+    3. H_it < tau_h            low entropy, tau_h = q-quantile (q = 0.75) of the entropies of the *candidates*
+                               (tokens meeting 1 and 2) of the whole mini-batch.
+The gradient of a token's objective w.r.t. its logits has norm |w| sqrt(1 - 2p + sum_v p_v^2), w = r A
+(`grad_norm_logits`): low p and low H (large sum p^2) give the largest, spurious updates.
+
+Deliberate differences / choices the paper leaves open:
+1. Condition 3 is strict (H < tau_h) and tau_h uses torch.quantile's linear interpolation, so a lone candidate is
+   kept and with q = 0.75 "about 75%" of candidates are silenced (exactly 3 of 4, 3 of 5, 6 of 8, ...).
+2. Condition 2 is tested as log p < log tau_p, which avoids rounding in exp() for tokens at the boundary.
+3. `quantile_of` does not call torch.quantile (limited to 2^24 elements) but sorts and interpolates the same way,
+   so it also serves 20-Entropy thresholds over millions of tokens (kthvalue was rejected: quadratic on sorted
+   input on CPU).
+4. The threshold is an argument of `spurious_mask_at`, so the caller (train.py) can take it over candidates
+   gathered from all micro-batches and ranks; `spurious_mask` is the one-call form for a whole mini-batch.
+5. No candidates in the mini-batch: nothing is silenced (threshold None).
+"""
+import math
+
+import torch
+
+
+def quantile_of(values: torch.Tensor, q: float) -> float | None:
+    """torch.quantile(values, q) (linear interpolation) for a tensor of any size; None if it is empty."""
+    values = values.detach().reshape(-1)  # (n,)
+    n = values.numel()
+    if n == 0:
+        return None
+    pos = q * (n - 1)  # fractional rank (0-based) of the quantile in the sorted values
+    lo, hi = math.floor(pos), math.ceil(pos)
+    v_lo, v_hi = values.sort().values[[lo, hi]].double().tolist()
+    return v_lo + (pos - lo) * (v_hi - v_lo)
+
+
+def candidates(logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+               tau_p: float = 0.002) -> torch.Tensor:
+    """bool (B, T): response tokens with A > 0 and p < tau_p (conditions 1 and 2).
+
+    logprobs (B, T) of the current policy; advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1.
+    """
+    # p_it < tau_p  <=>  log p_it < log tau_p
+    return (advantages > 0) & (logprobs.detach() < math.log(tau_p)) & (response_mask > 0)  # (B, T)
+
+
+def spurious_mask_at(logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
+                     response_mask: torch.Tensor, tau_p: float, entropy_threshold: float | None) -> torch.Tensor:
+    """bool (B, T), True = silenced: candidates with H < entropy_threshold (strict). None threshold: all False."""
+    cand = candidates(logprobs, advantages, response_mask, tau_p)  # (B, T)
+    if entropy_threshold is None:
+        return torch.zeros_like(cand)
+    return cand & (entropy.detach() < entropy_threshold)  # (B, T)
+
+
+def spurious_mask(logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
+                  response_mask: torch.Tensor, tau_p: float = 0.002, quantile: float = 0.75) -> torch.Tensor:
+    """bool (B, T), True = silenced, for a whole mini-batch at once (tau_h = q-quantile of candidate entropies)."""
+    cand = candidates(logprobs, advantages, response_mask, tau_p)  # (B, T)
+    tau_h = quantile_of(entropy.detach()[cand], quantile)
+    return spurious_mask_at(logprobs, entropy, advantages, response_mask, tau_p, tau_h)
+
+
+def grad_norm_logits(w: torch.Tensor, logprobs: torch.Tensor, collision: torch.Tensor) -> torch.Tensor:
+    """||d(w log p_k)/dz|| = |w| sqrt(1 - 2 p_k + sum_v p_v^2), elementwise (B, T).
+
+    z are the logits at the position, k the sampled token, w = r A the weight of d log p_k (0 where the clip is
+    active, see stapo.surrogate_weight), collision = sum_v p_v^2 from the same pass as the entropy.
+    """
+    p = logprobs.detach().exp()
+    # d log p_k / dz = e_k - p  ->  ||e_k - p||^2 = 1 - 2 p_k + sum_v p_v^2 (clamped at 0 against rounding)
+    return w.detach().abs() * (1 - 2 * p + collision.detach()).clamp(min=0).sqrt()  # (B, T)
+
+
+def diagnostics(logprobs: torch.Tensor, entropy: torch.Tensor, collision: torch.Tensor, advantages: torch.Tensor,
+                response_mask: torch.Tensor, silenced: torch.Tensor, tau_p: float = 0.002,
+                w: torch.Tensor | None = None) -> dict[str, float]:
+    """Metrics (python floats) of one mask on one mini-batch; call it once on the whole mini-batch.
+
+    s2t/candidates       number of candidates (A > 0, p < tau_p)
+    s2t/silenced         number of silenced tokens
+    s2t/silenced_frac    silenced / response tokens
+    s2t/silenced_p_mean  mean p of silenced tokens          (0 if none; also for the three below)
+    s2t/silenced_h_mean  mean entropy of silenced tokens
+    s2t/grad_norm_silenced  mean |w| sqrt(1 - 2p + sum p^2) over silenced tokens
+    s2t/grad_norm_kept      the same over kept response tokens
+    w (B, T) defaults to the advantages, i.e. ratio r = 1 (pi_theta = pi_old, the first mini-batch of a rollout).
+    """
+    mask = response_mask > 0  # (B, T)
+    silenced = silenced & mask
+    kept = mask & ~silenced
+    w = advantages.expand_as(logprobs) if w is None else w
+    g = grad_norm_logits(w, logprobs, collision)  # (B, T)
+
+    def mean(x, sel):
+        return (x.detach()[sel].float().mean().item()) if sel.any() else 0.0
+
+    return {
+        "s2t/candidates": float(candidates(logprobs, advantages, response_mask, tau_p).sum().item()),
+        "s2t/silenced": float(silenced.sum().item()),
+        "s2t/silenced_frac": silenced.sum().item() / max(mask.sum().item(), 1),
+        "s2t/silenced_p_mean": mean(logprobs.exp(), silenced),
+        "s2t/silenced_h_mean": mean(entropy, silenced),
+        "s2t/grad_norm_silenced": mean(g, silenced),
+        "s2t/grad_norm_kept": mean(g, kept),
+    }

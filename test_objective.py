@@ -1,0 +1,371 @@
+"""Tests of stapo.py and s2t.py: advantages, the clipped loss, the S2T mask, the five algorithms, micro-batching."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import s2t
+import stapo
+
+TAU_P = 0.002
+LOW_LP = math.log(0.001)  # p = 0.001 < tau_p
+HIGH_LP = math.log(0.5)  # p = 0.5 >= tau_p
+
+
+# ---------------------------------------------------------------- group advantages
+
+def test_group_advantages_paper_values():
+    # +-1 rewards, G = 8, k correct: the advantage of a correct response printed in the paper
+    expected = {7: 0.35, 6: 0.54, 5: 0.72, 3: 1.21, 2: 1.62, 1: 2.47}
+    for k, a in expected.items():
+        rewards = torch.tensor([1.0] * k + [-1.0] * (8 - k))
+        adv = stapo.group_advantages(rewards, group_size=8)
+        assert round(adv[0].item(), 2) == a, (k, adv[0].item())
+        assert torch.allclose(adv.sum(), torch.tensor(0.0), atol=1e-5)  # centered within the group
+    for k in (0, 8):
+        rewards = torch.tensor([1.0] * k + [-1.0] * (8 - k))
+        assert torch.equal(stapo.group_advantages(rewards, group_size=8), torch.zeros(8))
+
+
+def test_group_advantages_groups_are_independent():
+    # group 1: [1, -1] -> mean 0, unbiased std sqrt(2) -> +-0.7071; group 2 all equal -> 0; group 3: [2, 0] -> same
+    adv = stapo.group_advantages(torch.tensor([1.0, -1.0, 3.0, 3.0, 2.0, 0.0]), group_size=2)
+    s = 1 / math.sqrt(2)
+    assert torch.allclose(adv, torch.tensor([s, -s, 0.0, 0.0, s, -s]), atol=1e-5)
+
+
+def test_group_advantages_errors():
+    with pytest.raises(ValueError, match="multiple"):
+        stapo.group_advantages(torch.zeros(7), group_size=2)
+    with pytest.raises(ValueError, match="group_size"):
+        stapo.group_advantages(torch.zeros(4), group_size=1)
+
+
+# ---------------------------------------------------------------- policy_loss
+
+def _loss_tokens():
+    """Five tokens (A, r) by hand; clip range [0.8, 1.28]."""
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 2.0]])
+    ratio = torch.tensor([[1.1, 1.5, 0.5, 1.5, 0.5]])
+    old = torch.full((1, 5), -1.0)
+    logprobs = (old + ratio.log()).requires_grad_(True)
+    return logprobs, old, adv
+
+
+def test_policy_loss_hand_values():
+    logprobs, old, adv = _loss_tokens()
+    loss, stats = stapo.policy_loss(logprobs, old, adv, torch.ones(1, 5), clip_low=0.2, clip_high=0.28)
+    # per token -min(r A, clip(r, 0.8, 1.28) A):
+    #   A=1,  r=1.1: -min(1.1, 1.1)    = -1.1   (inside)
+    #   A=1,  r=1.5: -min(1.5, 1.28)   = -1.28  (upper clip active)
+    #   A=-1, r=0.5: -min(-0.5, -0.8)  = 0.8    (lower clip active)
+    #   A=-1, r=1.5: -min(-1.5, -1.28) = 1.5    (not clipped: the pessimistic branch is r A)
+    #   A=2,  r=0.5: -min(1.0, 1.6)    = -1.0   (not clipped)
+    # mean = (-1.1 - 1.28 + 0.8 + 1.5 - 1.0) / 5 = -1.08 / 5 = -0.216
+    assert loss.item() == pytest.approx(-0.216, abs=1e-6)
+    loss.backward()
+    # d loss / d logp = -(r A) / 5 where not clipped, 0 where clipped
+    expected = torch.tensor([[-1.1, 0.0, 0.0, 1.5, -1.0]]) / 5
+    assert torch.allclose(logprobs.grad, expected, atol=1e-6)
+    assert stats["clip/frac_high"].item() == pytest.approx(0.2)
+    assert stats["clip/frac_low"].item() == pytest.approx(0.2)
+    assert stats["ratio/mean"].item() == pytest.approx((1.1 + 1.5 + 0.5 + 1.5 + 0.5) / 5, abs=1e-6)
+    k3 = sum(r - 1 - math.log(r) for r in (1.1, 1.5, 0.5, 1.5, 0.5)) / 5
+    assert stats["kl/approx"].item() == pytest.approx(k3, abs=1e-6)
+    assert "clip/frac_dual" not in stats
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad for v in stats.values())
+
+
+def test_policy_loss_mask_denominator_and_symmetric_clip():
+    logprobs, old, adv = _loss_tokens()
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0]])
+    loss, stats = stapo.policy_loss(logprobs, old, adv, mask, denominator=10.0)
+    # kept: -1.1 - 1.28 - 1.0 = -3.38, over the given denominator 10
+    assert loss.item() == pytest.approx(-0.338, abs=1e-6)
+    assert stats["loss/tokens"].item() == 3
+    # symmetric GRPO clip [0.8, 1.2]: token 2 becomes -1.2; token 1 (r=1.1) unchanged
+    loss, _ = stapo.policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    assert loss.item() == pytest.approx((-1.1 - 1.2 - 1.0) / 3, abs=1e-6)
+
+
+def test_policy_loss_dual_clip():
+    adv = torch.tensor([[-1.0, -1.0, -2.0, 1.0]])
+    ratio = torch.tensor([[5.0, 1.5, 4.0, 5.0]])
+    old = torch.zeros(1, 4)
+    logprobs = ratio.log().requires_grad_(True)
+    mask = torch.ones(1, 4)
+    plain, _ = stapo.policy_loss(logprobs, old, adv, mask)
+    # without dual clip: 5.0, 1.5, 8.0 (A=-2, r=4), -1.28 -> sum 13.22
+    assert plain.item() == pytest.approx(13.22 / 4, abs=1e-5)
+    loss, stats = stapo.policy_loss(logprobs, old, adv, mask, dual_clip=3.0)
+    # dual clip bounds A<0 tokens by -3 A: min(5, 3) = 3, min(1.5, 3) = 1.5, min(8, 6) = 6; A>0 untouched: -1.28
+    # (3 + 1.5 + 6 - 1.28) / 4 = 9.22 / 4
+    assert loss.item() == pytest.approx(9.22 / 4, abs=1e-5)
+    loss.backward()
+    assert torch.allclose(logprobs.grad, torch.tensor([[0.0, 1.5 / 4, 0.0, 0.0]]), atol=1e-6)
+    assert stats["clip/frac_dual"].item() == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        stapo.policy_loss(logprobs, old, adv, mask, dual_clip=1.0)
+
+
+def test_policy_loss_log_ratio_clamp():
+    logprobs = torch.tensor([[0.0, -1000.0]], requires_grad=True)
+    old = torch.tensor([[-1000.0, 0.0]])
+    adv = torch.tensor([[-1.0, 1.0]])
+    loss, stats = stapo.policy_loss(logprobs, old, adv, torch.ones(1, 2))
+    # r = exp(20) for the first token (A < 0, unclipped: loss e^20), exp(-20) for the second (A > 0: -e^-20)
+    assert math.isfinite(loss.item()) and math.isfinite(stats["kl/approx"].item())
+    assert loss.item() == pytest.approx((math.exp(20) - math.exp(-20)) / 2, rel=1e-5)
+    loss.backward()
+    assert torch.isfinite(logprobs.grad).all()
+
+
+def test_kl_k3():
+    logprobs = torch.tensor([[math.log(0.5), math.log(0.2)]], requires_grad=True)
+    ref = torch.tensor([[math.log(0.25), math.log(0.2)]])
+    kl = stapo.kl_k3(logprobs, ref)
+    # ref/p = 0.5: 0.5 - log 0.5 - 1 = 0.19315; equal probabilities: 0
+    assert torch.allclose(kl, torch.tensor([[0.5 - math.log(0.5) - 1, 0.0]]), atol=1e-6)
+    kl.sum().backward()
+    # d/dlogp [e^(ref-lp) - (ref-lp) - 1] = 1 - ref/p = 0.5, 0
+    assert torch.allclose(logprobs.grad, torch.tensor([[0.5, 0.0]]), atol=1e-6)
+
+
+# ---------------------------------------------------------------- S2T
+
+def test_s2t_truth_table():
+    # 8 combinations of (A > 0, p < tau_p, H < tau_h) with tau_h fixed at 1.0, plus one padding token
+    rows = []
+    for pos in (False, True):
+        for low_p in (False, True):
+            for low_h in (False, True):
+                rows.append((1.0 if pos else -1.0, LOW_LP if low_p else HIGH_LP, 0.5 if low_h else 2.0, 1.0))
+    rows.append((1.0, LOW_LP, 0.5, 0.0))  # all three hold but it is not a response token
+    adv, lp, ent, mask = (torch.tensor([[r[i] for r in rows]]) for i in range(4))
+    silenced = s2t.spurious_mask_at(lp, ent, adv, mask, TAU_P, entropy_threshold=1.0)
+    expected = torch.zeros(1, 9, dtype=torch.bool)
+    expected[0, 7] = True  # only (A > 0, p < tau_p, H < tau_h)
+    assert torch.equal(silenced, expected)
+    # A = 0 is not "better than average"; p exactly tau_p is not below it
+    zero_adv = s2t.spurious_mask_at(torch.tensor([[LOW_LP, math.log(TAU_P)]]), torch.tensor([[0.5, 0.5]]),
+                                    torch.tensor([[0.0, 1.0]]), torch.ones(1, 2), TAU_P, 1.0)
+    assert not zero_adv.any()
+    assert not s2t.spurious_mask_at(lp, ent, adv, mask, TAU_P, entropy_threshold=None).any()
+
+
+def test_s2t_quantile_boundary():
+    # 5 candidates with H = 0.1..0.5: tau_h = 0.75-quantile = value at rank 3 = 0.4; H < 0.4 strict -> 3 silenced
+    ent = torch.tensor([[0.3, 0.1, 0.5, 0.4, 0.2, 0.0, 0.05]])
+    lp = torch.tensor([[LOW_LP] * 5 + [LOW_LP, HIGH_LP]])
+    adv = torch.tensor([[1.0] * 5 + [-1.0, 1.0]])  # the two low-entropy extra tokens are not candidates
+    mask = torch.ones(1, 7)
+    silenced = s2t.spurious_mask(lp, ent, adv, mask, tau_p=TAU_P, quantile=0.75)
+    assert silenced[0].tolist() == [True, True, False, False, True, False, False]
+    assert stapo.entropy_threshold("stapo", stapo.threshold_inputs("stapo", lp, ent, adv, mask, TAU_P),
+                                   0.75) == pytest.approx(0.4)
+    # 4 candidates 1..4: rank 2.25 -> tau_h = 3.25 -> 3 of 4 silenced (75%)
+    silenced = s2t.spurious_mask(torch.full((1, 4), LOW_LP), torch.tensor([[4.0, 1.0, 3.0, 2.0]]),
+                                 torch.ones(1, 4), torch.ones(1, 4))
+    assert silenced[0].tolist() == [False, True, True, True]
+    # a lone candidate equals its own quantile and is kept
+    assert not s2t.spurious_mask(torch.full((1, 1), LOW_LP), torch.ones(1, 1), torch.ones(1, 1),
+                                 torch.ones(1, 1)).any()
+
+
+def test_s2t_no_candidates():
+    lp = torch.full((2, 3), HIGH_LP)
+    ent = torch.rand(2, 3)
+    adv = torch.tensor([[1.0], [-1.0]]).expand(2, 3)
+    assert not s2t.spurious_mask(lp, ent, adv, torch.ones(2, 3)).any()
+    values = stapo.threshold_inputs("stapo", lp, ent, adv, torch.ones(2, 3))
+    assert values.numel() == 0 and stapo.entropy_threshold("stapo", values) is None
+
+
+def test_s2t_quantile_matches_torch_and_large_inputs():
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 7, 100):
+        x = torch.rand(n, generator=g)
+        for q in (0.0, 0.2, 0.75, 0.8, 1.0):
+            assert s2t.quantile_of(x, q) == pytest.approx(torch.quantile(x, q).item(), abs=1e-6)
+    assert s2t.quantile_of(torch.empty(0), 0.75) is None
+    # beyond torch.quantile's 2^24-element limit (it raises there): compare with numpy
+    x = torch.rand(2 ** 24 + 11, generator=g)
+    assert s2t.quantile_of(x, 0.8) == pytest.approx(float(np.quantile(x.numpy(), 0.8)), abs=1e-6)
+    # reverse-sorted input (quadratic for CPU kthvalue): the values n-1 .. 0, whose 0.8-quantile is 0.8 (n - 1)
+    n = 10 ** 6
+    assert s2t.quantile_of(torch.arange(n, dtype=torch.float64).flip(0), 0.8) == pytest.approx(0.8 * (n - 1))
+
+
+def test_s2t_grad_norm_matches_autograd():
+    g = torch.Generator().manual_seed(1)
+    T, V = 6, 50
+    logits = (torch.randn(T, V, generator=g) * 2).requires_grad_(True)  # (T, V)
+    k = torch.randint(0, V, (T,), generator=g)
+    logprobs = torch.log_softmax(logits, -1).gather(1, k[:, None])[:, 0][None]  # (1, T)
+    collision = torch.softmax(logits, -1).pow(2).sum(-1)[None].detach()  # (1, T)
+    # (A, r): inside the clip, upper clip active, lower clip active, A<0 above range (unclipped), dual clip active
+    adv = torch.tensor([[1.5, 1.0, -1.0, -0.7, -1.0, 2.0]])
+    ratio = torch.tensor([[1.1, 1.5, 0.5, 1.6, 4.0, 0.9]])
+    old = logprobs.detach() - ratio.log()
+    loss, _ = stapo.policy_loss(logprobs, old, adv, torch.ones(1, T), dual_clip=3.0, denominator=1.0)
+    loss.backward()  # loss = sum of per-token losses; row t of the logits only affects token t
+    autograd_norm = logits.grad.norm(dim=-1)  # (T,)
+    w = stapo.surrogate_weight(logprobs, old, adv, dual_clip=3.0)
+    closed = s2t.grad_norm_logits(w, logprobs, collision)[0]
+    assert torch.allclose(closed, autograd_norm, atol=1e-5)
+    assert (closed[[1, 2, 4]] == 0).all() and (closed[[0, 3, 5]] > 0).all()  # clipped tokens: zero
+
+
+def test_s2t_diagnostics():
+    lp = torch.tensor([[LOW_LP, LOW_LP, HIGH_LP, LOW_LP]])
+    ent = torch.tensor([[0.2, 0.6, 1.0, 0.1]])
+    col = torch.tensor([[0.9, 0.5, 0.3, 0.9]])
+    adv = torch.ones(1, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    silenced = torch.tensor([[True, False, False, True]])  # the last one is padding: ignored
+    d = s2t.diagnostics(lp, ent, col, adv, mask, silenced, tau_p=TAU_P)
+    assert d["s2t/candidates"] == 2 and d["s2t/silenced"] == 1
+    assert d["s2t/silenced_frac"] == pytest.approx(1 / 3)
+    assert d["s2t/silenced_p_mean"] == pytest.approx(0.001, rel=1e-5)
+    assert d["s2t/silenced_h_mean"] == pytest.approx(0.2)
+    # w = A = 1: sqrt(1 - 2p + sum p^2)
+    assert d["s2t/grad_norm_silenced"] == pytest.approx(math.sqrt(1 - 0.002 + 0.9), rel=1e-5)
+    kept = (math.sqrt(1 - 0.002 + 0.5) + math.sqrt(1 - 1.0 + 0.3)) / 2
+    assert d["s2t/grad_norm_kept"] == pytest.approx(kept, rel=1e-5)
+    assert all(isinstance(v, float) for v in d.values())
+
+
+# ---------------------------------------------------------------- the five algorithms
+
+def _batch(seed=0):
+    """6 sequences (2 groups of 3), T = 8, ragged lengths; about a third of the tokens have p < tau_p."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = 6, 8
+    lengths = torch.tensor([8, 5, 3, 8, 6, 2])
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()  # (B, T)
+    logprobs = torch.empty(B, T).uniform_(math.log(1e-4), math.log(0.9), generator=g) * mask
+    entropy = torch.rand(B, T, generator=g) * 3 * mask
+    old = logprobs + 0.3 * torch.randn(B, T, generator=g) * mask
+    ref = logprobs + 0.2 * torch.randn(B, T, generator=g) * mask
+    adv = stapo.group_advantages(torch.tensor([1.0, 1.0, -1.0, 1.0, -1.0, -1.0]), 3)[:, None].expand(B, T)
+    return logprobs, entropy, old, ref, adv, mask
+
+
+def _update(algo, batch, sizes, beta=0.04):
+    """What train.py does for one mini-batch split into micro-batches: returns (summed loss, grad, weights)."""
+    logprobs, entropy, old, ref, adv, mask = batch
+    param = torch.nn.Parameter(logprobs.clone())
+    chunks = torch.arange(len(logprobs)).split(sizes)
+    values = torch.cat([stapo.threshold_inputs(algo, logprobs[c], entropy[c], adv[c], mask[c], TAU_P)
+                        for c in chunks])
+    tau = stapo.entropy_threshold(algo, values, 0.75)
+    parts = [stapo.loss_weights(algo, logprobs[c], entropy[c], adv[c], mask[c], TAU_P, tau)[0] for c in chunks]
+    den = sum(stapo.denominator_part(algo, w, mask[c]) for w, c in zip(parts, chunks))
+    total = 0.0
+    for w, c in zip(parts, chunks):
+        loss, _ = stapo.policy_loss(param[c], old[c], adv[c], w, *stapo.ALGO_CLIP[algo], denominator=den)
+        if algo == "grpo":
+            loss = loss + beta * (w * stapo.kl_k3(param[c], ref[c])).sum() / den
+        loss.backward()
+        total += loss.item()
+    return total, param.grad, torch.cat(parts)
+
+
+@pytest.mark.parametrize("algo", stapo.ALGORITHMS)
+def test_algo_microbatch_split_invariant(algo):
+    batch = _batch()
+    loss, grad, weights = _update(algo, batch, [6])
+    assert grad.abs().sum() > 0
+    for sizes in ([1, 2, 3], [3, 3], [2, 1, 1, 2]):
+        loss_s, grad_s, weights_s = _update(algo, batch, sizes)
+        assert loss_s == pytest.approx(loss, abs=1e-6)
+        assert torch.allclose(grad_s, grad, atol=1e-7)
+        assert torch.equal(weights_s, weights)
+    # control: a per-micro-batch token mean (the anti-pattern) does change the update
+    logprobs, entropy, old, ref, adv, mask = batch
+    naive = sum(stapo.policy_loss(logprobs[c], old[c], adv[c], weights[c], *stapo.ALGO_CLIP[algo])[0].item()
+                for c in torch.arange(6).split([1, 2, 3]))
+    assert abs(naive - loss) > 1e-3
+
+
+def test_algo_stapo_silences_and_renormalizes():
+    logprobs, entropy, old, ref, adv, mask = _batch()
+    values = stapo.threshold_inputs("stapo", logprobs, entropy, adv, mask, TAU_P)
+    tau = stapo.entropy_threshold("stapo", values, 0.75)
+    weights, silenced = stapo.loss_weights("stapo", logprobs, entropy, adv, mask, TAU_P, tau)
+    n_cand = s2t.candidates(logprobs, adv, mask, TAU_P).sum().item()
+    assert 0 < silenced.sum().item() < n_cand  # the fixture silences some but not all candidates
+    assert torch.equal(silenced, s2t.spurious_mask(logprobs, entropy, adv, mask, TAU_P, 0.75))
+    den = stapo.denominator_part("stapo", weights, mask)
+    assert den.item() == mask.sum().item() - silenced.sum().item()  # silenced tokens leave the denominator
+    param = logprobs.clone().requires_grad_(True)
+    loss, _ = stapo.policy_loss(param, old, adv, weights, denominator=den)
+    loss.backward()
+    assert (param.grad[silenced] == 0).all()  # exactly zero gradient
+    assert (param.grad[(mask > 0) & ~silenced] != 0).sum() > 0
+    # equals JustRL's per-token losses averaged over the kept tokens only
+    kept = (mask > 0) & ~silenced
+    per_token, _ = stapo.policy_loss(logprobs, old, adv, kept.float(), denominator=1.0)
+    assert loss.item() == pytest.approx(per_token.item() / kept.sum().item(), abs=1e-6)
+
+
+def test_algo_stapo_equals_justrl_without_silencing():
+    logprobs, entropy, old, ref, adv, mask = _batch()
+    logprobs = logprobs.clamp(min=math.log(0.01)) * mask  # no token below tau_p: no candidates
+    batch = (logprobs, entropy, old, ref, adv, mask)
+    loss_s, grad_s, w_s = _update("stapo", batch, [6])
+    loss_j, grad_j, w_j = _update("justrl", batch, [6])
+    assert torch.equal(w_s, w_j) and loss_s == loss_j and torch.equal(grad_s, grad_j)
+    # and with the original batch (which has spurious tokens) they differ
+    assert _update("stapo", _batch(), [6])[0] != _update("justrl", _batch(), [6])[0]
+
+
+def test_algo_fullmask_silences_all_candidates():
+    logprobs, entropy, old, ref, adv, mask = _batch()
+    weights, silenced = stapo.loss_weights("fullmask", logprobs, entropy, adv, mask, TAU_P, None)
+    assert torch.equal(silenced, s2t.candidates(logprobs, adv, mask, TAU_P))
+    assert stapo.denominator_part("fullmask", weights, mask).item() == mask.sum().item() - silenced.sum().item()
+
+
+def test_algo_20_entropy_keeps_top_fifth_and_full_denominator():
+    g = torch.Generator().manual_seed(2)
+    B, T = 4, 25  # 100 response tokens with distinct entropies
+    entropy = torch.randperm(100, generator=g).float().reshape(B, T)
+    mask = torch.ones(B, T)
+    lp = torch.full((B, T), -1.0)
+    adv = torch.ones(B, T)
+    tau = stapo.entropy_threshold("20-entropy", stapo.threshold_inputs("20-entropy", lp, entropy, adv, mask))
+    assert tau == pytest.approx(79.2)  # 0.8 * 99, whatever quantile S2T uses
+    weights, silenced = stapo.loss_weights("20-entropy", lp, entropy, adv, mask, TAU_P, tau)
+    assert weights.sum().item() == 20 and torch.equal(weights > 0, entropy >= 80)
+    assert silenced.sum().item() == 80
+    assert stapo.denominator_part("20-entropy", weights, mask).item() == 100  # all response tokens
+
+
+def test_algo_grpo_is_mean_of_sequence_means():
+    logprobs, entropy, old, ref, adv, mask = _batch()
+    weights, silenced = stapo.loss_weights("grpo", logprobs, entropy, adv, mask, TAU_P, None)
+    assert not silenced.any()
+    den = stapo.denominator_part("grpo", weights, mask)
+    assert den.item() == 6
+    loss, _ = stapo.policy_loss(logprobs, old, adv, weights, 0.2, 0.2, denominator=den)
+    seq_means = []
+    for i in range(6):
+        n = int(mask[i].sum())
+        li, _ = stapo.policy_loss(logprobs[i:i + 1, :n], old[i:i + 1, :n], adv[i:i + 1, :n], torch.ones(1, n),
+                                  0.2, 0.2)
+        seq_means.append(li.item())
+    assert loss.item() == pytest.approx(sum(seq_means) / 6, abs=1e-6)
+    token_mean, _ = stapo.policy_loss(logprobs, old, adv, mask, 0.2, 0.2)
+    assert abs(token_mean.item() - loss.item()) > 1e-3  # ragged lengths: differs from the token mean
+
+
+def test_algo_unknown_name():
+    x = torch.zeros(1, 2)
+    for call in (lambda: stapo.threshold_inputs("ppo", x, x, x, x),
+                 lambda: stapo.entropy_threshold("ppo", x[0]),
+                 lambda: stapo.loss_weights("ppo", x, x, x, x),
+                 lambda: stapo.denominator_part("ppo", x, x)):
+        with pytest.raises(ValueError, match="stapo, justrl, grpo, 20-entropy, fullmask"):
+            call()
