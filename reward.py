@@ -52,9 +52,9 @@ def _tick(deadline):
 
 # ------------------------------------------------------------------------------------------------ extraction
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*(\{)?")
-_JOINED = re.compile(r"[\s$]*(?:,|;|and|or|\\text\{\s*(?:and|or)\s*\})?[\s$]*")  # between two boxes of one answer
-_PHRASE = re.compile(r"(?:answer(?:\s*\*\*)?\s*(?:is\b|:|=|(?:should|would|must|will) be\b)|####|答案\s*(?:是|为|:|："
-                     r"))[\s*:]*", re.I)
+_JOINED = re.compile(r"[\s$]*(?:,|;|and|or|\\text\{\s*(?:and|or)\s*\})?[\s$]*(?:[a-zA-Z](?:_\w)?\s*=)?\s*")  # x = \boxed{3}
+_PHRASE = re.compile(r"(?:(?:final\s+)?answer(?:\s*\*\*)?\s*(?:is\b|:|=|(?:should|would|must|will) be\b)|final\s+answer\b|"
+                     r"####|答案\s*(?:是|为|:|：))[\s*:]*", re.I)
 _CUT = re.compile(r"\.(?=\s|$)|。|\n|,?\s+(?:since|because|as|which|where|so)\b|,\s*(?:since|because|which|so)\b")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _PLAN = re.compile(r"(?:let|first|next|then|to|we (?:need|want|must)|find|compute|calculate|determine|suppose|given|"
