@@ -116,7 +116,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                                      per_token_loss)
     if denominator is None:
         denominator = loss_mask.sum()
-    denominator = torch.as_tensor(denominator, dtype=per_token_loss.dtype, device=per_token_loss.device)
+    denominator = torch.as_tensor(denominator, device=per_token_loss.device).float()  # never a bf16 count
     loss = (loss_mask * per_token_loss).sum() / denominator.clamp(min=1)
 
     with torch.no_grad():
@@ -192,7 +192,7 @@ def loss_weights(algo: str, logprobs: torch.Tensor, entropy: torch.Tensor, advan
         silenced = s2t.candidates(logprobs, advantages, response_mask, tau_p)  # every candidate, no entropy test
     elif algo == "20-entropy" and threshold is not None:  # None only if the mini-batch has no response tokens
         silenced = (mask > 0) & (entropy.detach() < threshold)  # keep H >= tau: the top 20%
-    else:  # justrl, grpo
+    else:  # justrl, grpo (and 20-entropy on a mini-batch without response tokens)
         silenced = torch.zeros_like(mask, dtype=torch.bool)
     weights = mask * (~silenced).float()  # (B, T)
     if algo == "grpo":
