@@ -65,9 +65,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     return adv.reshape(-1)  # (N,)
 
 
-def _ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
-    # r = exp(log p - log p_old), log-ratio clamped against overflow
-    return (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # (B, T)
+def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    # log r = log p - log p_old, clamped so that exp() cannot overflow (zero gradient beyond +-20, never reached)
+    return (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
 
 
 def _clip_active(ratio, advantages, clip_low, clip_high, dual_clip):
@@ -81,7 +81,7 @@ def _clip_active(ratio, advantages, clip_low, clip_high, dual_clip):
 def surrogate_weight(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                      clip_low: float = 0.2, clip_high: float = 0.28, dual_clip: float | None = None) -> torch.Tensor:
     """w (B, T), detached: d(objective)/d(log p) per token = r A, or 0 where a clip is active (for s2t diagnostics)."""
-    ratio = _ratio(logprobs.detach(), old_logprobs)
+    ratio = _log_ratio(logprobs.detach(), old_logprobs).exp()  # (B, T)
     low, high, dual = _clip_active(ratio, advantages, clip_low, clip_high, dual_clip)
     return torch.where(low | high | dual, torch.zeros_like(ratio), ratio * advantages)  # (B, T)
 
@@ -107,8 +107,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     """
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    log_ratio = (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
+    log_ratio = _log_ratio(logprobs, old_logprobs)  # (B, T)
     ratio = log_ratio.exp()
+    # min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
     surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
     per_token_loss = -surrogate  # (B, T)
     if dual_clip is not None:
@@ -117,7 +118,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if denominator is None:
         denominator = loss_mask.sum()
     denominator = torch.as_tensor(denominator, device=per_token_loss.device).float()  # never a bf16 count
-    loss = (loss_mask * per_token_loss).sum() / denominator.clamp(min=1)
+    loss = (loss_mask * per_token_loss).sum() / denominator.clamp(min=1)  # -1/N sum_it I_it min(...)
 
     with torch.no_grad():
         sel = loss_mask > 0  # (B, T)
