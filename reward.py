@@ -51,8 +51,9 @@ def _tick(deadline):
 
 
 # ------------------------------------------------------------------------------------------------ extraction
-_BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*(\{)?")
-_JOINED = re.compile(r"[\s$]*(?:,|;|and|or|\\text\{\s*(?:and|or)\s*\})?[\s$]*(?:[a-zA-Z](?:_\w)?\s*=)?\s*")  # x = \boxed{3}
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*(\{)?|(?<![a-zA-Z\\])boxed(\{)")  # also a bare boxed{5}
+_LAYOUT = re.compile(r"\\(?:text|mathrm|textbf|mbox)\s*\{([^{}]*)\}|\\[,;:! ()\[\]]|\\q?quad|[\s$*]")
+_JOINED = re.compile(r"(?:,|;|&|and|or)?(?:[a-zA-Z](?:_\w)?=)?")  # what may stand between two boxes of one answer
 _PHRASE = re.compile(r"(?:(?:final\s+)?answer(?:\s*\*\*)?\s*(?:is\b|:|=|(?:should|would|must|will) be\b)|final\s+answer\b|"
                      r"####|答案\s*(?:是|为|:|：))[\s*:]*", re.I)
 _CUT = re.compile(r"\.(?=\s|$)|。|\n|,?\s+(?:since|because|as|which|where|so)\b|,\s*(?:since|because|which|so)\b")
@@ -71,9 +72,10 @@ def _boxes(text):
             closer[stack.pop()] = m.start()
     out = []
     for m in _BOX.finditer(text):
-        if m.group(1):
-            end = closer.get(m.start(1))
-            out.append((m.start(), end, None) if end is None else (m.start(), end + 1, text[m.end(1) : end]))
+        brace = m.start(1) if m.group(1) else m.start(2) if m.group(2) else None
+        if brace is not None:
+            end = closer.get(brace)
+            out.append((m.start(), end, None) if end is None else (m.start(), end + 1, text[brace + 1 : end]))
         else:
             word = re.match(r"[^\s$\\,]+", text[m.end() : m.end() + 100])
             out.append((m.start(), m.end() + len(word.group()), word.group().rstrip(".")) if word else (0, 0, None))
@@ -89,7 +91,7 @@ def _from_boxes(text, boxes):
     run, sep = [answer], ", "
     for begin, end, content in reversed(boxes[:-1]):
         between = text[end:start]
-        if content is None or len(between) > 30 or not _JOINED.fullmatch(between):
+        if content is None or len(between) > 40 or not _JOINED.fullmatch(_LAYOUT.sub(r"\1", between).lower()):
             break
         sep = " or " if "or" in between else sep
         run = run if content in run else [content] + run
@@ -143,12 +145,14 @@ _REPLACE = [("\\\\", " \\rowsep "), ("**", "^"), ("\\dfrac", "\\frac"), ("\\tfra
             ("\\(", ""), ("\\)", ""), ("€", ""), ("£", ""), ("¥", ""), ("\\varnothing", "\\emptyset"), ("−", "-"),
             ("×", "\\times "), ("÷", "\\div "), ("≤", "\\le "), ("≥", "\\ge "), ("≠", "\\ne "), ("∞", "\\infty "),
             ("π", "\\pi "), ("√", "\\sqrt "), ("°", ""), ("\\degree", ""), ("\\mbox", "\\text"), ("\\dbinom", "\\binom"),
-            ("\\tbinom", "\\binom"), ("\\langle", "("), ("\\rangle", ")"), ("\\mathbb{R}", "\\reals")]
+            ("\\tbinom", "\\binom"), ("\\langle", "("), ("\\rangle", ")"), ("\\mathbb{R}", "\\reals"),
+            ("\\lvert", "|"), ("\\rvert", "|"), ("\\vert", "|"), ("\\mid", "|")]
 _WRAPPERS = r"\\(?:text|textbf|textit|textrm|textsf|mathrm|mathbf|mathit|mathsf|boldsymbol|operatorname|bf|rm)"
 _UNWRAP = re.compile(_WRAPPERS + r"\s*\{([^{}]*)\}")
 _UNIT = re.compile(r"(?<=[\d}).!])\s*" + _WRAPPERS + r"\s*\{\s*(?!and\b|or\b)[a-zA-Z][a-zA-Z .]*\}(\s*\^\s*\{?\d\}?)?")
 _UNIT_WORDS = re.compile(r"(?:(?<=[\d}])|(?<=\\pi))\s+(?!and\b|or\b)[a-zA-Z]{2,}\.?(?:\s+[a-zA-Z]{2,}\.?)*"
                          r"(\s*\^\s*\{?\d\}?)?$")
+_SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻", "0123456789-")
 _PERCENT = re.compile(r"\\?%|\bpercent\b")
 _MATRIX = [(re.compile(r"\\begin\{array\}\{[^{}]*\}|\\begin\{[pbvBV]?matrix\}"), " \\matbegin "),
            (re.compile(r"\\end\{array\}|\\end\{[pbvBV]?matrix\}"), " \\matend ")]
@@ -168,7 +172,8 @@ def _clean(s):
         s = next((c for _, _, c in reversed(_boxes(s)) if c), s)
     for a, b in _REPLACE:
         s = s.replace(a, b)
-    s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])|\\(?:text)?color\s*\{[^{}]*\}", "", s)
+    s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])|\\(?:text)?color\s*\{[^{}]*\}|\\hspace\*?\{[^{}]*\}", "", s)
+    s = re.sub(r"[⁰¹²³⁴⁵⁶⁷⁸⁹⁻]+", lambda m: "^{%s}" % m.group().translate(_SUPERSCRIPTS), s)  # 10⁻⁵
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ\b", "", s)  # degrees
     percent = bool(_PERCENT.search(s))
     s = _UNIT.sub("", _PERCENT.sub("", s))
@@ -225,7 +230,8 @@ _FUNCS = {"sin": sp.sin, "cos": sp.cos, "tan": sp.tan, "cot": sp.cot, "sec": sp.
           "arcsin": sp.asin, "arccos": sp.acos, "arctan": sp.atan, "sinh": sp.sinh, "cosh": sp.cosh,
           "tanh": sp.tanh, "exp": sp.exp, "ln": sp.log, "log": sp.log}
 _CONSTS = {"pi": sp.pi, "infty": sp.oo, "infinity": sp.oo, "inf": sp.oo, "emptyset": sp.EmptySet, "reals": sp.Reals}
-_WORDS = {"sin", "cos", "tan", "cot", "sec", "csc", "ln", "log", "exp", "sqrt", "and", "or", "pi", "inf", "infinity"}
+_WORDS = {"sin", "cos", "tan", "cot", "sec", "csc", "arcsin", "arccos", "arctan", "ln", "log", "exp", "sqrt", "and", "or",
+          "pi", "inf", "infinity"}
 _GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi rho sigma "
              "tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Sigma Phi Psi Omega".split())
 _RELOPS = {"=": "=", "\\approx": "=", "<": "<", "\\lt": "<", ">": ">", "\\gt": ">", "<=": "<=", "\\le": "<=",
@@ -501,13 +507,16 @@ class _Parser:
         if self.peek() == "^":
             self.take()
             exponent = self.arg(signed=True)
-        grouped, arg = self.peek() in ("(", "{"), self.power()
+        grouped = self.peek() in ("(", "{")
+        arg = self.postfix() if grouped else self.power()  # \sin(x)^2 = (\sin x)^2, \sin x^2 = \sin(x^2)
         while not grouped and self._starts_factor(self.peek()) and self.peek().lstrip("\\") not in _FUNCS:
             arg = _check(arg * self.power())
         if name in ("exp", "sinh", "cosh", "tanh"):
             _pow(sp.E, arg)  # the same size guard as e^{...}
         elif name not in ("ln", "log") and _magnitude(arg) > MAX_TRIG_ARGUMENT:
             raise Refused("trigonometric argument too large")
+        if exponent == -1 and name in ("sin", "cos", "tan"):  # \sin^{-1} x = arcsin x
+            name, exponent = "arc" + name, None
         value = _check(sp.log(arg, base) if base is not None else _FUNCS[name](arg))
         return _pow(value, exponent) if exponent is not None else value
 
@@ -645,14 +654,14 @@ def _match(preds, golds, deadline):
 
 def _shape(items, other):
     """Bring a list of answers to the other side's shape: x<-1 or x>2 -> one union; {1, 2} -> the answers 1, 2;
-    x = 1, y = 2 -> the tuple (1, 2)."""
+    x = 1, y = 2 (or 1, 2) -> the tuple (1, 2)."""
     if len(items) > 1 and all(isinstance(v, sp.Set) for v in items):
         return [sp.Union(*items)]
     if len(items) == 1 and len(other) > 1 and (isinstance(items[0], sp.FiniteSet) or getattr(items[0], "kind", "") == "{}"):
         return list(items[0].args if isinstance(items[0], sp.FiniteSet) else items[0].items)
-    if len(other) == 1 and isinstance(other[0], Seq) and len(items) == len(other[0].items) > 1 and all(
-            isinstance(v, Eqn) and v.named for v in items):
-        return [Seq(other[0].kind, tuple(v.rhs for v in items))]
+    if len(other) == 1 and isinstance(other[0], Seq) and other[0].kind in ("()", "[]") and len(items) == len(
+            other[0].items) > 1 and all(isinstance(v, sp.Expr) or isinstance(v, Eqn) and v.named for v in items):
+        return [Seq(other[0].kind, tuple(v.rhs if isinstance(v, Eqn) else v for v in items))]  # 3, 4 in order
     return items
 
 
