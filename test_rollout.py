@@ -7,10 +7,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from model import position_ids_from_mask, tiny_model, tiny_tokenizer
+from model import Policy, position_ids_from_mask, shard_policy, tiny_model, tiny_tokenizer
 from rollout import INSTRUCTION, Rollout, format_prompt, gathered, generate, sample_groups
 
 _PROBLEMS = ["1+1", "What is 12*13?", "x", "abc def"]
@@ -153,6 +152,17 @@ def test_rollout_logprobs_equal_recomputed_forward():
         torch.testing.assert_close(r.logprobs[mask], recomputed[mask], atol=1e-5, rtol=0)
 
 
+def test_rollout_logprobs_equal_policy_forward():
+    """With all vocabulary rows (vocab_size=None) the sampler's log-probs are model.Policy's (the training forward);
+    with vocab_size set, the Policy must mask the same rows for the two to agree."""
+    lm = _eos_biased_model(73)
+    r = generate(lm, _prompts(), 30, temperature=0.7, eos_token_id=2, pad_token_id=0,
+                 generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logprobs = Policy(lm)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]  # (B, T)
+    torch.testing.assert_close(r.logprobs, logprobs, atol=1e-5, rtol=0)
+
+
 def test_rollout_same_seed_same_rollout():
     lm, prompts = tiny_model(), _prompts()
 
@@ -168,18 +178,6 @@ def test_rollout_same_seed_same_rollout():
     assert torch.equal(groups.prompt_ids[0], groups.prompt_ids[3]) and not torch.equal(groups.prompt_ids[3],
                                                                                      groups.prompt_ids[4])
     assert not torch.equal(groups.response_ids[0], groups.response_ids[1])  # samples in a group differ
-
-
-class _Root(torch.nn.Module):
-    """Stand-in for model.Policy: a root module holding the HF model as `.lm`."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids, attention_mask):
-        return self.lm(input_ids=input_ids, attention_mask=attention_mask,
-                       position_ids=position_ids_from_mask(attention_mask)).logits
 
 
 _FSDP_SEEDS = (28, 3)  # rank r samples with seed _FSDP_SEEDS[r]: all rows stop after 14 tokens / run to 40
@@ -201,20 +199,16 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     torch.set_num_threads(1)
     full = _fsdp_model()
-    policy = _Root(_fsdp_model())
-    for layer in policy.lm.model.layers:  # FSDP2 as model.shard_policy does it: each decoder layer, then the root
-        fully_shard(layer)
-    fully_shard(policy)
+    policy = shard_policy(Policy(_fsdp_model()))  # FSDP2: each decoder layer, then the Policy root
     assert all(isinstance(p, DTensor) for p in policy.parameters())
     with gathered(policy):
         for (name, p), q in zip(policy.lm.named_parameters(), full.parameters()):
             assert not isinstance(p, DTensor) and torch.equal(p, q), name  # the full parameters, as plain tensors
         rollout = _fsdp_generate(policy.lm, _FSDP_SEEDS[rank])  # the HF model itself, not through the root
     assert all(isinstance(p, DTensor) for p in policy.parameters())  # resharded
-    input_ids, attention_mask = rollout.training_inputs()
-    with torch.no_grad():
-        logits = policy(input_ids[:, :8], attention_mask[:, :8])  # the root forward still works (all-gathers)
-    torch.save({"rollout": rollout, "logits": logits}, os.path.join(out_dir, f"{rank}.pt"))
+    with torch.no_grad():  # the root forward still works afterwards (and all-gathers again)
+        logprobs = policy(*rollout.training_inputs(), rollout.response_mask)[0]
+    torch.save({"rollout": rollout, "policy_logprobs": logprobs}, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -224,7 +218,10 @@ def test_rollout_fsdp2_two_processes_equal_one():
                                  start_method="spawn")
         deadline = time.monotonic() + 120
         while not ctx.join(timeout=1):
-            assert time.monotonic() < deadline, "2-process rollout hung"
+            if time.monotonic() > deadline:
+                for process in ctx.processes:
+                    process.kill()
+                raise AssertionError("2-process rollout hung")
         results = [torch.load(os.path.join(tmp, f"{rank}.pt"), weights_only=False) for rank in range(2)]
     lm = _fsdp_model()
     lengths = set()
@@ -234,6 +231,7 @@ def test_rollout_fsdp2_two_processes_equal_one():
         assert torch.equal(got.response_ids, expected.response_ids)
         torch.testing.assert_close(got.logprobs, expected.logprobs, atol=1e-6, rtol=0)
         lengths.add(got.response_ids.shape[1])
-        input_ids, attention_mask = got.training_inputs()
-        torch.testing.assert_close(result["logits"], _Root(lm)(input_ids[:, :8], attention_mask[:, :8]))
+        with torch.no_grad():
+            policy_logprobs = Policy(lm)(*got.training_inputs(), got.response_mask)[0]
+        torch.testing.assert_close(result["policy_logprobs"], policy_logprobs)
     assert lengths == {14, 40}  # the ranks stopped decoding at different steps and neither hung
