@@ -141,7 +141,7 @@ def _extract(response):
 # ------------------------------------------------------------------------------------------------ normalization
 _REPLACE = [("\\\\", " \\rowsep "), ("**", "^"), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\cfrac", "\\frac"),
             ("\\displaystyle", ""), ("\\textstyle", ""), ("\\!", ""), ("\\,", " "), ("\\;", " "), ("\\:", " "),
-            ("\\ ", " "), ("~", " "), ("\\qquad", " "), ("\\quad", " "), ("{,}", ","), ("\\$", ""), ("$", ""),
+            ("\\ ", " "), ("~", " "), ("\\qquad", " "), ("\\quad", " "), ("{,}", ","), ("\\$", ""), ("$", " "),
             ("\\(", ""), ("\\)", ""), ("€", ""), ("£", ""), ("¥", ""), ("\\varnothing", "\\emptyset"), ("−", "-"),
             ("×", "\\times "), ("÷", "\\div "), ("≤", "\\le "), ("≥", "\\ge "), ("≠", "\\ne "), ("∞", "\\infty "),
             ("π", "\\pi "), ("√", "\\sqrt "), ("°", ""), ("\\degree", ""), ("\\mbox", "\\text"), ("\\dbinom", "\\binom"),
@@ -170,11 +170,12 @@ def _clean(s):
         s = s.rsplit("####", 1)[1]
     if "\\boxed" in s or "\\fbox" in s:  # a full solution as gold: its last box
         s = next((c for _, _, c in reversed(_boxes(s)) if c), s)
+    s = re.sub(r",\s*\\!\s*", ",", s)  # 111, \! 111: a thousands separator
     for a, b in _REPLACE:
         s = s.replace(a, b)
     s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])|\\(?:text)?color\s*\{[^{}]*\}|\\hspace\*?\{[^{}]*\}", "", s)
     s = re.sub(r"[⁰¹²³⁴⁵⁶⁷⁸⁹⁻]+", lambda m: "^{%s}" % m.group().translate(_SUPERSCRIPTS), s)  # 10⁻⁵
-    s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ\b", "", s)  # degrees
+    s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ\b", " ", s)  # degrees (a space: 45^\circ,135^\circ is a list)
     percent = bool(_PERCENT.search(s))
     s = _UNIT.sub("", _PERCENT.sub("", s))
     for _ in range(5):  # \text{...}, \mathbf{...}: keep the content
