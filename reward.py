@@ -312,6 +312,10 @@ class _Parser:
         self.i += 1
         return tok
 
+    def skip(self, tok):
+        """Take `tok` if it comes next."""
+        return self.peek() == tok and bool(self.take())
+
     def parse(self):
         items = self.items()
         if self.peek() is not None:
@@ -358,27 +362,21 @@ class _Parser:
         return value
 
     def sum(self):
-        sign = -1 if self.peek() == "-" else 1
+        negative = self.peek() == "-"
         if self.peek() in ("+", "-"):
             self.take()
-        value = _check(-self.term()) if sign < 0 else self.term()
+        value = _check(-self.term()) if negative else self.term()
         while self.peek() in ("+", "-"):
-            sign = 1 if self.take() == "+" else -1
-            value = _check(value + sign * self.term())
+            value = _check(value + self.term() if self.take() == "+" else value - self.term())
         return value
 
     def term(self):
         value = self.power()
         while True:
-            tok = self.peek()
-            if tok in ("*", "\\cdot", "\\times"):
-                self.take()
+            if self.peek() in ("*", "\\cdot", "\\times") and self.take() or self._starts_factor(self.peek()):
                 value = _check(value * self.power())
-            elif tok in ("/", "\\div"):
-                self.take()
+            elif self.peek() in ("/", "\\div") and self.take():
                 value = _check(value / self.power())
-            elif self._starts_factor(tok):
-                value = _check(value * self.power())
             else:
                 return value
 
@@ -394,15 +392,11 @@ class _Parser:
 
     def power(self):
         base = self.postfix()
-        if self.peek() == "^":
-            self.take()
-            return _pow(base, self.arg(signed=True))
-        return base
+        return _pow(base, self.arg(signed=True)) if self.skip("^") else base
 
     def postfix(self):
         value = self.primary()
-        while self.peek() == "!":
-            self.take()
+        while self.skip("!"):
             if not (value.free_symbols or value.is_Integer and 0 <= value <= MAX_FACTORIAL):
                 raise Refused("factorial")
             value = _check(sp.factorial(value))
@@ -411,8 +405,7 @@ class _Parser:
     def arg(self, signed=False):
         """A command argument: {group} or one token (x^-1, x^10, and \\frac1{2} reads one digit)."""
         tok = self.peek()
-        if signed and tok in ("-", "+"):
-            self.take()
+        if signed and tok in ("-", "+") and self.take():
             return -self.arg() if tok == "-" else self.arg()
         if tok is not None and tok.isdigit() and len(tok) > 1 and not signed:
             self.toks[self.i : self.i + 1] = [tok[0], tok[1:]]
@@ -422,10 +415,9 @@ class _Parser:
         self.depth += 1
         if self.depth > MAX_DEPTH:
             raise Refused("nesting too deep")
-        try:
-            return self._primary(self.take())
-        finally:
-            self.depth -= 1
+        value = self._primary(self.take())
+        self.depth -= 1
+        return value
 
     def _primary(self, tok):
         name = tok.lstrip("\\")
@@ -435,17 +427,12 @@ class _Parser:
             return self.function(name)
         if name in _CONSTS:
             return _CONSTS[name]
-        if name == "sqrt":
-            index = None
-            if self.peek() == "[":
-                self.take()
-                index = self.sum()
-                self.take("]")
+        if name == "sqrt":  # \sqrt{x}, \sqrt[3]{x}
+            index = self.skip("[") and (self.sum(), self.take("]"))[0]
             radicand = self.arg()
-            return _pow(radicand, 1 / index) if index is not None else _check(sp.sqrt(radicand))
+            return _pow(radicand, 1 / index) if index else _check(sp.sqrt(radicand))
         if tok == "\\frac":
-            num, den = self.arg(), self.arg()
-            return _check(num / den)
+            return _check(self.arg() / self.arg())
         if tok == "\\binom":
             n, k = self.arg(), self.arg()
             if not (n.free_symbols or k.free_symbols or n.is_Integer and k.is_Integer and 0 <= n <= MAX_FACTORIAL):
@@ -463,11 +450,8 @@ class _Parser:
             return Seq(tok + close, tuple(items))
         if tok == "{":
             items = self.items()
-            if self.peek() == "\\over":  # {3 \over 4}
-                self.take()
-                den = self.sum()
-                self.take("}")
-                return _check(items[0] / den)
+            if self.skip("\\over"):  # {3 \over 4}
+                items = [_check(items[0] / self.sum())]
             self.take("}")
             return items[0] if len(items) == 1 else Seq("{}", tuple(items))
         if tok == "\\{":
@@ -480,8 +464,7 @@ class _Parser:
             return {"|": sp.Abs, "\\lfloor": sp.floor, "\\lceil": sp.ceiling}[tok](value)
         if tok == "\\matbegin":
             rows = [self.items(separators={"&"})]
-            while self.peek() == "\\rowsep":
-                self.take()
+            while self.skip("\\rowsep"):
                 if self.peek() != "\\matend":
                     rows.append(self.items(separators={"&"}))
             self.take("\\matend")
@@ -489,25 +472,17 @@ class _Parser:
         raise Refused(f"unexpected {tok!r}")
 
     def symbol(self, name):
-        if self.peek() == "_":  # x_1, a_{n}: one symbol
-            self.take()
+        if self.skip("_"):  # x_1, a_{n}: one symbol
             sub = [self.take()]
-            if sub[0] == "{":
-                while self.peek() != "}":
-                    sub.append(self.take())
+            while sub[0] == "{" and sub[-1] != "}":
                 sub.append(self.take())
             name += "_" + "".join(sub).strip("{}")
         return {"i": sp.I, "e": sp.E}.get(name) or sp.Symbol(name)
 
     def function(self, name):
         """\\sin x, \\sin^2 x, \\log_2 8, \\ln(x+1), \\sin 2x \\cos x: the argument is a product of plain factors."""
-        exponent = base = None
-        if self.peek() == "_" and name == "log":
-            self.take()
-            base = self.arg()
-        if self.peek() == "^":
-            self.take()
-            exponent = self.arg(signed=True)
+        base = self.arg() if name == "log" and self.skip("_") else None
+        exponent = self.arg(signed=True) if self.skip("^") else None
         grouped = self.peek() in ("(", "{")
         arg = self.postfix() if grouped else self.power()  # \sin(x)^2 = (\sin x)^2, \sin x^2 = \sin(x^2)
         while not grouped and self._starts_factor(self.peek()) and self.peek().lstrip("\\") not in _FUNCS:
