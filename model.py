@@ -80,13 +80,22 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 # Per-token log-probs, entropy and collision probability, chunked over tokens.
 
 
-class _ChunkedHead(torch.autograd.Function):
-    """logits = hidden @ weight.T / temperature, processed `chunk_size` rows at a time.
+def _rowdot(a, b):
+    """sum_v a[i, v] * b[i, v] for each row i, (C, V), (C, V) -> (C,), without a (C, V) temporary."""
+    return (a.unsqueeze(1) @ b.unsqueeze(2)).view(-1)
 
-    Forward keeps only per-row statistics (logsumexp, log-prob of the target, entropy, collision); backward
-    recomputes each chunk's logits. Memory bound (C = chunk_size, V = vocab): the forward holds two fp32 (C, V)
-    buffers (log-probs and probs), the backward one fp32 (C, V) buffer plus its copy in the weight dtype when that
-    is not fp32; plus an fp32 (V, D) accumulator for the weight gradient. Nothing grows with N except (N,) vectors.
+
+class _ChunkedHead(torch.autograd.Function):
+    """logits z = hidden @ weight.T / temperature, processed `chunk_size` rows at a time.
+
+    Forward keeps per-row statistics (logsumexp, log pi(target), entropy, collision) and the last chunk's
+    probabilities; backward reuses those and recomputes the logits of every other chunk.
+    Memory bound (C = chunk_size, V = vocab, fp32 or the input dtype if wider): the forward holds at most two
+    (C, V) buffers (log-probs and probs); between forward and backward one (C, V) buffer (the last chunk's probs);
+    the backward two (C, V) buffers (+ a (C, V) copy in the weight dtype when that is bf16) and a (V, D) gradient
+    accumulator (fp32 for bf16 weights). Nothing of size N x V exists; only (N,) vectors grow with N.
+    Time: one extra logits matmul per chunk except the last, so <= 4/3 of the naive matmul work; a single chunk
+    (N <= chunk_size) costs the same as the naive computation.
     """
 
     @staticmethod
@@ -94,51 +103,63 @@ class _ChunkedHead(torch.autograd.Function):
         N = hidden.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # softmax statistics in fp32 (fp64 stays fp64)
         logprobs, entropy, collision, lse = (hidden.new_empty(N, dtype=acc) for _ in range(4))  # (N,)
+        p = None
         for s in range(0, N, chunk_size):
-            e = min(s + chunk_size, N)
-            z = (hidden[s:e] @ weight.T).to(acc).div_(temperature)  # (C, V) tempered logits, fp32
-            lse[s:e] = z.logsumexp(-1)  # (C,)
-            logp = z.sub_(lse[s:e, None])  # (C, V) log pi(v), in place
-            p = logp.exp()  # (C, V)
-            logprobs[s:e] = logp.gather(1, targets[s:e, None]).squeeze(1)  # log pi(y_t)
-            entropy[s:e] = -torch.linalg.vecdot(p, logp)  # H = -sum_v p_v log p_v
-            collision[s:e] = torch.linalg.vecdot(p, p)  # sum_v p_v^2
-            del z, logp, p
-        ctx.save_for_backward(hidden, weight, targets, lse)
+            rows = slice(s, s + chunk_size)
+            del p  # free the previous chunk's probabilities before making this chunk's logits
+            z = (hidden[rows] @ weight.T).to(acc).div_(temperature)  # (C, V) tempered logits
+            lse[rows] = z.logsumexp(-1)  # (C,)
+            logp = z.sub_(lse[rows, None])  # (C, V) log pi(v) = z_v - logsumexp(z), in place
+            p = logp.exp()  # (C, V) pi(v)
+            logprobs[rows] = logp.gather(1, targets[rows, None]).squeeze(1)  # log pi(y_t)
+            entropy[rows] = -_rowdot(p, logp)  # H = -sum_v pi(v) log pi(v)
+            collision[rows] = _rowdot(p, p)  # sum_v pi(v)^2
+            del z, logp
+        ctx.save_for_backward(hidden, weight, targets, lse, p)  # p: the last chunk's probabilities
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.mark_non_differentiable(entropy, collision)
         return logprobs, entropy, collision
 
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy, _grad_collision):
-        hidden, weight, targets, lse = ctx.saved_tensors
-        T, C = ctx.temperature, ctx.chunk_size
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.zeros_like(hidden) if need_h else None
-        grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if need_w else None  # (V, D) fp32 accumulator
-        for s in range(0, hidden.shape[0], C):
-            e = min(s + C, hidden.shape[0])
-            g = grad_logprobs[s:e].to(lse.dtype)  # (C,)
-            z = (hidden[s:e] @ weight.T).to(lse.dtype).div_(T)  # (C, V) recomputed tempered logits
-            # d log p_y / d z_v = 1[v = y] - p_v ; the logits are (hidden @ weight.T) / T, hence the 1/T.
-            grad_z = z.sub_(lse[s:e, None]).exp_().mul_(-g[:, None] / T)  # (C, V) -g p_v / T, in place
-            grad_z.scatter_add_(1, targets[s:e, None], (g / T)[:, None])  # + g / T at the target
+        hidden, weight, targets, lse, last_probs = ctx.saved_tensors
+        T, C, N = ctx.temperature, ctx.chunk_size, hidden.shape[0]
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None  # (N, D)
+        grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if N == 0 else None  # (V, D)
+        for s in range(0, N, C):
+            rows = slice(s, s + C)
+            g = grad_logprobs[rows].to(lse.dtype)[:, None]  # (C, 1) upstream gradient of log pi(y_t)
+            if s + C >= N:  # last chunk: probabilities kept from the forward
+                p = last_probs
+            else:  # recompute pi = exp(z - logsumexp(z)) in place
+                p = (hidden[rows] @ weight.T).to(lse.dtype).div_(T).sub_(lse[rows, None]).exp_()  # (C, V)
+            # d log pi(y) / d z_v = 1[v = y] - pi(v), and d z / d logits = 1 / T
+            grad_z = p * (-g / T)  # (C, V)
+            grad_z.scatter_add_(1, targets[rows, None], g / T)
             grad_z = grad_z.to(weight.dtype)
-            if need_h:
-                grad_hidden[s:e] = grad_z @ weight  # (C, D)
-            if need_w:
-                grad_weight += grad_z.T @ hidden[s:e]  # (V, D)
-            del z, grad_z
-        return grad_hidden, grad_weight.to(weight.dtype) if need_w else None, None, None, None
+            del p
+            if need_hidden:
+                grad_hidden[rows] = grad_z @ weight  # (C, D)
+            if need_weight:
+                chunk_grad = grad_z.T @ hidden[rows]  # (V, D)
+                if grad_weight is None:
+                    grad_weight = chunk_grad.to(lse.dtype)  # fp32 accumulator (no copy for fp32 weights)
+                else:
+                    grad_weight += chunk_grad
+            del grad_z
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
 
 
 def chunked_logprobs_entropy(hidden, weight, targets, temperature=1.0, chunk_size=1024, with_collision=False):
     """Per-token log pi(target), entropy and (optionally) collision probability of softmax(hidden @ weight.T / T).
 
     hidden (N, D), weight (V, D) the LM-head weight, targets (N,) token ids. Returns `(logprobs, entropy)` or, with
-    `with_collision`, `(logprobs, entropy, collision)`, each (N,) float32 (float64 for float64 inputs). Equal to the naive
-    `log_softmax(hidden @ weight.T / temperature)` computation; logprobs are differentiable w.r.t. hidden and
-    weight, entropy and collision are detached. At most `chunk_size x V` logits exist at once (see `_ChunkedHead`).
+    `with_collision`, `(logprobs, entropy, collision)`, each (N,) float32 (float64 for float64 inputs). Equal to
+    the naive `log_softmax(hidden @ weight.T / temperature)` computation; logprobs are differentiable w.r.t. hidden
+    and weight, entropy and collision are detached. At most `chunk_size x V` logits exist at once (see `_ChunkedHead`).
     """
     logprobs, entropy, collision = _ChunkedHead.apply(hidden, weight, targets, temperature, chunk_size)
     return (logprobs, entropy, collision) if with_collision else (logprobs, entropy)

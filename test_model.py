@@ -86,9 +86,13 @@ def test_model_policy_response_only(monkeypatch):
     input_ids, attention_mask, response_mask = _batch()
     P = input_ids.shape[1] - response_mask.shape[1]
 
-    head_rows = []
-    chunked = model.chunked_logprobs_entropy
-    monkeypatch.setattr(model, "chunked_logprobs_entropy", lambda h, *a, **k: head_rows.append(len(h)) or chunked(h, *a, **k))
+    head_rows, chunked = [], model.chunked_logprobs_entropy
+
+    def counting_head(hidden, *args, **kwargs):
+        head_rows.append(len(hidden))
+        return chunked(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(model, "chunked_logprobs_entropy", counting_head)
     logprobs, entropy, collision = policy(input_ids, attention_mask, response_mask, temperature=0.8, chunk_size=4)
     assert head_rows == [response_mask.sum().item()]  # the head sees response tokens only
 
