@@ -56,7 +56,8 @@ _LAYOUT = re.compile(r"\\(?:text|mathrm|textbf|mbox)\s*\{([^{}]*)\}|\\[,;:! ()\[
 _JOINED = re.compile(r"(?:,|;|&|and|or)?(?:[a-zA-Z](?:_\w)?=)?")  # what may stand between two boxes of one answer
 _PHRASE = re.compile(r"(?:(?:final\s+)?answer(?:\s*\*\*)?\s*(?:is\b|:|=|(?:should|would|must|will) be\b)|final\s+answer\b|"
                      r"####|答案\s*(?:是|为|:|：))[\s*:]*", re.I)
-_CUT = re.compile(r"\.(?=\s|$)|。|\n|,?\s+(?:since|because|as|which|where|so)\b|,\s*(?:since|because|which|so)\b")
+_CUT = re.compile(r"\.(?=\s|$)|。|\n|,?\s+(?:since|because|as|which|where|so)\b|,\s*(?:since|because|which|so)\b|"
+                  r"\s\((?:i\.e\.|e\.g\.|that is|approx|about|rounded)")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _PLAN = re.compile(r"(?:let|first|next|then|to|we (?:need|want|must)|find|compute|calculate|determine|suppose|given|"
                    r"if|consider)\b", re.I)
@@ -130,7 +131,8 @@ def _extract(response):
         boxes = _boxes(part)
         if boxes:
             return _from_boxes(part, boxes), boxes[-1][2]
-        answer = _from_phrase(part[-5000:])
+        tags = re.findall(r"<answer>(.*?)</answer>", part[-5000:], re.DOTALL)
+        answer = tags[-1].strip() if tags else _from_phrase(part[-5000:])
         if answer is None and not ("<think>" in part and "</think>" not in part):  # not inside unfinished thinking
             answer = _from_conclusion(part[-2000:])
         if answer is not None:
@@ -147,7 +149,8 @@ _REPLACE = [("\\\\", " \\rowsep "), ("**", "^"), ("\\dfrac", "\\frac"), ("\\tfra
             ("π", "\\pi "), ("√", "\\sqrt "), ("°", ""), ("\\degree", ""), ("\\mbox", "\\text"), ("\\dbinom", "\\binom"),
             ("\\tbinom", "\\binom"), ("\\langle", "("), ("\\rangle", ")"), ("\\mathbb{R}", "\\reals"),
             ("\\lvert", "|"), ("\\rvert", "|"), ("\\vert", "|"), ("\\mid", "|")]
-_WRAPPERS = r"\\(?:text|textbf|textit|textrm|textsf|mathrm|mathbf|mathit|mathsf|boldsymbol|operatorname|bf|rm)"
+_WRAPPERS = (r"\\(?:text|textbf|textit|textrm|textsf|texttt|textnormal|mathrm|mathbf|mathit|mathsf|mathtt|boldsymbol|"
+             r"operatorname|underline|emph|bf|rm)")
 _UNWRAP = re.compile(_WRAPPERS + r"\s*\{([^{}]*)\}")
 _UNIT = re.compile(r"(?<=[\d}).!])\s*" + _WRAPPERS + r"\s*\{\s*(?!and\b|or\b)[a-zA-Z][a-zA-Z .]*\}(\s*\^\s*\{?\d\}?)?")
 _UNIT_WORDS = re.compile(r"(?:(?<=[\d}])|(?<=\\pi))\s+(?!and\b|or\b)[a-zA-Z]{2,}\.?(?:\s+[a-zA-Z]{2,}\.?)*"
@@ -173,7 +176,7 @@ def _clean(s):
     s = re.sub(r",\s*\\!\s*", ",", s)  # 111, \! 111: a thousands separator
     for a, b in _REPLACE:
         s = s.replace(a, b)
-    s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?)(?![a-zA-Z])|\\(?:text)?color\s*\{[^{}]*\}|\\hspace\*?\{[^{}]*\}", "", s)
+    s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?|tiny|small|normalsize|large|Large|LARGE|huge|Huge)(?![a-zA-Z])|\\(?:text)?color\s*\{[^{}]*\}|\\hspace\*?\{[^{}]*\}", "", s)
     s = re.sub(r"[⁰¹²³⁴⁵⁶⁷⁸⁹⁻]+", lambda m: "^{%s}" % m.group().translate(_SUPERSCRIPTS), s)  # 10⁻⁵
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ\b", " ", s)  # degrees (a space: 45^\circ,135^\circ is a list)
     percent = bool(_PERCENT.search(s))
@@ -186,7 +189,7 @@ def _clean(s):
     s = re.sub(r"^(?:the )?(?:final )?answer(?: is\b|:)\s*", "", s, flags=re.I)
     s = _UNIT_WORDS.sub("", s).strip()
     s = re.sub(r"\b(?:degrees?|dollars?|cents?|units?)$", "", s).strip()
-    s = re.sub(r"(?<![A-Za-z\d_])(\d+)_\{?\(?\d+\)?\}?", r"\1", s)  # base subscript: 1011_2 -> 1011
+    s = re.sub(r"(?<![A-Za-z\d_])\(?(\d+)\)?_\{?\(?\d+\)?\}?", r"\1", s)  # base subscript: (1011)_2 -> 1011
     s = re.sub(r"(\d{0,50})\.(\d{0,50})\\overline\s*\{(\d{1,50})\}", _repeating, s)
     s = re.sub(r"\\frac\s*(\d)\s*(\d)|\\frac\s*(\{[^{}]*\})\s*(\d)", lambda m: "\\frac{%s}{%s}" % (
         m.group(1) or m.group(3).strip("{}"), m.group(2) or m.group(4)), s)  # \frac12, \frac{x}2
