@@ -92,8 +92,9 @@ class _ChunkedHead(torch.autograd.Function):
     probabilities; backward reuses those and recomputes the logits of every other chunk.
     Memory bound (C = chunk_size, V = vocab, fp32 or the input dtype if wider): the forward holds at most two
     (C, V) buffers (log-probs and probs); between forward and backward one (C, V) buffer (the last chunk's probs);
-    the backward two (C, V) buffers (+ a (C, V) copy in the weight dtype when that is bf16) and a (V, D) gradient
-    accumulator (fp32 for bf16 weights). Nothing of size N x V exists; only (N,) vectors grow with N.
+    the backward two (C, V) buffers (+ a (C, V) copy in the weight dtype when that is bf16) and the (V, D) weight
+    gradient, accumulated in place in the weight's dtype (as autograd accumulates any bf16 parameter's gradient).
+    Nothing of size N x V exists; only (N,) vectors grow with N.
     Time: one extra logits matmul per chunk except the last, so <= 4/3 of the naive matmul work; a single chunk
     (N <= chunk_size) costs the same as the naive computation.
     """
@@ -126,7 +127,7 @@ class _ChunkedHead(torch.autograd.Function):
         T, C, N = ctx.temperature, ctx.chunk_size, hidden.shape[0]
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None  # (N, D)
-        grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if N == 0 else None  # (V, D)
+        grad_weight = torch.zeros_like(weight) if need_weight else None  # (V, D)
         for s in range(0, N, C):
             rows = slice(s, s + C)
             g = grad_logprobs[rows].to(lse.dtype)[:, None]  # (C, 1) upstream gradient of log pi(y_t)
@@ -142,14 +143,8 @@ class _ChunkedHead(torch.autograd.Function):
             if need_hidden:
                 grad_hidden[rows] = grad_z @ weight  # (C, D)
             if need_weight:
-                chunk_grad = grad_z.T @ hidden[rows]  # (V, D)
-                if grad_weight is None:
-                    grad_weight = chunk_grad.to(lse.dtype)  # fp32 accumulator (no copy for fp32 weights)
-                else:
-                    grad_weight += chunk_grad
+                grad_weight.addmm_(grad_z.T, hidden[rows])  # (V, D) += (V, C) @ (C, D), in place
             del grad_z
-        if need_weight:
-            grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
 
 
