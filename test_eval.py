@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import eval as ev
+import reward
 
 DATA = Path(__file__).parent.parent / "shared" / "data" / "benchmarks"
 ROWS = {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "minerva": 272, "olympiadbench": 675, "gsm8k": 1319}
@@ -24,6 +25,7 @@ def test_eval_every_local_benchmark_loads_with_gold():
             assert isinstance(row["answer"], str) and row["answer"].strip(), name
             gold = row["gold"] if isinstance(row["gold"], list) else [row["gold"]]
             assert gold and all(isinstance(g, str) and g.strip() for g in gold), name
+            assert reward.grade(f"So \\boxed{{{row['answer']}}}.", row["gold"]), (name, row["gold"])  # grader reads it
 
 
 def test_eval_known_golds():
@@ -39,6 +41,8 @@ def test_eval_known_golds():
     assert gold("olympiadbench", 0) == ["2"]
     assert gold("olympiadbench", 13) == ["$69$,$84$"]  # a multiple-answer row
     assert ev.load_benchmark("olympiadbench", DATA)[13]["answer"] == "$69$,$84$"
+    assert reward.grade(r"\boxed{84, 69}", gold("olympiadbench", 13))  # a list gold needs every answer
+    assert not reward.grade(r"\boxed{69}", gold("olympiadbench", 13))
     assert gold("gsm8k", 0) == "18"  # "#### 18"
     assert gold("gsm8k", 146) == "2125"  # "#### 2,125": thousands comma dropped
 
