@@ -38,7 +38,7 @@ MAX_BITS = 1 << 16  # size of an exact number built by ^, *, ! (about 20,000 dig
 MAX_LOG_MAGNITUDE = 2e4  # |ln|value|| of a power with a non-integer exponent
 MAX_TRIG_ARGUMENT = 1e6  # |x| of sin x, cos x, ... (symbols set to 1): larger ones take seconds to evaluate
 MAX_FACTORIAL = 5_000
-MAX_SYMBOLIC_EXPONENT = 10_000
+MAX_SYMBOLIC_EXPONENT = 10_000  # n in x^n when x has a symbol
 
 
 class Refused(Exception):
@@ -558,26 +558,39 @@ def _is_zero(v):
     return all(p == 0 or (p.is_Float and p._prec <= 1) for p in sp.N(v, 30).as_real_imag())
 
 
+def _at_points(exprs, deadline):
+    """The values of `exprs` at three rational points of their symbols, to 50 digits (evalf: the exact values of
+    (x+y+1)^2500 would cost seconds of gcd)."""
+    symbols = sorted(set().union(*(e.free_symbols for e in exprs)), key=str)
+    for p, q in ((7, 19), (13, 29), (31, 11)):
+        _tick(deadline)
+        yield [e.evalf(50, subs={s: sp.Rational(p + 2 * k, q) for k, s in enumerate(symbols)}) for e in exprs]
+
+
+def _close(x, y):
+    """Two evaluated numbers agree to 30 significant digits."""
+    finite = all(v.is_number and not v.has(sp.nan, sp.zoo, sp.oo, -sp.oo) for v in (x, y))
+    return finite and bool(abs(x - y) <= sp.Float("1e-30") * max(abs(x), abs(y)))
+
+
 def _same_expr(a, b, deadline):
     _tick(deadline)
     if a == b:
         return True
     if a.is_Rational and b.is_Rational or a.has(sp.oo, -sp.oo, sp.zoo) or b.has(sp.oo, -sp.oo, sp.zoo):
         return False
-    symbols = sorted(a.free_symbols | b.free_symbols, key=str)
-    if not symbols:
+    if not (a.free_symbols or b.free_symbols):
         return _is_zero(a - b)
-    for point in ((7, 19), (13, 29), (31, 11)):  # an identity in the symbols: equal at three rational points
-        _tick(deadline)
-        if not _is_zero((a - b).subs({s: sp.Rational(point[0] + 2 * k, point[1] + 3 * k) for k, s in enumerate(symbols)})):
-            return False
-    return True
+    return all(_close(va, vb) for va, vb in _at_points([a, b], deadline))  # an identity: equal at three points
 
 
-def _constant_ratio(a, b):
-    """a / b when it is a nonzero constant (the same equation or relation up to a factor), else None."""
-    ratio = sp.cancel(a / b) if b != 0 else sp.zoo
-    return ratio if ratio.is_number and ratio.is_finite and ratio != 0 else None
+def _constant_ratio(a, b, deadline):
+    """a / b when it is the same nonzero constant at three points (one equation or relation up to a factor)."""
+    values = list(_at_points([a, b], deadline))
+    if any(not (va.is_number and vb.is_number) or abs(va) < 1e-40 or abs(vb) < 1e-40 for va, vb in values):
+        return None
+    ratio = values[0][0] / values[0][1]
+    return ratio if all(_close(va / vb, ratio) for va, vb in values[1:]) else None
 
 
 def _set_parts(s):
@@ -598,12 +611,12 @@ def _same(p, g, deadline):
     if isinstance(p, Eqn) and isinstance(g, Eqn):  # same names: same right sides; else proportional equations
         if p.named and g.named and p.lhs == g.lhs:
             return _same_expr(p.rhs, g.rhs, deadline)
-        return _constant_ratio(p.lhs - p.rhs, g.lhs - g.rhs) is not None
+        return _constant_ratio(p.lhs - p.rhs, g.lhs - g.rhs, deadline) is not None
     if isinstance(p, Eqn) or isinstance(g, Eqn):  # x = 5 against 5
         return p.named and _same(p.rhs, g, deadline) if isinstance(p, Eqn) else g.named and _same(p, g.rhs, deadline)
     if isinstance(p, Rel) and isinstance(g, Rel):
-        ratio = _constant_ratio(p.expr, g.expr)
-        return p.strict == g.strict and ratio is not None and bool(ratio > 0)
+        ratio = _constant_ratio(p.expr, g.expr, deadline)
+        return p.strict == g.strict and ratio is not None and bool(sp.re(ratio) > 0)
     if isinstance(p, sp.Set) or isinstance(g, sp.Set):
         try:
             return _match(_set_parts(_as_set(p)), _set_parts(_as_set(g)), deadline)
