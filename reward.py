@@ -694,6 +694,11 @@ def _equivalent(pred, golds, deadline):
 
 
 # ------------------------------------------------------------------------------------------------ public API
+def _golds(gold):
+    """A gold answer as a list of strings: a list means several answers (OlympiadBench); 27.0 -> "27.0"."""
+    return [str(g) for g in ([gold] if isinstance(gold, (str, int, float)) else gold)]
+
+
 def extract_answer(response):
     """The final answer of a response as a string ('' for an empty box), or None when there is none."""
     return _extract(response)[0] if isinstance(response, str) else None
@@ -701,8 +706,7 @@ def extract_answer(response):
 
 def is_equivalent(pred, gold, timeout=TIMEOUT_S):
     """Whether the answer string `pred` equals `gold` (a string, or a list of strings for several answers)."""
-    golds = [gold] if isinstance(gold, str) else list(gold)
-    return isinstance(pred, str) and _equivalent(pred, golds, time.monotonic() + timeout)
+    return isinstance(pred, str) and _equivalent(pred, _golds(gold), time.monotonic() + timeout)
 
 
 def grade(response, gold, timeout=TIMEOUT_S):
@@ -716,9 +720,8 @@ def reward(response, gold, mode="dapo"):
     normalized string match of the last \\boxed{} only."""
     if mode == "strict":
         box = _extract(response)[1] if isinstance(response, str) else None
-        golds = [gold] if isinstance(gold, str) else list(gold)
         pred = _clean(box)[0] if box else ""
-        return 1.0 if pred and _squash(pred) == _squash(", ".join(_clean(g)[0] for g in golds)) else -1.0
+        return 1.0 if pred and _squash(pred) == _squash(", ".join(_clean(g)[0] for g in _golds(gold))) else -1.0
     if mode not in ("dapo", "binary"):
         raise ValueError(f"unknown reward mode {mode!r}")
     return 1.0 if grade(response, gold) else (0.0 if mode == "binary" else -1.0)

@@ -249,3 +249,4 @@ def test_reward_modes():
     with pytest.raises(ValueError):
         reward.reward(right, "0.5", mode="nope")
     assert reward.grade(None, "1") is False and reward.extract_answer(None) is None
+    assert reward.grade("\\boxed{27}", 27.0) and reward.grade("\\boxed{27}", 27)  # a number as gold
