@@ -52,8 +52,9 @@ def _tick(deadline):
 
 # ------------------------------------------------------------------------------------------------ extraction
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*(\{)?|(?<![a-zA-Z\\])boxed(\{)")  # also a bare boxed{5}
-_LAYOUT = re.compile(r"\\(?:text|mathrm|textbf|mbox)\s*\{([^{}]*)\}|\\[,;:! ()\[\]]|\\q?quad|[\s$*]")
-_JOINED = re.compile(r"(?:,|;|&|and|or)?(?:[a-zA-Z](?:_\w)?=)?")  # what may stand between two boxes of one answer
+_LAYOUT = re.compile(r"\\(?:text|mathrm|textbf|mbox)\s*\{([^{}]*)\}|\\[,;:! ()\[\]]|\\q?quad|[\s$*().]")
+_JOINED = re.compile(r"(?:,|;|&|/|and|or)?(?:maybe|possibly|perhaps)?(?:[a-zA-Z](?:_\w)?=)?")  # between 2 boxes of 1 answer
+_HEDGE = re.compile(r"\W*(?:or|maybe|possibly|perhaps|alternatively)\b", re.I)
 _PHRASE = re.compile(r"(?:(?:final\s+)?answer(?:\s*\*\*)?\s*(?:is\b|:|=|(?:should|would|must|will) be\b)|final\s+answer\b|"
                      r"####|答案\s*(?:是|为|:|：))[\s*:]*", re.I)
 _CUT = re.compile(r"\.(?=\s|$)|。|\n|,?\s+(?:since|because|as|which|where|so)\b|,\s*(?:since|because|which|so)\b|"
@@ -109,7 +110,8 @@ def _from_phrase(text):
     rest = rest.lstrip("\n") if rest.startswith(("\n\\[", "\n$$")) else rest
     for a in ("\\[", "\\]", "\\(", "\\)", "$"):
         rest = rest.replace(a, "")
-    return _CUT.split(rest.strip(), 1)[0].strip(" *")
+    answer, *after = _CUT.split(rest.strip(), 1)
+    return None if after and _HEDGE.match(after[0]) else answer.strip(" *")  # "3. Or maybe 4." is a hedge
 
 
 def _from_conclusion(text):

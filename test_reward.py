@@ -148,6 +148,8 @@ def test_reward_source_never_evaluates_text():
     ("<think>\\boxed{10}</think> The total is $\\boxed{12}$.", "12"),
     ("the roots are $\\boxed{3}$ and $\\boxed{5}$", "3, 5"),
     ("it is $\\boxed{3}$ or $\\boxed{4}$", "3 or 4"),  # a hedge across boxes stays a hedge
+    ("\\boxed{3} (or maybe \\boxed{4})", "3 or 4"),
+    ("The answer is 3. Or maybe 4.", None),  # a hedge after the answer sentence
     ("step 1: $\\boxed{3}$. Step 2: the area is $\\boxed{12}$", "12"),
     ("Hence the answer is $\\boxed{}$.", ""),
     ("The final answer is $\\boxed{7", None),  # truncated inside the box
