@@ -13,9 +13,10 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    therefore those of the distribution actually sampled from; the training forward must mask the same rows for the
    ratio to be exactly 1 on the first mini-batch.
 3. temperature=0 means greedy (argmax); its recorded log-probs are under the temperature-1 softmax.
-4. Rows that have emitted EOS keep being fed (as pad tokens, attention mask 1) until all rows are done or
-   `max_new_tokens` is reached; their outputs are ignored (response_mask 0). This keeps the batch shape fixed.
-5. Under FSDP2, `gathered(policy)` unshards every FSDP module once for the whole rollout phase (memory: one full
+4. Rows that have emitted EOS keep sampling (attention mask 1) until all rows are done or `max_new_tokens` is
+   reached; what they sample after EOS is replaced by pad with response_mask 0. This keeps the batch shape fixed.
+5. Sampling draws one uniform per row and searches the CDF (exact; torch.multinomial does the same, slower on CPU).
+6. Under FSDP2, `gathered(policy)` unshards every FSDP module once for the whole rollout phase (memory: one full
    copy of the parameters per rank, in the FSDP param dtype, for the duration) instead of all-gathering each layer
    again for every generated token. Inside the decode loop there is then no collective at all, so ranks whose
    rollouts stop at different lengths cannot hang each other.
@@ -72,6 +73,15 @@ class Rollout:
                 for ids, mask in zip(self.response_ids, self.response_mask)]
 
 
+def _inverse_cdf(cdf: torch.Tensor, generator) -> torch.Tensor:
+    """Index i with probability (cdf[i] - cdf[i-1]) / cdf[-1] per row, from one uniform draw. (B, V') -> (B,)
+
+    x = (1 - u) * total lies in (0, total], so the first index with cdf >= x always has nonzero probability.
+    (torch.multinomial does the same search but costs 3-20x more on CPU.)"""
+    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device)  # (B, 1) in [0, 1)
+    return torch.searchsorted(cdf, (1 - u) * cdf[:, -1:]).squeeze(1)  # (B,)
+
+
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from logits (B, V') -> (token (B,), its log-prob under the full tempered softmax (B,))."""
     logits = logits.float()
@@ -79,13 +89,14 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator) -
         logp = torch.log_softmax(logits, dim=-1)  # (B, V')
         token = logits.argmax(dim=-1)  # (B,)
     else:
-        logp = torch.log_softmax(logits / temperature, dim=-1)  # log pi(v) = z_v / temp - logsumexp(z / temp)
-        probs = logp.exp()  # (B, V')
+        logp = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+        probs = logp.exp()  # (B, V') pi(v) = softmax(z / temperature)_v
         if top_p < 1.0:  # nucleus: the smallest set of most likely tokens whose mass is >= top_p
             sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V')
             keep = (sorted_p.cumsum(dim=-1) - sorted_p) < top_p  # mass strictly before the token < p; top always kept
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)  # multinomial renormalizes
-        token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+            token = order.gather(-1, _inverse_cdf((sorted_p * keep).cumsum(dim=-1), generator)[:, None]).squeeze(1)
+        else:
+            token = _inverse_cdf(probs.cumsum(dim=-1), generator)  # (B,)
     return token, logp.gather(-1, token[:, None]).squeeze(1)
 
 
@@ -110,12 +121,15 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
         prompt[i, P - len(ids):] = torch.tensor(ids, dtype=torch.long)
         prompt_mask[i, P - len(ids):] = 1
     prompt, prompt_mask = prompt.to(device), prompt_mask.to(device)
-    # The attention mask of the whole sequence, preallocated: generated positions are always attended (difference 4).
+    # Everything the loop needs is preallocated and sliced per step. Generated positions are always attended
+    # (difference 4), so response token t sits at position len(prompt) + t, as position_ids_from_mask gives.
     attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, T)], dim=1)  # (B, P+T)
-    first_position = prompt_mask.sum(dim=1)  # (B,) position id of response token 0 (= cumsum(mask) - 1)
-
+    positions = prompt_mask.sum(dim=1, keepdim=True) + torch.arange(T, device=device)  # (B, T)
+    # SDPA takes a ready (B, 1, 1, L) boolean mask for a one-token query, and HF passes a 4D mask through as is:
+    # slicing this view skips rebuilding the mask inside the model each step (a fifth of a step on small models).
+    if model.config._attn_implementation == "sdpa":
+        attention_mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, P+T)
     response_ids = torch.full((B, T), pad, dtype=torch.long, device=device)  # (B, T)
-    response_mask = torch.zeros(B, T, dtype=torch.long, device=device)  # (B, T)
     logprobs = torch.zeros(B, T, dtype=torch.float32, device=device)  # (B, T)
     done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,) row has emitted EOS
     # Checking "all done" reads a value back to the host: free on CPU, a pipeline stall on a GPU, so check less often.
@@ -126,19 +140,21 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
                 cache=cache, use_cache=True, logits_to_keep=1)  # prefill: logits of the last position only
     for t in range(T):
         logits = out.logits[:, -1, :vocab_size]  # (B, V') real vocabulary rows only (difference 2)
-        token, token_logprob = _sample(logits, temperature, top_p, generator)  # (B,), (B,)
-        token = token.masked_fill(done, pad)  # finished rows emit pad
-        response_ids[:, t] = token
-        logprobs[:, t] = token_logprob.masked_fill(done, 0.0)
-        response_mask[:, t] = ~done  # includes this step's EOS
-        done |= torch.isin(token, eos)
+        response_ids[:, t], logprobs[:, t] = _sample(logits, temperature, top_p, generator)
+        done |= torch.isin(response_ids[:, t], eos)
         if t + 1 == T or ((t + 1) % check_every == 0 and bool(done.all())):
             break
-        out = model(input_ids=token[:, None], attention_mask=attention_mask[:, :P + t + 1],
-                    position_ids=(first_position + t)[:, None], cache=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=response_ids[:, t:t + 1], attention_mask=attention_mask[..., :P + t + 1],
+                    position_ids=positions[:, t:t + 1], cache=cache, use_cache=True)
 
-    T = int(response_mask.sum(dim=1).max())  # drop all-pad columns (with check_every > 1 there can be some)
-    return Rollout(prompt, prompt_mask, response_ids[:, :T], response_mask[:, :T], logprobs[:, :T], ~done)
+    # Rows keep sampling after their EOS (difference 4); mask and blank that afterwards.
+    is_eos = torch.isin(response_ids, eos)  # (B, T)
+    response_mask = ((is_eos.cumsum(dim=1) - is_eos.long()) == 0).long()  # (B, T) 1 up to and including the first EOS
+    T = int(response_mask.sum(dim=1).max())  # drop all-pad columns
+    response_mask = response_mask[:, :T]
+    response_ids = response_ids[:, :T].masked_fill(response_mask == 0, pad)
+    logprobs = logprobs[:, :T] * response_mask
+    return Rollout(prompt, prompt_mask, response_ids, response_mask, logprobs, ~done)
 
 
 def sample_groups(model, prompt_ids: list[list[int]], group_size: int, **kwargs) -> Rollout:
