@@ -61,7 +61,7 @@ _CUT = re.compile(r"\.(?=\s|$)|。|\n|,?\s+(?:since|because|as|which|where|so)\b
                   r"\s\((?:i\.e\.|e\.g\.|that is|approx|about|rounded)")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _PLAN = re.compile(r"(?:let|first|next|then|to|we (?:need|want|must)|find|compute|calculate|determine|suppose|given|"
-                   r"if|consider)\b", re.I)
+                   r"if|consider|or|maybe|perhaps|possibly|alternatively)\b", re.I)
 
 
 def _boxes(text):
@@ -111,7 +111,7 @@ def _from_phrase(text):
     for a in ("\\[", "\\]", "\\(", "\\)", "$"):
         rest = rest.replace(a, "")
     answer, *after = _CUT.split(rest.strip(), 1)
-    return None if after and _HEDGE.match(after[0]) else answer.strip(" *")  # "3. Or maybe 4." is a hedge
+    return "" if after and _HEDGE.match(after[0]) else answer.strip(" *")  # "3. Or maybe 4." is a hedge: no answer
 
 
 def _from_conclusion(text):
