@@ -53,10 +53,11 @@ def _tick(deadline):
 # ------------------------------------------------------------------------------------------------ extraction
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*(\{)?|(?<![a-zA-Z\\])boxed(\{)")  # also a bare boxed{5}
 _LAYOUT = re.compile(r"\\(?:text|mathrm|textbf|mbox)\s*\{([^{}]*)\}|\\[,;:! ()\[\]]|\\q?quad|[\s$*().]")
-_JOINED = re.compile(r"(?:,|;|&|/|and|or)?(?:maybe|possibly|perhaps)?(?:[a-zA-Z](?:_\w)?=)?")  # between 2 boxes of 1 answer
+# what may stand between two boxes of one answer, once _LAYOUT is removed: "3, 5", "3 or 4", "x = 3 or x = 4"
+_JOINED = re.compile(r"(?:,|;|&|/|and|or)?(?:maybe|possibly|perhaps)?(?:[a-zA-Z](?:_\w)?=)?")
 _HEDGE = re.compile(r"\W*(?:or|maybe|possibly|perhaps|alternatively)\b", re.I)
-_PHRASE = re.compile(r"(?:(?:final\s+)?answer(?:\s*\*\*)?\s*(?:is\b|:|=|(?:should|would|must|will) be\b)|final\s+answer\b|"
-                     r"####|答案\s*(?:是|为|:|：))[\s*:]*", re.I)
+_PHRASE = re.compile(r"(?:(?:final\s+)?answer(?:\s*\*\*)?\s*(?:is\b|:|=|(?:should|would|must|will) be\b)|"
+                     r"final\s+answer\b|####|答案\s*(?:是|为|:|：))[\s*:]*", re.I)
 _CUT = re.compile(r"\.(?=\s|$)|。|\n|,?\s+(?:since|because|as|which|where|so)\b|,\s*(?:since|because|which|so)\b|"
                   r"\s\((?:i\.e\.|e\.g\.|that is|approx|about|rounded)")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -120,9 +121,8 @@ def _from_conclusion(text):
     last = text.strip().rsplit("\n", 1)[-1].strip()
     sentence = re.split(r"(?<=[.!?])\s+", last)[-1]
     numbers = _NUMBER.findall(sentence)
-    if sentence.endswith((".", "!")) and len(numbers) == 1 and len(sentence.split()) <= 20 and not _PLAN.match(sentence):
-        return numbers[0].rstrip(",")
-    return None
+    complete = sentence.endswith((".", "!")) and len(sentence.split()) <= 20
+    return numbers[0].rstrip(",") if complete and len(numbers) == 1 and not _PLAN.match(sentence) else None
 
 
 def _extract(response):
@@ -148,15 +148,17 @@ _REPLACE = [("\\\\", " \\rowsep "), ("**", "^"), ("\\dfrac", "\\frac"), ("\\tfra
             ("\\ ", " "), ("~", " "), ("\\qquad", " "), ("\\quad", " "), ("{,}", ","), ("\\$", ""), ("$", " "),
             ("\\(", ""), ("\\)", ""), ("€", ""), ("£", ""), ("¥", ""), ("\\varnothing", "\\emptyset"), ("−", "-"),
             ("×", "\\times "), ("÷", "\\div "), ("≤", "\\le "), ("≥", "\\ge "), ("≠", "\\ne "), ("∞", "\\infty "),
-            ("π", "\\pi "), ("√", "\\sqrt "), ("°", ""), ("\\degree", ""), ("\\mbox", "\\text"), ("\\dbinom", "\\binom"),
-            ("\\tbinom", "\\binom"), ("\\langle", "("), ("\\rangle", ")"), ("\\mathbb{R}", "\\reals"),
-            ("\\lvert", "|"), ("\\rvert", "|"), ("\\vert", "|"), ("\\mid", "|")]
+            ("π", "\\pi "), ("√", "\\sqrt "), ("°", ""), ("\\degree", ""), ("\\mbox", "\\text"),
+            ("\\dbinom", "\\binom"), ("\\tbinom", "\\binom"), ("\\langle", "("), ("\\rangle", ")"),
+            ("\\mathbb{R}", "\\reals"), ("\\lvert", "|"), ("\\rvert", "|"), ("\\vert", "|"), ("\\mid", "|")]
 _WRAPPERS = (r"\\(?:text|textbf|textit|textrm|textsf|texttt|textnormal|mathrm|mathbf|mathit|mathsf|mathtt|boldsymbol|"
              r"operatorname|underline|emph|bf|rm)")
 _UNWRAP = re.compile(_WRAPPERS + r"\s*\{([^{}]*)\}")
 _UNIT = re.compile(r"(?<=[\d}).!])\s*" + _WRAPPERS + r"\s*\{\s*(?!and\b|or\b)[a-zA-Z][a-zA-Z .]*\}(\s*\^\s*\{?\d\}?)?")
 _UNIT_WORDS = re.compile(r"(?:(?<=[\d}])|(?<=\\pi))\s+(?!and\b|or\b)[a-zA-Z]{2,}\.?(?:\s+[a-zA-Z]{2,}\.?)*"
                          r"(\s*\^\s*\{?\d\}?)?$")
+_DROP = re.compile(r"\\(?:left|right|[bB]igg?[lr]?|tiny|small|normalsize|large|Large|LARGE|huge|Huge)(?![a-zA-Z])|"
+                   r"\\(?:text)?color\s*\{[^{}]*\}|\\hspace\*?\{[^{}]*\}")  # sizes, colors, spaces
 _SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻", "0123456789-")
 _PERCENT = re.compile(r"\\?%|\bpercent\b")
 _MATRIX = [(re.compile(r"\\begin\{array\}\{[^{}]*\}|\\begin\{[pbvBV]?matrix\}"), " \\matbegin "),
@@ -178,7 +180,7 @@ def _clean(s):
     s = re.sub(r",\s*\\!\s*", ",", s)  # 111, \! 111: a thousands separator
     for a, b in _REPLACE:
         s = s.replace(a, b)
-    s = re.sub(r"\\(?:left|right|[bB]igg?[lr]?|tiny|small|normalsize|large|Large|LARGE|huge|Huge)(?![a-zA-Z])|\\(?:text)?color\s*\{[^{}]*\}|\\hspace\*?\{[^{}]*\}", "", s)
+    s = _DROP.sub("", s)
     s = re.sub(r"[⁰¹²³⁴⁵⁶⁷⁸⁹⁻]+", lambda m: "^{%s}" % m.group().translate(_SUPERSCRIPTS), s)  # 10⁻⁵
     s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ\b", " ", s)  # degrees (a space: 45^\circ,135^\circ is a list)
     percent = bool(_PERCENT.search(s))
@@ -236,8 +238,8 @@ _FUNCS = {"sin": sp.sin, "cos": sp.cos, "tan": sp.tan, "cot": sp.cot, "sec": sp.
           "arcsin": sp.asin, "arccos": sp.acos, "arctan": sp.atan, "sinh": sp.sinh, "cosh": sp.cosh,
           "tanh": sp.tanh, "exp": sp.exp, "ln": sp.log, "log": sp.log}
 _CONSTS = {"pi": sp.pi, "infty": sp.oo, "infinity": sp.oo, "inf": sp.oo, "emptyset": sp.EmptySet, "reals": sp.Reals}
-_WORDS = {"sin", "cos", "tan", "cot", "sec", "csc", "arcsin", "arccos", "arctan", "ln", "log", "exp", "sqrt", "and", "or",
-          "pi", "inf", "infinity"}
+_WORDS = {"sin", "cos", "tan", "cot", "sec", "csc", "arcsin", "arccos", "arctan", "ln", "log", "exp", "sqrt", "pi",
+          "inf", "infinity", "and", "or"}  # words read as one token; other words are letters (xy = x*y) or text
 _GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi rho sigma "
              "tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Sigma Phi Psi Omega".split())
 _RELOPS = {"=": "=", "\\approx": "=", "<": "<", "\\lt": "<", ">": ">", "\\gt": ">", "<=": "<=", "\\le": "<=",
@@ -362,8 +364,8 @@ class _Parser:
     def setexpr(self):
         value = self.sum()
         while self.peek() in ("\\cup", "\\cap", "\\setminus"):
-            op, right = self.take(), _as_set(self.sum())
-            value = {"\\cup": sp.Union, "\\cap": sp.Intersection, "\\setminus": sp.Complement}[op](_as_set(value), right)
+            op, left, right = self.take(), _as_set(value), _as_set(self.sum())
+            value = {"\\cup": sp.Union, "\\cap": sp.Intersection, "\\setminus": sp.Complement}[op](left, right)
         return value
 
     def sum(self):
@@ -386,7 +388,7 @@ class _Parser:
                 return value
 
     def _starts_factor(self, tok):
-        """Implicit multiplication (2x, 3(x+1), 2\\pi, x\\sqrt{2}); a number only after a non-number (12 34 is not 408)."""
+        """Implicit multiplication (2x, 3(x+1), 2\\pi, x\\sqrt{2}); a number only after a non-number (12 34: none)."""
         if tok is None or tok in _SEPARATORS:
             return False
         if tok[0].isdigit():
@@ -656,8 +658,10 @@ def _shape(items, other):
     x = 1, y = 2 (or 1, 2) -> the tuple (1, 2)."""
     if len(items) > 1 and all(isinstance(v, sp.Set) for v in items):
         return [sp.Union(*items)]
-    if len(items) == 1 and len(other) > 1 and (isinstance(items[0], sp.FiniteSet) or getattr(items[0], "kind", "") == "{}"):
-        return list(items[0].args if isinstance(items[0], sp.FiniteSet) else items[0].items)
+    if len(items) == 1 and len(other) > 1 and isinstance(items[0], sp.FiniteSet):
+        return list(items[0].args)
+    if len(items) == 1 and len(other) > 1 and isinstance(items[0], Seq) and items[0].kind == "{}":
+        return list(items[0].items)
     if len(other) == 1 and isinstance(other[0], Seq) and other[0].kind in ("()", "[]") and len(items) == len(
             other[0].items) > 1 and all(isinstance(v, sp.Expr) or isinstance(v, Eqn) and v.named for v in items):
         return [Seq(other[0].kind, tuple(v.rhs if isinstance(v, Eqn) else v for v in items))]  # 3, 4 in order
@@ -684,8 +688,9 @@ def _equivalent(pred, golds, deadline):
         if len(p_items) != 1 or len(g_items) != 1 or not isinstance(p_items[0], sp.Expr):
             return False
         value = p_items[0]
-        if p_pct != any(pct for _, pct in cleaned) and _same(value / 100 if p_pct else value * 100, g_items[0], deadline):
-            return True  # 25% = 0.25
+        scaled = value / 100 if p_pct else value * 100  # 25% = 0.25
+        if p_pct != any(pct for _, pct in cleaned) and _same(scaled, g_items[0], deadline):
+            return True
         approx = _decimal_gold(g)
         if approx and value.is_number and not _DECIMAL.fullmatch(re.sub(r"\s+", "", p)):
             diff = sp.N(sp.Abs(value - approx[0]), 30)

@@ -185,14 +185,16 @@ def test_reward_extract_answer(response, expected):
     # exact numbers
     ("\\frac{6}{8}", "\\frac34", True), ("0.875", "\\frac{7}{8}", True), (".125", "\\frac18", True),
     ("3.50", "3.5", True), ("64.00", "64", True), ("2\\frac{1}{3}", "\\frac73", True), ("1", "2\\frac12", False),
-    ("3.2 \\times 10^5", "320000", True), ("3.2e5", "3.2 \\times 10^5", True), ("2 \\times 10^{6}", "2 \\times 10^{-6}", False),
-    ("\\frac{1}{1000}", "\\frac{1}{999}", False), ("10^{18}", "10^{18}+1", False), ("\\frac{1}{2006!}", "\\frac{1}{2004!}", False),
+    ("3.2 \\times 10^5", "320000", True), ("3.2e5", "3.2 \\times 10^5", True),
+    ("2 \\times 10^{6}", "2 \\times 10^{-6}", False), ("\\frac{1}{1000}", "\\frac{1}{999}", False),
+    ("10^{18}", "10^{18}+1", False), ("\\frac{1}{2006!}", "\\frac{1}{2004!}", False),
     ("0.0011", "0.001", False), ("0.0000002", "0.0000001", False), ("12.5", "12", False), ("- 5", "-5", True),
     ("\\frac{1}{-2}", "-\\frac12", True), ("(-2)", "-2", True), ("3!", "6", True), ("2^8", "256", True),
     ("0.1\\overline{6}", "\\frac16", True),
     # decimal golds: tolerance only for an exact-form prediction of a rounded gold
-    ("0.67", "\\frac23", False), ("0.333", "\\frac13", False), ("3.464", "2\\sqrt3", False), ("1.5708", "\\frac{\\pi}{2}", False),
-    ("\\frac{\\pi}{2}", "1.5708", True), ("\\frac13", "0.33", True), ("\\frac13", "0.3", False), ("0.333", "0.33", False),
+    ("0.67", "\\frac23", False), ("0.333", "\\frac13", False), ("3.464", "2\\sqrt3", False),
+    ("1.5708", "\\frac{\\pi}{2}", False), ("\\frac{\\pi}{2}", "1.5708", True), ("\\frac13", "0.33", True),
+    ("\\frac13", "0.3", False), ("0.333", "0.33", False),
     ("27", "27.0", True), ("27.04", "27.0", False),
     # symbolic
     ("\\sqrt{18}", "3\\sqrt2", True), ("\\frac{1}{2-\\sqrt3}", "2+\\sqrt3", True), ("2^{1/3}", "\\sqrt[3]{2}", True),
@@ -209,7 +211,8 @@ def test_reward_extract_answer(response, expected):
     ("(2,1)", "(1,2)", False), ("(4,5,6)", "(4, 5)", False), ("(0.5, 4)", "(\\frac{1}{2}, 4)", True),
     ("\\{3,2,1\\}", "\\{1,2,3\\}", True), ("\\{1,2,3,4\\}", "\\{1,3\\} \\cup \\{2,4\\}", True),
     ("\\{1,2,3,4\\}", "\\{1,2,3\\}", False), ("\\varnothing", "\\emptyset", True),
-    ("[3, \\infty)", "x \\ge 3", True), ("(2,5)", "[2,5)", False), ("(2,5]", "[2,5)", False), ("x<3", "(-\\infty,3)", True),
+    ("[3, \\infty)", "x \\ge 3", True), ("(2,5)", "[2,5)", False), ("(2,5]", "[2,5)", False),
+    ("x<3", "(-\\infty,3)", True),
     ("(3,\\infty)\\cup(-\\infty,-2)", "(-\\infty,-2)\\cup(3,\\infty)", True), ("0 < x < 12.5", "(0, 12.5)", True),
     ("m \\in [\\sqrt{2}, +\\infty)", "m \\geq \\sqrt{2}", True), ("x \\ne 1", "(-\\infty,1)\\cup(1,\\infty)", True),
     ("x \\le -1 \\text{ or } x \\ge 2", "(-\\infty,-1]\\cup[2,\\infty)", True),
@@ -219,7 +222,8 @@ def test_reward_extract_answer(response, expected):
     ("1, 2, 4", "1, 2, 4, 8", False), ("21, 36, and 82", "19, 46, \\text{ and } 82", False),
     ("x=3, y=4", "(3, 4)", True), ("\\pm 3", "3, -3", True), ("3", "\\pm 3", False),
     # hedges and empty answers
-    ("3 \\text{ or } 4", "3", False), ("3 and 4", "4", False), ("3, 4", "3", False), ("", "3", False), (" ", "3", False),
+    ("3 \\text{ or } 4", "3", False), ("3 and 4", "4", False), ("3, 4", "3", False), ("", "3", False),
+    (" ", "3", False),
     ("12:00", "12:00", True), ("1:00", "12:00", False),
 ])
 def test_reward_equivalence_rules(pred, gold, expected):
