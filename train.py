@@ -1,0 +1,772 @@
+"""Train a causal LM with STAPO or a baseline by RL on verifiable math rewards (paper Sec. 3-4, Algorithm 1; recipe
+of PAPER.md Sec. 6), on 1 CPU, 1 GPU or many GPU nodes with the same code.
+
+    python train.py                                    # no GPU: embedded default (SmolLM2-135M, built-in sums)
+    torchrun --standalone --nproc_per_node=2 train.py  # the same on 2 CPU processes (gloo, FSDP2)
+    python train.py --model Qwen/Qwen3-1.7B-Base       # 1 GPU: the paper's recipe (DAPO-Math-17k, G=8, ...)
+    torchrun --nnodes=8 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py \\
+        --model Qwen/Qwen3-8B-Base --out-dir runs/stapo-8b   # 64 GPUs, as in the paper
+    python train.py --resume runs/stapo-8b             # continue exactly where the last checkpoint stopped
+    python train.py --plot runs/stapo runs/justrl      # reward / entropy / silenced-fraction curves, overlaid
+
+One step: take `prompts_per_step` prompts; each rank samples G responses for its share (groups never split across
+ranks); grade (reward.py); group advantages (stapo.py); one no-grad pass for pi_old log-probs, entropy and
+collision; then for each mini-batch of `mini_batch_prompts` prompts: p and H of the current policy, the mini-batch's
+entropy threshold over all ranks, the loss weights (S2T mask) and the global denominator, gradient accumulation over
+micro-batches, grad clip, AdamW.
+
+Deliberate differences from the paper's veRL setup:
+1. Presets: `--preset auto` picks `paper` (PAPER.md Sec. 6) when CUDA is available and `cpu` (a small run that
+   finishes in minutes: SmolLM2-135M on built-in one-step sums) otherwise. A flag given on the command line always
+   wins; each value lives once, in `Config` (paper) or `CPU_PRESET` (cpu).
+2. pi_old log-probs are recomputed by the training forward (as veRL does), not taken from the sampler; the mean
+   absolute difference is logged as `rollout/logprob_diff`.
+3. Sampling noise is seeded per generate call from (seed, step, global index of its first prompt), so rollouts are
+   reproducible on resume without saving generator states, and with `--rollout-chunk 1` independent of the number
+   of ranks.
+4. Mini-batch k is the same set of prompts for any number of ranks: rank r holds the r-th slice of every
+   mini-batch. The S2T threshold, the denominator and the metrics are reduced over all ranks.
+5. FSDP2 averages gradients over ranks; each rank backpropagates world_size * (its sum / global denominator), so
+   the applied gradient is the gradient of (sum over all ranks / global denominator).
+6. A mini-batch whose advantages are all zero is skipped (no optimizer step, no weight decay); a non-finite
+   gradient norm skips the step with a warning.
+7. Rows of --data whose prompt exceeds --max-prompt-len tokens are dropped at load time (veRL filters them too).
+"""
+import argparse
+import ast
+import inspect
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import textwrap
+import time
+import warnings
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import reward
+import rollout
+import s2t
+import stapo
+from model import Policy, lm_vocab_size, load_model, save_hf, shard_policy
+
+
+@dataclass
+class Config:
+    """RL-train a causal LM with STAPO or a baseline (defaults: the paper's recipe, PAPER.md Sec. 6)."""
+    preset: str = "auto"
+    """auto | paper | cpu: auto = paper with CUDA, cpu without; flags given on the command line override it"""
+    model: str = "Qwen/Qwen3-1.7B-Base"
+    """Hub id, local HF dir, .gguf file, 'smollm2' (packaged SmolLM2-135M-Instruct) or 'tiny' (random, tests)"""
+    data: str = "BytedTsinghua-SIA/DAPO-Math-17k"
+    """Hub dataset id or local .jsonl/.json/.parquet file; '' = the built-in arithmetic task"""
+    split: str = "train"
+    """dataset split (Hub ids)"""
+    prompt_key: str = "prompt"
+    """field of the problem text (a dotted path for nested fields; a chat message list uses its last user turn)"""
+    answer_key: str = "reward_model.ground_truth"
+    """field of the gold answer (dotted path); a string or a list of strings"""
+    heldout: int = 0
+    """rows of --data kept out of training and evaluated (the built-in task has its own held-out split)"""
+    instruction: str = rollout.INSTRUCTION
+    """text appended to every problem (default: the paper's \\boxed{} instruction, rollout.INSTRUCTION)"""
+    chat: bool = True
+    """format prompts with the tokenizer's chat template (--no-chat: raw text, e.g. for tiny models)"""
+    algo: str = "stapo"
+    """stapo | justrl | grpo | 20-entropy | fullmask"""
+    steps: int = 500
+    """rollout steps (each makes prompts_per_step / mini_batch_prompts optimizer steps)"""
+    prompts_per_step: int = 256
+    """prompts per rollout batch, over all ranks"""
+    group_size: int = 8
+    """G: responses sampled per prompt"""
+    mini_batch_prompts: int = 64
+    """prompts per optimizer step, over all ranks"""
+    micro_batch_size: int = 8
+    """sequences per forward/backward on each rank (gradient accumulation; does not change the update)"""
+    lr: float = 1e-6
+    """AdamW learning rate, constant after the warm-up"""
+    warmup_steps: int = 10
+    """optimizer steps of linear learning-rate warm-up"""
+    weight_decay: float = 0.1
+    """AdamW weight decay"""
+    grad_clip: float = 1.0
+    """max global gradient norm"""
+    clip_low: float | None = None
+    """eps_low of the ratio clip; default: the algorithm's (stapo.ALGO_CLIP, 0.2)"""
+    clip_high: float | None = None
+    """eps_high of the ratio clip; default: the algorithm's (0.28; GRPO 0.2)"""
+    dual_clip: float | None = None
+    """dual clip constant c > 1 for A < 0 (veRL's clip_ratio_c, 10 in JustRL's scripts); default off"""
+    tau_p: float = 0.002
+    """S2T probability threshold"""
+    quantile: float = 0.75
+    """S2T entropy quantile q over the candidates of the mini-batch"""
+    kl_beta: float = 0.0
+    """GRPO only: weight of the k3 KL to the initial model (0 = no reference model)"""
+    reward: str = "dapo"
+    """reward mode of reward.reward: dapo (+1/-1), binary (1/0), strict (normalized last-box string match)"""
+    max_prompt_len: int = 1024
+    """prompts longer than this (tokens) are dropped"""
+    max_response_len: int = 15360
+    """max new tokens per response"""
+    temperature: float = 1.0
+    """sampling temperature (also divides the logits of the training forward)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    rollout_chunk: int = 0
+    """prompts per generate call on each rank (0 = all at once); 1 makes rollouts independent of the rank count"""
+    chunk_size: int = 1024
+    """tokens per LM-head chunk in the log-prob/entropy pass"""
+    fsdp: bool = False
+    """shard with FSDP2 also on one CPU process (always on with several processes or on CUDA)"""
+    mixed_precision: bool = True
+    """bf16 compute with fp32 master weights and gradient reduction (CUDA + FSDP2 only)"""
+    grad_checkpointing: bool = False
+    """recompute decoder activations in the backward (saves memory for long responses)"""
+    eval_every: int = 0
+    """evaluate the held-out problems every N steps (0 = before and after training only, when there are any)"""
+    eval_samples: int = 4
+    """samples per held-out problem (at --temperature)"""
+    spurious_per_step: int = 20
+    """silenced tokens written to OUT/spurious.jsonl per step"""
+    seed: int = 0
+    """seed of data order, sampling and initialization"""
+    out_dir: str = "out/train"
+    """output folder: metrics.jsonl, spurious.jsonl, eval.jsonl, config.json, checkpoint/, hf/, metrics.png"""
+    save_every: int = 50
+    """write a sharded checkpoint every N steps (0 = never) and at the last step"""
+    resume: str = ""
+    """output folder of a run to continue from its last checkpoint (its config, overridden by the flags given)"""
+    export_hf: bool = True
+    """write a Hugging Face-format model to OUT/hf at the end"""
+    plots: bool = True
+    """write OUT/metrics.png at the end (needs matplotlib; `python train.py --plot RUN ...` overlays runs)"""
+
+
+# The embedded default for machines without a GPU (`--preset cpu`): SmolLM2-135M-Instruct on BUILTIN_TASK, sized so
+# `python train.py` and `torchrun --standalone --nproc_per_node=2 train.py` finish in < 15 minutes on 2 cores.
+CPU_PRESET = dict(
+    model="smollm2", data="", steps=12, prompts_per_step=16, group_size=8, mini_batch_prompts=8, micro_batch_size=16,
+    lr=1e-5, warmup_steps=0, max_response_len=48, save_every=0, eval_samples=2, out_dir="out/train-cpu",
+)
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """argv -> Config. Each field is a --flag (underscores -> dashes) whose --help is the string under it. Values:
+    the flags given, else (with --resume) the resumed run's config, else the preset's (CPU_PRESET or Config)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(Config))).body[0].body
+    docs = {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    parser = _OneLineParser(description=Config.__doc__, argument_default=argparse.SUPPRESS)
+    for f in fields(Config):
+        cpu = f" (cpu preset: {CPU_PRESET[f.name]!r})" if f.name in CPU_PRESET else ""
+        kw = {"help": f"{docs[f.name]} [default: {f.default!r}{cpu}]"}
+        if f.type is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = _float_or_none if f.type == float | None else f.type
+        parser.add_argument("--" + f.name.replace("_", "-"), **kw)
+    given = vars(parser.parse_args(argv))
+    if given.get("resume"):
+        saved = Path(given["resume"]) / "config.json"
+        if not saved.is_file():
+            raise FileNotFoundError(f"no run to resume: {saved} does not exist")
+        values = {**json.loads(saved.read_text()), **given}
+        values["out_dir"] = given["resume"]
+    else:
+        preset = given.get("preset", "auto")
+        if preset == "auto":
+            preset = "paper" if torch.cuda.is_available() else "cpu"
+        if preset not in ("paper", "cpu"):
+            raise ValueError(f"unknown --preset {preset!r}; valid: auto, paper, cpu")
+        values = {**(CPU_PRESET if preset == "cpu" else {}), **given, "preset": preset}
+    cfg = Config(**values)
+    _check_config(cfg)
+    return cfg
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of the usage block
+        self.exit(2, f"train.py: error: {message}\n")
+
+
+def _float_or_none(s: str) -> float | None:
+    return None if s.lower() in ("none", "") else float(s)
+
+
+def _check_config(cfg: Config) -> None:
+    if cfg.algo not in stapo.ALGORITHMS:
+        raise ValueError(f"unknown --algo {cfg.algo!r}; valid: {', '.join(stapo.ALGORITHMS)}")
+    if cfg.prompts_per_step % cfg.mini_batch_prompts:
+        raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is not a multiple of --mini-batch-prompts "
+                         f"{cfg.mini_batch_prompts}")
+    if cfg.group_size < 2:
+        raise ValueError("--group-size must be >= 2")
+
+
+# ---------------------------------------------------------------------------------------------------- data
+# The built-in task: one-step word problems on small numbers, generated deterministically (train and held-out
+# problems never share their (template, numbers) pair). Chosen by measuring SmolLM2-135M-Instruct (README_train.md).
+_NAMES = ["Tom", "Anna", "Sam", "Lily", "Ben", "Mia", "Leo", "Ella"]
+_THINGS = ["apples", "books", "coins", "pens", "cards", "eggs", "shells", "stamps"]
+_TEMPLATES = [
+    ("{n} has {a} {t} and gets {b} more. How many {t} does {n} have now?", lambda a, b: a + b),
+    ("{n} has {a} {t} and gives away {b}. How many {t} does {n} have left?", lambda a, b: a - b),
+]
+
+
+def builtin_task(split: str) -> list[dict]:
+    """The built-in problems: split 'train' (~90%) or 'test' (held out), each {"problem", "answer"}."""
+    rng = random.Random(1234)
+    rows = []
+    for k, (template, solve) in enumerate(_TEMPLATES):
+        for a in range(2, 10):
+            for b in range(1, a if solve(9, 1) == 8 else 10):
+                rows.append({"problem": template.format(n=rng.choice(_NAMES), t=rng.choice(_THINGS), a=a, b=b),
+                             "answer": str(solve(a, b))})
+    rng.shuffle(rows)
+    n_test = len(rows) // 10
+    return rows[n_test:] if split == "train" else rows[:n_test]
+
+
+def _field(row: dict, key: str):
+    for part in key.split("."):
+        row = row.get(part) if isinstance(row, dict) else None
+    return row
+
+
+# DAPO-Math-17k wraps each problem in its own instructions ("... of the form Answer: $Answer ..."); we strip them and
+# append the paper's \boxed{} instruction like JustRL does.
+_DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the form "
+                "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+_DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+
+
+def load_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) lists of {"problem", "answer"} from --data, or the built-in task when --data is ''."""
+    if not cfg.data:
+        return builtin_task("train"), builtin_task("test")
+    import datasets
+
+    datasets.disable_progress_bars()
+    suffix = next((s for s in (".jsonl", ".json", ".parquet") if cfg.data.endswith(s)), None)
+    if suffix:
+        if not os.path.isfile(cfg.data):
+            raise FileNotFoundError(f"data file not found: {cfg.data}")
+        table = datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=cfg.data,
+                                      split="train")
+    else:
+        table = datasets.load_dataset(cfg.data, split=cfg.split)
+    rows = []
+    for i, row in enumerate(table):
+        problem, answer = _field(row, cfg.prompt_key), _field(row, cfg.answer_key)
+        if isinstance(problem, list):  # chat messages: the last user turn
+            problem = next((m.get("content") for m in reversed(problem) if m.get("role") == "user"), None)
+        if not isinstance(problem, str) or not problem.strip():
+            raise ValueError(f"{cfg.data} row {i}: no prompt in field {cfg.prompt_key!r}")
+        if isinstance(answer, (int, float)):
+            answer = str(answer)
+        if not answer or not (isinstance(answer, str) or all(isinstance(a, str) for a in answer)):
+            raise ValueError(f"{cfg.data} row {i}: no answer in field {cfg.answer_key!r}")
+        problem = problem.removeprefix(_DAPO_PREFIX).removesuffix(_DAPO_SUFFIX)
+        rows.append({"problem": problem, "answer": answer})
+    if cfg.heldout >= len(rows):
+        raise ValueError(f"--heldout {cfg.heldout} leaves no training rows ({len(rows)} rows in {cfg.data})")
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    rows = [rows[i] for i in order]
+    return rows[cfg.heldout:], rows[:cfg.heldout]
+
+
+def prompt_indices(step: int, n_rows: int, cfg: Config) -> list[int]:
+    """Row indices of the `prompts_per_step` prompts of `step` (all ranks): a fresh permutation every epoch."""
+    out = []
+    for pos in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step):
+        epoch, i = divmod(pos, n_rows)
+        perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
+        out.append(int(perm[i]))
+    return out
+
+
+def rank_slice(n: int, cfg: Config, rank: int, world: int) -> list[int]:
+    """Positions (0..n-1 in the step's prompt list) this rank handles: the rank-th slice of every mini-batch, so a
+    mini-batch is the same set of prompts for any number of ranks (difference 4)."""
+    m = cfg.mini_batch_prompts // world
+    return [k * cfg.mini_batch_prompts + rank * m + j for k in range(n // cfg.mini_batch_prompts) for j in range(m)]
+
+
+# ------------------------------------------------------------------------------------------------ rollouts
+def _cat(parts: list[rollout.Rollout], pad: int) -> rollout.Rollout:
+    """Concatenate rollouts of different prompt/response lengths (prompts left-, responses right-padded)."""
+    P = max(r.prompt_ids.shape[1] for r in parts)
+    T = max(r.response_ids.shape[1] for r in parts)
+
+    def left(x, value):
+        return torch.nn.functional.pad(x, (P - x.shape[1], 0), value=value)
+
+    def right(x, value):
+        return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
+
+    return rollout.Rollout(
+        torch.cat([left(r.prompt_ids, pad) for r in parts]), torch.cat([left(r.prompt_mask, 0) for r in parts]),
+        torch.cat([right(r.response_ids, pad) for r in parts]), torch.cat([right(r.response_mask, 0) for r in parts]),
+        torch.cat([right(r.logprobs, 0.0) for r in parts]), torch.cat([r.truncated for r in parts]))
+
+
+def _trim(r: rollout.Rollout) -> rollout.Rollout:
+    """Drop all-padding prompt columns (left) and response columns (right) of a micro-batch."""
+    p0 = int((r.prompt_mask.sum(0) > 0).nonzero()[0])
+    t1 = int((r.response_mask.sum(0) > 0).nonzero()[-1]) + 1
+    return rollout.Rollout(r.prompt_ids[:, p0:], r.prompt_mask[:, p0:], r.response_ids[:, :t1],
+                           r.response_mask[:, :t1], r.logprobs[:, :t1], r.truncated)
+
+
+def sample(policy, prompts: list[list[int]], first_index: list[int], group_size: int, cfg: Config, step: int,
+           tokenizer, device) -> rollout.Rollout:
+    """G responses per prompt, `rollout_chunk` prompts per generate call, each call seeded from (seed, step, global
+    index of its first prompt) (difference 3)."""
+    chunk = cfg.rollout_chunk or len(prompts)
+    parts = []
+    with rollout.gathered(policy):
+        for c in range(0, len(prompts), chunk):
+            gen = torch.Generator(device).manual_seed(hash((cfg.seed, step, first_index[c])) % 2**62)
+            parts.append(rollout.sample_groups(
+                policy.lm, prompts[c:c + chunk], group_size, max_new_tokens=cfg.max_response_len,
+                temperature=cfg.temperature, top_p=cfg.top_p, eos_token_id=_eos_ids(policy.lm, tokenizer),
+                pad_token_id=tokenizer.pad_token_id, generator=gen, vocab_size=lm_vocab_size(tokenizer)))
+    return _cat(parts, tokenizer.pad_token_id)
+
+
+def _eos_ids(lm, tokenizer) -> list[int]:
+    """EOS ids: the tokenizer's and the model's generation config's (Qwen3 ends chat turns with <|im_end|>)."""
+    ids = {tokenizer.eos_token_id}
+    gen = getattr(lm.generation_config, "eos_token_id", None)
+    ids.update(gen if isinstance(gen, list) else [gen])
+    return sorted(i for i in ids if i is not None)
+
+
+def token_stats(policy, batch: rollout.Rollout, cfg: Config, device):
+    """(logprobs, entropy, collision), each (B, T) of the rollout's T, of the current policy, micro-batch by
+    micro-batch without gradients."""
+    outs = [torch.zeros(batch.response_ids.shape) for _ in range(3)]
+    with torch.no_grad():
+        for idx in _micro_batches(len(batch), cfg):
+            mb = _trim(batch.select(idx))
+            input_ids, attention_mask = mb.training_inputs()
+            res = policy(input_ids.to(device), attention_mask.to(device), mb.response_mask.to(device),
+                         temperature=cfg.temperature, chunk_size=cfg.chunk_size)
+            for full, part in zip(outs, res):
+                full[idx, :part.shape[1]] = part.float().cpu()
+    return outs
+
+
+def _micro_batches(n: int, cfg: Config) -> list[slice]:
+    return [slice(i, min(i + cfg.micro_batch_size, n)) for i in range(0, n, cfg.micro_batch_size)]
+
+
+# ------------------------------------------------------------------------------------------- distributed
+def init_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world size, device). Under torchrun: the env:// process group (NCCL for CUDA tensors, gloo for CPU
+    ones); as a plain process: a 1-process group, so the code below has no single-process branches."""
+    cuda = torch.cuda.is_available()
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        local_rank = 0
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def all_sum(*values: float) -> list[float]:
+    """Sum python floats over ranks (one all-reduce)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_gather_cat(values: torch.Tensor) -> torch.Tensor:
+    """Concatenate 1-D tensors of different lengths from all ranks (pad to the longest, all-gather, trim)."""
+    world = dist.get_world_size()
+    n = torch.tensor([values.numel()])
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    longest = int(max(sizes))
+    padded = torch.nn.functional.pad(values.float(), (0, longest - values.numel()))
+    parts = [torch.zeros(longest) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[:int(s)] for p, s in zip(parts, sizes)])
+
+
+# ------------------------------------------------------------------------------------------------- the step
+def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[dict], tokenizer, prompt_cache: dict,
+               cfg: Config, rank: int, world: int, device) -> tuple[dict, list[dict]]:
+    """One rollout batch and its mini-batch updates -> (metrics, sample of silenced tokens)."""
+    G = cfg.group_size
+    clip_low, clip_high = stapo.ALGO_CLIP[cfg.algo]
+    clip_low = clip_low if cfg.clip_low is None else cfg.clip_low
+    clip_high = clip_high if cfg.clip_high is None else cfg.clip_high
+    # 1. Prompts of this rank, in mini-batch order.
+    t0 = time.time()
+    indices = prompt_indices(step, len(rows), cfg)
+    mine = rank_slice(len(indices), cfg, rank, world)
+    my_rows = [rows[indices[i]] for i in mine]
+    prompts = [prompt_cache[indices[i]] for i in mine]
+    policy.eval()
+    batch = sample(policy, prompts, [step * cfg.prompts_per_step + i for i in mine], G, cfg, step, tokenizer, device)
+    # 2. Rewards and group advantages (groups never span ranks).
+    texts = batch.texts(tokenizer)
+    rewards = torch.tensor([reward.reward(text, my_rows[i // G]["answer"], cfg.reward) for i, text in enumerate(texts)])
+    correct = (rewards > 0).float()  # (B,) a positive reward means correct in every reward mode
+    advantages = stapo.group_advantages(rewards, G)  # (B,)
+    adv = advantages[:, None].expand_as(batch.logprobs)  # (B, T): every token of y_i gets A_i
+    mask = batch.response_mask.float()  # (B, T)
+    # 3. pi_old log-probs, entropy and collision: one no-grad pass (= p and H of the first mini-batch).
+    old_logprobs, old_entropy, old_collision = token_stats(policy, batch, cfg, device)
+    ref_logprobs = token_stats(ref_policy, batch, cfg, device)[0] if ref_policy is not None else None
+    t_rollout = time.time() - t0
+
+    lengths = mask.sum(1)
+    sums = all_sum(rewards.sum(), correct.sum(), lengths.sum(), batch.truncated.float().sum(), len(batch),
+                   (old_entropy * mask).sum(), ((old_logprobs - batch.logprobs).abs() * mask).sum(),
+                   (advantages == 0).float().sum())
+    n_seq, n_tok = sums[4], sums[2]
+    metrics = {"step": step, "reward/mean": sums[0] / n_seq, "reward/acc": sums[1] / n_seq,
+               "response/len_mean": n_tok / n_seq, "response/truncated_frac": sums[3] / n_seq,
+               "entropy/mean": sums[5] / n_tok, "rollout/logprob_diff": sums[6] / n_tok,
+               "adv/zero_frac": sums[7] / n_seq}
+
+    # 4. Mini-batch updates (paper Algorithm 1).
+    t0 = time.time()
+    policy.train()
+    rows_per_mb = cfg.mini_batch_prompts // world * G
+    acc = dict.fromkeys(["loss/policy", "loss/kl", "grad_norm", "clip/frac_low", "clip/frac_high", "tokens",
+                         "s2t/candidates", "s2t/silenced", "silenced_p", "silenced_h", "gn_silenced", "kept",
+                         "gn_kept", "updates", "skipped_zero_adv", "skipped_nonfinite"], 0.0)
+    spurious = []
+    for k, start in enumerate(range(0, len(batch), rows_per_mb)):
+        idx = slice(start, start + rows_per_mb)
+        mb, mb_adv, mb_mask, mb_old = batch.select(idx), adv[idx], mask[idx], old_logprobs[idx]
+        if k == 0:  # p, H of the current policy = pi_old before the first update
+            logprobs, entropy, collision = old_logprobs[idx], old_entropy[idx], old_collision[idx]
+        else:
+            logprobs, entropy, collision = token_stats(policy, mb, cfg, device)
+        # Threshold over the whole mini-batch on all ranks, then weights, silenced mask and the global denominator.
+        values = stapo.threshold_inputs(cfg.algo, logprobs, entropy, mb_adv, mb_mask, cfg.tau_p)
+        threshold = stapo.entropy_threshold(cfg.algo, all_gather_cat(values), cfg.quantile)
+        weights, silenced = stapo.loss_weights(cfg.algo, logprobs, entropy, mb_adv, mb_mask, cfg.tau_p, threshold)
+        denominator, nonzero = all_sum(stapo.denominator_part(cfg.algo, weights, mb_mask),
+                                       ((mb_adv != 0) & (weights > 0)).sum())
+        # What S2T does: counts and gradient norms of silenced vs kept tokens (w = r A, 0 where clipped).
+        w = stapo.surrogate_weight(logprobs, mb_old, mb_adv, clip_low, clip_high, cfg.dual_clip)
+        diag = s2t.diagnostics(logprobs, entropy, collision, mb_adv, mb_mask, silenced, cfg.tau_p, w=w)
+        n_sil, n_kept = diag["s2t/silenced"], mb_mask.sum().item() - diag["s2t/silenced"]
+        for key, value in zip(["s2t/candidates", "s2t/silenced", "silenced_p", "silenced_h", "gn_silenced", "kept",
+                               "gn_kept"],
+                              all_sum(diag["s2t/candidates"], n_sil, n_sil * diag["s2t/silenced_p_mean"],
+                                      n_sil * diag["s2t/silenced_h_mean"], n_sil * diag["s2t/grad_norm_silenced"],
+                                      n_kept, n_kept * diag["s2t/grad_norm_kept"])):
+            acc[key] += value
+        spurious += _spurious_sample(mb, silenced, logprobs, entropy, mb_adv, tokenizer, step, k)
+        if nonzero == 0:  # all advantages zero: nothing to learn, skip (difference 6)
+            acc["skipped_zero_adv"] += 1
+            continue
+        # Gradient accumulation over micro-batches: sum_micro sum_ranks (world * loss_part) / world = J's gradient.
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = kl_sum = 0.0
+        for mi in _micro_batches(len(mb), cfg):
+            micro = _trim(mb.select(mi))
+            T = micro.response_ids.shape[1]
+            input_ids, attention_mask = micro.training_inputs()
+            new_logprobs, _, _ = policy(input_ids.to(device), attention_mask.to(device),
+                                        micro.response_mask.to(device), temperature=cfg.temperature,
+                                        chunk_size=cfg.chunk_size)
+            cut = (mi, slice(0, T))
+            loss, stats = stapo.policy_loss(new_logprobs, mb_old[cut].to(device), mb_adv[cut].to(device),
+                                            weights[cut].to(device), clip_low, clip_high, cfg.dual_clip, denominator)
+            if ref_policy is not None and cfg.kl_beta > 0:
+                kl = (weights[cut].to(device) * stapo.kl_k3(new_logprobs, ref_logprobs[idx][cut].to(device))).sum()
+                kl = kl / max(denominator, 1.0)
+                loss = loss + cfg.kl_beta * kl
+                kl_sum += kl.item()
+            (loss * world).backward()  # FSDP2 divides the summed gradient by world (difference 5)
+            loss_sum += loss.item()
+            tokens = stats["loss/tokens"].item()
+            acc["tokens"] += tokens
+            acc["clip/frac_low"] += stats["clip/frac_low"].item() * tokens
+            acc["clip/frac_high"] += stats["clip/frac_high"].item() * tokens
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        if not math.isfinite(grad_norm):  # the norm is global, so every rank skips together
+            warnings.warn(f"step {step} mini-batch {k}: non-finite gradient norm, update skipped")
+            optimizer.zero_grad(set_to_none=True)
+            acc["skipped_nonfinite"] += 1
+            continue
+        optimizer.step()
+        scheduler.step()
+        acc["updates"] += 1
+        acc["grad_norm"] += grad_norm
+        acc["loss/policy"] += sum(all_sum(loss_sum))
+        acc["loss/kl"] += sum(all_sum(kl_sum))
+    optimizer.zero_grad(set_to_none=True)
+    t_update = time.time() - t0
+
+    n_updates = max(acc["updates"], 1)
+    low, high, tokens = all_sum(acc["clip/frac_low"], acc["clip/frac_high"], acc["tokens"])
+    metrics.update({
+        "s2t/candidates": acc["s2t/candidates"], "s2t/silenced": acc["s2t/silenced"],
+        "s2t/silenced_frac": acc["s2t/silenced"] / max(acc["s2t/silenced"] + acc["kept"], 1),
+        "s2t/silenced_p_mean": acc["silenced_p"] / max(acc["s2t/silenced"], 1),
+        "s2t/silenced_h_mean": acc["silenced_h"] / max(acc["s2t/silenced"], 1),
+        "s2t/grad_norm_silenced": acc["gn_silenced"] / max(acc["s2t/silenced"], 1),
+        "s2t/grad_norm_kept": acc["gn_kept"] / max(acc["kept"], 1),
+        "loss/policy": acc["loss/policy"] / n_updates, "loss/kl": acc["loss/kl"] / n_updates,
+        "clip/frac_low": low / max(tokens, 1), "clip/frac_high": high / max(tokens, 1),
+        "grad_norm": acc["grad_norm"] / n_updates, "lr": scheduler.get_last_lr()[0],
+        "updates": acc["updates"], "skipped/zero_adv": acc["skipped_zero_adv"],
+        "skipped/nonfinite": acc["skipped_nonfinite"],
+        "time/rollout_s": t_rollout, "time/update_s": t_update,
+        "tokens_per_s": n_tok / max(t_rollout + t_update, 1e-9),
+    })
+    return metrics, spurious
+
+
+def _spurious_sample(mb, silenced, logprobs, entropy, adv, tokenizer, step, k, context=12) -> list[dict]:
+    """Silenced tokens of a mini-batch with their context, for OUT/spurious.jsonl."""
+    out = []
+    for i, t in silenced.nonzero().tolist():
+        ids = mb.response_ids[i]
+        out.append({"step": step, "mini_batch": k, "token": tokenizer.decode([int(ids[t])]),
+                    "context": tokenizer.decode(ids[max(0, t - context):t].tolist()),
+                    "p": math.exp(float(logprobs[i, t])), "H": float(entropy[i, t]), "advantage": float(adv[i, t])})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- evaluation
+def evaluate(policy, rows: list[dict], prompts: list[list[int]], tokenizer, cfg: Config, rank: int, world: int,
+             device) -> dict:
+    """Mean accuracy over `eval_samples` samples per held-out problem (problems split round-robin over ranks)."""
+    mine = list(range(rank, len(rows), world))
+    correct = total = length = 0.0
+    if mine:
+        policy.eval()
+        with rollout.gathered(policy):
+            gen = torch.Generator(device).manual_seed(cfg.seed + 1 + rank)
+            out = rollout.sample_groups(
+                policy.lm, [prompts[i] for i in mine], cfg.eval_samples, max_new_tokens=cfg.max_response_len,
+                temperature=cfg.temperature, top_p=cfg.top_p, eos_token_id=_eos_ids(policy.lm, tokenizer),
+                pad_token_id=tokenizer.pad_token_id, generator=gen, vocab_size=lm_vocab_size(tokenizer))
+        texts = out.texts(tokenizer)
+        correct = sum(reward.grade(t, rows[mine[j // cfg.eval_samples]]["answer"]) for j, t in enumerate(texts))
+        total, length = len(texts), float(out.response_mask.sum())
+    correct, total, length = all_sum(correct, total, length)
+    return {"eval/acc": correct / max(total, 1), "eval/len_mean": length / max(total, 1), "eval/n": total}
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def save_checkpoint(out: Path, step: int, policy, optimizer, scheduler, rank: int) -> None:
+    """Sharded DCP checkpoint of model + optimizer in OUT/checkpoint/step_N, plus one small file per rank (step,
+    data position, scheduler and RNG states); OUT/checkpoint/latest names the last complete one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    path = out / "checkpoint" / f"step_{step}"
+    model_sd, optim_sd = get_state_dict(policy, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    torch.save({"step": step, "scheduler": scheduler.state_dict(), "python_rng": random.getstate(),
+                "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+               path / f"rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        previous = (out / "checkpoint" / "latest").read_text().strip() if (out / "checkpoint" / "latest").exists() \
+            else None
+        (out / "checkpoint" / "latest").write_text(path.name)
+        if previous and previous != path.name:
+            shutil.rmtree(out / "checkpoint" / previous, ignore_errors=True)
+    dist.barrier()
+
+
+def load_checkpoint(out: Path, policy, optimizer, scheduler, rank: int) -> int:
+    """Restore the last checkpoint of OUT; returns the number of completed steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = out / "checkpoint" / (out / "checkpoint" / "latest").read_text().strip()
+    model_sd, optim_sd = get_state_dict(policy, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra = torch.load(path / f"rank{rank}.pt", weights_only=False)
+    scheduler.load_state_dict(extra["scheduler"])
+    random.setstate(extra["python_rng"])
+    torch.set_rng_state(extra["torch_rng"])
+    if extra["cuda_rng"] is not None:
+        torch.cuda.set_rng_state(extra["cuda_rng"])
+    return extra["step"] + 1
+
+
+# -------------------------------------------------------------------------------------------------- plots
+PLOT_KEYS = ("reward/mean", "entropy/mean", "s2t/silenced_frac")
+
+
+def plot(run_dirs: list[str], out_png: str) -> None:
+    """Reward, entropy and silenced fraction over steps, one line per run (matplotlib is optional)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("train.py: matplotlib is not installed, no plot", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, len(PLOT_KEYS), figsize=(5 * len(PLOT_KEYS), 3.5))
+    for run in run_dirs:
+        lines = [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        config = Path(run) / "config.json"
+        label = f"{Path(run).name} ({json.loads(config.read_text())['algo']})" if config.exists() else run
+        for ax, key in zip(axes, PLOT_KEYS):
+            ax.plot([m["step"] for m in lines], [m[key] for m in lines], label=label)
+    for ax, key in zip(axes, PLOT_KEYS):
+        ax.set_title(key)
+        ax.set_xlabel("step")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------------- main
+def setup(cfg: Config, rank: int, world: int, device):
+    """Everything that can fail on bad inputs: data, model, sharding, optimizer, resume."""
+    if cfg.prompts_per_step % world or cfg.mini_batch_prompts % world:
+        raise ValueError(f"--prompts-per-step and --mini-batch-prompts must be multiples of the {world} ranks")
+    train_rows, test_rows = load_rows(cfg)
+    lm, tokenizer = load_model(cfg.model, device=device)
+    if cfg.chat and not tokenizer.chat_template:
+        raise ValueError(f"the tokenizer of {cfg.model!r} has no chat template; use --no-chat")
+    encode = lambda rows: [rollout.format_prompt(tokenizer, r["problem"], cfg.chat, cfg.instruction) for r in rows]  # noqa: E731
+    train_prompts, test_prompts = encode(train_rows), encode(test_rows)
+    keep = [i for i, p in enumerate(train_prompts) if len(p) <= cfg.max_prompt_len]  # difference 7
+    if not keep:
+        raise ValueError(f"every prompt of {cfg.data or 'the built-in task'} is longer than --max-prompt-len")
+    train_rows, train_prompts = [train_rows[i] for i in keep], [train_prompts[i] for i in keep]
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+
+    def make_policy(model_lm):
+        policy = Policy(model_lm)
+        if cfg.grad_checkpointing:
+            model_lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.fsdp or world > 1 or device.type == "cuda":
+            shard_policy(policy, mixed_precision=cfg.mixed_precision)
+        return policy
+
+    policy = make_policy(lm)
+    ref_policy = None
+    if cfg.algo == "grpo" and cfg.kl_beta > 0:
+        ref_policy = make_policy(load_model(cfg.model, device=device)[0]).requires_grad_(False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # lr: linear warm-up over warmup_steps optimizer steps, then constant
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
+    out = Path(cfg.out_dir)
+    start = load_checkpoint(out, policy, optimizer, scheduler, rank) if cfg.resume else 0
+    data = (train_rows, dict(enumerate(train_prompts)), test_rows, test_prompts)
+    return policy, ref_policy, tokenizer, optimizer, scheduler, data, start
+
+
+def train(cfg: Config, rank: int, world: int, device, state) -> None:
+    policy, ref_policy, tokenizer, optimizer, scheduler, (rows, prompt_cache, test_rows, test_prompts), start = state
+    out = Path(cfg.out_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+        for name in ("metrics.jsonl", "spurious.jsonl", "eval.jsonl"):  # drop lines past the checkpoint
+            f = out / name
+            if start and f.exists():
+                kept = [x for x in f.read_text().splitlines() if x and json.loads(x)["step"] < start + (
+                    name == "eval.jsonl")]
+                f.write_text("".join(x + "\n" for x in kept))
+            if not start or not f.exists():
+                f.write_text("")
+
+    def write(name, records):
+        if rank == 0:
+            with open(out / name, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+
+    def run_eval(done_steps):
+        if test_rows:
+            result = evaluate(policy, test_rows, test_prompts, tokenizer, cfg, rank, world, device)
+            write("eval.jsonl", [{"step": done_steps, **result}])
+            if rank == 0:
+                print(f"held-out accuracy after {done_steps} steps: {result['eval/acc']:.3f} "
+                      f"({int(result['eval/n'])} samples)", flush=True)
+
+    if start == 0:
+        run_eval(0)
+    bar = range(start, cfg.steps)
+    if rank == 0:
+        from tqdm import tqdm
+        bar = tqdm(bar, initial=start, total=cfg.steps, desc=f"{cfg.algo}", dynamic_ncols=True)
+    for step in bar:
+        metrics, spurious = train_step(step, policy, ref_policy, optimizer, scheduler, rows, tokenizer, prompt_cache,
+                                       cfg, rank, world, device)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, spurious[:cfg.spurious_per_step])
+        write("spurious.jsonl", [x for part in gathered for x in part][:cfg.spurious_per_step])
+        write("metrics.jsonl", [metrics])
+        if rank == 0:
+            bar.set_postfix({"reward": f"{metrics['reward/mean']:.2f}", "H": f"{metrics['entropy/mean']:.2f}",
+                             "silenced": f"{metrics['s2t/silenced_frac']:.1e}"})
+        done = step + 1
+        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+            run_eval(done)
+        if cfg.save_every and (done % cfg.save_every == 0 or done == cfg.steps):
+            save_checkpoint(out, step, policy, optimizer, scheduler, rank)
+    if start < cfg.steps:
+        run_eval(cfg.steps)
+    if cfg.export_hf:
+        save_hf(policy, tokenizer, str(out / "hf"))
+    if rank == 0 and cfg.plots:
+        plot([str(out)], str(out / "metrics.png"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--plot"]:  # python train.py --plot RUN [RUN ...] [--out PNG]
+        runs = argv[1:argv.index("--out")] if "--out" in argv else argv[1:]
+        png = argv[argv.index("--out") + 1] if "--out" in argv else "metrics.png"
+        plot(runs, png)
+        print(png)
+        return 0
+    rank = 0
+    try:
+        cfg = parse_config(argv)
+        rank, world, device = init_distributed()
+        state = setup(cfg, rank, world, device)
+    except (FileNotFoundError, ValueError, KeyError, ImportError, OSError) as e:  # bad inputs: one line, no trace
+        if rank == 0:
+            print(f"train.py: error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
+                  file=sys.stderr)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return 2
+    try:
+        train(cfg, rank, world, device, state)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
