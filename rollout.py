@@ -100,7 +100,6 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator) -
     return token, logp.gather(-1, token[:, None]).squeeze(1)
 
 
-@torch.no_grad()
 def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
              eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
              generator: torch.Generator | None = None, vocab_size: int | None = None) -> Rollout:
@@ -121,31 +120,32 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
         prompt[i, P - len(ids):] = torch.tensor(ids, dtype=torch.long)
         prompt_mask[i, P - len(ids):] = 1
     prompt, prompt_mask = prompt.to(device), prompt_mask.to(device)
-    # Everything the loop needs is preallocated and sliced per step. Generated positions are always attended
-    # (difference 4), so response token t sits at position len(prompt) + t, as position_ids_from_mask gives.
-    attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, T)], dim=1)  # (B, P+T)
-    positions = prompt_mask.sum(dim=1, keepdim=True) + torch.arange(T, device=device)  # (B, T)
-    # SDPA takes a ready (B, 1, 1, L) boolean mask for a one-token query, and HF passes a 4D mask through as is:
-    # slicing this view skips rebuilding the mask inside the model each step (a fifth of a step on small models).
-    if model.config._attn_implementation == "sdpa":
-        attention_mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, P+T)
-    response_ids = torch.full((B, T), pad, dtype=torch.long, device=device)  # (B, T)
-    logprobs = torch.zeros(B, T, dtype=torch.float32, device=device)  # (B, T)
-    done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,) row has emitted EOS
-    # Checking "all done" reads a value back to the host: free on CPU, a pipeline stall on a GPU, so check less often.
-    check_every = 1 if device.type == "cpu" else 8
+    with torch.inference_mode():  # cheaper per op than no_grad; every returned tensor is made outside it
+        # Everything the loop needs is preallocated and sliced per step. Generated positions are always attended
+        # (difference 4), so response token t sits at position len(prompt) + t, as position_ids_from_mask gives.
+        attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, T)], dim=1)  # (B, P+T)
+        positions = prompt_mask.sum(dim=1, keepdim=True) + torch.arange(T, device=device)  # (B, T)
+        # SDPA takes a ready (B, 1, 1, L) boolean mask for a one-token query, and HF passes a 4D mask through as
+        # is: slicing this view skips rebuilding the mask inside the model each step (a fifth of a tiny model's step).
+        if model.config._attn_implementation == "sdpa":
+            attention_mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, P+T)
+        response_ids = torch.full((B, T), pad, dtype=torch.long, device=device)  # (B, T)
+        logprobs = torch.zeros(B, T, dtype=torch.float32, device=device)  # (B, T)
+        done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,) row has emitted EOS
+        # Checking "all done" reads a value back to the host: free on CPU, a stall on a GPU, so check less often there.
+        check_every = 1 if device.type == "cpu" else 8
 
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=prompt, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
-                cache=cache, use_cache=True, logits_to_keep=1)  # prefill: logits of the last position only
-    for t in range(T):
-        logits = out.logits[:, -1, :vocab_size]  # (B, V') real vocabulary rows only (difference 2)
-        response_ids[:, t], logprobs[:, t] = _sample(logits, temperature, top_p, generator)
-        done |= torch.isin(response_ids[:, t], eos)
-        if t + 1 == T or ((t + 1) % check_every == 0 and bool(done.all())):
-            break
-        out = model(input_ids=response_ids[:, t:t + 1], attention_mask=attention_mask[..., :P + t + 1],
-                    position_ids=positions[:, t:t + 1], cache=cache, use_cache=True)
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=prompt, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
+                    cache=cache, use_cache=True, logits_to_keep=1)  # prefill: logits of the last position only
+        for t in range(T):
+            logits = out.logits[:, -1, :vocab_size]  # (B, V') real vocabulary rows only (difference 2)
+            response_ids[:, t], logprobs[:, t] = _sample(logits, temperature, top_p, generator)
+            done |= torch.isin(response_ids[:, t], eos)
+            if t + 1 == T or ((t + 1) % check_every == 0 and bool(done.all())):
+                break
+            out = model(input_ids=response_ids[:, t:t + 1], attention_mask=attention_mask[..., :P + t + 1],
+                        position_ids=positions[:, t:t + 1], cache=cache, use_cache=True)
 
     # Rows keep sampling after their EOS (difference 4); mask and blank that afterwards.
     is_eos = torch.isin(response_ids, eos)  # (B, T)

@@ -158,9 +158,10 @@ def test_rollout_logprobs_equal_policy_forward():
     lm = _eos_biased_model(73)
     r = generate(lm, _prompts(), 30, temperature=0.7, eos_token_id=2, pad_token_id=0,
                  generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        logprobs = Policy(lm)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]  # (B, T)
-    torch.testing.assert_close(r.logprobs, logprobs, atol=1e-5, rtol=0)
+    assert not any(x.is_inference() for x in (r.response_ids, r.response_mask, r.logprobs, r.truncated))
+    logprobs = Policy(lm)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]  # (B, T), with autograd
+    logprobs.sum().backward()  # the rollout's tensors are usable in training
+    torch.testing.assert_close(r.logprobs, logprobs.detach(), atol=1e-5, rtol=0)
 
 
 def test_rollout_same_seed_same_rollout():
