@@ -110,12 +110,11 @@ HOSTILE = {
 def test_reward_hostile_input_is_fast_and_harmless(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     response = HOSTILE[name]
-    start = time.monotonic()
     for gold in ("5", "0", "x", ["1", "2"]):
-        got = reward.grade(response, gold)
-        assert got is (name == "1 MB response" and gold == "5")
+        start = time.monotonic()
+        assert reward.grade(response, gold) is (name == "1 MB response" and gold == "5")
+        assert time.monotonic() - start < 1.0  # the bound for one grade
         assert reward.reward(response, gold, mode="strict") in (1.0, -1.0)
-    assert time.monotonic() - start < 4 * 1.0  # each of the four grades within 1 s
     assert not (tmp_path / "X").exists()
 
 
