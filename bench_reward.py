@@ -16,16 +16,16 @@ from pathlib import Path
 
 import reward
 
-DATA = Path(__file__).parent.parent / "shared" / "data"
+_REWARD_DATA = Path(__file__).parent.parent / "shared" / "data"
 
 
-def _corpora():
-    cases = [json.loads(line) for line in (DATA / "grader_cases.jsonl").read_text().splitlines() if line.strip()]
+def _reward_corpora():
+    cases = [json.loads(line) for line in (_REWARD_DATA / "grader_cases.jsonl").read_text().splitlines() if line.strip()]
     golds = []
     for name, field in (("aime24", "answer"), ("aime25", "answer"), ("amc23", "answer"), ("math500", "answer")):
-        for line in (DATA / "benchmarks" / f"{name}.jsonl").read_text().splitlines():
+        for line in (_REWARD_DATA / "benchmarks" / f"{name}.jsonl").read_text().splitlines():
             golds.append(str(json.loads(line)[field]))
-    for line in (DATA / "benchmarks" / "olympiadbench.jsonl").read_text().splitlines():
+    for line in (_REWARD_DATA / "benchmarks" / "olympiadbench.jsonl").read_text().splitlines():
         golds.append(", ".join(json.loads(line)["final_answer"]))
     hostile = {"power tower": "\\boxed{9^{9^{9^{9}}}}", "100000!": "\\boxed{100000!}",
                "10,000 nested braces": "\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}",
@@ -38,7 +38,7 @@ def _corpora():
     }
 
 
-def _run(items, fn, repeats):
+def _reward_run(items, fn, repeats):
     best, slowest = float("inf"), (0.0, "")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -54,9 +54,9 @@ def bench_reward(repeats=3):
     reward.grade("\\boxed{\\sqrt{2}}", "\\sqrt{2}+0")  # warm sympy's caches once
     print("| corpus | responses | grade /s | strict /s | slowest grade (ms) | slowest case |")
     print("|---|---|---|---|---|---|")
-    for name, items in _corpora().items():
-        rate, (worst, case) = _run(items, reward.grade, repeats)
-        strict, _ = _run(items, lambda r, g: reward.reward(r, g, mode="strict"), repeats)
+    for name, items in _reward_corpora().items():
+        rate, (worst, case) = _reward_run(items, reward.grade, repeats)
+        strict, _ = _reward_run(items, lambda r, g: reward.reward(r, g, mode="strict"), repeats)
         print(f"| {name} | {len(items)} | {rate:,.0f} | {strict:,.0f} | {worst * 1e3:.1f} | {case} |")
 
 

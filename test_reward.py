@@ -15,15 +15,15 @@ import pytest
 
 import reward
 
-DATA = Path(__file__).parent.parent / "shared" / "data"
-ZERO_FP_CATEGORIES = ("near_miss", "no_answer", "hedging", "empty_box")
+_REWARD_DATA = Path(__file__).parent.parent / "shared" / "data"
+_REWARD_ZERO_FP = ("near_miss", "no_answer", "hedging", "empty_box")
 
 
-def _jsonl(path):
+def _reward_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _last_box(text):
+def _reward_last_box(text):
     """A deliberately separate brace matcher for the test's own gold mapping."""
     i = text.rfind("\\boxed")
     j, depth = text.index("{", i), 0
@@ -35,7 +35,7 @@ def _last_box(text):
 
 def test_reward_grader_cases_agreement():
     per = defaultdict(lambda: [0, 0, 0])  # category -> [agree, total, false positives]
-    for row in _jsonl(DATA / "grader_cases.jsonl"):
+    for row in _reward_jsonl(_REWARD_DATA / "grader_cases.jsonl"):
         if row["ambiguous"]:
             continue
         got = reward.grade(row["response"], row["gold"])
@@ -49,29 +49,29 @@ def test_reward_grader_cases_agreement():
         print(f"| {cat} | {a / n:.0%} | {n} | {f} |")
     print(f"| **all** | **{agree / total:.1%}** | {total} | {fp} |")
     assert agree / total >= 0.97
-    assert sum(per[c][2] for c in ZERO_FP_CATEGORIES) == 0
+    assert sum(per[c][2] for c in _REWARD_ZERO_FP) == 0
 
 
-def _benchmark_golds():
+def _reward_benchmark_golds():
     """(benchmark, prediction, gold) for every row of every benchmark file, with a minimal local field mapping."""
-    bench = DATA / "benchmarks"
+    bench = _REWARD_DATA / "benchmarks"
     for name in ("aime24", "aime25"):
-        for row in _jsonl(bench / f"{name}.jsonl"):
+        for row in _reward_jsonl(bench / f"{name}.jsonl"):
             yield name, row["answer"], row["answer"]
             yield name, str(int(row["answer"])), row["answer"]  # 033 -> 33
-    for row in _jsonl(bench / "amc23.jsonl"):
+    for row in _reward_jsonl(bench / "amc23.jsonl"):
         gold = str(row["answer"])
         yield "amc23", gold, gold
         if float(gold).is_integer():
             yield "amc23", str(int(float(gold))), gold  # 27.0 -> 27
-    for row in _jsonl(bench / "math500.jsonl"):
+    for row in _reward_jsonl(bench / "math500.jsonl"):
         yield "math500", row["answer"], row["answer"]
     for name in ("minerva_math", "math5000"):
-        for row in _jsonl(bench / f"{name}.jsonl"):
-            yield name, _last_box(row["solution"]), _last_box(row["solution"])
-    for row in _jsonl(bench / "olympiadbench.jsonl"):
+        for row in _reward_jsonl(bench / f"{name}.jsonl"):
+            yield name, _reward_last_box(row["solution"]), _reward_last_box(row["solution"])
+    for row in _reward_jsonl(bench / "olympiadbench.jsonl"):
         yield "olympiadbench", ", ".join(row["final_answer"]), row["final_answer"]
-    for row in _jsonl(bench / "gsm8k.jsonl"):
+    for row in _reward_jsonl(bench / "gsm8k.jsonl"):
         gold = row["answer"].split("####")[-1].strip()
         yield "gsm8k", gold, gold
         yield "gsm8k", gold.replace(",", ""), gold  # 1,234 -> 1234
@@ -80,7 +80,7 @@ def _benchmark_golds():
 
 def test_reward_benchmark_golds_grade_themselves():
     rows, failed = defaultdict(int), defaultdict(list)
-    for name, pred, gold in _benchmark_golds():
+    for name, pred, gold in _reward_benchmark_golds():
         rows[name] += 1
         if not reward.grade(f"So the answer is $\\boxed{{{pred}}}$.", gold):
             failed[name].append((pred, gold))
@@ -88,7 +88,7 @@ def test_reward_benchmark_golds_grade_themselves():
     assert len(rows) == 8 and not any(failed.values()), {k: v[:5] for k, v in failed.items() if v}
 
 
-HOSTILE = {
+_REWARD_HOSTILE = {
     "code injection": "\\boxed{__import__('os').system('touch X')}",
     "power tower": "\\boxed{9^{9^{9^{9}}}}",
     "huge factorial": "\\boxed{100000!}",
@@ -106,10 +106,10 @@ HOSTILE = {
 }
 
 
-@pytest.mark.parametrize("name", HOSTILE)
+@pytest.mark.parametrize("name", _REWARD_HOSTILE)
 def test_reward_hostile_input_is_fast_and_harmless(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    response = HOSTILE[name]
+    response = _REWARD_HOSTILE[name]
     for gold in ("5", "0", "x", ["1", "2"]):
         start = time.monotonic()
         assert reward.grade(response, gold) is (name == "1 MB response" and gold == "5")
@@ -121,7 +121,7 @@ def test_reward_hostile_input_is_fast_and_harmless(name, tmp_path, monkeypatch):
 def test_reward_grade_is_bounded_in_a_thread():
     """No signals: grading works off the main thread and the deadline still holds."""
     out = []
-    thread = threading.Thread(target=lambda: out.append(reward.grade(HOSTILE["power tower"], "5", timeout=0.5)))
+    thread = threading.Thread(target=lambda: out.append(reward.grade(_REWARD_HOSTILE["power tower"], "5", timeout=0.5)))
     start = time.monotonic()
     thread.start()
     thread.join(5)
