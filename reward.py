@@ -683,6 +683,8 @@ def _equivalent(pred, golds, deadline):
     try:
         p_items, g_items = _parse(p, deadline), _parse(g, deadline)
         p_items, g_items = _shape(p_items, g_items), _shape(g_items, p_items)
+        if len(p_items) > len(g_items):  # the same answer twice ("x+11 or 11+x") is not a hedge
+            p_items = [v for k, v in enumerate(p_items) if not any(_same(v, u, deadline) for u in p_items[:k])]
         if _match(p_items, g_items, deadline):
             return True
         if len(p_items) != 1 or len(g_items) != 1 or not isinstance(p_items[0], sp.Expr):

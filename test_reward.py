@@ -222,7 +222,7 @@ def test_reward_extract_answer(response, expected):
     ("x=3, y=4", "(3, 4)", True), ("\\pm 3", "3, -3", True), ("3", "\\pm 3", False),
     # hedges and empty answers
     ("3 \\text{ or } 4", "3", False), ("3 and 4", "4", False), ("3, 4", "3", False), ("", "3", False),
-    (" ", "3", False),
+    (" ", "3", False), ("x+11 \\text{ or } 11+x", "11+x", True),  # one answer twice is no hedge
     ("12:00", "12:00", True), ("1:00", "12:00", False),
 ])
 def test_reward_equivalence_rules(pred, gold, expected):
