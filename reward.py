@@ -654,10 +654,11 @@ def _match(preds, golds, deadline):
 
 
 def _shape(items, other):
-    """Bring a list of answers to the other side's shape: x<-1 or x>2 -> one union; {1, 2} -> the answers 1, 2;
+    """Bring a list of answers to the other side's shape: x<-1 or x>2 -> one set; {1, 2} -> the answers 1, 2;
     x = 1, y = 2 (or 1, 2) -> the tuple (1, 2)."""
-    if len(items) > 1 and all(isinstance(v, sp.Set) for v in items):
-        return [sp.Union(*items)]
+    if len(items) > 1 and all(isinstance(v, sp.Set) for v in items):  # disjoint: "or"; overlapping: "and"
+        disjoint = all(sp.Intersection(a, b) is sp.EmptySet for k, a in enumerate(items) for b in items[:k])
+        return [sp.Union(*items) if disjoint else sp.Intersection(*items)]
     if len(items) == 1 and len(other) > 1 and isinstance(items[0], sp.FiniteSet):
         return list(items[0].args)
     if len(items) == 1 and len(other) > 1 and isinstance(items[0], Seq) and items[0].kind == "{}":
