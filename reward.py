@@ -147,8 +147,8 @@ _REPLACE = [("\\\\", " \\rowsep "), ("**", "^"), ("\\dfrac", "\\frac"), ("\\tfra
             ("\\displaystyle", ""), ("\\textstyle", ""), ("\\!", ""), ("\\,", " "), ("\\;", " "), ("\\:", " "),
             ("\\ ", " "), ("~", " "), ("\\qquad", " "), ("\\quad", " "), ("{,}", ","), ("\\$", ""), ("$", " "),
             ("\\(", ""), ("\\)", ""), ("€", ""), ("£", ""), ("¥", ""), ("\\varnothing", "\\emptyset"), ("−", "-"),
-            ("×", "\\times "), ("÷", "\\div "), ("≤", "\\le "), ("≥", "\\ge "), ("≠", "\\ne "), ("∞", "\\infty "),
-            ("π", "\\pi "), ("√", "\\sqrt "), ("°", ""), ("\\degree", ""), ("\\mbox", "\\text"),
+            ("×", "\\times "), ("÷", "\\div "), ("≤", "\\le "), ("≥", "\\ge "), ("≠", "\\ne "), ("≈", "\\approx "),
+            ("∞", "\\infty "), ("π", "\\pi "), ("√", "\\sqrt "), ("°", ""), ("\\degree", ""), ("\\mbox", "\\text"),
             ("\\dbinom", "\\binom"), ("\\tbinom", "\\binom"), ("\\langle", "("), ("\\rangle", ")"),
             ("\\mathbb{R}", "\\reals"), ("\\lvert", "|"), ("\\rvert", "|"), ("\\vert", "|"), ("\\mid", "|")]
 _WRAPPERS = (r"\\(?:text|textbf|textit|textrm|textsf|texttt|textnormal|mathrm|mathbf|mathit|mathsf|mathtt|boldsymbol|"
@@ -242,7 +242,7 @@ _WORDS = {"sin", "cos", "tan", "cot", "sec", "csc", "arcsin", "arccos", "arctan"
           "inf", "infinity", "and", "or"}  # words read as one token; other words are letters (xy = x*y) or text
 _GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi rho sigma "
              "tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Sigma Phi Psi Omega".split())
-_RELOPS = {"=": "=", "\\approx": "=", "<": "<", "\\lt": "<", ">": ">", "\\gt": ">", "<=": "<=", "\\le": "<=",
+_RELOPS = {"=": "=", "\\approx": "~", "<": "<", "\\lt": "<", ">": ">", "\\gt": ">", "<=": "<=", "\\le": "<=",
            "\\leq": "<=", "\\leqslant": "<=", ">=": ">=", "\\ge": ">=", "\\geq": ">=", "\\geqslant": ">=",
            "\\in": "in", "\\ne": "!=", "\\neq": "!=", "!=": "!="}
 _SEPARATORS = {",", ";", "and", "or"}
@@ -344,6 +344,8 @@ class _Parser:
         while self.peek() in _RELOPS:
             ops.append(_RELOPS[self.take()])
             sides.append(self.setexpr())
+        if "~" in ops:  # x = 5\sqrt{2} \approx 7.07: what comes after the first \approx is only an approximation
+            sides, ops = sides[: ops.index("~") + 1], ops[: ops.index("~")]
         if not ops:
             return sides[0]
         if ops == ["in"]:

@@ -205,6 +205,7 @@ def test_reward_extract_answer(response, expected):
     # equations and relations
     ("y = 3 + 2x", "y=2x+3", True), ("2x+4y-3=0", "y=-\\frac{1}{2}x+\\frac{3}{4}", True),
     ("3x-y+13=0", "3x+4y+14=0", False), ("x = 2 + 3 = 5", "5", True), ("\\frac{6}{8} = \\frac{3}{4}", "0.75", True),
+    ("x = 5\\sqrt{2} \\approx 7.07", "5\\sqrt2", True), ("7.07", "5\\sqrt2", False),
     ("5 > x", "x<5", True), ("a>2", "a \\geq 2", False), ("2x < y", "y > 2x", True),
     # tuples, sets, intervals, matrices, several answers
     ("(2,1)", "(1,2)", False), ("(4,5,6)", "(4, 5)", False), ("(0.5, 4)", "(\\frac{1}{2}, 4)", True),
