@@ -250,8 +250,8 @@ _NAME = re.compile(r"(?:[a-zA-Z]|\\[a-zA-Z]+)+(?:_(?:\{[^{}]*\}|\w))?(?:\([^()+\
 
 
 def _tokenize(s):
-    tokens, i = [], 0
-    while i < len(s) and not s[i:].isspace():
+    tokens, i, s = [], 0, s.rstrip()
+    while i < len(s):
         m = _TOKEN.match(s, i)
         if not m:
             raise Refused(f"unexpected character {s[i]!r}")
@@ -437,9 +437,11 @@ class _Parser:
         if name in _CONSTS:
             return _CONSTS[name]
         if name == "sqrt":  # \sqrt{x}, \sqrt[3]{x}
-            index = self.skip("[") and (self.sum(), self.take("]"))[0]
+            index = self.sum() if self.skip("[") else None
+            if index is not None:
+                self.take("]")
             radicand = self.arg()
-            return _pow(radicand, 1 / index) if index else _check(sp.sqrt(radicand))
+            return _check(sp.sqrt(radicand)) if index is None else _pow(radicand, 1 / index)
         if tok == "\\frac":
             return _check(self.arg() / self.arg())
         if tok == "\\binom":
