@@ -153,7 +153,7 @@ _REPLACE = [("\\\\", " \\rowsep "), ("**", "^"), ("\\dfrac", "\\frac"), ("\\tfra
             ("\\mathbb{R}", "\\reals"), ("\\lvert", "|"), ("\\rvert", "|"), ("\\vert", "|"), ("\\mid", "|")]
 _WRAPPERS = (r"\\(?:text|textbf|textit|textrm|textsf|texttt|textnormal|mathrm|mathbf|mathit|mathsf|mathtt|boldsymbol|"
              r"operatorname|underline|emph|bf|rm)")
-_UNWRAP = re.compile(_WRAPPERS + r"\s*\{([^{}]*)\}")
+_UNWRAP = re.compile(_WRAPPERS + r"\s*\{")
 _UNIT = re.compile(r"(?<=[\d}).!])\s*" + _WRAPPERS + r"\s*\{\s*(?!and\b|or\b)[a-zA-Z][a-zA-Z .]*\}(\s*\^\s*\{?\d\}?)?")
 _UNIT_WORDS = re.compile(r"(?:(?<=[\d}])|(?<=\\pi))\s+(?!and\b|or\b)[a-zA-Z]{2,}\.?(?:\s+[a-zA-Z]{2,}\.?)*"
                          r"(\s*\^\s*\{?\d\}?)?$")
@@ -170,6 +170,31 @@ def _repeating(m):  # 0.1\overline{6} -> (15/90)
     return f"({int(whole + fixed + period) - int(whole + fixed)}/{10 ** len(fixed) * (10 ** len(period) - 1)})"
 
 
+def _closing(s, start):
+    """Index of the brace that closes the one at s[start], or None."""
+    depth = 0
+    for k in range(start, len(s)):
+        depth += {"{": 1, "}": -1}.get(s[k], 0)
+        if depth == 0:
+            return k
+    return None
+
+
+def _unwrap(s, limit=20):
+    """\\text{...}, \\mathbf{\\frac{1}{2}}, ...: keep the content; also drop redundant outer braces ({5}, {{5}})."""
+    for _ in range(limit):
+        m = _UNWRAP.search(s)
+        end = _closing(s, m.end() - 1) if m else None
+        if end is None:
+            break
+        s = s[: m.start()] + s[m.end() : end] + s[end + 1 :]
+    for _ in range(3):
+        if not s.startswith("{") or _closing(s, 0) != len(s) - 1 or "\\over" in s:  # {3 \over 4} is a fraction
+            break
+        s = s[1:-1].strip()
+    return s
+
+
 def _clean(s):
     """String-level normalization of one answer -> (text, had a percent sign)."""
     s = s.strip()
@@ -177,16 +202,17 @@ def _clean(s):
         s = s.rsplit("####", 1)[1]
     if "\\boxed" in s or "\\fbox" in s:  # a full solution as gold: its last box
         s = next((c for _, _, c in reversed(_boxes(s)) if c), s)
+    if len(s) > 10 * MAX_ANSWER_CHARS:
+        return s, False  # not a final answer: left as it is
     s = re.sub(r",\s*\\!\s*", ",", s)  # 111, \! 111: a thousands separator
     for a, b in _REPLACE:
         s = s.replace(a, b)
     s = _DROP.sub("", s)
     s = re.sub(r"[⁰¹²³⁴⁵⁶⁷⁸⁹⁻]+", lambda m: "^{%s}" % m.group().translate(_SUPERSCRIPTS), s)  # 10⁻⁵
-    s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\circ\b", " ", s)  # degrees (a space: 45^\circ,135^\circ is a list)
+    s = re.sub(r"\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\\circ\b", " ", s)  # degrees (a space: 45^\circ,135^\circ is a list)
     percent = bool(_PERCENT.search(s))
     s = _UNIT.sub("", _PERCENT.sub("", s))
-    for _ in range(5):  # \text{...}, \mathbf{...}: keep the content
-        s = _UNWRAP.sub(r"\1", s)
+    s = _unwrap(s)
     for pattern, repl in _MATRIX:
         s = pattern.sub(lambda m, r=repl: r, s)
     s = re.sub(r"\s+", " ", s).rstrip(" .,;:。，").lstrip(" ,;:")

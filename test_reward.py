@@ -103,6 +103,7 @@ _REWARD_HOSTILE = {
     "symbolic tower": "\\boxed{x^{x^{x^{x}}}}",
     "long sum": "\\boxed{" + "2^{60000}+" * 300 + "1}",
     "many digits": "\\boxed{" + "9" * 100_000 + "}",
+    "nested wrappers": "\\boxed{" + "\\mathbf{" * 3_000 + "5" + "}" * 3_000 + "}",
 }
 
 
@@ -181,6 +182,7 @@ def test_reward_extract_answer(response, expected):
     ("33", "033", True), ("7", "007", True), ("1011", "1011_2", True), ("213_{4}", "213_4", True),
     ("\\text{Yes}", "\\text{yes}", True), ("\\text{yes}", "\\text{no}", False), ("\\textbf{(C) }12", "C", True),
     ("\\text{(D)}", "D", True), ("(B)", "C", False), ("\\mathbf{5}", "5", True),
+    ("\\mathbf{\\frac{1}{2}}", "0.5", True), ("{100^\\circ}", "100", True), ("{\\text{Tuesday}}", "\\text{Tuesday}", True),
     # exact numbers
     ("\\frac{6}{8}", "\\frac34", True), ("0.875", "\\frac{7}{8}", True), (".125", "\\frac18", True),
     ("3.50", "3.5", True), ("64.00", "64", True), ("2\\frac{1}{3}", "\\frac73", True), ("1", "2\\frac12", False),
