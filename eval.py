@@ -3,7 +3,7 @@ AMC23 (avg@32) and MATH500, Minerva, OlympiadBench (avg@4), graded by rule, one 
 
     python eval.py --models smollm2 --benchmarks gsm8k math500 --data-dir ../shared/data/benchmarks --limit 30 \
         --k 4 --max-new-tokens 512                                   # CPU, minutes
-    python eval.py --models Qwen/Qwen3-1.7B-Base stapo=runs/stapo/hf --chat=False   # 1 GPU, the six from the Hub
+    python eval.py --models Qwen/Qwen3-1.7B-Base stapo=runs/stapo/hf --no-chat   # 1 GPU, the six from the Hub
     torchrun --standalone --nproc_per_node=8 eval.py --models runs/stapo/hf --preset justrl   # 8 GPUs
     python eval.py --regrade out/eval/results.json                  # re-grade saved samples, rewrite table.md
 
@@ -273,9 +273,10 @@ def _eos_ids(lm, tokenizer) -> list[int]:
     return sorted({tokenizer.eos_token_id, *ids} - {None})
 
 
-def evaluate_model(name: str, cfg: Config, rank: int = 0, world: int = 1, device: str = "cpu") -> dict:
+def evaluate_model(name: str, cfg: Config, rank: int = 0, world: int = 1, device: str = "cpu"):
     """Sample k answers per problem on this rank's share of every benchmark, grade them, gather to rank 0.
-    Returns {benchmark: {"k", "temperature", "top_p", "metrics", "problems": [...]}} on rank 0, {} elsewhere."""
+    Yields (benchmark, {"k", "temperature", "top_p", "metrics", "problems": [...]}) after each benchmark on rank 0
+    (None on the other ranks)."""
     import torch
     from tqdm import tqdm
 
@@ -293,7 +294,6 @@ def evaluate_model(name: str, cfg: Config, rank: int = 0, world: int = 1, device
     data = {b: load_benchmark(b, cfg.data_dir)[: cfg.limit] for b in cfg.benchmarks}
     bar = tqdm(total=sum(len(rows[rank::world]) for rows in data.values()), desc=f"{name} (rank 0 of {world})",
                disable=rank != 0)
-    out = {}
     for b, rows in data.items():
         k = cfg.k or DEFAULT_K[b]
         mine = list(range(rank, len(rows), world))  # round-robin split of the problems over the ranks
@@ -318,11 +318,9 @@ def evaluate_model(name: str, cfg: Config, rank: int = 0, world: int = 1, device
             parts = [None] * world if rank == 0 else None
             dist.gather_object(problems, parts, dst=0)
             problems = sorted((p for part in parts for p in part), key=lambda p: p["index"]) if rank == 0 else []
-        if rank == 0:
-            out[b] = {"k": k, "temperature": temperature, "top_p": top_p,
-                      "metrics": benchmark_metrics(problems), "problems": problems}
+        yield b, {"k": k, "temperature": temperature, "top_p": top_p, "metrics": benchmark_metrics(problems),
+                  "problems": problems} if rank == 0 else None
     bar.close()
-    return out
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -348,10 +346,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     results = {"config": asdict(cfg), "models": {}}
     for spec in cfg.models:
         label, _, name = spec.partition("=") if "=" in spec and not os.path.exists(spec) else ("", "", spec)
-        got = evaluate_model(name, cfg, rank, world, device)
-        if rank == 0:
-            results["models"][label or name] = {"name": name, "benchmarks": got}
-            write_outputs(results, cfg.out)  # after every model, so a long run keeps what it has
+        results["models"][label or name] = {"name": name, "benchmarks": {}}
+        for b, got in evaluate_model(name, cfg, rank, world, device):
+            if rank == 0:
+                results["models"][label or name]["benchmarks"][b] = got
+                write_outputs(results, cfg.out)  # after every benchmark, so a long run keeps what it has
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     if world > 1:
