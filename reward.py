@@ -55,7 +55,10 @@ _BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*(\{)?|(?<![a-zA-Z\\])boxed(\{
 _LAYOUT = re.compile(r"\\(?:text|mathrm|textbf|mbox)\s*\{([^{}]*)\}|\\[,;:! ()\[\]]|\\q?quad|[\s$*().]")
 # what may stand between two boxes of one answer, once _LAYOUT is removed: "3, 5", "3 or 4", "x = 3 or x = 4"
 _JOINED = re.compile(r"(?:,|;|&|/|and|or)?(?:maybe|possibly|perhaps)?(?:[a-zA-Z](?:_\w)?=)?")
-_HEDGE = re.compile(r"\W*(?:or|maybe|possibly|perhaps|alternatively)\b", re.I)
+# right after an answer, a second value: "\boxed{3} (or maybe 4)", "The answer is 3. Or it could be 4." (a hedge); not
+# "Alternatively, we could solve ..." (another method)
+_HEDGE = re.compile(r"[\s$.,;:)\]}*]*\(?\s*(?:or|maybe|possibly|perhaps|alternatively),?\s+(?:maybe\s+|possibly\s+|"
+                    r"perhaps\s+|it (?:could|might) be\s+)?[$\\(]*\s*-?\.?\d", re.I)
 _PHRASE = re.compile(r"(?:(?:final\s+)?answer(?:\s*\*\*)?\s*(?:is\b|:|=|(?:should|would|must|will) be\b)|"
                      r"final\s+answer\b|####|答案\s*(?:是|为|:|：))[\s*:]*", re.I)
 _CUT = re.compile(r"\.(?=\s|$)|。|\n|,?\s+(?:since|because|as|which|where|so)\b|,\s*(?:since|because|which|so)\b|"
@@ -88,9 +91,11 @@ def _boxes(text):
 def _from_boxes(text, boxes):
     """The last box, joined with the boxes just before it that only a comma, "and" or "or" separates from it
     ("\\boxed{3} and \\boxed{5}" -> "3, 5"; "\\boxed{3} or \\boxed{4}" -> "3 or 4", a hedge)."""
-    start, _, answer = boxes[-1]
+    start, end, answer = boxes[-1]
     if answer is None:
         return None  # the response was cut inside its last box
+    if _HEDGE.match(text[end : end + 100]):
+        return ""  # \boxed{3} (or maybe 4): a hedge, no answer
     run, sep = [answer], ", "
     for begin, end, content in reversed(boxes[:-1]):
         between = text[end:start]

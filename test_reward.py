@@ -150,6 +150,8 @@ def test_reward_source_never_evaluates_text():
     ("it is $\\boxed{3}$ or $\\boxed{4}$", "3 or 4"),  # a hedge across boxes stays a hedge
     ("\\boxed{3} (or maybe \\boxed{4})", "3 or 4"),
     ("The answer is 3. Or maybe 4.", None),  # a hedge after the answer sentence
+    ("The answer is \\boxed{3}, or possibly 4.", ""),  # a hedge right after the box: no answer
+    ("So \\boxed{3}. Alternatively, we can solve it with Vieta: 1 + 2 = 3.", "3"),  # another method, not a hedge
     ("step 1: $\\boxed{3}$. Step 2: the area is $\\boxed{12}$", "12"),
     ("Hence the answer is $\\boxed{}$.", ""),
     ("The final answer is $\\boxed{7", None),  # truncated inside the box
