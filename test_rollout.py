@@ -207,8 +207,13 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str):
             assert not isinstance(p, DTensor) and torch.equal(p, q), name  # the full parameters, as plain tensors
         rollout = _fsdp_generate(policy.lm, _FSDP_SEEDS[rank])  # the HF model itself, not through the root
     assert all(isinstance(p, DTensor) for p in policy.parameters())  # resharded
-    with torch.no_grad():  # the root forward still works afterwards (and all-gathers again)
-        logprobs = policy(*rollout.training_inputs(), rollout.response_mask)[0]
+    logprobs = policy(*rollout.training_inputs(), rollout.response_mask)[0]  # FSDP training works afterwards
+    logprobs.sum().backward()
+    assert all(isinstance(p.grad, DTensor) for p in policy.parameters())  # sharded gradients, reduce-scattered
+    logprobs = logprobs.detach()
+    with gathered(policy):  # and so does a second rollout phase
+        again = _fsdp_generate(policy.lm, _FSDP_SEEDS[rank])
+    assert torch.equal(again.response_ids, rollout.response_ids)
     torch.save({"rollout": rollout, "policy_logprobs": logprobs}, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
