@@ -106,7 +106,8 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
     """Sample one response per prompt from the HF causal LM `model` (under FSDP2: `policy.lm` inside `gathered`).
 
     eos_token_id/pad_token_id default to the model config's. vocab_size = number of real token ids (rows >= it are
-    never sampled; None = all rows). temperature=0 is greedy. `generator` makes the rollout reproducible.
+    never sampled; None = all rows). temperature=0 is greedy. `generator` (on the model's device) makes the rollout
+    reproducible. (transformers 5.x names the KV-cache argument `cache`; `past_key_values` is its deprecated alias.)
     """
     device = next(model.parameters()).device
     eos_ids = eos_token_id if eos_token_id is not None else model.config.eos_token_id
