@@ -100,7 +100,11 @@ def _same_process_times(N=1024, repeats=2):
 
 
 def bench_model(sizes=(1024, 4096, 16384), max_gb=12.0):
-    rows, naive_per_token = [], None
+    print(f"chunked_logprobs_entropy vs naive, forward + backward, V={V}, D={D}, fp32 CPU, chunk_size=1024, "
+          f"{torch.get_num_threads()} threads")
+    print("| N tokens | naive peak extra GiB | chunked peak extra GiB | naive s | chunked s |")
+    print("|---|---|---|---|---|", flush=True)
+    naive_per_token = None
     for N in sizes:
         chunked = _measure("chunked", N)
         predicted = naive_per_token * N if naive_per_token else 0.0
@@ -111,13 +115,8 @@ def bench_model(sizes=(1024, 4096, 16384), max_gb=12.0):
             naive_mem, naive_time = f"{naive['peak_gb']:.2f}", f"{naive['seconds']:.1f}"
         else:
             naive_mem, naive_time = f"does not fit (needs ~{predicted:.1f})", "-"
-        rows.append(f"| {N} | {naive_mem} | {chunked['peak_gb']:.2f} | {naive_time} | {chunked['seconds']:.1f} |")
+        print(f"| {N} | {naive_mem} | {chunked['peak_gb']:.2f} | {naive_time} | {chunked['seconds']:.1f} |", flush=True)
     best = _same_process_times()
-    print(f"chunked_logprobs_entropy vs naive, forward + backward, V={V}, D={D}, fp32 CPU, chunk_size=1024, "
-          f"{torch.get_num_threads()} threads")
-    print("| N tokens | naive peak extra GiB | chunked peak extra GiB | naive s | chunked s |")
-    print("|---|---|---|---|---|")
-    print("\n".join(rows))
     print(f"\nSame process, N=1024, best of 2: naive {best['naive']:.1f} s; chunked, 1 chunk of 1024 (no "
           f"recomputation) {best['chunked']:.1f} s = {best['chunked'] / best['naive']:.2f}x; chunked, 4 chunks of 256 "
           f"(3 recomputed) {best['chunked x4']:.1f} s = {best['chunked x4'] / best['naive']:.2f}x")

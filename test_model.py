@@ -48,10 +48,12 @@ def test_model_chunked_matches_naive(chunk_size, temperature):
     torch.testing.assert_close(collision, ref_collision.detach(), atol=1e-5, rtol=0)
     assert not entropy.requires_grad and not collision.requires_grad
 
-    grads = torch.autograd.grad((upstream * logprobs).sum(), (hidden, weight))
+    grads = torch.autograd.grad((upstream * logprobs).sum(), (hidden, weight), retain_graph=True)
     ref_grads = torch.autograd.grad((upstream * ref_logprobs).sum(), (hidden, weight))
-    for grad, ref in zip(grads, ref_grads):
+    again = torch.autograd.grad((upstream * logprobs).sum(), (hidden, weight))  # recomputes the kept last chunk
+    for grad, ref, second in zip(grads, ref_grads, again):
         torch.testing.assert_close(grad, ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(second, grad, atol=1e-6, rtol=0)
     assert len(model.chunked_logprobs_entropy(hidden, weight, targets)) == 2  # without collision
 
 
