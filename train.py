@@ -153,8 +153,9 @@ class Config:
 # The embedded default for machines without a GPU (`--preset cpu`): SmolLM2-135M-Instruct on BUILTIN_TASK, sized so
 # `python train.py` and `torchrun --standalone --nproc_per_node=2 train.py` finish in < 15 minutes on 2 cores.
 CPU_PRESET = dict(
-    model="smollm2", data="", steps=12, prompts_per_step=16, group_size=8, mini_batch_prompts=8, micro_batch_size=16,
-    lr=1e-5, warmup_steps=0, max_response_len=48, save_every=0, eval_samples=2, out_dir="out/train-cpu",
+    model="smollm2", data="", chat=False, instruction="The answer is", temperature=0.7, max_response_len=24,
+    steps=10, prompts_per_step=8, group_size=8, mini_batch_prompts=4, micro_batch_size=32, lr=2e-5, warmup_steps=0,
+    save_every=0, eval_samples=4, out_dir="out/train-cpu",
 )
 
 
@@ -212,28 +213,15 @@ def _check_config(cfg: Config) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- data
-# The built-in task: one-step word problems on small numbers, generated deterministically (train and held-out
-# problems never share their (template, numbers) pair). Chosen by measuring SmolLM2-135M-Instruct (README_train.md).
-_NAMES = ["Tom", "Anna", "Sam", "Lily", "Ben", "Mia", "Leo", "Ella"]
-_THINGS = ["apples", "books", "coins", "pens", "cards", "eggs", "shells", "stamps"]
-_TEMPLATES = [
-    ("{n} has {a} {t} and gets {b} more. How many {t} does {n} have now?", lambda a, b: a + b),
-    ("{n} has {a} {t} and gives away {b}. How many {t} does {n} have left?", lambda a, b: a - b),
-]
-
-
+# The built-in task: every one-digit sum "What is a + b?" (100 problems, 20 held out), deterministic. Chosen by
+# measuring SmolLM2-135M-Instruct (README_train.md): at temperature 0.7 with the raw-text prompt "...\nThe answer is"
+# it is right on ~20% of them (~2% for word problems or a chat prompt with the \boxed{} instruction at T=1.0), so
+# most groups of 8 have mixed rewards.
 def builtin_task(split: str) -> list[dict]:
-    """The built-in problems: split 'train' (~90%) or 'test' (held out), each {"problem", "answer"}."""
-    rng = random.Random(1234)
-    rows = []
-    for k, (template, solve) in enumerate(_TEMPLATES):
-        for a in range(2, 10):
-            for b in range(1, a if solve(9, 1) == 8 else 10):
-                rows.append({"problem": template.format(n=rng.choice(_NAMES), t=rng.choice(_THINGS), a=a, b=b),
-                             "answer": str(solve(a, b))})
-    rng.shuffle(rows)
-    n_test = len(rows) // 10
-    return rows[n_test:] if split == "train" else rows[:n_test]
+    """The built-in problems of `split` ('train': 80, 'test': 20), each {"problem", "answer"}."""
+    rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(10) for b in range(10)]
+    random.Random(1234).shuffle(rows)
+    return rows[20:] if split == "train" else rows[:20]
 
 
 def _field(row: dict, key: str):
