@@ -191,3 +191,25 @@ def test_train_bad_inputs_one_line_error(tmp_path, capsys):
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert [x for x in proc.stderr.splitlines() if x.strip()] == [x for x in proc.stderr.splitlines() if "error" in x]
+
+
+def test_train_skips_zero_advantage_and_nonfinite_steps(tmp_path, monkeypatch):
+    """All-equal rewards skip every update; a NaN loss skips the update with a warning; the run finishes."""
+    data = _toy_data(tmp_path)
+    _patch(monkeypatch, _EVEN)
+    monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo": 1.0)
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "zero")) == 0
+    zero = _metrics(tmp_path / "zero")[0]
+    assert zero["skipped/zero_adv"] == 2 and zero["updates"] == 0 and zero["adv/zero_frac"] == 1.0
+
+    _patch(monkeypatch, _EVEN)
+    policy_loss = train.stapo.policy_loss
+    monkeypatch.setattr(train.stapo, "policy_loss", lambda *a, **k: (policy_loss(*a, **k)[0] * float("nan"),
+                                                                     policy_loss(*a, **k)[1]))
+    with _one_thread(), pytest.warns(UserWarning, match="non-finite gradient norm"):
+        assert train.main(_toy_args(data, tmp_path / "nan", steps=2)) == 0
+    nan = _metrics(tmp_path / "nan")
+    assert [m["skipped/nonfinite"] for m in nan] == [2, 2] and all(m["updates"] == 0 for m in nan)
+    _close(load_file(tmp_path / "nan" / "hf" / "model.safetensors"), tiny_model(vocab_size=_TOY_VOCAB).state_dict(),
+           atol=0)  # parameters untouched (no step, no weight decay)

@@ -30,7 +30,10 @@ Deliberate differences from the paper's veRL setup:
    the applied gradient is the gradient of (sum over all ranks / global denominator).
 6. A mini-batch whose advantages are all zero is skipped (no optimizer step, no weight decay); a non-finite
    gradient norm skips the step with a warning.
-7. Rows of --data whose prompt exceeds --max-prompt-len tokens are dropped at load time (veRL filters them too).
+7. Rows of --data whose prompt exceeds --max-prompt-len tokens are dropped at load time (veRL filters them too);
+   duplicate (problem, answer) rows are dropped (the Hub DAPO-Math-17k repeats each problem 100 times).
+8. Sampling uses rollout.generate (HF model + KV cache), not vLLM: paper-length responses are slow; the cpu preset
+   also departs from the paper's prompt and temperature (raw text "...\nThe answer is", T = 0.7; README_train.md).
 """
 import argparse
 import ast
@@ -120,8 +123,9 @@ class Config:
     """sampling temperature (also divides the logits of the training forward)"""
     top_p: float = 1.0
     """nucleus sampling"""
-    rollout_chunk: int = 0
-    """prompts per generate call on each rank (0 = all at once); 1 makes rollouts independent of the rank count"""
+    rollout_chunk: int = 8
+    """prompts per generate call on each rank (0 = all at once; bounds the KV cache of long responses); 1 makes
+    rollouts independent of the number of ranks"""
     chunk_size: int = 1024
     """tokens per LM-head chunk in the log-prob/entropy pass"""
     fsdp: bool = False
@@ -155,7 +159,7 @@ class Config:
 CPU_PRESET = dict(
     model="smollm2", data="", chat=False, instruction="The answer is", temperature=0.7, max_response_len=24,
     steps=10, prompts_per_step=8, group_size=8, mini_batch_prompts=4, micro_batch_size=32, lr=2e-5, warmup_steps=0,
-    save_every=0, eval_samples=4, out_dir="out/train-cpu",
+    rollout_chunk=0, save_every=0, eval_samples=4, out_dir="out/train-cpu",
 )
 
 
@@ -252,7 +256,7 @@ def load_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
                                       split="train")
     else:
         table = datasets.load_dataset(cfg.data, split=cfg.split)
-    rows = []
+    rows, seen = [], set()
     for i, row in enumerate(table):
         problem, answer = _field(row, cfg.prompt_key), _field(row, cfg.answer_key)
         if isinstance(problem, list):  # chat messages: the last user turn
@@ -264,7 +268,9 @@ def load_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
         if not answer or not (isinstance(answer, str) or all(isinstance(a, str) for a in answer)):
             raise ValueError(f"{cfg.data} row {i}: no answer in field {cfg.answer_key!r}")
         problem = problem.removeprefix(_DAPO_PREFIX).removesuffix(_DAPO_SUFFIX)
-        rows.append({"problem": problem, "answer": answer})
+        if (problem, str(answer)) not in seen:  # DAPO-Math-17k repeats each of its 17k problems 100 times
+            seen.add((problem, str(answer)))
+            rows.append({"problem": problem, "answer": answer})
     if cfg.heldout >= len(rows):
         raise ValueError(f"--heldout {cfg.heldout} leaves no training rows ({len(rows)} rows in {cfg.data})")
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
@@ -274,11 +280,12 @@ def load_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
 
 def prompt_indices(step: int, n_rows: int, cfg: Config) -> list[int]:
     """Row indices of the `prompts_per_step` prompts of `step` (all ranks): a fresh permutation every epoch."""
-    out = []
+    perms, out = {}, []
     for pos in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step):
         epoch, i = divmod(pos, n_rows)
-        perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
-        out.append(int(perm[i]))
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(n_rows, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
+        out.append(int(perms[epoch][i]))
     return out
 
 
@@ -342,7 +349,7 @@ def _eos_ids(lm, tokenizer) -> list[int]:
 def token_stats(policy, batch: rollout.Rollout, cfg: Config, device):
     """(logprobs, entropy, collision), each (B, T) of the rollout's T, of the current policy, micro-batch by
     micro-batch without gradients."""
-    outs = [torch.zeros(batch.response_ids.shape) for _ in range(3)]
+    outs = [torch.zeros(batch.response_ids.shape, device=batch.response_ids.device) for _ in range(3)]
     with torch.no_grad():
         for idx in _micro_batches(len(batch), cfg):
             mb = _trim(batch.select(idx))
@@ -350,7 +357,7 @@ def token_stats(policy, batch: rollout.Rollout, cfg: Config, device):
             res = policy(input_ids.to(device), attention_mask.to(device), mb.response_mask.to(device),
                          temperature=cfg.temperature, chunk_size=cfg.chunk_size)
             for full, part in zip(outs, res):
-                full[idx, :part.shape[1]] = part.float().cpu()
+                full[idx, :part.shape[1]] = part.float()
     return outs
 
 
@@ -378,7 +385,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
 
 def all_sum(*values: float) -> list[float]:
     """Sum python floats over ranks (one all-reduce)."""
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
     dist.all_reduce(t)
     return t.tolist()
 
@@ -386,11 +393,12 @@ def all_sum(*values: float) -> list[float]:
 def all_gather_cat(values: torch.Tensor) -> torch.Tensor:
     """Concatenate 1-D tensors of different lengths from all ranks (pad to the longest, all-gather, trim)."""
     world = dist.get_world_size()
+    values = values.detach().float().cpu()
     n = torch.tensor([values.numel()])
     sizes = [torch.zeros_like(n) for _ in range(world)]
     dist.all_gather(sizes, n)
     longest = int(max(sizes))
-    padded = torch.nn.functional.pad(values.float(), (0, longest - values.numel()))
+    padded = torch.nn.functional.pad(values, (0, longest - values.numel()))
     parts = [torch.zeros(longest) for _ in range(world)]
     dist.all_gather(parts, padded)
     return torch.cat([p[:int(s)] for p, s in zip(parts, sizes)])
@@ -416,7 +424,7 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
     texts = batch.texts(tokenizer)
     rewards = torch.tensor([reward.reward(text, my_rows[i // G]["answer"], cfg.reward) for i, text in enumerate(texts)])
     correct = (rewards > 0).float()  # (B,) a positive reward means correct in every reward mode
-    advantages = stapo.group_advantages(rewards, G)  # (B,)
+    advantages = stapo.group_advantages(rewards, G).to(batch.logprobs.device)  # (B,)
     adv = advantages[:, None].expand_as(batch.logprobs)  # (B, T): every token of y_i gets A_i
     mask = batch.response_mask.float()  # (B, T)
     # 3. pi_old log-probs, entropy and collision: one no-grad pass (= p and H of the first mini-batch).
