@@ -1,6 +1,7 @@
 """Tests of train.py on CPU with the tiny random model: learning from reward alone, rank- and micro-batch-invariance
 of the update (1 process vs torchrun 2 processes with FSDP2), exact resume, the Hugging Face export, bad inputs."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -213,3 +214,17 @@ def test_train_skips_zero_advantage_and_nonfinite_steps(tmp_path, monkeypatch):
     assert [m["skipped/nonfinite"] for m in nan] == [2, 2] and all(m["updates"] == 0 for m in nan)
     _close(load_file(tmp_path / "nan" / "hf" / "model.safetensors"), tiny_model(vocab_size=_TOY_VOCAB).state_dict(),
            atol=0)  # parameters untouched (no step, no weight decay)
+
+
+@pytest.mark.parametrize("algo,flags", [("grpo", {"kl_beta": 0.04}), ("20-entropy", {}), ("fullmask", {}),
+                                        ("stapo", {"dual_clip": 10.0, "grad_checkpointing": True})])
+def test_train_every_algorithm_runs(tmp_path, monkeypatch, algo, flags):
+    _patch(monkeypatch, _EVEN)
+    with _one_thread():
+        assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", algo=algo, export_hf=False, **flags)) == 0
+    m = _metrics(tmp_path / "run")[0]
+    assert m["updates"] == 2 and math.isfinite(m["loss/policy"])
+    if algo == "20-entropy":  # keeps the top 20% entropies: about 80% of response tokens silenced
+        assert 0.6 < m["s2t/silenced_frac"] < 0.9
+    if algo == "grpo":
+        assert m["loss/kl"] >= 0
