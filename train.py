@@ -570,7 +570,7 @@ def evaluate(policy, rows: list[dict], prompts: list[list[int]], tokenizer, cfg:
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
-def save_checkpoint(out: Path, step: int, policy, optimizer, scheduler, rank: int) -> None:
+def save_checkpoint(out: Path, step: int, policy, optimizer, scheduler, rank: int, cfg: Config) -> None:
     """Sharded DCP checkpoint of model + optimizer in OUT/checkpoint/step_N, plus one small file per rank (step,
     data position, scheduler and RNG states); OUT/checkpoint/latest names the last complete one."""
     import torch.distributed.checkpoint as dcp
@@ -579,8 +579,8 @@ def save_checkpoint(out: Path, step: int, policy, optimizer, scheduler, rank: in
     path = out / "checkpoint" / f"step_{step}"
     model_sd, optim_sd = get_state_dict(policy, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    torch.save({"step": step, "scheduler": scheduler.state_dict(), "python_rng": random.getstate(),
-                "torch_rng": torch.get_rng_state(),
+    torch.save({"step": step, "config": asdict(cfg), "scheduler": scheduler.state_dict(),
+                "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
                path / f"rank{rank}.pt")
     dist.barrier()
@@ -650,8 +650,8 @@ def setup(cfg: Config, rank: int, world: int, device):
     lm, tokenizer = load_model(cfg.model, device=device)
     if cfg.chat and not tokenizer.chat_template:
         raise ValueError(f"the tokenizer of {cfg.model!r} has no chat template; use --no-chat")
-    encode = lambda rows: [rollout.format_prompt(tokenizer, r["problem"], cfg.chat, cfg.instruction) for r in rows]  # noqa: E731
-    train_prompts, test_prompts = encode(train_rows), encode(test_rows)
+    train_prompts, test_prompts = ([rollout.format_prompt(tokenizer, r["problem"], cfg.chat, cfg.instruction)
+                                    for r in rows] for rows in (train_rows, test_rows))
     keep = [i for i, p in enumerate(train_prompts) if len(p) <= cfg.max_prompt_len]  # difference 7
     if not keep:
         raise ValueError(f"every prompt of {cfg.data or 'the built-in task'} is longer than --max-prompt-len")
@@ -728,7 +728,7 @@ def train(cfg: Config, rank: int, world: int, device, state) -> None:
         if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
             run_eval(done)
         if cfg.save_every and (done % cfg.save_every == 0 or done == cfg.steps):
-            save_checkpoint(out, step, policy, optimizer, scheduler, rank)
+            save_checkpoint(out, step, policy, optimizer, scheduler, rank, cfg)
     if start < cfg.steps:
         run_eval(cfg.steps)
     if cfg.export_hf:
