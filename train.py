@@ -158,7 +158,7 @@ class Config:
 # `python train.py` and `torchrun --standalone --nproc_per_node=2 train.py` finish in < 15 minutes on 2 cores.
 CPU_PRESET = dict(
     model="smollm2", data="", chat=False, instruction="The answer is", temperature=0.7, max_response_len=24,
-    steps=10, prompts_per_step=8, group_size=8, mini_batch_prompts=4, micro_batch_size=32, lr=2e-5, warmup_steps=0,
+    steps=10, prompts_per_step=8, mini_batch_prompts=4, micro_batch_size=32, lr=2e-5, warmup_steps=0,
     rollout_chunk=0, save_every=0, eval_samples=4, out_dir="out/train-cpu",
 )
 
