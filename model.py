@@ -170,11 +170,15 @@ class Policy(nn.Module):
 
     Under FSDP2 this module is the root (see `shard_policy`), so its forward gathers the embeddings, final norm and
     LM head; the decoder layers gather their own parameters through their `__call__`.
+    vocab_size: number of real token ids (`lm_vocab_size(tokenizer)`); LM-head rows beyond it (Qwen's embedding has
+    more rows than its tokenizer has tokens) are left out of the softmax, as the sampler leaves them out, so that
+    pi_old recomputed here equals the sampling distribution. None: every row.
     """
 
-    def __init__(self, lm):
+    def __init__(self, lm, vocab_size: int | None = None):
         super().__init__()
         self.lm = lm
+        self.vocab_size = vocab_size
 
     def forward(self, input_ids, attention_mask, response_mask, temperature=1.0, chunk_size=1024):
         """input_ids, attention_mask (B, P+T) = left-padded prompt + right-padded response; response_mask (B, T).
@@ -188,7 +192,7 @@ class Policy(nn.Module):
         hidden = out.last_hidden_state[:, P - 1:-1]  # (B, T, D): position P+t-1 predicts response token t
         mask = response_mask.bool()  # (B, T)
         logprobs, entropy, collision = chunked_logprobs_entropy(
-            hidden[mask], self.lm.lm_head.weight, input_ids[:, P:][mask],  # (N, D), (V, D), (N,)
+            hidden[mask], self.lm.lm_head.weight[:self.vocab_size], input_ids[:, P:][mask],  # (N, D), (V, D), (N,)
             temperature=temperature, chunk_size=chunk_size, with_collision=True,
         )
         results = []

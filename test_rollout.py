@@ -162,6 +162,14 @@ def test_rollout_logprobs_equal_policy_forward():
     logprobs = Policy(lm)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]  # (B, T), with autograd
     logprobs.sum().backward()  # the rollout's tensors are usable in training
     torch.testing.assert_close(r.logprobs, logprobs.detach(), atol=1e-5, rtol=0)
+    # The sampler drops rows >= vocab_size from its softmax; Policy(vocab_size=...) must drop the same rows.
+    r = generate(lm, _prompts(), 30, temperature=0.7, eos_token_id=2, pad_token_id=0, vocab_size=_REAL_VOCAB,
+                 generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        masked = Policy(lm, vocab_size=_REAL_VOCAB)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]
+        unmasked = Policy(lm)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]
+    torch.testing.assert_close(r.logprobs, masked, atol=1e-5, rtol=0)
+    assert (r.logprobs - unmasked).abs().max() > 1e-3  # the extra rows do carry mass in the tiny model
 
 
 def test_rollout_same_seed_same_rollout():
