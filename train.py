@@ -20,7 +20,7 @@ Deliberate differences from the paper's veRL setup:
    finishes in minutes: SmolLM2-135M on built-in one-step sums) otherwise. A flag given on the command line always
    wins; each value lives once, in `Config` (paper) or `CPU_PRESET` (cpu).
 2. pi_old log-probs are recomputed by the training forward (as veRL does), not taken from the sampler; the mean
-   absolute difference is logged as `rollout/logprob_diff`.
+   absolute difference is logged as `rollout/logprob_diff` (~0 in fp32: both use the tokenizer's rows only).
 3. Sampling noise is seeded per generate call from (seed, step, global index of its first prompt), so rollouts are
    reproducible on resume without saving generator states, and with `--rollout-chunk 1` independent of the number
    of ranks.
@@ -660,7 +660,7 @@ def setup(cfg: Config, rank: int, world: int, device):
     random.seed(cfg.seed)
 
     def make_policy(model_lm):
-        policy = Policy(model_lm)
+        policy = Policy(model_lm, vocab_size=lm_vocab_size(tokenizer))  # the sampler's rows only
         if cfg.grad_checkpointing:
             model_lm.activation_checkpointing_enable({"use_reentrant": False})
         if cfg.fsdp or world > 1 or device.type == "cuda":
