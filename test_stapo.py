@@ -1499,6 +1499,8 @@ def test_train_every_algorithm_runs(tmp_path, monkeypatch, algo, flags):
         assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", algo=algo, export_hf=False, **flags)) == 0
     m = _metrics(tmp_path / "run")[0]
     assert m["updates"] == 2 and math.isfinite(m["loss/policy"])
+    # two mini-batches: the ratio is exactly 1 on the first and moved on the second
+    assert m["ratio/mean"] != 1.0 and abs(m["ratio/mean"] - 1) < 0.5 and m["kl/approx"] > 0
     if algo == "20-entropy":  # keeps the top 20% entropies: about 80% of response tokens silenced
         assert 0.6 < m["s2t/silenced_frac"] < 0.9
     if algo == "grpo":

@@ -446,7 +446,8 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
     t0 = time.time()
     policy.train()
     rows_per_mb = cfg.mini_batch_prompts // world * G
-    acc = dict.fromkeys(["loss/policy", "loss/kl", "grad_norm", "clip/frac_low", "clip/frac_high", "tokens",
+    acc = dict.fromkeys(["loss/policy", "loss/kl", "grad_norm", "clip/frac_low", "clip/frac_high", "ratio/mean",
+                         "kl/approx", "tokens",
                          "s2t/candidates", "s2t/silenced", "silenced_p", "silenced_h", "gn_silenced", "kept",
                          "gn_kept", "updates", "skipped_zero_adv", "skipped_nonfinite"], 0.0)
     spurious = []
@@ -499,8 +500,8 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
             loss_sum += loss.item()
             tokens = stats["loss/tokens"].item()
             acc["tokens"] += tokens
-            acc["clip/frac_low"] += stats["clip/frac_low"].item() * tokens
-            acc["clip/frac_high"] += stats["clip/frac_high"].item() * tokens
+            for key in ("clip/frac_low", "clip/frac_high", "ratio/mean", "kl/approx"):  # token-weighted means
+                acc[key] += stats[key].item() * tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if not math.isfinite(grad_norm):  # the norm is global, so every rank skips together
@@ -518,7 +519,8 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
     t_update = time.time() - t0
 
     n_updates = max(acc["updates"], 1)
-    low, high, tokens = all_sum(acc["clip/frac_low"], acc["clip/frac_high"], acc["tokens"])
+    low, high, ratio, kl, tokens = all_sum(acc["clip/frac_low"], acc["clip/frac_high"], acc["ratio/mean"],
+                                           acc["kl/approx"], acc["tokens"])
     metrics.update({
         "s2t/candidates": acc["s2t/candidates"], "s2t/silenced": acc["s2t/silenced"],
         "s2t/silenced_frac": acc["s2t/silenced"] / max(acc["s2t/silenced"] + acc["kept"], 1),
@@ -528,6 +530,7 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
         "s2t/grad_norm_kept": acc["gn_kept"] / max(acc["kept"], 1),
         "loss/policy": acc["loss/policy"] / n_updates, "loss/kl": acc["loss/kl"] / n_updates,
         "clip/frac_low": low / max(tokens, 1), "clip/frac_high": high / max(tokens, 1),
+        "ratio/mean": ratio / max(tokens, 1), "kl/approx": kl / max(tokens, 1),
         "grad_norm": acc["grad_norm"] / n_updates, "lr": scheduler.get_last_lr()[0],
         "updates": acc["updates"], "skipped/zero_adv": acc["skipped_zero_adv"],
         "skipped/nonfinite": acc["skipped_nonfinite"],
