@@ -2,8 +2,10 @@
 per prompt from the rollout policy pi_old, temperature 1.0 / top-p 1.0 in training, 0.7 / 0.9 in one eval setting).
 
 The sampler is the whole of `generate` below: left-pad the prompts, prefill once, then decode one token per step
-with the model's `DynamicCache`, computing logits only for the last position. Per step it does one forward through
-`model.__call__`, a few tensor ops to sample, and writes into preallocated (B, T) buffers; no logits processors.
+with the model's `DynamicCache`, computing logits only for the last position. Per step it does one backbone forward
+through `__call__` and one head matmul, exactly as `model.Policy` computes the training forward (so the sampling
+distribution and the recomputed pi_old agree by construction), a few tensor ops to sample, and writes into
+preallocated (B, T) buffers; no logits processors.
 
 Deliberate differences from the paper's stack (veRL + vLLM) and from `transformers.generate`:
 1. The recorded log-prob of a sampled token is taken under the FULL tempered softmax (all real vocabulary rows),
@@ -136,17 +138,20 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
         # Checking "all done" reads a value back to the host: free on CPU, a stall on a GPU, so check less often there.
         check_every = 1 if device.type == "cpu" else 8
 
+        # The backbone and the LM head are called as Policy.forward calls them, so the sampler and the training
+        # forward compute the same distribution by construction (and the head only sees the last position).
+        decoder, head = model.get_decoder(), model.get_output_embeddings().weight[:vocab_size]  # head: (V', D)
         cache = DynamicCache(config=model.config)
-        out = model(input_ids=prompt, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
-                    cache=cache, use_cache=True, logits_to_keep=1)  # prefill: logits of the last position only
+        hidden = decoder(input_ids=prompt, attention_mask=prompt_mask, cache=cache, use_cache=True,
+                         position_ids=position_ids_from_mask(prompt_mask)).last_hidden_state  # prefill (B, P, D)
         for t in range(T):
-            logits = out.logits[:, -1, :vocab_size]  # (B, V') real vocabulary rows only (difference 2)
+            logits = hidden[:, -1] @ head.T  # (B, V') real vocabulary rows only (difference 2)
             response_ids[:, t], logprobs[:, t] = _sample(logits, temperature, top_p, generator)
             done |= torch.isin(response_ids[:, t], eos)
             if t + 1 == T or ((t + 1) % check_every == 0 and bool(done.all())):
                 break
-            out = model(input_ids=response_ids[:, t:t + 1], attention_mask=attention_mask[..., :P + t + 1],
-                        position_ids=positions[:, t:t + 1], cache=cache, use_cache=True)
+            hidden = decoder(input_ids=response_ids[:, t:t + 1], attention_mask=attention_mask[..., :P + t + 1],
+                             position_ids=positions[:, t:t + 1], cache=cache, use_cache=True).last_hidden_state
 
     # Rows keep sampling after their EOS (difference 4); mask and blank that afterwards.
     is_eos = torch.isin(response_ids, eos)  # (B, T)
