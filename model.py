@@ -95,8 +95,8 @@ class _ChunkedHead(torch.autograd.Function):
     probabilities; backward reuses those for the last chunk and recomputes the logits of every other chunk.
     Memory bound (C = chunk_size, V = vocab; buffers in fp32, or the input dtype if wider): the forward holds at most
     two (C, V) buffers (log-probs and probs); between forward and backward one (the last chunk's probs); the
-    backward one (+ its copy in the weight dtype when that is bf16), plus the (V, D) weight gradient, accumulated in
-    place in the weight's dtype (as autograd accumulates any bf16 parameter's gradient). Nothing of size N x V
+    backward one (+ its copy in the weight dtype when that is bf16), plus the (V, D) weight gradient, summed over
+    chunks in fp32 (for bf16 weights: one more (V, D) bf16 temporary per chunk). Nothing of size N x V
     exists; besides (N,) vectors only the (N, D) hidden gradient grows with N.
     Time: one extra logits matmul per chunk except the last, so at most 4/3 of the naive matmul work; a single
     chunk (N <= chunk_size) does exactly the naive work.
@@ -130,7 +130,9 @@ class _ChunkedHead(torch.autograd.Function):
         T, C, N = ctx.temperature, ctx.chunk_size, hidden.shape[0]
         last_probs, ctx.last_probs = ctx.last_probs, None  # used once and freed early; a second backward recomputes
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # (N, D)
-        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # (V, D)
+        # (V, D) weight gradient, summed over chunks in fp32 even for bf16 weights (a bf16 running sum over many
+        # chunks loses precision; one matmul, as autograd does, accumulates in fp32 internally)
+        grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if ctx.needs_input_grad[1] else None
         for s in reversed(range(0, N, C)):  # the last chunk first: its probabilities are kept from the forward
             rows = slice(s, s + C)
             h = hidden[rows] / T  # (C, D)
@@ -143,10 +145,12 @@ class _ChunkedHead(torch.autograd.Function):
             del p
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_z @ weight / T  # (C, D)
-            if grad_weight is not None:
+            if grad_weight is not None and grad_weight.dtype == weight.dtype:
                 grad_weight.addmm_(grad_z.T, h)  # (V, D) += (V, C) @ (C, D), in place
+            elif grad_weight is not None:
+                grad_weight += (grad_z.T @ h).to(grad_weight.dtype)  # bf16 matmul, fp32 running sum
             del grad_z
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
 
 
 def chunked_logprobs_entropy(hidden, weight, targets, temperature=1.0, chunk_size=1024, with_collision=False):

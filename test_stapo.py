@@ -463,6 +463,25 @@ def test_model_chunked_bf16_accumulates_in_fp32():
     assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16 and weight.grad.abs().sum() > 0
 
 
+def test_model_chunked_bf16_weight_grad_sums_chunks_in_fp32():
+    """bf16 LM head over 128 chunks: the weight gradient is as close to the fp64 truth as one naive bf16 matmul's
+    (a bf16 running sum over chunks was 5x worse: 1.4% vs 0.26% relative error)."""
+    g = torch.Generator().manual_seed(0)
+    N, V, D = 8192, 512, 64
+    hidden, weight = torch.randn(N, D, generator=g, dtype=torch.float64), torch.randn(V, D, generator=g).double() / 10
+    targets = torch.randint(V, (N,), generator=g)
+    truth = weight.clone().requires_grad_()
+    torch.log_softmax(hidden @ truth.T, -1).gather(1, targets[:, None]).sum().backward()
+    ours, naive = weight.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
+    model.chunked_logprobs_entropy(hidden.bfloat16(), ours, targets, chunk_size=64)[0].sum().backward()
+    torch.log_softmax((hidden.bfloat16() @ naive.T).float(), -1).gather(1, targets[:, None]).sum().backward()
+
+    def rel(w):
+        return ((w.grad.double() - truth.grad).norm() / truth.grad.norm()).item()
+
+    assert ours.grad.dtype == torch.bfloat16 and rel(ours) < 1.5 * rel(naive)
+
+
 def test_model_chunked_empty_batch():
     """A micro-batch with no response tokens: empty outputs, zero gradients, no error."""
     hidden, weight = torch.randn(0, 8, requires_grad=True), torch.randn(20, 8, requires_grad=True)
