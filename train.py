@@ -33,7 +33,7 @@ Deliberate differences from the paper's veRL setup:
 7. Rows of --data whose prompt exceeds --max-prompt-len tokens are dropped at load time (veRL filters them too);
    duplicate (problem, answer) rows are dropped (the Hub DAPO-Math-17k repeats each problem 100 times).
 8. Sampling uses rollout.generate (HF model + KV cache), not vLLM: paper-length responses are slow; the cpu preset
-   also departs from the paper's prompt and temperature (raw text "...\nThe answer is", T = 0.7; README_train.md).
+   also departs from the paper's prompt and temperature (raw text "...\nThe answer is", T = 0.7; README.md).
 """
 import argparse
 import ast
@@ -154,7 +154,7 @@ class Config:
     """write OUT/metrics.png at the end (needs matplotlib; `python train.py --plot RUN ...` overlays runs)"""
 
 
-# The embedded default for machines without a GPU (`--preset cpu`): SmolLM2-135M-Instruct on BUILTIN_TASK, sized so
+# The embedded default for machines without a GPU (`--preset cpu`): SmolLM2-135M-Instruct on builtin_task, sized so
 # `python train.py` and `torchrun --standalone --nproc_per_node=2 train.py` finish in < 15 minutes on 2 cores.
 CPU_PRESET = dict(
     model="smollm2", data="", chat=False, instruction="The answer is", temperature=0.7, max_response_len=24,
@@ -193,7 +193,13 @@ def parse_config(argv: list[str] | None = None) -> Config:
             raise ValueError(f"unknown --preset {preset!r}; valid: auto, paper, cpu")
         values = {**(CPU_PRESET if preset == "cpu" else {}), **given, "preset": preset}
     cfg = Config(**values)
-    _check_config(cfg)
+    if cfg.algo not in stapo.ALGORITHMS:
+        raise ValueError(f"unknown --algo {cfg.algo!r}; valid: {', '.join(stapo.ALGORITHMS)}")
+    if cfg.prompts_per_step % cfg.mini_batch_prompts:
+        raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is not a multiple of --mini-batch-prompts "
+                         f"{cfg.mini_batch_prompts}")
+    if cfg.group_size < 2:
+        raise ValueError("--group-size must be >= 2")
     return cfg
 
 
@@ -206,19 +212,9 @@ def _float_or_none(s: str) -> float | None:
     return None if s.lower() in ("none", "") else float(s)
 
 
-def _check_config(cfg: Config) -> None:
-    if cfg.algo not in stapo.ALGORITHMS:
-        raise ValueError(f"unknown --algo {cfg.algo!r}; valid: {', '.join(stapo.ALGORITHMS)}")
-    if cfg.prompts_per_step % cfg.mini_batch_prompts:
-        raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is not a multiple of --mini-batch-prompts "
-                         f"{cfg.mini_batch_prompts}")
-    if cfg.group_size < 2:
-        raise ValueError("--group-size must be >= 2")
-
-
 # ---------------------------------------------------------------------------------------------------- data
 # The built-in task: every one-digit sum "What is a + b?" (100 problems, 20 held out), deterministic. Chosen by
-# measuring SmolLM2-135M-Instruct (README_train.md): at temperature 0.7 with the raw-text prompt "...\nThe answer is"
+# measuring SmolLM2-135M-Instruct (README.md): at temperature 0.7 with the raw-text prompt "...\nThe answer is"
 # it is right on ~20% of them (~2% for word problems or a chat prompt with the \boxed{} instruction at T=1.0), so
 # most groups of 8 have mixed rewards.
 def builtin_task(split: str) -> list[dict]:
@@ -297,8 +293,21 @@ def rank_slice(n: int, cfg: Config, rank: int, world: int) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------------ rollouts
-def _cat(parts: list[rollout.Rollout], pad: int) -> rollout.Rollout:
-    """Concatenate rollouts of different prompt/response lengths (prompts left-, responses right-padded)."""
+def sample(policy, prompts: list[list[int]], group_size: int, chunk: int, seeds: list[int], cfg: Config, tokenizer,
+           device) -> rollout.Rollout:
+    """`group_size` responses per prompt, `chunk` prompts per generate call, call c seeded with seeds[c]."""
+    # EOS: the tokenizer's and the generation config's (Qwen3 ends chat turns with <|im_end|>)
+    gen_eos = getattr(policy.lm.generation_config, "eos_token_id", None)
+    eos = sorted({tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
+    pad = tokenizer.pad_token_id
+    parts = []
+    with rollout.gathered(policy):
+        for c, seed in zip(range(0, len(prompts), chunk), seeds):
+            parts.append(rollout.sample_groups(
+                policy.lm, prompts[c:c + chunk], group_size, max_new_tokens=cfg.max_response_len,
+                temperature=cfg.temperature, top_p=cfg.top_p, eos_token_id=eos, pad_token_id=pad,
+                generator=torch.Generator(device).manual_seed(seed), vocab_size=lm_vocab_size(tokenizer)))
+    # One Rollout: prompts left-padded to the longest P, responses right-padded to the longest T.
     P = max(r.prompt_ids.shape[1] for r in parts)
     T = max(r.response_ids.shape[1] for r in parts)
 
@@ -314,36 +323,15 @@ def _cat(parts: list[rollout.Rollout], pad: int) -> rollout.Rollout:
         torch.cat([right(r.logprobs, 0.0) for r in parts]), torch.cat([r.truncated for r in parts]))
 
 
-def _trim(r: rollout.Rollout) -> rollout.Rollout:
-    """Drop all-padding prompt columns (left) and response columns (right) of a micro-batch."""
-    p0 = int((r.prompt_mask.sum(0) > 0).nonzero()[0])
-    t1 = int((r.response_mask.sum(0) > 0).nonzero()[-1]) + 1
-    return rollout.Rollout(r.prompt_ids[:, p0:], r.prompt_mask[:, p0:], r.response_ids[:, :t1],
-                           r.response_mask[:, :t1], r.logprobs[:, :t1], r.truncated)
-
-
-def sample(policy, prompts: list[list[int]], first_index: list[int], group_size: int, cfg: Config, step: int,
-           tokenizer, device) -> rollout.Rollout:
-    """G responses per prompt, `rollout_chunk` prompts per generate call, each call seeded from (seed, step, global
-    index of its first prompt) (difference 3)."""
-    chunk = cfg.rollout_chunk or len(prompts)
-    parts = []
-    with rollout.gathered(policy):
-        for c in range(0, len(prompts), chunk):
-            gen = torch.Generator(device).manual_seed(hash((cfg.seed, step, first_index[c])) % 2**62)
-            parts.append(rollout.sample_groups(
-                policy.lm, prompts[c:c + chunk], group_size, max_new_tokens=cfg.max_response_len,
-                temperature=cfg.temperature, top_p=cfg.top_p, eos_token_id=_eos_ids(policy.lm, tokenizer),
-                pad_token_id=tokenizer.pad_token_id, generator=gen, vocab_size=lm_vocab_size(tokenizer)))
-    return _cat(parts, tokenizer.pad_token_id)
-
-
-def _eos_ids(lm, tokenizer) -> list[int]:
-    """EOS ids: the tokenizer's and the model's generation config's (Qwen3 ends chat turns with <|im_end|>)."""
-    ids = {tokenizer.eos_token_id}
-    gen = getattr(lm.generation_config, "eos_token_id", None)
-    ids.update(gen if isinstance(gen, list) else [gen])
-    return sorted(i for i in ids if i is not None)
+def policy_forward(policy, mb: rollout.Rollout, cfg: Config, device):
+    """(logprobs, entropy, collision) of `policy` on the rows `mb`, each (B, T') with T' <= T: all-padding prompt
+    columns (left) and response columns (right) are dropped first."""
+    P = mb.prompt_ids.shape[1]
+    p0 = int((mb.prompt_mask.sum(0) > 0).nonzero()[0])
+    t1 = int((mb.response_mask.sum(0) > 0).nonzero()[-1]) + 1
+    input_ids, attention_mask = (x[:, p0:P + t1].to(device) for x in mb.training_inputs())  # (B, P - p0 + T')
+    return policy(input_ids, attention_mask, mb.response_mask[:, :t1].to(device), temperature=cfg.temperature,
+                  chunk_size=cfg.chunk_size)
 
 
 def token_stats(policy, batch: rollout.Rollout, cfg: Config, device):
@@ -352,11 +340,7 @@ def token_stats(policy, batch: rollout.Rollout, cfg: Config, device):
     outs = [torch.zeros(batch.response_ids.shape, device=batch.response_ids.device) for _ in range(3)]
     with torch.no_grad():
         for idx in _micro_batches(len(batch), cfg):
-            mb = _trim(batch.select(idx))
-            input_ids, attention_mask = mb.training_inputs()
-            res = policy(input_ids.to(device), attention_mask.to(device), mb.response_mask.to(device),
-                         temperature=cfg.temperature, chunk_size=cfg.chunk_size)
-            for full, part in zip(outs, res):
+            for full, part in zip(outs, policy_forward(policy, batch.select(idx), cfg, device)):
                 full[idx, :part.shape[1]] = part.float()
     return outs
 
@@ -392,38 +376,36 @@ def all_sum(*values: float) -> list[float]:
 
 def all_gather_cat(values: torch.Tensor) -> torch.Tensor:
     """Concatenate 1-D tensors of different lengths from all ranks (pad to the longest, all-gather, trim)."""
-    world = dist.get_world_size()
-    values = values.detach().float().cpu()
-    n = torch.tensor([values.numel()])
-    sizes = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n)
+    world, values = dist.get_world_size(), values.detach().float().cpu()
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([values.numel()]))
     longest = int(max(sizes))
-    padded = torch.nn.functional.pad(values, (0, longest - values.numel()))
     parts = [torch.zeros(longest) for _ in range(world)]
-    dist.all_gather(parts, padded)
+    dist.all_gather(parts, torch.nn.functional.pad(values, (0, longest - values.numel())))
     return torch.cat([p[:int(s)] for p, s in zip(parts, sizes)])
 
 
 # ------------------------------------------------------------------------------------------------- the step
-def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[dict], tokenizer, prompt_cache: dict,
-               cfg: Config, rank: int, world: int, device) -> tuple[dict, list[dict]]:
+def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[dict], prompts: list[list[int]],
+               tokenizer, cfg: Config, rank: int, world: int, device) -> tuple[dict, list[dict]]:
     """One rollout batch and its mini-batch updates -> (metrics, sample of silenced tokens)."""
     G = cfg.group_size
     clip_low, clip_high = stapo.ALGO_CLIP[cfg.algo]
     clip_low = clip_low if cfg.clip_low is None else cfg.clip_low
     clip_high = clip_high if cfg.clip_high is None else cfg.clip_high
-    # 1. Prompts of this rank, in mini-batch order.
+    # 1. Prompts of this rank in mini-batch order; each generate call seeded from (seed, step, global index of its
+    #    first prompt) (difference 3).
     t0 = time.time()
     indices = prompt_indices(step, len(rows), cfg)
-    mine = rank_slice(len(indices), cfg, rank, world)
-    my_rows = [rows[indices[i]] for i in mine]
-    prompts = [prompt_cache[indices[i]] for i in mine]
+    positions = rank_slice(len(indices), cfg, rank, world)
+    mine = [indices[i] for i in positions]  # row indices
+    chunk = cfg.rollout_chunk or len(mine)
+    seeds = [hash((cfg.seed, step, step * cfg.prompts_per_step + i)) % 2**62 for i in positions[::chunk]]
     policy.eval()
-    batch = sample(policy, prompts, [step * cfg.prompts_per_step + i for i in mine], G, cfg, step, tokenizer, device)
+    batch = sample(policy, [prompts[i] for i in mine], G, chunk, seeds, cfg, tokenizer, device)
     # 2. Rewards and group advantages (groups never span ranks).
-    texts = batch.texts(tokenizer)
-    rewards = torch.tensor([reward.reward(text, my_rows[i // G]["answer"], cfg.reward) for i, text in enumerate(texts)])
-    correct = (rewards > 0).float()  # (B,) a positive reward means correct in every reward mode
+    rewards = torch.tensor([reward.reward(text, rows[mine[i // G]]["answer"], cfg.reward)
+                            for i, text in enumerate(batch.texts(tokenizer))])  # (B,)
     advantages = stapo.group_advantages(rewards, G).to(batch.logprobs.device)  # (B,)
     adv = advantages[:, None].expand_as(batch.logprobs)  # (B, T): every token of y_i gets A_i
     mask = batch.response_mask.float()  # (B, T)
@@ -431,26 +413,21 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
     old_logprobs, old_entropy, old_collision = token_stats(policy, batch, cfg, device)
     ref_logprobs = token_stats(ref_policy, batch, cfg, device)[0] if ref_policy is not None else None
     t_rollout = time.time() - t0
-
-    lengths = mask.sum(1)
-    sums = all_sum(rewards.sum(), correct.sum(), lengths.sum(), batch.truncated.float().sum(), len(batch),
-                   (old_entropy * mask).sum(), ((old_logprobs - batch.logprobs).abs() * mask).sum(),
-                   (advantages == 0).float().sum())
-    n_seq, n_tok = sums[4], sums[2]
-    metrics = {"step": step, "reward/mean": sums[0] / n_seq, "reward/acc": sums[1] / n_seq,
-               "response/len_mean": n_tok / n_seq, "response/truncated_frac": sums[3] / n_seq,
-               "entropy/mean": sums[5] / n_tok, "rollout/logprob_diff": sums[6] / n_tok,
-               "adv/zero_frac": sums[7] / n_seq}
+    # Sums over this rank's sequences and tokens for the metrics, reduced over ranks once, at the end of the step.
+    sums = {"reward": rewards.sum(), "correct": (rewards > 0).sum(),  # a positive reward is correct in every mode
+            "seqs": len(batch), "tokens": mask.sum(), "truncated": batch.truncated.sum(),
+            "zero_adv": (advantages == 0).sum(), "entropy": (old_entropy * mask).sum(),
+            "logprob_diff": ((old_logprobs - batch.logprobs).abs() * mask).sum()}
+    sums |= dict.fromkeys(["s2t/candidates", "s2t/silenced", "kept", "silenced_p", "silenced_h", "gn_silenced",
+                           "gn_kept", "loss/policy", "loss/kl", "loss_tokens", "clip/frac_low", "clip/frac_high",
+                           "ratio/mean", "kl/approx"], 0.0)
+    updates = skipped_zero_adv = skipped_nonfinite = grad_norm_sum = 0.0  # already global: equal on every rank
+    spurious = []
 
     # 4. Mini-batch updates (paper Algorithm 1).
     t0 = time.time()
     policy.train()
     rows_per_mb = cfg.mini_batch_prompts // world * G
-    acc = dict.fromkeys(["loss/policy", "loss/kl", "grad_norm", "clip/frac_low", "clip/frac_high", "ratio/mean",
-                         "kl/approx", "tokens",
-                         "s2t/candidates", "s2t/silenced", "silenced_p", "silenced_h", "gn_silenced", "kept",
-                         "gn_kept", "updates", "skipped_zero_adv", "skipped_nonfinite"], 0.0)
-    spurious = []
     for k, start in enumerate(range(0, len(batch), rows_per_mb)):
         idx = slice(start, start + rows_per_mb)
         mb, mb_adv, mb_mask, mb_old = batch.select(idx), adv[idx], mask[idx], old_logprobs[idx]
@@ -468,30 +445,29 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
         w = stapo.surrogate_weight(logprobs, mb_old, mb_adv, clip_low, clip_high, cfg.dual_clip)
         diag = s2t.diagnostics(logprobs, entropy, collision, mb_adv, mb_mask, silenced, cfg.tau_p, w=w)
         n_sil, n_kept = diag["s2t/silenced"], mb_mask.sum().item() - diag["s2t/silenced"]
-        for key, value in zip(["s2t/candidates", "s2t/silenced", "silenced_p", "silenced_h", "gn_silenced", "kept",
-                               "gn_kept"],
-                              all_sum(diag["s2t/candidates"], n_sil, n_sil * diag["s2t/silenced_p_mean"],
-                                      n_sil * diag["s2t/silenced_h_mean"], n_sil * diag["s2t/grad_norm_silenced"],
-                                      n_kept, n_kept * diag["s2t/grad_norm_kept"])):
-            acc[key] += value
-        spurious += _spurious_sample(mb, silenced, logprobs, entropy, mb_adv, tokenizer, step, k)
+        for key, value in [("s2t/candidates", diag["s2t/candidates"]), ("s2t/silenced", n_sil), ("kept", n_kept),
+                           ("silenced_p", n_sil * diag["s2t/silenced_p_mean"]),
+                           ("silenced_h", n_sil * diag["s2t/silenced_h_mean"]),
+                           ("gn_silenced", n_sil * diag["s2t/grad_norm_silenced"]),
+                           ("gn_kept", n_kept * diag["s2t/grad_norm_kept"])]:
+            sums[key] += value
+        spurious += [{"step": step, "mini_batch": k, "token": tokenizer.decode([int(mb.response_ids[i, t])]),
+                      "context": tokenizer.decode(mb.response_ids[i, max(0, t - 12):t].tolist()),
+                      "p": math.exp(float(logprobs[i, t])), "H": float(entropy[i, t]),
+                      "advantage": float(mb_adv[i, t])}
+                     for i, t in silenced.nonzero().tolist()[:cfg.spurious_per_step - len(spurious)]]
         if nonzero == 0:  # all advantages zero: nothing to learn, skip (difference 6)
-            acc["skipped_zero_adv"] += 1
+            skipped_zero_adv += 1
             continue
         # Gradient accumulation over micro-batches: sum_micro sum_ranks (world * loss_part) / world = J's gradient.
         optimizer.zero_grad(set_to_none=True)
         loss_sum = kl_sum = 0.0
         for mi in _micro_batches(len(mb), cfg):
-            micro = _trim(mb.select(mi))
-            T = micro.response_ids.shape[1]
-            input_ids, attention_mask = micro.training_inputs()
-            new_logprobs, _, _ = policy(input_ids.to(device), attention_mask.to(device),
-                                        micro.response_mask.to(device), temperature=cfg.temperature,
-                                        chunk_size=cfg.chunk_size)
-            cut = (mi, slice(0, T))
+            new_logprobs = policy_forward(policy, mb.select(mi), cfg, device)[0]  # (b, T')
+            cut = (mi, slice(0, new_logprobs.shape[1]))
             loss, stats = stapo.policy_loss(new_logprobs, mb_old[cut].to(device), mb_adv[cut].to(device),
                                             weights[cut].to(device), clip_low, clip_high, cfg.dual_clip, denominator)
-            if ref_policy is not None and cfg.kl_beta > 0:
+            if ref_policy is not None:  # GRPO with --kl-beta > 0
                 kl = (weights[cut].to(device) * stapo.kl_k3(new_logprobs, ref_logprobs[idx][cut].to(device))).sum()
                 kl = kl / max(denominator, 1.0)
                 loss = loss + cfg.kl_beta * kl
@@ -499,56 +475,50 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
             (loss * world).backward()  # FSDP2 divides the summed gradient by world (difference 5)
             loss_sum += loss.item()
             tokens = stats["loss/tokens"].item()
-            acc["tokens"] += tokens
+            sums["loss_tokens"] += tokens
             for key in ("clip/frac_low", "clip/frac_high", "ratio/mean", "kl/approx"):  # token-weighted means
-                acc[key] += stats[key].item() * tokens
+                sums[key] += stats[key].item() * tokens
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if not math.isfinite(grad_norm):  # the norm is global, so every rank skips together
             warnings.warn(f"step {step} mini-batch {k}: non-finite gradient norm, update skipped")
             optimizer.zero_grad(set_to_none=True)
-            acc["skipped_nonfinite"] += 1
+            skipped_nonfinite += 1
             continue
         optimizer.step()
         scheduler.step()
-        acc["updates"] += 1
-        acc["grad_norm"] += grad_norm
-        acc["loss/policy"] += sum(all_sum(loss_sum))
-        acc["loss/kl"] += sum(all_sum(kl_sum))
+        updates += 1
+        grad_norm_sum += grad_norm
+        sums["loss/policy"] += loss_sum
+        sums["loss/kl"] += kl_sum
     optimizer.zero_grad(set_to_none=True)
     t_update = time.time() - t0
 
-    n_updates = max(acc["updates"], 1)
-    low, high, ratio, kl, tokens = all_sum(acc["clip/frac_low"], acc["clip/frac_high"], acc["ratio/mean"],
-                                           acc["kl/approx"], acc["tokens"])
-    metrics.update({
-        "s2t/candidates": acc["s2t/candidates"], "s2t/silenced": acc["s2t/silenced"],
-        "s2t/silenced_frac": acc["s2t/silenced"] / max(acc["s2t/silenced"] + acc["kept"], 1),
-        "s2t/silenced_p_mean": acc["silenced_p"] / max(acc["s2t/silenced"], 1),
-        "s2t/silenced_h_mean": acc["silenced_h"] / max(acc["s2t/silenced"], 1),
-        "s2t/grad_norm_silenced": acc["gn_silenced"] / max(acc["s2t/silenced"], 1),
-        "s2t/grad_norm_kept": acc["gn_kept"] / max(acc["kept"], 1),
-        "loss/policy": acc["loss/policy"] / n_updates, "loss/kl": acc["loss/kl"] / n_updates,
-        "clip/frac_low": low / max(tokens, 1), "clip/frac_high": high / max(tokens, 1),
-        "ratio/mean": ratio / max(tokens, 1), "kl/approx": kl / max(tokens, 1),
-        "grad_norm": acc["grad_norm"] / n_updates, "lr": scheduler.get_last_lr()[0],
-        "updates": acc["updates"], "skipped/zero_adv": acc["skipped_zero_adv"],
-        "skipped/nonfinite": acc["skipped_nonfinite"],
+    tot = dict(zip(sums, all_sum(*sums.values())))
+
+    def mean(key, n):
+        return tot[key] / max(n, 1)
+
+    n_seq, n_tok, n_loss = tot["seqs"], tot["tokens"], tot["loss_tokens"]
+    n_sil, n_kept = tot["s2t/silenced"], tot["kept"]
+    metrics = {
+        "step": step, "reward/mean": mean("reward", n_seq), "reward/acc": mean("correct", n_seq),
+        "response/len_mean": mean("tokens", n_seq), "response/truncated_frac": mean("truncated", n_seq),
+        "entropy/mean": mean("entropy", n_tok), "rollout/logprob_diff": mean("logprob_diff", n_tok),
+        "adv/zero_frac": mean("zero_adv", n_seq),
+        "s2t/candidates": tot["s2t/candidates"], "s2t/silenced": n_sil,
+        "s2t/silenced_frac": mean("s2t/silenced", n_sil + n_kept),
+        "s2t/silenced_p_mean": mean("silenced_p", n_sil), "s2t/silenced_h_mean": mean("silenced_h", n_sil),
+        "s2t/grad_norm_silenced": mean("gn_silenced", n_sil), "s2t/grad_norm_kept": mean("gn_kept", n_kept),
+        "loss/policy": mean("loss/policy", updates), "loss/kl": mean("loss/kl", updates),
+        "clip/frac_low": mean("clip/frac_low", n_loss), "clip/frac_high": mean("clip/frac_high", n_loss),
+        "ratio/mean": mean("ratio/mean", n_loss), "kl/approx": mean("kl/approx", n_loss),
+        "grad_norm": grad_norm_sum / max(updates, 1), "lr": scheduler.get_last_lr()[0],
+        "updates": updates, "skipped/zero_adv": skipped_zero_adv, "skipped/nonfinite": skipped_nonfinite,
         "time/rollout_s": t_rollout, "time/update_s": t_update,
         "tokens_per_s": n_tok / max(t_rollout + t_update, 1e-9),
-    })
+    }
     return metrics, spurious
-
-
-def _spurious_sample(mb, silenced, logprobs, entropy, adv, tokenizer, step, k, context=12) -> list[dict]:
-    """Silenced tokens of a mini-batch with their context, for OUT/spurious.jsonl."""
-    out = []
-    for i, t in silenced.nonzero().tolist():
-        ids = mb.response_ids[i]
-        out.append({"step": step, "mini_batch": k, "token": tokenizer.decode([int(ids[t])]),
-                    "context": tokenizer.decode(ids[max(0, t - context):t].tolist()),
-                    "p": math.exp(float(logprobs[i, t])), "H": float(entropy[i, t]), "advantage": float(adv[i, t])})
-    return out
 
 
 # ----------------------------------------------------------------------------------------------- evaluation
@@ -559,12 +529,8 @@ def evaluate(policy, rows: list[dict], prompts: list[list[int]], tokenizer, cfg:
     correct = total = length = 0.0
     if mine:
         policy.eval()
-        with rollout.gathered(policy):
-            gen = torch.Generator(device).manual_seed(cfg.seed + 1 + rank)
-            out = rollout.sample_groups(
-                policy.lm, [prompts[i] for i in mine], cfg.eval_samples, max_new_tokens=cfg.max_response_len,
-                temperature=cfg.temperature, top_p=cfg.top_p, eos_token_id=_eos_ids(policy.lm, tokenizer),
-                pad_token_id=tokenizer.pad_token_id, generator=gen, vocab_size=lm_vocab_size(tokenizer))
+        out = sample(policy, [prompts[i] for i in mine], cfg.eval_samples, len(mine), [cfg.seed + 1 + rank], cfg,
+                     tokenizer, device)
         texts = out.texts(tokenizer)
         correct = sum(reward.grade(t, rows[mine[j // cfg.eval_samples]]["answer"]) for j, t in enumerate(texts))
         total, length = len(texts), float(out.response_mask.sum())
@@ -587,10 +553,10 @@ def save_checkpoint(out: Path, step: int, policy, optimizer, scheduler, rank: in
                 "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
                path / f"rank{rank}.pt")
     dist.barrier()
+    latest = out / "checkpoint" / "latest"
     if rank == 0:
-        previous = (out / "checkpoint" / "latest").read_text().strip() if (out / "checkpoint" / "latest").exists() \
-            else None
-        (out / "checkpoint" / "latest").write_text(path.name)
+        previous = latest.read_text().strip() if latest.exists() else None
+        latest.write_text(path.name)
         if previous and previous != path.name:
             shutil.rmtree(out / "checkpoint" / previous, ignore_errors=True)
     dist.barrier()
@@ -677,26 +643,23 @@ def setup(cfg: Config, rank: int, world: int, device):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     # lr: linear warm-up over warmup_steps optimizer steps, then constant
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
-    out = Path(cfg.out_dir)
-    start = load_checkpoint(out, policy, optimizer, scheduler, rank) if cfg.resume else 0
-    data = (train_rows, dict(enumerate(train_prompts)), test_rows, test_prompts)
+    start = load_checkpoint(Path(cfg.out_dir), policy, optimizer, scheduler, rank) if cfg.resume else 0
+    data = (train_rows, train_prompts, test_rows, test_prompts)
     return policy, ref_policy, tokenizer, optimizer, scheduler, data, start
 
 
 def train(cfg: Config, rank: int, world: int, device, state) -> None:
-    policy, ref_policy, tokenizer, optimizer, scheduler, (rows, prompt_cache, test_rows, test_prompts), start = state
+    """The training loop on the objects `setup` made: steps, metrics and spurious-token lines, evals, checkpoints."""
+    policy, ref_policy, tokenizer, optimizer, scheduler, (rows, prompts, test_rows, test_prompts), start = state
     out = Path(cfg.out_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
         for name in ("metrics.jsonl", "spurious.jsonl", "eval.jsonl"):  # drop lines past the checkpoint
             f = out / name
-            if start and f.exists():
-                kept = [x for x in f.read_text().splitlines() if x and json.loads(x)["step"] < start + (
-                    name == "eval.jsonl")]
-                f.write_text("".join(x + "\n" for x in kept))
-            if not start or not f.exists():
-                f.write_text("")
+            lines = f.read_text().splitlines() if start and f.exists() else []
+            done = start + (name == "eval.jsonl")  # eval.jsonl's step N is "after N steps"
+            f.write_text("".join(x + "\n" for x in lines if x and json.loads(x)["step"] < done))
 
     def write(name, records):
         if rank == 0:
@@ -716,12 +679,12 @@ def train(cfg: Config, rank: int, world: int, device, state) -> None:
     bar = range(start, cfg.steps)
     if rank == 0:
         from tqdm import tqdm
-        bar = tqdm(bar, initial=start, total=cfg.steps, desc=f"{cfg.algo}", dynamic_ncols=True)
+        bar = tqdm(bar, initial=start, total=cfg.steps, desc=cfg.algo, dynamic_ncols=True)
     for step in bar:
-        metrics, spurious = train_step(step, policy, ref_policy, optimizer, scheduler, rows, tokenizer, prompt_cache,
-                                       cfg, rank, world, device)
+        metrics, spurious = train_step(step, policy, ref_policy, optimizer, scheduler, rows, prompts, tokenizer, cfg,
+                                       rank, world, device)
         gathered = [None] * world
-        dist.all_gather_object(gathered, spurious[:cfg.spurious_per_step])
+        dist.all_gather_object(gathered, spurious)
         write("spurious.jsonl", [x for part in gathered for x in part][:cfg.spurious_per_step])
         write("metrics.jsonl", [metrics])
         if rank == 0:
