@@ -1403,11 +1403,14 @@ def test_train_learns_toy_sum(tmp_path, monkeypatch, algo):
 
 
 def test_train_torchrun_two_processes_match_one(tmp_path):
-    """torchrun 2 processes (gloo, FSDP2) = 1 process without FSDP: same losses, same parameters after the update."""
+    """torchrun 2 processes (gloo, FSDP2) = 1 process without FSDP: same losses, same parameters after the update.
+    One held-out problem for two ranks: the rank without one must still join the collective rollout (it hung)."""
     data = _toy_data(tmp_path)
-    _run(tmp_path, _toy_args(data, tmp_path / "one"), nproc=1)
-    _run(tmp_path, _toy_args(data, tmp_path / "two"), nproc=2)
+    _run(tmp_path, _toy_args(data, tmp_path / "one", heldout=1), nproc=1)
+    _run(tmp_path, _toy_args(data, tmp_path / "two", heldout=1), nproc=2)
     one, two = _metrics(tmp_path / "one")[0], _metrics(tmp_path / "two")[0]
+    evals = [json.loads(line) for line in (tmp_path / "two" / "eval.jsonl").read_text().splitlines()]
+    assert [e["eval/n"] for e in evals] == [4, 4]  # before and after, 1 problem x --eval-samples 4
     assert one["updates"] == 2
     for key in ("reward/mean", "response/len_mean", "loss/policy", "grad_norm", "entropy/mean", "clip/frac_high"):
         assert one[key] == pytest.approx(two[key], rel=1e-4, abs=1e-6), key
@@ -1476,6 +1479,7 @@ def test_train_bad_inputs_one_line_error(tmp_path, capsys):
         "bad.jsonl row 1: no answer": _toy_args(str(bad_row), tmp_path / "o"),
         "unknown --algo 'ppo'": _toy_args(data, tmp_path / "o", algo="ppo"),
         "model directory not found": _toy_args(data, tmp_path / "o", model="./no/such/model"),
+        "--temperature must be > 0": _toy_args(data, tmp_path / "o", temperature=0),
     }
     for expected, args in cases.items():
         assert train.main(args) == 2, expected

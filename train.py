@@ -28,8 +28,8 @@ Deliberate differences from the paper's veRL setup:
    mini-batch. The S2T threshold, the denominator and the metrics are reduced over all ranks.
 5. FSDP2 averages gradients over ranks; each rank backpropagates world_size * (its sum / global denominator), so
    the applied gradient is the gradient of (sum over all ranks / global denominator).
-6. A mini-batch whose advantages are all zero is skipped (no optimizer step, no weight decay); a non-finite
-   gradient norm skips the step with a warning.
+6. A mini-batch whose advantages are all zero is skipped (no optimizer step, no weight decay) unless GRPO's KL
+   term still gives it a gradient; a non-finite gradient norm skips the step with a warning.
 7. Rows of --data whose prompt exceeds --max-prompt-len tokens are dropped at load time (veRL filters them too);
    duplicate (problem, answer) rows are dropped (the Hub DAPO-Math-17k repeats each problem 100 times).
 8. Sampling uses rollout.generate (HF model + KV cache), not vLLM: paper-length responses are slow; the cpu preset
@@ -200,6 +200,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
                          f"{cfg.mini_batch_prompts}")
     if cfg.group_size < 2:
         raise ValueError("--group-size must be >= 2")
+    if cfg.temperature <= 0:
+        raise ValueError("--temperature must be > 0 (the training forward divides the logits by it)")
     return cfg
 
 
@@ -295,18 +297,21 @@ def rank_slice(n: int, cfg: Config, rank: int, world: int) -> list[int]:
 # ------------------------------------------------------------------------------------------------ rollouts
 def sample(policy, prompts: list[list[int]], group_size: int, chunk: int, seeds: list[int], cfg: Config, tokenizer,
            device) -> rollout.Rollout:
-    """`group_size` responses per prompt, `chunk` prompts per generate call, call c seeded with seeds[c]."""
-    # EOS: the tokenizer's and the generation config's (Qwen3 ends chat turns with <|im_end|>)
+    """`group_size` responses per prompt, `chunk` prompts per generate call, call c seeded with seeds[c].
+    Call it inside `rollout.gathered(policy)`, which every rank must enter (it all-gathers the parameters)."""
+    # EOS: the tokenizer's, the generation config's and, with chat prompts, the end-of-turn token: Qwen3-Base's
+    # generation config names only <|endoftext|>, while its chat template ends the assistant turn with <|im_end|>.
     gen_eos = getattr(policy.lm.generation_config, "eos_token_id", None)
-    eos = sorted({tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
+    turn_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if cfg.chat and "<|im_end|>" in tokenizer.get_vocab() \
+        else None
+    eos = sorted({tokenizer.eos_token_id, turn_end, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
     pad = tokenizer.pad_token_id
     parts = []
-    with rollout.gathered(policy):
-        for c, seed in zip(range(0, len(prompts), chunk), seeds):
-            parts.append(rollout.sample_groups(
-                policy.lm, prompts[c:c + chunk], group_size, max_new_tokens=cfg.max_response_len,
-                temperature=cfg.temperature, top_p=cfg.top_p, eos_token_id=eos, pad_token_id=pad,
-                generator=torch.Generator(device).manual_seed(seed), vocab_size=lm_vocab_size(tokenizer)))
+    for c, seed in zip(range(0, len(prompts), chunk), seeds):
+        parts.append(rollout.sample_groups(
+            policy.lm, prompts[c:c + chunk], group_size, max_new_tokens=cfg.max_response_len,
+            temperature=cfg.temperature, top_p=cfg.top_p, eos_token_id=eos, pad_token_id=pad,
+            generator=torch.Generator(device).manual_seed(seed), vocab_size=lm_vocab_size(tokenizer)))
     # One Rollout: prompts left-padded to the longest P, responses right-padded to the longest T.
     P = max(r.prompt_ids.shape[1] for r in parts)
     T = max(r.response_ids.shape[1] for r in parts)
@@ -402,7 +407,8 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
     chunk = cfg.rollout_chunk or len(mine)
     seeds = [hash((cfg.seed, step, step * cfg.prompts_per_step + i)) % 2**62 for i in positions[::chunk]]
     policy.eval()
-    batch = sample(policy, [prompts[i] for i in mine], G, chunk, seeds, cfg, tokenizer, device)
+    with rollout.gathered(policy):
+        batch = sample(policy, [prompts[i] for i in mine], G, chunk, seeds, cfg, tokenizer, device)
     # 2. Rewards and group advantages (groups never span ranks).
     rewards = torch.tensor([reward.reward(text, rows[mine[i // G]]["answer"], cfg.reward)
                             for i, text in enumerate(batch.texts(tokenizer))])  # (B,)
@@ -456,7 +462,7 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
                       "p": math.exp(float(logprobs[i, t])), "H": float(entropy[i, t]),
                       "advantage": float(mb_adv[i, t])}
                      for i, t in silenced.nonzero().tolist()[:cfg.spurious_per_step - len(spurious)]]
-        if nonzero == 0:  # all advantages zero: nothing to learn, skip (difference 6)
+        if nonzero == 0 and ref_policy is None:  # zero advantages, no KL term: nothing to learn, skip (difference 6)
             skipped_zero_adv += 1
             continue
         # Gradient accumulation over micro-batches: sum_micro sum_ranks (world * loss_part) / world = J's gradient.
@@ -527,10 +533,11 @@ def evaluate(policy, rows: list[dict], prompts: list[list[int]], tokenizer, cfg:
     """Mean accuracy over `eval_samples` samples per held-out problem (problems split round-robin over ranks)."""
     mine = list(range(rank, len(rows), world))
     correct = total = length = 0.0
-    if mine:
-        policy.eval()
+    policy.eval()
+    with rollout.gathered(policy):  # a collective: every rank enters, also one without held-out problems
         out = sample(policy, [prompts[i] for i in mine], cfg.eval_samples, len(mine), [cfg.seed + 1 + rank], cfg,
-                     tokenizer, device)
+                     tokenizer, device) if mine else None
+    if mine:
         texts = out.texts(tokenizer)
         correct = sum(reward.grade(t, rows[mine[j // cfg.eval_samples]]["answer"]) for j, t in enumerate(texts))
         total, length = len(texts), float(out.response_mask.sum())
