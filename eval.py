@@ -266,13 +266,6 @@ class Config:
 
 
 # --------------------------------------------------------------------------------------------------- evaluation
-def _eos_ids(lm, tokenizer) -> list[int]:
-    """The tokenizer's EOS and the model's generation-config EOS ids (Qwen instruct models stop on <|im_end|>)."""
-    ids = lm.generation_config.eos_token_id if lm.generation_config is not None else None
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    return sorted({tokenizer.eos_token_id, *ids} - {None})
-
-
 def evaluate_model(name: str, cfg: Config, rank: int = 0, world: int = 1, device: str = "cpu"):
     """Sample k answers per problem on this rank's share of every benchmark, grade them, gather to rank 0.
     Yields (benchmark, {"k", "temperature", "top_p", "metrics", "problems": [...]}) after each benchmark on rank 0
@@ -288,7 +281,7 @@ def evaluate_model(name: str, cfg: Config, rank: int = 0, world: int = 1, device
     lm.eval()
     temperature, top_p = PRESETS[cfg.preset]
     gen_kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=top_p,
-                  eos_token_id=_eos_ids(lm, tokenizer), pad_token_id=tokenizer.pad_token_id,
+                  eos_token_id=rollout.eos_ids(lm, tokenizer, cfg.chat), pad_token_id=tokenizer.pad_token_id,
                   vocab_size=model_lib.lm_vocab_size(tokenizer),
                   generator=torch.Generator(device=device).manual_seed(cfg.seed + rank))
     data = {b: load_benchmark(b, cfg.data_dir)[: cfg.limit] for b in cfg.benchmarks}

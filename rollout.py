@@ -46,6 +46,15 @@ def format_prompt(tokenizer, problem: str, chat: bool = True, instruction: str =
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
+def eos_ids(lm, tokenizer, chat: bool) -> list[int]:
+    """Token ids that end a response: the tokenizer's EOS, the generation config's and, with chat prompts, the
+    ChatML end of turn `<|im_end|>` (Qwen3-Base's generation config names only <|endoftext|>, while its chat
+    template ends the assistant turn with <|im_end|>)."""
+    gen = getattr(lm.generation_config, "eos_token_id", None)
+    turn_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if chat and "<|im_end|>" in tokenizer.get_vocab() else None
+    return sorted({tokenizer.eos_token_id, turn_end, *(gen if isinstance(gen, list) else [gen])} - {None})
+
+
 @dataclass
 class Rollout:
     """One batch of sampled responses. Prompts are left-padded, responses right-padded."""

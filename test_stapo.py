@@ -820,6 +820,19 @@ def test_rollout_logprobs_equal_policy_forward():
     assert (r.logprobs - unmasked).abs().max() > 1e-3  # the extra rows do carry mass in the tiny model
 
 
+def test_rollout_eos_ids_end_chat_turns_of_base_models():
+    """A base model's tokenizer and generation config end on <|endoftext|>; chat prompts must also stop at the
+    ChatML end of turn <|im_end|>, raw prompts must not."""
+    from rollout import eos_ids
+    tok, lm = tiny_tokenizer(), tiny_model()
+    tok.eos_token = "<|endoftext|>"  # like Qwen3-Base: EOS id 0, <|im_end|> is id 2
+    lm.generation_config.eos_token_id = 0
+    assert eos_ids(lm, tok, chat=True) == [0, 2]
+    assert eos_ids(lm, tok, chat=False) == [0]
+    lm.generation_config.eos_token_id = [0, 5]
+    assert eos_ids(lm, tok, chat=False) == [0, 5]
+
+
 def test_rollout_same_seed_same_rollout():
     lm, prompts = tiny_model(), _prompts()
 

@@ -299,12 +299,7 @@ def sample(policy, prompts: list[list[int]], group_size: int, chunk: int, seeds:
            device) -> rollout.Rollout:
     """`group_size` responses per prompt, `chunk` prompts per generate call, call c seeded with seeds[c].
     Call it inside `rollout.gathered(policy)`, which every rank must enter (it all-gathers the parameters)."""
-    # EOS: the tokenizer's, the generation config's and, with chat prompts, the end-of-turn token: Qwen3-Base's
-    # generation config names only <|endoftext|>, while its chat template ends the assistant turn with <|im_end|>.
-    gen_eos = getattr(policy.lm.generation_config, "eos_token_id", None)
-    turn_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if cfg.chat and "<|im_end|>" in tokenizer.get_vocab() \
-        else None
-    eos = sorted({tokenizer.eos_token_id, turn_end, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
+    eos = rollout.eos_ids(policy.lm, tokenizer, cfg.chat)
     pad = tokenizer.pad_token_id
     parts = []
     for c, seed in zip(range(0, len(prompts), chunk), seeds):
