@@ -329,6 +329,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     import torch
     import torch.distributed as dist
 
+    import model  # noqa: F401  before init_process_group: torch.distributed.fsdp imported after it holds references
+    # to the WORLD group, whose gloo threads then outlive destroy_process_group and can abort the process at exit
+
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     device = "cpu"
     if torch.cuda.is_available():

@@ -1311,12 +1311,23 @@ def test_eval_end_to_end_tiny_and_regrade(tmp_path):
 
 
 def test_eval_torchrun_two_ranks_gather_in_order(tmp_path):
-    """2 processes (gloo): the problems are split round-robin and gathered to rank 0 in the original order."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "eval.py",
+    """2 processes (gloo): the problems are split round-robin and gathered to rank 0 in the original order, and the
+    process group is really torn down (its gloo threads once outlived destroy_process_group, because torch's FSDP
+    was first imported after init_process_group, and aborted a rank at exit now and then)."""
+    runner = tmp_path / "runner.py"
+    runner.write_text(f"""import glob, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import eval
+eval.main(sys.argv[1:])
+threads = [open(f).read().strip() for f in glob.glob("/proc/self/task/*/comm")]
+assert not any("gloo" in t for t in threads), threads
+""")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(runner),
            "--models", "tiny", "--benchmarks", "amc23", "--data-dir", str(DATA), "--limit", "3", "--k", "2",
            "--max-new-tokens", "4", "--out", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(cmd, cwd=Path(__file__).parent, env=env, check=True, capture_output=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     bench = json.loads((tmp_path / "results.json").read_text())["models"]["tiny"]["benchmarks"]["amc23"]
     assert [p["index"] for p in bench["problems"]] == [0, 1, 2]
     assert [p["gold"] for p in bench["problems"]] == ["27.0", "36.0", "45.0"]
@@ -1329,13 +1340,16 @@ ROOT = Path(__file__).parent
 # The toy task: "ab" -> the digit a+b (sums <= 9). The tiny model gets a 14-row vocabulary: the 4 special tokens
 # and the 10 digits (ids 0..13 of the tiny tokenizer), so a random model is right about 7% of the time.
 _TOY_VOCAB = 14
-_RUNNER = """import sys
+_RUNNER = """import os, sys
 sys.path.insert(0, {root!r})
 import model, reward, train
 reward.reward = lambda response, gold, mode="dapo": 1.0 if {check} else -1.0
 train.lm_vocab_size = lambda tokenizer: {vocab}
 train.load_model = lambda name, **kw: (model.tiny_model(vocab_size={vocab}), model.tiny_tokenizer())
-sys.exit(train.main(sys.argv[1:]))
+code = train.main(sys.argv[1:])
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)  # as train.py's __main__ does: no interpreter teardown racing torch's gloo threads
 """
 _ANSWER = "response.strip()[:1] == gold"  # the first emitted character is the answer digit
 _EVEN = "response.strip()[:1] in ('0', '2', '4', '6', '8')"  # ~1/2 right: mixed groups (for the equality tests)
