@@ -244,6 +244,7 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str, name: str, batch: int,
                           "plain": lambda: _ours(plain, prompts, steps, 1.0, 1.0, seed=rank)}, reps)
     torch.save({**t, "enter": enter}, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
+    os._exit(0)  # as train.py does: no interpreter teardown racing torch's gloo threads
 
 
 def _fsdp_row(name, batch, steps, reps):

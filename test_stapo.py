@@ -591,6 +591,7 @@ def test_model_load_smollm2_gguf_trains_and_saves(tmp_path):
 
 _FSDP_SCRIPT = textwrap.dedent('''
     """Run by torchrun with 2 gloo processes: the FSDP2-sharded Policy equals the plain one."""
+    import os
     import sys
     import torch
     import torch.distributed as dist
@@ -641,6 +642,8 @@ _FSDP_SCRIPT = textwrap.dedent('''
                 torch.testing.assert_close(reloaded(input_ids).logits, reference.lm(input_ids).logits, atol=0, rtol=0)
             print("FSDP2 OK", "tied" if tied else "untied")
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # as train.py does: no interpreter teardown racing torch's gloo threads
 ''')
 
 
@@ -887,6 +890,7 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str):
     assert torch.equal(again.response_ids, rollout.response_ids)
     torch.save({"rollout": rollout, "policy_logprobs": logprobs}, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
+    os._exit(0)  # as train.py does: no interpreter teardown racing torch's gloo threads
 
 
 def test_rollout_fsdp2_two_processes_equal_one():
