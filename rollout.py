@@ -118,7 +118,7 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
 
     eos_token_id/pad_token_id default to the model config's. vocab_size = number of real token ids (rows >= it are
     never sampled; None = all rows). temperature=0 is greedy. `generator` (on the model's device) makes the rollout
-    reproducible. (transformers 5.x names the KV-cache argument `cache`; `past_key_values` is its deprecated alias.)
+    reproducible. The KV cache goes in as `past_key_values` (transformers 5.17-5.19; later 5.x also call it `cache`).
     """
     device = next(model.parameters()).device
     eos_ids = eos_token_id if eos_token_id is not None else model.config.eos_token_id
@@ -137,10 +137,6 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
         # (difference 4), so response token t sits at position len(prompt) + t, as position_ids_from_mask gives.
         attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, T)], dim=1)  # (B, P+T)
         positions = prompt_mask.sum(dim=1, keepdim=True) + torch.arange(T, device=device)  # (B, T)
-        # SDPA takes a ready (B, 1, 1, L) boolean mask for a one-token query, and HF passes a 4D mask through as
-        # is: slicing this view skips rebuilding the mask inside the model each step (a fifth of a tiny model's step).
-        if model.config._attn_implementation == "sdpa":
-            attention_mask = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, P+T)
         response_ids = torch.full((B, T), pad, dtype=torch.long, device=device)  # (B, T)
         logprobs = torch.zeros(B, T, dtype=torch.float32, device=device)  # (B, T)
         done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,) row has emitted EOS
@@ -151,7 +147,7 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
         # forward compute the same distribution by construction (and the head only sees the last position).
         decoder, head = model.get_decoder(), model.get_output_embeddings().weight[:vocab_size]  # head: (V', D)
         cache = DynamicCache(config=model.config)
-        hidden = decoder(input_ids=prompt, attention_mask=prompt_mask, cache=cache, use_cache=True,
+        hidden = decoder(input_ids=prompt, attention_mask=prompt_mask, past_key_values=cache, use_cache=True,
                          position_ids=position_ids_from_mask(prompt_mask)).last_hidden_state  # prefill (B, P, D)
         for t in range(T):
             logits = hidden[:, -1] @ head.T  # (B, V') real vocabulary rows only (difference 2)
@@ -159,8 +155,9 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
             done |= torch.isin(response_ids[:, t], eos)
             if t + 1 == T or ((t + 1) % check_every == 0 and bool(done.all())):
                 break
-            hidden = decoder(input_ids=response_ids[:, t:t + 1], attention_mask=attention_mask[..., :P + t + 1],
-                             position_ids=positions[:, t:t + 1], cache=cache, use_cache=True).last_hidden_state
+            hidden = decoder(input_ids=response_ids[:, t:t + 1], attention_mask=attention_mask[:, :P + t + 1],
+                             position_ids=positions[:, t:t + 1], past_key_values=cache,
+                             use_cache=True).last_hidden_state  # (B, 1, D)
 
     # Rows keep sampling after their EOS (difference 4); mask and blank that afterwards.
     is_eos = torch.isin(response_ids, eos)  # (B, T)

@@ -633,7 +633,7 @@ def setup(cfg: Config, rank: int, world: int, device):
     def make_policy(model_lm):
         policy = Policy(model_lm, vocab_size=lm_vocab_size(tokenizer))  # the sampler's rows only
         if cfg.grad_checkpointing:
-            model_lm.activation_checkpointing_enable({"use_reentrant": False})
+            model_lm.gradient_checkpointing_enable({"use_reentrant": False})
         if cfg.fsdp or world > 1 or device.type == "cuda":
             shard_policy(policy, mixed_precision=cfg.mixed_precision)
         return policy
