@@ -15,9 +15,15 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    therefore those of the distribution actually sampled from; the training forward must mask the same rows for the
    ratio to be exactly 1 on the first mini-batch.
 3. temperature=0 means greedy (argmax); its recorded log-probs are under the temperature-1 softmax.
-4. Rows that have emitted EOS keep sampling (attention mask 1) until all rows are done or `max_new_tokens` is
-   reached; what they sample after EOS is replaced by pad with response_mask 0. This keeps the batch shape fixed.
-5. Sampling draws one uniform per row and searches the CDF (exact; torch.multinomial does the same, slower on CPU).
+4. Rows that have emitted EOS leave the running batch (their KV-cache rows, attention-mask rows and positions are
+   dropped with `DynamicCache.batch_select_indices`) once they are a quarter of it (`COMPACT_FRACTION`); until then
+   they keep sampling, and what they sample after EOS is replaced by pad with response_mask 0. The results are
+   scattered back to the full (B, T) buffers. Slots freed this way are not refilled with further prompts
+   (continuous batching): the rollout batch is known up front, and bench.py shows the per-row decode cost already
+   falls with the batch (README), so refilling would mostly help when --rollout-chunk is far below the batch.
+5. Sampling draws one uniform per row of the FULL batch every step and uses those of the running rows, then searches
+   the CDF (exact; torch.multinomial does the same, slower on CPU). Row i therefore gets the same uniforms whether or
+   not finished rows were dropped: compaction changes no token (test_stapo.py checks it token for token).
 6. Under FSDP2, `gathered(policy)` unshards every FSDP module once for the whole rollout phase (memory: one full
    copy of the parameters per rank, in the FSDP param dtype, for the duration) and detaches FSDP's forward hooks,
    instead of all-gathering each layer again for every generated token. Inside the decode loop there is then no
@@ -84,17 +90,18 @@ class Rollout:
                 for ids, mask in zip(self.response_ids, self.response_mask)]
 
 
-def _inverse_cdf(cdf: torch.Tensor, generator) -> torch.Tensor:
-    """Index i with probability (cdf[i] - cdf[i-1]) / cdf[-1] per row, from one uniform draw. (B, V') -> (B,)
+def _inverse_cdf(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index i with probability (cdf[i] - cdf[i-1]) / cdf[-1] per row, from one uniform u in [0, 1). (B, V') -> (B,)
 
     x = (1 - u) * total lies in (0, total], so the first index with cdf >= x always has nonzero probability.
     (torch.multinomial does the same search but costs 3-20x more on CPU.)"""
-    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device)  # (B, 1) in [0, 1)
-    return torch.searchsorted(cdf, (1 - u) * cdf[:, -1:]).squeeze(1)  # (B,)
+    return torch.searchsorted(cdf, (1 - u[:, None]) * cdf[:, -1:]).squeeze(1)  # (B,)
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from logits (B, V') -> (token (B,), its log-prob under the full tempered softmax (B,))."""
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from logits (B, V') and uniforms u (B,) -> (token (B,), its log-prob under the full
+    tempered softmax (B,))."""
     logits = logits.float()
     if temperature == 0:  # greedy; log-probs under the temperature-1 softmax
         logp = torch.log_softmax(logits, dim=-1)  # (B, V')
@@ -105,20 +112,28 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator) -
         if top_p < 1.0:  # nucleus: the smallest set of most likely tokens whose mass is >= top_p
             sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V')
             keep = (sorted_p.cumsum(dim=-1) - sorted_p) < top_p  # mass strictly before the token < p; top always kept
-            token = order.gather(-1, _inverse_cdf((sorted_p * keep).cumsum(dim=-1), generator)[:, None]).squeeze(1)
+            token = order.gather(-1, _inverse_cdf((sorted_p * keep).cumsum(dim=-1), u)[:, None]).squeeze(1)
         else:
-            token = _inverse_cdf(probs.cumsum(dim=-1), generator)  # (B,)
+            token = _inverse_cdf(probs.cumsum(dim=-1), u)  # (B,)
     return token, logp.gather(-1, token[:, None]).squeeze(1)
+
+
+# Finished rows leave the running batch once they are this share of it (difference 4). Each drop copies the KV cache
+# of the rows kept, about what one decode step reads; bench.py compares cadences.
+COMPACT_FRACTION = 0.25
 
 
 def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
              eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
-             generator: torch.Generator | None = None, vocab_size: int | None = None) -> Rollout:
+             generator: torch.Generator | None = None, vocab_size: int | None = None,
+             compact: float | None = COMPACT_FRACTION) -> Rollout:
     """Sample one response per prompt from the HF causal LM `model` (under FSDP2: `policy.lm` inside `gathered`).
 
     eos_token_id/pad_token_id default to the model config's. vocab_size = number of real token ids (rows >= it are
     never sampled; None = all rows). temperature=0 is greedy. `generator` (on the model's device) makes the rollout
-    reproducible. The KV cache goes in as `past_key_values` (transformers 5.17-5.19; later 5.x also call it `cache`).
+    reproducible. Finished rows leave the running batch once they are a share `compact` of it (None: never; the
+    tokens are the same either way).
+    The KV cache goes in as `past_key_values` (transformers 5.17-5.19; later 5.x also call it `cache`).
     """
     device = next(model.parameters()).device
     eos_ids = eos_token_id if eos_token_id is not None else model.config.eos_token_id
@@ -133,14 +148,16 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
         prompt_mask[i, P - len(ids):] = 1
     prompt, prompt_mask = prompt.to(device), prompt_mask.to(device)
     with torch.inference_mode():  # cheaper per op than no_grad; every returned tensor is made outside it
-        # Everything the loop needs is preallocated and sliced per step. Generated positions are always attended
-        # (difference 4), so response token t sits at position len(prompt) + t, as position_ids_from_mask gives.
-        attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, T)], dim=1)  # (B, P+T)
-        positions = prompt_mask.sum(dim=1, keepdim=True) + torch.arange(T, device=device)  # (B, T)
+        # Full-batch output buffers, and the running batch: `rows` (R,) are the rows still decoding, whose attention
+        # mask and positions are compacted with the cache. Generated positions are always attended, so response
+        # token t sits at position len(prompt) + t, as position_ids_from_mask gives.
         response_ids = torch.full((B, T), pad, dtype=torch.long, device=device)  # (B, T)
         logprobs = torch.zeros(B, T, dtype=torch.float32, device=device)  # (B, T)
         done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,) row has emitted EOS
-        # Checking "all done" reads a value back to the host: free on CPU, a stall on a GPU, so check less often there.
+        rows = torch.arange(B, device=device)  # (R,)
+        attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, T)], dim=1)  # (R, P+T)
+        positions = prompt_mask.sum(dim=1, keepdim=True) + torch.arange(T, device=device)  # (R, T)
+        # Reading "how many are done" back to the host is free on CPU, a stall on a GPU: check less often there.
         check_every = 1 if device.type == "cpu" else 8
 
         # The backbone and the LM head are called as Policy.forward calls them, so the sampler and the training
@@ -150,16 +167,28 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
         hidden = decoder(input_ids=prompt, attention_mask=prompt_mask, past_key_values=cache, use_cache=True,
                          position_ids=position_ids_from_mask(prompt_mask)).last_hidden_state  # prefill (B, P, D)
         for t in range(T):
-            logits = hidden[:, -1] @ head.T  # (B, V') real vocabulary rows only (difference 2)
-            response_ids[:, t], logprobs[:, t] = _sample(logits, temperature, top_p, generator)
-            done |= torch.isin(response_ids[:, t], eos)
-            if t + 1 == T or ((t + 1) % check_every == 0 and bool(done.all())):
+            logits = hidden[:, -1] @ head.T  # (R, V') real vocabulary rows only (difference 2)
+            u = None if temperature == 0 else torch.rand(B, generator=generator, device=device)[rows]  # (R,)
+            token, logprob = _sample(logits, temperature, top_p, u)  # (R,), (R,)
+            response_ids[rows, t], logprobs[rows, t] = token, logprob
+            done[rows] = done[rows] | torch.isin(token, eos)
+            if t + 1 == T:
                 break
-            hidden = decoder(input_ids=response_ids[:, t:t + 1], attention_mask=attention_mask[:, :P + t + 1],
+            if (t + 1) % check_every == 0:
+                running = ~done[rows]  # (R,)
+                n_running = int(running.sum())
+                if n_running == 0:
+                    break
+                if compact is not None and len(rows) - n_running >= compact * len(rows):  # difference 4
+                    keep = running.nonzero().squeeze(1)  # (R',)
+                    cache.batch_select_indices(keep)
+                    rows, token = rows[keep], token[keep]
+                    attention_mask, positions = attention_mask[keep], positions[keep]
+            hidden = decoder(input_ids=token[:, None], attention_mask=attention_mask[:, :P + t + 1],
                              position_ids=positions[:, t:t + 1], past_key_values=cache,
-                             use_cache=True).last_hidden_state  # (B, 1, D)
+                             use_cache=True).last_hidden_state  # (R, 1, D)
 
-    # Rows keep sampling after their EOS (difference 4); mask and blank that afterwards.
+    # Rows sample on after their EOS until they are dropped (difference 4); mask and blank that afterwards.
     is_eos = torch.isin(response_ids, eos)  # (B, T)
     response_mask = ((is_eos.cumsum(dim=1) - is_eos.long()) == 0).long()  # (B, T) 1 up to and including the first EOS
     T = int(response_mask.sum(dim=1).max())  # drop all-pad columns
@@ -167,6 +196,15 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
     response_ids = response_ids[:, :T].masked_fill(response_mask == 0, pad)
     logprobs = logprobs[:, :T] * response_mask
     return Rollout(prompt, prompt_mask, response_ids, response_mask, logprobs, ~done)
+
+
+def kv_cache_bytes(config, rows: int, tokens: int, dtype_bytes: int = 2) -> int:
+    """Bytes of a KV cache holding `tokens` positions for `rows` sequences of a decoder with HF `config`:
+    rows x tokens x layers x 2 (K and V) x kv_heads x head_dim x dtype_bytes (e.g. 112 KiB per token for
+    Qwen3-1.7B in bf16)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return rows * tokens * config.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes
 
 
 def sample_groups(model, prompt_ids: list[list[int]], group_size: int, **kwargs) -> Rollout:

@@ -714,6 +714,49 @@ def test_rollout_greedy_equals_hf_generate():
     assert torch.equal(hf, r.response_ids)
 
 
+def _cache_rows_per_step(lm):
+    """Records the KV cache's batch size at every decode call of lm's backbone; returns (list, hook handle)."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        cache = kwargs["past_key_values"]
+        if cache.get_seq_length() > 0:  # not the prefill
+            seen.append(cache.layers[0].keys.shape[0])
+    return seen, lm.get_decoder().register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0, 1.0), (1.0, 1.0), (0.8, 0.9)])
+def test_rollout_compaction_same_tokens(temperature, top_p):
+    """Dropping finished rows (at any cadence) gives token for token the rollout of the fixed batch (compact=None,
+    the sampler before compaction), for the same generator, with rows stopping at very different lengths."""
+    lm = _eos_biased_model(73)
+    prompts = _prompts() * 6  # 24 rows
+    kwargs = dict(max_new_tokens=40, temperature=temperature, top_p=top_p, eos_token_id=2, pad_token_id=0,
+                  vocab_size=_REAL_VOCAB if temperature else None)  # greedy: all rows, lengths 9..40
+    seen, handle = _cache_rows_per_step(lm)
+    runs = {}
+    for compact in (None, 0.15, 1e-9):
+        seen.clear()
+        runs[compact] = generate(lm, prompts, **kwargs, compact=compact, generator=torch.Generator().manual_seed(3))
+        runs[compact].cache_rows = list(seen)
+    handle.remove()
+    ref = runs[None]
+    lengths = ref.response_mask.sum(1)
+    assert lengths.min() <= 12 and ref.truncated.any() and len(set(lengths.tolist())) >= 4  # very different
+    assert set(ref.cache_rows) == {24}  # the fixed batch never shrinks
+    for compact in (0.15, 1e-9):
+        r = runs[compact]
+        assert torch.equal(r.response_ids, ref.response_ids) and torch.equal(r.response_mask, ref.response_mask)
+        assert torch.equal(r.truncated, ref.truncated) and torch.equal(r.prompt_ids, ref.prompt_ids)
+        torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    # The KV cache shrinks as rows finish. compact=1e-9 drops every row right after its EOS: before decoding token
+    # t+1 the cache holds the rows longer than t+1; compact=0.15 drops 15% of the running batch or more at a time.
+    assert runs[1e-9].cache_rows == [int((lengths > t + 1).sum()) for t in range(39)]
+    sizes = sorted(set(runs[0.15].cache_rows), reverse=True)
+    assert runs[0.15].cache_rows == sorted(runs[0.15].cache_rows, reverse=True)
+    assert len(sizes) > 1 and all(b <= 0.85 * a for a, b in zip(sizes, sizes[1:]))
+
+
 def test_rollout_response_mask_and_truncation():
     lm = _eos_biased_model(73)
     r = generate(lm, _prompts(), 40, temperature=0, eos_token_id=2, pad_token_id=0)
