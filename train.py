@@ -66,7 +66,7 @@ class Config:
     preset: str = "auto"
     """auto | paper | cpu: auto = paper with CUDA, cpu without; flags given on the command line override it"""
     model: str = "Qwen/Qwen3-1.7B-Base"
-    """Hub id, local HF dir, .gguf file, 'smollm2' (packaged SmolLM2-135M-Instruct) or 'tiny' (random, tests)"""
+    """Hub id, local HF dir, .gguf file, 'smollm2' (packaged SmolLM2-135M-Instruct) or 'tiny'/'tiny64' (random, tests)"""
     data: str = "BytedTsinghua-SIA/DAPO-Math-17k"
     """Hub dataset id or local .jsonl/.json/.parquet file; '' = the built-in arithmetic task"""
     split: str = "train"
@@ -123,9 +123,17 @@ class Config:
     """sampling temperature (also divides the logits of the training forward)"""
     top_p: float = 1.0
     """nucleus sampling"""
-    rollout_chunk: int = 8
-    """prompts per generate call on each rank (0 = all at once; bounds the KV cache of long responses); 1 makes
-    rollouts independent of the number of ranks"""
+    rollout: str = "plain"
+    """plain | vllm: rollout engine (vllm: a colocated vLLM engine fed with the policy's weights; README)"""
+    kv_cache_gb: float = 40.0
+    """KV-cache budget per rank in GB (worst case: every row at max prompt + response length): bounds the plain
+    sampler's prompts per generate call (--rollout-chunk 0) and is vLLM's KV cache (at most what the rollout needs)"""
+    rollout_chunk: int = 0
+    """prompts per generate call on each rank (0 = the most that fit --kv-cache-gb); 1 makes rollouts independent of
+    the number of ranks"""
+    tis_cap: float | None = None
+    """truncated importance sampling: weight tokens by min(pi_old / pi_sampler, cap) (e.g. 2 with --rollout vllm);
+    default off"""
     chunk_size: int = 1024
     """tokens per LM-head chunk in the log-prob/entropy pass"""
     fsdp: bool = False
@@ -295,32 +303,32 @@ def rank_slice(n: int, cfg: Config, rank: int, world: int) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------------ rollouts
-def sample(policy, prompts: list[list[int]], group_size: int, chunk: int, seeds: list[int], cfg: Config, tokenizer,
-           device) -> rollout.Rollout:
-    """`group_size` responses per prompt, `chunk` prompts per generate call, call c seeded with seeds[c].
-    Call it inside `rollout.gathered(policy)`, which every rank must enter (it all-gathers the parameters)."""
-    eos = rollout.eos_ids(policy.lm, tokenizer, cfg.chat)
-    pad = tokenizer.pad_token_id
-    parts = []
-    for c, seed in zip(range(0, len(prompts), chunk), seeds):
-        parts.append(rollout.sample_groups(
-            policy.lm, prompts[c:c + chunk], group_size, max_new_tokens=cfg.max_response_len,
-            temperature=cfg.temperature, top_p=cfg.top_p, eos_token_id=eos, pad_token_id=pad,
-            generator=torch.Generator(device).manual_seed(seed), vocab_size=lm_vocab_size(tokenizer)))
-    # One Rollout: prompts left-padded to the longest P, responses right-padded to the longest T.
-    P = max(r.prompt_ids.shape[1] for r in parts)
-    T = max(r.response_ids.shape[1] for r in parts)
+def prompts_per_call(cfg: Config, n: int, lm_config, dtype_bytes: int) -> int:
+    """Prompts per generate call for n prompts on a rank: --rollout-chunk, or the most whose worst-case KV cache
+    (G rows x (max prompt + response) tokens each) fits --kv-cache-gb."""
+    per_prompt = rollout.kv_cache_bytes(lm_config, cfg.group_size, cfg.max_prompt_len + cfg.max_response_len,
+                                        dtype_bytes)
+    return cfg.rollout_chunk or max(1, min(n, int(cfg.kv_cache_gb * 1e9 // per_prompt)))
 
-    def left(x, value):
-        return torch.nn.functional.pad(x, (P - x.shape[1], 0), value=value)
 
-    def right(x, value):
-        return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
+def rollout_dtype(cfg: Config, device) -> torch.dtype:
+    """dtype of the sampler's weights and KV cache: FSDP2's bf16 compute dtype with mixed precision on CUDA."""
+    return torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision else torch.float32
 
-    return rollout.Rollout(
-        torch.cat([left(r.prompt_ids, pad) for r in parts]), torch.cat([left(r.prompt_mask, 0) for r in parts]),
-        torch.cat([right(r.response_ids, pad) for r in parts]), torch.cat([right(r.response_mask, 0) for r in parts]),
-        torch.cat([right(r.logprobs, 0.0) for r in parts]), torch.cat([r.truncated for r in parts]))
+
+def make_engine(cfg: Config, lm, tokenizer, prompts: list[list[int]], rank: int, world: int, device):
+    """The --rollout engine, created once (vllm: on every rank at the same time); prints the KV-cache estimate."""
+    n, G, dtype = cfg.prompts_per_step // world, cfg.group_size, rollout_dtype(cfg, device)
+    chunk, tokens = prompts_per_call(cfg, n, lm.config, dtype.itemsize), cfg.max_prompt_len + cfg.max_response_len
+    kv_call = rollout.kv_cache_bytes(lm.config, chunk * G, tokens, dtype.itemsize)
+    kv_vllm = min(rollout.kv_cache_bytes(lm.config, n * G, tokens, dtype.itemsize), int(cfg.kv_cache_gb * 1e9))
+    if rank == 0:
+        what = (f"vLLM KV cache {kv_vllm / 1e9:.2f} GB" if cfg.rollout == "vllm" else
+                f"{chunk} prompts x G {G} per generate call, KV cache at most {kv_call / 1e9:.2f} GB")
+        print(f"rollout ({cfg.rollout}): {what} per rank (--kv-cache-gb {cfg.kv_cache_gb:g})", flush=True)
+    longest = max(map(len, prompts)) + cfg.max_response_len  # train and held-out prompts
+    return rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest,
+                               kv_cache_memory_bytes=kv_vllm, dtype=dtype, seed=cfg.seed)
 
 
 def policy_forward(policy, mb: rollout.Rollout, cfg: Config, device):
@@ -387,7 +395,7 @@ def all_gather_cat(values: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------- the step
 def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[dict], prompts: list[list[int]],
-               tokenizer, cfg: Config, rank: int, world: int, device) -> tuple[dict, list[dict]]:
+               tokenizer, cfg: Config, rank: int, world: int, device, engine) -> tuple[dict, list[dict]]:
     """One rollout batch and its mini-batch updates -> (metrics, sample of silenced tokens)."""
     G = cfg.group_size
     clip_low, clip_high = stapo.ALGO_CLIP[cfg.algo]
@@ -399,11 +407,12 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
     indices = prompt_indices(step, len(rows), cfg)
     positions = rank_slice(len(indices), cfg, rank, world)
     mine = [indices[i] for i in positions]  # row indices
-    chunk = cfg.rollout_chunk or len(mine)
+    chunk = prompts_per_call(cfg, len(mine), policy.lm.config, rollout_dtype(cfg, device).itemsize)
     seeds = [hash((cfg.seed, step, step * cfg.prompts_per_step + i)) % 2**62 for i in positions[::chunk]]
     policy.eval()
-    with rollout.gathered(policy):
-        batch = sample(policy, [prompts[i] for i in mine], G, chunk, seeds, cfg, tokenizer, device)
+    with engine.ready(policy):  # plain: parameters gathered; vllm: current weights pushed
+        batch = engine.sample([prompts[i] for i in mine], G, seeds, chunk, cfg.max_response_len, cfg.temperature,
+                              cfg.top_p)
     # 2. Rewards and group advantages (groups never span ranks).
     rewards = torch.tensor([reward.reward(text, rows[mine[i // G]]["answer"], cfg.reward)
                             for i, text in enumerate(batch.texts(tokenizer))])  # (B,)
@@ -524,14 +533,14 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
 
 # ----------------------------------------------------------------------------------------------- evaluation
 def evaluate(policy, rows: list[dict], prompts: list[list[int]], tokenizer, cfg: Config, rank: int, world: int,
-             device) -> dict:
+             device, engine) -> dict:
     """Mean accuracy over `eval_samples` samples per held-out problem (problems split round-robin over ranks)."""
     mine = list(range(rank, len(rows), world))
     correct = total = length = 0.0
     policy.eval()
-    with rollout.gathered(policy):  # a collective: every rank enters, also one without held-out problems
-        out = sample(policy, [prompts[i] for i in mine], cfg.eval_samples, len(mine), [cfg.seed + 1 + rank], cfg,
-                     tokenizer, device) if mine else None
+    with engine.ready(policy):  # a collective: every rank enters, also one without held-out problems
+        out = engine.sample([prompts[i] for i in mine], cfg.eval_samples, [cfg.seed + 1 + rank], len(mine),
+                            cfg.max_response_len, cfg.temperature, cfg.top_p) if mine else None
     if mine:
         texts = out.texts(tokenizer)
         correct = sum(reward.grade(t, rows[mine[j // cfg.eval_samples]]["answer"]) for j, t in enumerate(texts))
@@ -647,12 +656,13 @@ def setup(cfg: Config, rank: int, world: int, device):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
     start = load_checkpoint(Path(cfg.out_dir), policy, optimizer, scheduler, rank) if cfg.resume else 0
     data = (train_rows, train_prompts, test_rows, test_prompts)
-    return policy, ref_policy, tokenizer, optimizer, scheduler, data, start
+    engine = make_engine(cfg, lm, tokenizer, train_prompts + test_prompts, rank, world, device)
+    return policy, ref_policy, tokenizer, optimizer, scheduler, data, start, engine
 
 
 def train(cfg: Config, rank: int, world: int, device, state) -> None:
     """The training loop on the objects `setup` made: steps, metrics and spurious-token lines, evals, checkpoints."""
-    policy, ref_policy, tokenizer, optimizer, scheduler, (rows, prompts, test_rows, test_prompts), start = state
+    policy, ref_policy, tokenizer, optimizer, scheduler, (rows, prompts, test_rows, test_prompts), start, engine = state
     out = Path(cfg.out_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -670,7 +680,7 @@ def train(cfg: Config, rank: int, world: int, device, state) -> None:
 
     def run_eval(done_steps):
         if test_rows:
-            result = evaluate(policy, test_rows, test_prompts, tokenizer, cfg, rank, world, device)
+            result = evaluate(policy, test_rows, test_prompts, tokenizer, cfg, rank, world, device, engine)
             write("eval.jsonl", [{"step": done_steps, **result}])
             if rank == 0:
                 print(f"held-out accuracy after {done_steps} steps: {result['eval/acc']:.3f} "
@@ -684,7 +694,7 @@ def train(cfg: Config, rank: int, world: int, device, state) -> None:
         bar = tqdm(bar, initial=start, total=cfg.steps, desc=cfg.algo, dynamic_ncols=True)
     for step in bar:
         metrics, spurious = train_step(step, policy, ref_policy, optimizer, scheduler, rows, prompts, tokenizer, cfg,
-                                       rank, world, device)
+                                       rank, world, device, engine)
         gathered = [None] * world
         dist.all_gather_object(gathered, spurious)
         write("spurious.jsonl", [x for part in gathered for x in part][:cfg.spurious_per_step])
@@ -728,7 +738,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(cfg, rank, world, device, state)
     finally:
-        dist.destroy_process_group()
+        state[-1].close()  # the rollout engine; deleting a vLLM engine may already tear down the process group
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 
