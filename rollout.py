@@ -1,5 +1,6 @@
 """Rollouts: prompt formatting and a hand-written batched sampler with a KV cache (paper Sec. 1 and 6: G responses
-per prompt from the rollout policy pi_old, temperature 1.0 / top-p 1.0 in training, 0.7 / 0.9 in one eval setting).
+per prompt from the rollout policy pi_old, temperature 1.0 / top-p 1.0 in training, 0.7 / 0.9 in one eval setting),
+and the optional vLLM engine (`VLLMEngine`, imported only when chosen) behind the same `sample` call and `Rollout`.
 
 The sampler is the whole of `generate` below: left-pad the prompts, prefill once, then decode one token per step
 with the model's `DynamicCache`, computing logits only for the last position. Per step it does one backbone forward
@@ -28,6 +29,7 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    copy of the parameters per rank, in the FSDP param dtype, for the duration) and detaches FSDP's forward hooks,
    instead of all-gathering each layer again for every generated token. Inside the decode loop there is then no
    collective at all, so ranks whose rollouts stop at different lengths cannot hang each other.
+7. The paper samples with vLLM (veRL); here vLLM is optional (`VLLMEngine`: its own differences in its docstring).
 """
 import gc
 import os

@@ -32,8 +32,9 @@ Deliberate differences from the paper's veRL setup:
    term still gives it a gradient; a non-finite gradient norm skips the step with a warning.
 7. Rows of --data whose prompt exceeds --max-prompt-len tokens are dropped at load time (veRL filters them too);
    duplicate (problem, answer) rows are dropped (the Hub DAPO-Math-17k repeats each problem 100 times).
-8. Sampling uses rollout.generate (HF model + KV cache), not vLLM: paper-length responses are slow; the cpu preset
-   also departs from the paper's prompt and temperature (raw text "...\nThe answer is", T = 0.7; README.md).
+8. Sampling uses rollout.generate (HF model + KV cache, finished rows dropped) by default, or with --rollout vllm a
+   colocated vLLM engine per rank fed with the policy's weights before each rollout phase (rollout.VLLMEngine); the
+   cpu preset also departs from the paper's prompt and temperature (raw text "...\nThe answer is", T = 0.7).
 """
 import argparse
 import ast
