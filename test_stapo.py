@@ -1685,8 +1685,11 @@ def vllm_engine():
     lm = tiny_model(head_dim=64)
     with torch.no_grad():
         lm.lm_head.weight[2] = 1.05 * lm.lm_head.weight[61]  # EOS wins where token 61 would: lengths 4, 5, 6, 40
-    before = (dict(os.environ), torch.get_num_threads(), torch.set_num_threads, gc.get_freeze_count())
-    engine = VLLMEngine(lm, 2, 0, None, max_model_len=256, kv_cache_memory_bytes=32 << 20, dtype=torch.float32)
+    torch.manual_seed(123)
+    before = (dict(os.environ), torch.get_num_threads(), torch.set_num_threads, gc.get_freeze_count(),
+              torch.get_rng_state())
+    engine = VLLMEngine(lm, 2, 0, None, max_model_len=256, kv_cache_memory_bytes=32 << 20, dtype=torch.float32,
+                        seed=0)
     yield engine, lm, before
     engine.close()
 
@@ -1703,13 +1706,15 @@ def _vllm_greedy_matches_hf(engine, lm):
 
 def test_vllm_engine_keeps_process_settings(vllm_engine):
     """Constructing the engine replaces torch.set_num_threads, may lower the thread count, sets LOCAL_WORLD_SIZE
-    and LD_PRELOAD and calls gc.freeze(); VLLMEngine undoes all of it (VLLM_* variables aside)."""
-    env, threads, set_threads, frozen = vllm_engine[2]
+    and LD_PRELOAD, seeds the global generators and calls gc.freeze(); VLLMEngine undoes all of it (VLLM_* variables
+    aside)."""
+    env, threads, set_threads, frozen, rng = vllm_engine[2]
     def ours(environ):
         return {k: v for k, v in environ.items() if not k.startswith(("VLLM_", "PYTEST_"))}
     assert ours(os.environ) == ours(env)
     assert torch.set_num_threads is set_threads and torch.get_num_threads() == threads
     assert gc.get_freeze_count() == frozen
+    assert torch.equal(torch.get_rng_state(), rng)  # vLLM seeds the global generators with its own seed
 
 
 def test_vllm_greedy_equals_hf_generate(vllm_engine):
