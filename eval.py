@@ -7,7 +7,8 @@ AMC23 (avg@32) and MATH500, Minerva, OlympiadBench (avg@4), graded by rule, one 
     torchrun --standalone --nproc_per_node=8 eval.py --models runs/stapo/hf --preset justrl   # 8 GPUs
     python eval.py --regrade out/eval/results.json                  # re-grade saved samples, rewrite table.md
 
-Sampling is rollout.generate (via rollout.sample_groups), grading is reward.grade; this file only loads the
+Sampling is a rollout engine (`--rollout plain`: rollout.generate; `vllm`: rollout.VLLMEngine), grading is
+reward.grade; this file only loads the
 benchmarks, splits the problems across ranks, counts and writes. Outputs: OUT/results.json (the config and every
 sample's text, extracted answer, verdict, length in tokens, truncation flag) and OUT/table.md.
 
