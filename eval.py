@@ -8,8 +8,7 @@ AMC23 (avg@32) and MATH500, Minerva, OlympiadBench (avg@4), graded by rule, one 
     python eval.py --regrade out/eval/results.json                  # re-grade saved samples, rewrite table.md
 
 Sampling is a rollout engine (`--rollout plain`: rollout.generate; `vllm`: rollout.VLLMEngine), grading is
-reward.grade; this file only loads the
-benchmarks, splits the problems across ranks, counts and writes. Outputs: OUT/results.json (the config and every
+reward.grade; this file only loads the benchmarks, splits the problems across ranks, counts and writes. Outputs: OUT/results.json (the config and every
 sample's text, extracted answer, verdict, length in tokens, truncation flag) and OUT/table.md.
 
 Deliberate differences from the paper's evaluation:
