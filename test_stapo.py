@@ -1643,14 +1643,18 @@ _VLLM_FLAGS = dict(model="tiny64", rollout="vllm", rollout_chunk=1, max_response
 
 
 @needs_vllm
-def test_train_vllm_logprob_diff_and_resume(tmp_path):
-    """2 + 1 steps with --rollout vllm (and --tis-cap): the usual metrics, rollout/logprob_diff ~ 0 in fp32, and the
-    resumed step equals the uninterrupted run's (per-request seeds)."""
+def test_train_vllm_logprob_diff_and_resume(tmp_path, monkeypatch):
+    """2 + 1 steps with --rollout vllm (and --tis-cap), in this process: the usual metrics, rollout/logprob_diff ~ 0
+    in fp32, and the resumed step equals the uninterrupted run's (per-request seeds)."""
+    _patch(monkeypatch, _EVEN)
+    monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=_TOY_VOCAB, head_dim=64),
+                                                                 tiny_tokenizer()))
     data = _toy_data(tmp_path)
     flags = dict(_VLLM_FLAGS, tis_cap=2.0, export_hf=False)
-    _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3, **flags), head_dim=64)
-    _run(tmp_path, _toy_args(data, tmp_path / "cut", steps=2, save_every=2, **flags), head_dim=64)
-    _run(tmp_path, ["--resume", str(tmp_path / "cut"), "--steps", "3"], head_dim=64)
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "full", steps=3, **flags)) == 0
+        assert train.main(_toy_args(data, tmp_path / "cut", steps=2, save_every=2, **flags)) == 0
+        assert train.main(["--resume", str(tmp_path / "cut"), "--steps", "3"]) == 0
     full, cut = _metrics(tmp_path / "full"), _metrics(tmp_path / "cut")
     assert [m["step"] for m in cut] == [0, 1, 2] and sum(m["updates"] for m in full) > 0
     assert all(m["rollout/logprob_diff"] < 1e-5 and m["response/len_mean"] > 0 for m in full)
@@ -1673,6 +1677,24 @@ def test_train_vllm_torchrun_two_processes_match_one(tmp_path):
     for a, b in zip(one, two):  # step 1 samples from the updated weights: the push happened on both ranks
         for key in ("reward/mean", "response/len_mean", "loss/policy", "grad_norm", "rollout/logprob_diff"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+@needs_vllm
+def test_eval_vllm_engine_end_to_end(tmp_path):
+    """eval.py --rollout vllm samples k answers per problem from the loaded weights and writes the same results."""
+    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps({"question": q, "answer": f"#### {a}"}) + "\n"
+                                                  for q, a in [("1+1", 2), ("2+3", 5), ("4+4", 8)]))
+    results = {}
+    for engine in ("plain", "vllm"):
+        out = ev.main(["--models", "tiny64", "--benchmarks", "gsm8k", "--data-dir", str(tmp_path), "--k", "2",
+                       "--max-new-tokens", "6", "--batch-size", "4", "--out", str(tmp_path / engine),
+                       "--rollout", engine])
+        results[engine] = out["models"]["tiny64"]["benchmarks"]["gsm8k"]
+        assert json.loads((tmp_path / engine / "results.json").read_text())["config"]["rollout"] == engine
+    for got in results.values():
+        assert [len(p["samples"]) for p in got["problems"]] == [2, 2, 2]
+        assert all(0 < s["length"] <= 6 for p in got["problems"] for s in p["samples"])
+    assert results["plain"]["metrics"].keys() == results["vllm"]["metrics"].keys()
 
 
 @pytest.fixture(scope="module")
