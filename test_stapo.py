@@ -15,7 +15,7 @@ import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import eval as ev
 import model
 import reward
+import rollout
 import s2t
 import stapo
 import train
@@ -1263,16 +1264,44 @@ def test_eval_metrics_on_fabricated_verdicts():
 
 
 def test_eval_cli_flags_and_help(capsys):
-    cfg = ev.cli(ev.Config, ["--models", "a", "lbl=b", "--benchmarks", "gsm8k", "--no-chat", "--k", "8",
-                             "--preset", "justrl", "--max-new-tokens", "16", "--data-dir", "d"])
+    cfg = ev.parse_config(["--models", "a", "lbl=b", "--benchmarks", "gsm8k", "--no-chat", "--k", "8",
+                           "--preset", "justrl", "--max-new-tokens", "16"])
     assert cfg == ev.Config(models=["a", "lbl=b"], benchmarks=["gsm8k"], chat=False, k=8, preset="justrl",
-                            max_new_tokens=16, data_dir="d")
-    assert ev.cli(ev.Config, []) == ev.Config()
+                            max_new_tokens=16, temperature=0.7, top_p=0.9, instruction=INSTRUCTION)
+    assert ev.parse_config([]) == ev.Config(temperature=1.0, top_p=1.0, instruction=INSTRUCTION)
+    assert ev.parse_config(["--preset", "justrl", "--temperature", "0.5"]).top_p == 0.9  # a flag beats the preset
     with pytest.raises(SystemExit):
-        ev.cli(ev.Config, ["--preset", "greedy"])
+        ev.parse_config(["--preset", "greedy"])
     with pytest.raises(SystemExit):
-        ev.cli(ev.Config, ["--help"])
+        ev.parse_config(["--help"])
     assert "temperature 0.7, top-p 0.9" in capsys.readouterr().out
+
+
+def test_cli_one_builder_for_train_and_eval(capsys):
+    """train.py and eval.py build their CLI with the same eval.parse_flags: only the flags given come back, every
+    Config field is a --flag whose help is its docstring, and a bad flag is one line with exit status 2 in both."""
+    assert train.parse_flags is ev.parse_flags
+    assert ev.parse_flags(ev.Config, ["--k", "8", "--no-chat", "--data", "a.jsonl", "b=c.jsonl"], "eval.py") == {
+        "k": 8, "chat": False, "data": ["a.jsonl", "b=c.jsonl"]}
+    assert ev.parse_flags(train.Config, ["--clip-low", "none", "--lr", "1e-3", "--no-save-optimizer"], "train.py") == {
+        "clip_low": None, "lr": 1e-3, "save_optimizer": False}
+    for module, prog in ((train, "train.py"), (ev, "eval.py")):
+        with pytest.raises(SystemExit):
+            ev.parse_flags(module.Config, ["--help"], prog)
+        help_text = " ".join(capsys.readouterr().out.split())
+        for f in fields(module.Config):
+            assert "--" + f.name.replace("_", "-") in help_text, (prog, f.name)
+        with pytest.raises(SystemExit) as e:
+            module.main(["--steps" if module is train else "--k", "x"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"{prog}: error: argument"), err
+    with pytest.raises(SystemExit):
+        train.parse_config(["--help"])
+    assert "[default: 'Qwen/Qwen3-1.7B-Base' (cpu preset: 'smollm2')]" in " ".join(capsys.readouterr().out.split())
+    # eval.py imports torch only after parsing, so `python eval.py --help` stays fast
+    proc = subprocess.run([sys.executable, "-c", "import sys, eval; print('torch' in sys.modules)"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "False", proc.stderr
 
 
 def _run_tiny(out, extra=()):
