@@ -6,6 +6,8 @@ AMC23 (avg@32) and MATH500, Minerva, OlympiadBench (avg@4), graded by rule, one 
     python eval.py --models Qwen/Qwen3-1.7B-Base stapo=runs/stapo/hf --no-chat   # 1 GPU, the six from the Hub
     torchrun --standalone --nproc_per_node=8 eval.py --models runs/stapo/hf --preset justrl   # 8 GPUs
     python eval.py --regrade out/eval/results.json                  # re-grade saved samples, rewrite table.md
+    python eval.py --run out/train-cpu     # a train.py run's export: its prompts, sampling, held-out set
+    python eval.py --models tiny --data easy=my.jsonl --prompt-key q --answer-key a   # your own JSONL
 
 Sampling is rollout.generate (via rollout.sample_groups), grading is reward.grade; this file only loads the
 benchmarks, splits the problems across ranks, counts and writes. Outputs: OUT/results.json (the config and every
@@ -22,6 +24,12 @@ Deliberate differences from the paper's evaluation:
    shown but never averaged in.
 5. Sampling seeds are seed + rank, so samples (not the expectation) change with the number of ranks and the batch
    size.
+6. Beyond the paper: `--run` takes prompt format and sampling from a train.py run's config.json (flag > run >
+   default), `heldout` is the run's held-out set and `--data` reads your own files with train.py's field logic.
+
+Every input (names, paths, files, numbers) is checked before a model loads; an error is one line, exit status 2.
+This file also holds `parse_flags`, the dataclass -> argparse builder of both scripts (here, so `--help` needs no
+torch).
 """
 from __future__ import annotations
 
@@ -422,6 +430,8 @@ def load_sets(cfg: Config) -> dict[str, dict]:
         if name in sets:
             raise ValueError(f"--data {spec}: the name {name!r} is taken; name it with NAME={path}")
         rows = train.read_rows(path, cfg.prompt_key, cfg.answer_key, cfg.split)
+        if not rows:
+            raise ValueError(f"--data {path}: no rows")
         sets[name] = {"k": cfg.k or DEFAULT_K["gsm8k"],
                       "rows": [{"problem": r["problem"], "answer": _joined(r["answer"]), "gold": r["answer"]}
                                for r in rows]}

@@ -1382,7 +1382,8 @@ def _record_sampling(monkeypatch) -> list[dict]:
     calls, sample = [], rollout.sample_groups
 
     def recorded(lm, prompts, k, **kw):
-        calls.append({"prompts": prompts, "k": k, **{key: kw[key] for key in ("temperature", "top_p", "max_new_tokens")}})
+        calls.append({"prompts": prompts, "k": k, **{key: kw[key] for key in ("temperature", "top_p",
+                                                                              "max_new_tokens")}})
         return sample(lm, prompts, k, **kw)
 
     monkeypatch.setattr(rollout, "sample_groups", recorded)
@@ -1408,7 +1409,8 @@ def test_eval_uses_the_training_runs_prompt_and_sampling(tmp_path, monkeypatch, 
         calls.clear()
         results = ev.main([*how, "--data", str(data), "--prompt-key", "q.text", "--answer-key", "sol", "--k", "2",
                            "--out", str(tmp_path / "out")])
-        assert [c["prompts"] for c in calls] == [[format_prompt(tokenizer, p, False, "The answer is") for p in problems]]
+        expected = [format_prompt(tokenizer, p, False, "The answer is") for p in problems]
+        assert [c["prompts"] for c in calls] == [expected]
         assert [(c["temperature"], c["top_p"], c["max_new_tokens"]) for c in calls] == [(0.7, 0.9, 5)]
         config = results["config"]
         assert (config["run"], config["chat"], config["instruction"]) == (str(run), False, "The answer is")
@@ -1440,7 +1442,8 @@ def test_eval_own_jsonl_with_named_fields(tmp_path):
     results = ev.main(["--models", "tiny", "--data", str(sums), "--prompt-key", "q.text", "--answer-key", "sol",
                        "--no-chat", "--k", "2", "--max-new-tokens", "3", "--out", str(tmp_path / "out")])
     bench = results["models"]["tiny"]["benchmarks"]["sums"]
-    assert [(p["problem"], p["gold"]) for p in bench["problems"]] == [(f"What is {a} + 1?", [str(a + 1)]) for a in range(3)]
+    assert [(p["problem"], p["gold"]) for p in bench["problems"]] == [(f"What is {a} + 1?", [str(a + 1)])
+                                                                      for a in range(3)]
     for p in bench["problems"]:
         assert len(p["samples"]) == 2
         assert all(s["correct"] == reward.grade(s["text"], p["gold"]) for s in p["samples"])
@@ -1628,7 +1631,8 @@ def test_train_resume_is_exact(tmp_path, monkeypatch, capsys):
     resumed = capsys.readouterr().out
     assert f"resuming from {tmp_path / 'cut' / 'checkpoint' / 'step_2'} at step 3 (2 steps done)" in resumed
     full, cut = _metrics(tmp_path / "full"), _metrics(tmp_path / "cut")
-    assert [m["step"] for m in cut] == [1, 2, 3] and (tmp_path / "cut" / "checkpoint" / "latest").read_text() == "step_3"
+    assert [m["step"] for m in cut] == [1, 2, 3]
+    assert (tmp_path / "cut" / "checkpoint" / "latest").read_text() == "step_3"
     evals = [json.loads(x)["step"] for x in (tmp_path / "cut" / "eval.jsonl").read_text().splitlines()]
     assert evals == [0, 2, 3] and "held-out accuracy after 3 steps:" in resumed
     drop = {"time/rollout_s", "time/update_s", "tokens_per_s"}
@@ -1643,7 +1647,8 @@ def test_train_resume_errors_are_one_line(tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
     assert train.main(["--resume", str(tmp_path / "run"), "--steps", "1"]) == 2
-    assert capsys.readouterr().err.strip() == f"train.py: error: --steps 1 is less than the 2 steps {tmp_path / 'run'} has done"
+    assert capsys.readouterr().err.strip() == (
+        f"train.py: error: --steps 1 is less than the 2 steps {tmp_path / 'run'} has done")
     shutil.rmtree(tmp_path / "run" / "checkpoint")  # a run that stopped before its first checkpoint
     assert train.main(["--resume", str(tmp_path / "run"), "--steps", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -1715,7 +1720,8 @@ def test_train_bad_inputs_one_line_error(tmp_path, capsys):
 
 
 def test_train_skips_zero_advantage_and_nonfinite_steps(tmp_path, monkeypatch, capsys):
-    """All-equal rewards skip every update and say so on the console; a NaN loss skips the update with a warning; the run finishes."""
+    """All-equal rewards skip every update and say so on the console; a NaN loss skips the update with a warning;
+    the run finishes."""
     data = _toy_data(tmp_path)
     _patch(monkeypatch, _EVEN)
     monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo": 1.0)
@@ -1774,7 +1780,8 @@ def test_train_eval_samples_zero_and_numeric_flags(tmp_path, monkeypatch, capsys
                                   ("micro_batch_size", 0, "--micro-batch-size must be >= 1"),
                                   ("group_size", 1, "--group-size must be >= 2"),
                                   ("samples_per_step", -2, "--samples-per-step must be >= 0"),
-                                  ("top_p", 0.0, "--top-p must be in (0, 1]"), ("quantile", 1.5, "--quantile must be in"),
+                                  ("top_p", 0.0, "--top-p must be in (0, 1]"),
+                                  ("quantile", 1.5, "--quantile must be in"),
                                   ("steps", 0, "--steps must be >= 1")]:
         assert train.main(_toy_args(data, tmp_path / "bad", **{flag: value})) == 2, flag
         err = capsys.readouterr().err.strip().splitlines()
@@ -1794,7 +1801,8 @@ def test_train_flags_without_effect_warn_and_config_records_what_ran(tmp_path, m
     assert warned == [
         "train.py: warning: --mixed-precision True has no effect without CUDA (compute is fp32); config.json records "
         "mixed_precision = False",
-        "train.py: warning: --kl-beta 0.1 has no effect with --algo stapo (GRPO only); config.json records kl_beta = 0.0"]
+        "train.py: warning: --kl-beta 0.1 has no effect with --algo stapo (GRPO only); config.json records "
+        "kl_beta = 0.0"]
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert (config["mixed_precision"], config["fsdp"], config["kl_beta"]) == (False, True, 0.0)
 
@@ -1807,7 +1815,8 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
         assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", heldout=2, samples_per_step=3)) == 0
     out = capsys.readouterr().out.splitlines()
     samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["split"]) for r in samples] == [(0, "heldout")] * 2 + [(1, "train")] * 3 + [(1, "heldout")] * 2
+    assert [(r["step"], r["split"]) for r in samples] == [(0, "heldout")] * 2 + [(1, "train")] * 3 + [
+        (1, "heldout")] * 2
     tokenizer, even = tiny_tokenizer(), ("0", "2", "4", "6", "8")
     rows = {r["problem"]: r["answer"] for r in train.read_rows(str(tmp_path / "toy.jsonl"), "prompt", "answer")}
     for r in samples:

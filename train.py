@@ -7,6 +7,7 @@ of PAPER.md Sec. 6), on 1 CPU, 1 GPU or many GPU nodes with the same code.
     torchrun --nnodes=8 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py \\
         --model Qwen/Qwen3-8B-Base --out-dir runs/stapo-8b   # 64 GPUs, as in the paper
     python train.py --resume runs/stapo-8b             # continue exactly where the last checkpoint stopped
+    python eval.py --run runs/stapo-8b                 # evaluate the export with the run's prompts and sampling
     python train.py --plot runs/stapo runs/justrl      # reward / entropy / silenced-fraction curves, overlaid
 
 One step: take `prompts_per_step` prompts; each rank samples G responses for its share (groups never split across
@@ -34,6 +35,8 @@ Deliberate differences from the paper's veRL setup:
    duplicate (problem, answer) rows are dropped (the Hub DAPO-Math-17k repeats each problem 100 times).
 8. Sampling uses rollout.generate (HF model + KV cache), not vLLM: paper-length responses are slow; the cpu preset
    also departs from the paper's prompt and temperature (raw text "...\nThe answer is", T = 0.7; README.md).
+9. Outputs: steps count from 1 in every file, the console and checkpoint/step_N; every run checkpoints its last
+   step, so it can be resumed; config.json records the values in effect (a given flag without effect warns).
 """
 import json
 import math
@@ -558,7 +561,7 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
 def completions(step: int, split: str, texts: list[str], rewards: list[float], prompts: list[list[int]],
                 rows: list[dict], row_ids: list[int], group_size: int, tokenizer, cfg: Config) -> list[dict]:
     """samples.jsonl records of the first response of each of the first `samples_per_step` prompts: the prompt
-    as the model saw it, the response, the gold answer and the reward (texts[j] answers prompts[j // G])."""
+    as the model saw it, the response, the gold answer and the reward (texts[i] answers prompts[i // group_size])."""
     return [{"step": step, "split": split, "prompt": tokenizer.decode(prompts[j]), "response": texts[j * group_size],
              "answer": rows[row_ids[j]]["answer"], "reward": rewards[j * group_size]}
             for j in range(min(cfg.samples_per_step, len(prompts)))]
@@ -598,7 +601,8 @@ def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, rank: in
     model_sd, optim_sd = get_state_dict(policy, optimizer)
     dcp.save({"model": model_sd, **({"optim": optim_sd} if cfg.save_optimizer else {})}, checkpoint_id=str(path))
     torch.save({"step": done, "optimizer": cfg.save_optimizer, "config": asdict(cfg),
-                "scheduler": scheduler.state_dict(), "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
+                "scheduler": scheduler.state_dict(), "python_rng": random.getstate(),
+                "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
                path / f"rank{rank}.pt")
     dist.barrier()
