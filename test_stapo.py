@@ -1830,3 +1830,18 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
         "held-out accuracy before training", "held-out accuracy after 1 step"]
     assert out[-1].startswith(f"outputs in {tmp_path / 'run'}/: config.json, metrics.jsonl, eval.jsonl, samples.jsonl, "
                               f"spurious.jsonl, checkpoint/step_1, hf/ (python eval.py --run {tmp_path / 'run'})")
+
+
+def test_eval_run_reproduces_train_heldout_evaluation(tmp_path, monkeypatch):
+    """eval.py --run on a finished run, seeded as train.py's evaluation is (seed + 1, one generate call), samples the
+    same responses: the same held-out accuracy and mean length as the run's last eval.jsonl line."""
+    _patch(monkeypatch, _EVEN)
+    with _one_thread():
+        assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", heldout=3, steps=2)) == 0
+    last = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[-1])
+    monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)  # as train.py's was in this run
+    results = ev.main(["--run", str(tmp_path / "run"), "--seed", "1", "--out", str(tmp_path / "eval")])
+    bench = results["models"][str(tmp_path / "run" / "hf")]["benchmarks"]["heldout"]
+    assert last["step"] == 2 and bench["k"] == 4 and len(bench["problems"]) == 3
+    assert bench["metrics"]["avg@k"] == pytest.approx(100 * last["eval/acc"])
+    assert bench["metrics"]["mean_length"] == pytest.approx(last["eval/len_mean"])
