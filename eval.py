@@ -53,6 +53,7 @@ PAPER_BENCHMARKS = ("aime24", "aime25", "amc23", "math500", "minerva", "olympiad
 TITLES = {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "MATH500", "minerva": "Minerva",
           "olympiadbench": "Olympiad", "gsm8k": "GSM8K"}
 DEFAULT_K = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4, "olympiadbench": 4, "gsm8k": 4}
+OTHER_K = 4  # samples per problem of --data sets (and of heldout for a run without --eval-samples)
 PRESETS = {"train-aligned": (1.0, 1.0), "justrl": (0.7, 0.9)}  # (temperature, top_p), PAPER.md §7
 
 
@@ -412,27 +413,27 @@ def load_sets(cfg: Config) -> dict[str, dict]:
     """{name: {"k", "rows"}} for every benchmark and --data file of cfg, in order, cut to --limit. Rows are
     {"problem", "answer", "gold"} as load_benchmark gives them; --data files are read by train.read_rows (the
     field logic of train.py's --data), heldout is train.load_rows of the run's config."""
+    import train
+
     sets = {}
     for b in cfg.benchmarks:
         if b == "heldout":
-            import train
             run = train_run(cfg.run)
             rows = [{"problem": r["problem"], "answer": _joined(r["answer"]), "gold": r["answer"]}
                     for r in train.load_rows(train.Config(**run))[1]]
             if not rows:
                 raise ValueError(f"the run {cfg.run} has no held-out problems (train.py --heldout N keeps some)")
-            sets[b] = {"k": cfg.k or run["eval_samples"] or DEFAULT_K["gsm8k"], "rows": rows}
+            sets[b] = {"k": cfg.k or run["eval_samples"] or OTHER_K, "rows": rows}
         else:
             sets[b] = {"k": cfg.k or DEFAULT_K[b], "rows": load_benchmark(b, cfg.data_dir)}
     for spec in cfg.data:
-        import train
         name, path = spec.split("=", 1) if "=" in spec and not os.path.exists(spec) else (Path(spec).stem, spec)
         if name in sets:
             raise ValueError(f"--data {spec}: the name {name!r} is taken; name it with NAME={path}")
         rows = train.read_rows(path, cfg.prompt_key, cfg.answer_key, cfg.split)
         if not rows:
             raise ValueError(f"--data {path}: no rows")
-        sets[name] = {"k": cfg.k or DEFAULT_K["gsm8k"],
+        sets[name] = {"k": cfg.k or OTHER_K,
                       "rows": [{"problem": r["problem"], "answer": _joined(r["answer"]), "gold": r["answer"]}
                                for r in rows]}
     return {name: {"k": s["k"], "rows": s["rows"][: cfg.limit]} for name, s in sets.items()}
