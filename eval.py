@@ -265,7 +265,7 @@ def parse_flags(cls, argv: list[str] | None, prog: str, notes: dict[str, str] | 
 
 def _or_none(tp: type) -> Callable[[str], object]:
     def convert(text: str):
-        return None if text.lower() in ("none", "") else tp(text)
+        return None if text.lower() == "none" else tp(text)
 
     convert.__name__ = tp.__name__  # argparse names it in "invalid float value: 'x'"
     return convert

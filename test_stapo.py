@@ -1271,6 +1271,7 @@ def test_eval_cli_flags_and_help(capsys):
                             max_new_tokens=16, temperature=0.7, top_p=0.9, instruction=INSTRUCTION)
     assert ev.parse_config([]) == ev.Config(temperature=1.0, top_p=1.0, instruction=INSTRUCTION)
     assert ev.parse_config(["--preset", "justrl", "--temperature", "0.5"]).top_p == 0.9  # a flag beats the preset
+    assert ev.parse_config(["--instruction", ""]).instruction == ""  # no instruction, not the default one
     with pytest.raises(SystemExit):
         ev.parse_config(["--preset", "greedy"])
     with pytest.raises(SystemExit):
