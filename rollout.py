@@ -20,8 +20,9 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    dropped with `DynamicCache.batch_select_indices`) once they are a quarter of it (`COMPACT_FRACTION`); until then
    they keep sampling, and what they sample after EOS is replaced by pad with response_mask 0. The results are
    scattered back to the full (B, T) buffers. Slots freed this way are not refilled with further prompts
-   (continuous batching): the rollout batch is known up front, and bench.py shows the per-row decode cost already
-   falls with the batch (README), so refilling would mostly help when --rollout-chunk is far below the batch.
+   (continuous batching): within one generate call there is nothing to refill them with. Across calls
+   (--rollout-chunk below a rank's prompts) refilling would pay: a decode step costs ~5x more per row at 8 rows than
+   at 128 on CPU (bench.py engines, README); not done here.
 5. Sampling draws one uniform per row of the FULL batch every step and uses those of the running rows, then searches
    the CDF (exact; torch.multinomial does the same, slower on CPU). Row i therefore gets the same uniforms whether or
    not finished rows were dropped: compaction changes no token (test_stapo.py checks it token for token).
