@@ -1602,3 +1602,29 @@ def test_train_every_algorithm_runs(tmp_path, monkeypatch, algo, flags):
     if algo == "grpo":
         assert m["loss/kl"] >= 0
 
+# ==================================================================================================================
+# bench.py gpu: the prepared GPU check, at toy shapes on the CPU
+# ==================================================================================================================
+def test_bench_gpu_smoke(tmp_path):
+    """`python bench.py gpu --smoke` runs every part of the GPU check (so it cannot rot between GPU runs): the sharded
+    fp32 forward equals an fp32 copy of the same weights, the chunked head the fp64 naive one, the sampler makes
+    exactly its tokens, and train.py makes its two steps with an update each."""
+    import bench
+
+    with _one_thread():
+        bench.bench_gpu(smoke=True, out=tmp_path)
+    rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
+    assert [r["part"] for r in rows] == ["train"] * 3 + ["numerics"] * 2 + ["head"] * 2 + ["rollout"] * 2 + ["e2e"] * 2
+    for r in rows:
+        if r["part"] == "train":
+            assert r["updates"] == 1 and math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["mfu"] > 0
+        elif r["part"] == "numerics":
+            assert r["max_abs_diff"] < 1e-5 and r["tokens"] == 32
+        elif r["part"] == "head":
+            assert r["logprob_max_abs_diff"] < 1e-4 and r["entropy_max_abs_diff"] < 1e-4
+        elif r["part"] == "rollout":
+            assert r["new_tokens"] == 8 and r["step_ms"] > 0 and r["bound_ms"] > 0
+        else:
+            assert r["updates"] == 1 and 1 <= r["response/len_mean"] <= 8  # --max-response-len 8
+    table = (tmp_path / "gpu.md").read_text()
+    assert "| one mini-batch update |" in table and "| train.py step |" in table and "vLLM: not measured" in table
