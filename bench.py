@@ -82,6 +82,9 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # benchmarks never download (the GPU machine has no network)
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -458,11 +461,11 @@ def _reset_peak(device):
 
 def _device_limits(device, dtype):
     """(copy bandwidth in bytes/s counting read + write, matmul FLOP/s in `dtype`), medians of 5, on `device`."""
-    n = 2**28 if device.type == "cuda" else 2**24  # 512 MiB / 32 MiB of bf16-or-fp32 elements
+    n = 2**30 if device.type == "cuda" else 2**24  # 2 GiB of bf16 / 64 MiB of fp32
     src = torch.randn(n, device=device, dtype=dtype)
     dst = torch.empty_like(src)
     copy = statistics.median(_dev_timed(lambda: dst.copy_(src), device)[0] for _ in range(5))
-    m = 8192 if device.type == "cuda" else 512
+    m = 16384 if device.type == "cuda" else 512
     a, b = torch.randn(m, m, device=device, dtype=dtype), torch.randn(m, m, device=device, dtype=dtype)
     a @ b  # warm-up (cuBLAS handles, kernel choice)
     mm = statistics.median(_dev_timed(lambda: a @ b, device)[0] for _ in range(5))
@@ -484,7 +487,8 @@ def _synthetic_sampler(T, device):
         response[:, -1] = torch.tensor([box[i % 2] for i in range(B)], device=device)
         ones = torch.ones(B, T, dtype=torch.long, device=device)  # (B, T) no EOS: every token is a response token
         logprobs = torch.full((B, T), -math.log(len(tokenizer)), device=device)  # (B, T)
-        return rollout.Rollout(prompt_ids, prompt_mask, response, ones, logprobs, torch.ones(B, dtype=torch.bool))
+        return rollout.Rollout(prompt_ids, prompt_mask, response, ones, logprobs,
+                               torch.ones(B, dtype=torch.bool, device=device))
     return sample
 
 
