@@ -207,9 +207,10 @@ def _closing(s, start):
     return None
 
 
-def _unwrap(s, limit=20):
+def _unwrap(s, deadline, limit=20):
     """\\text{...}, \\mathbf{\\frac{1}{2}}, ...: keep the content; also drop redundant outer braces ({5}, {{5}})."""
     for _ in range(limit):
+        _tick(deadline)
         m = _UNWRAP.search(s)
         end = _closing(s, m.end() - 1) if m else None
         if end is None:
@@ -239,7 +240,7 @@ def _clean(s, deadline):
     s = re.sub(r"\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\\circ\b", " ", s)  # degrees (a space: 45^\circ,135^\circ is a list)
     percent = bool(_PERCENT.search(s))
     s = _UNIT.sub("", _PERCENT.sub("", s))
-    s = _unwrap(s)
+    s = _unwrap(s, deadline)
     for pattern, repl in _MATRIX:
         s = pattern.sub(lambda m, r=repl: r, s)
     s = re.sub(r"\s+", " ", s).rstrip(" .,;:。，").lstrip(" ,;:")
@@ -698,6 +699,7 @@ def _match(preds, golds, deadline):
         return False
     left, rest = list(preds), []
     for g in golds:  # identical values first: cheap, and spares the numeric tests
+        _tick(deadline)
         if g in left:
             left.remove(g)
         else:
