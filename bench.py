@@ -516,7 +516,7 @@ def _gpu_train(sizes, cfg, state, device, flops_rate, out):
                            group_size=G, micro_batch_size=micro)
         _reset_peak(device)
         with mock.patch.object(train, "sample", _synthetic_sampler(T, device)):
-            seconds, (metrics, _) = _dev_timed(lambda: train.train_step(
+            seconds, (metrics, *_) = _dev_timed(lambda: train.train_step(
                 k, policy, None, optimizer, scheduler, rows, prompts, tokenizer, step_cfg, 0, 1, device), device)
         if k == 0:
             continue
