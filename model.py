@@ -21,6 +21,11 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from TRL:
 6. Entropy and collision are plain (pairwise) sums over the vocabulary of products formed in place, not dot
    products: a batched (1 x V) @ (V x 1) matmul accumulates its fp32 error with V (max |H error| 1.5e-3 at
    V = 151,936 against fp64; a sum 1e-6), which moves S2T and 20-Entropy thresholds at the margin.
+7. The training forward runs each row right-padded (shifted left by its prompt padding) without an attention mask,
+   so memory grows linearly with length: from a 2D mask with left padding, transformers' SDPA path builds a dense
+   (B, 1, L, L) mask and PyTorch then takes a kernel that materializes the (L x L) scores (measured on CPU: 7.9x the
+   memory from 2k to 8k tokens; 3.9x without the mask). veRL removes padding altogether (flash-attention varlen);
+   token-budget micro-batches of length-sorted rows keep our padding small instead (train.py).
 """
 import importlib.util
 import os
@@ -185,17 +190,30 @@ class Policy(nn.Module):
 
     def forward(self, input_ids, attention_mask, response_mask, temperature=1.0, chunk_size=1024):
         """input_ids, attention_mask (B, P+T) = left-padded prompt + right-padded response; response_mask (B, T).
-        Returns logprobs, entropy, collision, each (B, T) float32 and 0 where response_mask == 0."""
+        Returns logprobs, entropy, collision, each (B, T) float32 and 0 where response_mask == 0.
+
+        Attention path (difference 7): every row is shifted left by its prompt padding, so that its real tokens form
+        a prefix, and the backbone runs with no attention mask: SDPA's causal kernel (is_causal, flash / memory-
+        efficient on CUDA, flash on CPU) then never materializes an (L x L) mask or score matrix, and causality
+        alone keeps each real token from seeing the padding after it. The input is trimmed to the longest row."""
         B, T = response_mask.shape
         P = input_ids.shape[1] - T
+        shift = P - attention_mask[:, :P].sum(1)  # (B,) left padding of each prompt
+        length = attention_mask.sum(1)  # (B,) real tokens (prompt + response) of each row
+        cols = torch.arange(int(length.max()), device=input_ids.device)  # (L,)
+        src = (cols + shift[:, None]).clamp(max=input_ids.shape[1] - 1)  # (B, L) original column of each new one
+        real = cols < length[:, None]  # (B, L) the real-token prefix of each row (all ones: no holes in the mask)
+        scored_unseen = (response_mask.bool() & (attention_mask[:, P:] == 0)).any()
+        if (shift >= P).any() or scored_unseen or not (attention_mask.gather(1, src).bool() | ~real).all():
+            raise ValueError("Policy.forward expects a non-empty left-padded prompt + right-padded response per row")
         out = self.lm.get_decoder()(  # the backbone: last_hidden_state is after the final norm
-            input_ids=input_ids, attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask), use_cache=False,
-        )
-        hidden = out.last_hidden_state[:, P - 1:-1]  # (B, T, D): position P+t-1 predicts response token t
+            input_ids=input_ids.gather(1, src), position_ids=cols.expand(B, -1), use_cache=False,
+        )  # no attention_mask: positions past a row's length hold pad tokens that no real token attends to
         mask = response_mask.bool()  # (B, T)
+        b, t = mask.nonzero(as_tuple=True)  # (N,), (N,) row-major, the order of [mask] below
+        hidden = out.last_hidden_state[b, P - shift[b] + t - 1]  # (N, D): response token t sits at P - shift + t
         logprobs, entropy, collision = chunked_logprobs_entropy(
-            hidden[mask], self.lm.lm_head.weight[:self.vocab_size], input_ids[:, P:][mask],  # (N, D), (V, D), (N,)
+            hidden, self.lm.lm_head.weight[:self.vocab_size], input_ids[:, P:][mask],  # (N, D), (V, D), (N,)
             temperature=temperature, chunk_size=chunk_size, with_collision=True,
         )
         results = []
