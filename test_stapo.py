@@ -539,6 +539,56 @@ def test_model_policy_response_only(monkeypatch):
         torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-4)
 
 
+_MEMORY_PROBE = """import resource, sys, torch
+sys.path.insert(0, {root!r})
+import model
+from transformers import Qwen3Config, Qwen3ForCausalLM
+torch.manual_seed(0)
+config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=1,
+                     num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
+policy = model.Policy(Qwen3ForCausalLM(config)).train()
+
+
+def step(L):  # 2 rows of L columns; row 1's prompt has 16 padding columns: left padding, as in training
+    input_ids, attention_mask = torch.randint(4, 128, (2, L)), torch.ones(2, L, dtype=torch.long)
+    attention_mask[1, :16] = 0
+    policy(input_ids, attention_mask, torch.ones(2, L // 2, dtype=torch.long))[0].sum().backward()
+
+
+step(64)  # warm up
+with open("/proc/self/statm") as f:
+    base = int(f.read().split()[1]) * resource.getpagesize() / 2**20  # MiB resident now
+step({L})
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10 - base)  # peak MiB of the step
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_model_training_forward_memory_linear_in_length():
+    """Peak memory of one training forward + backward (tiny Qwen3-shaped model, 2 left-padded rows) grows ~4x from
+    2k to 8k tokens. A 2D padding mask made transformers build a (B, 1, L, L) mask and SDPA materialize (L x L)
+    scores: 10.5x."""
+    def extra_mib(L):
+        out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE.format(root=str(ROOT), L=L)], capture_output=True,
+                             text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        return float(out.stdout.split()[-1])
+
+    small, large = extra_mib(2048), extra_mib(8192)
+    assert small > 20 and large / small < 5, (small, large)
+
+
+def test_model_policy_rejects_other_layouts():
+    input_ids, attention_mask, response_mask = _model_batch()
+    hole = attention_mask.clone()
+    hole[1, 3] = 0  # a hole inside the prompt
+    empty = attention_mask.clone()
+    empty[0, :5] = 0  # no prompt token
+    for mask in (hole, empty):
+        with pytest.raises(ValueError, match="left-padded prompt"):
+            model.Policy(model.tiny_model())(input_ids, mask, response_mask)
+
+
 def test_model_save_load_same_logits(tmp_path):
     lm, tokenizer = model.load_model("tiny")
     model.save_hf(model.Policy(lm), tokenizer, tmp_path)
@@ -1394,8 +1444,8 @@ def _toy_data(tmp_path: Path) -> str:
 def _toy_args(data: str, out: Path, **flags) -> list[str]:
     base = dict(model="tiny", data=data, answer_key="answer", instruction="", algo="stapo", steps=1,
                 prompts_per_step=4, group_size=4, mini_batch_prompts=2, max_tokens_per_micro_batch=20,
-                max_response_len=3, lr=1e-3, warmup_steps=0, rollout_chunk=1, save_every=0, out_dir=str(out), preset="cpu",
-                plots=False)
+                max_response_len=3, lr=1e-3, warmup_steps=0, rollout_chunk=1, save_every=0, out_dir=str(out),
+                preset="cpu", plots=False)
     base.update(flags)
     args = ["--no-chat"]
     for key, value in base.items():
