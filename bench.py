@@ -4,6 +4,7 @@
     python bench.py logprobs        # chunked log-prob/entropy vs naive: memory and time at Qwen3's vocabulary
     python bench.py generate        # our sampler vs model.generate (tiny, SmolLM2), FSDP2 vs one process
     python bench.py grader          # reward.grade throughput
+    python bench.py update          # token-budget vs sequence-count micro-batches; peak memory vs length vs estimate
 
 Not part of the test suite: timings on a shared machine are noisy, so nothing here asserts a speed.
 
@@ -42,6 +43,20 @@ grader: Paper: STAPO (arXiv:2602.15620) Sec. 6 grades 256 x 8 = 2,048 responses 
        the slowest single grade is the maximum over all passes.
     2. "strict" (the paper's string match of the last box) is timed on the same corpus as the reference point.
 
+update: Paper: STAPO (arXiv:2602.15620) Sec. 6 trains on responses up to 15,360 tokens (veRL, dynamic batch size of 32,768
+    tokens per GPU). (1) A rollout batch of 64 rows with a realistic length mix (lognormal, median ~245 response tokens,
+    a tail to the cap of 1920 = 15360 / 8) through the update's forward + backward, split into 8-sequence micro-batches
+    in rollout order (the former --micro-batch-size 8) or by token budget (`Rollout.micro_batches`): padding fraction,
+    largest micro-batch, time per real token. (2) Peak memory of one training step vs length, with and without
+    activation checkpointing, against `model.memory_estimate`.
+
+    Deliberate choices:
+    1. Scaled-down Qwen3 shapes (hidden 128, MLP 384, one 32-wide head) so that 16k-token rows run on a CPU; the
+       memory model is checked on the same shapes it is later applied to at full size.
+    2. Memory: each (length, checkpointing) in a fresh process, peak resident memory (ru_maxrss) minus the resident
+       memory before the model exists, so the measurement covers every term the estimate has (fp32 parameters,
+       gradients, AdamW states, activations).
+
 """
 import json
 import os
@@ -57,10 +72,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
 import model
 import reward
+import train
 from model import Policy, load_model, shard_policy
-from rollout import format_prompt, gathered, generate
+from rollout import Rollout, format_prompt, gathered, generate
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -330,7 +348,143 @@ def bench_reward(repeats=3):
         strict, _ = _reward_run(items, lambda r, g: reward.reward(r, g, mode="strict"), repeats)
         print(f"| {name} | {len(items)} | {rate:,.0f} | {strict:,.0f} | {worst * 1e3:.1f} | {case} |")
 
-BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward}
+# ------------------------------------------------------------------------------------------------------------------
+# `python bench.py update`: token-budget vs sequence-count micro-batches; peak memory vs length and the memory model
+def _scaled_qwen3(layers=4, vocab=1024):
+    """A scaled-down Qwen3 (hidden 128, MLP 384, one 32-wide head): the shape of the real one, CPU-sized."""
+    return Qwen3Config(vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=layers,
+                       num_attention_heads=1, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)
+
+
+QWEN3 = {  # the config.json numbers of the Qwen3 base models the paper trains (vocabulary 151,936)
+    "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "Qwen3-14B": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+
+
+def _memory_worker(length, checkpointing):
+    """In a fresh process: peak extra resident memory (GiB) of the fp32 model, AdamW states and one training
+    forward + backward of one row of `length` tokens (64 prompt + the rest response), from before the model exists."""
+    base = _rss_gb()
+    torch.manual_seed(0)
+    lm = Qwen3ForCausalLM(_scaled_qwen3())
+    if checkpointing:
+        lm.gradient_checkpointing_enable({"use_reentrant": False})
+    policy = Policy(lm).train()
+    optimizer = torch.optim.AdamW(policy.parameters())
+
+    def step(L):
+        ids, mask = torch.randint(4, 1024, (1, L)), torch.ones(1, L, dtype=torch.long)
+        policy(ids, mask, mask[:, 64:])[0].sum().backward()
+
+    step(128)  # warm up; the AdamW states exist from here on, as in training
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    step(length)
+    print(json.dumps({"peak_gb": _peak_rss_gb() - base}))
+
+
+def _memory_row(length, checkpointing):
+    here = Path(__file__)
+    code = (f"import sys; sys.path.insert(0, {str(here.parent)!r}); import {here.stem} as b; "
+            f"b._memory_worker({length}, {checkpointing})")
+    # a fixed mmap threshold: freed tensors go back to the OS at once, so the peak resident memory tracks live tensors
+    # (what a GPU's max_memory_allocated counts) instead of glibc's heap, which keeps freed blocks of up to 32 MiB
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    measured = json.loads(out.stdout.strip().splitlines()[-1])["peak_gb"]
+    est = model.memory_estimate(_scaled_qwen3(), tokens=length, checkpointing=checkpointing, fsdp=False,
+                                compute_bytes=4)["train_peak"]
+    return measured, est
+
+
+def _length_mix(rows, seed=0):
+    """Response lengths of a rollout batch at 1/8 of the paper's scale: most short, a long tail up to the cap
+    (15360 / 8 = 1920), as math RL responses are; prompts 20-128 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    response = (torch.randn(rows, generator=g) * 0.8 + 5.5).exp().clamp(8, 1920).long()  # median ~245
+    return torch.randint(20, 129, (rows,), generator=g), response
+
+
+def _mix_rollout(rows, seed=0):
+    prompt_len, response_len = _length_mix(rows, seed)
+    P, T = int(prompt_len.max()), int(response_len.max())
+    prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()  # (B, P) left-padded
+    response_mask = (torch.arange(T) < response_len[:, None]).long()  # (B, T)
+    g = torch.Generator().manual_seed(seed)
+    return Rollout(torch.randint(4, 1024, (rows, P), generator=g), prompt_mask,
+                   torch.randint(4, 1024, (rows, T), generator=g), response_mask, torch.zeros(rows, T),
+                   torch.zeros(rows, dtype=torch.bool))
+
+
+def _update_pass(policy, batch, micro, cfg):
+    """Forward + backward of every micro-batch (the update's work); returns the padded tokens fed."""
+    fed, lengths = 0, batch.lengths()
+    for mi in micro:
+        train.policy_forward(policy, batch.select(mi), cfg, torch.device("cpu"))[0].sum().backward()
+        fed += len(mi) * int(lengths[mi].max())
+    return fed
+
+
+def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        batch, cfg = _mix_rollout(rows), train.Config()
+        real = int(batch.lengths().sum())
+        torch.manual_seed(0)
+        policy = Policy(Qwen3ForCausalLM(_scaled_qwen3(layers=2))).train()
+        schemes = {"8 sequences (old --micro-batch-size 8)": list(torch.arange(rows).split(8))}
+        for budget in (4096, 8192, 16384):
+            schemes[f"token budget {budget}"] = batch.micro_batches(budget)
+        fed = {name: _update_pass(policy, batch, micro, cfg) for name, micro in schemes.items()}
+        t = _interleaved({name: (lambda m=micro: _update_pass(policy, batch, m, cfg))
+                          for name, micro in schemes.items()}, reps=3)
+        base = next(iter(schemes))
+        median = int(batch.response_mask.sum(1).median())
+        print(f"update forward + backward, {rows} rows (response lengths: median {median}, max "
+              f"{batch.response_mask.shape[1]}), scaled-down Qwen3 (2 layers), fp32 CPU, 1 thread, median of 3\n")
+        print("| micro-batches | count | largest (padded tokens) | batch/pad_frac | time per real token | "
+              "vs 8 sequences |")
+        print("|---|---|---|---|---|---|")
+        for name, micro in schemes.items():
+            largest = max(len(mi) * int(batch.lengths()[mi].max()) for mi in micro)
+            print(f"| {name} | {len(micro)} | {largest} | {1 - real / fed[name]:.3f} | {t[name] / real * 1e6:.1f} us | "
+                  f"{t[name] / t[base]:.2f}x |", flush=True)
+
+        print("\nmodel.memory_estimate at the paper's recipe (256 prompts x G=8 per step, --rollout-chunk 8, prompt "
+              "1024 + response 15360, 32768 tokens per micro-batch, bf16 compute, FSDP2), GiB per rank\n")
+        print("| model | GPUs | params + grads + AdamW | activations, ckpt on (off) | training peak, ckpt on (off) | "
+              "rows per generate call | KV cache | rollout peak | rollout peak, --rollout-chunk 1 |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for name, shape in QWEN3.items():
+            config = Qwen3Config(vocab_size=151_936, **shape)
+            for world in (8, 64):
+                rows = min(8, 256 // world) * 8
+                on, off = (model.memory_estimate(config, world, rollout_rows=rows, checkpointing=c) for c in (1, 0))
+                one = model.memory_estimate(config, world, rollout_rows=8)
+                print(f"| {name} | {world} | {on['params'] + on['grads'] + on['adam']:.1f} | {on['activations']:.1f} "
+                      f"({off['activations']:.1f}) | {on['train_peak']:.1f} ({off['train_peak']:.1f}) | {rows} | "
+                      f"{on['kv_cache']:.1f} | {on['rollout_peak']:.1f} | {one['rollout_peak']:.1f} |")
+
+        print("\npeak memory of one training step vs length (1 row; fp32 model + AdamW + forward + backward), "
+              "scaled-down Qwen3 (4 layers), CPU, each in its own process; estimate: model.memory_estimate\n")
+        print("| tokens | checkpointing | measured GiB | estimate GiB | estimate / measured |")
+        print("|---|---|---|---|---|")
+        for L in lengths:
+            for checkpointing in (False, True):
+                measured, est = _memory_row(L, checkpointing)
+                print(f"| {L} | {'on' if checkpointing else 'off'} | {measured:.3f} | {est:.3f} | "
+                      f"{est / measured:.2f} |", flush=True)
+    finally:
+        torch.set_num_threads(threads)
+
+
+BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward, "update": bench_update}
 
 if __name__ == "__main__":
     names = sys.argv[1:] or list(BENCHES)

@@ -570,12 +570,36 @@ def test_model_training_forward_memory_linear_in_length():
     scores: 10.5x."""
     def extra_mib(L):
         out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE.format(root=str(ROOT), L=L)], capture_output=True,
-                             text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
         assert out.returncode == 0, out.stderr[-2000:]
         return float(out.stdout.split()[-1])
 
     small, large = extra_mib(2048), extra_mib(8192)
     assert small > 20 and large / small < 5, (small, large)
+
+
+def test_model_memory_estimate_counts_parameters_and_kv_cache():
+    """The memory model's parameter count = the model's (tied and untied head), sharded over FSDP ranks; its KV term
+    = the bytes of a real DynamicCache after a prefill; checkpointing and the token budget move activations only."""
+    from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+    for tied in (True, False):
+        config = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied)
+        lm = Qwen3ForCausalLM(config)
+        est = model.memory_estimate(config, world=1, fsdp=False, compute_bytes=4)
+        assert est["params"] * 2**30 / 4 == pytest.approx(sum(p.numel() for p in lm.parameters()), abs=0.5)
+        assert model.memory_estimate(config, world=8)["adam"] == pytest.approx(est["adam"] / 8)
+    rows, length = 3, 11
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        lm.model(input_ids=torch.randint(96, (rows, length)), past_key_values=cache, use_cache=True)
+    cache_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert cache_bytes == model.kv_cache_bytes(rows, length, 3, 2, 8, dtype_bytes=4)
+    base = model.memory_estimate(config, tokens=1000)
+    double, off = model.memory_estimate(config, tokens=2000), model.memory_estimate(config, checkpointing=False)
+    assert double["activations"] == pytest.approx(2 * base["activations"]) and off["activations"] > base["activations"]
+    assert {k for k in base if base[k] != double[k]} == {"activations", "train_peak", "peak"} - (
+        set() if base["train_peak"] >= base["rollout_peak"] else {"peak"})
 
 
 def test_model_policy_rejects_other_layouts():

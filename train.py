@@ -57,7 +57,7 @@ import reward
 import rollout
 import s2t
 import stapo
-from model import Policy, lm_vocab_size, load_model, save_hf, shard_policy
+from model import Policy, lm_vocab_size, load_model, memory_estimate, memory_line, save_hf, shard_policy
 
 
 @dataclass
@@ -134,8 +134,8 @@ class Config:
     mixed_precision: bool = True
     """bf16 compute with fp32 master weights and gradient reduction (CUDA + FSDP2 only)"""
     grad_checkpointing: bool = True
-    """recompute each decoder layer's activations in the backward: per token it keeps the layer inputs (hidden
-    size values per layer) instead of all activations (Qwen3-1.7B: 28x less), for ~1/3 more update compute"""
+    """recompute each decoder layer's activations in the backward: per token it keeps each layer's input instead of
+    all its activations (Qwen3-1.7B: 9x less activation memory), for ~1/3 more update compute"""
     eval_every: int = 0
     """evaluate the held-out problems every N steps (0 = before and after training only, when there are any)"""
     eval_samples: int = 4
@@ -633,12 +633,20 @@ def setup(cfg: Config, rank: int, world: int, device):
     train_rows, train_prompts = [train_rows[i] for i in keep], [train_prompts[i] for i in keep]
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
+    sharded = cfg.fsdp or world > 1 or device.type == "cuda"
+    if rank == 0:  # the memory model's estimate for this run (README.md "Memory")
+        per_rank = cfg.prompts_per_step // world
+        print(memory_line(memory_estimate(
+            lm.config, world, cfg.max_tokens_per_micro_batch, cfg.grad_checkpointing,
+            min(cfg.rollout_chunk or per_rank, per_rank) * cfg.group_size, cfg.max_prompt_len, cfg.max_response_len,
+            fsdp=sharded, compute_bytes=2 if sharded and cfg.mixed_precision and device.type == "cuda" else 4,
+            chunk_size=cfg.chunk_size)), flush=True)
 
     def make_policy(model_lm):
         policy = Policy(model_lm, vocab_size=lm_vocab_size(tokenizer))  # the sampler's rows only
         if cfg.grad_checkpointing:
             model_lm.gradient_checkpointing_enable({"use_reentrant": False})
-        if cfg.fsdp or world > 1 or device.type == "cuda":
+        if sharded:
             shard_policy(policy, mixed_precision=cfg.mixed_precision)
         return policy
 
