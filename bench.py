@@ -13,7 +13,7 @@ logprobs: Paper: STAPO (arXiv:2602.15620) Sec. 2 needs log pi(y_t) and the full-
     (D = 2048), fp32 on CPU, forward + backward of sum_t log pi(y_t), for N = 1024, 4096, 16384 tokens.
     
     Deliberate choices:
-    1. Each (implementation, N) runs in its own process and reports its peak resident memory (ru_maxrss) minus the
+    1. Each (implementation, N) runs in its own process and reports its peak resident memory (VmHWM) minus the
        resident memory once the inputs (hidden, weight) exist, so the numbers do not mix. The weight gradient (V x D fp32,
        1.24 GB) is part of both.
     2. A naive run is only started where its predicted peak fits the memory limit (`max_gb`); otherwise the table shows
@@ -53,7 +53,7 @@ update: Paper: STAPO (arXiv:2602.15620) Sec. 6 trains on responses up to 15,360 
     Deliberate choices:
     1. Scaled-down Qwen3 shapes (hidden 128, MLP 384, one 32-wide head) so that 16k-token rows run on a CPU; the
        memory model is checked on the same shapes it is later applied to at full size.
-    2. Memory: each (length, checkpointing) in a fresh process, peak resident memory (ru_maxrss) minus the resident
+    2. Memory: each (length, checkpointing) in a fresh process, peak resident memory (VmHWM) minus the resident
        memory before the model exists, so the measurement covers every term the estimate has (fp32 parameters,
        gradients, AdamW states, activations).
 
@@ -116,7 +116,10 @@ def _step(impl, hidden, weight, targets):
 
 
 def _peak_rss_gb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB -> GiB
+    """Peak resident memory of this process image (VmHWM). Not ru_maxrss: Linux carries the parent's resident size
+    at fork into a child's ru_maxrss, so a child of a large bench process reported the parent's size."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**20  # KiB -> GiB
 
 
 def _rss_gb():

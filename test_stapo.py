@@ -559,7 +559,8 @@ step(64)  # warm up
 with open("/proc/self/statm") as f:
     base = int(f.read().split()[1]) * resource.getpagesize() / 2**20  # MiB resident now
 step({L})
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10 - base)  # peak MiB of the step
+with open("/proc/self/status") as f:  # VmHWM, the peak of this process image (ru_maxrss can be the parent's)
+    print(next(int(x.split()[1]) for x in f if x.startswith("VmHWM")) / 2**10 - base)  # peak MiB of the step
 """
 
 
@@ -568,9 +569,11 @@ def test_model_training_forward_memory_linear_in_length():
     """Peak memory of one training forward + backward (tiny Qwen3-shaped model, 2 left-padded rows) grows ~4x from
     2k to 8k tokens. A 2D padding mask made transformers build a (B, 1, L, L) mask and SDPA materialize (L x L)
     scores: 10.5x."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors leave the RSS
+
     def extra_mib(L):
         out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE.format(root=str(ROOT), L=L)], capture_output=True,
-                             text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"})
+                             text=True, timeout=300, env=env)
         assert out.returncode == 0, out.stderr[-2000:]
         return float(out.stdout.split()[-1])
 
