@@ -360,6 +360,7 @@ def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: 
     per_layer = 6 * D + 7 * H * hd + 6 * KV * hd + 4 * I
     # checkpointing keeps each layer's input and, in the backward, one layer's recomputed activations
     saved = layers * D + per_layer if checkpointing else layers * per_layer
+    # (measured on CPU, README.md "Memory": the backward's gradient temporaries reuse the memory it frees)
     terms = {
         "params": 4 * n / shards / GiB,
         "grads": 4 * n / shards / GiB,
@@ -368,8 +369,8 @@ def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: 
         # compute dtype, and their unsharded fp32 gradients before the reduce-scatter
         "train_gathered": (root_params + 2 * layer_params) * b / GiB + (root_params + layer_params) * 4 / GiB
         if fsdp else 0.0,
-        # + one layer's gradients in the backward (~ its activations) and the head's input, norm and gradient (4 D)
-        "activations": tokens * (saved + per_layer + 4 * D) * b / GiB,
+        # + the head's input, the final norm's values and the input gradient (4 D)
+        "activations": tokens * (saved + 4 * D) * b / GiB,
         "head": (2 * chunk_size * V + V * D) * 4 / GiB,  # two fp32 (C, V) logit buffers, fp32 head gradient
         "rollout_gathered": n * b / GiB if fsdp else 0.0,
         "kv_cache": kv_cache_bytes(rollout_rows, prompt_len + response_len, layers, KV, hd, b) / GiB,
