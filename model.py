@@ -20,11 +20,12 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from TRL:
    (SmolLM2: `<|endoftext|>`, id 0). Masks never come from pad ids, so this only keeps decoded text unambiguous.
 6. Entropy and collision are plain (pairwise) sums over the vocabulary of products formed in place, not dot
    products: a batched (1 x V) @ (V x 1) matmul accumulates its fp32 error with V (max |H error| 1.5e-3 at
-   V = 151,936 against fp64; a sum 1e-6), which moves S2T and 20-Entropy thresholds at the margin.
+   V = 151,936 against fp64; a sum 5e-6, the fp32 logits' own error), which moves S2T and 20-Entropy thresholds
+   at the margin.
 7. The training forward runs each row right-padded (shifted left by its prompt padding) without an attention mask,
    so memory grows linearly with length: from a 2D mask with left padding, transformers' SDPA path builds a dense
-   (B, 1, L, L) mask and PyTorch then takes a kernel that materializes the (L x L) scores (measured on CPU: 7.9x the
-   memory from 2k to 8k tokens; 3.9x without the mask). veRL removes padding altogether (flash-attention varlen);
+   (B, 1, L, L) mask and PyTorch then takes a kernel that materializes the (L x L) scores (measured on CPU: 10.5x
+   the memory from 2k to 8k tokens; 3.9x without the mask). veRL removes padding altogether (flash-attention varlen);
    token-budget micro-batches of length-sorted rows keep our padding small instead (train.py).
 """
 import importlib.util
@@ -364,9 +365,9 @@ def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: 
     # values saved per token and layer for the backward: RMSNorm inputs / outputs (6 D), q and k through their norms
     # and rotary (5 each), v, the attention output and its copy, and the MLP's gate, up, silu(gate) and product (4 I)
     per_layer = 6 * D + 7 * H * hd + 6 * KV * hd + 4 * I
-    # checkpointing keeps each layer's input and, in the backward, one layer's recomputed activations
+    # checkpointing keeps each layer's input and, in the backward, one layer's recomputed activations; the
+    # backward's gradient temporaries fit in the memory it frees (measured on CPU, README.md "Memory")
     saved = layers * D + per_layer if checkpointing else layers * per_layer
-    # (measured on CPU, README.md "Memory": the backward's gradient temporaries reuse the memory it frees)
     terms = {
         "params": 4 * n / shards / GiB,
         "grads": 4 * n / shards / GiB,

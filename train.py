@@ -698,11 +698,12 @@ def setup(cfg: Config, rank: int, world: int, device):
     train_rows, train_prompts = [train_rows[i] for i in keep], [train_prompts[i] for i in keep]
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    if rank == 0:  # the memory model's estimate for this run (README.md "Memory")
-        per_rank = cfg.prompts_per_step // world
+    if rank == 0:  # the memory model's estimate for this run (README.md "Memory"), rows at their longest
+        per_rank, prompt_len = cfg.prompts_per_step // world, max(map(len, train_prompts))
+        row, rows = prompt_len + cfg.max_response_len, cfg.mini_batch_prompts // world * cfg.group_size
         print(memory_line(memory_estimate(
-            lm.config, world, cfg.max_tokens_per_micro_batch, cfg.grad_checkpointing,
-            min(cfg.rollout_chunk or per_rank, per_rank) * cfg.group_size, cfg.max_prompt_len, cfg.max_response_len,
+            lm.config, world, min(max(cfg.max_tokens_per_micro_batch, row), rows * row), cfg.grad_checkpointing,
+            min(cfg.rollout_chunk or per_rank, per_rank) * cfg.group_size, prompt_len, cfg.max_response_len,
             fsdp=cfg.fsdp, compute_bytes=2 if cfg.fsdp and cfg.mixed_precision else 4,  # as in effect (in_effect)
             chunk_size=cfg.chunk_size)), flush=True)
 
