@@ -347,7 +347,7 @@ def prompts_per_call(cfg: Config, n: int, lm_config, dtype_bytes: int) -> int:
     (G rows x (max prompt + response) tokens each) fits --kv-cache-gb."""
     per_prompt = rollout.kv_cache_bytes(lm_config, cfg.group_size, cfg.max_prompt_len + cfg.max_response_len,
                                         dtype_bytes)
-    return cfg.rollout_chunk or max(1, min(n, int(cfg.kv_cache_gb * 1e9 // per_prompt)))
+    return min(n, cfg.rollout_chunk or max(1, int(cfg.kv_cache_gb * 1e9 // per_prompt)))
 
 
 def rollout_dtype(cfg: Config, device) -> torch.dtype:
@@ -719,7 +719,8 @@ def setup(cfg: Config, rank: int, world: int, device):
         row, rows = prompt_len + cfg.max_response_len, cfg.mini_batch_prompts // world * cfg.group_size
         print(memory_line(memory_estimate(
             lm.config, world, min(max(cfg.max_tokens_per_micro_batch, row), rows * row), cfg.grad_checkpointing,
-            min(cfg.rollout_chunk or per_rank, per_rank) * cfg.group_size, prompt_len, cfg.max_response_len,
+            prompts_per_call(cfg, per_rank, lm.config, rollout_dtype(cfg, device).itemsize) * cfg.group_size,
+            prompt_len, cfg.max_response_len,
             fsdp=cfg.fsdp, compute_bytes=2 if cfg.fsdp and cfg.mixed_precision else 4,  # as in effect (in_effect)
             chunk_size=cfg.chunk_size)), flush=True)
 
