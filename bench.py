@@ -903,6 +903,8 @@ def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
                 measured, est = _memory_row(L, checkpointing)
                 print(f"| {L} | {'on' if checkpointing else 'off'} | {measured:.3f} | {est:.3f} | "
                       f"{est / measured:.2f} |", flush=True)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ------------------------------------------------------------------------------------------------------------------
