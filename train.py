@@ -37,6 +37,7 @@ Deliberate differences from the paper's veRL setup:
 """
 import argparse
 import ast
+import importlib.util
 import inspect
 import json
 import math
@@ -54,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 import reward
+import plots
 import rollout
 import s2t
 import stapo
@@ -140,6 +142,9 @@ class Config:
     """samples per held-out problem (at --temperature)"""
     spurious_per_step: int = 20
     """silenced tokens written to OUT/spurious.jsonl per step"""
+    token_sample: int = 128
+    """response tokens per mini-batch and rank drawn into OUT/tokens.jsonl for the S2T figure: every candidate and
+    silenced token (at most this many) plus this many others at random (0 = none)"""
     seed: int = 0
     """seed of data order, sampling and initialization"""
     out_dir: str = "out/train"
@@ -151,7 +156,11 @@ class Config:
     export_hf: bool = True
     """write a Hugging Face-format model to OUT/hf at the end"""
     plots: bool = True
-    """write OUT/metrics.png at the end (needs matplotlib; `python train.py --plot RUN ...` overlays runs)"""
+    """write OUT/metrics.png and OUT/s2t.png at the end (needs matplotlib; `python train.py --plot RUN ...` redraws
+    and overlays runs)"""
+    logger: str = ""
+    """live curves of the metrics.jsonl and eval.jsonl keys: '' (none), tensorboard (OUT/tensorboard; pip install
+    tensorboard) or wandb (pip install wandb; WANDB_MODE=offline works without network)"""
 
 
 # The embedded default for machines without a GPU (`--preset cpu`): SmolLM2-135M-Instruct on builtin_task, sized so
@@ -169,7 +178,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     body = ast.parse(textwrap.dedent(inspect.getsource(Config))).body[0].body
     docs = {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    parser = _OneLineParser(description=Config.__doc__, argument_default=argparse.SUPPRESS)
+    parser = _OneLineParser(description=Config.__doc__, epilog=plots.USAGE, argument_default=argparse.SUPPRESS)
     for f in fields(Config):
         cpu = f" (cpu preset: {CPU_PRESET[f.name]!r})" if f.name in CPU_PRESET else ""
         kw = {"help": f"{docs[f.name]} [default: {f.default!r}{cpu}]"}
@@ -423,7 +432,7 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
                            "gn_kept", "loss/policy", "loss/kl", "loss_tokens", "clip/frac_low", "clip/frac_high",
                            "ratio/mean", "kl/approx"], 0.0)
     updates = skipped_zero_adv = skipped_nonfinite = grad_norm_sum = 0.0  # already global: equal on every rank
-    spurious = []
+    spurious, drawn_lines = [], []
 
     # 4. Mini-batch updates (paper Algorithm 1).
     t0 = time.time()
@@ -457,6 +466,11 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
                       "p": math.exp(float(logprobs[i, t])), "H": float(entropy[i, t]),
                       "advantage": float(mb_adv[i, t])}
                      for i, t in silenced.nonzero().tolist()[:cfg.spurious_per_step - len(spurious)]]
+        if cfg.token_sample:  # what S2T saw: a seeded sample of the mini-batch's tokens for OUT/tokens.jsonl
+            gen = torch.Generator().manual_seed(hash((cfg.seed, step, k, rank)) % 2**62)  # not the global RNG
+            drawn = s2t.token_sample(logprobs, entropy, collision, mb_adv, mb_mask, silenced, cfg.token_sample, gen,
+                                     cfg.tau_p, w)
+            drawn_lines.append(token_record(step, k, threshold, drawn, rewards[idx] > 0))
         if nonzero == 0 and ref_policy is None:  # zero advantages, no KL term: nothing to learn, skip (difference 6)
             skipped_zero_adv += 1
             continue
@@ -519,7 +533,17 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
         "time/rollout_s": t_rollout, "time/update_s": t_update,
         "tokens_per_s": n_tok / max(t_rollout + t_update, 1e-9),
     }
-    return metrics, spurious
+    return metrics, spurious, drawn_lines
+
+
+def token_record(step: int, k: int, threshold: float | None, drawn: dict, correct: torch.Tensor) -> dict:
+    """One line of tokens.jsonl: the tokens `s2t.token_sample` drew from mini-batch k, as columns (floats to 4
+    significant digits); `correct` (b,) bool per response of the mini-batch."""
+    rows = drawn["row"]
+    return {"step": step, "mini_batch": k, "tau_h": threshold,
+            **{key: [float(f"{v:.4g}") for v in drawn[key].tolist()] for key in ("p", "H", "A", "grad_norm", "weight")},
+            "correct": correct.cpu()[rows].int().tolist(), "candidate": drawn["candidate"].int().tolist(),
+            "silenced": drawn["silenced"].int().tolist()}
 
 
 # ----------------------------------------------------------------------------------------------- evaluation
@@ -583,33 +607,30 @@ def load_checkpoint(out: Path, policy, optimizer, scheduler, rank: int) -> int:
     return extra["step"] + 1
 
 
-# -------------------------------------------------------------------------------------------------- plots
-PLOT_KEYS = ("reward/mean", "entropy/mean", "s2t/silenced_frac")
+# ------------------------------------------------------------------------------------------------ loggers
+LOGGERS = {"": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # --logger -> the package it needs
 
 
-def plot(run_dirs: list[str], out_png: str) -> None:
-    """Reward, entropy and silenced fraction over steps, one line per run (matplotlib is optional)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("train.py: matplotlib is not installed, no plot", file=sys.stderr)
-        return
-    fig, axes = plt.subplots(1, len(PLOT_KEYS), figsize=(5 * len(PLOT_KEYS), 3.5))
-    for run in run_dirs:
-        lines = [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        config = Path(run) / "config.json"
-        label = f"{Path(run).name} ({json.loads(config.read_text())['algo']})" if config.exists() else run
-        for ax, key in zip(axes, PLOT_KEYS):
-            ax.plot([m["step"] for m in lines], [m[key] for m in lines], label=label)
-    for ax, key in zip(axes, PLOT_KEYS):
-        ax.set_title(key)
-        ax.set_xlabel("step")
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
+def open_logger(cfg: Config, out: Path):
+    """(log(record), close()) for --logger, each record a metrics.jsonl or eval.jsonl line logged at its `step`
+    with all its other keys; (None, None) without a logger. The package is imported only when chosen."""
+    if cfg.logger == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(out / "tensorboard"))
+
+        def log(record):
+            for key, value in record.items():
+                if key != "step":
+                    writer.add_scalar(key, value, record["step"])
+        return log, writer.close
+    if cfg.logger == "wandb":
+        import wandb
+
+        run = wandb.init(project="stapo", name=out.name, dir=str(out), config=asdict(cfg))
+        return (lambda record: run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"]),
+                run.finish)
+    return None, None
 
 
 # --------------------------------------------------------------------------------------------------- main
@@ -617,6 +638,11 @@ def setup(cfg: Config, rank: int, world: int, device):
     """Everything that can fail on bad inputs: data, model, sharding, optimizer, resume."""
     if cfg.prompts_per_step % world or cfg.mini_batch_prompts % world:
         raise ValueError(f"--prompts-per-step and --mini-batch-prompts must be multiples of the {world} ranks")
+    if cfg.logger not in LOGGERS:
+        raise ValueError(f"unknown --logger {cfg.logger!r}; valid: '', tensorboard, wandb")
+    if cfg.logger and importlib.util.find_spec(LOGGERS[cfg.logger]) is None:
+        raise ImportError(f"--logger {cfg.logger} needs the {LOGGERS[cfg.logger]} package: pip install "
+                          f"{LOGGERS[cfg.logger]}")
     train_rows, test_rows = load_rows(cfg)
     lm, tokenizer = load_model(cfg.model, device=device)
     if cfg.chat and not tokenizer.chat_template:
@@ -657,16 +683,21 @@ def train(cfg: Config, rank: int, world: int, device, state) -> None:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-        for name in ("metrics.jsonl", "spurious.jsonl", "eval.jsonl"):  # drop lines past the checkpoint
+        for name in ("metrics.jsonl", "spurious.jsonl", "eval.jsonl", "tokens.jsonl"):  # drop lines past the checkpoint
             f = out / name
             lines = f.read_text().splitlines() if start and f.exists() else []
             done = start + (name == "eval.jsonl")  # eval.jsonl's step N is "after N steps"
             f.write_text("".join(x + "\n" for x in lines if x and json.loads(x)["step"] < done))
 
+    log, close_log = open_logger(cfg, out) if rank == 0 else (None, None)
+
     def write(name, records):
         if rank == 0:
             with open(out / name, "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in records)
+            if log and name in ("metrics.jsonl", "eval.jsonl"):
+                for r in records:
+                    log(r)
 
     def run_eval(done_steps):
         if test_rows:
@@ -683,11 +714,14 @@ def train(cfg: Config, rank: int, world: int, device, state) -> None:
         from tqdm import tqdm
         bar = tqdm(bar, initial=start, total=cfg.steps, desc=cfg.algo, dynamic_ncols=True)
     for step in bar:
-        metrics, spurious = train_step(step, policy, ref_policy, optimizer, scheduler, rows, prompts, tokenizer, cfg,
-                                       rank, world, device)
+        metrics, spurious, tokens = train_step(step, policy, ref_policy, optimizer, scheduler, rows, prompts,
+                                               tokenizer, cfg, rank, world, device)
         gathered = [None] * world
-        dist.all_gather_object(gathered, spurious)
-        write("spurious.jsonl", [x for part in gathered for x in part][:cfg.spurious_per_step])
+        dist.all_gather_object(gathered, (spurious, tokens))
+        write("spurious.jsonl", [x for part, _ in gathered for x in part][:cfg.spurious_per_step])
+        write("tokens.jsonl", [{key: sum((r[key] for r in same), []) if isinstance(same[0][key], list) else value
+                                for key, value in same[0].items()}  # one line per mini-batch, ranks concatenated
+                               for same in zip(*[part for _, part in gathered])])
         write("metrics.jsonl", [metrics])
         if rank == 0:
             bar.set_postfix({"reward": f"{metrics['reward/mean']:.2f}", "H": f"{metrics['entropy/mean']:.2f}",
@@ -701,18 +735,17 @@ def train(cfg: Config, rank: int, world: int, device, state) -> None:
         run_eval(cfg.steps)
     if cfg.export_hf:
         save_hf(policy, tokenizer, str(out / "hf"))
-    if rank == 0 and cfg.plots:
-        plot([str(out)], str(out / "metrics.png"))
+    if rank == 0:
+        if close_log:
+            close_log()
+        if cfg.plots:
+            plots.figures([str(out)], str(out / "metrics.png"))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--plot"]:  # python train.py --plot RUN [RUN ...] [--out PNG]
-        runs = argv[1:argv.index("--out")] if "--out" in argv else argv[1:]
-        png = argv[argv.index("--out") + 1] if "--out" in argv else "metrics.png"
-        plot(runs, png)
-        print(png)
-        return 0
+    if "--plot" in argv:  # python train.py --plot RUN [RUN ...] [--out PNG]: figures only (plots.py)
+        return plots.main(argv)
     rank = 0
     try:
         cfg = parse_config(argv)
