@@ -7,7 +7,7 @@ of PAPER.md Sec. 6), on 1 CPU, 1 GPU or many GPU nodes with the same code.
     torchrun --nnodes=8 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py \\
         --model Qwen/Qwen3-8B-Base --out-dir runs/stapo-8b   # 64 GPUs, as in the paper
     python train.py --resume runs/stapo-8b             # continue exactly where the last checkpoint stopped
-    python train.py --plot runs/stapo runs/justrl      # reward / entropy / silenced-fraction curves, overlaid
+    python train.py --plot runs/stapo runs/justrl      # the runs' curves overlaid, and what S2T saw (plots.py)
 
 One step: take `prompts_per_step` prompts; each rank samples G responses for its share (groups never split across
 ranks); grade (reward.py); group advantages (stapo.py); one no-grad pass for pi_old log-probs, entropy and
@@ -33,7 +33,7 @@ Deliberate differences from the paper's veRL setup:
 7. Rows of --data whose prompt exceeds --max-prompt-len tokens are dropped at load time (veRL filters them too);
    duplicate (problem, answer) rows are dropped (the Hub DAPO-Math-17k repeats each problem 100 times).
 8. Sampling uses rollout.generate (HF model + KV cache), not vLLM: paper-length responses are slow; the cpu preset
-   also departs from the paper's prompt and temperature (raw text "...\nThe answer is", T = 0.7; README.md).
+   also departs from the paper's prompt (raw text "...\nThe answer is"; README.md) and trains at its T = 1.0.
 """
 import argparse
 import ast
@@ -148,7 +148,8 @@ class Config:
     seed: int = 0
     """seed of data order, sampling and initialization"""
     out_dir: str = "out/train"
-    """output folder: metrics.jsonl, spurious.jsonl, eval.jsonl, config.json, checkpoint/, hf/, metrics.png"""
+    """output folder: metrics.jsonl, spurious.jsonl, tokens.jsonl, eval.jsonl, config.json, checkpoint/, hf/,
+    metrics.png, s2t.png"""
     save_every: int = 50
     """write a sharded checkpoint every N steps (0 = never) and at the last step"""
     resume: str = ""
@@ -166,8 +167,8 @@ class Config:
 # The embedded default for machines without a GPU (`--preset cpu`): SmolLM2-135M-Instruct on builtin_task, sized so
 # `python train.py` and `torchrun --standalone --nproc_per_node=2 train.py` finish in < 15 minutes on 2 cores.
 CPU_PRESET = dict(
-    model="smollm2", data="", chat=False, instruction="The answer is", temperature=0.7, max_response_len=24,
-    steps=10, prompts_per_step=8, mini_batch_prompts=4, micro_batch_size=32, lr=2e-5, warmup_steps=0,
+    model="smollm2", data="", chat=False, instruction="The answer is", temperature=1.0, max_response_len=24,
+    steps=10, prompts_per_step=16, mini_batch_prompts=8, micro_batch_size=32, lr=5e-6, warmup_steps=0,
     rollout_chunk=0, save_every=0, eval_samples=4, out_dir="out/train-cpu",
 )
 
@@ -225,9 +226,9 @@ def _float_or_none(s: str) -> float | None:
 
 # ---------------------------------------------------------------------------------------------------- data
 # The built-in task: every one-digit sum "What is a + b?" (100 problems, 20 held out), deterministic. Chosen by
-# measuring SmolLM2-135M-Instruct (README.md): at temperature 0.7 with the raw-text prompt "...\nThe answer is"
-# it is right on ~20% of them (~2% for word problems or a chat prompt with the \boxed{} instruction at T=1.0), so
-# most groups of 8 have mixed rewards.
+# measuring SmolLM2-135M-Instruct (README.md): with the raw-text prompt "...\nThe answer is" it is right on ~12% of
+# them at T = 1.0 (~20% at 0.7; ~2% for word problems or a chat prompt with the \boxed{} instruction), so many
+# groups of 8 have mixed rewards.
 def builtin_task(split: str) -> list[dict]:
     """The built-in problems of `split` ('train': 80, 'test': 20), each {"problem", "answer"}."""
     rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(10) for b in range(10)]
@@ -683,7 +684,7 @@ def train(cfg: Config, rank: int, world: int, device, state) -> None:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-        for name in ("metrics.jsonl", "spurious.jsonl", "eval.jsonl", "tokens.jsonl"):  # drop lines past the checkpoint
+        for name in ("metrics.jsonl", "spurious.jsonl", "eval.jsonl", "tokens.jsonl"):  # lines past the checkpoint
             f = out / name
             lines = f.read_text().splitlines() if start and f.exists() else []
             done = start + (name == "eval.jsonl")  # eval.jsonl's step N is "after N steps"
