@@ -105,12 +105,15 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
         records = read_jsonl(Path(run) / "tokens.jsonl")
         config = Path(run) / "config.json"
         tau_p = json.loads(config.read_text()).get("tau_p", 0.002) if config.is_file() else 0.002
-        tok = {k: [v for r in records for v in r[k]] for k in ("p", "H", "correct", "silenced", "grad_norm", "weight")}
+        tok = {k: [v for r in records for v in r[k]]
+               for k in ("p", "H", "correct", "candidate", "silenced", "grad_norm", "weight")}
         n = len(tok["p"])
         groups = [("incorrect response", lambda i: not tok["correct"][i] and not tok["silenced"][i],
                    dict(s=6, c="tab:gray", alpha=0.35, marker=".")),
-                  ("correct response, kept", lambda i: tok["correct"][i] and not tok["silenced"][i],
-                   dict(s=8, c="tab:blue", alpha=0.5, marker="o")),
+                  ("correct response, kept", lambda i: tok["correct"][i] and not tok["silenced"][i]
+                   and not tok["candidate"][i], dict(s=8, c="tab:blue", alpha=0.5, marker="o")),
+                  ("candidate, kept (H >= tau_h)", lambda i: tok["candidate"][i] and not tok["silenced"][i],
+                   dict(s=40, facecolors="none", edgecolors="tab:orange", marker="o")),
                   ("silenced", lambda i: tok["silenced"][i], dict(s=40, c="tab:red", marker="x"))]
         for name, member, style in groups:
             sel = [i for i in range(n) if member(i)]
