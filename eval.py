@@ -6,6 +6,8 @@ AMC23 (avg@32) and MATH500, Minerva, OlympiadBench (avg@4), graded by rule, one 
     python eval.py --models Qwen/Qwen3-1.7B-Base stapo=runs/stapo/hf --no-chat   # 1 GPU, the six from the Hub
     torchrun --standalone --nproc_per_node=8 eval.py --models runs/stapo/hf --preset justrl   # 8 GPUs
     python eval.py --regrade out/eval/results.json                  # re-grade saved samples, rewrite table.md
+    python eval.py --run out/train-cpu     # a train.py run's export: its prompts, sampling, held-out set
+    python eval.py --models tiny --data easy=my.jsonl --prompt-key q --answer-key a   # your own JSONL
 
 Sampling is rollout.generate (via rollout.sample_groups), grading is reward.grade; this file only loads the
 benchmarks, splits the problems across ranks, counts and writes. Outputs: OUT/results.json (the config and every
@@ -22,6 +24,12 @@ Deliberate differences from the paper's evaluation:
    shown but never averaged in.
 5. Sampling seeds are seed + rank, so samples (not the expectation) change with the number of ranks and the batch
    size.
+6. Beyond the paper: `--run` takes prompt format and sampling from a train.py run's config.json (flag > run >
+   default), `heldout` is the run's held-out set and `--data` reads your own files with train.py's field logic.
+
+Every input (names, paths, files, numbers) is checked before a model loads; an error is one line, exit status 2.
+This file also holds `parse_flags`, the dataclass -> argparse builder of both scripts (here, so `--help` needs no
+torch).
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ import inspect
 import json
 import math
 import os
+import sys
 import textwrap
 import types
 import typing
@@ -44,6 +53,7 @@ PAPER_BENCHMARKS = ("aime24", "aime25", "amc23", "math500", "minerva", "olympiad
 TITLES = {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "MATH500", "minerva": "Minerva",
           "olympiadbench": "Olympiad", "gsm8k": "GSM8K"}
 DEFAULT_K = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4, "olympiadbench": 4, "gsm8k": 4}
+OTHER_K = 4  # samples per problem of --data sets (and of heldout for a run without --eval-samples)
 PRESETS = {"train-aligned": (1.0, 1.0), "justrl": (0.7, 0.9)}  # (temperature, top_p), PAPER.md §7
 
 
@@ -120,6 +130,8 @@ def load_benchmark(name: str, data_dir: str | Path | None = None) -> list[dict]:
     spec = BENCHMARKS[name]
     if data_dir is not None:
         path = Path(data_dir) / spec.file
+        if not path.is_file():
+            raise FileNotFoundError(f"benchmark {name}: {path} not found")
         with open(path, encoding="utf-8") as f:
             raw = [json.loads(line) for line in f if line.strip()]
         source, where = spec.local, str(path)
@@ -176,14 +188,17 @@ def regrade(results: dict) -> dict:
 def table(results: dict) -> str:
     """The paper's layout (rows = models, columns = benchmarks + Avg of the paper benchmarks evaluated), avg@k in
     percent; then one line per model and benchmark with pass@k, length and truncation."""
-    benches = [b for b in BENCHMARKS if any(b in m["benchmarks"] for m in results["models"].values())]
+    seen = [b for m in results["models"].values() for b in m["benchmarks"]]
+    benches = [b for b in BENCHMARKS if b in seen] + list(dict.fromkeys(b for b in seen if b not in BENCHMARKS))
     paper = [b for b in benches if b in PAPER_BENCHMARKS]
     cfg = results["config"]
-    temperature, top_p = PRESETS[cfg["preset"]]
-    lines = [f"avg@k (%), preset {cfg['preset']} (temperature {temperature}, top-p {top_p}), max "
-             f"{cfg['max_new_tokens']} new tokens. Avg = mean over the {len(paper)} of the paper's six benchmarks "
-             f"evaluated here ({', '.join(TITLES[b] for b in paper) or 'none'}); GSM8K is never averaged.", "",
-             "| Model | " + " | ".join(TITLES[b] for b in benches) + " | Avg |",
+    prompt = f"{'chat template' if cfg['chat'] else 'raw text'} + instruction {cfg['instruction']!r}"
+    source = f" (settings of the run {cfg['run']})" if cfg["run"] else ""
+    lines = [f"avg@k (%), temperature {cfg['temperature']}, top-p {cfg['top_p']}, max {cfg['max_new_tokens']} new "
+             f"tokens, {prompt}{source}. "
+             f"Avg = mean over the {len(paper)} of the paper's six benchmarks evaluated here "
+             f"({', '.join(TITLES[b] for b in paper) or 'none'}); GSM8K and your own sets are never averaged.", "",
+             "| Model | " + " | ".join(TITLES.get(b, b) for b in benches) + " | Avg |",
              "|---" * (len(benches) + 2) + "|"]
     for label, model in results["models"].items():
         got = model["benchmarks"]
@@ -196,7 +211,7 @@ def table(results: dict) -> str:
     for label, model in results["models"].items():
         for b, bench in model["benchmarks"].items():
             m = bench["metrics"]
-            lines.append(f"| {label} | {TITLES[b]} | {m['problems']} | {m['k']} | {m['avg@k']:.2f} | "
+            lines.append(f"| {label} | {TITLES.get(b, b)} | {m['problems']} | {m['k']} | {m['avg@k']:.2f} | "
                          f"{m['pass@k']:.2f} | {m['mean_length']:.1f} | {m['truncated']:.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -209,20 +224,33 @@ def write_outputs(results: dict, out: str | Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------- CLI
-def cli(cls, argv: list[str] | None = None):
-    """Parse argv into the dataclass `cls`: one --flag per field (underscores -> dashes), the string literal under
-    each field is its --help. bool -> --flag/--no-flag, list[X] -> one or more X, Literal -> choices."""
+# One command-line builder for train.py and eval.py. It lives here because eval.py imports torch lazily, so that
+# `python eval.py --help` stays fast; train.py imports it.
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of the usage block
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_flags(cls, argv: list[str] | None, prog: str, notes: dict[str, str] | None = None) -> dict:
+    """The flags given in argv, as {field: value}, for the dataclass `cls` (absent flags are absent: the caller
+    layers them over its defaults, a preset or a training run's config.json).
+
+    One --flag per field (underscores -> dashes); its --help is the string literal under the field, its default
+    and `notes[field]`. bool -> --flag/--no-flag, list[X] -> one or more X, Literal -> choices, X | None -> X or
+    'none'. A bad flag prints one line `PROG: error: ...` and exits with status 2."""
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
     hints = typing.get_type_hints(cls)
-    parser = argparse.ArgumentParser(description=(cls.__doc__ or "").strip(),
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = OneLineParser(prog=prog, description=(cls.__doc__ or "").strip(), argument_default=argparse.SUPPRESS)
     for f in fields(cls):
         tp = hints[f.name]
-        if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:  # X | None -> X
+        default = f.default_factory() if f.default is MISSING else f.default
+        note = f" ({notes[f.name]})" if notes and f.name in notes else ""
+        kw = {"help": f"{docs[f.name]} [default: {default!r}{note}]".replace("%", "%%")}
+        optional = isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
+        if optional:  # X | None -> X
             tp = next(a for a in typing.get_args(tp) if a is not type(None))
-        kw = {"default": f.default_factory() if f.default is MISSING else f.default, "help": docs.get(f.name, " ")}
         if tp is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(tp) is list:
@@ -230,27 +258,62 @@ def cli(cls, argv: list[str] | None = None):
         elif typing.get_origin(tp) is Literal:
             kw.update(choices=typing.get_args(tp), type=str)
         else:
-            kw["type"] = tp
+            kw["type"] = _or_none(tp) if optional else tp
         parser.add_argument("--" + f.name.replace("_", "-"), **kw)
-    return cls(**vars(parser.parse_args(argv)))
+    return vars(parser.parse_args(argv))
+
+
+def _or_none(tp: type) -> Callable[[str], object]:
+    def convert(text: str):
+        return None if text.lower() == "none" else tp(text)
+
+    convert.__name__ = tp.__name__  # argparse names it in "invalid float value: 'x'"
+    return convert
 
 
 @dataclass
 class Config:
-    """Evaluate checkpoints on the STAPO benchmarks (avg@k, pass@k) and write results.json and table.md."""
+    """Evaluate checkpoints on the STAPO benchmarks or your own files (avg@k, pass@k); write results.json, table.md.
+    With --run (or --models RUN/hf) prompts and sampling follow the training run's config.json."""
     models: list[str] = field(default_factory=lambda: ["smollm2"])
     """checkpoints, one table row each: Hub id, local HF dir, .gguf file, 'smollm2' (packaged SmolLM2-135M-Instruct)
-    or 'tiny' (random, tests); LABEL=NAME sets the row label"""
+    or 'tiny' (random, tests); LABEL=NAME sets the row label; with --run: RUN/hf"""
+    run: str | None = None
+    """a train.py output folder: evaluate RUN/hf with the run's prompt format (chat, instruction), sampling
+    (temperature, top-p) and response budget (max_response_len), unless flags say otherwise; also found from
+    --models RUN/hf"""
     benchmarks: list[str] = field(default_factory=lambda: list(PAPER_BENCHMARKS))
-    """benchmarks: aime24 aime25 amc23 math500 minerva olympiadbench gsm8k"""
+    """aime24 aime25 amc23 math500 minerva olympiadbench gsm8k, or heldout (the run's held-out problems, as
+    train.py evaluated them); default: the six paper ones, none with --data, heldout with --run"""
+    data: list[str] = field(default_factory=list)
+    """your own eval sets: .jsonl/.json/.parquet files or Hub ids, read like train.py's --data (--prompt-key,
+    --answer-key; dotted paths, chat message lists); NAME=FILE names its column (default: the file name)"""
+    prompt_key: str = "problem"
+    """field of the problem text in --data (default: the run's --prompt-key with --run)"""
+    answer_key: str = "answer"
+    """field of the gold answer in --data, a string or a list of strings (default: the run's with --run)"""
+    split: str = "test"
+    """split of --data Hub ids"""
     data_dir: str | None = None
     """folder with one .jsonl per benchmark laid out like shared/data/benchmarks; default None = the HF Hub"""
     preset: Literal["train-aligned", "justrl"] = "train-aligned"
-    """decoding: train-aligned = temperature 1.0, top-p 1.0; justrl = temperature 0.7, top-p 0.9"""
+    """decoding when neither --temperature/--top-p nor a run set it: train-aligned = temperature 1.0, top-p 1.0;
+    justrl = temperature 0.7, top-p 0.9"""
+    temperature: float | None = None
+    """sampling temperature; default: the run's, else the preset's"""
+    top_p: float | None = None
+    """nucleus sampling; default: the run's, else the preset's"""
+    chat: bool = True
+    """format prompts with the tokenizer's chat template (--no-chat: raw problem + instruction, for base models);
+    default: the run's"""
+    instruction: str | None = None
+    """text appended to every problem; default: the run's, else the paper's \\boxed{} sentence (rollout.INSTRUCTION)"""
     k: int | None = None
-    """samples per problem for every benchmark; default 32 for AIME24/AIME25/AMC23, 4 for the others"""
+    """samples per problem for every benchmark; default 32 for AIME24/AIME25/AMC23, the run's --eval-samples for
+    heldout, 4 for the others"""
     max_new_tokens: int = 20480
-    """response budget in tokens; longer responses are cut and counted as truncated"""
+    """response budget in tokens; longer responses are cut and counted as truncated; default: the run's
+    --max-response-len with --run"""
     limit: int | None = None
     """evaluate only the first LIMIT problems of each benchmark"""
     batch_size: int = 64
@@ -259,16 +322,132 @@ class Config:
     """sampling seed; rank r uses seed + r"""
     out: str = "out/eval"
     """output folder for results.json and table.md"""
-    chat: bool = True
-    """format prompts with the tokenizer's chat template (--no-chat: raw problem + instruction, for base models)"""
     regrade: str | None = None
     """path of an existing results.json: re-grade its samples, rewrite it and table.md next to it, sample nothing"""
 
 
+# eval.py field <- the train.py config.json field it takes its default from (how the run formats and samples)
+RUN_FIELDS = {"chat": "chat", "instruction": "instruction", "temperature": "temperature", "top_p": "top_p",
+              "max_new_tokens": "max_response_len", "prompt_key": "prompt_key", "answer_key": "answer_key"}
+
+
+def train_run(folder: str | Path) -> dict | None:
+    """The config of a train.py output folder (its config.json), or None when `folder` is not one."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    return config if isinstance(config, dict) and "max_response_len" in config else None
+
+
+def _label_name(spec: str) -> tuple[str, str]:
+    """LABEL=NAME -> (LABEL, NAME); NAME alone -> (NAME, NAME)."""
+    label, _, name = spec.partition("=") if "=" in spec and not os.path.exists(spec) else (spec, "", spec)
+    return label or name, name
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """argv -> Config. Each value: the flag given, else the training run's (--run, or the run folder an --models HF
+    directory sits in), else the default. Checks names and paths; loads no data and no model."""
+    given = parse_flags(Config, argv, "eval.py")
+    if given.get("regrade"):
+        if not os.path.isfile(given["regrade"]):
+            raise FileNotFoundError(f"--regrade: no such file: {given['regrade']}")
+        return Config(**given)
+    values, run = dict(given), None
+    if given.get("run"):
+        run = train_run(given["run"])
+        if run is None:
+            raise FileNotFoundError(f"--run {given['run']}: not a train.py output folder (no config.json)")
+        hf = Path(given["run"]) / "hf"
+        if "models" not in given:
+            if not hf.is_dir():
+                raise FileNotFoundError(f"--run: {hf} not found (train.py writes it at the end unless --no-export-hf)")
+            values["models"] = [str(hf)]
+    else:  # an HF export inside a run folder brings the run's settings
+        runs = {str(Path(name).parent): train_run(Path(name).parent)
+                for name in (_label_name(spec)[1] for spec in given.get("models", [])) if os.path.isdir(name)}
+        runs = {folder: c for folder, c in runs.items() if c is not None}
+        if len({json.dumps([c[t] for t in RUN_FIELDS.values()]) for c in runs.values()}) > 1:
+            raise ValueError(f"--models come from runs with different prompt or sampling settings ({', '.join(runs)})"
+                             f"; evaluate them separately or give --run")
+        if runs:
+            values["run"], run = next(iter(runs.items()))
+    if run:
+        inherited = {k: run[t] for k, t in RUN_FIELDS.items() if run["data"] or not k.endswith("_key")}
+        values = {**inherited, **values}  # the field names of a built-in-task run say nothing about --data
+        if "preset" in given:  # an explicit --preset beats the run's sampling
+            values = {**values, **dict(zip(("temperature", "top_p"), PRESETS[given["preset"]])),
+                      **{k: given[k] for k in ("temperature", "top_p") if k in given}}
+    if "benchmarks" not in given:
+        has_heldout = run and (not run["data"] or run["heldout"] > 0)
+        values["benchmarks"] = [] if given.get("data") else ["heldout"] if has_heldout else list(PAPER_BENCHMARKS)
+    preset_t, preset_p = PRESETS[values.get("preset", "train-aligned")]
+    if values.get("temperature") is None:
+        values["temperature"] = preset_t
+    if values.get("top_p") is None:
+        values["top_p"] = preset_p
+    if values.get("instruction") is None:
+        import rollout
+        values["instruction"] = rollout.INSTRUCTION
+    cfg = Config(**values)
+    for b in cfg.benchmarks:
+        if b not in BENCHMARKS and b != "heldout":
+            raise ValueError(f"unknown benchmark {b!r}; choose from {', '.join(BENCHMARKS)}, heldout (with --run); "
+                             f"your own files: --data FILE")
+    if "heldout" in cfg.benchmarks and not run:
+        raise ValueError("benchmark 'heldout' is a training run's held-out set: give --run RUN")
+    if cfg.data_dir is not None and not os.path.isdir(cfg.data_dir):
+        raise FileNotFoundError(f"--data-dir {cfg.data_dir}: no such folder")
+    for name, rule in (("temperature", cfg.temperature > 0), ("top_p", 0 < cfg.top_p <= 1),
+                       ("k", cfg.k is None or cfg.k >= 1), ("max_new_tokens", cfg.max_new_tokens >= 1),
+                       ("limit", cfg.limit is None or cfg.limit >= 1), ("batch_size", cfg.batch_size >= 1)):
+        if not rule:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is out of range")
+    if not cfg.benchmarks and not cfg.data:
+        raise ValueError("nothing to evaluate: no --benchmarks and no --data")
+    return cfg
+
+
+def load_sets(cfg: Config) -> dict[str, dict]:
+    """{name: {"k", "rows"}} for every benchmark and --data file of cfg, in order, cut to --limit. Rows are
+    {"problem", "answer", "gold"} as load_benchmark gives them; --data files are read by train.read_rows (the
+    field logic of train.py's --data), heldout is train.load_rows of the run's config."""
+    import train
+
+    sets = {}
+    for b in cfg.benchmarks:
+        if b == "heldout":
+            run = train_run(cfg.run)
+            rows = [{"problem": r["problem"], "answer": _joined(r["answer"]), "gold": r["answer"]}
+                    for r in train.load_rows(train.Config(**run))[1]]
+            if not rows:
+                raise ValueError(f"the run {cfg.run} has no held-out problems (train.py --heldout N keeps some)")
+            sets[b] = {"k": cfg.k or run["eval_samples"] or OTHER_K, "rows": rows}
+        else:
+            sets[b] = {"k": cfg.k or DEFAULT_K[b], "rows": load_benchmark(b, cfg.data_dir)}
+    for spec in cfg.data:
+        name, path = spec.split("=", 1) if "=" in spec and not os.path.exists(spec) else (Path(spec).stem, spec)
+        if name in sets:
+            raise ValueError(f"--data {spec}: the name {name!r} is taken; name it with NAME={path}")
+        rows = train.read_rows(path, cfg.prompt_key, cfg.answer_key, cfg.split)
+        if not rows:
+            raise ValueError(f"--data {path}: no rows")
+        sets[name] = {"k": cfg.k or OTHER_K,
+                      "rows": [{"problem": r["problem"], "answer": _joined(r["answer"]), "gold": r["answer"]}
+                               for r in rows]}
+    return {name: {"k": s["k"], "rows": s["rows"][: cfg.limit]} for name, s in sets.items()}
+
+
+def _joined(answer: str | list[str]) -> str:
+    return ", ".join(answer) if isinstance(answer, list) else answer
+
+
 # --------------------------------------------------------------------------------------------------- evaluation
-def evaluate_model(name: str, cfg: Config, rank: int = 0, world: int = 1, device: str = "cpu"):
-    """Sample k answers per problem on this rank's share of every benchmark, grade them, gather to rank 0.
-    Yields (benchmark, {"k", "temperature", "top_p", "metrics", "problems": [...]}) after each benchmark on rank 0
+def evaluate_model(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, world: int = 1,
+                   device: str = "cpu"):
+    """Sample k answers per problem on this rank's share of every set, grade them, gather to rank 0.
+    Yields (set name, {"k", "temperature", "top_p", "metrics", "problems": [...]}) after each set on rank 0
     (None on the other ranks)."""
     import torch
     from tqdm import tqdm
@@ -277,24 +456,22 @@ def evaluate_model(name: str, cfg: Config, rank: int = 0, world: int = 1, device
     import rollout
 
     dtype = torch.bfloat16 if device.startswith("cuda") else None
-    lm, tokenizer = model_lib.load_model(name, dtype=dtype, device=device)
+    lm, tokenizer = model_lib.load_model(name, dtype=dtype, device=device, require_chat_template=cfg.chat)
     lm.eval()
-    temperature, top_p = PRESETS[cfg.preset]
-    gen_kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=top_p,
+    gen_kw = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                   eos_token_id=rollout.eos_ids(lm, tokenizer, cfg.chat), pad_token_id=tokenizer.pad_token_id,
                   vocab_size=model_lib.lm_vocab_size(tokenizer),
                   generator=torch.Generator(device=device).manual_seed(cfg.seed + rank))
-    data = {b: load_benchmark(b, cfg.data_dir)[: cfg.limit] for b in cfg.benchmarks}
-    bar = tqdm(total=sum(len(rows[rank::world]) for rows in data.values()), desc=f"{name} (rank 0 of {world})",
+    bar = tqdm(total=sum(len(s["rows"][rank::world]) for s in sets.values()), desc=f"{name} (rank 0 of {world})",
                disable=rank != 0)
-    for b, rows in data.items():
-        k = cfg.k or DEFAULT_K[b]
+    for b, s in sets.items():
+        k, rows = s["k"], s["rows"]
         mine = list(range(rank, len(rows), world))  # round-robin split of the problems over the ranks
         per_call = max(1, cfg.batch_size // k)
         problems = []
         for start in range(0, len(mine), per_call):
             idx = mine[start: start + per_call]
-            prompts = [rollout.format_prompt(tokenizer, rows[i]["problem"], chat=cfg.chat) for i in idx]
+            prompts = [rollout.format_prompt(tokenizer, rows[i]["problem"], cfg.chat, cfg.instruction) for i in idx]
             with torch.no_grad():
                 ro = rollout.sample_groups(lm, prompts, k, **gen_kw)  # rows j*k .. j*k+k-1 answer problem idx[j]
             texts = ro.texts(tokenizer)
@@ -311,28 +488,41 @@ def evaluate_model(name: str, cfg: Config, rank: int = 0, world: int = 1, device
             parts = [None] * world if rank == 0 else None
             dist.gather_object(problems, parts, dst=0)
             problems = sorted((p for part in parts for p in part), key=lambda p: p["index"]) if rank == 0 else []
-        yield b, {"k": k, "temperature": temperature, "top_p": top_p, "metrics": benchmark_metrics(problems),
+        yield b, {"k": k, "temperature": cfg.temperature, "top_p": cfg.top_p, "metrics": benchmark_metrics(problems),
                   "problems": problems} if rank == 0 else None
     bar.close()
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    cfg = cli(Config, argv)
+    rank = int(os.environ.get("RANK", 0))
+    try:  # every input is checked before a model loads: one line, exit status 2, nothing written
+        cfg = parse_config(argv)
+        if cfg.regrade:
+            results = regrade(json.loads(Path(cfg.regrade).read_text()))
+        else:
+            sets = load_sets(cfg)
+            import model
+            for spec in cfg.models:
+                model.check_model_name(_label_name(spec)[1])
+    except (FileNotFoundError, ValueError, KeyError, ImportError, OSError) as e:
+        if rank == 0:
+            print(f"eval.py: error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
+                  file=sys.stderr)
+        raise SystemExit(2)
     if cfg.regrade:
-        results = regrade(json.loads(Path(cfg.regrade).read_text()))
         write_outputs(results, Path(cfg.regrade).parent)
         print(table(results))
         return results
-    for b in cfg.benchmarks:
-        if b not in BENCHMARKS:
-            raise SystemExit(f"eval.py: unknown benchmark {b!r}; choose from {', '.join(BENCHMARKS)}")
+    if cfg.run and rank == 0:
+        print(f"eval.py: prompts and sampling of the run {cfg.run}: {'chat template' if cfg.chat else 'raw text'}, "
+              f"instruction {cfg.instruction!r}, temperature {cfg.temperature}, top-p {cfg.top_p}, "
+              f"{cfg.max_new_tokens} new tokens", flush=True)
     import torch
     import torch.distributed as dist
 
-    import model  # noqa: F401  before init_process_group: torch.distributed.fsdp imported after it holds references
-    # to the WORLD group, whose gloo threads then outlive destroy_process_group and can abort the process at exit
-
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    # `model` is imported above, before init_process_group: torch.distributed.fsdp imported after it holds
+    # references to the WORLD group, whose gloo threads then outlive destroy_process_group and can abort the exit.
+    world = int(os.environ.get("WORLD_SIZE", 1))
     device = "cpu"
     if torch.cuda.is_available():
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
@@ -341,11 +531,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     results = {"config": asdict(cfg), "models": {}}
     for spec in cfg.models:
-        label, _, name = spec.partition("=") if "=" in spec and not os.path.exists(spec) else ("", "", spec)
-        results["models"][label or name] = {"name": name, "benchmarks": {}}
-        for b, got in evaluate_model(name, cfg, rank, world, device):
+        label, name = _label_name(spec)
+        results["models"][label] = {"name": name, "benchmarks": {}}
+        for b, got in evaluate_model(name, cfg, sets, rank, world, device):
             if rank == 0:
-                results["models"][label or name]["benchmarks"][b] = got
+                results["models"][label]["benchmarks"][b] = got
                 write_outputs(results, cfg.out)  # after every benchmark, so a long run keeps what it has
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -353,6 +543,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         dist.destroy_process_group()
     if rank == 0:
         print(table(results))
+        print(f"eval.py: results in {cfg.out}/results.json and {cfg.out}/table.md")
         return results
     return None
 

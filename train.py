@@ -7,6 +7,7 @@ of PAPER.md Sec. 6), on 1 CPU, 1 GPU or many GPU nodes with the same code.
     torchrun --nnodes=8 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py \\
         --model Qwen/Qwen3-8B-Base --out-dir runs/stapo-8b   # 64 GPUs, as in the paper
     python train.py --resume runs/stapo-8b             # continue exactly where the last checkpoint stopped
+    python eval.py --run runs/stapo-8b                 # evaluate the export with the run's prompts and sampling
     python train.py --plot runs/stapo runs/justrl      # the runs' curves overlaid, and what S2T saw (plots.py)
 
 One step: take `prompts_per_step` prompts; each rank samples G responses for its share (groups never split across
@@ -34,37 +35,39 @@ Deliberate differences from the paper's veRL setup:
    duplicate (problem, answer) rows are dropped (the Hub DAPO-Math-17k repeats each problem 100 times).
 8. Sampling uses rollout.generate (HF model + KV cache), not vLLM: paper-length responses are slow; the cpu preset
    also departs from the paper's prompt (raw text "...\nThe answer is"; README.md) and trains at its T = 1.0.
+9. Outputs: steps count from 1 in every file, the console and checkpoint/step_N; every run checkpoints its last
+   step, so it can be resumed; config.json records the values in effect (a given flag without effect warns).
 """
-import argparse
-import ast
 import importlib.util
-import inspect
 import json
 import math
 import os
 import random
 import shutil
 import sys
-import textwrap
 import time
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import reward
 import plots
+import reward
 import rollout
 import s2t
 import stapo
+from eval import parse_flags
 from model import Policy, lm_vocab_size, load_model, save_hf, shard_policy
 
 
 @dataclass
 class Config:
-    """RL-train a causal LM with STAPO or a baseline (defaults: the paper's recipe, PAPER.md Sec. 6)."""
+    """RL-train a causal LM with STAPO or a baseline (defaults: the paper's recipe, PAPER.md Sec. 6). Or, instead
+    of training: `python train.py --plot RUN [RUN ...] [--out PNG]` redraws the figures of finished runs, overlaid
+    (RUN/metrics.png and RUN/s2t.png for one run, FIRST_RUN/compare.png and compare_s2t.png for several; --out
+    X.png: X.png and X_s2t.png)."""
     preset: str = "auto"
     """auto | paper | cpu: auto = paper with CUDA, cpu without; flags given on the command line override it"""
     model: str = "Qwen/Qwen3-1.7B-Base"
@@ -131,27 +134,35 @@ class Config:
     chunk_size: int = 1024
     """tokens per LM-head chunk in the log-prob/entropy pass"""
     fsdp: bool = False
-    """shard with FSDP2 also on one CPU process (always on with several processes or on CUDA)"""
+    """shard with FSDP2 also on one CPU process (always on with several processes or on CUDA; config.json records
+    whether the model was sharded)"""
     mixed_precision: bool = True
-    """bf16 compute with fp32 master weights and gradient reduction (CUDA + FSDP2 only)"""
+    """bf16 compute with fp32 master weights and gradient reduction (CUDA only; config.json records false without
+    CUDA)"""
     grad_checkpointing: bool = False
     """recompute decoder activations in the backward (saves memory for long responses)"""
     eval_every: int = 0
     """evaluate the held-out problems every N steps (0 = before and after training only, when there are any)"""
     eval_samples: int = 4
-    """samples per held-out problem (at --temperature)"""
+    """samples per held-out problem (at --temperature); 0 = no held-out evaluation"""
     spurious_per_step: int = 20
     """silenced tokens written to OUT/spurious.jsonl per step"""
+    samples_per_step: int = 4
+    """completions (prompt, response, reward) written to OUT/samples.jsonl per step and per held-out evaluation"""
     token_sample: int = 128
     """response tokens per mini-batch and rank drawn into OUT/tokens.jsonl for the S2T figure: every candidate and
     silenced token (at most this many) plus this many others at random (0 = none)"""
     seed: int = 0
     """seed of data order, sampling and initialization"""
     out_dir: str = "out/train"
-    """output folder: metrics.jsonl, spurious.jsonl, tokens.jsonl, eval.jsonl, config.json, checkpoint/, hf/,
-    metrics.png, s2t.png"""
+    """output folder: config.json, metrics.jsonl, eval.jsonl, samples.jsonl, spurious.jsonl, tokens.jsonl,
+    checkpoint/, hf/, metrics.png, s2t.png"""
     save_every: int = 50
-    """write a sharded checkpoint every N steps (0 = never) and at the last step"""
+    """also write a sharded checkpoint every N steps (0 = only at the last step, which always writes one, so every
+    finished run can be resumed)"""
+    save_optimizer: bool = True
+    """keep AdamW's moments in checkpoints (--no-save-optimizer: weights only, ~1/3 of the size; a resume then
+    restarts AdamW from zero moments, with a warning)"""
     resume: str = ""
     """output folder of a run to continue from its last checkpoint (its config, overridden by the flags given)"""
     export_hf: bool = True
@@ -174,54 +185,70 @@ CPU_PRESET = dict(
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
-    """argv -> Config. Each field is a --flag (underscores -> dashes) whose --help is the string under it. Values:
-    the flags given, else (with --resume) the resumed run's config, else the preset's (CPU_PRESET or Config)."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(Config))).body[0].body
-    docs = {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    parser = _OneLineParser(description=Config.__doc__, epilog=plots.USAGE, argument_default=argparse.SUPPRESS)
-    for f in fields(Config):
-        cpu = f" (cpu preset: {CPU_PRESET[f.name]!r})" if f.name in CPU_PRESET else ""
-        kw = {"help": f"{docs[f.name]} [default: {f.default!r}{cpu}]"}
-        if f.type is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            kw["type"] = _float_or_none if f.type == float | None else f.type
-        parser.add_argument("--" + f.name.replace("_", "-"), **kw)
-    given = vars(parser.parse_args(argv))
+    """argv -> Config. Each field is a --flag (eval.parse_flags: underscores -> dashes, the string under it is its
+    --help). Values: the flags given, else (with --resume) the resumed run's config, else the preset's (CPU_PRESET
+    or Config). Every value is checked here, before anything loads."""
+    given = parse_flags(Config, argv, "train.py", notes={k: f"cpu preset: {v!r}" for k, v in CPU_PRESET.items()})
+    cuda = torch.cuda.is_available()
     if given.get("resume"):
-        saved = Path(given["resume"]) / "config.json"
-        if not saved.is_file():
-            raise FileNotFoundError(f"no run to resume: {saved} does not exist")
-        values = {**json.loads(saved.read_text()), **given}
-        values["out_dir"] = given["resume"]
+        run = Path(given["resume"])
+        if not (run / "config.json").is_file():
+            raise FileNotFoundError(f"no run to resume: {run / 'config.json'} does not exist")
+        if not (run / "checkpoint" / "latest").is_file():
+            raise FileNotFoundError(f"{run} has no checkpoint to resume from: the run stopped before its first one "
+                                    f"(written every --save-every steps and at the last step)")
+        values = {**json.loads((run / "config.json").read_text()), **given, "out_dir": given["resume"]}
     else:
         preset = given.get("preset", "auto")
         if preset == "auto":
-            preset = "paper" if torch.cuda.is_available() else "cpu"
+            preset = "paper" if cuda else "cpu"
         if preset not in ("paper", "cpu"):
             raise ValueError(f"unknown --preset {preset!r}; valid: auto, paper, cpu")
         values = {**(CPU_PRESET if preset == "cpu" else {}), **given, "preset": preset}
     cfg = Config(**values)
     if cfg.algo not in stapo.ALGORITHMS:
         raise ValueError(f"unknown --algo {cfg.algo!r}; valid: {', '.join(stapo.ALGORITHMS)}")
+    for name, low in _AT_LEAST.items():
+        if getattr(cfg, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(cfg, name)})")
+    if cfg.temperature <= 0:
+        raise ValueError("--temperature must be > 0 (the training forward divides the logits by it)")
+    for name, ok, rule in (("top_p", 0 < cfg.top_p <= 1, "in (0, 1]"), ("tau_p", 0 < cfg.tau_p <= 1, "in (0, 1]"),
+                           ("quantile", 0 <= cfg.quantile <= 1, "in [0, 1]"), ("grad_clip", cfg.grad_clip > 0, "> 0"),
+                           ("dual_clip", cfg.dual_clip is None or cfg.dual_clip > 1, "> 1")):
+        if not ok:
+            raise ValueError(f"--{name.replace('_', '-')} must be {rule} (got {getattr(cfg, name)})")
     if cfg.prompts_per_step % cfg.mini_batch_prompts:
         raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is not a multiple of --mini-batch-prompts "
                          f"{cfg.mini_batch_prompts}")
-    if cfg.group_size < 2:
-        raise ValueError("--group-size must be >= 2")
-    if cfg.temperature <= 0:
-        raise ValueError("--temperature must be > 0 (the training forward divides the logits by it)")
-    return cfg
+    if cfg.resume:
+        done = checkpoint_step(Path(cfg.out_dir))
+        if cfg.steps < done:
+            raise ValueError(f"--steps {cfg.steps} is less than the {done} steps {cfg.out_dir} has done")
+    return in_effect(cfg, given, cuda, int(os.environ.get("WORLD_SIZE", 1)))
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of the usage block
-        self.exit(2, f"train.py: error: {message}\n")
+# Lower bounds of the integer (and a few float) flags, checked before anything loads.
+_AT_LEAST = dict(steps=1, prompts_per_step=1, group_size=2, mini_batch_prompts=1, micro_batch_size=1, lr=0,
+                 warmup_steps=0, weight_decay=0, kl_beta=0, max_prompt_len=1, max_response_len=1, rollout_chunk=0,
+                 chunk_size=1, heldout=0, eval_every=0, eval_samples=0, spurious_per_step=0, samples_per_step=0,
+                 save_every=0)
 
 
-def _float_or_none(s: str) -> float | None:
-    return None if s.lower() in ("none", "") else float(s)
+def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> Config:
+    """The config the run actually uses, which config.json records: a flag given on the command line that has no
+    effect on this machine or with these settings prints one warning line (rank 0) and is stored as in effect."""
+    effective = {"fsdp": cfg.fsdp or world > 1 or cuda, "mixed_precision": cfg.mixed_precision and cuda,
+                 "kl_beta": cfg.kl_beta if cfg.algo == "grpo" else 0.0, "heldout": cfg.heldout if cfg.data else 0,
+                 "eval_every": cfg.eval_every if (not cfg.data or cfg.heldout) and cfg.eval_samples else 0}
+    why = {"mixed_precision": "without CUDA (compute is fp32)", "kl_beta": f"with --algo {cfg.algo} (GRPO only)",
+           "heldout": "with the built-in task (it has its own 20 held-out problems)",
+           "eval_every": "without a held-out evaluation (--heldout 0 or --eval-samples 0)"}
+    for name, reason in why.items():
+        if name in given and given[name] != effective[name] and int(os.environ.get("RANK", 0)) == 0:
+            print(f"train.py: warning: --{name.replace('_', '-')} {given[name]} has no effect {reason}; config.json "
+                  f"records {name} = {effective[name]!r}", file=sys.stderr, flush=True)
+    return replace(cfg, **effective)
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -253,37 +280,44 @@ def load_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
     """(train, held-out) lists of {"problem", "answer"} from --data, or the built-in task when --data is ''."""
     if not cfg.data:
         return builtin_task("train"), builtin_task("test")
-    import datasets
-
-    datasets.disable_progress_bars()
-    suffix = next((s for s in (".jsonl", ".json", ".parquet") if cfg.data.endswith(s)), None)
-    if suffix:
-        if not os.path.isfile(cfg.data):
-            raise FileNotFoundError(f"data file not found: {cfg.data}")
-        table = datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=cfg.data,
-                                      split="train")
-    else:
-        table = datasets.load_dataset(cfg.data, split=cfg.split)
-    rows, seen = [], set()
-    for i, row in enumerate(table):
-        problem, answer = _field(row, cfg.prompt_key), _field(row, cfg.answer_key)
-        if isinstance(problem, list):  # chat messages: the last user turn
-            problem = next((m.get("content") for m in reversed(problem) if m.get("role") == "user"), None)
-        if not isinstance(problem, str) or not problem.strip():
-            raise ValueError(f"{cfg.data} row {i}: no prompt in field {cfg.prompt_key!r}")
-        if isinstance(answer, (int, float)):
-            answer = str(answer)
-        if not answer or not (isinstance(answer, str) or all(isinstance(a, str) for a in answer)):
-            raise ValueError(f"{cfg.data} row {i}: no answer in field {cfg.answer_key!r}")
-        problem = problem.removeprefix(_DAPO_PREFIX).removesuffix(_DAPO_SUFFIX)
-        if (problem, str(answer)) not in seen:  # DAPO-Math-17k repeats each of its 17k problems 100 times
-            seen.add((problem, str(answer)))
-            rows.append({"problem": problem, "answer": answer})
+    rows = read_rows(cfg.data, cfg.prompt_key, cfg.answer_key, cfg.split)
     if cfg.heldout >= len(rows):
         raise ValueError(f"--heldout {cfg.heldout} leaves no training rows ({len(rows)} rows in {cfg.data})")
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     rows = [rows[i] for i in order]
     return rows[cfg.heldout:], rows[:cfg.heldout]
+
+
+def read_rows(data: str, prompt_key: str, answer_key: str, split: str = "train") -> list[dict]:
+    """Rows {"problem", "answer"} of a local .jsonl/.json/.parquet file or a Hub dataset, in file order, duplicates
+    dropped (difference 7). `prompt_key`/`answer_key` are dotted paths; a chat message list gives its last user
+    turn; an answer is a string or a list of strings. eval.py's --data reads files with it too."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    suffix = next((s for s in (".jsonl", ".json", ".parquet") if data.endswith(s)), None)
+    if suffix:
+        if not os.path.isfile(data):
+            raise FileNotFoundError(f"data file not found: {data}")
+        table = datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=data, split="train")
+    else:
+        table = datasets.load_dataset(data, split=split)
+    rows, seen = [], set()
+    for i, row in enumerate(table):
+        problem, answer = _field(row, prompt_key), _field(row, answer_key)
+        if isinstance(problem, list):  # chat messages: the last user turn
+            problem = next((m.get("content") for m in reversed(problem) if m.get("role") == "user"), None)
+        if not isinstance(problem, str) or not problem.strip():
+            raise ValueError(f"{data} row {i}: no prompt in field {prompt_key!r}")
+        if isinstance(answer, (int, float)):
+            answer = str(answer)
+        if not answer or not (isinstance(answer, str) or all(isinstance(a, str) for a in answer)):
+            raise ValueError(f"{data} row {i}: no answer in field {answer_key!r}")
+        problem = problem.removeprefix(_DAPO_PREFIX).removesuffix(_DAPO_SUFFIX)
+        if (problem, str(answer)) not in seen:  # DAPO-Math-17k repeats each of its 17k problems 100 times
+            seen.add((problem, str(answer)))
+            rows.append({"problem": problem, "answer": answer})
+    return rows
 
 
 def prompt_indices(step: int, n_rows: int, cfg: Config) -> list[int]:
@@ -397,8 +431,9 @@ def all_gather_cat(values: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------- the step
 def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[dict], prompts: list[list[int]],
-               tokenizer, cfg: Config, rank: int, world: int, device) -> tuple[dict, list[dict]]:
-    """One rollout batch and its mini-batch updates -> (metrics, sample of silenced tokens)."""
+               tokenizer, cfg: Config, rank: int, world: int, device) -> tuple[dict, list[dict], list[dict]]:
+    """Step `step + 1` (steps count from 1; `step` is the 0-based data position): one rollout batch and its
+    mini-batch updates -> (metrics, sample of silenced tokens, sample of completions)."""
     G = cfg.group_size
     clip_low, clip_high = stapo.ALGO_CLIP[cfg.algo]
     clip_low = clip_low if cfg.clip_low is None else cfg.clip_low
@@ -415,8 +450,11 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
     with rollout.gathered(policy):
         batch = sample(policy, [prompts[i] for i in mine], G, chunk, seeds, cfg, tokenizer, device)
     # 2. Rewards and group advantages (groups never span ranks).
+    texts = batch.texts(tokenizer)
     rewards = torch.tensor([reward.reward(text, rows[mine[i // G]]["answer"], cfg.reward)
-                            for i, text in enumerate(batch.texts(tokenizer))])  # (B,)
+                            for i, text in enumerate(texts)])  # (B,)
+    samples = completions(step + 1, "train", texts, rewards.tolist(), [prompts[i] for i in mine], rows, mine, G,
+                          tokenizer, cfg)
     advantages = stapo.group_advantages(rewards, G).to(batch.logprobs.device)  # (B,)
     adv = advantages[:, None].expand_as(batch.logprobs)  # (B, T): every token of y_i gets A_i
     mask = batch.response_mask.float()  # (B, T)
@@ -462,7 +500,7 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
                            ("gn_silenced", n_sil * diag["s2t/grad_norm_silenced"]),
                            ("gn_kept", n_kept * diag["s2t/grad_norm_kept"])]:
             sums[key] += value
-        spurious += [{"step": step, "mini_batch": k, "token": tokenizer.decode([int(mb.response_ids[i, t])]),
+        spurious += [{"step": step + 1, "mini_batch": k, "token": tokenizer.decode([int(mb.response_ids[i, t])]),
                       "context": tokenizer.decode(mb.response_ids[i, max(0, t - 12):t].tolist()),
                       "p": math.exp(float(logprobs[i, t])), "H": float(entropy[i, t]),
                       "advantage": float(mb_adv[i, t])}
@@ -471,7 +509,7 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
             gen = torch.Generator().manual_seed(hash((cfg.seed, step, k, rank)) % 2**62)  # not the global RNG
             drawn = s2t.token_sample(logprobs, entropy, collision, mb_adv, mb_mask, silenced, cfg.token_sample, gen,
                                      cfg.tau_p, w)
-            drawn_lines.append(token_record(step, k, threshold, drawn, rewards[idx] > 0))
+            drawn_lines.append(token_record(step + 1, k, threshold, drawn, rewards[idx] > 0))
         if nonzero == 0 and ref_policy is None:  # zero advantages, no KL term: nothing to learn, skip (difference 6)
             skipped_zero_adv += 1
             continue
@@ -518,7 +556,7 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
     n_seq, n_tok, n_loss = tot["seqs"], tot["tokens"], tot["loss_tokens"]
     n_sil, n_kept = tot["s2t/silenced"], tot["kept"]
     metrics = {
-        "step": step, "reward/mean": mean("reward", n_seq), "reward/acc": mean("correct", n_seq),
+        "step": step + 1, "reward/mean": mean("reward", n_seq), "reward/acc": mean("correct", n_seq),
         "response/len_mean": mean("tokens", n_seq), "response/truncated_frac": mean("truncated", n_seq),
         "entropy/mean": mean("entropy", n_tok), "rollout/logprob_diff": mean("logprob_diff", n_tok),
         "adv/zero_frac": mean("zero_adv", n_seq),
@@ -534,12 +572,21 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
         "time/rollout_s": t_rollout, "time/update_s": t_update,
         "tokens_per_s": n_tok / max(t_rollout + t_update, 1e-9),
     }
-    return metrics, spurious, drawn_lines
+    return metrics, spurious, samples, drawn_lines
+
+
+def completions(step: int, split: str, texts: list[str], rewards: list[float], prompts: list[list[int]],
+                rows: list[dict], row_ids: list[int], group_size: int, tokenizer, cfg: Config) -> list[dict]:
+    """samples.jsonl records of the first response of each of the first `samples_per_step` prompts: the prompt
+    as the model saw it, the response, the gold answer and the reward (texts[i] answers prompts[i // group_size])."""
+    return [{"step": step, "split": split, "prompt": tokenizer.decode(prompts[j]), "response": texts[j * group_size],
+             "answer": rows[row_ids[j]]["answer"], "reward": rewards[j * group_size]}
+            for j in range(min(cfg.samples_per_step, len(prompts)))]
 
 
 def token_record(step: int, k: int, threshold: float | None, drawn: dict, correct: torch.Tensor) -> dict:
-    """One line of tokens.jsonl: the tokens `s2t.token_sample` drew from mini-batch k, as columns (floats to 4
-    significant digits); `correct` (b,) bool per response of the mini-batch."""
+    """One line of tokens.jsonl: the tokens `s2t.token_sample` drew from mini-batch k of step `step`, as columns
+    (floats to 4 significant digits); `correct` (b,) bool per response of the mini-batch."""
     rows = drawn["row"]
     return {"step": step, "mini_batch": k, "tau_h": threshold,
             **{key: [float(f"{v:.4g}") for v in drawn[key].tolist()] for key in ("p", "H", "A", "grad_norm", "weight")},
@@ -549,34 +596,40 @@ def token_record(step: int, k: int, threshold: float | None, drawn: dict, correc
 
 # ----------------------------------------------------------------------------------------------- evaluation
 def evaluate(policy, rows: list[dict], prompts: list[list[int]], tokenizer, cfg: Config, rank: int, world: int,
-             device) -> dict:
-    """Mean accuracy over `eval_samples` samples per held-out problem (problems split round-robin over ranks)."""
+             device, done: int) -> tuple[dict, list[dict]]:
+    """Mean accuracy over `eval_samples` samples per held-out problem (problems split round-robin over ranks) after
+    `done` steps, and this rank's samples.jsonl records."""
     mine = list(range(rank, len(rows), world))
     correct = total = length = 0.0
+    samples = []
     policy.eval()
     with rollout.gathered(policy):  # a collective: every rank enters, also one without held-out problems
         out = sample(policy, [prompts[i] for i in mine], cfg.eval_samples, len(mine), [cfg.seed + 1 + rank], cfg,
                      tokenizer, device) if mine else None
     if mine:
         texts = out.texts(tokenizer)
-        correct = sum(reward.grade(t, rows[mine[j // cfg.eval_samples]]["answer"]) for j, t in enumerate(texts))
-        total, length = len(texts), float(out.response_mask.sum())
+        verdicts = [float(reward.grade(t, rows[mine[j // cfg.eval_samples]]["answer"])) for j, t in enumerate(texts)]
+        correct, total, length = sum(verdicts), len(texts), float(out.response_mask.sum())
+        samples = completions(done, "heldout", texts, verdicts, [prompts[i] for i in mine], rows, mine,
+                              cfg.eval_samples, tokenizer, cfg)
     correct, total, length = all_sum(correct, total, length)
-    return {"eval/acc": correct / max(total, 1), "eval/len_mean": length / max(total, 1), "eval/n": total}
+    return {"eval/acc": correct / max(total, 1), "eval/len_mean": length / max(total, 1), "eval/n": total}, samples
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
-def save_checkpoint(out: Path, step: int, policy, optimizer, scheduler, rank: int, cfg: Config) -> None:
-    """Sharded DCP checkpoint of model + optimizer in OUT/checkpoint/step_N, plus one small file per rank (step,
-    data position, scheduler and RNG states); OUT/checkpoint/latest names the last complete one."""
+def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, rank: int, cfg: Config) -> None:
+    """Sharded DCP checkpoint of the model (+ the optimizer unless --no-save-optimizer) after `done` steps in
+    OUT/checkpoint/step_<done>, plus one small file per rank (step, scheduler and RNG states); the data position
+    needs no state. OUT/checkpoint/latest names the last complete one; the previous one is deleted."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    path = out / "checkpoint" / f"step_{step}"
+    path = out / "checkpoint" / f"step_{done}"
     model_sd, optim_sd = get_state_dict(policy, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    torch.save({"step": step, "config": asdict(cfg), "scheduler": scheduler.state_dict(),
-                "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(),
+    dcp.save({"model": model_sd, **({"optim": optim_sd} if cfg.save_optimizer else {})}, checkpoint_id=str(path))
+    torch.save({"step": done, "optimizer": cfg.save_optimizer, "config": asdict(cfg),
+                "scheduler": scheduler.state_dict(), "python_rng": random.getstate(),
+                "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
                path / f"rank{rank}.pt")
     dist.barrier()
@@ -589,23 +642,37 @@ def save_checkpoint(out: Path, step: int, policy, optimizer, scheduler, rank: in
     dist.barrier()
 
 
-def load_checkpoint(out: Path, policy, optimizer, scheduler, rank: int) -> int:
-    """Restore the last checkpoint of OUT; returns the number of completed steps."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+def checkpoint_step(out: Path) -> int:
+    """Steps done by the last checkpoint of OUT (its folder is checkpoint/step_<steps>)."""
+    return int((out / "checkpoint" / "latest").read_text().strip().removeprefix("step_"))
 
-    path = out / "checkpoint" / (out / "checkpoint" / "latest").read_text().strip()
-    model_sd, optim_sd = get_state_dict(policy, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+def load_checkpoint(out: Path, policy, optimizer, scheduler, rank: int) -> int:
+    """Restore the last checkpoint of OUT; returns the number of completed steps. A weights-only checkpoint
+    (--no-save-optimizer) leaves AdamW freshly initialized (zero moments), with a warning."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+
+    path = out / "checkpoint" / f"step_{checkpoint_step(out)}"
     extra = torch.load(path / f"rank{rank}.pt", weights_only=False)
+    model_sd, optim_sd = get_state_dict(policy, optimizer)
+    state = {"model": model_sd, **({"optim": optim_sd} if extra["optimizer"] else {})}
+    dcp.load(state, checkpoint_id=str(path))
+    if extra["optimizer"]:
+        set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        set_model_state_dict(policy, state["model"])
     scheduler.load_state_dict(extra["scheduler"])
     random.setstate(extra["python_rng"])
     torch.set_rng_state(extra["torch_rng"])
     if extra["cuda_rng"] is not None:
         torch.cuda.set_rng_state(extra["cuda_rng"])
-    return extra["step"] + 1
+    if rank == 0:
+        print(f"resuming from {path} at step {extra['step'] + 1} ({n_steps(extra['step'])} done)", flush=True)
+        if not extra["optimizer"]:
+            print(f"train.py: warning: {path} holds weights only (--no-save-optimizer): AdamW restarts from zero "
+                  f"moments, so the resumed run differs from an uninterrupted one", file=sys.stderr, flush=True)
+    return extra["step"]
 
 
 # ------------------------------------------------------------------------------------------------ loggers
@@ -661,7 +728,7 @@ def setup(cfg: Config, rank: int, world: int, device):
         policy = Policy(model_lm, vocab_size=lm_vocab_size(tokenizer))  # the sampler's rows only
         if cfg.grad_checkpointing:
             model_lm.gradient_checkpointing_enable({"use_reentrant": False})
-        if cfg.fsdp or world > 1 or device.type == "cuda":
+        if cfg.fsdp:  # in_effect: on with several processes or CUDA
             shard_policy(policy, mixed_precision=cfg.mixed_precision)
         return policy
 
@@ -678,17 +745,21 @@ def setup(cfg: Config, rank: int, world: int, device):
 
 
 def train(cfg: Config, rank: int, world: int, device, state) -> None:
-    """The training loop on the objects `setup` made: steps, metrics and spurious-token lines, evals, checkpoints."""
+    """The training loop on the objects `setup` made: steps, metrics, samples and spurious-token lines, evals,
+    checkpoints, the HF export. Step N (counted from 1) is the same N in the console, metrics.jsonl, eval.jsonl
+    (N = evaluated after N steps, 0 = before training), samples.jsonl, spurious.jsonl and checkpoint/step_N."""
+    from tqdm import tqdm
+
     policy, ref_policy, tokenizer, optimizer, scheduler, (rows, prompts, test_rows, test_prompts), start = state
     out = Path(cfg.out_dir)
+    logs = ("metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl", "tokens.jsonl")
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-        for name in ("metrics.jsonl", "spurious.jsonl", "eval.jsonl", "tokens.jsonl"):  # lines past the checkpoint
+        for name in logs:  # drop lines past the checkpoint
             f = out / name
             lines = f.read_text().splitlines() if start and f.exists() else []
-            done = start + (name == "eval.jsonl")  # eval.jsonl's step N is "after N steps"
-            f.write_text("".join(x + "\n" for x in lines if x and json.loads(x)["step"] < done))
+            f.write_text("".join(x + "\n" for x in lines if x and json.loads(x)["step"] <= start))
 
     log, close_log = open_logger(cfg, out) if rank == 0 else (None, None)
 
@@ -700,38 +771,50 @@ def train(cfg: Config, rank: int, world: int, device, state) -> None:
                 for r in records:
                     log(r)
 
-    def run_eval(done_steps):
-        if test_rows:
-            result = evaluate(policy, test_rows, test_prompts, tokenizer, cfg, rank, world, device)
-            write("eval.jsonl", [{"step": done_steps, **result}])
-            if rank == 0:
-                print(f"held-out accuracy after {done_steps} steps: {result['eval/acc']:.3f} "
-                      f"({int(result['eval/n'])} samples)", flush=True)
+    def gather(records):
+        parts = [None] * world
+        dist.all_gather_object(parts, records)
+        return [x for part in parts for x in part]
+
+    def say(message, warning=False):  # its own line, above the progress bar
+        if rank == 0:
+            tqdm.write(f"train.py: warning: {message}" if warning else message, file=sys.stderr if warning else None)
+
+    def run_eval(done):
+        if test_rows and cfg.eval_samples:
+            result, samples = evaluate(policy, test_rows, test_prompts, tokenizer, cfg, rank, world, device, done)
+            write("eval.jsonl", [{"step": done, **result}])
+            write("samples.jsonl", gather(samples)[:cfg.samples_per_step])
+            when = f"after {n_steps(done)}" if done else "before training"
+            say(f"held-out accuracy {when}: {result['eval/acc']:.3f} ({int(result['eval/n'])} samples)")
 
     if start == 0:
         run_eval(0)
-    bar = range(start, cfg.steps)
-    if rank == 0:
-        from tqdm import tqdm
-        bar = tqdm(bar, initial=start, total=cfg.steps, desc=cfg.algo, dynamic_ncols=True)
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"{cfg.algo} steps", dynamic_ncols=True,
+               disable=rank != 0)
     for step in bar:
-        metrics, spurious, tokens = train_step(step, policy, ref_policy, optimizer, scheduler, rows, prompts,
-                                               tokenizer, cfg, rank, world, device)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (spurious, tokens))
-        write("spurious.jsonl", [x for part, _ in gathered for x in part][:cfg.spurious_per_step])
+        metrics, spurious, samples, drawn = train_step(step, policy, ref_policy, optimizer, scheduler, rows, prompts,
+                                                       tokenizer, cfg, rank, world, device)
+        done = step + 1
+        write("spurious.jsonl", gather(spurious)[:cfg.spurious_per_step])
+        write("samples.jsonl", gather(samples)[:cfg.samples_per_step])
         write("tokens.jsonl", [{key: sum((r[key] for r in same), []) if isinstance(same[0][key], list) else value
                                 for key, value in same[0].items()}  # one line per mini-batch, ranks concatenated
-                               for same in zip(*[part for _, part in gathered])])
+                               for same in zip(*gather([drawn]))])
         write("metrics.jsonl", [metrics])
-        if rank == 0:
-            bar.set_postfix({"reward": f"{metrics['reward/mean']:.2f}", "H": f"{metrics['entropy/mean']:.2f}",
-                             "silenced": f"{metrics['s2t/silenced_frac']:.1e}"})
-        done = step + 1
+        bar.set_postfix({"train_acc": f"{metrics['reward/acc']:.2f}", "H": f"{metrics['entropy/mean']:.2f}",
+                         "silenced": f"{metrics['s2t/silenced_frac']:.1e}"})
+        if metrics["adv/zero_frac"] == 1.0:  # every group had equal rewards: the policy gradient is zero
+            acc, none = metrics["reward/acc"], " and no update was made" if metrics["updates"] == 0 else ""
+            say(f"step {done}: every response was right, so the policy gradient is zero{none}; use harder data"
+                if acc == 1 else f"step {done}: in every group the {cfg.group_size} responses had equal rewards "
+                f"(train_acc {acc:.2f}), so the policy gradient is zero{none}; use easier data, a larger "
+                f"--group-size or a higher --temperature", warning=True)
         if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
             run_eval(done)
-        if cfg.save_every and (done % cfg.save_every == 0 or done == cfg.steps):
-            save_checkpoint(out, step, policy, optimizer, scheduler, rank, cfg)
+        if done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0):
+            save_checkpoint(out, done, policy, optimizer, scheduler, rank, cfg)
+    bar.close()
     if start < cfg.steps:
         run_eval(cfg.steps)
     if cfg.export_hf:
@@ -741,6 +824,14 @@ def train(cfg: Config, rank: int, world: int, device, state) -> None:
             close_log()
         if cfg.plots:
             plots.figures([str(out)], str(out / "metrics.png"))
+        made = [name for name in ("config.json", *logs, "metrics.png", "s2t.png") if (out / name).exists()]
+        made += [f"checkpoint/step_{checkpoint_step(out)}"] if (out / "checkpoint" / "latest").exists() else []
+        made += ["hf/ (python eval.py --run " + str(out) + ")"] if cfg.export_hf else []
+        say(f"outputs in {out}/: {', '.join(made)}; continue with python train.py --resume {out} --steps N")
+
+
+def n_steps(n: int) -> str:
+    return f"{n} step" + ("" if n == 1 else "s")
 
 
 def main(argv: list[str] | None = None) -> int:
