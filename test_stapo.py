@@ -2004,7 +2004,8 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
     assert [x.split(":")[0] for x in out if x.startswith("held-out")] == [
         "held-out accuracy before training", "held-out accuracy after 1 step"]
     assert out[-1].startswith(f"outputs in {tmp_path / 'run'}/: config.json, metrics.jsonl, eval.jsonl, samples.jsonl, "
-                              f"spurious.jsonl, checkpoint/step_1, hf/ (python eval.py --run {tmp_path / 'run'})")
+                              f"spurious.jsonl, tokens.jsonl, checkpoint/step_1, hf/ (python eval.py --run "
+                              f"{tmp_path / 'run'})")
 
 
 def test_eval_run_reproduces_train_heldout_evaluation(tmp_path, monkeypatch):
