@@ -14,8 +14,8 @@ be redrawn and overlaid after the fact from their files alone (no torch, no mode
 it every function prints one line on stderr and draws nothing.
 
 Choices:
-1. x is `step` as each file writes it: the 0-based step for metrics.jsonl, the number of completed steps for
-   eval.jsonl (0 = before training); integer ticks only.
+1. x is `step` as each file writes it: the N-th step (from 1) for metrics.jsonl, the number of completed steps for
+   eval.jsonl (0 = before training); integer ticks only, whole steps around a lone point.
 2. Every run gets its own line style and marker, and runs whose curves coincide on a panel are named in a note on
    it, since the last one drawn would otherwise hide the others.
 3. The token picture shows the sample train.py drew (`s2t.token_sample`: every candidate and silenced token, and a
@@ -83,6 +83,9 @@ def plot_metrics(run_dirs: list[str], out_png: str) -> bool:
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("steps done" if name == "eval.jsonl" else "step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # choice 1
+        steps = [x for xs, _ in curves for x in xs]
+        if steps and max(steps) - min(steps) < 2:  # a single point or two: whole steps around it
+            ax.set_xlim(min(steps) - 1, max(steps) + 1)
         if not curves:
             ax.text(0.5, 0.5, f"no {name}", transform=ax.transAxes, ha="center", color="gray")
     axes[0].legend(fontsize=7)
@@ -131,14 +134,14 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
 
         def mean(sel):
             w = sum(tok["weight"][i] for i in sel)
-            return sum(tok["grad_norm"][i] * tok["weight"][i] for i in sel) / w if w else float("nan")
+            return f"{sum(tok['grad_norm'][i] * tok['weight'][i] for i in sel) / w:.3g}" if w else "-"
 
         silenced = [i for i in range(n) if tok["silenced"][i]]
         kept = [i for i in range(n) if not tok["silenced"][i]]
         ax_h.set_ylabel("entropy H")
         ax_h.set_title(f"{_label(run)}: {n} drawn tokens, {len(records)} mini-batches", fontsize=9)
         ax_g.set_ylabel("|w| sqrt(1 - 2p + sum p^2)")
-        ax_g.set_title(f"logit-gradient norm, mean silenced {mean(silenced):.3g} vs kept {mean(kept):.3g}",
+        ax_g.set_title(f"logit-gradient norm, mean silenced {mean(silenced)} vs kept {mean(kept)}",
                        fontsize=9)
         ax_h.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
