@@ -4,6 +4,8 @@
     python bench.py logprobs        # chunked log-prob/entropy vs naive: memory and time at Qwen3's vocabulary
     python bench.py generate        # our sampler vs model.generate (tiny, SmolLM2), FSDP2 vs one process
     python bench.py grader          # reward.grade throughput
+    python bench.py gpu             # the CUDA path at Qwen3-1.7B shape on one GPU (<= ~8 min on an H200; not in `all`)
+    python bench.py gpu --smoke     # the same code at toy shapes on the CPU in seconds (run by the test suite)
 
 Not part of the test suite: timings on a shared machine are noisy, so nothing here asserts a speed.
 
@@ -35,30 +37,63 @@ generate: Prints a markdown table: tokens/s of both on the tiny model and on Smo
 grader: Paper: STAPO (arXiv:2602.15620) Sec. 6 grades 256 x 8 = 2,048 responses per rollout batch, so the grader must not be
     the bottleneck. Corpora: the responses of shared/data/grader_cases.jsonl (real answer forms, several parse paths),
     the golds of AIME, AMC, MATH-500 and OlympiadBench boxed in a response (mostly the string fast path), and hostile
-    inputs (refused by the size guards).
+    inputs (refused by the size guards, or cut by the deadline). Without ../shared/data it falls back to the
+    repository's testdata/ (and says so). The last column counts verdicts that differ from the label (grader_cases:
+    the human label; benchmark golds: a gold must grade itself; hostile inputs: only the 1 MB response is right).
     
     Deliberate choices:
     1. One process, best of `repeats` passes per corpus (the machine is shared, so the best pass is the least noisy);
        the slowest single grade is the maximum over all passes.
     2. "strict" (the paper's string match of the last box) is timed on the same corpus as the reference point.
 
+gpu: Paper: STAPO (arXiv:2602.15620) Sec. 6 trains Qwen3-1.7B/8B with FSDP, responses up to 15,360 tokens. One
+    prepared run on one CUDA GPU, no network: a random model of Qwen3-1.7B's exact shape (QWEN3_1_7B) and a
+    word-level tokenizer of its full vocabulary, saved to a temporary folder and loaded by train.setup (FSDP2 via
+    model.shard_policy, bf16 compute / fp32 master weights, activation checkpointing, AdamW); then
+    (1) one train.train_step per response length 1k / 4k / 16k on synthetic rollouts: tokens/s, MFU against the
+    bf16 matmul rate measured here, peak memory; (2) log-probs and entropy of that policy against an fp32 copy of the
+    same weights, and the chunked LM head against the naive one (fp32 and bf16, fp64 reference); (3) rollout.generate
+    inside rollout.gathered at batch 64 and 256 x 1,024 new tokens, per step against the weight-streaming bound
+    (bf16 weight bytes / copy bandwidth measured here); (4) train.main for 2 steps of a scaled-down paper preset
+    (4 prompts x G = 8, 2,048-token responses). Prints one markdown table and writes it with the raw numbers to
+    OUT/gpu.md and OUT/gpu.json (`--out`, default out/bench-gpu).
+
+    Deliberate choices:
+    1. train.sample is replaced by a synthetic sampler in (1) (uniform random tokens, the last one \boxed{1} or
+       \boxed{2}, graded for real), so the update measures exactly train_step's pi_old pass, S2T, loss, backward,
+       clip and optimizer step at a fixed length; (3) measures the sampler itself.
+    2. In (4) rewards are the parity of the response length: a random model is never right, and all-wrong groups
+       would skip every update.
+    3. MFU counts model FLOPs (3 x forward: 2 x parameters per token, the head on response tokens, causal
+       attention), not the recomputation of activation checkpointing or of the chunked head's backward.
+    4. Only torch + transformers APIs present in torch 2.11-2.13 and transformers 5.17-5.19; vLLM is not measured.
+
 """
 import json
+import math
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # benchmarks never download (the GPU machine has no network)
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import model
 import reward
+import rollout
+import train
 from model import Policy, load_model, shard_policy
 from rollout import format_prompt, gathered, generate
 
@@ -287,56 +322,429 @@ def bench_rollout():
 
 # ------------------------------------------------------------------------------------------------------------------
 # `python bench.py grader`: reward.grade: grades per second and the slowest grade (issue 5)
-_REWARD_DATA = Path(__file__).parent.parent / "shared" / "data"
+_REWARD_DATA = Path(__file__).parent.parent / "shared" / "data"  # the full benchmark files, beside the repository
+_REWARD_FALLBACK = Path(__file__).parent / "testdata"  # the few rows kept in the repository
+
+
+def _reward_hostile():
+    """Hostile inputs: size guards, regex bait, and six nesting constructs 10,000 deep (a subset of test_stapo's)."""
+    hostile = {"power tower": "\\boxed{9^{9^{9^{9}}}}", "100000!": "\\boxed{100000!}",
+               "1 MB response": "x = 1 + 1. " * 100_000 + "\\boxed{5}", "unclosed boxes": "\\boxed{" * 50_000,
+               "regex bait": "a" * 100_000 + "!",
+               "20,000 joined boxes": ", ".join(f"\\boxed{{{k}}}" for k in range(20_000)),
+               "100 nested radicals": "\\boxed{" + "+".join(f"\\sqrt{{{k}+\\sqrt{{{k + 1}}}}}" for k in range(100))
+                                      + "}"}
+    for name, (open_, close) in {"boxes": ("\\boxed{", "}"), "braces": ("{", "}"), "\\frac": ("\\frac{1}{", "}"),
+                                 "\\sqrt": ("\\sqrt{", "}"), "\\left(": ("\\left(", "\\right)"),
+                                 "\\text": ("\\text{", "}")}.items():
+        hostile[f"10,000 nested {name}"] = "\\boxed{" + open_ * 10_000 + "1" + close * 10_000 + "}"
+    return hostile
 
 
 def _reward_corpora():
-    cases = [json.loads(line) for line in (_REWARD_DATA / "grader_cases.jsonl").read_text().splitlines() if line.strip()]
+    """(response, gold, name, label) per corpus; label: the right verdict (None: ambiguous, not counted)."""
+    data = _REWARD_DATA if (_REWARD_DATA / "grader_cases.jsonl").exists() else _REWARD_FALLBACK
+    if data == _REWARD_FALLBACK:
+        print(f"{_REWARD_DATA} not found: using the repository's {data} (fewer cases, smaller benchmark files)\n")
+    cases = [json.loads(line) for line in (data / "grader_cases.jsonl").read_text().splitlines() if line.strip()]
     golds = []
     for name, field in (("aime24", "answer"), ("aime25", "answer"), ("amc23", "answer"), ("math500", "answer")):
-        for line in (_REWARD_DATA / "benchmarks" / f"{name}.jsonl").read_text().splitlines():
+        for line in (data / "benchmarks" / f"{name}.jsonl").read_text().splitlines():
             golds.append(str(json.loads(line)[field]))
-    for line in (_REWARD_DATA / "benchmarks" / "olympiadbench.jsonl").read_text().splitlines():
+    for line in (data / "benchmarks" / "olympiadbench.jsonl").read_text().splitlines():
         golds.append(", ".join(json.loads(line)["final_answer"]))
-    hostile = {"power tower": "\\boxed{9^{9^{9^{9}}}}", "100000!": "\\boxed{100000!}",
-               "10,000 nested braces": "\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}",
-               "1 MB response": "x = 1 + 1. " * 100_000 + "\\boxed{5}", "unclosed boxes": "\\boxed{" * 50_000,
-               "regex bait": "a" * 100_000 + "!"}
     return {
-        "grader_cases": [(c["response"], c["gold"], c["id"]) for c in cases],
-        "benchmark golds": [(f"So the answer is $\\boxed{{{g}}}$.", g, g[:30]) for g in golds],
-        "hostile inputs": [(text, "5", name) for name, text in hostile.items()],
+        f"grader_cases ({data.parent.name}/{data.name})": [
+            (c["response"], c["gold"], c["id"], None if c["ambiguous"] else c["correct"]) for c in cases],
+        "benchmark golds": [(f"So the answer is $\\boxed{{{g}}}$.", g, g[:30], True) for g in golds],
+        "hostile inputs": [(text, "5", name, name == "1 MB response") for name, text in _reward_hostile().items()],
     }
 
 
 def _reward_run(items, fn, repeats):
-    best, slowest = float("inf"), (0.0, "")
+    """-> (grades per second, (slowest seconds, its name), verdicts that differ from the label)."""
+    best, slowest, wrong = float("inf"), (0.0, ""), 0
     for _ in range(repeats):
-        start = time.perf_counter()
-        for response, gold, name in items:
+        start, wrong = time.perf_counter(), 0
+        for response, gold, name, label in items:
             t = time.perf_counter()
-            fn(response, gold)
+            verdict = fn(response, gold)
             slowest = max(slowest, (time.perf_counter() - t, name))
+            wrong += label is not None and verdict != label
         best = min(best, time.perf_counter() - start)
-    return len(items) / best, slowest
+    return len(items) / best, slowest, wrong
 
 
 def bench_reward(repeats=3):
     reward.grade("\\boxed{\\sqrt{2}}", "\\sqrt{2}+0")  # warm sympy's caches once
-    print("| corpus | responses | grade /s | strict /s | slowest grade (ms) | slowest case |")
-    print("|---|---|---|---|---|---|")
-    for name, items in _reward_corpora().items():
-        rate, (worst, case) = _reward_run(items, reward.grade, repeats)
-        strict, _ = _reward_run(items, lambda r, g: reward.reward(r, g, mode="strict"), repeats)
-        print(f"| {name} | {len(items)} | {rate:,.0f} | {strict:,.0f} | {worst * 1e3:.1f} | {case} |")
+    corpora = _reward_corpora()
+    print(f"timeout {reward.TIMEOUT_S} s per grade\n")
+    print("| corpus | responses | grade /s | strict /s | slowest grade (ms) | slowest case | verdicts != label |")
+    print("|---|---|---|---|---|---|---|")
+    for name, items in corpora.items():
+        rate, (worst, case), wrong = _reward_run(items, reward.grade, repeats)
+        strict, _, _ = _reward_run(items, lambda r, g: reward.reward(r, g, mode="strict") > 0, repeats)
+        print(f"| {name} | {len(items)} | {rate:,.0f} | {strict:,.0f} | {worst * 1e3:.1f} | {case} | {wrong} |")
 
-BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward}
+# ------------------------------------------------------------------------------------------------------------------
+# `python bench.py gpu [--smoke] [--out DIR]`: the CUDA path of training and rollouts at Qwen3-1.7B shape (issue 14)
+# Qwen3-1.7B's shape, as in its Hub config.json: the keras-hub conversion's model card
+# (huggingface.co/keras/qwen3_1.7b_en: vocabulary 151936, 28 layers, 16 query / 8 KV heads, hidden 2048, head_dim 128,
+# intermediate 6144, rope wavelength 1e6, norm eps 1e-6, tied embeddings) and slime's scripts/models/qwen3-1.7B.sh
+# (the same numbers); max_position_embeddings 40960 as in the Qwen3 dense models' configs.
+QWEN3_1_7B = dict(vocab_size=151_936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40_960,
+                  rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+                  tie_word_embeddings=True)
+
+
+@dataclass(frozen=True)
+class GpuSizes:
+    shape: dict  # Qwen3Config fields
+    prompt_len: int  # words (= tokens) of each synthetic prompt
+    train: tuple  # (response length T, prompts, G, micro-batch size) of each one-mini-batch update
+    numerics: tuple  # (sequences, response length) of the bf16-vs-fp32 forward
+    head_tokens: int  # N of the chunked-vs-naive LM-head comparison
+    decode_batches: tuple  # batch sizes of the sampler measurement
+    decode_tokens: int  # new tokens per sampled row (EOS never sampled: fixed work)
+    e2e: dict  # train.py flags of the end-to-end run
+
+
+GPU_FULL = GpuSizes(QWEN3_1_7B, 120, ((1024, 4, 8, 8), (4096, 1, 8, 2), (16384, 1, 2, 1)), (4, 1024), 4096,
+                    (64, 256), 1024, dict(steps=2, prompts_per_step=4, group_size=8, mini_batch_prompts=2,
+                                          micro_batch_size=8, max_response_len=2048))
+GPU_SMOKE = GpuSizes(dict(QWEN3_1_7B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16), 8,
+                     ((16, 2, 2, 2), (32, 1, 2, 1), (64, 1, 2, 1)), (2, 16), 64, (2, 4), 8,
+                     dict(steps=2, prompts_per_step=2, group_size=2, mini_batch_prompts=1, micro_batch_size=2,
+                          max_response_len=8))
+_BOX_WORDS = ["\\boxed{1}", "\\boxed{2}"]  # the last token of a synthetic response: graded right / wrong for gold 1
+
+
+def _wide_tokenizer(vocab_size):
+    """A word-level ChatML tokenizer built in code with `vocab_size` entries (so the LM head costs what Qwen3's does):
+    the specials (ids 0-3), the two box words, then "w0", "w1", ...; text splits on whitespace."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", *_BOX_WORDS]
+    vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(vocab_size - len(words))])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                        unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = model.CHATML_TEMPLATE
+    return tokenizer
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _dev_timed(fn, device):
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - start, out
+
+
+def _peak_gb(device):
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+
+
+def _reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _device_limits(device, dtype):
+    """(copy bandwidth in bytes/s counting read + write, matmul FLOP/s in `dtype`), medians of 5, on `device`."""
+    n = 2**30 if device.type == "cuda" else 2**24  # 2 GiB of bf16 / 64 MiB of fp32
+    src = torch.randn(n, device=device, dtype=dtype)
+    dst = torch.empty_like(src)
+    copy = statistics.median(_dev_timed(lambda: dst.copy_(src), device)[0] for _ in range(5))
+    m = 16384 if device.type == "cuda" else 512
+    a, b = torch.randn(m, m, device=device, dtype=dtype), torch.randn(m, m, device=device, dtype=dtype)
+    a @ b  # warm-up (cuBLAS handles, kernel choice)
+    mm = statistics.median(_dev_timed(lambda: a @ b, device)[0] for _ in range(5))
+    return 2 * n * src.element_size() / copy, 2 * m**3 / mm
+
+
+def _synthetic_sampler(T, device):
+    """Stands in for train.sample: T tokens per response drawn uniformly from the word ids, the last one \\boxed{1}
+    (even rows, right for gold 1) or \\boxed{2} (odd rows): mixed groups, so the update has nonzero advantages."""
+    def sample(policy, prompts, group_size, chunk, seeds, cfg, tokenizer, device_=None):
+        rows = [p for p in prompts for _ in range(group_size)]
+        B, P, pad = len(rows), max(len(p) for p in rows), tokenizer.pad_token_id
+        prompt_ids = torch.tensor([[pad] * (P - len(p)) + p for p in rows], device=device)  # (B, P) left-padded
+        prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], device=device)  # (B, P)
+        g = torch.Generator(device).manual_seed(seeds[0])
+        first_word = len(_BOX_WORDS) + 4
+        response = torch.randint(first_word, len(tokenizer), (B, T), generator=g, device=device)  # (B, T)
+        box = tokenizer.convert_tokens_to_ids(_BOX_WORDS)
+        response[:, -1] = torch.tensor([box[i % 2] for i in range(B)], device=device)
+        ones = torch.ones(B, T, dtype=torch.long, device=device)  # (B, T) no EOS: every token is a response token
+        logprobs = torch.full((B, T), -math.log(len(tokenizer)), device=device)  # (B, T)
+        return rollout.Rollout(prompt_ids, prompt_mask, response, ones, logprobs,
+                               torch.ones(B, dtype=torch.bool, device=device))
+    return sample
+
+
+def _train_flops(lm, prompt_len, T, n_seq):
+    """Model FLOPs of one forward + backward (3 x forward; activation recomputation not counted): 2 x body
+    parameters per token, the LM head on response tokens only, causal attention 2 x 2 x L^2 / 2 x heads x head_dim
+    per layer."""
+    c = lm.config
+    body = sum(p.numel() for p in lm.get_decoder().layers.parameters())
+    L = prompt_len + T
+    forward = 2 * body * L + 2 * c.vocab_size * c.hidden_size * T + \
+        2 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * L * L
+    return 3 * forward * n_seq
+
+
+def _gpu_train(sizes, cfg, state, device, flops_rate, out):
+    """One train.train_step per response length on synthetic rollouts: the real pi_old pass, S2T, loss, backward,
+    clip and AdamW step under FSDP2 (bf16 compute, fp32 master weights, activation checkpointing)."""
+    from unittest import mock
+
+    policy, _, tokenizer, optimizer, scheduler, (rows, prompts, _, _), _ = state
+    lm = policy.lm
+    for k, (T, n_prompts, G, micro) in enumerate(((sizes.train[0],) + sizes.train)):  # the first: warm-up
+        step_cfg = replace(cfg, max_response_len=T, prompts_per_step=n_prompts, mini_batch_prompts=n_prompts,
+                           group_size=G, micro_batch_size=micro)
+        _reset_peak(device)
+        with mock.patch.object(train, "sample", _synthetic_sampler(T, device)):
+            seconds, (metrics, *_) = _dev_timed(lambda: train.train_step(
+                k, policy, None, optimizer, scheduler, rows, prompts, tokenizer, step_cfg, 0, 1, device), device)
+        if k == 0:
+            continue
+        n_seq = n_prompts * G
+        tokens = n_seq * (sizes.prompt_len + T)
+        update = metrics["time/update_s"]
+        out.append({"part": "train", "T": T, "sequences": n_seq, "micro_batch": micro, "tokens": tokens,
+                    "updates": metrics["updates"], "update_s": update, "step_s": seconds,
+                    "pi_old_and_grading_s": metrics["time/rollout_s"], "tokens_per_s": tokens / update,
+                    "mfu": _train_flops(lm, sizes.prompt_len, T, n_seq) / update / flops_rate,
+                    "peak_gb": _peak_gb(device), "loss": metrics["loss/policy"], "grad_norm": metrics["grad_norm"]})
+        print(f"train T={T}: {out[-1]['tokens_per_s']:,.0f} tokens/s, MFU {out[-1]['mfu']:.1%}, "
+              f"peak {out[-1]['peak_gb']:.1f} GiB", flush=True)
+
+
+def _gpu_numerics(sizes, cfg, state, device, out):
+    """Log-probs and entropy of the sharded policy (bf16 compute on CUDA) against an fp32 copy of the same weights,
+    and the chunked LM head against the naive full-logits computation."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    policy, _, tokenizer = state[:3]
+    full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))  # the fp32 master weights
+    with torch.device(device):
+        ref_lm = Qwen3ForCausalLM(policy.lm.config).float()
+    missing, unexpected = ref_lm.load_state_dict({k.removeprefix("lm."): v.float() for k, v in full.items()},
+                                                 strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied: one tensor
+    ref = Policy(ref_lm.eval(), vocab_size=policy.vocab_size)
+    n_seq, T = sizes.numerics
+    prompts = state[5][1][:1] * (n_seq // 2)
+    batch = _synthetic_sampler(T, device)(None, prompts, 2, 0, [0], cfg, tokenizer)
+    policy.eval()
+    got, want = train.token_stats(policy, batch, cfg, device), train.token_stats(ref, batch, cfg, device)
+    mask = batch.response_mask.bool()
+    for name, a, b in (("logprobs", got[0], want[0]), ("entropy", got[1], want[1])):
+        diff = (a - b)[mask].abs()
+        out.append({"part": "numerics", "what": f"{name}: policy forward vs fp32 forward", "tokens": int(mask.sum()),
+                    "max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(),
+                    "fp32_mean": b[mask].mean().item()})
+    del ref, ref_lm, full
+    # the LM head alone: chunked vs naive (N, V) logits, forward + backward, fp32 reference
+    N, V_, D_ = sizes.head_tokens, policy.lm.config.vocab_size, policy.lm.config.hidden_size
+    g = torch.Generator(device).manual_seed(0)
+    h32 = torch.randn(N, D_, device=device, generator=g)  # (N, D)
+    w32 = torch.randn(V_, D_, device=device, generator=g) * 0.02  # (V, D)
+    y = torch.randint(V_, (N,), device=device, generator=g)  # (N,)
+    ref_lp, ref_h = _naive(h32.double(), w32.double(), y)
+    dtypes = (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,)
+    for dtype in dtypes:
+        for name, impl in (("naive", _naive), ("chunked", _chunked)):
+            hidden = h32.to(dtype, copy=True).requires_grad_()  # (N, D) a fresh leaf
+            weight = w32.to(dtype, copy=True).requires_grad_()  # (V, D)
+            impl(hidden, weight, y)  # warm-up
+            hidden.grad = weight.grad = None
+            _reset_peak(device)
+            base = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+
+            def fwd_bwd():
+                lp, ent = impl(hidden, weight, y)
+                lp.float().sum().backward()
+                return lp, ent
+            seconds, (lp, ent) = _dev_timed(fwd_bwd, device)
+            out.append({"part": "head", "impl": name, "dtype": str(dtype).removeprefix("torch."), "N": N,
+                        "seconds": seconds, "peak_extra_gb": _peak_gb(device) - base,
+                        "logprob_max_abs_diff": (lp.double() - ref_lp).abs().max().item(),
+                        "entropy_max_abs_diff": (ent.double() - ref_h).abs().max().item()})
+            del hidden, weight, lp, ent
+
+
+def _gpu_rollouts(sizes, state, device, bandwidth, out):
+    """rollout.generate inside rollout.gathered (the training path): batch x decode_tokens new tokens, EOS never
+    sampled; per-step time against the weight-streaming bound (weight bytes / copy bandwidth)."""
+    policy, _, tokenizer = state[:3]
+    prompt = state[5][1][0]
+    V_ = len(tokenizer)
+    policy.eval()
+    with gathered(policy):
+        lm = policy.lm
+        weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())  # gathered: the compute dtype
+        for k, batch in enumerate((sizes.decode_batches[0],) + sizes.decode_batches):  # the first: warm-up
+            n_new = sizes.decode_tokens if k > 0 else 16
+            _reset_peak(device)
+            seconds, result = _dev_timed(lambda: generate(
+                lm, [prompt] * batch, n_new, eos_token_id=V_, pad_token_id=tokenizer.pad_token_id, vocab_size=V_,
+                generator=torch.Generator(device).manual_seed(0)), device)  # EOS id V_: never sampled
+            assert result.response_ids.shape[1] == n_new
+            if k > 0:
+                out.append({"part": "rollout", "batch": batch, "new_tokens": sizes.decode_tokens, "seconds": seconds,
+                            "tokens_per_s": batch * sizes.decode_tokens / seconds,
+                            "step_ms": 1e3 * seconds / sizes.decode_tokens,
+                            "bound_ms": 1e3 * weight_bytes / bandwidth, "peak_gb": _peak_gb(device),
+                            "weight_gb": weight_bytes / 2**30})
+    for r in out[-len(sizes.decode_batches):]:
+        print(f"rollout batch {r['batch']}: {r['tokens_per_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step "
+              f"(bound {r['bound_ms']:.2f} ms)", flush=True)
+
+
+def _gpu_e2e(sizes, model_dir, data, device, work, out):
+    """`train.main` for a few steps on the saved random model; rewards by response-length parity (a random model's
+    responses are never right, and all-wrong groups skip every update)."""
+    from unittest import mock
+
+    flags = dict(sizes.e2e, model=model_dir, data=data, prompt_key="prompt", answer_key="answer", instruction="",
+                 preset="paper", out_dir=str(work / "e2e"), save_every=0, warmup_steps=0)
+    argv = ["--no-chat", "--no-export-hf", "--no-plots", "--grad-checkpointing"] + (
+        ["--fsdp"] if device.type == "cpu" else [])
+    for key, value in flags.items():
+        argv += ["--" + key.replace("_", "-"), str(value)]
+    parity = lambda response, gold, mode="dapo": 1.0 if len(response) % 2 else -1.0
+    with mock.patch.object(reward, "reward", parity):
+        seconds, code = _dev_timed(lambda: train.main(argv), device)
+    assert code == 0, f"train.main exited with {code}"
+    lines = [json.loads(x) for x in (work / "e2e" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    keys = ("step", "reward/mean", "response/len_mean", "entropy/mean", "rollout/logprob_diff", "loss/policy",
+            "grad_norm", "updates", "time/rollout_s", "time/update_s", "tokens_per_s")
+    for m in lines:
+        out.append({"part": "e2e", **{k: m[k] for k in keys}, "wall_s": seconds})
+        print("train.py metrics: " + ", ".join(f"{k}={m[k]:.4g}" if isinstance(m[k], float) else f"{k}={m[k]}"
+                                               for k in keys), flush=True)
+
+
+def _gpu_table(rows, header):
+    lines = [header, ""]
+    parts = {
+        "train": ("| one mini-batch update | sequences x T | micro-batch | tokens | update s | tokens/s | MFU | "
+                  "peak GiB |\n|---|---|---|---|---|---|---|---|",
+                  lambda r: f"| T = {r['T']} | {r['sequences']} x {r['T']} | {r['micro_batch']} | {r['tokens']} | "
+                            f"{r['update_s']:.2f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_gb']:.1f} |"),
+        "numerics": ("| numerics | tokens | max abs diff | mean abs diff | fp32 mean |\n|---|---|---|---|---|",
+                     lambda r: f"| {r['what']} | {r['tokens']} | {r['max_abs_diff']:.2e} | "
+                               f"{r['mean_abs_diff']:.2e} | {r['fp32_mean']:.3f} |"),
+        "head": ("| LM head (N x V) | dtype | fwd+bwd s | peak extra GiB | log-prob max diff | entropy max diff |\n"
+                 "|---|---|---|---|---|---|",
+                 lambda r: f"| {r['impl']}, N = {r['N']} | {r['dtype']} | {r['seconds']:.3f} | "
+                           f"{r['peak_extra_gb']:.2f} | {r['logprob_max_abs_diff']:.2e} | "
+                           f"{r['entropy_max_abs_diff']:.2e} |"),
+        "rollout": ("| sampler (EOS never sampled) | tokens/s | per step | weight-streaming bound | of bound | "
+                    "peak GiB |\n|---|---|---|---|---|---|",
+                    lambda r: f"| {r['batch']} x {r['new_tokens']} | {r['tokens_per_s']:,.0f} | "
+                              f"{r['step_ms']:.2f} ms | {r['bound_ms']:.2f} ms | "
+                              f"{r['bound_ms'] / r['step_ms']:.0%} | {r['peak_gb']:.1f} |"),
+        "e2e": ("| train.py step | reward/mean | response/len_mean | loss/policy | grad_norm | updates | rollout s | "
+                "update s | tokens/s |\n|---|---|---|---|---|---|---|---|---|",
+                lambda r: f"| {r['step']} | {r['reward/mean']:.3f} | {r['response/len_mean']:.0f} | "
+                          f"{r['loss/policy']:.4f} | {r['grad_norm']:.3f} | {r['updates']} | "
+                          f"{r['time/rollout_s']:.1f} | {r['time/update_s']:.1f} | {r['tokens_per_s']:,.0f} |"),
+    }
+    for part, (head, fmt) in parts.items():
+        lines += [head] + [fmt(r) for r in rows if r["part"] == part] + [""]
+    return "\n".join(lines)
+
+
+def bench_gpu(smoke=False, out=None):
+    """The CUDA path at Qwen3-1.7B shape in one run (<= ~8 minutes on an H200): FSDP2 training steps, numerics,
+    the sampler, and train.py end to end. `smoke`: the same code at toy shapes on the CPU (fp32, no mixed
+    precision), in seconds; the test suite runs it."""
+    import importlib.util
+
+    start = time.perf_counter()
+    cuda = torch.cuda.is_available() and not smoke
+    if not cuda and not smoke:
+        sys.exit("bench.py gpu: no CUDA GPU here; `python bench.py gpu --smoke` runs the same code on the CPU")
+    sizes, device = (GPU_FULL, torch.device("cuda")) if cuda else (GPU_SMOKE, torch.device("cpu"))
+    out_dir = Path(out or ("out/bench-gpu" if cuda else "out/bench-gpu-smoke"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    # the random model and the tokenizer, saved like a checkpoint (train.py and eval.py load it by path)
+    torch.manual_seed(0)
+    config = Qwen3Config(**sizes.shape, bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    with torch.device(device):
+        lm = Qwen3ForCausalLM(config)
+    tokenizer = _wide_tokenizer(config.vocab_size)
+    model_dir = str(work / "model")
+    lm.to(torch.bfloat16).save_pretrained(model_dir)  # bf16 on disk (half the bytes); loaded as fp32
+    tokenizer.save_pretrained(model_dir)
+    n_params = sum(p.numel() for p in lm.parameters())
+    del lm
+    data = work / "data.jsonl"  # distinct prompts of prompt_len words, gold "1"
+    data.write_text("".join(json.dumps({"prompt": " ".join(f"w{(i * 7919 + j) % 1000}" for j in range(
+        sizes.prompt_len)), "answer": "1"}) + "\n" for i in range(16)))
+    dtype = torch.bfloat16 if cuda else torch.float32
+    bandwidth, flops_rate = _device_limits(device, dtype)
+    header = (f"bench.py gpu{' --smoke' if smoke else ''}: {torch.cuda.get_device_name(device) if cuda else 'CPU'}, "
+              f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, Python "
+              f"{sys.version.split()[0]}; random Qwen3 model of {n_params:,} parameters "
+              f"(vocabulary {config.vocab_size}); measured copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
+              f"{str(dtype).removeprefix('torch.')} matmul {flops_rate / 1e12:.3g} TFLOP/s")
+    print(header, flush=True)
+    rows = []
+    cfg = train.Config(preset="paper", model=model_dir, data=str(data), prompt_key="prompt", answer_key="answer",
+                       instruction="", chat=False, grad_checkpointing=True, fsdp=True, warmup_steps=0, save_every=0,
+                       out_dir=str(work / "train"))
+    train.init_distributed()
+    try:
+        state = train.setup(cfg, 0, 1, device)  # load_model(dir), Policy, gradient checkpointing, FSDP2, AdamW
+        _gpu_train(sizes, cfg, state, device, flops_rate, rows)
+        _gpu_numerics(sizes, cfg, state, device, rows)
+        _gpu_rollouts(sizes, state, device, bandwidth, rows)
+        del state
+    finally:
+        dist.destroy_process_group()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    _gpu_e2e(sizes, model_dir, str(data), device, work, rows)
+    skip = "vLLM: not measured (" + ("not installed here" if importlib.util.find_spec("vllm") is None else
+                                     "installed; this check measures the plain sampler") + ")"
+    total = time.perf_counter() - start
+    table = _gpu_table(rows, header) + f"{skip}\n\nwhole run: {total:.0f} s\n"
+    print("\n" + table, flush=True)
+    (out_dir / "gpu.md").write_text(table)
+    (out_dir / "gpu.json").write_text(json.dumps({"header": header, "rows": rows, "total_s": total,
+                                                  "vllm": skip}, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward, "gpu": bench_gpu}
 
 if __name__ == "__main__":
-    names = sys.argv[1:] or list(BENCHES)
+    args = sys.argv[1:]
+    out = args[args.index("--out") + 1] if "--out" in args else None  # gpu only, like --smoke
+    names = [a for a in args if not a.startswith("--") and a != out]
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
         sys.exit(f"bench.py: unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHES)}")
-    for name in names:
+    for name in names or [n for n in BENCHES if n != "gpu"]:  # `gpu` needs a GPU: only when named
         print(f"\n## {name}\n", flush=True)
-        BENCHES[name]()
+        if name == "gpu":
+            bench_gpu(smoke="--smoke" in args, out=out)
+        else:
+            BENCHES[name]()

@@ -17,8 +17,10 @@ Deliberate differences from the paper and from common graders (verl, Math-Verify
 3. Hedged answers ("3 or 4", "3 and 4", "\\boxed{3} or \\boxed{4}") are lists of two answers and are wrong for a
    one-answer gold; an empty or unterminated last box is wrong; a retracted answer is its last box.
 4. Every grade is bounded without signals (so it works in threads and worker processes): the response tail, the
-   answer length, token count, nesting depth, digits, exponents, factorials and trig arguments are capped and a
-   deadline is checked in the parser and between comparisons. Anything refused or late grades as not equivalent.
+   answer length, token count, nesting depth, digits, exponents, factorials and trig arguments are capped and one
+   deadline, started when grade() is called, is checked while extracting boxes, in the parser and between
+   comparisons; nested boxes are never joined (a box inside a box is its content). Anything refused or late grades
+   as not equivalent.
 """
 import math
 import re
@@ -68,27 +70,42 @@ _PLAN = re.compile(r"(?:let|first|next|then|to|we (?:need|want|must)|find|comput
                    r"if|consider|or|maybe|perhaps|possibly|alternatively)\b", re.I)
 
 
-def _boxes(text):
-    """(start, end, content) of every \\boxed{...} / \\fbox{...} / \\boxed x in order; content None: never closed."""
+def _brace(m):
+    """Index of the opening brace of a _BOX match, or None (\\boxed 5)."""
+    return m.start(1) if m.group(1) else m.start(2) if m.group(2) else None
+
+
+def _boxes(text, deadline):
+    """(start, end, content) of every top-level \\boxed{...} / \\fbox{...} / \\boxed x in order; content None: never
+    closed. A box inside another box is part of its content, so contents never overlap and slicing them is linear;
+    a box that holds only a box (\\boxed{\\boxed{5}}) is its inner box."""
     closer, stack = {}, []
     for m in re.finditer(r"[{}]", text):  # one linear pass of brace matching
         if m.group() == "{":
             stack.append(m.start())
         elif stack:
             closer[stack.pop()] = m.start()
-    out = []
+    out, inside = [], -1  # inside: the end of the last closed box
     for m in _BOX.finditer(text):
-        brace = m.start(1) if m.group(1) else m.start(2) if m.group(2) else None
-        if brace is not None:
-            end = closer.get(brace)
-            out.append((m.start(), end, None) if end is None else (m.start(), end + 1, text[brace + 1 : end]))
-        else:
+        _tick(deadline)
+        if m.start() < inside:
+            continue
+        brace = _brace(m)
+        if brace is None:
             word = re.match(r"[^\s$\\,]+", text[m.end() : m.end() + 100])
             out.append((m.start(), m.end() + len(word.group()), word.group().rstrip(".")) if word else (0, 0, None))
+        elif closer.get(brace) is None:
+            out.append((m.start(), None, None))
+        else:
+            lo, inside = brace + 1, closer[brace]
+            hi = inside
+            while (inner := _BOX.match(text, lo)) and _brace(inner) is not None and closer.get(_brace(inner)) == hi - 1:
+                lo, hi = _brace(inner) + 1, hi - 1
+            out.append((m.start(), inside + 1, text[lo:hi]))
     return out
 
 
-def _from_boxes(text, boxes):
+def _from_boxes(text, boxes, deadline):
     """The last box, joined with the boxes just before it that only a comma, "and" or "or" separates from it
     ("\\boxed{3} and \\boxed{5}" -> "3, 5"; "\\boxed{3} or \\boxed{4}" -> "3 or 4", a hedge)."""
     start, end, answer = boxes[-1]
@@ -96,14 +113,19 @@ def _from_boxes(text, boxes):
         return None  # the response was cut inside its last box
     if _HEDGE.match(text[end : end + 100]):
         return ""  # \boxed{3} (or maybe 4): a hedge, no answer
-    run, sep = [answer], ", "
+    run, seen, size, sep = [answer], {answer}, len(answer), ", "
     for begin, end, content in reversed(boxes[:-1]):
+        _tick(deadline)
         between = text[end:start]
         if content is None or len(between) > 40 or not _JOINED.fullmatch(_LAYOUT.sub(r"\1", between).lower()):
             break
         sep = " or " if "or" in between else sep
-        run = run if content in run else [content] + run
+        if content not in seen:
+            run, size = [content] + run, size + len(content)
+            seen.add(content)
         start = begin
+        if size > 10 * MAX_ANSWER_CHARS:
+            break  # already too long to be a final answer (see _equivalent)
     return sep.join(run)
 
 
@@ -130,14 +152,14 @@ def _from_conclusion(text):
     return numbers[0].rstrip(",") if complete and len(numbers) == 1 and not _PLAN.match(sentence) else None
 
 
-def _extract(response):
+def _extract(response, deadline):
     """-> (answer or None, the last box's content or None). The part after </think> is searched first."""
     text = response[-TAIL_CHARS:]
     parts = text.rsplit("</think>", 1)
     for part in [parts[1], text] if len(parts) == 2 else [text]:
-        boxes = _boxes(part)
+        boxes = _boxes(part, deadline)
         if boxes:
-            return _from_boxes(part, boxes), boxes[-1][2]
+            return _from_boxes(part, boxes, deadline), boxes[-1][2]
         tags = re.findall(r"<answer>(.*?)</answer>", part[-5000:], re.DOTALL)
         answer = tags[-1].strip() if tags else _from_phrase(part[-5000:])
         if answer is None and not ("<think>" in part and "</think>" not in part):  # not inside unfinished thinking
@@ -159,7 +181,7 @@ _REPLACE = [("\\\\", " \\rowsep "), ("**", "^"), ("\\dfrac", "\\frac"), ("\\tfra
 _WRAPPERS = (r"\\(?:text|textbf|textit|textrm|textsf|texttt|textnormal|mathrm|mathbf|mathit|mathsf|mathtt|boldsymbol|"
              r"operatorname|underline|emph|bf|rm)")
 _UNWRAP = re.compile(_WRAPPERS + r"\s*\{")
-_UNIT = re.compile(r"(?<=[\d}).!])\s*" + _WRAPPERS + r"\s*\{\s*(?!and\b|or\b)[a-zA-Z][a-zA-Z .]*\}(\s*\^\s*\{?\d\}?)?")
+_UNIT = re.compile(r"(?<=[\d}).!])\s*" + _WRAPPERS + r"\s*\{\s*(?!and\b|or\b)[a-zA-Z][a-zA-Z ./]*\}(\s*\^\s*\{?\d\}?)?")
 _UNIT_WORDS = re.compile(r"(?:(?<=[\d}])|(?<=\\pi))\s+(?!and\b|or\b)[a-zA-Z]{2,}\.?(?:\s+[a-zA-Z]{2,}\.?)*"
                          r"(\s*\^\s*\{?\d\}?)?$")
 _DROP = re.compile(r"\\(?:left|right|[bB]igg?[lr]?|tiny|small|normalsize|large|Large|LARGE|huge|Huge)(?![a-zA-Z])|"
@@ -185,9 +207,10 @@ def _closing(s, start):
     return None
 
 
-def _unwrap(s, limit=20):
+def _unwrap(s, deadline, limit=20):
     """\\text{...}, \\mathbf{\\frac{1}{2}}, ...: keep the content; also drop redundant outer braces ({5}, {{5}})."""
     for _ in range(limit):
+        _tick(deadline)
         m = _UNWRAP.search(s)
         end = _closing(s, m.end() - 1) if m else None
         if end is None:
@@ -200,13 +223,13 @@ def _unwrap(s, limit=20):
     return s
 
 
-def _clean(s):
+def _clean(s, deadline):
     """String-level normalization of one answer -> (text, had a percent sign)."""
     s = s.strip()
     if "####" in s:  # a GSM8K solution as gold
         s = s.rsplit("####", 1)[1]
     if "\\boxed" in s or "\\fbox" in s:  # a full solution as gold: its last box
-        s = next((c for _, _, c in reversed(_boxes(s)) if c), s)
+        s = next((c for _, _, c in reversed(_boxes(s, deadline)) if c), s)
     if len(s) > 10 * MAX_ANSWER_CHARS:
         return s, False  # not a final answer: left as it is
     s = re.sub(r",\s*\\!\s*", ",", s)  # 111, \! 111: a thousands separator
@@ -217,7 +240,7 @@ def _clean(s):
     s = re.sub(r"\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\\circ\b", " ", s)  # degrees (a space: 45^\circ,135^\circ is a list)
     percent = bool(_PERCENT.search(s))
     s = _UNIT.sub("", _PERCENT.sub("", s))
-    s = _unwrap(s)
+    s = _unwrap(s, deadline)
     for pattern, repl in _MATRIX:
         s = pattern.sub(lambda m, r=repl: r, s)
     s = re.sub(r"\s+", " ", s).rstrip(" .,;:。，").lstrip(" ,;:")
@@ -676,6 +699,7 @@ def _match(preds, golds, deadline):
         return False
     left, rest = list(preds), []
     for g in golds:  # identical values first: cheap, and spares the numeric tests
+        _tick(deadline)
         if g in left:
             left.remove(g)
         else:
@@ -688,12 +712,20 @@ def _match(preds, golds, deadline):
     return True
 
 
-def _shape(items, other):
+def _disjoint(sets, deadline):
+    for k, a in enumerate(sets):
+        for b in sets[:k]:
+            _tick(deadline)
+            if sp.Intersection(a, b) is not sp.EmptySet:
+                return False
+    return True
+
+
+def _shape(items, other, deadline):
     """Bring a list of answers to the other side's shape: x<-1 or x>2 -> one set; {1, 2} -> the answers 1, 2;
     x = 1, y = 2 (or 1, 2) -> the tuple (1, 2)."""
     if len(items) > 1 and all(isinstance(v, sp.Set) for v in items):  # disjoint: "or"; overlapping: "and"
-        disjoint = all(sp.Intersection(a, b) is sp.EmptySet for k, a in enumerate(items) for b in items[:k])
-        return [sp.Union(*items) if disjoint else sp.Intersection(*items)]
+        return [sp.Union(*items) if _disjoint(items, deadline) else sp.Intersection(*items)]
     if len(items) == 1 and len(other) > 1 and isinstance(items[0], sp.FiniteSet):
         return list(items[0].args)
     if len(items) == 1 and len(other) > 1 and isinstance(items[0], Seq) and items[0].kind == "{}":
@@ -707,18 +739,18 @@ def _shape(items, other):
 def _equivalent(pred, golds, deadline):
     if len(pred) > 10 * MAX_ANSWER_CHARS:
         return False  # not a final answer
-    (p, p_pct), cleaned = _clean(pred), [_clean(g) for g in golds]
-    g = ", ".join(c for c, _ in cleaned)
-    if not p:
-        return False
-    if _squash(p) == _squash(g):
-        return True
-    letter = re.fullmatch(r"\(?([A-E])\)?", g)  # multiple choice: (C), \textbf{(C) } 12
-    if letter:
-        return bool(re.match(r"\(?" + letter.group(1) + r"(?![A-Za-z])\)?", p))
     try:
+        (p, p_pct), cleaned = _clean(pred, deadline), [_clean(g, deadline) for g in golds]
+        g = ", ".join(c for c, _ in cleaned)
+        if not p:
+            return False
+        if _squash(p) == _squash(g):
+            return True
+        letter = re.fullmatch(r"\(?([A-E])\)?", g)  # multiple choice: (C), \textbf{(C) } 12
+        if letter:
+            return bool(re.match(r"\(?" + letter.group(1) + r"(?![A-Za-z])\)?", p))
         p_items, g_items = _parse(p, deadline), _parse(g, deadline)
-        p_items, g_items = _shape(p_items, g_items), _shape(g_items, p_items)
+        p_items, g_items = _shape(p_items, g_items, deadline), _shape(g_items, p_items, deadline)
         if len(p_items) > len(g_items):  # the same answer twice ("x+11 or 11+x") is not a hedge
             p_items = [v for k, v in enumerate(p_items) if not any(_same(v, u, deadline) for u in p_items[:k])]
         if _match(p_items, g_items, deadline):
@@ -731,8 +763,9 @@ def _equivalent(pred, golds, deadline):
             return True
         approx = _decimal_gold(g)
         if approx and value.is_number and not _DECIMAL.fullmatch(re.sub(r"\s+", "", p)):
-            diff = sp.N(sp.Abs(value - approx[0]), 30)
-            return bool(diff.is_real and diff < approx[1])
+            _tick(deadline)
+            diff = sp.N(value - approx[0], 30)  # not sp.Abs(...): its sign test on a long sum took 0.5 s
+            return bool(diff.is_real and abs(diff) < approx[1])
         return False
     except Exception:  # Refused, or anything sympy raises on a strange answer: not equivalent, never a crash
         return False
@@ -744,9 +777,13 @@ def _golds(gold):
     return [str(g) for g in ([gold] if isinstance(gold, (str, int, float)) else gold)]
 
 
-def extract_answer(response):
-    """The final answer of a response as a string ('' for an empty box), or None when there is none."""
-    return _extract(response)[0] if isinstance(response, str) else None
+def extract_answer(response, timeout=TIMEOUT_S):
+    """The final answer of a response as a string ('' for an empty box), or None when there is none (or no answer
+    could be found within `timeout` seconds)."""
+    try:
+        return _extract(response, time.monotonic() + timeout)[0] if isinstance(response, str) else None
+    except Refused:
+        return None
 
 
 def is_equivalent(pred, gold, timeout=TIMEOUT_S):
@@ -755,18 +792,28 @@ def is_equivalent(pred, gold, timeout=TIMEOUT_S):
 
 
 def grade(response, gold, timeout=TIMEOUT_S):
-    """Whether the final answer of `response` equals `gold`; never slower than about `timeout` seconds."""
-    answer = extract_answer(response)
-    return bool(answer and answer.strip()) and is_equivalent(answer, gold, timeout)
+    """Whether the final answer of `response` equals `gold`; extraction and comparison together stop within about
+    `timeout` seconds (the deadline starts here; measured: at most ~0.15 s later on hostile inputs, README)."""
+    deadline = time.monotonic() + timeout
+    try:
+        answer = _extract(response, deadline)[0] if isinstance(response, str) else None
+    except Refused:
+        return False
+    return bool(answer and answer.strip()) and _equivalent(answer, _golds(gold), deadline)
 
 
 def reward(response, gold, mode="dapo"):
     """The RL reward. "dapo": +1 / -1 by `grade`; "binary": 1 / 0; "strict": +1 / -1 by the paper's rule, a
     normalized string match of the last \\boxed{} only."""
     if mode == "strict":
-        box = _extract(response)[1] if isinstance(response, str) else None
-        pred = _clean(box)[0] if box else ""
-        return 1.0 if pred and _squash(pred) == _squash(", ".join(_clean(g)[0] for g in _golds(gold))) else -1.0
+        deadline = time.monotonic() + TIMEOUT_S
+        try:
+            box = _extract(response, deadline)[1] if isinstance(response, str) else None
+            pred = _clean(box, deadline)[0] if box else ""
+            golds = ", ".join(_clean(g, deadline)[0] for g in _golds(gold))
+        except Refused:
+            return -1.0
+        return 1.0 if pred and _squash(pred) == _squash(golds) else -1.0
     if mode not in ("dapo", "binary"):
         raise ValueError(f"unknown reward mode {mode!r}")
     return 1.0 if grade(response, gold) else (0.0 if mode == "binary" else -1.0)

@@ -1,6 +1,7 @@
 """The test suite: CPU only, tiny random models built in code, no network. Run: python -m pytest -q test_stapo.py
 
-Data-dependent tests read ../shared/data/ (beside the repository, where CI puts it too).
+Data-dependent tests read testdata/ (in the repository): labelled grading cases and a few rows of every benchmark in
+its local and its Hub layout. Nothing outside the repository is read.
 """
 import ast
 import importlib.util
@@ -955,8 +956,7 @@ def test_rollout_fsdp2_two_processes_equal_one():
 # ==================================================================================================================
 # reward.py: answer extraction and grading
 # ==================================================================================================================
-_REWARD_DATA = Path(__file__).parent.parent / "shared" / "data"
-_REWARD_ZERO_FP = ("near_miss", "no_answer", "hedging", "empty_box")
+TESTDATA = Path(__file__).parent / "testdata"
 
 
 def _reward_jsonl(path):
@@ -974,8 +974,9 @@ def _reward_last_box(text):
 
 
 def test_reward_grader_cases_agreement():
-    per = defaultdict(lambda: [0, 0, 0])  # category -> [agree, total, false positives]
-    for row in _reward_jsonl(_REWARD_DATA / "grader_cases.jsonl"):
+    """testdata/grader_cases.jsonl: the project's own cases, labelled by mathematical truth; every one must agree."""
+    per, wrong = defaultdict(lambda: [0, 0, 0]), []  # category -> [agree, total, false positives]
+    for row in _reward_jsonl(TESTDATA / "grader_cases.jsonl"):
         if row["ambiguous"]:
             continue
         got = reward.grade(row["response"], row["gold"])
@@ -983,18 +984,18 @@ def test_reward_grader_cases_agreement():
         stats[0] += got == row["correct"]
         stats[1] += 1
         stats[2] += got and not row["correct"]
+        wrong += [] if got == row["correct"] else [row["id"]]
     agree, total, fp = (sum(s[i] for s in per.values()) for i in range(3))
     print(f"\n| category | agree | n | false positives |\n|---|---|---|---|")
     for cat, (a, n, f) in sorted(per.items()):
         print(f"| {cat} | {a / n:.0%} | {n} | {f} |")
     print(f"| **all** | **{agree / total:.1%}** | {total} | {fp} |")
-    assert agree / total >= 0.97
-    assert sum(per[c][2] for c in _REWARD_ZERO_FP) == 0
+    assert total >= 150 and len(per) >= 25 and not wrong, wrong
 
 
 def _reward_benchmark_golds():
     """(benchmark, prediction, gold) for every row of every benchmark file, with a minimal local field mapping."""
-    bench = _REWARD_DATA / "benchmarks"
+    bench = TESTDATA / "benchmarks"
     for name in ("aime24", "aime25"):
         for row in _reward_jsonl(bench / f"{name}.jsonl"):
             yield name, row["answer"], row["answer"]
@@ -1006,9 +1007,8 @@ def _reward_benchmark_golds():
             yield "amc23", str(int(float(gold))), gold  # 27.0 -> 27
     for row in _reward_jsonl(bench / "math500.jsonl"):
         yield "math500", row["answer"], row["answer"]
-    for name in ("minerva_math", "math5000"):
-        for row in _reward_jsonl(bench / f"{name}.jsonl"):
-            yield name, _reward_last_box(row["solution"]), _reward_last_box(row["solution"])
+    for row in _reward_jsonl(bench / "minerva_math.jsonl"):
+        yield "minerva_math", _reward_last_box(row["solution"]), _reward_last_box(row["solution"])
     for row in _reward_jsonl(bench / "olympiadbench.jsonl"):
         yield "olympiadbench", ", ".join(row["final_answer"]), row["final_answer"]
     for row in _reward_jsonl(bench / "gsm8k.jsonl"):
@@ -1025,7 +1025,7 @@ def test_reward_benchmark_golds_grade_themselves():
         if not reward.grade(f"So the answer is $\\boxed{{{pred}}}$.", gold):
             failed[name].append((pred, gold))
     print("\n" + ", ".join(f"{name}: {len(failed[name])}/{n} fail" for name, n in rows.items()))
-    assert len(rows) == 8 and not any(failed.values()), {k: v[:5] for k, v in failed.items() if v}
+    assert len(rows) == 7 and not any(failed.values()), {k: v[:5] for k, v in failed.items() if v}
 
 
 _REWARD_HOSTILE = {
@@ -1054,9 +1054,64 @@ def test_reward_hostile_input_is_fast_and_harmless(name, tmp_path, monkeypatch):
     for gold in ("5", "0", "x", ["1", "2"]):
         start = time.monotonic()
         assert reward.grade(response, gold) is (name == "1 MB response" and gold == "5")
-        assert time.monotonic() - start < 1.0  # the issue's bound for one grade
+        assert time.monotonic() - start < reward.TIMEOUT_S + _GRADE_MARGIN_S
         assert reward.reward(response, gold, mode="strict") in (1.0, -1.0)
     assert not (tmp_path / "X").exists()
+
+
+_GRADE_MARGIN_S = 1.5  # a bound with headroom for a busy machine, not a race: measured overshoot < 0.15 s
+# (open, close) of every nesting construct the grader reads; each is fed 10,000 deep, 5,000 wide and unclosed
+_REWARD_NESTING = {"box": ("\\boxed{", "}"), "fbox": ("\\fbox{", "}"), "brace": ("{", "}"),
+                   "frac": ("\\frac{1}{", "}"), "frac numerator": ("\\frac{", "}{3}"), "sqrt": ("\\sqrt{", "}"),
+                   "root": ("\\sqrt[3]{", "}"), "left": ("\\left(", "\\right)"), "paren": ("(", ")"),
+                   "bracket": ("[", "]"), "set": ("\\{", "\\}"), "abs": ("|", "|"), "text": ("\\text{", "}"),
+                   "mathbf": ("\\mathbf{", "}"), "power": ("2^{", "}"), "sin": ("\\sin(", ")"), "pmatrix": (
+                       "\\begin{pmatrix}", "\\end{pmatrix}")}
+
+
+def _nested(construct, shape):
+    """A hostile response: the construct nested 10,000 deep around 1, repeated 5,000 times, or opened 20,000 times."""
+    open_, close = _REWARD_NESTING[construct]
+    body = {"deep": open_ * 10_000 + "1" + close * 10_000, "wide": "+".join([open_ + "1" + close] * 5_000),
+            "unclosed": open_ * 20_000}[shape]
+    return body if construct in ("box", "fbox") else "\\boxed{" + body + "}"
+
+
+@pytest.mark.parametrize("shape", ["deep", "wide", "unclosed"])
+@pytest.mark.parametrize("construct", _REWARD_NESTING)
+def test_reward_grade_time_is_bounded_for_any_nesting(construct, shape):
+    """The whole of grade (extraction, normalization, parsing, comparison) ends within its timeout plus a margin,
+    whatever the nesting (10,000 nested boxes took 0.85-5 s with a 1 s timeout before the deadline covered
+    extraction and nested boxes stopped being joined); the verdict is a bool, never an exception."""
+    response, timeout = _nested(construct, shape), 0.5
+    for gold in ("2", ["1", "2"], "x"):  # none of them is the value of any of these responses
+        start = time.monotonic()
+        assert reward.grade(response, gold, timeout=timeout) is False
+        assert time.monotonic() - start < timeout + _GRADE_MARGIN_S, (construct, shape, gold)
+    assert reward.extract_answer(response) is None or isinstance(reward.extract_answer(response), str)
+
+
+def test_reward_long_flat_inputs_are_bounded():
+    """Long inputs without nesting: many boxes, many joined boxes, a long sum, long text, digits, phrases."""
+    responses = [", ".join(f"\\boxed{{{k}}}" for k in range(20_000)), "\\boxed{1} or " * 20_000,
+                 "\\boxed{" + "+".join(f"\\sqrt{{{k}+\\sqrt{{{k + 1}}}}}" for k in range(100)) + "}",
+                 "\\boxed{" + ", ".join(f"x<{k}" for k in range(240)) + "}", "The answer is " + "1+" * 100_000 + "1.",
+                 "<answer>" * 20_000, "answer is " * 20_000, "1" * 1_000_000, "\\boxed{" + "7" * 1_000_000 + "}"]
+    for response in responses:
+        for gold in ("0.33", "2", ["1", "2"]):
+            start = time.monotonic()
+            assert reward.grade(response, gold, timeout=0.5) is False
+            assert time.monotonic() - start < 0.5 + _GRADE_MARGIN_S, response[:40]
+
+
+def test_reward_nested_boxes():
+    """A box inside a box is part of its content (10,000 nested boxes were joined into a 100-MB answer); a box that
+    holds only a box is its inner box."""
+    deep = "\\boxed{" * 10_000 + "1" + "}" * 10_000
+    assert reward.extract_answer(deep) == "1" and reward.grade(deep, "1") and not reward.grade(deep, "2")
+    assert reward.extract_answer("\\boxed{\\boxed{5}+1}") == "\\boxed{5}+1"
+    assert reward.extract_answer("so \\boxed{3} and \\boxed{\\boxed{4}}") == "3, 4"
+    assert reward.extract_answer("\\boxed{ \\boxed{4} and \\boxed{5}}") == " \\boxed{4} and \\boxed{5}"
 
 
 def test_reward_grade_is_bounded_in_a_thread():
@@ -1204,14 +1259,13 @@ def test_reward_modes():
 # ==================================================================================================================
 # eval.py: benchmarks and metrics
 # ==================================================================================================================
-DATA = Path(__file__).parent.parent / "shared" / "data" / "benchmarks"
-ROWS = {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "minerva": 272, "olympiadbench": 675, "gsm8k": 1319}
+DATA = TESTDATA / "benchmarks"
 
 
 def test_eval_every_local_benchmark_loads_with_gold():
-    for name, n in ROWS.items():
+    for name, spec in ev.BENCHMARKS.items():
         rows = ev.load_benchmark(name, DATA)
-        assert len(rows) == n, name
+        assert len(rows) == len(_reward_jsonl(DATA / spec.file)) >= 3, name
         for row in rows:
             assert isinstance(row["problem"], str) and row["problem"].strip(), name
             assert isinstance(row["answer"], str) and row["answer"].strip(), name
@@ -1224,19 +1278,19 @@ def test_eval_known_golds():
     def gold(name, i):
         return ev.load_benchmark(name, DATA)[i]["gold"]
 
-    assert gold("aime24", 0) == "204"  # Aya's walk, 2024 AIME I #1
-    assert gold("aime25", 0) == "70"  # sum of bases b > 9 with 17_b | 97_b
-    assert gold("amc23", 0) == "27.0"  # a float in the file, kept as a string
-    assert gold("math500", 0) == r"\left( 3, \frac{\pi}{2} \right)"
-    assert gold("minerva", 0) == "1.6"  # last \boxed{} of the solution
-    assert gold("minerva", 1) == "4.5e33"
-    assert gold("olympiadbench", 0) == ["2"]
-    assert gold("olympiadbench", 13) == ["$69$,$84$"]  # a multiple-answer row
-    assert ev.load_benchmark("olympiadbench", DATA)[13]["answer"] == "$69$,$84$"
-    assert reward.grade(r"\boxed{84, 69}", gold("olympiadbench", 13))  # a list gold needs every answer
-    assert not reward.grade(r"\boxed{69}", gold("olympiadbench", 13))
-    assert gold("gsm8k", 0) == "18"  # "#### 18"
-    assert gold("gsm8k", 146) == "2125"  # "#### 2,125": thousands comma dropped
+    assert gold("aime24", 0) == "024" and reward.grade("\\boxed{24}", gold("aime24", 0))  # AIME's leading zero
+    assert gold("aime25", 1) == "12"
+    assert gold("amc23", 0) == "55.0"  # a float in the file, kept as a string
+    assert gold("math500", 0) == r"\left( 2, \frac{3\pi}{2} \right)"
+    assert gold("minerva", 0) == "1.5"  # the last \boxed{} of the solution, not the first (1/4)
+    assert gold("minerva", 2) == "3.15e7"
+    assert gold("olympiadbench", 0) == ["$10$"]
+    assert gold("olympiadbench", 1) == ["$2$,$-2$"]  # a multiple-answer row
+    assert ev.load_benchmark("olympiadbench", DATA)[1]["answer"] == "$2$,$-2$"
+    assert reward.grade(r"\boxed{-2, 2}", gold("olympiadbench", 1))  # a list gold needs every answer
+    assert not reward.grade(r"\boxed{2}", gold("olympiadbench", 1))
+    assert gold("gsm8k", 0) == "12"  # "#### 12"
+    assert gold("gsm8k", 1) == "2125"  # "#### 2,125": thousands comma dropped
 
 
 def test_eval_missing_gold_is_an_error(tmp_path):
@@ -1249,29 +1303,17 @@ def test_eval_missing_gold_is_an_error(tmp_path):
         ev.load_benchmark("minerva", tmp_path)
 
 
-def test_eval_hub_layout_mapping(tmp_path, monkeypatch):
-    """The Hub code path (datasets.load_dataset) on local parquet folders in the layout of each Hub dataset."""
-    import datasets
-
-    hub_rows = {
-        "amc23": [{"id": 0, "question": "Q?", "answer": 27.0, "url": "u"}],
-        "aime24": [{"id": 60, "problem": "P?", "solution": "so $\\boxed{204}$", "url": "u"},
-                   {"id": 61, "problem": "P2?", "solution": "113", "url": "u"}],
-        "minerva": [{"question": "M?", "answer": "1.6"}],
-        "olympiadbench": [{"question": "O?", "final_answer": ["$69$,$84$"], "is_multiple_answer": True}],
-        "math500": [{"problem": "C?", "solution": "\\boxed{9}", "answer": "9", "subject": "s", "level": 1,
-                     "unique_id": "x"}],
-    }
-    for name, rows in hub_rows.items():
-        folder = tmp_path / name
-        folder.mkdir()
-        datasets.Dataset.from_list(rows).to_parquet(str(folder / "test-00000-of-00001.parquet"))
-        monkeypatch.setitem(ev.BENCHMARKS, name, replace(ev.BENCHMARKS[name], hub_id=str(folder)))
-    assert ev.load_benchmark("amc23") == [{"problem": "Q?", "answer": "27.0", "gold": "27.0"}]
-    assert [r["gold"] for r in ev.load_benchmark("aime24")] == ["204", "113"]
-    assert ev.load_benchmark("minerva")[0]["gold"] == "1.6"
-    assert ev.load_benchmark("olympiadbench")[0] == {"problem": "O?", "answer": "$69$,$84$", "gold": ["$69$,$84$"]}
-    assert ev.load_benchmark("math500")[0]["gold"] == "9"
+def test_eval_hub_layout_mapping(monkeypatch):
+    """The Hub code path (datasets.load_dataset) on testdata/hub/<name>/, rows in the layout (field names, types) of
+    each Hub copy: every benchmark maps to the same problems and golds as its local file."""
+    hub_golds = {"aime24": ["24", "56", "9"]}  # math-ai/aime24: the solution's last box or its bare text
+    for name, spec in ev.BENCHMARKS.items():
+        monkeypatch.setitem(ev.BENCHMARKS, name, replace(spec, hub_id=str(TESTDATA / "hub" / name), hub_config=None))
+        hub, local = ev.load_benchmark(name), ev.load_benchmark(name, DATA)
+        assert [r["problem"] for r in hub] == [r["problem"] for r in local], name
+        assert [r["gold"] for r in hub] == hub_golds.get(name, [r["gold"] for r in local]), name
+    assert ev.load_benchmark("amc23")[0] == {"problem": "What is $1+2+3+\\cdots+10$?", "answer": "55.0", "gold": "55.0"}
+    assert ev.load_benchmark("olympiadbench")[1]["gold"] == ["$2$,$-2$"]  # a list column stays a list
 
 
 def test_eval_pass_at_k_hand_computed():
@@ -1398,7 +1440,7 @@ assert not any("gloo" in t for t in threads), threads
     assert proc.returncode == 0, proc.stderr[-3000:]
     bench = json.loads((tmp_path / "results.json").read_text())["models"]["tiny"]["benchmarks"]["amc23"]
     assert [p["index"] for p in bench["problems"]] == [0, 1, 2]
-    assert [p["gold"] for p in bench["problems"]] == ["27.0", "36.0", "45.0"]
+    assert [p["gold"] for p in bench["problems"]] == ["55.0", "24.0", "12.0"]
     assert all(len(p["samples"]) == 2 for p in bench["problems"])
 
 def _tiny_run(folder: Path, **config) -> Path:
@@ -2021,3 +2063,31 @@ def test_eval_run_reproduces_train_heldout_evaluation(tmp_path, monkeypatch):
     assert last["step"] == 2 and bench["k"] == 4 and len(bench["problems"]) == 3
     assert bench["metrics"]["avg@k"] == pytest.approx(100 * last["eval/acc"])
     assert bench["metrics"]["mean_length"] == pytest.approx(last["eval/len_mean"])
+
+
+# ==================================================================================================================
+# bench.py gpu: the prepared GPU check, at toy shapes on the CPU
+# ==================================================================================================================
+def test_bench_gpu_smoke(tmp_path):
+    """`python bench.py gpu --smoke` runs every part of the GPU check (so it cannot rot between GPU runs): the sharded
+    fp32 forward equals an fp32 copy of the same weights, the chunked head the fp64 naive one, the sampler makes
+    exactly its tokens, and train.py makes its two steps with an update each."""
+    import bench
+
+    with _one_thread():
+        bench.bench_gpu(smoke=True, out=tmp_path)
+    rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
+    assert [r["part"] for r in rows] == ["train"] * 3 + ["numerics"] * 2 + ["head"] * 2 + ["rollout"] * 2 + ["e2e"] * 2
+    for r in rows:
+        if r["part"] == "train":
+            assert r["updates"] == 1 and math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["mfu"] > 0
+        elif r["part"] == "numerics":
+            assert r["max_abs_diff"] < 1e-5 and r["tokens"] == 32
+        elif r["part"] == "head":
+            assert r["logprob_max_abs_diff"] < 1e-4 and r["entropy_max_abs_diff"] < 1e-4
+        elif r["part"] == "rollout":
+            assert r["new_tokens"] == 8 and r["step_ms"] > 0 and r["bound_ms"] > 0
+        else:
+            assert r["updates"] == 1 and 1 <= r["response/len_mean"] <= 8  # --max-response-len 8
+    table = (tmp_path / "gpu.md").read_text()
+    assert "| one mini-batch update |" in table and "| train.py step |" in table and "vLLM: not measured" in table
