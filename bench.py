@@ -6,6 +6,7 @@
     python bench.py grader          # reward.grade throughput
     python bench.py gpu             # the CUDA path at Qwen3-1.7B shape on one GPU (<= ~8 min on an H200; not in `all`)
     python bench.py gpu --smoke     # the same code at toy shapes on the CPU in seconds (run by the test suite)
+    python bench.py update          # token-budget vs sequence-count micro-batches; peak memory vs length vs estimate
 
 Not part of the test suite: timings on a shared machine are noisy, so nothing here asserts a speed.
 
@@ -14,7 +15,7 @@ logprobs: Paper: STAPO (arXiv:2602.15620) Sec. 2 needs log pi(y_t) and the full-
     (D = 2048), fp32 on CPU, forward + backward of sum_t log pi(y_t), for N = 1024, 4096, 16384 tokens.
     
     Deliberate choices:
-    1. Each (implementation, N) runs in its own process and reports its peak resident memory (ru_maxrss) minus the
+    1. Each (implementation, N) runs in its own process and reports its peak resident memory (VmHWM) minus the
        resident memory once the inputs (hidden, weight) exist, so the numbers do not mix. The weight gradient (V x D fp32,
        1.24 GB) is part of both.
     2. A naive run is only started where its predicted peak fits the memory limit (`max_gb`); otherwise the table shows
@@ -67,6 +68,19 @@ gpu: Paper: STAPO (arXiv:2602.15620) Sec. 6 trains Qwen3-1.7B/8B with FSDP, resp
     3. MFU counts model FLOPs (3 x forward: 2 x parameters per token, the head on response tokens, causal
        attention), not the recomputation of activation checkpointing or of the chunked head's backward.
     4. Only torch + transformers APIs present in torch 2.11-2.13 and transformers 5.17-5.19; vLLM is not measured.
+update: Paper: STAPO (arXiv:2602.15620) Sec. 6 trains on responses up to 15,360 tokens (veRL, dynamic batch size of 32,768
+    tokens per GPU). (1) A rollout batch of 64 rows with a realistic length mix (lognormal, median ~245 response tokens,
+    a tail to the cap of 1920 = 15360 / 8) through the update's forward + backward, split into 8-sequence micro-batches
+    in rollout order (the former --micro-batch-size 8) or by token budget (`Rollout.micro_batches`): padding fraction,
+    largest micro-batch, time per real token. (2) Peak memory of one training step vs length, with and without
+    activation checkpointing, against `model.memory_estimate`.
+
+    Deliberate choices:
+    1. Scaled-down Qwen3 shapes (hidden 128, MLP 384, one 32-wide head) so that 16k-token rows run on a CPU; the
+       memory model is checked on the same shapes it is later applied to at full size.
+    2. Memory: each (length, checkpointing) in a fresh process, peak resident memory (VmHWM) minus the resident
+       memory before the model exists, so the measurement covers every term the estimate has (fp32 parameters,
+       gradients, AdamW states, activations).
 
 """
 import json
@@ -95,7 +109,7 @@ import reward
 import rollout
 import train
 from model import Policy, load_model, shard_policy
-from rollout import format_prompt, gathered, generate
+from rollout import Rollout, format_prompt, gathered, generate
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -133,7 +147,10 @@ def _step(impl, hidden, weight, targets):
 
 
 def _peak_rss_gb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB -> GiB
+    """Peak resident memory of this process image (VmHWM). Not ru_maxrss: Linux carries the parent's resident size
+    at fork into a child's ru_maxrss, so a child of a large bench process reported the parent's size."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**20  # KiB -> GiB
 
 
 def _rss_gb():
@@ -388,21 +405,27 @@ def bench_reward(repeats=3):
 
 # ------------------------------------------------------------------------------------------------------------------
 # `python bench.py gpu [--smoke] [--out DIR]`: the CUDA path of training and rollouts at Qwen3-1.7B shape (issue 14)
-# Qwen3-1.7B's shape, as in its Hub config.json: the keras-hub conversion's model card
+# The Qwen3 base models' shapes, as in their Hub config.json files. Qwen3-1.7B's: the keras-hub conversion's model card
 # (huggingface.co/keras/qwen3_1.7b_en: vocabulary 151936, 28 layers, 16 query / 8 KV heads, hidden 2048, head_dim 128,
 # intermediate 6144, rope wavelength 1e6, norm eps 1e-6, tied embeddings) and slime's scripts/models/qwen3-1.7B.sh
 # (the same numbers); max_position_embeddings 40960 as in the Qwen3 dense models' configs.
-QWEN3_1_7B = dict(vocab_size=151_936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40_960,
-                  rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-                  tie_word_embeddings=True)
+QWEN3 = {  # the config.json numbers of the Qwen3 base models the paper trains (vocabulary 151,936; used by `update`)
+    "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "Qwen3-14B": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+QWEN3_1_7B = dict(QWEN3["Qwen3-1.7B"], vocab_size=151_936, max_position_embeddings=40_960, rms_norm_eps=1e-6,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
 
 
 @dataclass(frozen=True)
 class GpuSizes:
     shape: dict  # Qwen3Config fields
     prompt_len: int  # words (= tokens) of each synthetic prompt
-    train: tuple  # (response length T, prompts, G, micro-batch size) of each one-mini-batch update
+    train: tuple  # (response length T, prompts, G, --max-tokens-per-micro-batch) of each one-mini-batch update
     numerics: tuple  # (sequences, response length) of the bf16-vs-fp32 forward
     head_tokens: int  # N of the chunked-vs-naive LM-head comparison
     decode_batches: tuple  # batch sizes of the sampler measurement
@@ -410,14 +433,14 @@ class GpuSizes:
     e2e: dict  # train.py flags of the end-to-end run
 
 
-GPU_FULL = GpuSizes(QWEN3_1_7B, 120, ((1024, 4, 8, 8), (4096, 1, 8, 2), (16384, 1, 2, 1)), (4, 1024), 4096,
-                    (64, 256), 1024, dict(steps=2, prompts_per_step=4, group_size=8, mini_batch_prompts=2,
-                                          micro_batch_size=8, max_response_len=2048))
+GPU_FULL = GpuSizes(QWEN3_1_7B, 120, ((1024, 4, 8, 32768), (4096, 1, 8, 32768), (16384, 1, 2, 32768)), (4, 1024),
+                    4096, (64, 256), 1024, dict(steps=2, prompts_per_step=4, group_size=8, mini_batch_prompts=2,
+                                                max_response_len=2048))
 GPU_SMOKE = GpuSizes(dict(QWEN3_1_7B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16), 8,
-                     ((16, 2, 2, 2), (32, 1, 2, 1), (64, 1, 2, 1)), (2, 16), 64, (2, 4), 8,
-                     dict(steps=2, prompts_per_step=2, group_size=2, mini_batch_prompts=1, micro_batch_size=2,
-                          max_response_len=8))
+                     ((16, 2, 2, 48), (32, 1, 2, 48), (64, 1, 2, 48)), (2, 16), 64, (2, 4), 8,
+                     dict(steps=2, prompts_per_step=2, group_size=2, mini_batch_prompts=1,
+                          max_tokens_per_micro_batch=48, max_response_len=8))
 _BOX_WORDS = ["\\boxed{1}", "\\boxed{2}"]  # the last token of a synthetic response: graded right / wrong for gold 1
 
 
@@ -513,23 +536,27 @@ def _gpu_train(sizes, cfg, state, device, flops_rate, out):
     lm = policy.lm
     for k, (T, n_prompts, G, micro) in enumerate(((sizes.train[0],) + sizes.train)):  # the first: warm-up
         step_cfg = replace(cfg, max_response_len=T, prompts_per_step=n_prompts, mini_batch_prompts=n_prompts,
-                           group_size=G, micro_batch_size=micro)
+                           group_size=G, max_tokens_per_micro_batch=micro)
         _reset_peak(device)
         with mock.patch.object(train, "sample", _synthetic_sampler(T, device)):
             seconds, (metrics, *_) = _dev_timed(lambda: train.train_step(
                 k, policy, None, optimizer, scheduler, rows, prompts, tokenizer, step_cfg, 0, 1, device), device)
         if k == 0:
             continue
-        n_seq = n_prompts * G
-        tokens = n_seq * (sizes.prompt_len + T)
+        n_seq, row = n_prompts * G, sizes.prompt_len + T
+        tokens = n_seq * row
         update = metrics["time/update_s"]
+        estimate = model.memory_estimate(  # the same arguments train.setup prints its memory line with
+            lm.config, 1, min(max(micro, row), n_seq * row), True, n_seq, sizes.prompt_len, T, fsdp=True,
+            compute_bytes=2 if device.type == "cuda" else 4, chunk_size=cfg.chunk_size)["train_peak"]
         out.append({"part": "train", "T": T, "sequences": n_seq, "micro_batch": micro, "tokens": tokens,
                     "updates": metrics["updates"], "update_s": update, "step_s": seconds,
                     "pi_old_and_grading_s": metrics["time/rollout_s"], "tokens_per_s": tokens / update,
                     "mfu": _train_flops(lm, sizes.prompt_len, T, n_seq) / update / flops_rate,
-                    "peak_gb": _peak_gb(device), "loss": metrics["loss/policy"], "grad_norm": metrics["grad_norm"]})
+                    "peak_gb": _peak_gb(device), "estimate_gb": estimate, "loss": metrics["loss/policy"],
+                    "grad_norm": metrics["grad_norm"]})
         print(f"train T={T}: {out[-1]['tokens_per_s']:,.0f} tokens/s, MFU {out[-1]['mfu']:.1%}, "
-              f"peak {out[-1]['peak_gb']:.1f} GiB", flush=True)
+              f"peak {out[-1]['peak_gb']:.1f} GiB (memory model: {estimate:.1f} GiB)", flush=True)
 
 
 def _gpu_numerics(sizes, cfg, state, device, out):
@@ -641,10 +668,11 @@ def _gpu_e2e(sizes, model_dir, data, device, work, out):
 def _gpu_table(rows, header):
     lines = [header, ""]
     parts = {
-        "train": ("| one mini-batch update | sequences x T | micro-batch | tokens | update s | tokens/s | MFU | "
-                  "peak GiB |\n|---|---|---|---|---|---|---|---|",
+        "train": ("| one mini-batch update | sequences x T | tokens per micro-batch | tokens | update s | tokens/s | "
+                  "MFU | peak GiB | memory model GiB |\n|---|---|---|---|---|---|---|---|---|",
                   lambda r: f"| T = {r['T']} | {r['sequences']} x {r['T']} | {r['micro_batch']} | {r['tokens']} | "
-                            f"{r['update_s']:.2f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_gb']:.1f} |"),
+                            f"{r['update_s']:.2f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_gb']:.1f} | "
+                            f"{r['estimate_gb']:.1f} |"),
         "numerics": ("| numerics | tokens | max abs diff | mean abs diff | fp32 mean |\n|---|---|---|---|---|",
                      lambda r: f"| {r['what']} | {r['tokens']} | {r['max_abs_diff']:.2e} | "
                                f"{r['mean_abs_diff']:.2e} | {r['fp32_mean']:.3f} |"),
@@ -733,7 +761,133 @@ def bench_gpu(smoke=False, out=None):
     return rows
 
 
-BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward, "gpu": bench_gpu}
+# `python bench.py update`: token-budget vs sequence-count micro-batches; peak memory vs length and the memory model
+def _scaled_qwen3(layers=4, vocab=1024):
+    """A scaled-down Qwen3 (hidden 128, MLP 384, one 32-wide head): the shape of the real one, CPU-sized."""
+    return Qwen3Config(vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=layers,
+                       num_attention_heads=1, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)
+
+
+def _memory_worker(length, checkpointing):
+    """In a fresh process: peak extra resident memory (GiB) of the fp32 model, AdamW states and one training
+    forward + backward of one row of `length` tokens (64 prompt + the rest response), from before the model exists."""
+    base = _rss_gb()
+    torch.manual_seed(0)
+    lm = Qwen3ForCausalLM(_scaled_qwen3())
+    if checkpointing:
+        lm.gradient_checkpointing_enable({"use_reentrant": False})
+    policy = Policy(lm).train()
+    optimizer = torch.optim.AdamW(policy.parameters())
+
+    def step(L):
+        ids, mask = torch.randint(4, 1024, (1, L)), torch.ones(1, L, dtype=torch.long)
+        policy(ids, mask, mask[:, 64:])[0].sum().backward()
+
+    step(128)  # warm up; the AdamW states exist from here on, as in training
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    step(length)
+    print(json.dumps({"peak_gb": _peak_rss_gb() - base}))
+
+
+def _memory_row(length, checkpointing):
+    here = Path(__file__)
+    code = (f"import sys; sys.path.insert(0, {str(here.parent)!r}); import {here.stem} as b; "
+            f"b._memory_worker({length}, {checkpointing})")
+    # a fixed mmap threshold: freed tensors go back to the OS at once, so the peak resident memory tracks live tensors
+    # (what a GPU's max_memory_allocated counts) instead of glibc's heap, which keeps freed blocks of up to 32 MiB
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    measured = json.loads(out.stdout.strip().splitlines()[-1])["peak_gb"]
+    est = model.memory_estimate(_scaled_qwen3(), tokens=length, checkpointing=checkpointing, fsdp=False,
+                                compute_bytes=4)["train_peak"]
+    return measured, est
+
+
+def _length_mix(rows, seed=0):
+    """Response lengths of a rollout batch at 1/8 of the paper's scale: most short, a long tail up to the cap
+    (15360 / 8 = 1920), as math RL responses are; prompts 20-128 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    response = (torch.randn(rows, generator=g) * 0.8 + 5.5).exp().clamp(8, 1920).long()  # median ~245
+    return torch.randint(20, 129, (rows,), generator=g), response
+
+
+def _mix_rollout(rows, seed=0):
+    prompt_len, response_len = _length_mix(rows, seed)
+    P, T = int(prompt_len.max()), int(response_len.max())
+    prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()  # (B, P) left-padded
+    response_mask = (torch.arange(T) < response_len[:, None]).long()  # (B, T)
+    g = torch.Generator().manual_seed(seed)
+    return Rollout(torch.randint(4, 1024, (rows, P), generator=g), prompt_mask,
+                   torch.randint(4, 1024, (rows, T), generator=g), response_mask, torch.zeros(rows, T),
+                   torch.zeros(rows, dtype=torch.bool))
+
+
+def _update_pass(policy, batch, micro, cfg):
+    """Forward + backward of every micro-batch (the update's work); returns the padded tokens fed."""
+    fed, lengths = 0, batch.lengths()
+    for mi in micro:
+        train.policy_forward(policy, batch.select(mi), cfg, torch.device("cpu"))[0].sum().backward()
+        fed += len(mi) * int(lengths[mi].max())
+    return fed
+
+
+def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        batch, cfg = _mix_rollout(rows), train.Config()
+        real = int(batch.lengths().sum())
+        torch.manual_seed(0)
+        policy = Policy(Qwen3ForCausalLM(_scaled_qwen3(layers=2))).train()
+        schemes = {"8 sequences (old --micro-batch-size 8)": list(torch.arange(rows).split(8))}
+        for budget in (4096, 8192, 16384):
+            schemes[f"token budget {budget}"] = batch.micro_batches(budget)
+        fed = {name: _update_pass(policy, batch, micro, cfg) for name, micro in schemes.items()}
+        t = _interleaved({name: (lambda m=micro: _update_pass(policy, batch, m, cfg))
+                          for name, micro in schemes.items()}, reps=3)
+        base = next(iter(schemes))
+        median = int(batch.response_mask.sum(1).median())
+        print(f"update forward + backward, {rows} rows (response lengths: median {median}, max "
+              f"{batch.response_mask.shape[1]}), scaled-down Qwen3 (2 layers), fp32 CPU, 1 thread, median of 3\n")
+        print("| micro-batches | count | largest (padded tokens) | batch/pad_frac | time per real token | "
+              "vs 8 sequences |")
+        print("|---|---|---|---|---|---|")
+        for name, micro in schemes.items():
+            largest = max(len(mi) * int(batch.lengths()[mi].max()) for mi in micro)
+            print(f"| {name} | {len(micro)} | {largest} | {1 - real / fed[name]:.3f} | {t[name] / real * 1e6:.1f} us | "
+                  f"{t[name] / t[base]:.2f}x |", flush=True)
+
+        print("\nmodel.memory_estimate at the paper's recipe (256 prompts x G=8 per step, --rollout-chunk 8, prompt "
+              "1024 + response 15360, 32768 tokens per micro-batch, bf16 compute, FSDP2), GiB per rank\n")
+        print("| model | GPUs | params + grads + AdamW | activations, ckpt on (off) | training peak, ckpt on (off) | "
+              "rows per generate call | KV cache | rollout peak | rollout peak, --rollout-chunk 1 |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for name, shape in QWEN3.items():
+            config = Qwen3Config(vocab_size=151_936, **shape)
+            for world in (8, 64):
+                rows = min(8, 256 // world) * 8
+                on, off = (model.memory_estimate(config, world, rollout_rows=rows, checkpointing=c) for c in (1, 0))
+                one = model.memory_estimate(config, world, rollout_rows=8)
+                print(f"| {name} | {world} | {on['params'] + on['grads'] + on['adam']:.1f} | {on['activations']:.1f} "
+                      f"({off['activations']:.1f}) | {on['train_peak']:.1f} ({off['train_peak']:.1f}) | {rows} | "
+                      f"{on['kv_cache']:.1f} | {on['rollout_peak']:.1f} | {one['rollout_peak']:.1f} |")
+
+        print("\npeak memory of one training step vs length (1 row; fp32 model + AdamW + forward + backward), "
+              "scaled-down Qwen3 (4 layers), CPU, each in its own process; estimate: model.memory_estimate\n")
+        print("| tokens | checkpointing | measured GiB | estimate GiB | estimate / measured |")
+        print("|---|---|---|---|---|")
+        for L in lengths:
+            for checkpointing in (False, True):
+                measured, est = _memory_row(L, checkpointing)
+                print(f"| {L} | {'on' if checkpointing else 'off'} | {measured:.3f} | {est:.3f} | "
+                      f"{est / measured:.2f} |", flush=True)
+    finally:
+        torch.set_num_threads(threads)
+
+
+BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward, "update": bench_update,
+           "gpu": bench_gpu}
 
 if __name__ == "__main__":
     args = sys.argv[1:]

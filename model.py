@@ -18,6 +18,15 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from TRL:
    train and save normally (transformers keeps GGUF models marked as quantized and refuses to save them).
 5. When a tokenizer has no pad token, or pads with EOS, we pad with a distinct special token where one exists
    (SmolLM2: `<|endoftext|>`, id 0). Masks never come from pad ids, so this only keeps decoded text unambiguous.
+6. Entropy and collision are plain (pairwise) sums over the vocabulary of products formed in place, not dot
+   products: a batched (1 x V) @ (V x 1) matmul accumulates its fp32 error with V (max |H error| 1.5e-3 at
+   V = 151,936 against fp64; a sum 5e-6, the fp32 logits' own error), which moves S2T and 20-Entropy thresholds
+   at the margin.
+7. The training forward runs each row right-padded (shifted left by its prompt padding) without an attention mask,
+   so memory grows linearly with length: from a 2D mask with left padding, transformers' SDPA path builds a dense
+   (B, 1, L, L) mask and PyTorch then takes a kernel that materializes the (L x L) scores (measured on CPU: 10.5x
+   the memory from 2k to 8k tokens; 3.9x without the mask). veRL removes padding altogether (flash-attention varlen);
+   token-budget micro-batches of length-sorted rows keep our padding small instead (train.py).
 """
 import importlib.util
 import os
@@ -83,11 +92,6 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 # Per-token log-probs, entropy and collision probability, chunked over tokens.
 
 
-def _rowdot(a, b):
-    """sum_v a[i, v] * b[i, v] for each row i, (C, V), (C, V) -> (C,), without a (C, V) temporary."""
-    return (a.unsqueeze(1) @ b.unsqueeze(2)).view(-1)
-
-
 class _ChunkedHead(torch.autograd.Function):
     """logits z = (hidden / temperature) @ weight.T, processed `chunk_size` rows at a time.
 
@@ -116,8 +120,9 @@ class _ChunkedHead(torch.autograd.Function):
             logp = z.sub_(lse[rows, None])  # (C, V) log pi(v) = z_v - logsumexp(z), in place
             p = logp.exp()  # (C, V) pi(v)
             logprobs[rows] = logp.gather(1, targets[rows, None]).squeeze(1)  # log pi(y_t)
-            entropy[rows] = -_rowdot(p, logp)  # H = -sum_v pi(v) log pi(v)
-            collision[rows] = _rowdot(p, p)  # sum_v pi(v)^2
+            # products in logp's buffer (no third (C, V) buffer), then pairwise sums, accurate at any V (difference 6)
+            entropy[rows] = -logp.mul_(p).sum(-1)  # H = -sum_v pi(v) log pi(v)
+            collision[rows] = torch.mul(p, p, out=logp).sum(-1)  # sum_v pi(v)^2
             del z, logp
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.last_probs, ctx.temperature, ctx.chunk_size = p, temperature, chunk_size
@@ -186,17 +191,30 @@ class Policy(nn.Module):
 
     def forward(self, input_ids, attention_mask, response_mask, temperature=1.0, chunk_size=1024):
         """input_ids, attention_mask (B, P+T) = left-padded prompt + right-padded response; response_mask (B, T).
-        Returns logprobs, entropy, collision, each (B, T) float32 and 0 where response_mask == 0."""
+        Returns logprobs, entropy, collision, each (B, T) float32 and 0 where response_mask == 0.
+
+        Attention path (difference 7): every row is shifted left by its prompt padding, so that its real tokens form
+        a prefix, and the backbone runs with no attention mask: SDPA's causal kernel (is_causal, flash / memory-
+        efficient on CUDA, flash on CPU) then never materializes an (L x L) mask or score matrix, and causality
+        alone keeps each real token from seeing the padding after it. The input is trimmed to the longest row."""
         B, T = response_mask.shape
         P = input_ids.shape[1] - T
+        shift = P - attention_mask[:, :P].sum(1)  # (B,) left padding of each prompt
+        length = attention_mask.sum(1)  # (B,) real tokens (prompt + response) of each row
+        cols = torch.arange(int(length.max()), device=input_ids.device)  # (L,)
+        src = (cols + shift[:, None]).clamp(max=input_ids.shape[1] - 1)  # (B, L) original column of each new one
+        real = cols < length[:, None]  # (B, L) the real-token prefix of each row (all ones: no holes in the mask)
+        scored_unseen = (response_mask.bool() & (attention_mask[:, P:] == 0)).any()
+        if (shift >= P).any() or scored_unseen or not (attention_mask.gather(1, src).bool() | ~real).all():
+            raise ValueError("Policy.forward expects a non-empty left-padded prompt + right-padded response per row")
         out = self.lm.get_decoder()(  # the backbone: last_hidden_state is after the final norm
-            input_ids=input_ids, attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask), use_cache=False,
-        )
-        hidden = out.last_hidden_state[:, P - 1:-1]  # (B, T, D): position P+t-1 predicts response token t
+            input_ids=input_ids.gather(1, src), position_ids=cols.expand(B, -1), use_cache=False,
+        )  # no attention_mask: positions past a row's length hold pad tokens that no real token attends to
         mask = response_mask.bool()  # (B, T)
+        b, t = mask.nonzero(as_tuple=True)  # (N,), (N,) row-major, the order of [mask] below
+        hidden = out.last_hidden_state[b, P - shift[b] + t - 1]  # (N, D): response token t sits at P - shift + t
         logprobs, entropy, collision = chunked_logprobs_entropy(
-            hidden[mask], self.lm.lm_head.weight[:self.vocab_size], input_ids[:, P:][mask],  # (N, D), (V, D), (N,)
+            hidden, self.lm.lm_head.weight[:self.vocab_size], input_ids[:, P:][mask],  # (N, D), (V, D), (N,)
             temperature=temperature, chunk_size=chunk_size, with_collision=True,
         )
         results = []
@@ -313,3 +331,69 @@ def save_hf(policy_or_lm, tokenizer, out_dir):
         tokenizer.save_pretrained(out_dir)
     if distributed:
         dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Memory model: estimated peak memory per rank (README.md "Memory"), from config numbers only.
+
+
+def kv_cache_bytes(rows: int, length: int, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
+    """Bytes of a KV cache: keys and values of `rows` sequences of `length` positions in each of `layers` layers."""
+    return 2 * rows * length * layers * kv_heads * head_dim * dtype_bytes
+
+
+def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: bool = True, rollout_rows: int = 64,
+                    prompt_len: int = 1024, response_len: int = 15360, fsdp: bool = True, compute_bytes: int = 2,
+                    chunk_size: int = 1024) -> dict[str, float]:
+    """Estimated peak memory per rank, in GiB, term by term, of a Qwen3/Llama-shaped model (HF `config`: hidden,
+    intermediate and head sizes, layers, heads, KV heads, vocabulary, tied embeddings) trained as train.py does.
+
+    Parameters are fp32 master weights; with `fsdp` they, their gradients and AdamW's two states are sharded over
+    `world` ranks. compute_bytes: 2 for bf16 mixed precision (CUDA), 4 for fp32. tokens: padded tokens of one
+    training micro-batch (--max-tokens-per-micro-batch). The rollout phase holds the sharded parameters and AdamW
+    states (gradients are freed after each step), the gathered full copy (FSDP2, `rollout.gathered`), the KV cache
+    of one generate call of `rollout_rows` rows at prompt_len + response_len positions, and the prefill's
+    activations. Returned keys: the terms, "train_peak", "rollout_peak" and "peak" (their max).
+    """
+    D, I, layers, V = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    H, KV = config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or D // H
+    b, shards, GiB = compute_bytes, world if fsdp else 1, 2**30
+    layer_params = 2 * D * H * hd + 2 * D * KV * hd + 3 * D * I + 2 * D + 2 * hd  # q, o, k, v, MLP, norms
+    root_params = V * D * (1 if config.tie_word_embeddings else 2) + D  # embeddings, LM head, final norm
+    n = layers * layer_params + root_params
+    # values saved per token and layer for the backward: RMSNorm inputs / outputs (6 D), q and k through their norms
+    # and rotary (5 each), v, the attention output and its copy, and the MLP's gate, up, silu(gate) and product (4 I)
+    per_layer = 6 * D + 7 * H * hd + 6 * KV * hd + 4 * I
+    # checkpointing keeps each layer's input and, in the backward, one layer's recomputed activations; the
+    # backward's gradient temporaries fit in the memory it frees (measured on CPU, README.md "Memory")
+    saved = layers * D + per_layer if checkpointing else layers * per_layer
+    terms = {
+        "params": 4 * n / shards / GiB,
+        "grads": 4 * n / shards / GiB,
+        "adam": 8 * n / shards / GiB,
+        # FSDP2 while training: root (gathered for the whole pass) and two layers (current + prefetched) in the
+        # compute dtype, and their unsharded fp32 gradients before the reduce-scatter
+        "train_gathered": (root_params + 2 * layer_params) * b / GiB + (root_params + layer_params) * 4 / GiB
+        if fsdp else 0.0,
+        # + the head's input, the final norm's values and the input gradient (4 D)
+        "activations": tokens * (saved + 4 * D) * b / GiB,
+        "head": (2 * chunk_size * V + V * D) * 4 / GiB,  # two fp32 (C, V) logit buffers, fp32 head gradient
+        "rollout_gathered": n * b / GiB if fsdp else 0.0,
+        "kv_cache": kv_cache_bytes(rollout_rows, prompt_len + response_len, layers, KV, hd, b) / GiB,
+        # prefill: one layer's MLP and norm values for every prompt token; sampling: 4 fp32 (rows, V) buffers
+        "rollout_work": (rollout_rows * prompt_len * (2 * I + 4 * D) * b + 16 * rollout_rows * V) / GiB,
+    }
+    states = terms["params"] + terms["adam"]
+    terms["train_peak"] = states + sum(terms[k] for k in ("grads", "train_gathered", "activations", "head"))
+    terms["rollout_peak"] = states + sum(terms[k] for k in ("rollout_gathered", "kv_cache", "rollout_work"))
+    terms["peak"] = max(terms["train_peak"], terms["rollout_peak"])
+    return terms
+
+
+def memory_line(est: dict[str, float]) -> str:
+    """One line for the start of a run: the estimated peak per rank and its largest terms."""
+    return (f"estimated peak memory per rank: {est['peak']:.1f} GiB (training {est['train_peak']:.1f}: "
+            f"params + grads + AdamW {est['params'] + est['grads'] + est['adam']:.1f}, activations "
+            f"{est['activations']:.1f}; rollout {est['rollout_peak']:.1f}: gathered copy "
+            f"{est['rollout_gathered']:.1f}, KV cache {est['kv_cache']:.1f}; model.memory_estimate)")

@@ -78,6 +78,26 @@ class Rollout:
         """The rows `idx` (an int list, slice, or index tensor), e.g. one micro-batch."""
         return Rollout(*(getattr(self, f.name)[idx] for f in fields(self)))
 
+    def lengths(self) -> torch.Tensor:
+        """(B,) prompt + response tokens of each row: the columns `model.Policy` feeds for it."""
+        return self.prompt_mask.sum(1) + self.response_mask.sum(1)
+
+    def micro_batches(self, max_tokens: int) -> list[torch.Tensor]:
+        """Row indices of micro-batches whose padded size, rows x longest row (what `model.Policy` feeds), is at
+        most `max_tokens`; a row longer than that is a micro-batch of its own (so max_tokens=1: one row each).
+        Rows go longest first (the largest micro-batch runs first, so an out-of-memory shows at once), each
+        micro-batch taking as many of the next rows as fit: sorted, they pad little."""
+        lengths = self.lengths().tolist()
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep their order
+        parts, start = [], 0
+        while start < len(order):
+            longest, end = lengths[order[start]], start + 1
+            while end < len(order) and (end + 1 - start) * longest <= max_tokens:
+                end += 1
+            parts.append(torch.tensor(order[start:end]))
+            start = end
+        return parts
+
     def texts(self, tokenizer) -> list[str]:
         """Decoded responses without special tokens (EOS and padding dropped)."""
         return [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)

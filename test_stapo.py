@@ -518,6 +518,23 @@ def test_model_chunked_bf16_weight_grad_sums_chunks_in_fp32():
     assert ours.grad.dtype == torch.bfloat16 and rel(ours) < 1.5 * rel(naive)
 
 
+def test_model_chunked_entropy_accurate_at_qwen_vocabulary():
+    """H and sum p^2 at V = 151,936 in fp32 against fp64: a (1 x V) @ (V x 1) dot product was 1.5e-3 off in H."""
+    g = torch.Generator().manual_seed(0)
+    N, D, V = 8, 64, 151_936
+    hidden, weight = torch.randn(N, D, generator=g), torch.randn(V, D, generator=g) * 0.5  # H ~ 2-7 nats
+    targets = torch.randint(V, (N,), generator=g)
+    logprobs, entropy, collision = model.chunked_logprobs_entropy(hidden, weight, targets, chunk_size=5,
+                                                                  with_collision=True)
+    logp = (hidden.double() @ weight.double().T).log_softmax(-1)  # (N, V) fp64 reference
+    ref_logprobs, ref_entropy, ref_collision = logp.gather(1, targets[:, None]).squeeze(1), -(logp.exp() * logp).sum(
+        -1), logp.exp().square().sum(-1)
+    assert ref_entropy.min() > 1
+    torch.testing.assert_close(entropy.double(), ref_entropy, atol=2e-5, rtol=0)
+    torch.testing.assert_close(collision.double(), ref_collision, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(logprobs.double(), ref_logprobs, atol=2e-5, rtol=0)
+
+
 def test_model_chunked_empty_batch():
     """A micro-batch with no response tokens: empty outputs, zero gradients, no error."""
     hidden, weight = torch.randn(0, 8, requires_grad=True), torch.randn(20, 8, requires_grad=True)
@@ -556,6 +573,83 @@ def test_model_policy_response_only(monkeypatch):
     ref_grads = torch.autograd.grad(ref[0].sum(), list(lm.parameters()))
     for grad, want in zip(grads, ref_grads):
         torch.testing.assert_close(grad, want, atol=1e-5, rtol=1e-4)
+
+
+_MEMORY_PROBE = """import resource, sys, torch
+sys.path.insert(0, {root!r})
+import model
+from transformers import Qwen3Config, Qwen3ForCausalLM
+torch.manual_seed(0)
+config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=1,
+                     num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
+policy = model.Policy(Qwen3ForCausalLM(config)).train()
+
+
+def step(L):  # 2 rows of L columns; row 1's prompt has 16 padding columns: left padding, as in training
+    input_ids, attention_mask = torch.randint(4, 128, (2, L)), torch.ones(2, L, dtype=torch.long)
+    attention_mask[1, :16] = 0
+    policy(input_ids, attention_mask, torch.ones(2, L // 2, dtype=torch.long))[0].sum().backward()
+
+
+step(64)  # warm up
+with open("/proc/self/statm") as f:
+    base = int(f.read().split()[1]) * resource.getpagesize() / 2**20  # MiB resident now
+step({L})
+with open("/proc/self/status") as f:  # VmHWM, the peak of this process image (ru_maxrss can be the parent's)
+    print(next(int(x.split()[1]) for x in f if x.startswith("VmHWM")) / 2**10 - base)  # peak MiB of the step
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_model_training_forward_memory_linear_in_length():
+    """Peak memory of one training forward + backward (tiny Qwen3-shaped model, 2 left-padded rows) grows ~4x from
+    2k to 8k tokens. A 2D padding mask made transformers build a (B, 1, L, L) mask and SDPA materialize (L x L)
+    scores: 10.5x."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors leave the RSS
+
+    def extra_mib(L):
+        out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE.format(root=str(ROOT), L=L)], capture_output=True,
+                             text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return float(out.stdout.split()[-1])
+
+    small, large = extra_mib(2048), extra_mib(8192)
+    assert small > 20 and large / small < 5, (small, large)
+
+
+def test_model_memory_estimate_counts_parameters_and_kv_cache():
+    """The memory model's parameter count = the model's (tied and untied head), sharded over FSDP ranks; its KV term
+    = the bytes of a real DynamicCache after a prefill; checkpointing and the token budget move activations only."""
+    from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
+    for tied in (True, False):
+        config = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied)
+        lm = Qwen3ForCausalLM(config)
+        est = model.memory_estimate(config, world=1, fsdp=False, compute_bytes=4)
+        assert est["params"] * 2**30 / 4 == pytest.approx(sum(p.numel() for p in lm.parameters()), abs=0.5)
+        assert model.memory_estimate(config, world=8)["adam"] == pytest.approx(est["adam"] / 8)
+    rows, length = 3, 11
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        lm.model(input_ids=torch.randint(96, (rows, length)), past_key_values=cache, use_cache=True)
+    cache_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert cache_bytes == model.kv_cache_bytes(rows, length, 3, 2, 8, dtype_bytes=4)
+    base = model.memory_estimate(config, tokens=1000)
+    double, off = model.memory_estimate(config, tokens=2000), model.memory_estimate(config, checkpointing=False)
+    assert double["activations"] == pytest.approx(2 * base["activations"]) and off["activations"] > base["activations"]
+    assert {k for k in base if base[k] != double[k]} == {"activations", "train_peak", "peak"} - (
+        set() if base["train_peak"] >= base["rollout_peak"] else {"peak"})
+
+
+def test_model_policy_rejects_other_layouts():
+    input_ids, attention_mask, response_mask = _model_batch()
+    hole = attention_mask.clone()
+    hole[1, 3] = 0  # a hole inside the prompt
+    empty = attention_mask.clone()
+    empty[0, :5] = 0  # no prompt token
+    for mask in (hole, empty):
+        with pytest.raises(ValueError, match="left-padded prompt"):
+            model.Policy(model.tiny_model())(input_ids, mask, response_mask)
 
 
 def test_model_save_load_same_logits(tmp_path):
@@ -1571,13 +1665,21 @@ ROOT = Path(__file__).parent
 # The toy task: "ab" -> the digit a+b (sums <= 9). The tiny model gets a 14-row vocabulary: the 4 special tokens
 # and the 10 digits (ids 0..13 of the tiny tokenizer), so a random model is right about 7% of the time.
 _TOY_VOCAB = 14
-_RUNNER = """import os, sys
+_RUNNER = """import json, os, sys
 sys.path.insert(0, {root!r})
 import model, reward, train
 reward.reward = lambda response, gold, mode="dapo": 1.0 if {check} else -1.0
 train.lm_vocab_size = lambda tokenizer: {vocab}
 train.load_model = lambda name, **kw: (model.tiny_model(vocab_size={vocab}), model.tiny_tokenizer())
-code = train.main(sys.argv[1:])
+# `runner.py --runs FILE`: one train.main per argument list of the JSON file FILE, in this process and on one
+# process group (destroying and re-creating it between runs can hang gloo)
+runs = json.loads(open(sys.argv[2]).read()) if sys.argv[1:2] == ["--runs"] else [sys.argv[1:]]
+if len(runs) > 1:
+    group = train.init_distributed()
+    train.init_distributed, train.dist.destroy_process_group = lambda: group, lambda: None
+code = 0
+for args in runs:
+    code = code or train.main(args)
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(code)  # as train.py's __main__ does: no interpreter teardown racing torch's gloo threads
@@ -1595,9 +1697,9 @@ def _toy_data(tmp_path: Path) -> str:
 
 def _toy_args(data: str, out: Path, **flags) -> list[str]:
     base = dict(model="tiny", data=data, answer_key="answer", instruction="", algo="stapo", steps=1,
-                prompts_per_step=4, group_size=4, mini_batch_prompts=2, micro_batch_size=4, max_response_len=3,
-                lr=1e-3, warmup_steps=0, rollout_chunk=1, save_every=0, out_dir=str(out), preset="cpu",
-                plots=False)
+                prompts_per_step=4, group_size=4, mini_batch_prompts=2, max_tokens_per_micro_batch=20,
+                max_response_len=3, lr=1e-3, warmup_steps=0, rollout_chunk=1, save_every=0, out_dir=str(out),
+                preset="cpu", plots=False)
     base.update(flags)
     args = ["--no-chat"]
     for key, value in base.items():
@@ -1652,7 +1754,7 @@ def test_train_learns_toy_sum(tmp_path, monkeypatch, algo):
     """From reward alone, a random tiny model learns to answer one-digit sums well above chance (~7%)."""
     _patch(monkeypatch, _ANSWER)
     args = _toy_args(_toy_data(tmp_path), tmp_path / algo, algo=algo, steps=40, prompts_per_step=32, group_size=8,
-                     mini_batch_prompts=16, micro_batch_size=64, max_response_len=2, lr=3e-3, rollout_chunk=0,
+                     mini_batch_prompts=16, max_response_len=2, lr=3e-3, rollout_chunk=0,
                      export_hf=False)
     with _one_thread():
         assert train.main(args) == 0
@@ -1677,18 +1779,87 @@ def test_train_torchrun_two_processes_match_one(tmp_path):
            load_file(tmp_path / "two" / "hf" / "model.safetensors"), atol=1e-5)
 
 
-def test_train_micro_batch_size_does_not_change_update(tmp_path, monkeypatch):
+def test_rollout_micro_batches_respect_the_token_budget():
+    """Token-budget micro-batches: a partition of the rows, longest first; rows x longest row <= budget unless a
+    single row is longer; each takes as many rows as fit (one more would not)."""
+    g = torch.Generator().manual_seed(0)
+    B, P, T = 40, 6, 30
+    prompt_len, response_len = torch.randint(1, P + 1, (B,), generator=g), torch.randint(1, T + 1, (B,), generator=g)
+    prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()  # (B, P) left-padded
+    response_mask = (torch.arange(T) < response_len[:, None]).long()  # (B, T) right-padded
+    batch = Rollout(torch.zeros(B, P, dtype=torch.long), prompt_mask, torch.zeros(B, T, dtype=torch.long),
+                    response_mask, torch.zeros(B, T), torch.zeros(B, dtype=torch.bool))
+    lengths = (prompt_len + response_len).tolist()
+    assert batch.lengths().tolist() == lengths
+    for budget in (1, 20, 35, 100, 10**6):  # 35 < the longest row (up to 36)
+        parts = [p.tolist() for p in batch.micro_batches(budget)]
+        order = [i for p in parts for i in p]
+        assert sorted(order) == list(range(B)) and [lengths[i] for i in order] == sorted(lengths, reverse=True)
+        for k, p in enumerate(parts):
+            longest = max(lengths[i] for i in p)
+            assert len(p) * longest <= budget or len(p) == 1
+            if k + 1 < len(parts):  # greedy: the next row would not have fit
+                assert (len(p) + 1) * longest > budget
+    assert len(batch.micro_batches(1)) == B and len(batch.micro_batches(10**6)) == 1
+
+
+def _varied_data(tmp_path: Path) -> str:
+    """Toy prompts of 2-6 digits, so that rollouts left-pad them and rows differ in prompt and response length."""
+    path = tmp_path / "varied.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{a}{b}" + "0" * ((a + b) % 5), "answer": str(a + b)}) + "\n"
+                            for a in range(10) for b in range(10 - a)))
+    return str(path)
+
+
+_EVERY_ALGO = [("stapo", {}), ("justrl", {}), ("grpo", {"kl_beta": 0.04}), ("20-entropy", {}), ("fullmask", {})]
+_BUDGET_KEYS = ("loss/policy", "loss/kl", "grad_norm", "s2t/candidates", "s2t/silenced", "clip/frac_high",
+                "ratio/mean", "kl/approx", "entropy/mean")
+
+
+def _budget_args(data, out, algo, flags, budget):
+    # tau_p 0.2: the random model's probabilities are ~1/14, so S2T and FullMask find candidates to silence.
+    # lr 1e-4: Adam's first steps are ~lr * sign(g), so a rounding-level gradient difference of a parameter whose
+    # gradient is ~0 can move it by up to lr; atol 1e-5 is then a tenth of a step.
+    return _toy_args(data, out, algo=algo, max_response_len=8, tau_p=0.2, lr=1e-4,
+                     max_tokens_per_micro_batch=budget, **flags)
+
+
+def _same_update(a: Path, b: Path) -> None:
+    ma, mb = _metrics(a)[0], _metrics(b)[0]
+    assert ma["updates"] == 2
+    for key in _BUDGET_KEYS:
+        assert ma[key] == pytest.approx(mb[key], rel=1e-4, abs=1e-6), key
+    _close(load_file(a / "hf" / "model.safetensors"), load_file(b / "hf" / "model.safetensors"), atol=1e-5)
+
+
+def test_train_token_budget_does_not_change_update(tmp_path, monkeypatch):
+    """Every algorithm: token budgets 9 (below the longest row, up to 14 tokens: those run alone) and 10^6 (one
+    micro-batch) give the losses and parameters of budget 1 (one row per micro-batch); padding is reported."""
     _patch(monkeypatch, _EVEN)
-    data = _toy_data(tmp_path)
+    data = _varied_data(tmp_path)
     with _one_thread():
-        assert train.main(_toy_args(data, tmp_path / "mb1", micro_batch_size=1)) == 0
-        assert train.main(_toy_args(data, tmp_path / "mb4", micro_batch_size=4)) == 0
-    one, four = _metrics(tmp_path / "mb1")[0], _metrics(tmp_path / "mb4")[0]
-    assert one["updates"] == 2
-    for key in ("loss/policy", "grad_norm", "clip/frac_high", "s2t/candidates"):
-        assert one[key] == pytest.approx(four[key], rel=1e-4, abs=1e-6), key
-    _close(load_file(tmp_path / "mb1" / "hf" / "model.safetensors"),
-           load_file(tmp_path / "mb4" / "hf" / "model.safetensors"), atol=1e-5)
+        for algo, flags in _EVERY_ALGO:
+            for budget in (1, 9, 10**6):
+                assert train.main(_budget_args(data, tmp_path / f"{algo}-{budget}", algo, flags, budget)) == 0
+            for budget in (9, 10**6):
+                _same_update(tmp_path / f"{algo}-1", tmp_path / f"{algo}-{budget}")
+            pad = [_metrics(tmp_path / f"{algo}-{budget}")[0]["batch/pad_frac"] for budget in (1, 9, 10**6)]
+            assert pad[0] == 0 and 0 <= pad[1] < pad[2] < 0.9, pad  # one row each: no padding
+
+
+def test_train_token_budget_two_processes_match_one(tmp_path, monkeypatch):
+    """torchrun 2 processes (gloo, FSDP2), every algorithm, budget 9 = 1 process with budget 1 (one row each)."""
+    _patch(monkeypatch, _EVEN)
+    data = _varied_data(tmp_path)
+    with _one_thread():
+        for algo, flags in _EVERY_ALGO:
+            assert train.main(_budget_args(data, tmp_path / f"one-{algo}", algo, flags, 1)) == 0
+    runs = [_budget_args(data, tmp_path / f"two-{algo}-{budget}", algo, flags, budget)
+            for algo, flags in _EVERY_ALGO for budget in (9,)]
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    _run(tmp_path, ["--runs", str(tmp_path / "runs.json")], nproc=2)
+    for algo, _ in _EVERY_ALGO:
+        _same_update(tmp_path / f"one-{algo}", tmp_path / f"two-{algo}-9")
 
 
 def test_train_resume_is_exact(tmp_path, monkeypatch, capsys):
@@ -1994,7 +2165,7 @@ def test_train_eval_samples_zero_and_numeric_flags(tmp_path, monkeypatch, capsys
     assert "held-out accuracy" not in capsys.readouterr().out
     monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     for flag, value, expected in [("eval_samples", -1, "--eval-samples must be >= 0 (got -1)"),
-                                  ("micro_batch_size", 0, "--micro-batch-size must be >= 1"),
+                                  ("max_tokens_per_micro_batch", 0, "--max-tokens-per-micro-batch must be >= 1"),
                                   ("group_size", 1, "--group-size must be >= 2"),
                                   ("samples_per_step", -2, "--samples-per-step must be >= 0"),
                                   ("top_p", 0.0, "--top-p must be in (0, 1]"),
