@@ -106,3 +106,34 @@ def diagnostics(logprobs: torch.Tensor, entropy: torch.Tensor, collision: torch.
         "s2t/grad_norm_silenced": mean(g, silenced),
         "s2t/grad_norm_kept": mean(g, kept),
     }
+
+
+def token_sample(logprobs: torch.Tensor, entropy: torch.Tensor, collision: torch.Tensor, advantages: torch.Tensor,
+                 response_mask: torch.Tensor, silenced: torch.Tensor, n_random: int, generator: torch.Generator,
+                 tau_p: float = 0.002, w: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """A small sample of one mini-batch's response tokens for the (p, H) picture of what S2T saw.
+
+    Every token that is a candidate (A > 0, p < tau_p) or silenced is drawn, at most `n_random` of them (a uniform
+    random subset beyond that), plus `n_random` of the other response tokens uniformly at random (`generator`).
+    Returns 1-D tensors over the drawn tokens, in (row, col) order: `row`, `col` (long), `p`, `H`, `A`, `grad_norm`
+    (`grad_norm_logits` with w, default A), `candidate`, `silenced` (bool) and `weight`, the number of the
+    mini-batch's tokens of the same kind (special or other) each drawn token stands for (1 when all were drawn).
+    Inputs are (B, T) tensors on any device (advantages may be (B, 1)); the outputs are on the CPU.
+    """
+    shape, w = logprobs.shape, advantages if w is None else w
+    logprobs, entropy, collision, advantages, response_mask, silenced, w = [  # (B, T) each, on the CPU
+        x.detach().cpu().expand(shape) for x in (logprobs, entropy, collision, advantages, response_mask, silenced, w)]
+    mask = response_mask > 0  # (B, T)
+    special = (candidates(logprobs, advantages, mask, tau_p) | silenced) & mask  # (B, T)
+    picked, weight = torch.zeros_like(mask), torch.zeros(mask.shape)  # (B, T)
+    for kind in (special, mask & ~special):
+        where = kind.flatten().nonzero().squeeze(1)  # (n,)
+        take = where[torch.randperm(where.numel(), generator=generator)[:n_random]]  # (k,)
+        picked.view(-1)[take] = True
+        weight.view(-1)[take] = where.numel() / max(take.numel(), 1)
+    row, col = picked.nonzero(as_tuple=True)  # (k,) each
+    return {"row": row, "col": col, "p": logprobs[row, col].exp().float(),
+            "H": entropy[row, col].float(), "A": advantages[row, col].float(),
+            "grad_norm": grad_norm_logits(w, logprobs, collision)[row, col].float(),
+            "candidate": candidates(logprobs, advantages, mask, tau_p)[row, col], "silenced": silenced[row, col],
+            "weight": weight[row, col]}

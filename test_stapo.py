@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import eval as ev
 import model
+import plots
 import reward
 import rollout
 import s2t
@@ -286,6 +287,38 @@ def test_s2t_diagnostics():
     kept = (math.sqrt(1 - 0.002 + 0.5) + math.sqrt(1 - 1.0 + 0.3)) / 2
     assert d["s2t/grad_norm_kept"] == pytest.approx(kept, rel=1e-5)
     assert all(isinstance(v, float) for v in d.values())
+
+
+def test_s2t_token_sample():
+    """Every candidate and silenced token is drawn (up to n), n of the others at random, with the right values."""
+    B, T = 4, 50
+    g = torch.Generator().manual_seed(0)
+    lp = torch.empty(B, T).uniform_(math.log(1e-4), 0, generator=g)
+    ent, col = torch.rand(B, T, generator=g) * 3, torch.rand(B, T, generator=g)
+    adv = torch.tensor([[1.0], [1.0], [-1.0], [0.5]])  # (B, 1)
+    mask = (torch.arange(T)[None] < torch.tensor([[50], [30], [40], [10]])).float()
+    silenced = s2t.spurious_mask(lp, ent, adv, mask, TAU_P, 0.75)
+    silenced[2, 0] = True  # silenced by another rule (20-Entropy-like), not a candidate: drawn too
+    special = (s2t.candidates(lp, adv, mask, TAU_P) | silenced) & (mask > 0)
+    assert 5 < special.sum() < 40
+    d = s2t.token_sample(lp, ent, col, adv, mask, silenced, 40, torch.Generator().manual_seed(1), TAU_P)
+    picked = torch.zeros(B, T, dtype=torch.bool)
+    picked[d["row"], d["col"]] = True
+    assert (picked & special).sum() == special.sum()  # all special tokens
+    assert (picked & ~special).sum() == 40 and not (picked & (mask == 0)).any()  # n others, never padding
+    rest = ((mask > 0) & ~special).sum().item()
+    torch.testing.assert_close(d["weight"], torch.where(special[d["row"], d["col"]], 1.0, rest / 40))
+    torch.testing.assert_close(d["p"], lp[d["row"], d["col"]].exp())
+    torch.testing.assert_close(d["H"], ent[d["row"], d["col"]])
+    torch.testing.assert_close(d["A"], adv.expand(B, T)[d["row"], d["col"]])
+    torch.testing.assert_close(d["grad_norm"], s2t.grad_norm_logits(adv.expand(B, T), lp, col)[d["row"], d["col"]])
+    assert torch.equal(d["silenced"], silenced[d["row"], d["col"]])
+    assert torch.equal(d["candidate"], s2t.candidates(lp, adv, mask, TAU_P)[d["row"], d["col"]])
+    again = s2t.token_sample(lp, ent, col, adv, mask, silenced, 40, torch.Generator().manual_seed(1), TAU_P)
+    assert torch.equal(again["row"], d["row"]) and torch.equal(again["col"], d["col"])  # seeded
+    # more special tokens than n: a random n of them, each standing for special / n tokens
+    few = s2t.token_sample(lp, ent, col, adv, mask, silenced, 3, torch.Generator().manual_seed(1), TAU_P)
+    assert len(few["row"]) == 6 and (few["weight"] == special.sum() / 3).sum() == 3
 
 
 # ---------------------------------------------------------------- the five algorithms
@@ -2042,6 +2075,147 @@ def test_train_every_algorithm_runs(tmp_path, monkeypatch, algo, flags):
         assert m["loss/kl"] >= 0
 
 
+# ===========================================================================================================
+
+
+# plots.py and the loggers: what S2T saw, overlaid runs, live curves
+# ==================================================================================================================
+def test_train_s2t_figure_and_tokens_file(tmp_path, monkeypatch):
+    """A tiny run whose S2T mask fires (--tau-p 0.5: most tokens of a correct response are candidates): tokens.jsonl
+    holds every drawn token with the values metrics.jsonl summarizes, s2t.png is drawn from it, and `--plot`
+    redraws both figures from the run's files alone."""
+    _patch(monkeypatch, _EVEN)
+    out = tmp_path / "run"
+    with _one_thread():
+        assert train.main(_toy_args(_toy_data(tmp_path), out, steps=2, tau_p=0.5, token_sample=1000, heldout=4,
+                                    plots=True, export_hf=False)) == 0
+    lines, metrics = plots.read_jsonl(out / "tokens.jsonl"), _metrics(out)
+    assert [(r["step"], r["mini_batch"]) for r in lines] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    for r in lines:
+        cols = ("p", "H", "A", "grad_norm", "weight", "correct", "candidate", "silenced")
+        assert len({len(r[c]) for c in cols}) == 1 and r["weight"] == [1.0] * len(r["p"])  # 1000 > tokens: all
+        for p, h, a, correct, cand, sil in zip(*(r[c] for c in ("p", "H", "A", "correct", "candidate", "silenced"))):
+            assert cand == (a > 0 and p < 0.5) and (not sil or (cand and correct and h < r["tau_h"]))
+    for m in metrics:
+        mine = [r for r in lines if r["step"] == m["step"]]
+        silenced = [g for r in mine for g, s in zip(r["grad_norm"], r["silenced"]) if s]
+        assert m["s2t/silenced"] > 0 and len(silenced) == m["s2t/silenced"]
+        assert sum(sum(r["candidate"]) for r in mine) == m["s2t/candidates"]
+        assert sum(len(r["p"]) for r in mine) == round(m["response/len_mean"] * 16)  # 4 prompts x G = 4
+        assert sum(silenced) / len(silenced) == pytest.approx(m["s2t/grad_norm_silenced"], rel=1e-3)
+    for png in ("metrics.png", "s2t.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+        (out / png).unlink()
+    assert train.main(["--plot", str(out)]) == 0  # redrawn from the files
+    assert (out / "metrics.png").is_file() and (out / "s2t.png").is_file()
+
+
+def _fake_run(path: Path, rewards: list[float], acc: list[float], algo: str = "stapo") -> str:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"algo": algo, "tau_p": 0.002}))
+    (path / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "reward/mean": r, "entropy/mean": 1.0 - i / 10,
+                                                            "s2t/silenced_frac": 1e-3}) + "\n"
+                                                for i, r in enumerate(rewards)))
+    (path / "eval.jsonl").write_text("".join(json.dumps({"step": 2 * i, "eval/acc": a}) + "\n"
+                                             for i, a in enumerate(acc)))
+    return str(path)
+
+
+def test_plot_cli_output_location_heldout_panel_and_errors(tmp_path, monkeypatch, capsys):
+    import matplotlib.pyplot as plt
+
+    a = _fake_run(tmp_path / "runs" / "a", [-0.5, 0.0, 0.5], [0.2, 0.4])
+    b = _fake_run(tmp_path / "runs" / "b", [-0.5, 0.0, 0.5], [0.2, 0.6], algo="justrl")
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert train.main(["--plot", a]) == 0 and Path(a, "metrics.png").is_file()  # the run folder, not the cwd
+    assert train.main(["--plot", a, b]) == 0 and Path(a, "compare.png").is_file()
+    assert train.main(["--out", str(tmp_path / "x.png"), "--plot", a, b]) == 0 and (tmp_path / "x.png").is_file()
+    assert list((tmp_path / "cwd").iterdir()) == []
+    assert "--plot RUN [RUN ...]" in " ".join(subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT,
+                                                             capture_output=True, text=True).stdout.split())
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(["--plot", a, str(tmp_path / "missing")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("train.py: error:") and "missing" in err[0]
+    # the held-out panel shows eval.jsonl; integer x ticks; identical curves are named and drawn differently
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    assert plots.plot_metrics([a, b], str(tmp_path / "m.png"))
+    fig = figures[0]
+    fig.canvas.draw()
+    held = next(ax for ax in fig.axes if ax.get_title().startswith("held-out accuracy"))
+    assert [list(line.get_data()[1]) for line in held.lines] == [[0.2, 0.4], [0.2, 0.6]]
+    assert list(held.lines[0].get_data()[0]) == [0, 2]
+    assert all(float(t).is_integer() for ax in fig.axes for t in ax.get_xticks())
+    reward_ax = next(ax for ax in fig.axes if ax.get_title().startswith("reward"))
+    assert "identical: a = b" in [t.get_text() for t in reward_ax.texts] and not held.texts
+    assert reward_ax.lines[0].get_linestyle() != reward_ax.lines[1].get_linestyle()
+
+
+def test_plot_without_matplotlib_is_a_message(tmp_path, monkeypatch, capsys):
+    run = _fake_run(tmp_path / "a", [0.0, 1.0], [0.5])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    assert train.main(["--plot", run]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "matplotlib is not installed" in err[0]
+    assert plots.figures([run], str(tmp_path / "a" / "metrics.png")) == []
+    assert not (tmp_path / "a" / "metrics.png").exists()
+
+
+@pytest.mark.parametrize("name", ["tensorboard", "wandb"])
+def test_train_logger_gets_the_metrics_keys(tmp_path, monkeypatch, name):
+    """--logger receives exactly the keys of metrics.jsonl and eval.jsonl lines, at their steps."""
+    if importlib.util.find_spec(name) is None:
+        pytest.skip(f"{name} is not installed (optional: pip install {name})")
+    _patch(monkeypatch, _EVEN)
+    logged = []
+    if name == "wandb":
+        import wandb
+
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        monkeypatch.setenv("WANDB_SILENT", "true")
+        log = wandb.sdk.wandb_run.Run.log
+        monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log",
+                            lambda self, data, step=None, **kw: (logged.append((step, dict(data))),
+                                                                 log(self, data, step=step, **kw))[1])
+    out = tmp_path / "run"
+    with _one_thread():
+        assert train.main(_toy_args(_toy_data(tmp_path), out, steps=2, heldout=4, logger=name,
+                                    export_hf=False)) == 0
+    lines = _metrics(out) + [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    expected = {key for line in lines for key in line if key != "step"}
+    if name == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+        events.Reload()
+        assert set(events.Tags()["scalars"]) == expected
+        logged = [(e.step, {key: e.value}) for key in expected for e in events.Scalars(key)]
+    else:
+        assert list((out / "wandb").glob("offline-run-*"))
+    got = defaultdict(dict)
+    for step, data in logged:
+        got[step].update(data)
+    assert {key for data in got.values() for key in data} == expected
+    for line in lines:
+        for key, value in line.items():
+            if key != "step":
+                assert got[line["step"]][key] == pytest.approx(value, rel=1e-6), key
+
+
+def test_train_logger_missing_package_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else find_spec(n, *a))
+    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", logger="tensorboard")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install tensorboard" in err[0] and not (tmp_path / "run").exists()
+    assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", logger="mlflow")) == 2
+    assert "unknown --logger 'mlflow'" in capsys.readouterr().err
+
+
 def test_train_eval_samples_zero_and_numeric_flags(tmp_path, monkeypatch, capsys):
     """--eval-samples 0 skips the held-out evaluation (it crashed: max() of an empty sequence); out-of-range numbers
     are one-line errors before anything is loaded or written."""
@@ -2105,7 +2279,8 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
     assert [x.split(":")[0] for x in out if x.startswith("held-out")] == [
         "held-out accuracy before training", "held-out accuracy after 1 step"]
     assert out[-1].startswith(f"outputs in {tmp_path / 'run'}/: config.json, metrics.jsonl, eval.jsonl, samples.jsonl, "
-                              f"spurious.jsonl, checkpoint/step_1, hf/ (python eval.py --run {tmp_path / 'run'})")
+                              f"spurious.jsonl, tokens.jsonl, checkpoint/step_1, hf/ (python eval.py --run "
+                              f"{tmp_path / 'run'})")
 
 
 def test_eval_run_reproduces_train_heldout_evaluation(tmp_path, monkeypatch):

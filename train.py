@@ -8,7 +8,7 @@ of PAPER.md Sec. 6), on 1 CPU, 1 GPU or many GPU nodes with the same code.
         --model Qwen/Qwen3-8B-Base --out-dir runs/stapo-8b   # 64 GPUs, as in the paper
     python train.py --resume runs/stapo-8b             # continue exactly where the last checkpoint stopped
     python eval.py --run runs/stapo-8b                 # evaluate the export with the run's prompts and sampling
-    python train.py --plot runs/stapo runs/justrl      # reward / entropy / silenced-fraction curves, overlaid
+    python train.py --plot runs/stapo runs/justrl      # the runs' curves overlaid, and what S2T saw (plots.py)
 
 One step: take `prompts_per_step` prompts; each rank samples G responses for its share (groups never split across
 ranks); grade (reward.py); group advantages (stapo.py); one no-grad pass for pi_old log-probs, entropy and
@@ -35,10 +35,12 @@ Deliberate differences from the paper's veRL setup:
    duplicate (problem, answer) rows are dropped (the Hub DAPO-Math-17k repeats each problem 100 times).
 8. Sampling uses rollout.generate (HF model + KV cache, finished rows dropped) by default, or with --rollout vllm a
    colocated vLLM engine per rank fed with the policy's weights before each rollout phase (rollout.VLLMEngine); the
-   cpu preset also departs from the paper's prompt and temperature (raw text "...\nThe answer is", T = 0.7).
+   cpu preset also departs from the paper's prompt (raw text "...\nThe answer is"; README.md) and trains at its
+   T = 1.0.
 9. Outputs: steps count from 1 in every file, the console and checkpoint/step_N; every run checkpoints its last
    step, so it can be resumed; config.json records the values in effect (a given flag without effect warns).
 """
+import importlib.util
 import json
 import math
 import os
@@ -53,6 +55,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import plots
 import reward
 import rollout
 import s2t
@@ -63,7 +66,10 @@ from model import Policy, lm_vocab_size, load_model, memory_estimate, memory_lin
 
 @dataclass
 class Config:
-    """RL-train a causal LM with STAPO or a baseline (defaults: the paper's recipe, PAPER.md Sec. 6)."""
+    """RL-train a causal LM with STAPO or a baseline (defaults: the paper's recipe, PAPER.md Sec. 6). Or, instead
+    of training: `python train.py --plot RUN [RUN ...] [--out PNG]` redraws the figures of finished runs, overlaid
+    (RUN/metrics.png and RUN/s2t.png for one run, FIRST_RUN/compare.png and compare_s2t.png for several; --out
+    X.png: X.png and X_s2t.png)."""
     preset: str = "auto"
     """auto | paper | cpu: auto = paper with CUDA, cpu without; flags given on the command line override it"""
     model: str = "Qwen/Qwen3-1.7B-Base"
@@ -155,11 +161,14 @@ class Config:
     """silenced tokens written to OUT/spurious.jsonl per step"""
     samples_per_step: int = 4
     """completions (prompt, response, reward) written to OUT/samples.jsonl per step and per held-out evaluation"""
+    token_sample: int = 128
+    """response tokens per mini-batch and rank drawn into OUT/tokens.jsonl for the S2T figure: every candidate and
+    silenced token (at most this many) plus this many others at random (0 = none)"""
     seed: int = 0
     """seed of data order, sampling and initialization"""
     out_dir: str = "out/train"
-    """output folder: config.json, metrics.jsonl, eval.jsonl, samples.jsonl, spurious.jsonl, checkpoint/, hf/,
-    metrics.png"""
+    """output folder: config.json, metrics.jsonl, eval.jsonl, samples.jsonl, spurious.jsonl, tokens.jsonl,
+    checkpoint/, hf/, metrics.png, s2t.png"""
     save_every: int = 50
     """also write a sharded checkpoint every N steps (0 = only at the last step, which always writes one, so every
     finished run can be resumed)"""
@@ -171,14 +180,18 @@ class Config:
     export_hf: bool = True
     """write a Hugging Face-format model to OUT/hf at the end"""
     plots: bool = True
-    """write OUT/metrics.png at the end (needs matplotlib; `python train.py --plot RUN ...` overlays runs)"""
+    """write OUT/metrics.png and OUT/s2t.png at the end (needs matplotlib; `python train.py --plot RUN ...` redraws
+    and overlays runs)"""
+    logger: str = ""
+    """live curves of the metrics.jsonl and eval.jsonl keys: '' (none), tensorboard (OUT/tensorboard; pip install
+    tensorboard) or wandb (pip install wandb; WANDB_MODE=offline works without network)"""
 
 
 # The embedded default for machines without a GPU (`--preset cpu`): SmolLM2-135M-Instruct on builtin_task, sized so
 # `python train.py` and `torchrun --standalone --nproc_per_node=2 train.py` finish in < 15 minutes on 2 cores.
 CPU_PRESET = dict(
-    model="smollm2", data="", chat=False, instruction="The answer is", temperature=0.7, max_response_len=24,
-    steps=10, prompts_per_step=8, mini_batch_prompts=4, lr=2e-5, warmup_steps=0, grad_checkpointing=False,
+    model="smollm2", data="", chat=False, instruction="The answer is", temperature=1.0, max_response_len=24,
+    steps=10, prompts_per_step=16, mini_batch_prompts=8, lr=5e-6, warmup_steps=0, grad_checkpointing=False,
     rollout_chunk=0, save_every=0, eval_samples=4, out_dir="out/train-cpu",
 )
 
@@ -256,9 +269,9 @@ def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> Config:
 
 # ---------------------------------------------------------------------------------------------------- data
 # The built-in task: every one-digit sum "What is a + b?" (100 problems, 20 held out), deterministic. Chosen by
-# measuring SmolLM2-135M-Instruct (README.md): at temperature 0.7 with the raw-text prompt "...\nThe answer is"
-# it is right on ~20% of them (~2% for word problems or a chat prompt with the \boxed{} instruction at T=1.0), so
-# most groups of 8 have mixed rewards.
+# measuring SmolLM2-135M-Instruct (README.md): with the raw-text prompt "...\nThe answer is" it is right on ~12% of
+# them at T = 1.0 (~20% at 0.7; ~2% for word problems or a chat prompt with the \boxed{} instruction), so many
+# groups of 8 have mixed rewards.
 def builtin_task(split: str) -> list[dict]:
     """The built-in problems of `split` ('train': 80, 'test': 20), each {"problem", "answer"}."""
     rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(10) for b in range(10)]
@@ -471,7 +484,7 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
                            "gn_kept", "loss/policy", "loss/kl", "loss_tokens", "clip/frac_low", "clip/frac_high",
                            "clip/frac_dual", "ratio/mean", "kl/approx", "fed_tokens", "real_tokens"], 0.0)
     updates = skipped_zero_adv = skipped_nonfinite = grad_norm_sum = 0.0  # already global: equal on every rank
-    spurious = []
+    spurious, drawn_lines = [], []
 
     # 4. Mini-batch updates (paper Algorithm 1).
     t0 = time.time()
@@ -507,6 +520,11 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
                       "p": math.exp(float(logprobs[i, t])), "H": float(entropy[i, t]),
                       "advantage": float(mb_adv[i, t])}
                      for i, t in silenced.nonzero().tolist()[:cfg.spurious_per_step - len(spurious)]]
+        if cfg.token_sample:  # what S2T saw: a seeded sample of the mini-batch's tokens for OUT/tokens.jsonl
+            gen = torch.Generator().manual_seed(hash((cfg.seed, step, k, rank)) % 2**62)  # not the global RNG
+            drawn = s2t.token_sample(logprobs, entropy, collision, mb_adv, mb_mask, silenced, cfg.token_sample, gen,
+                                     cfg.tau_p, w)
+            drawn_lines.append(token_record(step + 1, k, threshold, drawn, rewards[idx] > 0))
         if nonzero == 0 and ref_policy is None:  # zero advantages, no KL term: nothing to learn, skip (difference 6)
             skipped_zero_adv += 1
             continue
@@ -575,7 +593,7 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
         "time/rollout_s": t_rollout, "time/update_s": t_update,
         "tokens_per_s": n_tok / max(t_rollout + t_update, 1e-9),
     }
-    return metrics, spurious, samples
+    return metrics, spurious, samples, drawn_lines
 
 
 def completions(step: int, split: str, texts: list[str], rewards: list[float], prompts: list[list[int]],
@@ -585,6 +603,16 @@ def completions(step: int, split: str, texts: list[str], rewards: list[float], p
     return [{"step": step, "split": split, "prompt": tokenizer.decode(prompts[j]), "response": texts[j * group_size],
              "answer": rows[row_ids[j]]["answer"], "reward": rewards[j * group_size]}
             for j in range(min(cfg.samples_per_step, len(prompts)))]
+
+
+def token_record(step: int, k: int, threshold: float | None, drawn: dict, correct: torch.Tensor) -> dict:
+    """One line of tokens.jsonl: the tokens `s2t.token_sample` drew from mini-batch k of step `step`, as columns
+    (floats to 4 significant digits); `correct` (b,) bool per response of the mini-batch."""
+    rows = drawn["row"]
+    return {"step": step, "mini_batch": k, "tau_h": threshold,
+            **{key: [float(f"{v:.4g}") for v in drawn[key].tolist()] for key in ("p", "H", "A", "grad_norm", "weight")},
+            "correct": correct.cpu()[rows].int().tolist(), "candidate": drawn["candidate"].int().tolist(),
+            "silenced": drawn["silenced"].int().tolist()}
 
 
 # ----------------------------------------------------------------------------------------------- evaluation
@@ -668,33 +696,30 @@ def load_checkpoint(out: Path, policy, optimizer, scheduler, rank: int) -> int:
     return extra["step"]
 
 
-# -------------------------------------------------------------------------------------------------- plots
-PLOT_KEYS = ("reward/mean", "entropy/mean", "s2t/silenced_frac")
+# ------------------------------------------------------------------------------------------------ loggers
+LOGGERS = {"": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # --logger -> the package it needs
 
 
-def plot(run_dirs: list[str], out_png: str) -> None:
-    """Reward, entropy and silenced fraction over steps, one line per run (matplotlib is optional)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("train.py: matplotlib is not installed, no plot", file=sys.stderr)
-        return
-    fig, axes = plt.subplots(1, len(PLOT_KEYS), figsize=(5 * len(PLOT_KEYS), 3.5))
-    for run in run_dirs:
-        lines = [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        config = Path(run) / "config.json"
-        label = f"{Path(run).name} ({json.loads(config.read_text())['algo']})" if config.exists() else run
-        for ax, key in zip(axes, PLOT_KEYS):
-            ax.plot([m["step"] for m in lines], [m[key] for m in lines], label=label)
-    for ax, key in zip(axes, PLOT_KEYS):
-        ax.set_title(key)
-        ax.set_xlabel("step")
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
+def open_logger(cfg: Config, out: Path):
+    """(log(record), close()) for --logger, each record a metrics.jsonl or eval.jsonl line logged at its `step`
+    with all its other keys; (None, None) without a logger. The package is imported only when chosen."""
+    if cfg.logger == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(out / "tensorboard"))
+
+        def log(record):
+            for key, value in record.items():
+                if key != "step":
+                    writer.add_scalar(key, value, record["step"])
+        return log, writer.close
+    if cfg.logger == "wandb":
+        import wandb
+
+        run = wandb.init(project="stapo", name=out.name, dir=str(out), config=asdict(cfg))
+        return (lambda record: run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"]),
+                run.finish)
+    return None, None
 
 
 # --------------------------------------------------------------------------------------------------- main
@@ -702,6 +727,11 @@ def setup(cfg: Config, rank: int, world: int, device):
     """Everything that can fail on bad inputs: data, model, sharding, optimizer, resume."""
     if cfg.prompts_per_step % world or cfg.mini_batch_prompts % world:
         raise ValueError(f"--prompts-per-step and --mini-batch-prompts must be multiples of the {world} ranks")
+    if cfg.logger not in LOGGERS:
+        raise ValueError(f"unknown --logger {cfg.logger!r}; valid: '', tensorboard, wandb")
+    if cfg.logger and importlib.util.find_spec(LOGGERS[cfg.logger]) is None:
+        raise ImportError(f"--logger {cfg.logger} needs the {LOGGERS[cfg.logger]} package: pip install "
+                          f"{LOGGERS[cfg.logger]}")
     train_rows, test_rows = load_rows(cfg)
     lm, tokenizer = load_model(cfg.model, device=device)
     if cfg.chat and not tokenizer.chat_template:
@@ -753,7 +783,7 @@ def train(cfg: Config, rank: int, world: int, device, state) -> None:
 
     policy, ref_policy, tokenizer, optimizer, scheduler, (rows, prompts, test_rows, test_prompts), start, engine = state
     out = Path(cfg.out_dir)
-    logs = ("metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl")
+    logs = ("metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl", "tokens.jsonl")
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
@@ -762,10 +792,15 @@ def train(cfg: Config, rank: int, world: int, device, state) -> None:
             lines = f.read_text().splitlines() if start and f.exists() else []
             f.write_text("".join(x + "\n" for x in lines if x and json.loads(x)["step"] <= start))
 
+    log, close_log = open_logger(cfg, out) if rank == 0 else (None, None)
+
     def write(name, records):
         if rank == 0:
             with open(out / name, "a") as f:
                 f.writelines(json.dumps(r) + "\n" for r in records)
+            if log and name in ("metrics.jsonl", "eval.jsonl"):
+                for r in records:
+                    log(r)
 
     def gather(records):
         parts = [None] * world
@@ -790,11 +825,14 @@ def train(cfg: Config, rank: int, world: int, device, state) -> None:
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"{cfg.algo} steps", dynamic_ncols=True,
                disable=rank != 0)
     for step in bar:
-        metrics, spurious, samples = train_step(step, policy, ref_policy, optimizer, scheduler, rows, prompts,
-                                                tokenizer, cfg, rank, world, device, engine)
+        metrics, spurious, samples, drawn = train_step(step, policy, ref_policy, optimizer, scheduler, rows, prompts,
+                                                       tokenizer, cfg, rank, world, device, engine)
         done = step + 1
         write("spurious.jsonl", gather(spurious)[:cfg.spurious_per_step])
         write("samples.jsonl", gather(samples)[:cfg.samples_per_step])
+        write("tokens.jsonl", [{key: sum((r[key] for r in same), []) if isinstance(same[0][key], list) else value
+                                for key, value in same[0].items()}  # one line per mini-batch, ranks concatenated
+                               for same in zip(*gather([drawn]))])
         write("metrics.jsonl", [metrics])
         bar.set_postfix({"train_acc": f"{metrics['reward/acc']:.2f}", "H": f"{metrics['entropy/mean']:.2f}",
                          "silenced": f"{metrics['s2t/silenced_frac']:.1e}"})
@@ -813,10 +851,12 @@ def train(cfg: Config, rank: int, world: int, device, state) -> None:
         run_eval(cfg.steps)
     if cfg.export_hf:
         save_hf(policy, tokenizer, str(out / "hf"))
-    if rank == 0 and cfg.plots:
-        plot([str(out)], str(out / "metrics.png"))
     if rank == 0:
-        made = [name for name in ("config.json", *logs, "metrics.png") if (out / name).exists()]
+        if close_log:
+            close_log()
+        if cfg.plots:
+            plots.figures([str(out)], str(out / "metrics.png"))
+        made = [name for name in ("config.json", *logs, "metrics.png", "s2t.png") if (out / name).exists()]
         made += [f"checkpoint/step_{checkpoint_step(out)}"] if (out / "checkpoint" / "latest").exists() else []
         made += ["hf/ (python eval.py --run " + str(out) + ")"] if cfg.export_hf else []
         say(f"outputs in {out}/: {', '.join(made)}; continue with python train.py --resume {out} --steps N")
@@ -828,12 +868,8 @@ def n_steps(n: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--plot"]:  # python train.py --plot RUN [RUN ...] [--out PNG]
-        runs = argv[1:argv.index("--out")] if "--out" in argv else argv[1:]
-        png = argv[argv.index("--out") + 1] if "--out" in argv else "metrics.png"
-        plot(runs, png)
-        print(png)
-        return 0
+    if "--plot" in argv:  # python train.py --plot RUN [RUN ...] [--out PNG]: figures only (plots.py)
+        return plots.main(argv)
     rank = 0
     try:
         cfg = parse_config(argv)
