@@ -254,6 +254,11 @@ def _load_gguf(path):
         raise ImportError(f"loading a GGUF file needs {' and '.join(missing)}: pip install {' '.join(missing)}")
     folder, name = os.path.split(os.path.abspath(path))
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    # EOS from the file's own metadata: transformers 5.17 gives SmolLM2's tokenizer its BOS (<|im_start|>) as EOS
+    import gguf
+    field = gguf.GGUFReader(path).fields.get("tokenizer.ggml.eos_token_id")
+    if field is not None:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(field.parts[field.data[0]][0]))
     gguf_lm = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # transformers marks GGUF models as quantized and refuses to save them: rebuild a plain model from the weights.
     config = gguf_lm.config
