@@ -18,7 +18,9 @@ Choices:
    eval.jsonl (0 = before training); integer ticks only, whole steps around a lone point.
 2. Every run gets its own line style and marker, and runs whose curves coincide on a panel are named in a note on
    it, since the last one drawn would otherwise hide the others.
-3. The token picture shows the sample train.py drew (`s2t.token_sample`: every candidate and silenced token, and a
+3. Runs of one algorithm share a colour; when there are several (seeds), each is a thin line and a thick line is
+   their mean at the steps they all have.
+4. The token picture shows the sample train.py drew (`s2t.token_sample`: every candidate and silenced token, and a
    fixed-size random sample of the others); the gradient-norm means in its title are weighted by `weight`, so they
    estimate the means over all response tokens.
 """
@@ -54,9 +56,14 @@ def _pyplot():
     return plt
 
 
-def _label(run: str) -> str:
+def _config(run: str) -> dict:
     config = Path(run) / "config.json"
-    return f"{run} ({json.loads(config.read_text())['algo']})" if config.is_file() else run
+    return json.loads(config.read_text()) if config.is_file() else {}
+
+
+def _label(run: str) -> str:
+    config = _config(run)
+    return f"{run} ({config['algo']}, seed {config.get('seed', 0)})" if config else run
 
 
 def plot_metrics(run_dirs: list[str], out_png: str) -> bool:
@@ -66,16 +73,29 @@ def plot_metrics(run_dirs: list[str], out_png: str) -> bool:
         return False
     from matplotlib.ticker import MaxNLocator
 
+    algos = {run: _config(run).get("algo", run) for run in run_dirs}
+    colors = {a: f"C{i}" for i, a in enumerate(dict.fromkeys(algos.values()))}  # choice 3
+    several = {a for a in colors if list(algos.values()).count(a) > 1}  # thin lines under their mean
     fig, axes = plt.subplots(1, len(METRIC_PANELS), figsize=(4.2 * len(METRIC_PANELS), 3.4))
     for ax, (name, key, title) in zip(axes, METRIC_PANELS):
-        curves = {}
+        curves, per_algo = {}, {}
         for i, run in enumerate(run_dirs):
             lines = [m for m in read_jsonl(Path(run) / name) if key in m]
             xs, ys = [m["step"] for m in lines], [m[key] for m in lines]
             if xs:
                 ax.plot(xs, ys, linestyle=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)],
-                        markevery=max(1, len(xs) // 12), markersize=4, label=_label(run))
+                        markevery=max(1, len(xs) // 12),
+                        label="_" + run if algos[run] in several else _label(run),  # "_": not in the legend
+                        color=colors[algos[run]],
+                        **(dict(linewidth=0.8, alpha=0.6, markersize=2) if algos[run] in several else
+                           dict(markersize=4)))
                 curves.setdefault((tuple(xs), tuple(ys)), []).append(Path(run).name)
+                per_algo.setdefault(algos[run], []).append(dict(zip(xs, ys)))
+        for algo, runs in per_algo.items():  # choice 3: the mean over an algorithm's runs (seeds)
+            steps = sorted(set.intersection(*(set(r) for r in runs)))
+            if len(runs) > 1 and steps:
+                ax.plot(steps, [sum(r[x] for r in runs) / len(runs) for x in steps], color=colors[algo],
+                        linewidth=2.5, label=f"{algo}: mean of {len(runs)} runs (thin: each)")
         same = [names for names in curves.values() if len(names) > 1]  # choice 2
         if same:
             ax.text(0.02, 0.02, "\n".join("identical: " + " = ".join(n) for n in same), transform=ax.transAxes,

@@ -2154,6 +2154,26 @@ def test_plot_cli_output_location_heldout_panel_and_errors(tmp_path, monkeypatch
     assert reward_ax.lines[0].get_linestyle() != reward_ax.lines[1].get_linestyle()
 
 
+def test_plot_seeds_of_one_algorithm_share_a_colour_under_their_mean(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    a0 = _fake_run(tmp_path / "a0", [-0.5, 0.0, 0.5], [0.2, 0.4])
+    a1 = _fake_run(tmp_path / "a1", [-0.3, 0.2, 0.1, 0.9], [0.3, 0.8])  # one step more: the mean is over 3 steps
+    b = _fake_run(tmp_path / "b", [-0.5, 0.5, 0.5], [0.1, 0.2], algo="justrl")
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    assert plots.plot_metrics([a0, b, a1], str(tmp_path / "m.png"))
+    reward = next(ax for ax in figures[0].axes if ax.get_title().startswith("reward"))
+    lines = {line.get_label(): line for line in reward.lines}
+    mean = lines["stapo: mean of 2 runs (thin: each)"]
+    assert list(mean.get_data()[0]) == [0, 1, 2] and list(mean.get_data()[1]) == pytest.approx([-0.4, 0.1, 0.3])
+    assert lines["_" + a0].get_color() == lines["_" + a1].get_color() == mean.get_color()
+    assert lines[f"{b} (justrl, seed 0)"].get_color() != mean.get_color() and "justrl: mean" not in " ".join(lines)
+    assert lines["_" + a0].get_linewidth() < mean.get_linewidth()
+    held = next(ax for ax in figures[0].axes if ax.get_title().startswith("held-out"))
+    assert [list(line.get_data()[1]) for line in held.lines][-1] == pytest.approx([0.25, 0.6])
+
+
 def test_plot_without_matplotlib_is_a_message(tmp_path, monkeypatch, capsys):
     run = _fake_run(tmp_path / "a", [0.0, 1.0], [0.5])
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
