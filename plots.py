@@ -7,7 +7,8 @@
 - `s2t.png`: what S2T saw (tokens.jsonl, paper Sec. 4): the drawn response tokens in the (probability, entropy)
   plane with the tau_p line, the mini-batch tau_h values, correct vs incorrect responses and the silenced tokens
   marked; beside it the closed-form logit-gradient norm |w| sqrt(1 - 2p + sum_v p_v^2) of silenced vs kept tokens
-  (the paper's claim: the low-p, low-H tokens of correct answers carry the largest gradients). One row per run.
+  (the paper's claim: the low-p, low-H tokens of correct answers carry the largest gradients). One row per
+  algorithm; the tokens of its runs (seeds) are pooled.
 
 One concept, pictures of run folders: a file of its own so that train.py stays the story of one step and runs can
 be redrawn and overlaid after the fact from their files alone (no torch, no model). matplotlib is optional: without
@@ -116,18 +117,21 @@ def plot_metrics(run_dirs: list[str], out_png: str) -> bool:
 
 
 def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
-    """The S2T picture of each run with a tokens.jsonl (one row per run); True if written."""
-    runs = [r for r in run_dirs if read_jsonl(Path(r) / "tokens.jsonl")]
-    if not runs:
+    """The S2T picture of the runs with a tokens.jsonl, one row per algorithm (its runs' tokens pooled); True if
+    written."""
+    rows = {}
+    for run in run_dirs:
+        if read_jsonl(Path(run) / "tokens.jsonl"):
+            rows.setdefault(_config(run).get("algo", run), []).append(run)
+    if not rows:
         return False
     plt = _pyplot()
     if plt is None:
         return False
-    fig, axes = plt.subplots(len(runs), 2, figsize=(11, 4 * len(runs)), squeeze=False)
-    for (ax_h, ax_g), run in zip(axes, runs):
-        records = read_jsonl(Path(run) / "tokens.jsonl")
-        config = Path(run) / "config.json"
-        tau_p = json.loads(config.read_text()).get("tau_p", 0.002) if config.is_file() else 0.002
+    fig, axes = plt.subplots(len(rows), 2, figsize=(11, 4 * len(rows)), squeeze=False)
+    for (ax_h, ax_g), runs in zip(axes, rows.values()):
+        records = [r for run in runs for r in read_jsonl(Path(run) / "tokens.jsonl")]
+        tau_p = _config(runs[0]).get("tau_p", 0.002)
         tok = {k: [v for r in records for v in r[k]]
                for k in ("p", "H", "correct", "candidate", "silenced", "grad_norm", "weight")}
         n = len(tok["p"])
@@ -159,7 +163,8 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
         silenced = [i for i in range(n) if tok["silenced"][i]]
         kept = [i for i in range(n) if not tok["silenced"][i]]
         ax_h.set_ylabel("entropy H")
-        ax_h.set_title(f"{_label(run)}: {n} drawn tokens, {len(records)} mini-batches", fontsize=9)
+        who = _label(runs[0]) if len(runs) == 1 else f"{len(runs)} runs of {_config(runs[0])['algo']}"
+        ax_h.set_title(f"{who}: {n} drawn tokens, {len(records)} mini-batches", fontsize=9)
         ax_g.set_ylabel("|w| sqrt(1 - 2p + sum p^2)")
         ax_g.set_title(f"logit-gradient norm, mean silenced {mean(silenced)} vs kept {mean(kept)}",
                        fontsize=9)
