@@ -2080,16 +2080,20 @@ def test_train_every_algorithm_runs(tmp_path, monkeypatch, algo, flags):
 
 # plots.py and the loggers: what S2T saw, overlaid runs, live curves
 # ==================================================================================================================
-def test_train_s2t_figure_and_tokens_file(tmp_path, monkeypatch):
+def test_train_s2t_figure_and_tokens_file(tmp_path, monkeypatch, capsys):
     """A tiny run whose S2T mask fires (--tau-p 0.5: most tokens of a correct response are candidates): tokens.jsonl
-    holds every drawn token with the values metrics.jsonl summarizes, s2t.png is drawn from it, and `--plot`
-    redraws both figures from the run's files alone."""
+    holds every drawn token with the values metrics.jsonl summarizes, s2t.png is drawn from it, `--plot` redraws
+    both figures from the run's files alone, and the console's last lines count what was silenced."""
     _patch(monkeypatch, _EVEN)
     out = tmp_path / "run"
     with _one_thread():
         assert train.main(_toy_args(_toy_data(tmp_path), out, steps=2, tau_p=0.5, token_sample=1000, heldout=4,
                                     plots=True, export_hf=False)) == 0
     lines, metrics = plots.read_jsonl(out / "tokens.jsonl"), _metrics(out)
+    silenced = [int(m["s2t/silenced"]) for m in metrics]
+    assert min(silenced) > 0 and (f"stapo silenced {sum(silenced)} tokens in 2 of 2 steps; S2T candidates (A > 0, "
+                                  f"p < tau_p): {sum(int(m['s2t/candidates']) for m in metrics)} "
+                                  in capsys.readouterr().out)
     assert [(r["step"], r["mini_batch"]) for r in lines] == [(1, 0), (1, 1), (2, 0), (2, 1)]
     for r in lines:
         cols = ("p", "H", "A", "grad_norm", "weight", "correct", "candidate", "silenced")
@@ -2321,6 +2325,11 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
             assert r["reward"] == float(reward.grade(r["response"], r["answer"]))
     assert [x.split(":")[0] for x in out if x.startswith("held-out")] == [
         "held-out accuracy before training", "held-out accuracy after 1 step"]
+    metrics = _metrics(tmp_path / "run")
+    assert out[-2] == (f"stapo silenced {int(metrics[0]['s2t/silenced'])} tokens in "
+                       f"{int(metrics[0]['s2t/silenced'] > 0)} of 1 steps; S2T candidates (A > 0, p < tau_p): "
+                       f"{int(metrics[0]['s2t/candidates'])} (metrics.jsonl s2t/*; examples in spurious.jsonl, the "
+                       f"picture in s2t.png)")
     assert out[-1].startswith(f"outputs in {tmp_path / 'run'}/: config.json, metrics.jsonl, eval.jsonl, samples.jsonl, "
                               f"spurious.jsonl, tokens.jsonl, checkpoint/step_1, hf/ (python eval.py --run "
                               f"{tmp_path / 'run'})")
