@@ -508,50 +508,17 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
             weights = weights * stapo.tis_weight(mb_old, batch.logprobs[idx], cfg.tis_cap)
         # What S2T does: counts and gradient norms of silenced vs kept tokens (w = r A, 0 where clipped).
         w = stapo.surrogate_weight(logprobs, mb_old, mb_adv, clip_low, clip_high, cfg.dual_clip)
-        diag = s2t.diagnostics(logprobs, entropy, collision, mb_adv, mb_mask, silenced, cfg.tau_p, w=w)
-        n_sil, n_kept = diag["s2t/silenced"], mb_mask.sum().item() - diag["s2t/silenced"]
-        for key, value in [("s2t/candidates", diag["s2t/candidates"]), ("s2t/silenced", n_sil), ("kept", n_kept),
-                           ("silenced_p", n_sil * diag["s2t/silenced_p_mean"]),
-                           ("silenced_h", n_sil * diag["s2t/silenced_h_mean"]),
-                           ("gn_silenced", n_sil * diag["s2t/grad_norm_silenced"]),
-                           ("gn_kept", n_kept * diag["s2t/grad_norm_kept"])]:
-            sums[key] += value
-        spurious += [{"step": step + 1, "mini_batch": k, "token": tokenizer.decode([int(mb.response_ids[i, t])]),
-                      "context": tokenizer.decode(mb.response_ids[i, max(0, t - 12):t].tolist()),
-                      "p": math.exp(float(logprobs[i, t])), "H": float(entropy[i, t]),
-                      "advantage": float(mb_adv[i, t])}
-                     for i, t in silenced.nonzero().tolist()[:cfg.spurious_per_step - len(spurious)]]
-        if cfg.token_sample:  # what S2T saw: a seeded sample of the mini-batch's tokens for OUT/tokens.jsonl
-            gen = torch.Generator().manual_seed(hash((cfg.seed, step, k, rank)) % 2**62)  # not the global RNG
-            drawn = s2t.token_sample(logprobs, entropy, collision, mb_adv, mb_mask, silenced, cfg.token_sample, gen,
-                                     cfg.tau_p, w)
-            drawn_lines.append(token_record(step + 1, k, threshold, drawn, rewards[idx] > 0))
+        lines, drawn = record_s2t(step, k, mb, logprobs, entropy, collision, mb_adv, mb_mask, silenced, w, threshold,
+                                  rewards[idx] > 0, tokenizer, cfg, rank, sums, cfg.spurious_per_step - len(spurious))
+        spurious += lines
+        drawn_lines += [drawn] if drawn else []
         if nonzero == 0 and ref_policy is None:  # zero advantages, no KL term: nothing to learn, skip (difference 6)
             skipped_zero_adv += 1
             continue
-        # Gradient accumulation over token-budget micro-batches: sum_micro sum_ranks (world * loss_part) / world =
-        # J's gradient, however the rows are grouped.
         optimizer.zero_grad(set_to_none=True)
-        loss_sum = kl_sum = 0.0
-        micro, lengths = mb.micro_batches(cfg.max_tokens_per_micro_batch), mb.lengths()  # lengths (b,)
-        sums["fed_tokens"] += sum(len(mi) * lengths[mi].max().item() for mi in micro)  # padding included
-        sums["real_tokens"] += lengths.sum().item()
-        for mi in micro:
-            new_logprobs = policy_forward(policy, mb.select(mi), cfg, device)[0]  # (b, T')
-            cut = (mi, slice(0, new_logprobs.shape[1]))
-            loss, stats = stapo.policy_loss(new_logprobs, mb_old[cut].to(device), mb_adv[cut].to(device),
-                                            weights[cut].to(device), clip_low, clip_high, cfg.dual_clip, denominator)
-            if ref_policy is not None:  # GRPO with --kl-beta > 0
-                kl = (weights[cut].to(device) * stapo.kl_k3(new_logprobs, ref_logprobs[idx][cut].to(device))).sum()
-                kl = kl / max(denominator, 1.0)
-                loss = loss + cfg.kl_beta * kl
-                kl_sum += kl.item()
-            (loss * world).backward()  # FSDP2 divides the summed gradient by world (difference 5)
-            loss_sum += loss.item()
-            tokens = stats["loss/tokens"].item()
-            sums["loss_tokens"] += tokens
-            for key in ("clip/frac_low", "clip/frac_high", "clip/frac_dual", "ratio/mean", "kl/approx"):
-                sums[key] += stats[key].item() * tokens if key in stats else 0.0  # token-weighted means
+        loss_sum, kl_sum = accumulate_gradients(policy, mb, mb_old, mb_adv, weights, denominator, (clip_low, clip_high),
+                                                None if ref_logprobs is None else ref_logprobs[idx], cfg, world, device,
+                                                sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if not math.isfinite(grad_norm):  # the norm is global, so every rank skips together
@@ -569,6 +536,71 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
     t_update = time.time() - t0
 
     tot = dict(zip(sums, all_sum(*sums.values())))
+    counts = {"updates": updates, "skipped/zero_adv": skipped_zero_adv, "skipped/nonfinite": skipped_nonfinite}
+    metrics = step_metrics(step, tot, counts, grad_norm_sum, scheduler.get_last_lr()[0], t_rollout, t_update)
+    return metrics, spurious, samples, drawn_lines
+
+
+def record_s2t(step: int, k: int, mb: rollout.Rollout, logprobs, entropy, collision, mb_adv, mb_mask, silenced, w,
+               threshold: float | None, correct: torch.Tensor, tokenizer, cfg: Config, rank: int, sums: dict,
+               n_spurious: int) -> tuple[list[dict], dict | None]:
+    """What S2T did in mini-batch k of step `step + 1`: adds its counts, p, H and closed-form logit-gradient norms
+    of silenced vs kept tokens to `sums`; returns (up to n_spurious spurious.jsonl lines, its tokens.jsonl line or
+    None). All tensors (b, T) of the mini-batch on this rank; w = r A (0 where clipped); correct (b,) bool."""
+    diag = s2t.diagnostics(logprobs, entropy, collision, mb_adv, mb_mask, silenced, cfg.tau_p, w=w)
+    n_sil, n_kept = diag["s2t/silenced"], mb_mask.sum().item() - diag["s2t/silenced"]
+    for key, value in [("s2t/candidates", diag["s2t/candidates"]), ("s2t/silenced", n_sil), ("kept", n_kept),
+                       ("silenced_p", n_sil * diag["s2t/silenced_p_mean"]),
+                       ("silenced_h", n_sil * diag["s2t/silenced_h_mean"]),
+                       ("gn_silenced", n_sil * diag["s2t/grad_norm_silenced"]),
+                       ("gn_kept", n_kept * diag["s2t/grad_norm_kept"])]:
+        sums[key] += value
+    spurious = [{"step": step + 1, "mini_batch": k, "token": tokenizer.decode([int(mb.response_ids[i, t])]),
+                 "context": tokenizer.decode(mb.response_ids[i, max(0, t - 12):t].tolist()),
+                 "p": math.exp(float(logprobs[i, t])), "H": float(entropy[i, t]), "advantage": float(mb_adv[i, t])}
+                for i, t in silenced.nonzero().tolist()[:max(n_spurious, 0)]]
+    if not cfg.token_sample:
+        return spurious, None
+    # what S2T saw: a seeded sample of the mini-batch's tokens for OUT/tokens.jsonl
+    gen = torch.Generator().manual_seed(hash((cfg.seed, step, k, rank)) % 2**62)  # not the global RNG
+    drawn = s2t.token_sample(logprobs, entropy, collision, mb_adv, mb_mask, silenced, cfg.token_sample, gen,
+                             cfg.tau_p, w)
+    return spurious, token_record(step + 1, k, threshold, drawn, correct)
+
+
+def accumulate_gradients(policy, mb: rollout.Rollout, mb_old, mb_adv, weights, denominator: float,
+                         clip: tuple[float, float], ref_logprobs, cfg: Config, world: int, device,
+                         sums: dict) -> tuple[float, float]:
+    """The gradient of one mini-batch's objective J (paper Eq. 3 / stapo.policy_loss) accumulated over token-budget
+    micro-batches, no optimizer step: sum_micro sum_ranks (world * loss_part) / world = J's gradient, however the
+    rows are grouped. mb_old, mb_adv, weights, ref_logprobs (None without a KL term): (b, T). Adds token counts and
+    token-weighted clip statistics to `sums`; returns (policy loss, KL term) of this rank."""
+    loss_sum = kl_sum = 0.0
+    micro, lengths = mb.micro_batches(cfg.max_tokens_per_micro_batch), mb.lengths()  # lengths (b,)
+    sums["fed_tokens"] += sum(len(mi) * lengths[mi].max().item() for mi in micro)  # padding included
+    sums["real_tokens"] += lengths.sum().item()
+    for mi in micro:
+        new_logprobs = policy_forward(policy, mb.select(mi), cfg, device)[0]  # (b', T')
+        cut = (mi, slice(0, new_logprobs.shape[1]))
+        loss, stats = stapo.policy_loss(new_logprobs, mb_old[cut].to(device), mb_adv[cut].to(device),
+                                        weights[cut].to(device), *clip, cfg.dual_clip, denominator)
+        if ref_logprobs is not None:  # GRPO with --kl-beta > 0
+            kl = (weights[cut].to(device) * stapo.kl_k3(new_logprobs, ref_logprobs[cut].to(device))).sum()
+            kl = kl / max(denominator, 1.0)
+            loss = loss + cfg.kl_beta * kl
+            kl_sum += kl.item()
+        (loss * world).backward()  # FSDP2 divides the summed gradient by world (difference 5)
+        loss_sum += loss.item()
+        tokens = stats["loss/tokens"].item()
+        sums["loss_tokens"] += tokens
+        for key in ("clip/frac_low", "clip/frac_high", "clip/frac_dual", "ratio/mean", "kl/approx"):
+            sums[key] += stats[key].item() * tokens if key in stats else 0.0  # token-weighted means
+    return loss_sum, kl_sum
+
+
+def step_metrics(step: int, tot: dict, counts: dict, grad_norm_sum: float, lr: float, t_rollout: float,
+                 t_update: float) -> dict:
+    """The metrics.jsonl line of step `step + 1` from the global sums `tot` (README.md, glossary)."""
 
     def mean(key, n):
         return tot[key] / max(n, 1)
@@ -584,17 +616,16 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
         "s2t/silenced_frac": mean("s2t/silenced", n_sil + n_kept),
         "s2t/silenced_p_mean": mean("silenced_p", n_sil), "s2t/silenced_h_mean": mean("silenced_h", n_sil),
         "s2t/grad_norm_silenced": mean("gn_silenced", n_sil), "s2t/grad_norm_kept": mean("gn_kept", n_kept),
-        "loss/policy": mean("loss/policy", updates), "loss/kl": mean("loss/kl", updates),
+        "loss/policy": mean("loss/policy", counts["updates"]), "loss/kl": mean("loss/kl", counts["updates"]),
         "clip/frac_low": mean("clip/frac_low", n_loss), "clip/frac_high": mean("clip/frac_high", n_loss),
         "clip/frac_dual": mean("clip/frac_dual", n_loss),
         "batch/pad_frac": 1 - tot["real_tokens"] / tot["fed_tokens"] if tot["fed_tokens"] else 0.0,
         "ratio/mean": mean("ratio/mean", n_loss), "kl/approx": mean("kl/approx", n_loss),
-        "grad_norm": grad_norm_sum / max(updates, 1), "lr": scheduler.get_last_lr()[0],
-        "updates": updates, "skipped/zero_adv": skipped_zero_adv, "skipped/nonfinite": skipped_nonfinite,
+        "grad_norm": grad_norm_sum / max(counts["updates"], 1), "lr": lr, **counts,
         "time/rollout_s": t_rollout, "time/update_s": t_update,
         "tokens_per_s": n_tok / max(t_rollout + t_update, 1e-9),
     }
-    return metrics, spurious, samples, drawn_lines
+    return metrics
 
 
 def completions(step: int, split: str, texts: list[str], rewards: list[float], prompts: list[list[int]],
