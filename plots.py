@@ -135,11 +135,12 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
         tok = {k: [v for r in records for v in r[k]]
                for k in ("p", "H", "correct", "candidate", "silenced", "grad_norm", "weight")}
         n = len(tok["p"])
+        taus = sorted({r["tau_h"] for r in records if r.get("tau_h") is not None})  # none without an entropy test
         groups = [("incorrect response", lambda i: not tok["correct"][i] and not tok["silenced"][i],
                    dict(s=6, c="tab:gray", alpha=0.35, marker=".")),
                   ("correct response, kept", lambda i: tok["correct"][i] and not tok["silenced"][i]
                    and not tok["candidate"][i], dict(s=8, c="tab:blue", alpha=0.5, marker="o")),
-                  ("candidate, kept (H >= tau_h)", lambda i: tok["candidate"][i] and not tok["silenced"][i],
+                  ("candidate, kept" + (" (H >= tau_h)" if taus else ""), lambda i: tok["candidate"][i] and not tok["silenced"][i],
                    dict(s=40, facecolors="none", edgecolors="tab:orange", marker="o")),
                   ("silenced", lambda i: tok["silenced"][i], dict(s=40, c="tab:red", marker="x"))]
         for name, member, style in groups:
@@ -147,9 +148,9 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
             for ax, y in ((ax_h, "H"), (ax_g, "grad_norm")):
                 ax.scatter([tok["p"][i] for i in sel], [tok[y][i] for i in sel], label=f"{name} ({len(sel)})",
                            **style)
-        taus = sorted({r["tau_h"] for r in records if r.get("tau_h") is not None})
-        ax_h.hlines(taus, 1e-9, tau_p, colors="tab:red", alpha=0.25, linewidth=0.8,
-                    label=f"mini-batch tau_h ({len(taus)} values)")
+        if taus:
+            ax_h.hlines(taus, 1e-9, tau_p, colors="tab:red", alpha=0.25, linewidth=0.8,
+                        label=f"mini-batch tau_h ({len(taus)} values)")
         for ax in (ax_h, ax_g):
             ax.set_xscale("log")
             ax.axvline(tau_p, color="k", linestyle="--", linewidth=0.8, label=f"tau_p = {tau_p:g}")

@@ -2181,16 +2181,16 @@ def test_plot_seeds_of_one_algorithm_share_a_colour_under_their_mean(tmp_path, m
 def test_plot_tokens_pools_the_seeds_of_an_algorithm(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
-    def tokens(run, silenced):
+    def tokens(run, silenced, tau_h=1.0):
         n = len(silenced)
-        rec = {"step": 1, "tau_h": 1.0, "p": [1e-3] * n, "H": [0.5] * n, "correct": [True] * n,
+        rec = {"step": 1, "tau_h": tau_h, "p": [1e-3] * n, "H": [0.5] * n, "correct": [True] * n,
                "candidate": silenced, "silenced": silenced, "grad_norm": [1.0] * n, "weight": [1.0] * n}
         Path(run, "tokens.jsonl").write_text(json.dumps(rec) + "\n")
         return run
 
     a0 = tokens(_fake_run(tmp_path / "a0", [0.0], [0.2]), [True, False])
     a1 = tokens(_fake_run(tmp_path / "a1", [0.0], [0.2]), [True, True, False])
-    b = tokens(_fake_run(tmp_path / "b", [0.0], [0.2], algo="fullmask"), [False])
+    b = tokens(_fake_run(tmp_path / "b", [0.0], [0.2], algo="fullmask"), [False], tau_h=None)
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)
     assert plots.plot_tokens([a0, a1, b], str(tmp_path / "s.png"))
@@ -2198,7 +2198,9 @@ def test_plot_tokens_pools_the_seeds_of_an_algorithm(tmp_path, monkeypatch):
     assert titles == ["2 runs of stapo: 5 drawn tokens, 2 mini-batches", f"{b} (fullmask, seed 0): 1 drawn tokens, "
                       "1 mini-batches"]
     legend = [t.get_text() for t in figures[0].axes[0].get_legend().get_texts()]
-    assert "silenced (3)" in legend
+    assert "silenced (3)" in legend and "mini-batch tau_h (1 values)" in legend
+    legend = [t.get_text() for t in figures[0].axes[2].get_legend().get_texts()]  # no entropy test: no tau_h
+    assert "candidate, kept (0)" in legend and not any("tau_h" in t for t in legend)
 
 
 def test_plot_without_matplotlib_is_a_message(tmp_path, monkeypatch, capsys):
