@@ -8,7 +8,7 @@
   plane with the tau_p line, the mini-batch tau_h values, correct vs incorrect responses and the silenced tokens
   marked; beside it the closed-form logit-gradient norm |w| sqrt(1 - 2p + sum_v p_v^2) of silenced vs kept tokens
   (the paper's claim: the low-p, low-H tokens of correct answers carry the largest gradients). One row per
-  algorithm; the tokens of its runs (seeds) are pooled.
+  setting; the tokens of its seeds are pooled.
 
 One concept, pictures of run folders: a file of its own so that train.py stays the story of one step and runs can
 be redrawn and overlaid after the fact from their files alone (no torch, no model). matplotlib is optional: without
@@ -19,8 +19,8 @@ Choices:
    eval.jsonl (0 = before training); integer ticks only, whole steps around a lone point.
 2. Every run gets its own line style and marker, and runs whose curves coincide on a panel are named in a note on
    it, since the last one drawn would otherwise hide the others.
-3. Runs of one algorithm share a colour; when there are several (seeds), each is a thin line and a thick line is
-   their mean at the steps they all have.
+3. Runs that differ only in the seed (`seed_groups`) share a colour; where a panel has several of them with steps
+   in common, each is a thin line and a thick line is their mean at those steps.
 4. The token picture shows the sample train.py drew (`s2t.token_sample`: every candidate and silenced token, and a
    fixed-size random sample of the others); the gradient-norm means in its title are weighted by `weight`, so they
    estimate the means over all response tokens.
@@ -67,6 +67,23 @@ def _label(run: str) -> str:
     return f"{run} ({config['algo']}, seed {config.get('seed', 0)})" if config else run
 
 
+_NOT_A_SETTING = ("seed", "out_dir", "resume", "logger", "plots", "save_every", "save_optimizer", "export_hf")
+
+
+def seed_groups(run_dirs: list[str]) -> dict[str, list[str]]:
+    """Runs that are seeds of one setting (config.json equal but for the seed and where outputs went), keyed by the
+    algorithm, or by "algorithm (first run)" where one algorithm has several settings; a run without config.json is
+    a group of its own."""
+    settings = {}
+    for run in dict.fromkeys(run_dirs):  # a folder given twice is one run
+        config = _config(run)
+        setting = {k: v for k, v in config.items() if k not in _NOT_A_SETTING}
+        key = json.dumps(setting, sort_keys=True) if config else run
+        settings.setdefault(key, []).append(run)
+    algos = [_config(runs[0]).get("algo", runs[0]) for runs in settings.values()]
+    return {(a if algos.count(a) == 1 else f"{a} ({runs[0]})"): runs for a, runs in zip(algos, settings.values())}
+
+
 def plot_metrics(run_dirs: list[str], out_png: str) -> bool:
     """Reward, entropy, silenced fraction and held-out accuracy over steps, one line per run; True if written."""
     plt = _pyplot()
@@ -74,29 +91,33 @@ def plot_metrics(run_dirs: list[str], out_png: str) -> bool:
         return False
     from matplotlib.ticker import MaxNLocator
 
-    algos = {run: _config(run).get("algo", run) for run in run_dirs}
-    colors = {a: f"C{i}" for i, a in enumerate(dict.fromkeys(algos.values()))}  # choice 3
-    several = {a for a in colors if list(algos.values()).count(a) > 1}  # thin lines under their mean
+    group = {run: name for name, runs in seed_groups(run_dirs).items() for run in runs}
+    colors = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(group.values()))}  # choice 3
     fig, axes = plt.subplots(1, len(METRIC_PANELS), figsize=(4.2 * len(METRIC_PANELS), 3.4))
     for ax, (name, key, title) in zip(axes, METRIC_PANELS):
-        curves, per_algo = {}, {}
-        for i, run in enumerate(run_dirs):
+        data = {}  # run -> {step: value} of the runs with this panel's key
+        for run in run_dirs:
             lines = [m for m in read_jsonl(Path(run) / name) if key in m]
-            xs, ys = [m["step"] for m in lines], [m[key] for m in lines]
-            if xs:
-                ax.plot(xs, ys, linestyle=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)],
-                        markevery=max(1, len(xs) // 12),
-                        label="_" + run if algos[run] in several else _label(run),  # "_": not in the legend
-                        color=colors[algos[run]],
-                        **(dict(linewidth=0.8, alpha=0.6, markersize=2) if algos[run] in several else
-                           dict(markersize=4)))
-                curves.setdefault((tuple(xs), tuple(ys)), []).append(Path(run).name)
-                per_algo.setdefault(algos[run], []).append(dict(zip(xs, ys)))
-        for algo, runs in per_algo.items():  # choice 3: the mean over an algorithm's runs (seeds)
+            if lines:
+                data[run] = {m["step"]: m[key] for m in lines}
+        means = {}  # choice 3: group -> (steps, mean) where it has several runs with steps in common
+        for g in dict.fromkeys(group[run] for run in data):
+            runs = [data[run] for run in dict.fromkeys(data) if group[run] == g]
             steps = sorted(set.intersection(*(set(r) for r in runs)))
             if len(runs) > 1 and steps:
-                ax.plot(steps, [sum(r[x] for r in runs) / len(runs) for x in steps], color=colors[algo],
-                        linewidth=2.5, label=f"{algo}: mean of {len(runs)} runs (thin: each)")
+                means[g] = steps, [sum(r[x] for r in runs) / len(runs) for x in steps]
+        curves = {}
+        for i, run in enumerate(run_dirs):
+            if run in data:
+                xs, ys, thin = list(data[run]), list(data[run].values()), group[run] in means
+                ax.plot(xs, ys, linestyle=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)],
+                        markevery=max(1, len(xs) // 12), color=colors[group[run]],
+                        label="_" + run if thin else _label(run),  # "_": not in the legend
+                        **(dict(linewidth=0.8, alpha=0.6, markersize=2) if thin else dict(markersize=4)))
+                curves.setdefault((tuple(xs), tuple(ys)), []).append(Path(run).name)
+        for g, (steps, mean) in means.items():
+            n = sum(group[run] == g for run in dict.fromkeys(data))
+            ax.plot(steps, mean, color=colors[g], linewidth=2.5, label=f"{g}: mean of {n} runs (thin: each)")
         same = [names for names in curves.values() if len(names) > 1]  # choice 2
         if same:
             ax.text(0.02, 0.02, "\n".join("identical: " + " = ".join(n) for n in same), transform=ax.transAxes,
@@ -119,17 +140,15 @@ def plot_metrics(run_dirs: list[str], out_png: str) -> bool:
 def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
     """The S2T picture of the runs with a tokens.jsonl, one row per algorithm (its runs' tokens pooled); True if
     written."""
-    rows = {}
-    for run in run_dirs:
-        if read_jsonl(Path(run) / "tokens.jsonl"):
-            rows.setdefault(_config(run).get("algo", run), []).append(run)
+    rows = {g: [r for r in runs if read_jsonl(Path(r) / "tokens.jsonl")] for g, runs in seed_groups(run_dirs).items()}
+    rows = {g: runs for g, runs in rows.items() if runs}
     if not rows:
         return False
     plt = _pyplot()
     if plt is None:
         return False
     fig, axes = plt.subplots(len(rows), 2, figsize=(11, 4 * len(rows)), squeeze=False)
-    for (ax_h, ax_g), runs in zip(axes, rows.values()):
+    for (ax_h, ax_g), (g, runs) in zip(axes, rows.items()):
         records = [r for run in runs for r in read_jsonl(Path(run) / "tokens.jsonl")]
         tau_p = _config(runs[0]).get("tau_p", 0.002)
         tok = {k: [v for r in records for v in r[k]]
@@ -140,7 +159,8 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
                    dict(s=6, c="tab:gray", alpha=0.35, marker=".")),
                   ("correct response, kept", lambda i: tok["correct"][i] and not tok["silenced"][i]
                    and not tok["candidate"][i], dict(s=8, c="tab:blue", alpha=0.5, marker="o")),
-                  ("candidate, kept" + (" (H >= tau_h)" if taus else ""), lambda i: tok["candidate"][i] and not tok["silenced"][i],
+                  ("candidate, kept" + (" (H >= tau_h)" if taus else ""),
+                   lambda i: tok["candidate"][i] and not tok["silenced"][i],
                    dict(s=40, facecolors="none", edgecolors="tab:orange", marker="o")),
                   ("silenced", lambda i: tok["silenced"][i], dict(s=40, c="tab:red", marker="x"))]
         for name, member, style in groups:
@@ -164,7 +184,7 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
         silenced = [i for i in range(n) if tok["silenced"][i]]
         kept = [i for i in range(n) if not tok["silenced"][i]]
         ax_h.set_ylabel("entropy H")
-        who = _label(runs[0]) if len(runs) == 1 else f"{len(runs)} runs of {_config(runs[0])['algo']}"
+        who = _label(runs[0]) if len(runs) == 1 else f"{len(runs)} runs of {g}"
         ax_h.set_title(f"{who}: {n} drawn tokens, {len(records)} mini-batches", fontsize=9)
         ax_g.set_ylabel("|w| sqrt(1 - 2p + sum p^2)")
         ax_g.set_title(f"logit-gradient norm, mean silenced {mean(silenced)} vs kept {mean(kept)}",

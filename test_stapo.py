@@ -1944,6 +1944,8 @@ def test_train_resume_is_exact(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "cut" / "checkpoint" / "latest").read_text() == "step_3"
     evals = [json.loads(x)["step"] for x in (tmp_path / "cut" / "eval.jsonl").read_text().splitlines()]
     assert evals == [0, 2, 3] and "held-out accuracy after 3 steps:" in resumed
+    assert f"stapo silenced {sum(int(m['s2t/silenced']) for m in cut)} tokens in " in resumed  # the whole run
+    assert " of 3 steps; S2T candidates" in resumed
     drop = {"time/rollout_s", "time/update_s", "tokens_per_s"}
     assert {k: v for k, v in cut[2].items() if k not in drop} == pytest.approx(
         {k: v for k, v in full[2].items() if k not in drop}, rel=1e-6, abs=1e-9)
@@ -2092,8 +2094,8 @@ def test_train_s2t_figure_and_tokens_file(tmp_path, monkeypatch, capsys):
     lines, metrics = plots.read_jsonl(out / "tokens.jsonl"), _metrics(out)
     silenced = [int(m["s2t/silenced"]) for m in metrics]
     assert min(silenced) > 0 and (f"stapo silenced {sum(silenced)} tokens in 2 of 2 steps; S2T candidates (A > 0, "
-                                  f"p < tau_p): {sum(int(m['s2t/candidates']) for m in metrics)} "
-                                  in capsys.readouterr().out)
+                                  f"p < tau_p): {sum(int(m['s2t/candidates']) for m in metrics)} (metrics.jsonl "
+                                  f"s2t/*; see spurious.jsonl, s2t.png)" in capsys.readouterr().out)
     assert [(r["step"], r["mini_batch"]) for r in lines] == [(1, 0), (1, 1), (2, 0), (2, 1)]
     for r in lines:
         cols = ("p", "H", "A", "grad_norm", "weight", "correct", "candidate", "silenced")
@@ -2163,19 +2165,38 @@ def test_plot_seeds_of_one_algorithm_share_a_colour_under_their_mean(tmp_path, m
 
     a0 = _fake_run(tmp_path / "a0", [-0.5, 0.0, 0.5], [0.2, 0.4])
     a1 = _fake_run(tmp_path / "a1", [-0.3, 0.2, 0.1, 0.9], [0.3, 0.8])  # one step more: the mean is over 3 steps
+    a2 = _fake_run(tmp_path / "a2", [], [0.5, 0.5])  # a seed without metrics lines: not in the reward mean
     b = _fake_run(tmp_path / "b", [-0.5, 0.5, 0.5], [0.1, 0.2], algo="justrl")
+    c = _fake_run(tmp_path / "c", [0.0, 0.0, 0.0], [0.1, 0.1])  # another setting of stapo: not a seed of a0
+    c_config = json.loads(Path(c, "config.json").read_text())
+    Path(c, "config.json").write_text(json.dumps({**c_config, "lr": 1e-3}))
+    for run, seed in ((a1, 1), (a2, 2)):
+        Path(run, "config.json").write_text(json.dumps({**json.loads(Path(run, "config.json").read_text()),
+                                                        "seed": seed, "out_dir": run}))
+    assert plots.seed_groups([a0, b, a1, a2, c, a0]) == {f"stapo ({a0})": [a0, a1, a2], "justrl": [b],
+                                                         f"stapo ({c})": [c]}
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)
-    assert plots.plot_metrics([a0, b, a1], str(tmp_path / "m.png"))
+    assert plots.plot_metrics([a0, b, a1, a2, c], str(tmp_path / "m.png"))
     reward = next(ax for ax in figures[0].axes if ax.get_title().startswith("reward"))
     lines = {line.get_label(): line for line in reward.lines}
-    mean = lines["stapo: mean of 2 runs (thin: each)"]
+    mean = lines[f"stapo ({a0}): mean of 2 runs (thin: each)"]
     assert list(mean.get_data()[0]) == [0, 1, 2] and list(mean.get_data()[1]) == pytest.approx([-0.4, 0.1, 0.3])
     assert lines["_" + a0].get_color() == lines["_" + a1].get_color() == mean.get_color()
     assert lines[f"{b} (justrl, seed 0)"].get_color() != mean.get_color() and "justrl: mean" not in " ".join(lines)
+    assert lines[f"{c} (stapo, seed 0)"].get_color() not in (mean.get_color(), lines[f"{b} (justrl, seed 0)"].get_color())
     assert lines["_" + a0].get_linewidth() < mean.get_linewidth()
     held = next(ax for ax in figures[0].axes if ax.get_title().startswith("held-out"))
-    assert [list(line.get_data()[1]) for line in held.lines][-1] == pytest.approx([0.25, 0.6])
+    held_mean = next(line for line in held.lines if line.get_label().startswith(f"stapo ({a0}): mean of 3 runs"))
+    assert list(held_mean.get_data()[1]) == pytest.approx([1 / 3, 1.7 / 3])
+    # one seed with data and one without common steps: each is drawn and named, no mean
+    lone = _fake_run(tmp_path / "lone", [0.5], [0.5])
+    late = _fake_run(tmp_path / "late", [], [0.5])
+    Path(late, "metrics.jsonl").write_text(json.dumps({"step": 7, "reward/mean": 0.1}) + "\n")
+    figures.clear()
+    assert plots.plot_metrics([lone, late], str(tmp_path / "n.png"))
+    reward = next(ax for ax in figures[0].axes if ax.get_title().startswith("reward"))
+    assert sorted(line.get_label() for line in reward.lines) == [f"{late} (stapo, seed 0)", f"{lone} (stapo, seed 0)"]
 
 
 def test_plot_tokens_pools_the_seeds_of_an_algorithm(tmp_path, monkeypatch):
@@ -2191,12 +2212,14 @@ def test_plot_tokens_pools_the_seeds_of_an_algorithm(tmp_path, monkeypatch):
     a0 = tokens(_fake_run(tmp_path / "a0", [0.0], [0.2]), [True, False])
     a1 = tokens(_fake_run(tmp_path / "a1", [0.0], [0.2]), [True, True, False])
     b = tokens(_fake_run(tmp_path / "b", [0.0], [0.2], algo="fullmask"), [False], tau_h=None)
+    bare = tokens(_fake_run(tmp_path / "bare", [0.0], [0.2]), [False])
+    Path(bare, "config.json").unlink()  # no config.json, and given twice: its own row, once
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)
-    assert plots.plot_tokens([a0, a1, b], str(tmp_path / "s.png"))
+    assert plots.plot_tokens([a0, a1, b, bare, bare], str(tmp_path / "s.png"))
     titles = [ax.get_title() for ax in figures[0].axes if ax.get_ylabel() == "entropy H"]
     assert titles == ["2 runs of stapo: 5 drawn tokens, 2 mini-batches", f"{b} (fullmask, seed 0): 1 drawn tokens, "
-                      "1 mini-batches"]
+                      "1 mini-batches", f"{bare}: 1 drawn tokens, 1 mini-batches"]
     legend = [t.get_text() for t in figures[0].axes[0].get_legend().get_texts()]
     assert "silenced (3)" in legend and "mini-batch tau_h (1 values)" in legend
     legend = [t.get_text() for t in figures[0].axes[2].get_legend().get_texts()]  # no entropy test: no tau_h
@@ -2328,10 +2351,14 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
     assert [x.split(":")[0] for x in out if x.startswith("held-out")] == [
         "held-out accuracy before training", "held-out accuracy after 1 step"]
     metrics = _metrics(tmp_path / "run")
-    assert out[-2] == (f"stapo silenced {int(metrics[0]['s2t/silenced'])} tokens in "
-                       f"{int(metrics[0]['s2t/silenced'] > 0)} of 1 steps; S2T candidates (A > 0, p < tau_p): "
-                       f"{int(metrics[0]['s2t/candidates'])} (metrics.jsonl s2t/*; examples in spurious.jsonl, the "
-                       f"picture in s2t.png)")
+    assert out[-2].startswith(f"stapo silenced {int(metrics[0]['s2t/silenced'])} tokens in ")
+    steps = [{"s2t/silenced": 3.0, "s2t/candidates": 5.0}, {"s2t/silenced": 0.0, "s2t/candidates": 1.0},
+             {"s2t/silenced": 2.0, "s2t/candidates": 2.0}]
+    assert train.silenced_summary("stapo", steps, ["spurious.jsonl", "s2t.png"]) == (
+        "stapo silenced 5 tokens in 2 of 3 steps; S2T candidates (A > 0, p < tau_p): 8 (metrics.jsonl s2t/*; see "
+        "spurious.jsonl, s2t.png)")
+    assert train.silenced_summary("justrl", [], []) == (
+        "justrl silenced 0 tokens in 0 of 0 steps; S2T candidates (A > 0, p < tau_p): 0 (metrics.jsonl s2t/*)")
     assert out[-1].startswith(f"outputs in {tmp_path / 'run'}/: config.json, metrics.jsonl, eval.jsonl, samples.jsonl, "
                               f"spurious.jsonl, tokens.jsonl, checkpoint/step_1, hf/ (python eval.py --run "
                               f"{tmp_path / 'run'})")

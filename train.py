@@ -888,15 +888,21 @@ def train(cfg: Config, rank: int, world: int, device, state) -> None:
             close_log()
         if cfg.plots:
             plots.figures([str(out)], str(out / "metrics.png"))
-        steps = plots.read_jsonl(out / "metrics.jsonl")  # the whole run, resumed steps included
-        silenced = [int(m["s2t/silenced"]) for m in steps]
-        say(f"{cfg.algo} silenced {sum(silenced)} tokens in {sum(n > 0 for n in silenced)} of {len(steps)} steps; "
-            f"S2T candidates (A > 0, p < tau_p): {sum(int(m['s2t/candidates']) for m in steps)} (metrics.jsonl "
-            f"s2t/*; examples in spurious.jsonl, the picture in s2t.png)")
+        shown = [n for n in ("spurious.jsonl", "s2t.png") if (out / n).exists() and (out / n).stat().st_size]
+        say(silenced_summary(cfg.algo, plots.read_jsonl(out / "metrics.jsonl"), shown))  # resumed steps included
         made = [name for name in ("config.json", *logs, "metrics.png", "s2t.png") if (out / name).exists()]
         made += [f"checkpoint/step_{checkpoint_step(out)}"] if (out / "checkpoint" / "latest").exists() else []
         made += ["hf/ (python eval.py --run " + str(out) + ")"] if cfg.export_hf else []
         say(f"outputs in {out}/: {', '.join(made)}; continue with python train.py --resume {out} --steps N")
+
+
+def silenced_summary(algo: str, steps: list[dict], files: list[str]) -> str:
+    """The console line that counts what the mask silenced over a run (its metrics.jsonl lines)."""
+    silenced = [int(m.get("s2t/silenced", 0)) for m in steps]
+    candidates = sum(int(m.get("s2t/candidates", 0)) for m in steps)
+    return (f"{algo} silenced {sum(silenced)} tokens in {sum(n > 0 for n in silenced)} of {len(steps)} steps; S2T "
+            f"candidates (A > 0, p < tau_p): {candidates} (metrics.jsonl s2t/*{'; see ' if files else ''}"
+            f"{', '.join(files)})")
 
 
 def n_steps(n: int) -> str:
