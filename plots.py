@@ -74,13 +74,14 @@ def seed_groups(run_dirs: list[str]) -> dict[str, list[str]]:
     """Runs that are seeds of one setting (config.json equal but for the seed and where outputs went), keyed by the
     algorithm, or by "algorithm (first run)" where one algorithm has several settings; a run without config.json is
     a group of its own."""
-    settings = {}
+    settings, algos = {}, {}
     for run in dict.fromkeys(run_dirs):  # a folder given twice is one run
         config = _config(run)
         setting = {k: v for k, v in config.items() if k not in _NOT_A_SETTING}
         key = json.dumps(setting, sort_keys=True) if config else run
         settings.setdefault(key, []).append(run)
-    algos = [_config(runs[0]).get("algo", runs[0]) for runs in settings.values()]
+        algos.setdefault(key, config.get("algo", run))
+    algos = list(algos.values())
     return {(a if algos.count(a) == 1 else f"{a} ({runs[0]})"): runs for a, runs in zip(algos, settings.values())}
 
 
@@ -100,12 +101,12 @@ def plot_metrics(run_dirs: list[str], out_png: str) -> bool:
             lines = [m for m in read_jsonl(Path(run) / name) if key in m]
             if lines:
                 data[run] = {m["step"]: m[key] for m in lines}
-        means = {}  # choice 3: group -> (steps, mean) where it has several runs with steps in common
+        means = {}  # choice 3: group -> (steps, mean, runs) where it has several runs with steps in common
         for g in dict.fromkeys(group[run] for run in data):
-            runs = [data[run] for run in dict.fromkeys(data) if group[run] == g]
+            runs = [values for run, values in data.items() if group[run] == g]
             steps = sorted(set.intersection(*(set(r) for r in runs)))
             if len(runs) > 1 and steps:
-                means[g] = steps, [sum(r[x] for r in runs) / len(runs) for x in steps]
+                means[g] = steps, [sum(r[x] for r in runs) / len(runs) for x in steps], len(runs)
         curves = {}
         for i, run in enumerate(run_dirs):
             if run in data:
@@ -115,8 +116,7 @@ def plot_metrics(run_dirs: list[str], out_png: str) -> bool:
                         label="_" + run if thin else _label(run),  # "_": not in the legend
                         **(dict(linewidth=0.8, alpha=0.6, markersize=2) if thin else dict(markersize=4)))
                 curves.setdefault((tuple(xs), tuple(ys)), []).append(Path(run).name)
-        for g, (steps, mean) in means.items():
-            n = sum(group[run] == g for run in dict.fromkeys(data))
+        for g, (steps, mean, n) in means.items():
             ax.plot(steps, mean, color=colors[g], linewidth=2.5, label=f"{g}: mean of {n} runs (thin: each)")
         same = [names for names in curves.values() if len(names) > 1]  # choice 2
         if same:
