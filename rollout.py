@@ -93,26 +93,52 @@ class Rollout:
         """(B,) prompt + response tokens of each row: the columns `model.Policy` feeds for it."""
         return self.prompt_mask.sum(1) + self.response_mask.sum(1)
 
-    def micro_batches(self, max_tokens: int) -> list[torch.Tensor]:
+    def micro_batches(self, max_tokens: int, agree=None) -> list[torch.Tensor]:
         """Row indices of micro-batches whose padded size, rows x longest row (what `model.Policy` feeds), is at
         most `max_tokens`; a row longer than that is a micro-batch of its own (so max_tokens=1: one row each).
-        Rows go longest first (the largest micro-batch runs first, so an out-of-memory shows at once), each
-        micro-batch taking as many of the next rows as fit: sorted, they pad little."""
+
+        Rows are sorted longest first (the largest micro-batch runs first, so an out-of-memory shows at once) and
+        cut into consecutive runs: sorted, they pad little. `agree(count) -> count` turns the fewest micro-batches
+        the budget allows into the number to make; train.py passes the maximum over ranks, because every micro-batch
+        is an FSDP forward (an all-gather per layer) that all ranks must make together (verl's
+        `rearrange_micro_batches(..., same_micro_num_in_dp=True)`). The rows are balanced over that many
+        micro-batches: the largest padded size is as small as `count` consecutive runs of the sorted rows allow."""
         lengths = self.lengths().tolist()
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep their order
-        parts, start = [], 0
-        while start < len(order):
-            longest, end = lengths[order[start]], start + 1
-            while end < len(order) and (end + 1 - start) * longest <= max_tokens:
-                end += 1
-            parts.append(torch.tensor(order[start:end]))
-            start = end
-        return parts
+        srt = [lengths[i] for i in order]
+        need = len(_consecutive_runs(srt, max_tokens))
+        count = agree(need) if agree else need
+        if not need <= count <= len(order):
+            raise ValueError(f"cannot cut {len(order)} rows into {count} micro-batches (they need {need})")
+        low, high = 1, max_tokens  # the smallest cap that still gives at most `count` runs (binary search)
+        while low < high:
+            cap = (low + high) // 2
+            low, high = (low, cap) if len(_consecutive_runs(srt, cap)) <= count else (cap + 1, high)
+        runs = _consecutive_runs(srt, low)
+        while len(runs) < count:  # halve the largest run of several rows (rows >= count, so one exists)
+            j = max((j for j, (s, e) in enumerate(runs) if e - s > 1),
+                    key=lambda j: (runs[j][1] - runs[j][0]) * srt[runs[j][0]])
+            s, e = runs[j]
+            runs[j:j + 1] = [(s, (s + e) // 2), ((s + e) // 2, e)]
+        return [torch.tensor(order[s:e]) for s, e in runs]
 
     def texts(self, tokenizer) -> list[str]:
         """Decoded responses without special tokens (EOS and padding dropped)."""
         return [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
                 for ids, mask in zip(self.response_ids, self.response_mask)]
+
+
+def _consecutive_runs(lengths: list[int], cap: int) -> list[tuple[int, int]]:
+    """Cut `lengths` (sorted longest first) into the fewest consecutive runs [s, e) with (e - s) x lengths[s] <= cap
+    (a longer row alone): each run takes rows while one more fits (for sorted rows, greedy is the fewest)."""
+    runs, s = [], 0
+    while s < len(lengths):
+        e = s + 1
+        while e < len(lengths) and (e + 1 - s) * lengths[s] <= cap:
+            e += 1
+        runs.append((s, e))
+        s = e
+    return runs
 
 
 def _left_pad(prompt_ids: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1739,6 +1739,7 @@ runs = json.loads(open(sys.argv[2]).read()) if sys.argv[1:2] == ["--runs"] else 
 if len(runs) > 1:
     group = train.init_distributed()
     train.init_distributed, train.dist.destroy_process_group = lambda: group, lambda: None
+{extra}
 code = 0
 for args in runs:
     code = code or train.main(args)
@@ -1795,9 +1796,10 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _run(tmp_path: Path, args: list[str], nproc: int = 1, check: str = _EVEN, head_dim: int = 16) -> None:
+def _run(tmp_path: Path, args: list[str], nproc: int = 1, check: str = _EVEN, head_dim: int = 16,
+         extra: str = "") -> None:
     runner = tmp_path / "runner.py"
-    runner.write_text(_RUNNER.format(root=str(ROOT), check=check, vocab=_TOY_VOCAB, head_dim=head_dim))
+    runner.write_text(_RUNNER.format(root=str(ROOT), check=check, vocab=_TOY_VOCAB, head_dim=head_dim, extra=extra))
     cmd = [sys.executable, str(runner)] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(runner)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -1843,7 +1845,7 @@ def test_train_torchrun_two_processes_match_one(tmp_path):
 
 def test_rollout_micro_batches_respect_the_token_budget():
     """Token-budget micro-batches: a partition of the rows, longest first; rows x longest row <= budget unless a
-    single row is longer; each takes as many rows as fit (one more would not)."""
+    single row is longer; as few micro-batches as the budget allows (greedy filling, one more row would not fit)."""
     g = torch.Generator().manual_seed(0)
     B, P, T = 40, 6, 30
     prompt_len, response_len = torch.randint(1, P + 1, (B,), generator=g), torch.randint(1, T + 1, (B,), generator=g)
@@ -1857,12 +1859,57 @@ def test_rollout_micro_batches_respect_the_token_budget():
         parts = [p.tolist() for p in batch.micro_batches(budget)]
         order = [i for p in parts for i in p]
         assert sorted(order) == list(range(B)) and [lengths[i] for i in order] == sorted(lengths, reverse=True)
-        for k, p in enumerate(parts):
-            longest = max(lengths[i] for i in p)
-            assert len(p) * longest <= budget or len(p) == 1
-            if k + 1 < len(parts):  # greedy: the next row would not have fit
-                assert (len(p) + 1) * longest > budget
+        for p in parts:
+            assert len(p) * max(lengths[i] for i in p) <= budget or len(p) == 1
+        srt, fewest, s = sorted(lengths, reverse=True), 0, 0
+        while s < B:  # the fewest: fill each micro-batch while one more row fits
+            e = s + 1
+            while e < B and (e + 1 - s) * srt[s] <= budget:
+                e += 1
+            fewest, s = fewest + 1, e
+        assert len(parts) == fewest
     assert len(batch.micro_batches(1)) == B and len(batch.micro_batches(10**6)) == 1
+
+
+def _rows_of_lengths(lengths: list[int]) -> Rollout:
+    """A Rollout whose rows have these prompt + response lengths (prompt 1 token, the rest response)."""
+    B, T = len(lengths), max(lengths)
+    response_mask = (torch.arange(T) < torch.tensor(lengths)[:, None] - 1).long()  # (B, T)
+    return Rollout(torch.zeros(B, 1, dtype=torch.long), torch.ones(B, 1, dtype=torch.long),
+                   torch.zeros(B, T, dtype=torch.long), response_mask, torch.zeros(B, T),
+                   torch.zeros(B, dtype=torch.bool))
+
+
+def test_rollout_micro_batches_agreed_count_is_balanced_and_within_budget():
+    """With agree(): exactly the agreed number of micro-batches (at least what the rows need), a partition of the
+    rows in length order, every micro-batch within the budget unless it is one over-long row, and the largest padded
+    size as small as any split of the sorted rows into that many consecutive runs allows (brute force)."""
+    import itertools
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        lengths = torch.randint(2, 40, (n,), generator=g).tolist()
+        batch = _rows_of_lengths(lengths)
+        budget = int(torch.randint(1, 120, (1,), generator=g))
+        need = len(batch.micro_batches(budget))
+        for count in range(need, n + 1):
+            parts = [p.tolist() for p in batch.micro_batches(budget, agree=lambda own: count)]
+            assert len(parts) == count and all(parts)
+            order = [i for p in parts for i in p]
+            assert sorted(order) == list(range(n)) and [lengths[i] for i in order] == sorted(lengths, reverse=True)
+            cost = [len(p) * max(lengths[i] for i in p) for p in parts]
+            assert all(c <= budget or len(p) == 1 for c, p in zip(cost, parts)), (lengths, budget, count, parts)
+            srt = sorted(lengths, reverse=True)
+            best = min(max((b - a) * srt[a] for a, b in zip((0, *cuts), (*cuts, n)))
+                       for cuts in itertools.combinations(range(1, n), count - 1)
+                       if all((b - a) * srt[a] <= budget or b - a == 1 for a, b in zip((0, *cuts), (*cuts, n))))
+            assert max(cost) == best, (lengths, budget, count, parts)
+    with pytest.raises(ValueError, match="cannot cut 3 rows into 4 micro-batches"):
+        _rows_of_lengths([5, 4, 3]).micro_batches(100, agree=lambda own: 4)
+    # a count below what the rows need would break the budget: refused
+    with pytest.raises(ValueError, match="cannot cut 3 rows into 1 micro-batches"):
+        _rows_of_lengths([5, 4, 3]).micro_batches(5, agree=lambda own: 1)
 
 
 def _varied_data(tmp_path: Path) -> str:
@@ -1909,19 +1956,43 @@ def test_train_token_budget_does_not_change_update(tmp_path, monkeypatch):
             assert pad[0] == 0 and 0 <= pad[1] < pad[2] < 0.9, pad  # one row each: no padding
 
 
+# runner code: every rank appends (its own micro-batch count, the agreed count) of each split to LOG/rank<R>
+_COUNT_LOG = """
+_all_max = train.all_max
+def _logged_max(value):
+    agreed = _all_max(value)
+    with open(os.path.join({log!r}, "rank" + os.environ.get("RANK", "0")), "a") as f:
+        f.write(f"{{value}} {{agreed}}\\n")
+    return agreed
+train.all_max = _logged_max
+"""
+
+
+def _counts(log: Path, rank: int) -> list[tuple[int, int]]:
+    return [tuple(map(int, line.split())) for line in (log / f"rank{rank}").read_text().splitlines()]
+
+
 def test_train_token_budget_two_processes_match_one(tmp_path, monkeypatch):
-    """torchrun 2 processes (gloo, FSDP2), every algorithm, budget 9 = 1 process with budget 1 (one row each)."""
+    """torchrun 2 processes (gloo, FSDP2), every algorithm, budgets 9 (one row each) and 24, at which the two ranks'
+    rows need different numbers of micro-batches (asserted from what each rank asked for): both make the larger count,
+    and train to the losses and parameters of 1 process with budget 1. (With each rank cutting its rows by its own
+    lengths, the ranks' FSDP all-gathers mismatched: gloo's 'Received data size doesn't match', a hang on NCCL.)"""
     _patch(monkeypatch, _EVEN)
     data = _varied_data(tmp_path)
     with _one_thread():
         for algo, flags in _EVERY_ALGO:
             assert train.main(_budget_args(data, tmp_path / f"one-{algo}", algo, flags, 1)) == 0
     runs = [_budget_args(data, tmp_path / f"two-{algo}-{budget}", algo, flags, budget)
-            for algo, flags in _EVERY_ALGO for budget in (9,)]
+            for algo, flags in _EVERY_ALGO for budget in (9, 24)]
     (tmp_path / "runs.json").write_text(json.dumps(runs))
-    _run(tmp_path, ["--runs", str(tmp_path / "runs.json")], nproc=2)
+    (tmp_path / "log").mkdir()
+    _run(tmp_path, ["--runs", str(tmp_path / "runs.json")], nproc=2, extra=_COUNT_LOG.format(log=str(tmp_path / "log")))
+    zero, one = _counts(tmp_path / "log", 0), _counts(tmp_path / "log", 1)
+    assert len(zero) == len(one) and all(a[1] == b[1] == max(a[0], b[0]) for a, b in zip(zero, one))
+    assert sum(a[0] != b[0] for a, b in zip(zero, one)) >= 5, (zero, one)  # the ranks needed different counts
     for algo, _ in _EVERY_ALGO:
-        _same_update(tmp_path / f"one-{algo}", tmp_path / f"two-{algo}-9")
+        for budget in (9, 24):
+            _same_update(tmp_path / f"one-{algo}", tmp_path / f"two-{algo}-{budget}")
 
 
 def test_train_resume_is_exact(tmp_path, monkeypatch, capsys):

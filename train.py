@@ -400,7 +400,7 @@ def token_stats(policy, batch: rollout.Rollout, cfg: Config, device):
     micro-batch without gradients."""
     outs = [torch.zeros(batch.response_ids.shape, device=batch.response_ids.device) for _ in range(3)]
     with torch.no_grad():
-        for idx in batch.micro_batches(cfg.max_tokens_per_micro_batch):
+        for idx in batch.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max):  # same count on every rank
             for full, part in zip(outs, policy_forward(policy, batch.select(idx), cfg, device)):
                 full[idx, :part.shape[1]] = part.float()
     return outs
@@ -429,6 +429,13 @@ def all_sum(*values: float) -> list[float]:
     t = torch.tensor([float(v) for v in values], dtype=torch.float64)
     dist.all_reduce(t)
     return t.tolist()
+
+
+def all_max(value: int) -> int:
+    """The largest of one integer over ranks (the micro-batch count every rank makes)."""
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
 
 
 def all_gather_cat(values: torch.Tensor) -> torch.Tensor:
@@ -576,7 +583,8 @@ def accumulate_gradients(policy, mb: rollout.Rollout, mb_old, mb_adv, weights, d
     rows are grouped. mb_old, mb_adv, weights, ref_logprobs (None without a KL term): (b, T). Adds token counts and
     token-weighted clip statistics to `sums`; returns (policy loss, KL term) of this rank."""
     loss_sum = kl_sum = 0.0
-    micro, lengths = mb.micro_batches(cfg.max_tokens_per_micro_batch), mb.lengths()  # lengths (b,)
+    micro = mb.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max)  # same count on every rank
+    lengths = mb.lengths()  # (b,)
     sums["fed_tokens"] += sum(len(mi) * lengths[mi].max().item() for mi in micro)  # padding included
     sums["real_tokens"] += lengths.sum().item()
     for mi in micro:
