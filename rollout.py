@@ -85,6 +85,10 @@ class Rollout:
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
 
+    def to(self, device) -> "Rollout":
+        """The same batch on `device` (an engine's batch -> the trainer's device)."""
+        return Rollout(*(getattr(self, f.name).to(device) for f in fields(self)))
+
     def select(self, idx) -> "Rollout":
         """The rows `idx` (an int list, slice, or index tensor), e.g. one micro-batch."""
         return Rollout(*(getattr(self, f.name)[idx] for f in fields(self)))

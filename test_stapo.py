@@ -2148,6 +2148,125 @@ def test_train_every_algorithm_runs(tmp_path, monkeypatch, algo, flags):
         assert m["loss/kl"] >= 0
 
 
+# ------------------------------------------------------------------ a second device, simulated on the CPU
+# CUDA-only crashes come from tensors of two devices meeting in one op (a CUDA output written into a CPU buffer). On a
+# CPU-only machine a second device is simulated: `OnOther` tensors hold CPU data but say they live on `meta`
+# (standing for an accelerator), factories asked for `meta` make them, and an op that mixes them with CPU tensors
+# raises as CUDA does (0-dim CPU tensors mix freely; copies and .to() cross; CPU index tensors may index them).
+_aten = torch.ops.aten
+_CROSSING = {_aten.copy_.default, _aten._to_copy.default, _aten._local_scalar_dense.default}
+_INDEXING = {_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default, _aten._index_put_impl_.default}
+_OTHER = torch.device("meta")
+
+
+class OnOther(torch.Tensor):
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(), dtype=data.dtype,
+                                                   device=_OTHER, requires_grad=data.requires_grad,
+                                                   storage_offset=data.storage_offset())
+
+    def __init__(self, data):
+        self.inner = data
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _second_device_op(func, args, kwargs or {})
+
+
+def _second_device_op(func, args, kwargs):
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    def where(x):
+        return "other" if isinstance(x, OnOther) else "cpu"
+
+    tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    if func in _INDEXING:  # self and values must agree; indices may be CPU tensors, not other-device ones of CPU self
+        if where(args[0]) == "cpu" and any(where(i) == "other" for i in args[1] if i is not None):
+            raise RuntimeError(f"{func}: indices on another device than the indexed CPU tensor")
+        tensors = [args[0], *(x for x in args[2:3] if isinstance(x, torch.Tensor))]
+    if func not in _CROSSING and len({where(x) for x in tensors if where(x) == "other" or x.dim() > 0}) > 1:
+        raise RuntimeError(f"Expected all tensors to be on the same device, but found the CPU and another ({func})")
+    device = kwargs.get("device")
+    kwargs = {k: torch.device("cpu") if k == "device" and v is not None and torch.device(v) == _OTHER else v
+              for k, v in kwargs.items()}
+    unwrap = lambda x: x.inner if isinstance(x, OnOther) else x  # noqa: E731
+    out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+    if func._schema.is_mutable:  # in place: its first argument
+        return args[0]
+    other = (torch.device(device) == _OTHER if device is not None else
+             func is not _aten._local_scalar_dense.default and any(where(x) == "other" for x in tensors))
+    return tree_map(lambda x: OnOther(x) if other and isinstance(x, torch.Tensor) else x, out)
+
+
+class _OtherDeviceOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return _second_device_op(func, args, kwargs or {})
+
+
+class _OtherDeviceData(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None and \
+                torch.device(kwargs["device"]) == _OTHER:  # these two bypass the dispatcher's factories
+            return OnOther(func(*args, **{**kwargs, "device": "cpu"}))
+        if func is torch.Tensor.tolist and isinstance(args[0], OnOther):  # a copy to the host, as on CUDA
+            return args[0].inner.tolist()
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def _SecondDevice():
+    """While active, tensors asked for on `meta` are OnOther tensors, and every op follows the rules above."""
+    with _OtherDeviceData(), _OtherDeviceOps():
+        yield
+
+
+def test_second_device_simulation_raises_like_cuda():
+    """The simulation itself: mixing fails where CUDA fails, and works where CUDA works."""
+    with _SecondDevice():
+        x = torch.arange(4.0, device=_OTHER)  # (4,) on the other device
+        assert isinstance(x, OnOther) and x.device == _OTHER and (x * 2).sum().item() == 12.0
+        cpu = torch.zeros(4)
+        for bad in (lambda: cpu + x, lambda: cpu.__setitem__(torch.tensor([0, 1]), x[:2]), lambda: torch.cat([cpu, x]),
+                    lambda: cpu[torch.tensor([0], device=_OTHER)], lambda: cpu[torch.zeros(4, device=_OTHER) > 0]):
+            with pytest.raises(RuntimeError):
+                bad()
+        assert x[torch.tensor([1, 2])].cpu().tolist() == [1.0, 2.0]  # CPU indices index another device's tensor
+        assert (x + torch.tensor(1.0)).cpu().tolist() == [1.0, 2.0, 3.0, 4.0]  # a 0-dim CPU tensor mixes
+        cpu.copy_(x)
+        assert cpu.tolist() == [0.0, 1.0, 2.0, 3.0] and not isinstance(x.cpu(), OnOther)
+
+
+class _CPUCopyEngine(rollout.PlainEngine):
+    """An engine with vLLM's contract: its own copy of the weights (pushed in `ready`), batches on the CPU."""
+
+    @contextmanager
+    def ready(self, policy):
+        self.lm.load_state_dict({k: v.cpu() for k, v in policy.lm.state_dict().items()})
+        yield self
+
+
+def test_train_policy_on_another_device_than_the_rollout_engine(tmp_path, monkeypatch):
+    """The policy on a second device, the rollout engine's batches on the CPU (as vLLM's are): a whole run (rollout,
+    pi_old and p/H passes, S2T, GRPO's reference model and KL, TIS, two updates, held-out evaluation, checkpoint,
+    export) makes no op that mixes devices. (token_stats wrote the policy's outputs into a buffer on the batch's device:
+    --rollout vllm crashed at step 1 on CUDA.)"""
+    _patch(monkeypatch, _EVEN)
+    start = train.init_distributed
+    monkeypatch.setattr(train, "init_distributed", lambda: (*start()[:2], _OTHER))
+    monkeypatch.setattr(train, "load_model", lambda name, device=None, **kw: (
+        tiny_model(vocab_size=_TOY_VOCAB)._apply(OnOther if device == _OTHER else lambda t: t), tiny_tokenizer()))
+    monkeypatch.setattr(rollout, "make_engine", lambda name, lm, tokenizer, chat, **kw: _CPUCopyEngine(
+        tiny_model(vocab_size=_TOY_VOCAB), rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, _TOY_VOCAB))
+    data = _varied_data(tmp_path)
+    with _one_thread(), _SecondDevice():
+        for algo, flags in [("stapo", {"tis_cap": 2.0}), ("grpo", {"kl_beta": 0.04})]:  # the others: stapo.py only
+            out = tmp_path / algo
+            assert train.main(_budget_args(data, out, algo, flags, 9) + ["--heldout", "2"]) == 0
+            assert _metrics(out)[0]["updates"] == 2 and (out / "hf" / "model.safetensors").is_file()
+
+
 # ===========================================================================================================
 
 

@@ -396,9 +396,9 @@ def policy_forward(policy, mb: rollout.Rollout, cfg: Config, device):
 
 
 def token_stats(policy, batch: rollout.Rollout, cfg: Config, device):
-    """(logprobs, entropy, collision), each (B, T) of the rollout's T, of the current policy, micro-batch by
-    micro-batch without gradients."""
-    outs = [torch.zeros(batch.response_ids.shape, device=batch.response_ids.device) for _ in range(3)]
+    """(logprobs, entropy, collision), each (B, T) of the rollout's T on `device`, of the current policy,
+    micro-batch by micro-batch without gradients."""
+    outs = [torch.zeros(batch.response_ids.shape, device=device) for _ in range(3)]
     with torch.no_grad():
         for idx in batch.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max):  # same count on every rank
             for full, part in zip(outs, policy_forward(policy, batch.select(idx), cfg, device)):
@@ -469,14 +469,14 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
     policy.eval()
     with engine.ready(policy):  # plain: parameters gathered; vllm: current weights pushed
         batch = engine.sample([prompts[i] for i in mine], G, seeds, chunk, cfg.max_response_len, cfg.temperature,
-                              cfg.top_p)
+                              cfg.top_p).to(device)  # the engine's device (vLLM: the CPU) -> the policy's
     # 2. Rewards and group advantages (groups never span ranks).
     texts = batch.texts(tokenizer)
     rewards = torch.tensor([reward.reward(text, rows[mine[i // G]]["answer"], cfg.reward)
                             for i, text in enumerate(texts)])  # (B,)
     samples = completions(step + 1, "train", texts, rewards.tolist(), [prompts[i] for i in mine], rows, mine, G,
                           tokenizer, cfg)
-    advantages = stapo.group_advantages(rewards, G).to(batch.logprobs.device)  # (B,)
+    advantages = stapo.group_advantages(rewards, G).to(device)  # (B,)
     adv = advantages[:, None].expand_as(batch.logprobs)  # (B, T): every token of y_i gets A_i
     mask = batch.response_mask.float()  # (B, T)
     # 3. pi_old log-probs, entropy and collision: one no-grad pass (= p and H of the first mini-batch).
