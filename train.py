@@ -61,7 +61,8 @@ import rollout
 import s2t
 import stapo
 from eval import parse_flags
-from model import Policy, lm_vocab_size, load_model, memory_estimate, memory_line, save_hf, shard_policy
+from model import (Policy, from_rank0, lm_vocab_size, load_model, memory_estimate, memory_line, save_hf,
+                   shard_policy)
 
 
 @dataclass
@@ -773,7 +774,11 @@ def setup(cfg: Config, rank: int, world: int, device):
         raise ImportError(f"--logger {cfg.logger} needs the {LOGGERS[cfg.logger]} package: pip install "
                           f"{LOGGERS[cfg.logger]}")
     train_rows, test_rows = load_rows(cfg)
-    lm, tokenizer = load_model(cfg.model, device=device)
+    # one process: read onto its device; several: read once on rank 0, the others build it on the meta device and
+    # receive their shards of the weights from rank 0 in shard_policy (model.from_rank0)
+    load = (lambda: load_model(cfg.model, device=device)) if world == 1 else (lambda: from_rank0(
+        lambda: load_model(cfg.model)))
+    lm, tokenizer = load()
     if cfg.chat and not tokenizer.chat_template:
         raise ValueError(f"the tokenizer of {cfg.model!r} has no chat template; use --no-chat")
     train_prompts, test_prompts = ([rollout.format_prompt(tokenizer, r["problem"], cfg.chat, cfg.instruction)
@@ -799,13 +804,13 @@ def setup(cfg: Config, rank: int, world: int, device):
         if cfg.grad_checkpointing:
             model_lm.gradient_checkpointing_enable({"use_reentrant": False})
         if cfg.fsdp:  # in_effect: on with several processes or CUDA
-            shard_policy(policy, mixed_precision=cfg.mixed_precision)
+            shard_policy(policy, mixed_precision=cfg.mixed_precision, from_rank0=world > 1, device=device)
         return policy
 
     policy = make_policy(lm)
     ref_policy = None
     if cfg.algo == "grpo" and cfg.kl_beta > 0:
-        ref_policy = make_policy(load_model(cfg.model, device=device)[0]).requires_grad_(False)
+        ref_policy = make_policy(load()[0]).requires_grad_(False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     # lr: linear warm-up over warmup_steps optimizer steps, then constant
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
