@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import datetime
 import inspect
 import json
 import math
@@ -329,6 +330,11 @@ class Config:
     """path of an existing results.json: re-grade its samples, rewrite it and table.md next to it, sample nothing"""
     rollout: str = "plain"
     """plain | vllm: sampling engine (vllm: a vLLM engine in this process, fed with the loaded weights; README)"""
+    kv_cache_gb: float = 40.0
+    """KV-cache budget per rank in GB (worst case: every row at the longest prompt + --max-new-tokens): bounds the
+    problems per generate call below --batch-size, and is vLLM's KV cache"""
+    collective_timeout_min: float = 60.0
+    """with torchrun: minutes a rank waits for the others at the gather after each benchmark"""
 
 
 # eval.py field <- the train.py config.json field it takes its default from (how the run formats and samples)
@@ -406,11 +412,14 @@ def parse_config(argv: list[str] | None = None) -> Config:
         raise FileNotFoundError(f"--data-dir {cfg.data_dir}: no such folder")
     for name, rule in (("temperature", cfg.temperature > 0), ("top_p", 0 < cfg.top_p <= 1),
                        ("k", cfg.k is None or cfg.k >= 1), ("max_new_tokens", cfg.max_new_tokens >= 1),
-                       ("limit", cfg.limit is None or cfg.limit >= 1), ("batch_size", cfg.batch_size >= 1)):
+                       ("limit", cfg.limit is None or cfg.limit >= 1), ("batch_size", cfg.batch_size >= 1),
+                       ("kv_cache_gb", cfg.kv_cache_gb > 0), ("collective_timeout_min", cfg.collective_timeout_min > 0)):
         if not rule:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is out of range")
     if not cfg.benchmarks and not cfg.data:
         raise ValueError("nothing to evaluate: no --benchmarks and no --data")
+    if cfg.rollout not in ("plain", "vllm"):
+        raise ValueError(f"unknown --rollout {cfg.rollout!r}; valid: plain, vllm")
     return cfg
 
 
@@ -449,13 +458,10 @@ def _joined(answer: str | list[str]) -> str:
 
 
 # --------------------------------------------------------------------------------------------------- evaluation
-def evaluate_model(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, world: int = 1,
-                   device: str = "cpu"):
-    """Sample k answers per problem on this rank's share of every set, grade them, gather to rank 0.
-    Yields (set name, {"k", "temperature", "top_p", "metrics", "problems": [...]}) after each set on rank 0
-    (None on the other ranks)."""
+def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, device: str = "cpu"):
+    """(engine, lm, tokenizer, problems per generate call of each set) for the checkpoint `name`: the model loaded,
+    its KV-cache budget applied, its rollout engine made (raises on a checkpoint that cannot load or sample here)."""
     import torch
-    from tqdm import tqdm
 
     import model as model_lib
     import rollout
@@ -465,19 +471,42 @@ def evaluate_model(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0,
     lm.eval()
     longest = max(len(rollout.format_prompt(tokenizer, r["problem"], cfg.chat, cfg.instruction))
                   for s in sets.values() for r in s["rows"]) + cfg.max_new_tokens
-    engine = rollout.make_engine(  # vLLM's KV cache: one call's rows at full length
-        cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest, dtype=lm.dtype,
-        kv_cache_memory_bytes=rollout.kv_cache_bytes(lm.config, cfg.batch_size, longest, lm.dtype.itemsize))
+    # problems per generate call: --batch-size rows, fewer where their worst-case KV cache would exceed
+    # --kv-cache-gb, but at least one problem's k rows (the plain sampler holds them at once; vLLM queues what does
+    # not fit its KV cache of at most --kv-cache-gb)
+    row_bytes, budget = rollout.kv_cache_bytes(lm.config, 1, longest, lm.dtype.itemsize), int(cfg.kv_cache_gb * 1e9)
+    per_call = {b: max(1, min(cfg.batch_size, budget // row_bytes) // s["k"]) for b, s in sets.items()}
+    need = max(per_call[b] * s["k"] for b, s in sets.items()) * row_bytes  # the largest call, every row at its longest
+    if rank == 0:
+        calls = ", ".join(f"{b} {per_call[b]} x {s['k']}" for b, s in sets.items())
+        kv = min(need, budget) if cfg.rollout == "vllm" else need
+        over = "; one problem's k rows exceed it" if need > budget else ""
+        print(f"eval.py: {name}: problems x samples per generate call: {calls}; KV cache at most {kv / 1e9:.2f} GB "
+              f"per rank (--kv-cache-gb {cfg.kv_cache_gb:g}{over})", flush=True)
+    engine = rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest, dtype=lm.dtype,
+                                 kv_cache_memory_bytes=max(min(need, budget), row_bytes))
+    return engine, lm, tokenizer, per_call
+
+
+def evaluate_model(engine, lm, tokenizer, per_call: dict[str, int], name: str, cfg: Config, sets: dict[str, dict],
+                   rank: int = 0, world: int = 1):
+    """Sample k answers per problem on this rank's share of every set, grade them, gather to rank 0; closes the
+    engine at the end. Yields (set name, {"k", "temperature", "top_p", "metrics", "problems": [...]}) after each
+    set on rank 0 (None on the other ranks)."""
+    import torch
+    from tqdm import tqdm
+
+    import rollout
+
     bar = tqdm(total=sum(len(s["rows"][rank::world]) for s in sets.values()), desc=f"{name} (rank 0 of {world})",
                disable=rank != 0)
     with engine.ready(lm):  # vllm: the weights are pushed once, for every set
         for b, s in sets.items():
             k, rows = s["k"], s["rows"]
             mine = list(range(rank, len(rows), world))  # round-robin split of the problems over the ranks
-            per_call = max(1, cfg.batch_size // k)
             problems = []
-            for start in range(0, len(mine), per_call):
-                idx = mine[start: start + per_call]
+            for start in range(0, len(mine), per_call[b]):
+                idx = mine[start: start + per_call[b]]
                 prompts = [rollout.format_prompt(tokenizer, rows[i]["problem"], cfg.chat, cfg.instruction)
                            for i in idx]
                 with torch.no_grad():  # rows j*k .. j*k+k-1 answer problem idx[j] (difference 5: the seed)
@@ -504,6 +533,17 @@ def evaluate_model(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0,
     engine.close()
 
 
+BAD_INPUT = (FileNotFoundError, ValueError, KeyError, ImportError, OSError)  # what bad inputs raise
+
+
+def fail(error: Exception, rank: int):
+    """A bad input: one line on rank 0 (the error's first line), exit status 2."""
+    if rank == 0:
+        text = str(error).strip()
+        print(f"eval.py: error: {text.splitlines()[0] if text else type(error).__name__}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     rank = int(os.environ.get("RANK", 0))
     try:  # every input is checked before a model loads: one line, exit status 2, nothing written
@@ -515,11 +555,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             import model
             for spec in cfg.models:
                 model.check_model_name(_label_name(spec)[1])
-    except (FileNotFoundError, ValueError, KeyError, ImportError, OSError) as e:
-        if rank == 0:
-            print(f"eval.py: error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
-                  file=sys.stderr)
-        raise SystemExit(2)
+    except BAD_INPUT as e:
+        fail(e, rank)
     if cfg.regrade:
         write_outputs(results, Path(cfg.regrade).parent)
         print(table(results))
@@ -538,13 +575,18 @@ def main(argv: list[str] | None = None) -> dict | None:
     if torch.cuda.is_available():
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         torch.cuda.set_device(device)
-    if world > 1:
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    if world > 1:  # as train.py: NCCL for CUDA tensors, gloo for CPU ones (the object gathers)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo",
+                                timeout=datetime.timedelta(minutes=cfg.collective_timeout_min))
     results = {"config": asdict(cfg), "models": {}}
     for spec in cfg.models:
         label, name = _label_name(spec)
         results["models"][label] = {"name": name, "benchmarks": {}}
-        for b, got in evaluate_model(name, cfg, sets, rank, world, device):
+        try:  # a checkpoint without weights or config, or one vLLM refuses: one line too
+            opened = open_engine(name, cfg, sets, rank, device)
+        except BAD_INPUT as e:
+            fail(e, rank)
+        for b, got in evaluate_model(*opened, name, cfg, sets, rank, world):
             if rank == 0:
                 results["models"][label]["benchmarks"][b] = got
                 write_outputs(results, cfg.out)  # after every benchmark, so a long run keeps what it has

@@ -1611,6 +1611,31 @@ def test_eval_end_to_end_tiny_and_regrade(tmp_path):
     assert cells[1] == cells[3] == "16.67"  # table.md rewritten: MATH500 and Avg (= MATH500 only)
 
 
+def test_eval_kv_cache_budget_bounds_every_call(tmp_path, monkeypatch, capsys):
+    """--kv-cache-gb bounds the rows of every generate call (at their longest) and the engine's KV cache, as in
+    train.py. (eval.py gave vLLM --batch-size rows at full length: ~141 GiB for Qwen3-1.7B at k = 32 and 20k tokens,
+    more than an H200 has.)"""
+    made, calls = {}, []
+
+    class Recording(rollout.PlainEngine):
+        def sample(self, prompts, group_size, *args):
+            calls.append(len(prompts) * group_size)
+            return super().sample(prompts, group_size, *args)
+
+    def make_engine(name, lm, tokenizer, chat, **kwargs):
+        made.update(kwargs, row=rollout.kv_cache_bytes(lm.config, 1, kwargs["max_model_len"], 4))
+        return Recording(lm, rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, _REAL_VOCAB)
+
+    monkeypatch.setattr(rollout, "make_engine", make_engine)
+    _run_tiny(tmp_path)  # --batch-size 4: 2 problems x k 2 per call
+    assert calls == [4, 2] * 2 and made["kv_cache_memory_bytes"] == 4 * made["row"], calls
+    calls.clear()
+    budget = 3.5 * made["row"]  # bytes: 3 rows at the longest prompt + 6 new tokens
+    _run_tiny(tmp_path, ["--kv-cache-gb", str(budget / 1e9)])
+    assert calls == [2] * 6 and made["kv_cache_memory_bytes"] == 2 * made["row"] <= budget, calls  # 1 x k 2
+    assert "problems x samples per generate call: gsm8k 1 x 2, math500 1 x 2" in capsys.readouterr().out
+
+
 def test_eval_torchrun_two_ranks_gather_in_order(tmp_path):
     """2 processes (gloo): the problems are split round-robin and gathered to rank 0 in the original order, and the
     process group is really torn down (its gloo threads once outlived destroy_process_group, because torch's FSDP
@@ -1774,7 +1799,7 @@ train.load_model = lambda name, **kw: (model.tiny_model(vocab_size={vocab}, head
 runs = json.loads(open(sys.argv[2]).read()) if sys.argv[1:2] == ["--runs"] else [sys.argv[1:]]
 if len(runs) > 1:
     group = train.init_distributed()
-    train.init_distributed, train.dist.destroy_process_group = lambda: group, lambda: None
+    train.init_distributed, train.dist.destroy_process_group = lambda timeout_min=60: group, lambda: None
 {extra}
 code = 0
 for args in runs:
@@ -2322,7 +2347,7 @@ def test_train_policy_on_another_device_than_the_rollout_engine(tmp_path, monkey
     --rollout vllm crashed at step 1 on CUDA.)"""
     _patch(monkeypatch, _EVEN)
     start = train.init_distributed
-    monkeypatch.setattr(train, "init_distributed", lambda: (*start()[:2], _OTHER))
+    monkeypatch.setattr(train, "init_distributed", lambda timeout_min=60: (*start()[:2], _OTHER))
     monkeypatch.setattr(train, "load_model", lambda name, device=None, **kw: (
         tiny_model(vocab_size=_TOY_VOCAB)._apply(OnOther if device == _OTHER else lambda t: t), tiny_tokenizer()))
     monkeypatch.setattr(rollout, "make_engine", lambda name, lm, tokenizer, chat, **kw: _CPUCopyEngine(
@@ -2587,6 +2612,22 @@ def test_train_flags_without_effect_warn_and_config_records_what_ran(tmp_path, m
     assert (config["mixed_precision"], config["fsdp"], config["kl_beta"]) == (False, True, 0.0)
 
 
+def test_train_rollout_auto_is_vllm_on_cuda_when_installed(monkeypatch, capsys):
+    """--rollout auto (the default): vLLM on CUDA when it is installed; the plain sampler without CUDA, or on CUDA
+    without vLLM (one note line); config.json records the engine chosen."""
+    from importlib.util import find_spec
+
+    cfg = train.Config()
+    assert cfg.rollout == "auto" and train.in_effect(cfg, {}, cuda=False, world=1).rollout == "plain"
+    assert train.in_effect(cfg, {}, cuda=True, world=1).rollout == ("vllm" if find_spec("vllm") else "plain")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "vllm" else find_spec(name))
+    capsys.readouterr()
+    assert train.in_effect(cfg, {}, cuda=True, world=1).rollout == "plain"
+    note = capsys.readouterr().err.strip().splitlines()
+    assert len(note) == 1 and note[0].startswith("train.py: note: --rollout auto samples with the plain sampler")
+    assert train.in_effect(train.replace(cfg, rollout="plain"), {}, cuda=True, world=1).rollout == "plain"
+
+
 def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
     """samples.jsonl: --samples-per-step completions per step and per held-out evaluation, each with the prompt the
     model saw and the reward it got; the console: eval lines on their own, "1 step", a final line naming outputs."""
@@ -2679,6 +2720,74 @@ def test_default_path_does_not_import_vllm():
             "e.sample([[1, 2, 3]], 2, [0], 1, 4, 1.0, 1.0); assert 'vllm' not in sys.modules") % str(ROOT)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_vllm_memory_share_passes_vllms_startup_check():
+    """vLLM 0.32's GPU worker refuses to start unless free >= ceil(total x gpu_memory_utilization)."""
+    GiB = 2**30
+    for free, total in ((60 * GiB, 140 * GiB), (139 * GiB, 140 * GiB), (int(1.5 * GiB), 80 * GiB), (7 * GiB, 8 * GiB)):
+        share = rollout.vllm_memory_share(free, total)
+        assert 0 < share <= 0.9 and math.ceil(total * share) <= free
+        assert share >= min(0.9, (free - 2 * GiB) / total) - 0.01  # not much below what is free
+    assert rollout.vllm_memory_share(60 * GiB, 140 * GiB) == 0.42
+
+
+class _RecordingLLM:
+    """A stand-in for vllm.LLM that records what the engine asks of it (the CUDA path cannot run here)."""
+    calls: list = []
+
+    def __init__(self, **kwargs):
+        self.calls.append(("LLM", kwargs))
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+    def collective_rpc(self, method, kwargs):
+        self.calls.append((method, sorted({t.dtype for _, t in kwargs["weights_iterator"]}, key=str)))
+
+
+def test_vllm_engine_cuda_path_order_and_settings(monkeypatch):
+    """VLLMEngine as it runs on CUDA, against a recording vllm.LLM: CUDA graphs on (enforce_eager False), the
+    gpu_memory_utilization that fits the free memory (printed), sleep mode level 2 after start, and each rollout phase
+    as in TRL and verl: empty the trainer's cache, wake the weights, push them cast to the engine's bf16, empty the
+    cache, wake the KV cache; sleep level 2 after."""
+    import types
+
+    events = []
+    _RecordingLLM.calls = events
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=_RecordingLLM))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append(("empty_cache",)))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (60 * 2**30, 140 * 2**30))
+    lm, tok = tiny_model(), tiny_tokenizer()  # head_dim 16: refused on CPU only
+    engine = rollout.VLLMEngine(lm, 2, 0, _REAL_VOCAB, max_model_len=64, kv_cache_memory_bytes=10**9,
+                                dtype=torch.bfloat16)
+    (_, kwargs), *rest = [e for e in events if e[0] != "empty_cache"]
+    assert kwargs["enforce_eager"] is False and kwargs["enable_sleep_mode"] is True
+    assert kwargs["gpu_memory_utilization"] == 0.42 and kwargs["kv_cache_memory_bytes"] == 10**9
+    assert rest == [("sleep", 2)]
+    events.clear()
+    with engine.ready(Policy(lm)):
+        events.append(("rollout",))
+    assert events == [("empty_cache",), ("wake_up", ["weights"]), ("reload_weights", [torch.bfloat16]),
+                      ("empty_cache",), ("wake_up", ["kv_cache"]), ("rollout",), ("sleep", 2)]
+    engine.dir.cleanup()
+
+
+def test_vllm_cpu_head_dim_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """--model tiny --rollout vllm on CPU: one line naming tiny64, before vLLM is imported (it failed in its C++
+    attention kernel at the first request, a 60-line traceback)."""
+    with pytest.raises(ValueError, match="head_dim 16.*tiny64"):
+        rollout.VLLMEngine(tiny_model(), 2, 0, _REAL_VOCAB, max_model_len=64, kv_cache_memory_bytes=10**8,
+                           dtype=torch.float32)
+    _patch(monkeypatch, _EVEN)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importing it would fail the test
+    assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", rollout="vllm")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "head_dim 16" in err[0] and "tiny64" in err[0], err
 
 
 _VLLM_FLAGS = dict(model="tiny64", rollout="vllm", rollout_chunk=1, max_response_len=6)

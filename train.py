@@ -40,6 +40,7 @@ Deliberate differences from the paper's veRL setup:
 9. Outputs: steps count from 1 in every file, the console and checkpoint/step_N; every run checkpoints its last
    step, so it can be resumed; config.json records the values in effect (a given flag without effect warns).
 """
+import datetime
 import importlib.util
 import json
 import math
@@ -132,14 +133,18 @@ class Config:
     """sampling temperature (also divides the logits of the training forward)"""
     top_p: float = 1.0
     """nucleus sampling"""
-    rollout: str = "plain"
-    """plain | vllm: rollout engine (vllm: a colocated vLLM engine fed with the policy's weights; README)"""
+    rollout: str = "auto"
+    """auto | plain | vllm: rollout engine (vllm: a colocated vLLM engine fed with the policy's weights; README);
+    auto = vllm on CUDA when vllm is installed, else plain (config.json records which)"""
     kv_cache_gb: float = 40.0
     """KV-cache budget per rank in GB (worst case: every row at max prompt + response length): bounds the plain
     sampler's prompts per generate call (--rollout-chunk 0) and is vLLM's KV cache (at most what the rollout needs)"""
     rollout_chunk: int = 0
     """prompts per generate call on each rank (0 = the most that fit --kv-cache-gb); 1 makes rollouts independent of
     the number of ranks"""
+    collective_timeout_min: float = 60.0
+    """minutes a rank waits in a collective for the others before the run fails (ranks whose rollouts are longer
+    finish later; NCCL's default is 10)"""
     tis_cap: float | None = None
     """truncated importance sampling: weight tokens by min(pi_old / pi_sampler, cap) (e.g. 2 with --rollout vllm);
     default off"""
@@ -222,8 +227,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
     cfg = Config(**values)
     if cfg.algo not in stapo.ALGORITHMS:
         raise ValueError(f"unknown --algo {cfg.algo!r}; valid: {', '.join(stapo.ALGORITHMS)}")
-    if cfg.rollout not in ("plain", "vllm"):
-        raise ValueError(f"unknown --rollout {cfg.rollout!r}; valid: plain, vllm")
+    if cfg.rollout not in ("auto", "plain", "vllm"):
+        raise ValueError(f"unknown --rollout {cfg.rollout!r}; valid: auto, plain, vllm")
     for name, low in _AT_LEAST.items():
         if getattr(cfg, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(cfg, name)})")
@@ -233,6 +238,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
                            ("quantile", 0 <= cfg.quantile <= 1, "in [0, 1]"), ("grad_clip", cfg.grad_clip > 0, "> 0"),
                            ("dual_clip", cfg.dual_clip is None or cfg.dual_clip > 1, "> 1"),
                            ("kv_cache_gb", cfg.kv_cache_gb > 0, "> 0"),
+                           ("collective_timeout_min", cfg.collective_timeout_min > 0, "> 0"),
                            ("tis_cap", cfg.tis_cap is None or cfg.tis_cap > 0, "> 0")):
         if not ok:
             raise ValueError(f"--{name.replace('_', '-')} must be {rule} (got {getattr(cfg, name)})")
@@ -256,7 +262,15 @@ _AT_LEAST = dict(steps=1, prompts_per_step=1, group_size=2, mini_batch_prompts=1
 def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> Config:
     """The config the run actually uses, which config.json records: a flag given on the command line that has no
     effect on this machine or with these settings prints one warning line (rank 0) and is stored as in effect."""
-    effective = {"fsdp": cfg.fsdp or world > 1 or cuda, "mixed_precision": cfg.mixed_precision and cuda,
+    rollout_engine = cfg.rollout
+    if cfg.rollout == "auto":  # vLLM where it pays (CUDA) and is installed
+        rollout_engine = "vllm" if cuda and importlib.util.find_spec("vllm") is not None else "plain"
+        if cuda and rollout_engine == "plain" and int(os.environ.get("RANK", 0)) == 0:
+            print("train.py: note: --rollout auto samples with the plain sampler, since vllm is not installed (pip "
+                  "install vllm==0.32.0: far faster at the paper's lengths; README, Rollouts)", file=sys.stderr,
+                  flush=True)
+    effective = {"rollout": rollout_engine,
+                 "fsdp": cfg.fsdp or world > 1 or cuda, "mixed_precision": cfg.mixed_precision and cuda,
                  "kl_beta": cfg.kl_beta if cfg.algo == "grpo" else 0.0, "heldout": cfg.heldout if cfg.data else 0,
                  "eval_every": cfg.eval_every if (not cfg.data or cfg.heldout) and cfg.eval_samples else 0}
     why = {"mixed_precision": "without CUDA (compute is fp32)", "kl_beta": f"with --algo {cfg.algo} (GRPO only)",
@@ -408,13 +422,14 @@ def token_stats(policy, batch: rollout.Rollout, cfg: Config, device):
 
 
 # ------------------------------------------------------------------------------------------- distributed
-def init_distributed() -> tuple[int, int, torch.device]:
+def init_distributed(timeout_min: float = 60.0) -> tuple[int, int, torch.device]:
     """(rank, world size, device). Under torchrun: the env:// process group (NCCL for CUDA tensors, gloo for CPU
-    ones); as a plain process: a 1-process group, so the code below has no single-process branches."""
+    ones), whose collectives wait `timeout_min` minutes for the slowest rank; as a plain process: a 1-process group,
+    so the code below has no single-process branches."""
     cuda = torch.cuda.is_available()
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     if "RANK" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_min))
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -929,7 +944,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = 0
     try:
         cfg = parse_config(argv)
-        rank, world, device = init_distributed()
+        rank, world, device = init_distributed(cfg.collective_timeout_min)
         state = setup(cfg, rank, world, device)
     except (FileNotFoundError, ValueError, KeyError, ImportError, OSError) as e:  # bad inputs: one line, no trace
         if rank == 0:
