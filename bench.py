@@ -757,7 +757,7 @@ def bench_gpu(smoke=False, out=None):
     rows = []
     cfg = train.Config(preset="paper", model=model_dir, data=str(data), prompt_key="prompt", answer_key="answer",
                        instruction="", chat=False, grad_checkpointing=True, fsdp=True, warmup_steps=0, save_every=0,
-                       out_dir=str(work / "train"))
+                       rollout="plain", out_dir=str(work / "train"))
     train.init_distributed()
     try:
         state = train.setup(cfg, 0, 1, device)  # load_model(dir), Policy, gradient checkpointing, FSDP2, AdamW

@@ -414,6 +414,11 @@ class VLLMEngine:
         config = lm.config.__class__.from_dict(lm.config.to_dict())
         config.architectures = [type(lm).__name__]
         config.save_pretrained(self.dir.name)
+        # vLLM refuses a KV cache below one max_model_len sequence in whole blocks plus its reserved null block
+        # (blocks of 128 tokens on CPU, 16 on CUDA): give it at least that
+        block = 128 if not self.cuda else 16
+        kv_cache_memory_bytes = max(kv_cache_memory_bytes, kv_cache_bytes(
+            lm.config, 1, (math.ceil(max_model_len / block) + 1) * block, dtype.itemsize))
         memory = {}
         if self.cuda:
             torch.cuda.empty_cache()

@@ -2818,16 +2818,24 @@ def test_train_vllm_logprob_diff_and_resume(tmp_path, monkeypatch):
 @needs_vllm
 def test_train_vllm_torchrun_two_processes_match_one(tmp_path):
     """torchrun 2 ranks (gloo, FSDP2, one vLLM engine per rank, weights gathered with full_tensor and pushed) =
-    1 process: the same rollouts (rollout-chunk 1 seeds are rank-independent), losses and gradient norm."""
-    data = _toy_data(tmp_path)
-    flags = dict(_VLLM_FLAGS, steps=2, export_hf=False)
+    1 process: the same rollouts (rollout-chunk 1 seeds are rank-independent), losses and gradient norm; with ranks
+    whose data differ: prompts of several lengths, a token budget at which their micro-batch counts differ, and one
+    held-out problem (one rank samples none while the other calls vLLM)."""
+    data = _varied_data(tmp_path)
+    flags = dict(_VLLM_FLAGS, steps=2, export_hf=False, max_tokens_per_micro_batch=20, heldout=1, max_response_len=8)
+    (tmp_path / "log").mkdir()
     _run(tmp_path, _toy_args(data, tmp_path / "one", **flags), head_dim=64)
-    _run(tmp_path, _toy_args(data, tmp_path / "two", **flags), nproc=2, head_dim=64)
+    _run(tmp_path, _toy_args(data, tmp_path / "two", **flags), nproc=2, head_dim=64,
+         extra=_COUNT_LOG.format(log=str(tmp_path / "log")))
+    assert any(a[0] != b[0] for a, b in zip(_counts(tmp_path / "log", 0), _counts(tmp_path / "log", 1)))
     one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
     assert sum(m["updates"] for m in one) > 0
     for a, b in zip(one, two):  # step 1 samples from the updated weights: the push happened on both ranks
         for key in ("reward/mean", "response/len_mean", "loss/policy", "grad_norm", "rollout/logprob_diff"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    evals = [[json.loads(x) for x in (tmp_path / run / "eval.jsonl").read_text().splitlines()] for run in ("one", "two")]
+    assert [e["eval/n"] for e in evals[1]] == [4, 4]
+    assert [e["eval/acc"] for e in evals[0]] == pytest.approx([e["eval/acc"] for e in evals[1]])
 
 
 @needs_vllm
@@ -2846,6 +2854,28 @@ def test_eval_vllm_engine_end_to_end(tmp_path):
         assert [len(p["samples"]) for p in got["problems"]] == [2, 2, 2]
         assert all(0 < s["length"] <= 6 for p in got["problems"] for s in p["samples"])
     assert results["plain"]["metrics"].keys() == results["vllm"]["metrics"].keys()
+
+
+@needs_vllm
+def test_eval_vllm_two_ranks_with_unequal_shares(tmp_path):
+    """torchrun 2 ranks, a vLLM engine each, 3 problems and one problem per generate call: rank 0 makes two
+    generate calls and rank 1 one (nothing in vLLM's calls may wait for the other rank); the gathered results equal
+    1 process's in the original order."""
+    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps({"question": q, "answer": f"#### {a}"}) + "\n"
+                                                  for q, a in [("1+1", 2), ("2+3", 5), ("4+4", 8)]))
+    args = ["--models", "tiny64", "--benchmarks", "gsm8k", "--data-dir", str(tmp_path), "--k", "2",
+            "--max-new-tokens", "6", "--batch-size", "2", "--rollout", "vllm", "--temperature", "1.0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for nproc in (2, 1):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc_per_node={nproc}", "eval.py", *args, "--out", str(tmp_path / str(nproc))],
+                              capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [json.loads((tmp_path / n / "results.json").read_text())["models"]["tiny64"]["benchmarks"]["gsm8k"]
+           for n in ("1", "2")]
+    assert [p["index"] for p in got[1]["problems"]] == [0, 1, 2]
+    assert [[s["length"] for s in p["samples"]] for p in got[1]["problems"]][0] == \
+        [s["length"] for s in got[0]["problems"][0]["samples"]]  # problem 0: rank 0's first call, seed + 0 both
 
 
 @pytest.fixture(scope="module")
