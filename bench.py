@@ -1006,8 +1006,178 @@ def bench_train_step(steps=4):
         print(f"| {engine} | {roll:.2f} | {upd:.2f} | {roll + upd:.2f} | {ratio:.2f}x | {diff:.1e} |")
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# `python bench.py flops`: the update's achieved FLOP rate against matmuls of the model's own shapes
+def _forward_flops(config, lengths: list[int], responses: list[int]) -> float:
+    """FLOPs of one forward of `model.Policy` over rows of `lengths` real tokens (prompt + response), `responses`
+    response tokens each: 2 per weight and token in the decoder layers (every real token), causal attention
+    (QK^T and PV over each row's l (l + 1) / 2 token pairs), the LM head (2 V D) on response tokens only. Padding,
+    recomputation and elementwise work are not counted: this is the work the update needs."""
+    D, I, layers, V = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    H, KV = config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or D // H
+    per_token = layers * 2 * (2 * D * H * hd + 2 * D * KV * hd + 3 * D * I)  # q and o; k and v; gate, up, down
+    attention = layers * 4 * H * hd * sum(n * (n + 1) / 2 for n in lengths)
+    return per_token * sum(lengths) + attention + 2 * V * D * sum(responses)
+
+
+def _shape_matmul_rate(config, tokens: int, reps: int = 3) -> float:
+    """FLOP/s of the matmuls of one training pass of the model's own shapes at `tokens` tokens: every decoder
+    weight's forward (x W^T) and backward (dx, dW), and the LM head's, timed here (best of `reps`)."""
+    D, I = config.hidden_size, config.intermediate_size
+    H, KV = config.num_attention_heads, config.num_key_value_heads
+    hd = getattr(config, "head_dim", None) or D // H
+    shapes = [(H * hd, D), (KV * hd, D), (KV * hd, D), (D, H * hd), (I, D), (I, D), (D, I), (config.vocab_size, D)]
+    x = {n: torch.randn(tokens, n) for n in {D, H * hd, I}}
+    weights = [torch.randn(out, inp) for out, inp in shapes]
+    grads = [torch.randn(tokens, out) for out, _ in shapes]
+
+    def one_pass():
+        for (out, inp), w, g in zip(shapes, weights, grads):
+            _ = x[inp] @ w.T, g @ w, g.T @ x[inp]  # forward, input gradient, weight gradient
+    one_pass()
+    seconds = _best(one_pass, reps)[0]
+    return sum(3 * 2 * tokens * out * inp for out, inp in shapes) / seconds
+
+
+class _CachedEngine:
+    """A rollout engine that samples once and returns that batch at every later call (the same work each time)."""
+    name = "cached"
+
+    def __init__(self, engine, batch=None):
+        self.engine, self.batch = engine, batch
+
+    def ready(self, policy):
+        return self.engine.ready(policy)
+
+    def sample(self, *args):
+        self.batch = self.batch if self.batch is not None else self.engine.sample(*args)
+        return self.batch
+
+    def close(self):
+        self.engine.close()
+
+
+def _long_tail_batch(tokenizer, rows: int = 128, cap: int = 256, seed: int = 0) -> Rollout:
+    """A synthetic rollout batch with the length mix of math RL at a laptop's scale: prompts of the built-in task
+    (~12 tokens), responses lognormal with median ~20 tokens and a tail to `cap`; random token ids (timing only)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [format_prompt(tokenizer, f"What is {i % 10} + {i * 7 % 10}?", False, "The answer is")
+               for i in range(rows)]
+    response = (torch.randn(rows, generator=g) * 1.0 + 3.0).exp().clamp(2, cap).long()  # (B,) median ~20
+    ids, mask = rollout._left_pad(prompts, tokenizer.pad_token_id)
+    T = int(response.max())
+    response_mask = (torch.arange(T) < response[:, None]).long()  # (B, T)
+    return Rollout(ids, mask, torch.randint(3, len(tokenizer), (rows, T), generator=g) * response_mask,
+                   response_mask, torch.zeros(rows, T), response == cap)
+
+
+def _update_profile(run_step) -> dict[str, float]:
+    """Seconds of one `run_step()` by part, from the PyTorch profiler: the LM head (forward and backward, chunked
+    softmax statistics included), attention (SDPA forward and backward), the optimizer, gradient clipping, host
+    syncs (.item() / .tolist(): aten::_local_scalar_dense), and the rest of the forward/backward (the backbone)."""
+    from unittest import mock
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    head = model._ChunkedHead
+
+    def marked(label, fn):
+        def call(*args, **kwargs):
+            with record_function(label):
+                return fn(*args, **kwargs)
+        return call
+
+    with mock.patch.object(head, "forward", staticmethod(marked("lm_head", head.forward))), \
+            mock.patch.object(head, "backward", staticmethod(marked("lm_head", head.backward))), \
+            mock.patch.object(torch.optim.AdamW, "step", marked("optimizer", torch.optim.AdamW.step)), \
+            mock.patch.object(torch.nn.utils, "clip_grad_norm_", marked("grad_clip", torch.nn.utils.clip_grad_norm_)), \
+            profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        with record_function("step"):
+            run_step()
+        wall = time.perf_counter() - start
+    totals = {"lm_head": 0.0, "optimizer": 0.0, "grad_clip": 0.0, "attention": 0.0, "host syncs": 0.0}
+    for e in prof.events():
+        if e.name in ("lm_head", "optimizer", "grad_clip"):
+            totals[e.name] += e.cpu_time_total / 1e6
+        elif "scaled_dot_product" in e.name and "backward" not in e.name.lower() or "flash_attention" in e.name:
+            totals["attention"] += e.self_cpu_time_total / 1e6
+        elif e.name == "aten::_local_scalar_dense":
+            totals["host syncs"] += e.cpu_time_total / 1e6
+    totals["syncs"] = sum(e.name == "aten::_local_scalar_dense" for e in prof.events())
+    totals["wall"] = wall
+    return totals
+
+
+def bench_flops(steps: int = 3):
+    """The update of `train.py --preset cpu` (SmolLM2-135M, 16 prompts x G 8, <= 24 tokens, 2 mini-batches) and of a
+    long-tail batch (responses up to 256 tokens), run by `train.train_step` on a fixed rollout batch (rewards by
+    response-length parity, so every mini-batch updates): the achieved FLOP rate of the update (its forward and
+    backward and the p/H pass of the second mini-batch, counted by `_forward_flops` from the batch and the model's
+    shapes) against matmuls of the model's own shapes and a 2048 x 2048 matmul timed in the same process, for
+    several token budgets; then where the update's time goes (`_update_profile`)."""
+    from unittest import mock
+
+    cfg = train.parse_config(["--preset", "cpu", "--out-dir", tempfile.mkdtemp(prefix="bench-flops-"), "--overwrite"])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1) if not dist.is_initialized() else None
+    state = train.setup(cfg, 0, 1, torch.device("cpu"))
+    policy, config = state[0], state[0].lm.config
+    square = torch.randn(2048, 2048)
+    square_rate = 2 * 2048 ** 3 / _best(lambda: square @ square, 5)[0]
+    print(f"\nthe update of train.py --preset cpu: SmolLM2-135M-Instruct fp32, CPU, {torch.get_num_threads()} threads; "
+          f"2048 x 2048 fp32 matmul: {square_rate / 1e9:.0f} GFLOP/s\n")
+    parity = lambda response, gold, mode="dapo": 1.0 if len(response) % 2 else -1.0  # noqa: E731
+    workloads = {"CPU default (sampled)": None, "long tail (<= 256 tokens)": _long_tail_batch(state[2])}
+    print("| workload | --max-tokens-per-micro-batch | micro-batches per mini-batch | batch/pad_frac | update s | "
+          "update GFLOP | GFLOP/s | of shape matmul | of 2048^2 matmul | pi_old pass s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for label, batch in workloads.items():
+        engine = _CachedEngine(state[-1], batch)
+        for budget in (32768, 4096, 2048, 1024, 512, 256):
+            run = replace(cfg, max_tokens_per_micro_batch=budget)
+            times = []
+            with mock.patch.object(reward, "reward", parity):
+                for step in range(steps):
+                    metrics = train.train_step(0, state[0], None, state[3], state[4], state[5][0], state[5][1],
+                                               state[2], run, 0, 1, torch.device("cpu"), engine)[0]
+                    times.append((metrics["time/update_s"], metrics["time/rollout_s"]))
+            b = engine.batch
+            rows = cfg.mini_batch_prompts * cfg.group_size
+            lengths, responses = b.lengths().tolist(), b.response_mask.sum(1).tolist()
+            flops = sum(3 * _forward_flops(config, lengths[s:s + rows], responses[s:s + rows])
+                        for s in range(0, len(b), rows))  # forward + backward of every mini-batch
+            flops += sum(_forward_flops(config, lengths[s:s + rows], responses[s:s + rows])
+                         for s in range(rows, len(b), rows))  # p, H of the later mini-batches
+            micro = len(b.select(slice(0, rows)).micro_batches(budget))
+            tokens = max(len(mi) * int(b.lengths()[mi].max()) for mi in b.select(slice(0, rows)).micro_batches(budget))
+            shape_rate = _shape_matmul_rate(config, min(tokens, 2048))
+            update_s = statistics.median(t[0] for t in times)
+            print(f"| {label} | {budget} | {micro} | {metrics['batch/pad_frac']:.3f} | {update_s:.2f} | "
+                  f"{flops / 1e9:.0f} | {flops / update_s / 1e9:.0f} | {flops / update_s / shape_rate:.2f} | "
+                  f"{flops / update_s / square_rate:.2f} | {statistics.median(t[1] for t in times):.2f} |", flush=True)
+    print("\nwhere the update's time goes (one train_step, PyTorch profiler; seconds and share of the step)\n")
+    print("| workload | budget | step s | LM head | attention | backbone (rest of fwd/bwd) | optimizer | grad clip | "
+          "host syncs (count) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, batch in workloads.items():
+        engine = _CachedEngine(state[-1], batch)
+        for budget in (32768, 1024):
+            run = replace(cfg, max_tokens_per_micro_batch=budget)
+            with mock.patch.object(reward, "reward", parity):
+                p = _update_profile(lambda: train.train_step(
+                    0, state[0], None, state[3], state[4], state[5][0], state[5][1], state[2], run, 0, 1,
+                    torch.device("cpu"), engine))
+            rest = p["wall"] - p["lm_head"] - p["attention"] - p["optimizer"] - p["grad_clip"]
+            share = lambda x: f"{x:.2f} ({x / p['wall']:.0%})"  # noqa: E731
+            print(f"| {label} | {budget} | {p['wall']:.2f} | {share(p['lm_head'])} | {share(p['attention'])} | "
+                  f"{share(rest)} | {share(p['optimizer'])} | {share(p['grad_clip'])} | "
+                  f"{p['host syncs']:.3f} ({p['syncs']}) |", flush=True)
+    dist.destroy_process_group()
+
+
 BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward, "update": bench_update,
-           "gpu": bench_gpu, "engines": bench_engines, "train-step": bench_train_step}
+           "gpu": bench_gpu, "engines": bench_engines, "train-step": bench_train_step, "flops": bench_flops}
 
 if __name__ == "__main__":
     args = sys.argv[1:]
