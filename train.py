@@ -205,6 +205,7 @@ CPU_PRESET = dict(
     model="smollm2", data="", chat=False, instruction="The answer is", temperature=1.0, max_response_len=24,
     steps=10, prompts_per_step=16, mini_batch_prompts=8, lr=3.5e-6, warmup_steps=0, grad_checkpointing=False,
     rollout_chunk=0, save_every=0, eval_samples=4, out_dir="out/train-cpu",
+    max_tokens_per_micro_batch=768,  # the fastest budget per real token here, padding <= 0.10 (bench.py flops)
 )
 
 
@@ -944,7 +945,8 @@ def setup(cfg: Config, rank: int, world: int, device):
     ref_policy = None
     if cfg.algo == "grpo" and cfg.kl_beta > 0:
         ref_policy = make_policy(load()[0]).requires_grad_(False)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # fused: one kernel over all parameters (CPU: 4-5x faster than the foreach loop at SmolLM2's 135M, bench.py flops)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     # lr: linear warm-up over warmup_steps optimizer steps, then constant
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
     start = load_checkpoint(Path(cfg.out_dir), policy, optimizer, scheduler, rank) if cfg.resume else 0
