@@ -27,6 +27,7 @@ Choices:
 """
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -35,9 +36,11 @@ METRIC_PANELS = (("metrics.jsonl", "reward/mean", "reward (+-1 mean)"), ("metric
                  ("eval.jsonl", "eval/acc", "held-out accuracy (after N steps)"))
 STYLES = ("-", "--", ":", "-.")
 MARKERS = ("o", "s", "^", "D", "v", "x")
-USAGE = ("python train.py --plot RUN [RUN ...] [--out PNG]: instead of training, redraw the figures of finished runs, "
-         "overlaid (default: RUN/metrics.png and RUN/s2t.png for one run, FIRST_RUN/compare.png and "
-         "FIRST_RUN/compare_s2t.png for several; --out PNG: PNG and PNG's stem + _s2t.png)")
+USAGE = ("python train.py --plot RUN [RUN ...] [--out PNG] [--table | --sensitivity]: instead of training, redraw the "
+         "figures of finished runs, overlaid (default: RUN/metrics.png, RUN/s2t.png and RUN/gradient.png for one run, "
+         "FIRST_RUN/compare.png, compare_s2t.png and compare_gradient.png for several; --out PNG: PNG and PNG's stem "
+         "+ _s2t.png, _gradient.png), and print RQ1's correlations; --table: the runs side by side; --sensitivity: "
+         "the (tau_p, quantile) grid")
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -196,13 +199,236 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
     return True
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# RQ1, the gradient analysis (paper Sec. 4): the token-wise policy-gradient magnitude against p and H
+def _ranks(values: list[float], weights: list[float]) -> list[float]:
+    """Weighted mid-ranks in [0, 1]: the share of the total weight below each value plus half of its own tie group."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    total, below, ranks, i = sum(weights), 0.0, [0.0] * len(values), 0
+    while i < len(order):
+        j = i
+        while j < len(order) and values[order[j]] == values[order[i]]:
+            j += 1
+        tie = sum(weights[k] for k in order[i:j])
+        for k in order[i:j]:
+            ranks[k] = (below + tie / 2) / total
+        below, i = below + tie, j
+    return ranks
+
+
+def rank_correlation(x: list[float], y: list[float], w: list[float] | None = None) -> float | None:
+    """Spearman's rank correlation of x and y, each token weighted by w (tokens.jsonl's `weight`: how many tokens
+    of its kind a drawn token stands for), ties at mid-rank; None for fewer than 3 tokens or a constant column."""
+    w = w or [1.0] * len(x)
+    if len(x) < 3:
+        return None
+    rx, ry, total = _ranks(x, w), _ranks(y, w), sum(w)
+    mx, my = sum(a * b for a, b in zip(rx, w)) / total, sum(a * b for a, b in zip(ry, w)) / total
+    cov = sum(c * (a - mx) * (b - my) for a, b, c in zip(rx, ry, w))
+    vx, vy = sum(c * (a - mx) ** 2 for a, c in zip(rx, w)), sum(c * (b - my) ** 2 for b, c in zip(ry, w))
+    return cov / (vx * vy) ** 0.5 if vx > 0 and vy > 0 else None
+
+
+def _weighted_quantile(values: list[float], weights: list[float], q: float) -> float:
+    """The value at which the weight below reaches q of the total (values sorted by value)."""
+    pairs = sorted(zip(values, weights))
+    target, seen = q * sum(weights), 0.0
+    for value, weight in pairs:
+        seen += weight
+        if seen >= target:
+            return value
+    return pairs[-1][0]
+
+
+def binned(x: list[float], y: list[float], w: list[float], edges: list[float]) -> list[tuple]:
+    """(bin centre, weighted median, 25% and 75% quantiles of y, tokens) for each bin [edges[i], edges[i + 1]) of x
+    that holds at least 3 drawn tokens; the last bin includes its upper edge."""
+    out = []
+    for lo, hi in zip(edges, edges[1:]):
+        sel = [i for i, v in enumerate(x) if lo <= v < hi or (hi == edges[-1] and v == hi)]
+        if len(sel) >= 3:
+            ys, ws = [y[i] for i in sel], [w[i] for i in sel]
+            out.append(((lo + hi) / 2, _weighted_quantile(ys, ws, 0.5), _weighted_quantile(ys, ws, 0.25),
+                        _weighted_quantile(ys, ws, 0.75), len(sel)))
+    return out
+
+
+def gradient_analysis(records: list[dict]) -> dict:
+    """The paper's RQ1 on the tokens of tokens.jsonl `records` that carry a gradient (|w| > 0: nonzero advantage,
+    ratio not clipped): Spearman correlations of the closed-form logit-gradient norm with p and with H (weighted,
+    so the oversampled candidates count as the tokens they are), and its binned medians against log10 p and H,
+    for correct and incorrect responses. Keys: n, rho_p, rho_h, and per response kind bins_p, bins_h."""
+    tok = {k: [v for r in records for v in r[k]] for k in ("p", "H", "grad_norm", "weight", "correct")}
+    keep = [i for i, g in enumerate(tok["grad_norm"]) if g > 0]
+    col = {k: [v[i] for i in keep] for k, v in tok.items()}
+    logp = [math.log10(max(p, 1e-12)) for p in col["p"]]
+    p_edges = list(range(math.floor(min(logp, default=-1)), 1))  # one bin per decade of p, up to p = 1
+    h_top = max(col["H"], default=1.0)
+    h_edges = [h_top * i / 8 for i in range(9)]
+    result = {"n": len(keep), "rho_p": rank_correlation(col["p"], col["grad_norm"], col["weight"]),
+              "rho_h": rank_correlation(col["H"], col["grad_norm"], col["weight"])}
+    for kind, flag in (("correct", 1), ("incorrect", 0)):
+        sel = [i for i, c in enumerate(col["correct"]) if c == flag]
+        pick = lambda values: [values[i] for i in sel]  # noqa: E731
+        result[kind] = {"bins_p": binned(pick(logp), pick(col["grad_norm"]), pick(col["weight"]), p_edges),
+                        "bins_h": binned(pick(col["H"]), pick(col["grad_norm"]), pick(col["weight"]), h_edges),
+                        "n": len(sel)}
+    return result
+
+
+def correlation_line(run: str) -> str:
+    """One line of RQ1's correlations for a run folder ('' without tokens.jsonl)."""
+    records = read_jsonl(Path(run) / "tokens.jsonl")
+    if not records:
+        return ""
+    a = gradient_analysis(records)
+    fmt = lambda r: "-" if r is None else f"{r:+.2f}"  # noqa: E731
+    return (f"logit-gradient norm vs p: Spearman {fmt(a['rho_p'])}, vs H: {fmt(a['rho_h'])} ({a['n']} drawn tokens "
+            f"with a gradient, weighted; tokens.jsonl)")
+
+
+def plot_gradient(run_dirs: list[str], out_png: str) -> bool:
+    """RQ1's figure: the logit-gradient norm's binned median (and 25-75% band) against p (log scale) and against H,
+    correct and incorrect responses, one colour per setting (seeds pooled); Spearman correlations in the legend."""
+    rows = {g: [r for r in runs if read_jsonl(Path(r) / "tokens.jsonl")] for g, runs in seed_groups(run_dirs).items()}
+    rows = {g: runs for g, runs in rows.items() if runs}
+    plt = _pyplot() if rows else None
+    if plt is None:
+        return False
+    fig, (ax_p, ax_h) = plt.subplots(1, 2, figsize=(11, 4))
+    for c, (g, runs) in enumerate(rows.items()):
+        a = gradient_analysis([r for run in runs for r in read_jsonl(Path(run) / "tokens.jsonl")])
+        for kind, style in (("correct", "-"), ("incorrect", ":")):
+            for ax, key, x_of in ((ax_p, "bins_p", lambda v: 10 ** v), (ax_h, "bins_h", lambda v: v)):
+                bins = a[kind][key]
+                if not bins:
+                    continue
+                xs = [x_of(b[0]) for b in bins]
+                rho = a["rho_p"] if key == "bins_p" else a["rho_h"]
+                label = f"{g}, {kind}" + (f" (Spearman {rho:+.2f}, all)" if kind == "correct" and rho is not None
+                                          else "")
+                ax.plot(xs, [b[1] for b in bins], linestyle=style, marker="o", color=f"C{c}", label=label)
+                if len(rows) == 1:
+                    ax.fill_between(xs, [b[2] for b in bins], [b[3] for b in bins], color=f"C{c}", alpha=0.12)
+    ax_p.set_xscale("log")
+    ax_p.set_xlabel("p (probability of the sampled token; bins of one decade)")
+    ax_h.set_xlabel("entropy H (8 bins)")
+    for ax in (ax_p, ax_h):
+        ax.set_ylabel("|w| sqrt(1 - 2p + sum p^2): median, 25-75%")
+        ax.legend(fontsize=7)
+    fig.suptitle("RQ1: the token's logit-gradient norm against its probability and entropy (tokens.jsonl, weighted)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=80)
+    plt.close(fig)
+    return True
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Tables over runs: the algorithms side by side (RQ3/RQ4) and the threshold grid (RQ5)
+def run_summary(run: str) -> dict:
+    """What one run folder did: its setting (algo, tau_p, quantile, seed), the share of its response tokens and of
+    its S2T candidates that were silenced over all steps, the steps that silenced any, held-out accuracy before and
+    after (eval.jsonl), and the last step's entropy and reward."""
+    config, steps = _config(run), read_jsonl(Path(run) / "metrics.jsonl")
+    evals = read_jsonl(Path(run) / "eval.jsonl")
+    rows = config.get("prompts_per_step", 0) * config.get("group_size", 0)
+    tokens = sum(m["response/len_mean"] * rows for m in steps)
+    silenced, candidates = sum(m.get("s2t/silenced", 0) for m in steps), sum(m.get("s2t/candidates", 0) for m in steps)
+    return {"run": run, "algo": config.get("algo"), "tau_p": config.get("tau_p"), "quantile": config.get("quantile"),
+            "seed": config.get("seed"), "steps": len(steps), "silenced": silenced, "candidates": candidates,
+            "silenced_of_tokens": silenced / tokens if tokens else 0.0,
+            "silenced_of_candidates": silenced / candidates if candidates else 0.0,
+            "silencing_steps": sum(m.get("s2t/silenced", 0) > 0 for m in steps),
+            "acc_before": evals[0]["eval/acc"] if evals and evals[0]["step"] == 0 else None,
+            "acc_after": evals[-1]["eval/acc"] if evals else None,
+            "entropy_end": steps[-1]["entropy/mean"] if steps else None,
+            "reward_end": steps[-1]["reward/mean"] if steps else None}
+
+
+def _cell(summaries: list[dict], key: str, fmt: str) -> str:
+    """Mean over the runs of a cell (and the range when there are several): '0.833 (0.812-0.850)'."""
+    values = [s[key] for s in summaries if s[key] is not None]
+    if not values:
+        return "-"
+    mean = format(sum(values) / len(values), fmt)
+    return mean if len(values) == 1 else f"{mean} ({format(min(values), fmt)}-{format(max(values), fmt)})"
+
+
+_COLUMNS = (("seeds", None, None), ("held-out before", "acc_before", ".3f"), ("held-out after", "acc_after", ".3f"),
+            ("entropy at the end", "entropy_end", ".2f"), ("silenced % of tokens", "silenced_of_tokens", ".4%"),
+            ("silenced % of candidates", "silenced_of_candidates", ".0%"),
+            ("steps that silenced", "silencing_steps", ".1f"))
+
+
+def summary_table(run_dirs: list[str], by: str = "setting") -> str:
+    """A markdown table of `run_summary` means over seeds: one row per setting (`seed_groups`: the algorithms side
+    by side) or, with by="thresholds", per (tau_p, quantile) cell of a sensitivity grid."""
+    if by == "thresholds":
+        cells = {}
+        for run in run_dirs:
+            summary = run_summary(run)
+            cells.setdefault((summary["tau_p"], summary["quantile"]), []).append(summary)
+        rows = {f"| {t:g} | {q:g} |": cells[(t, q)] for t, q in sorted(cells)}
+        head = "| tau_p | quantile |"
+    else:
+        rows = {f"| {g} |": [run_summary(r) for r in runs] for g, runs in seed_groups(run_dirs).items()}
+        head = "| setting |"
+    lines = [head + "".join(f" {name} |" for name, _, _ in _COLUMNS),
+             "|" + "---|" * (head.count("|") - 1 + len(_COLUMNS))]
+    for label, summaries in rows.items():
+        lines.append(label + "".join(f" {len(summaries) if key is None else _cell(summaries, key, fmt)} |"
+                                     for _, key, fmt in _COLUMNS))
+    return "\n".join(lines) + "\n"
+
+
+def plot_sensitivity(run_dirs: list[str], out_png: str) -> bool:
+    """RQ5's figure: four heat maps over the (tau_p, quantile) grid of the runs (seed means): silenced share of
+    response tokens and of candidates, held-out accuracy after training, entropy at the end."""
+    cells = {}
+    for run in run_dirs:
+        summary = run_summary(run)
+        cells.setdefault((summary["tau_p"], summary["quantile"]), []).append(summary)
+    plt = _pyplot() if cells else None
+    if plt is None:
+        return False
+    taus, qs = sorted({t for t, _ in cells}), sorted({q for _, q in cells})
+    panels = (("silenced_of_tokens", "silenced share of response tokens", ".3%"),
+              ("silenced_of_candidates", "silenced share of candidates", ".0%"),
+              ("acc_after", "held-out accuracy after training", ".3f"), ("entropy_end", "entropy, last step", ".2f"))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
+    for ax, (key, title, fmt) in zip(axes, panels):
+        grid = [[None] * len(taus) for _ in qs]
+        for (t, q), summaries in cells.items():
+            values = [s[key] for s in summaries if s[key] is not None]
+            grid[qs.index(q)][taus.index(t)] = sum(values) / len(values) if values else None
+        shown = [[v if v is not None else float("nan") for v in row] for row in grid]
+        ax.imshow(shown, cmap="viridis", origin="lower", aspect="auto")
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                n = len(cells.get((taus[j], qs[i]), []))
+                ax.text(j, i, "-" if v is None else f"{format(v, fmt)}\n({n} seed{'s' * (n > 1)})", ha="center",
+                        va="center", fontsize=8, color="white")
+        ax.set_xticks(range(len(taus)), [f"{t:g}" for t in taus])
+        ax.set_yticks(range(len(qs)), [f"{q:g}" for q in qs])
+        ax.set_xlabel("tau_p")
+        ax.set_ylabel("quantile q")
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=80)
+    plt.close(fig)
+    return True
+
+
 def figures(run_dirs: list[str], out_png: str) -> list[str]:
-    """Both figures: the metrics one at out_png, the S2T one beside it (stem + _s2t.png; s2t.png for metrics.png).
-    Returns the paths written."""
+    """The three figures: the metrics one at out_png, the S2T one and the gradient one beside it (stem + _s2t.png
+    and _gradient.png; s2t.png and gradient.png for metrics.png). Returns the paths written."""
     out = Path(out_png)
-    s2t_png = out.with_name("s2t.png" if out.name == "metrics.png" else f"{out.stem}_s2t{out.suffix or '.png'}")
+    beside = lambda name: out.with_name(f"{name}.png" if out.name == "metrics.png"  # noqa: E731
+                                        else f"{out.stem}_{name}{out.suffix or '.png'}")
     written = [str(out)] if plot_metrics(run_dirs, str(out)) else []
-    return written + ([str(s2t_png)] if plot_tokens(run_dirs, str(s2t_png)) else [])
+    written += [str(beside("s2t"))] if plot_tokens(run_dirs, str(beside("s2t"))) else []
+    return written + ([str(beside("gradient"))] if plot_gradient(run_dirs, str(beside("gradient"))) else [])
 
 
 def main(argv: list[str]) -> int:
@@ -210,13 +436,29 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="train.py --plot", description=USAGE)
     parser.add_argument("--plot", nargs="+", required=True, metavar="RUN", help="run folders (train.py --out-dir)")
     parser.add_argument("--out", help="PNG of the metrics figure (the S2T figure goes beside it)")
+    parser.add_argument("--table", action="store_true", help="also print the runs' summary table, one row per "
+                        "setting, seeds pooled (the algorithms side by side)")
+    parser.add_argument("--sensitivity", action="store_true", help="instead: the (tau_p, quantile) grid of the runs, "
+                        "as a table and OUT (default FIRST_RUN/sensitivity.png)")
     parser.error = lambda message: parser.exit(2, f"train.py: error: {message}\n")  # one line, no usage block
     args = parser.parse_args(argv)
     missing = [r for r in args.plot if not (Path(r) / "metrics.jsonl").is_file()]
     if missing:
         parser.error(f"no run folder with a metrics.jsonl at {', '.join(missing)}")
     first = Path(args.plot[0])
+    if args.sensitivity:
+        print(summary_table(args.plot, by="thresholds"))
+        out = args.out or str(first / "sensitivity.png")
+        if not plot_sensitivity(args.plot, out):
+            return 1
+        print(out)
+        return 0
     out = args.out or str(first / ("metrics.png" if len(args.plot) == 1 else "compare.png"))
     written = figures(args.plot, out)
+    if args.table:
+        print(summary_table(args.plot))
+    for run in dict.fromkeys(args.plot):  # RQ1's numbers beside its figure
+        if correlation_line(run):
+            print(f"{run}: {correlation_line(run)}")
     print("\n".join(written))
     return 0 if written else 1

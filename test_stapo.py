@@ -2582,6 +2582,8 @@ def test_train_policy_on_another_device_than_the_rollout_engine(tmp_path, monkey
         tiny_model(vocab_size=_TOY_VOCAB)._apply(OnOther if device == _OTHER else lambda t: t), tiny_tokenizer()))
     monkeypatch.setattr(rollout, "make_engine", lambda name, lm, tokenizer, chat, **kw: _CPUCopyEngine(
         tiny_model(vocab_size=_TOY_VOCAB), rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, _TOY_VOCAB))
+    adamw = torch.optim.AdamW  # the fused kernel refuses the simulated device (meta); the update is the same
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kw: adamw(params, **{**kw, "fused": False}))
     data = _varied_data(tmp_path)
     with _one_thread(), _SecondDevice():
         for algo, flags in [("stapo", {"tis_cap": 2.0}), ("grpo", {"kl_beta": 0.04})]:  # the others: stapo.py only
@@ -2608,7 +2610,7 @@ def test_train_s2t_figure_and_tokens_file(tmp_path, monkeypatch, capsys):
     silenced = [int(m["s2t/silenced"]) for m in metrics]
     assert min(silenced) > 0 and (f"stapo silenced {sum(silenced)} tokens in 2 of 2 steps; S2T candidates (A > 0, "
                                   f"p < tau_p): {sum(int(m['s2t/candidates']) for m in metrics)} (metrics.jsonl "
-                                  f"s2t/*; see spurious.jsonl, s2t.png)" in capsys.readouterr().out)
+                                  f"s2t/*; see spurious.jsonl, s2t.png, gradient.png)" in capsys.readouterr().out)
     assert [(r["step"], r["mini_batch"]) for r in lines] == [(1, 0), (1, 1), (2, 0), (2, 1)]
     for r in lines:
         cols = ("p", "H", "A", "grad_norm", "weight", "correct", "candidate", "silenced")
@@ -2622,11 +2624,85 @@ def test_train_s2t_figure_and_tokens_file(tmp_path, monkeypatch, capsys):
         assert sum(sum(r["candidate"]) for r in mine) == m["s2t/candidates"]
         assert sum(len(r["p"]) for r in mine) == round(m["response/len_mean"] * 16)  # 4 prompts x G = 4
         assert sum(silenced) / len(silenced) == pytest.approx(m["s2t/grad_norm_silenced"], rel=1e-3)
-    for png in ("metrics.png", "s2t.png"):
+    for png in ("metrics.png", "s2t.png", "gradient.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
         (out / png).unlink()
     assert train.main(["--plot", str(out)]) == 0  # redrawn from the files
-    assert (out / "metrics.png").is_file() and (out / "s2t.png").is_file()
+    assert all((out / png).is_file() for png in ("metrics.png", "s2t.png", "gradient.png"))
+
+
+def _token_records(n: int = 400, seed: int = 0, sign: float = -1.0) -> list[dict]:
+    """tokens.jsonl lines whose gradient norm falls (sign -1) or rises (+1) with log p, and does not depend on H."""
+    g = torch.Generator().manual_seed(seed)
+    logp = torch.rand(n, generator=g) * -6  # p from 1e-6 to 1
+    H = torch.rand(n, generator=g) * 3
+    norm = (1 + sign * logp / 6).clamp(min=0.01) + 0.05 * torch.rand(n, generator=g)  # monotone in p, noise
+    half = n // 2
+    return [{"step": 1, "mini_batch": k, "tau_h": None, "p": (10 ** logp[s]).tolist(), "H": H[s].tolist(),
+             "A": [1.0] * half, "grad_norm": norm[s].tolist(), "weight": [1.0] * half,
+             "correct": [k % 2] * half, "candidate": [0] * half, "silenced": [0] * half}
+            for k, s in enumerate((slice(0, half), slice(half, n)))]
+
+
+def test_plot_gradient_analysis_sign_and_bins():
+    """RQ1's numbers on constructed tokens: the Spearman correlation has the sign built in (and ~0 against an
+    unrelated H), weights count a token as the tokens it stands for, and the bins hold the medians of their tokens."""
+    falling, rising = plots.gradient_analysis(_token_records()), plots.gradient_analysis(_token_records(sign=1))
+    assert falling["rho_p"] < -0.9 and rising["rho_p"] > 0.9 and abs(falling["rho_h"]) < 0.15
+    assert falling["n"] == 400 and falling["correct"]["n"] == falling["incorrect"]["n"] == 200
+    bins = falling["correct"]["bins_p"]  # one bin per decade of p: centres -5.5 ... -0.5
+    assert [b[0] for b in bins] == [-5.5, -4.5, -3.5, -2.5, -1.5, -0.5]
+    assert all(a[1] > b[1] for a, b in zip(bins, bins[1:]))  # medians fall as p rises
+    records = _token_records()
+    edges = [-6, -3, 0]
+    logp = [math.log10(p) for r in records[1:] for p in r["p"]]
+    norm = [v for r in records[1:] for v in r["grad_norm"]]
+    low = sorted(v for v, x in zip(norm, logp) if x < -3)
+    assert plots.binned(logp, norm, [1.0] * len(norm), edges)[0][1] == low[(len(low) - 1) // 2]  # the median
+    # a weight of 3 on a token counts it three times
+    assert plots.rank_correlation([1, 2, 3], [3, 2, 1]) == pytest.approx(-1)
+    assert plots.rank_correlation([1, 2, 3, 4], [1, 2, 4, 3], [1, 1, 1, 3]) == pytest.approx(
+        plots.rank_correlation([1, 2, 3, 4, 4, 4], [1, 2, 4, 3, 3, 3]))
+    assert plots.rank_correlation([1, 1, 1], [1, 2, 3]) is None  # a constant column
+    zero = _token_records()  # tokens without a gradient (zero advantage or clipped) are left out
+    zero[0]["grad_norm"] = [0.0] * 200
+    assert plots.gradient_analysis(zero)["n"] == 200
+
+
+def test_plot_gradient_figure_round_trips_from_the_run_folder(tmp_path, capsys):
+    """The figure and the correlation line come from the run's tokens.jsonl alone (--plot)."""
+    run = Path(_fake_run(tmp_path / "run", [0.1, 0.2], [0.1, 0.3]))
+    (run / "tokens.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _token_records()))
+    assert train.main(["--plot", str(run)]) == 0
+    out = capsys.readouterr().out
+    rho = plots.gradient_analysis(_token_records())["rho_p"]
+    assert f"{run}: logit-gradient norm vs p: Spearman {rho:+.2f}" in out and (run / "gradient.png").is_file()
+
+
+def test_plot_tables_side_by_side_and_sensitivity_grid(tmp_path, monkeypatch, capsys):
+    """Tiny runs on a 2 x 2 grid of (tau_p, quantile), one cell with two seeds: --sensitivity puts each run in its
+    cell with the seed count, and the silenced shares are the runs' own sums; --table puts one row per setting."""
+    _patch(monkeypatch, _EVEN)
+    data, runs = _toy_data(tmp_path), []
+    with _one_thread():
+        for tau, q, seed in ((0.2, 0.5, 0), (0.2, 0.9, 0), (0.5, 0.5, 0), (0.5, 0.9, 0), (0.5, 0.9, 1)):
+            runs.append(str(tmp_path / f"t{tau}-q{q}-s{seed}"))
+            assert train.main(_toy_args(data, Path(runs[-1]), tau_p=tau, quantile=q, seed=seed, heldout=4,
+                                        export_hf=False)) == 0
+    capsys.readouterr()
+    assert train.main(["--plot", *runs, "--sensitivity", "--out", str(tmp_path / "grid.png")]) == 0
+    table = capsys.readouterr().out.splitlines()
+    rows = {tuple(line.split("|")[1:3]): line.split("|")[3:-1] for line in table if line.startswith("| 0.")}
+    assert list(rows) == [(" 0.2 ", " 0.5 "), (" 0.2 ", " 0.9 "), (" 0.5 ", " 0.5 "), (" 0.5 ", " 0.9 ")]
+    assert [int(r[0]) for r in rows.values()] == [1, 1, 1, 2]  # seeds per cell
+    one = plots.run_summary(runs[0])
+    steps = _metrics(Path(runs[0]))
+    assert one["silenced"] == sum(m["s2t/silenced"] for m in steps) and one["tau_p"] == 0.2
+    assert one["silenced_of_candidates"] == pytest.approx(one["silenced"] / sum(m["s2t/candidates"] for m in steps))
+    assert rows[(" 0.2 ", " 0.5 ")][4].strip() == format(one["silenced_of_tokens"], ".4%")
+    assert (tmp_path / "grid.png").read_bytes()[:4] == b"\x89PNG"
+    assert train.main(["--plot", *runs, "--table"]) == 0  # four settings (the last two runs are seeds of one)
+    assert sum(line.startswith("| stapo (") for line in capsys.readouterr().out.splitlines()) == 4
 
 
 def _fake_run(path: Path, rewards: list[float], acc: list[float], algo: str = "stapo") -> str:

@@ -297,7 +297,7 @@ RESUMABLE = ("steps", "eval_every", "eval_samples", "samples_per_step", "spuriou
              "max_tokens_per_micro_batch", "chunk_size", "grad_checkpointing", "kv_cache_gb")
 # What a run writes into its --out-dir; a new run refuses a folder that holds any of these unless --overwrite.
 RUN_FILES = ("config.json", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl", "tokens.jsonl",
-             "resumes.jsonl", "checkpoint", "hf", "metrics.png", "s2t.png", "tensorboard", "wandb")
+             "resumes.jsonl", "checkpoint", "hf", "metrics.png", "s2t.png", "gradient.png", "tensorboard", "wandb")
 
 
 # Lower bounds of the integer (and a few float) flags, checked before anything loads.
@@ -1048,13 +1048,17 @@ def train(cfg: Config, rank: int, world: int, device, state) -> None:
             close_log()
         if cfg.plots:
             plots.figures([str(out)], str(out / "metrics.png"))
-        shown = [n for n in ("spurious.jsonl", "s2t.png") if (out / n).exists() and (out / n).stat().st_size]
+        shown = [n for n in ("spurious.jsonl", "s2t.png", "gradient.png")
+                 if (out / n).exists() and (out / n).stat().st_size]
         steps = plots.read_jsonl(out / "metrics.jsonl")  # resumed steps included
         say(silenced_summary(cfg.algo, steps, shown))
+        if plots.correlation_line(str(out)):  # RQ1: the gradient norm against p and H (gradient.png)
+            say(plots.correlation_line(str(out)))
         diverged = divergence(steps)
         if diverged:
             say(diverged + "; lower --lr (or raise --warmup-steps)", warning=True)
-        made = [name for name in ("config.json", *logs, "metrics.png", "s2t.png") if (out / name).exists()]
+        made = [name for name in ("config.json", *logs, "metrics.png", "s2t.png", "gradient.png")
+                if (out / name).exists()]
         made += [f"checkpoint/step_{checkpoint_step(out)}"] if (out / "checkpoint" / "latest").exists() else []
         made += ["hf/ (python eval.py --run " + str(out) + ")"] if cfg.export_hf else []
         say(f"outputs in {out}/: {', '.join(made)}; " + (f"{diverged}; " if diverged else "")
