@@ -553,15 +553,15 @@ def _train_flops(lm, prompt_len, T, n_seq):
 def _gpu_train(sizes, cfg, state, device, flops_rate, out):
     """One train.train_step per response length on synthetic rollouts: the real pi_old pass, S2T, loss, backward,
     clip and AdamW step under FSDP2 (bf16 compute, fp32 master weights, activation checkpointing)."""
-    policy, _, tokenizer, optimizer, scheduler, (rows, prompts, _, _), *_ = state
+    policy, tokenizer = state.policy, state.tokenizer
     lm = policy.lm
     for k, (T, n_prompts, G, micro) in enumerate(((sizes.train[0],) + sizes.train)):  # the first: warm-up
         step_cfg = replace(cfg, max_response_len=T, prompts_per_step=n_prompts, mini_batch_prompts=n_prompts,
                            group_size=G, max_tokens_per_micro_batch=micro)
         _reset_peak(device)
         engine = _SyntheticEngine(T, device, tokenizer)
-        seconds, (metrics, *_) = _dev_timed(lambda: train.train_step(
-            k, policy, None, optimizer, scheduler, rows, prompts, tokenizer, step_cfg, 0, 1, device, engine), device)
+        seconds, (metrics, *_) = _dev_timed(lambda: train.train_step(replace(state, cfg=step_cfg, engine=engine), k),
+                                            device)
         if k == 0:
             continue
         n_seq, row = n_prompts * G, sizes.prompt_len + T
@@ -585,7 +585,7 @@ def _gpu_numerics(sizes, cfg, state, device, out):
     and the chunked LM head against the naive full-logits computation."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    policy, _, tokenizer = state[:3]
+    policy, tokenizer = state.policy, state.tokenizer
     full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))  # the fp32 master weights
     with torch.device(device):
         ref_lm = Qwen3ForCausalLM(policy.lm.config).float()
@@ -594,7 +594,7 @@ def _gpu_numerics(sizes, cfg, state, device, out):
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied: one tensor
     ref = Policy(ref_lm.eval(), vocab_size=policy.vocab_size)
     n_seq, T = sizes.numerics
-    prompts = state[5][1][:1] * (n_seq // 2)
+    prompts = state.prompts[:1] * (n_seq // 2)
     batch = _SyntheticEngine(T, device, tokenizer).sample(prompts, 2, [0])
     policy.eval()
     got, want = train.token_stats(policy, batch, cfg, device), train.token_stats(ref, batch, cfg, device)
@@ -637,8 +637,8 @@ def _gpu_numerics(sizes, cfg, state, device, out):
 def _gpu_rollouts(sizes, state, device, bandwidth, out):
     """rollout.generate inside rollout.gathered (the training path): batch x decode_tokens new tokens, EOS never
     sampled; per-step time against the weight-streaming bound (weight bytes / copy bandwidth)."""
-    policy, _, tokenizer = state[:3]
-    prompt = state[5][1][0]
+    policy, tokenizer = state.policy, state.tokenizer
+    prompt = state.prompts[0]
     V_ = len(tokenizer)
     policy.eval()
     with gathered(policy):
@@ -937,7 +937,7 @@ def bench_engines(reps=1):
             tokens = 24 + 256
             engines["vLLM-CPU"] = rollout.make_engine(
                 "vllm", lm, tokenizer, chat=False, max_model_len=tokens, dtype=torch.float32,
-                kv_cache_memory_bytes=rollout.kv_cache_bytes(lm.config, 128, tokens, 4))
+                kv_cache_memory_bytes=model.kv_cache_bytes(lm.config, 128, tokens, 4))
         print("\nUseful tokens/s, SmolLM2-135M-Instruct fp32, CPU, 1 thread, T = 1.0, best of", reps, "\n")
         vllm_cols = "".join(f"{n} | plain / {n} | " for n in engines if n.startswith("vLLM"))
         print(f"| workload | fixed batch | rows dropped | ratio | {vllm_cols}response lengths (min / median / max) |")
@@ -1122,27 +1122,26 @@ def bench_flops(steps: int = 3):
     cfg = train.parse_config(["--preset", "cpu", "--out-dir", tempfile.mkdtemp(prefix="bench-flops-"), "--overwrite"])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1) if not dist.is_initialized() else None
     state = train.setup(cfg, 0, 1, torch.device("cpu"))
-    policy, config = state[0], state[0].lm.config
+    config = state.policy.lm.config
     square = torch.randn(2048, 2048)
     square_rate = 2 * 2048 ** 3 / _best(lambda: square @ square, 5)[0]
     print(f"\nthe update of train.py --preset cpu: SmolLM2-135M-Instruct fp32, CPU, {torch.get_num_threads()} threads; "
           f"2048 x 2048 fp32 matmul: {square_rate / 1e9:.0f} GFLOP/s\n")
     parity = lambda response, gold, mode="dapo": 1.0 if len(response) % 2 else -1.0  # noqa: E731
-    workloads = {"CPU default (sampled)": None, "long tail (<= 256 tokens)": _long_tail_batch(state[2])}
+    workloads = {"CPU default (sampled)": None, "long tail (<= 256 tokens)": _long_tail_batch(state.tokenizer)}
     print("| workload | --max-tokens-per-micro-batch | micro-batches per mini-batch | batch/pad_frac | update s | "
           "update GFLOP | GFLOP/s | of shape matmul | of 2048^2 matmul | pi_old pass s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for label, batch in workloads.items():
-        engine = _CachedEngine(state[-1], batch)
+        engine = _CachedEngine(state.engine, batch)
         for budget in (32768, 4096, 2048, 1024, 512, 256):
             if batch is not None and budget > 4096:  # one 17k-token micro-batch: ~30 GiB of activations here
                 continue
-            run = replace(cfg, max_tokens_per_micro_batch=budget)
+            run = replace(state, cfg=replace(cfg, max_tokens_per_micro_batch=budget), engine=engine)
             times = []
             with mock.patch.object(reward, "reward", parity):
                 for step in range(steps):
-                    metrics = train.train_step(0, state[0], None, state[3], state[4], state[5][0], state[5][1],
-                                               state[2], run, 0, 1, torch.device("cpu"), engine)[0]
+                    metrics = train.train_step(run, 0)[0]
                     times.append((metrics["time/update_s"], metrics["time/rollout_s"]))
             b = engine.batch
             rows = cfg.mini_batch_prompts * cfg.group_size
@@ -1163,13 +1162,11 @@ def bench_flops(steps: int = 3):
           "host syncs (count) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for label, batch in workloads.items():
-        engine = _CachedEngine(state[-1], batch)
+        engine = _CachedEngine(state.engine, batch)
         for budget in (32768, 1024) if batch is None else (4096, 1024):
-            run = replace(cfg, max_tokens_per_micro_batch=budget)
+            run = replace(state, cfg=replace(cfg, max_tokens_per_micro_batch=budget), engine=engine)
             with mock.patch.object(reward, "reward", parity):
-                p = _update_profile(lambda: train.train_step(
-                    0, state[0], None, state[3], state[4], state[5][0], state[5][1], state[2], run, 0, 1,
-                    torch.device("cpu"), engine))
+                p = _update_profile(lambda: train.train_step(run, 0))
             rest = p["wall"] - p["lm_head"] - p["attention"] - p["optimizer"] - p["grad_clip"]
             share = lambda x: f"{x:.2f} ({x / p['wall']:.0%})"  # noqa: E731
             print(f"| {label} | {budget} | {p['wall']:.2f} | {share(p['lm_head'])} | {share(p['attention'])} | "

@@ -43,6 +43,7 @@ import inspect
 import json
 import math
 import os
+import random
 import sys
 import textwrap
 import types
@@ -61,8 +62,114 @@ OTHER_K = 4  # samples per problem of --data sets (and of heldout for a run with
 PRESETS = {"train-aligned": (1.0, 1.0), "justrl": (0.7, 0.9)}  # (temperature, top_p), PAPER.md §7
 
 
+# ------------------------------------------------------------------- problem sets (train.py --data, eval.py --data)
+# The built-in task: every one-digit sum "What is a + b?" (100 problems, 20 held out), deterministic. Chosen by
+# measuring SmolLM2-135M-Instruct (README.md): with the raw-text prompt "...\nThe answer is" it is right on ~12% of
+# them at T = 1.0 (~20% at 0.7; ~2% for word problems or a chat prompt with the \boxed{} instruction), so many
+# groups of 8 have mixed rewards.
+def builtin_task(split: str) -> list[dict]:
+    """The built-in problems of `split` ('train': 80, 'test': 20), each {"problem", "answer"}."""
+    rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(10) for b in range(10)]
+    random.Random(1234).shuffle(rows)
+    return rows[20:] if split == "train" else rows[:20]
+
+
+def _at_path(row: dict, key: str):
+    """row["a"]["b"] for key "a.b" (None where a part is missing)."""
+    for part in key.split("."):
+        row = row.get(part) if isinstance(row, dict) else None
+    return row
+
+
+# DAPO-Math-17k wraps each problem in its own instructions ("... of the form Answer: $Answer ..."); we strip them and
+# append the paper's \boxed{} instruction like JustRL does.
+_DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the form "
+                "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+_DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+
+
+def load_rows(cfg) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) lists of {"problem", "answer"} of a train.py config (its data, prompt_key, answer_key, split,
+    heldout and seed): the rows of --data, shuffled by the seed, the first `heldout` held out; or the built-in task
+    when --data is ''."""
+    import torch
+
+    if not cfg.data:
+        return builtin_task("train"), builtin_task("test")
+    rows = read_rows(cfg.data, cfg.prompt_key, cfg.answer_key, cfg.split)
+    if cfg.heldout >= len(rows):
+        raise ValueError(f"--heldout {cfg.heldout} leaves no training rows ({len(rows)} rows in {cfg.data})")
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    rows = [rows[i] for i in order]
+    return rows[cfg.heldout:], rows[:cfg.heldout]
+
+
+def read_rows(data: str, prompt_key: str, answer_key: str, split: str = "train") -> list[dict]:
+    """Rows {"problem", "answer"} of a local .jsonl/.json/.parquet file or a Hub dataset, in file order, duplicates
+    dropped (difference 7). `prompt_key`/`answer_key` are dotted paths; a chat message list gives its last user
+    turn; an answer is a string or a list of strings. train.py's --data and eval.py's --data."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    suffix = next((s for s in (".jsonl", ".json", ".parquet") if data.endswith(s)), None)
+    if suffix and not os.path.isfile(data):
+        raise FileNotFoundError(f"data file not found: {data}")
+    if suffix == ".jsonl":
+        table = read_jsonl(data)
+    elif suffix:
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log line: ours is the one line
+        try:
+            table = datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=data,
+                                          split="train")
+        except Exception as e:  # noqa: BLE001 - datasets wraps every reason (empty file: StopIteration)
+            raise ValueError(f"{data}: not a readable {suffix[1:]} file ({type(e).__name__}: "
+                             f"{(str(e).strip().splitlines() or [''])[0][:200]})") from None
+    else:
+        table = datasets.load_dataset(data, split=split)
+    if not len(table):
+        raise ValueError(f"{data}: no rows")
+    rows, seen = [], set()
+    for i, row in enumerate(table):
+        problem, answer = _at_path(row, prompt_key), _at_path(row, answer_key)
+        if isinstance(problem, list):  # chat messages: the last user turn
+            problem = next((m.get("content") for m in reversed(problem) if m.get("role") == "user"), None)
+        if not isinstance(problem, str) or not problem.strip():
+            raise ValueError(f"{data} row {i}: no prompt in field {prompt_key!r}")
+        if isinstance(answer, (int, float)):
+            answer = str(answer)
+        if not answer or not (isinstance(answer, str) or all(isinstance(a, str) for a in answer)):
+            raise ValueError(f"{data} row {i}: no answer in field {answer_key!r}")
+        problem = problem.removeprefix(_DAPO_PREFIX).removesuffix(_DAPO_SUFFIX)
+        if (problem, str(answer)) not in seen:  # DAPO-Math-17k repeats each of its 17k problems 100 times
+            seen.add((problem, str(answer)))
+            rows.append({"problem": problem, "answer": answer})
+    return rows
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The rows of a JSON-lines file (blank lines skipped); a line that is not a UTF-8 JSON object raises ValueError
+    naming the file and the line."""
+    rows = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path} line {n}: not UTF-8 ({e.reason} at byte {e.start})") from None
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {n}: not JSON ({e.msg} at character {e.pos + 1})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path} line {n}: not a JSON object")
+            rows.append(row)
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------------- benchmarks
-def _field(key: str) -> Callable[[dict], str | None]:
+def _gold_field(key: str) -> Callable[[dict], str | None]:
     """The gold is a field as it is (AMC's floats such as 27.0 become "27.0": the grader compares numbers)."""
     return lambda row: None if row.get(key) is None else str(row[key]).strip()
 
@@ -74,7 +181,7 @@ def _last_box(key: str) -> Callable[[dict], str | None]:
 
 def _box_or_text(key: str) -> Callable[[dict], str | None]:
     """math-ai/aime24 keeps the answer in `solution`, boxed or bare: take the last box, else the text."""
-    return lambda row: reward.extract_answer(row.get(key) or "") or _field(key)(row)
+    return lambda row: reward.extract_answer(row.get(key) or "") or _gold_field(key)(row)
 
 
 def _after_hashes(key: str) -> Callable[[dict], str | None]:
@@ -105,16 +212,16 @@ class Benchmark:
 
 
 BENCHMARKS = {
-    "aime24": Benchmark("aime24.jsonl", Source("problem", _field("answer")),
+    "aime24": Benchmark("aime24.jsonl", Source("problem", _gold_field("answer")),
                         "math-ai/aime24", Source("problem", _box_or_text("solution"))),
-    "aime25": Benchmark("aime25.jsonl", Source("problem", _field("answer")),
-                        "math-ai/aime25", Source("problem", _field("answer"))),
-    "amc23": Benchmark("amc23.jsonl", Source("problem", _field("answer")),
-                       "math-ai/amc23", Source("question", _field("answer"))),
-    "math500": Benchmark("math500.jsonl", Source("problem", _field("answer")),
-                         "HuggingFaceH4/MATH-500", Source("problem", _field("answer"))),
+    "aime25": Benchmark("aime25.jsonl", Source("problem", _gold_field("answer")),
+                        "math-ai/aime25", Source("problem", _gold_field("answer"))),
+    "amc23": Benchmark("amc23.jsonl", Source("problem", _gold_field("answer")),
+                       "math-ai/amc23", Source("question", _gold_field("answer"))),
+    "math500": Benchmark("math500.jsonl", Source("problem", _gold_field("answer")),
+                         "HuggingFaceH4/MATH-500", Source("problem", _gold_field("answer"))),
     "minerva": Benchmark("minerva_math.jsonl", Source("problem", _last_box("solution")),
-                         "math-ai/minervamath", Source("question", _field("answer"))),
+                         "math-ai/minervamath", Source("question", _gold_field("answer"))),
     "olympiadbench": Benchmark("olympiadbench.jsonl", Source("question", _answer_list("final_answer")),
                                "math-ai/olympiadbench", Source("question", _answer_list("final_answer"))),
     "gsm8k": Benchmark("gsm8k.jsonl", Source("question", _after_hashes("answer")),
@@ -425,16 +532,14 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 def load_sets(cfg: Config) -> dict[str, dict]:
     """{name: {"k", "rows"}} for every benchmark and --data file of cfg, in order, cut to --limit. Rows are
-    {"problem", "answer", "gold"} as load_benchmark gives them; --data files are read by train.read_rows (the
-    field logic of train.py's --data), heldout is train.load_rows of the run's config."""
-    import train
-
+    {"problem", "answer", "gold"} as load_benchmark gives them; --data files are read by read_rows (the field
+    logic of train.py's --data), heldout is load_rows of the run's config."""
     sets = {}
     for b in cfg.benchmarks:
         if b == "heldout":
             run = train_run(cfg.run)
             rows = [{"problem": r["problem"], "answer": _joined(r["answer"]), "gold": r["answer"]}
-                    for r in train.load_rows(train.Config(**run))[1]]
+                    for r in load_rows(types.SimpleNamespace(**run))[1]]
             if not rows:
                 raise ValueError(f"the run {cfg.run} has no held-out problems (train.py --heldout N keeps some)")
             sets[b] = {"k": cfg.k or run["eval_samples"] or OTHER_K, "rows": rows}
@@ -444,7 +549,7 @@ def load_sets(cfg: Config) -> dict[str, dict]:
         name, path = spec.split("=", 1) if "=" in spec and not os.path.exists(spec) else (Path(spec).stem, spec)
         if name in sets:
             raise ValueError(f"--data {spec}: the name {name!r} is taken; name it with NAME={path}")
-        rows = train.read_rows(path, cfg.prompt_key, cfg.answer_key, cfg.split)
+        rows = read_rows(path, cfg.prompt_key, cfg.answer_key, cfg.split)
         if not rows:
             raise ValueError(f"--data {path}: no rows")
         sets[name] = {"k": cfg.k or OTHER_K,
@@ -474,7 +579,7 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, de
     # problems per generate call: --batch-size rows, fewer where their worst-case KV cache would exceed
     # --kv-cache-gb, but at least one problem's k rows (the plain sampler holds them at once; vLLM queues what does
     # not fit its KV cache of at most --kv-cache-gb)
-    row_bytes, budget = rollout.kv_cache_bytes(lm.config, 1, longest, lm.dtype.itemsize), int(cfg.kv_cache_gb * 1e9)
+    row_bytes, budget = model_lib.kv_cache_bytes(lm.config, 1, longest, lm.dtype.itemsize), int(cfg.kv_cache_gb * 1e9)
     per_call = {b: max(1, min(cfg.batch_size, budget // row_bytes) // s["k"]) for b, s in sets.items()}
     need = max(per_call[b] * s["k"] for b, s in sets.items()) * row_bytes  # the largest call, every row at its longest
     if rank == 0:

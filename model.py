@@ -415,9 +415,13 @@ def save_hf(policy_or_lm, tokenizer, out_dir):
 # Memory model: estimated peak memory per rank (README.md "Memory"), from config numbers only.
 
 
-def kv_cache_bytes(rows: int, length: int, layers: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
-    """Bytes of a KV cache: keys and values of `rows` sequences of `length` positions in each of `layers` layers."""
-    return 2 * rows * length * layers * kv_heads * head_dim * dtype_bytes
+def kv_cache_bytes(config, rows: int, tokens: int, dtype_bytes: int = 2) -> int:
+    """Bytes of a KV cache holding `tokens` positions for `rows` sequences of a decoder with HF `config`:
+    rows x tokens x layers x 2 (K and V) x kv_heads x head_dim x dtype_bytes (e.g. 112 KiB per token for
+    Qwen3-1.7B in bf16)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return rows * tokens * config.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes
 
 
 def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: bool = True, rollout_rows: int = 64,
@@ -458,7 +462,7 @@ def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: 
         "activations": tokens * (saved + 4 * D) * b / GiB,
         "head": (2 * chunk_size * V + V * D) * 4 / GiB,  # two fp32 (C, V) logit buffers, fp32 head gradient
         "rollout_gathered": n * b / GiB if fsdp else 0.0,
-        "kv_cache": kv_cache_bytes(rollout_rows, prompt_len + response_len, layers, KV, hd, b) / GiB,
+        "kv_cache": kv_cache_bytes(config, rollout_rows, prompt_len + response_len, b) / GiB,
         # prefill: one layer's MLP and norm values for every prompt token; sampling: 4 fp32 (rows, V) buffers
         "rollout_work": (rollout_rows * prompt_len * (2 * I + 4 * D) * b + 16 * rollout_rows * V) / GiB,
     }

@@ -43,7 +43,7 @@ USAGE = ("python train.py --plot RUN [RUN ...] [--out PNG] [--table | --sensitiv
          "the (tau_p, quantile) grid")
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_log(path: Path) -> list[dict]:
     """The records of a .jsonl file ([] if it does not exist)."""
     path = Path(path)
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
@@ -101,7 +101,7 @@ def plot_metrics(run_dirs: list[str], out_png: str) -> bool:
     for ax, (name, key, title) in zip(axes, METRIC_PANELS):
         data = {}  # run -> {step: value} of the runs with this panel's key
         for run in run_dirs:
-            lines = [m for m in read_jsonl(Path(run) / name) if key in m]
+            lines = [m for m in read_log(Path(run) / name) if key in m]
             if lines:
                 data[run] = {m["step"]: m[key] for m in lines}
         means = {}  # choice 3: group -> (steps, mean, runs) where it has several runs with steps in common
@@ -143,7 +143,7 @@ def plot_metrics(run_dirs: list[str], out_png: str) -> bool:
 def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
     """The S2T picture of the runs with a tokens.jsonl, one row per algorithm (its runs' tokens pooled); True if
     written."""
-    rows = {g: [r for r in runs if read_jsonl(Path(r) / "tokens.jsonl")] for g, runs in seed_groups(run_dirs).items()}
+    rows = {g: [r for r in runs if read_log(Path(r) / "tokens.jsonl")] for g, runs in seed_groups(run_dirs).items()}
     rows = {g: runs for g, runs in rows.items() if runs}
     if not rows:
         return False
@@ -152,7 +152,7 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
         return False
     fig, axes = plt.subplots(len(rows), 2, figsize=(11, 4 * len(rows)), squeeze=False)
     for (ax_h, ax_g), (g, runs) in zip(axes, rows.items()):
-        records = [r for run in runs for r in read_jsonl(Path(run) / "tokens.jsonl")]
+        records = [r for run in runs for r in read_log(Path(run) / "tokens.jsonl")]
         tau_p = _config(runs[0]).get("tau_p", 0.002)
         tok = {k: [v for r in records for v in r[k]]
                for k in ("p", "H", "correct", "candidate", "silenced", "grad_norm", "weight")}
@@ -278,7 +278,7 @@ def gradient_analysis(records: list[dict]) -> dict:
 
 def correlation_line(run: str) -> str:
     """One line of RQ1's correlations for a run folder ('' without tokens.jsonl)."""
-    records = read_jsonl(Path(run) / "tokens.jsonl")
+    records = read_log(Path(run) / "tokens.jsonl")
     if not records:
         return ""
     a = gradient_analysis(records)
@@ -290,14 +290,14 @@ def correlation_line(run: str) -> str:
 def plot_gradient(run_dirs: list[str], out_png: str) -> bool:
     """RQ1's figure: the logit-gradient norm's binned median (and 25-75% band) against p (log scale) and against H,
     correct and incorrect responses, one colour per setting (seeds pooled); Spearman correlations in the legend."""
-    rows = {g: [r for r in runs if read_jsonl(Path(r) / "tokens.jsonl")] for g, runs in seed_groups(run_dirs).items()}
+    rows = {g: [r for r in runs if read_log(Path(r) / "tokens.jsonl")] for g, runs in seed_groups(run_dirs).items()}
     rows = {g: runs for g, runs in rows.items() if runs}
     plt = _pyplot() if rows else None
     if plt is None:
         return False
     fig, (ax_p, ax_h) = plt.subplots(1, 2, figsize=(11, 4))
     for c, (g, runs) in enumerate(rows.items()):
-        a = gradient_analysis([r for run in runs for r in read_jsonl(Path(run) / "tokens.jsonl")])
+        a = gradient_analysis([r for run in runs for r in read_log(Path(run) / "tokens.jsonl")])
         for kind, style in (("correct", "-"), ("incorrect", ":")):
             for ax, key, x_of in ((ax_p, "bins_p", lambda v: 10 ** v), (ax_h, "bins_h", lambda v: v)):
                 bins = a[kind][key]
@@ -330,8 +330,8 @@ def run_summary(run: str) -> dict:
     """What one run folder did: its setting (algo, tau_p, quantile, seed), the share of its response tokens and of
     its S2T candidates that were silenced over all steps, the steps that silenced any, held-out accuracy before and
     after (eval.jsonl), and the last step's entropy and reward."""
-    config, steps = _config(run), read_jsonl(Path(run) / "metrics.jsonl")
-    evals = read_jsonl(Path(run) / "eval.jsonl")
+    config, steps = _config(run), read_log(Path(run) / "metrics.jsonl")
+    evals = read_log(Path(run) / "eval.jsonl")
     rows = config.get("prompts_per_step", 0) * config.get("group_size", 0)
     tokens = sum(m["response/len_mean"] * rows for m in steps)
     silenced, candidates = sum(m.get("s2t/silenced", 0) for m in steps), sum(m.get("s2t/candidates", 0) for m in steps)

@@ -42,7 +42,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers import DynamicCache
 
-from model import lm_vocab_size, position_ids_from_mask
+from model import kv_cache_bytes, lm_vocab_size, position_ids_from_mask
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -258,15 +258,6 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
     response_ids = response_ids[:, :T].masked_fill(response_mask == 0, pad)
     logprobs = logprobs[:, :T] * response_mask
     return Rollout(prompt, prompt_mask, response_ids, response_mask, logprobs, ~done)
-
-
-def kv_cache_bytes(config, rows: int, tokens: int, dtype_bytes: int = 2) -> int:
-    """Bytes of a KV cache holding `tokens` positions for `rows` sequences of a decoder with HF `config`:
-    rows x tokens x layers x 2 (K and V) x kv_heads x head_dim x dtype_bytes (e.g. 112 KiB per token for
-    Qwen3-1.7B in bf16)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return rows * tokens * config.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes
 
 
 def sample_groups(model, prompt_ids: list[list[int]], group_size: int, **kwargs) -> Rollout:

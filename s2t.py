@@ -15,8 +15,8 @@ Deliberate differences / choices the paper leaves open:
 3. `quantile_of` does not call torch.quantile (limited to 2^24 elements) but sorts and interpolates the same way,
    so it also serves 20-Entropy thresholds over millions of tokens (kthvalue was rejected: quadratic on sorted
    input on CPU).
-4. The threshold is an argument of `spurious_mask_at`, so the caller (train.py) can take it over candidates
-   gathered from all micro-batches and ranks; `spurious_mask` is the one-call form for a whole mini-batch.
+4. `spurious_mask` takes the mini-batch's p and H at once (train.py computes them for all of a rank's rows before
+   splitting them into micro-batches) and a `gather` over ranks, so tau_h never depends on how rows are split.
 5. No candidates in the mini-batch: nothing is silenced (threshold None).
 """
 import math
@@ -46,21 +46,21 @@ def candidates(logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: 
     return (advantages > 0) & (logprobs.detach() < math.log(tau_p)) & (response_mask > 0)  # (B, T)
 
 
-def spurious_mask_at(logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
-                     response_mask: torch.Tensor, tau_p: float, entropy_threshold: float | None) -> torch.Tensor:
-    """bool (B, T), True = silenced: candidates with H < entropy_threshold (strict). None threshold: all False."""
-    cand = candidates(logprobs, advantages, response_mask, tau_p)  # (B, T)
-    if entropy_threshold is None:
-        return torch.zeros_like(cand)
-    return cand & (entropy.detach() < entropy_threshold)  # (B, T)
-
-
 def spurious_mask(logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
-                  response_mask: torch.Tensor, tau_p: float = 0.002, quantile: float = 0.75) -> torch.Tensor:
-    """bool (B, T), True = silenced, for a whole mini-batch at once (tau_h = q-quantile of candidate entropies)."""
-    cand = candidates(logprobs, advantages, response_mask, tau_p)  # (B, T)
-    tau_h = quantile_of(entropy.detach()[cand], quantile)
-    return spurious_mask_at(logprobs, entropy, advantages, response_mask, tau_p, tau_h)
+                  response_mask: torch.Tensor, tau_p: float = 0.002, quantile: float = 0.75,
+                  gather=None) -> tuple[torch.Tensor, float | None]:
+    """The whole S2T rule on one mini-batch -> (silenced bool (B, T), tau_h or None if there are no candidates).
+
+    logprobs, entropy (B, T) of the current policy; advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1.
+    gather: a function that concatenates a 1-D tensor over the data-parallel ranks (train.all_gather_cat), so that
+    tau_h is the quantile over the whole mini-batch when each rank holds a share of its rows; None: one process.
+    """
+    cand = candidates(logprobs, advantages, response_mask, tau_p)  # (B, T): conditions 1 and 2
+    values = entropy.detach()[cand]  # (n,) entropies of this rank's candidates
+    tau_h = quantile_of(values if gather is None else gather(values), quantile)  # q-quantile over the mini-batch
+    if tau_h is None:  # no candidates anywhere: nothing is silenced (choice 5)
+        return torch.zeros_like(cand), None
+    return cand & (entropy.detach() < tau_h), tau_h  # condition 3, strict (choice 1)
 
 
 def grad_norm_logits(w: torch.Tensor, logprobs: torch.Tensor, collision: torch.Tensor) -> torch.Tensor:

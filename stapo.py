@@ -13,13 +13,11 @@ only in the token weights and the denominator:
     20-entropy  1 if H_it >= 0.8-quantile of all H else 0  number of response tokens   0.2, 0.28
     fullmask    0 if A_i > 0 and p_it < tau_p else 1       number of kept tokens       0.2, 0.28
 
-Two-phase API, so that micro-batches (gradient accumulation) and data-parallel ranks do not change the update; the
-caller (train.py) owns the concatenation and the all-reduce:
-    1. `threshold_inputs` per micro-batch -> concatenate over micro-batches, all-gather over ranks
-    2. `entropy_threshold` on the gathered values -> one threshold for the mini-batch
-    3. `loss_weights` and `denominator_part` per micro-batch -> sum the parts over micro-batches and ranks
-    4. `policy_loss(..., weights, denominator=global)` per micro-batch; the sum of the micro-batch losses (over
-       ranks: the sum of the gradients, i.e. all-reduce SUM, or AVG times world size) is the mini-batch loss.
+`token_weights` computes one mini-batch's weights from `ALGORITHMS` (the table above, as data); its entropy
+thresholds (S2T's tau_h, 20-Entropy's) are taken over the whole mini-batch through a `gather` over ranks, and it
+returns this rank's share of the denominator, which the caller (train.py) sums over ranks. `policy_loss(...,
+weights, denominator=N)` per micro-batch then sums to the mini-batch loss however the rows are split (over ranks:
+the sum of the gradients, i.e. all-reduce SUM, or AVG times world size).
 
 Deliberate differences / choices:
 1. The token mean runs over the whole mini-batch (all micro-batches and ranks), not per micro-batch.
@@ -34,20 +32,40 @@ Deliberate differences / choices:
 7. Optional truncated importance sampling (`tis_weight`, off by default) for the sampler/trainer mismatch of an
    external rollout engine (vLLM); the paper's veRL runs use none.
 """
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 
 import s2t
 
-ALGORITHMS = ("stapo", "justrl", "grpo", "20-entropy", "fullmask")
-ALGO_CLIP = {"stapo": (0.2, 0.28), "justrl": (0.2, 0.28), "grpo": (0.2, 0.2), "20-entropy": (0.2, 0.28),
-             "fullmask": (0.2, 0.28)}
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One row of the table above."""
+    clip: tuple[float, float]  # (eps_low, eps_high) of the ratio clip
+    silence: str | None  # weight 0 for: "s2t" (the S2T mask), "candidates" (FullMask: every A > 0, p < tau_p token),
+    #                      "low_entropy" (20-Entropy: H below the 0.8-quantile of the mini-batch), None (nothing)
+    denominator: str  # N = "kept" tokens, "response" tokens, or "sequences" (GRPO: weights 1/|y_i|)
+
+
+ALGORITHMS = {
+    "stapo": Algorithm((0.2, 0.28), "s2t", "kept"),
+    "justrl": Algorithm((0.2, 0.28), None, "kept"),  # nothing silenced: kept = response tokens
+    "grpo": Algorithm((0.2, 0.2), None, "sequences"),
+    "20-entropy": Algorithm((0.2, 0.28), "low_entropy", "response"),
+    "fullmask": Algorithm((0.2, 0.28), "candidates", "kept"),
+}
 ENTROPY_TOP_FRACTION = 0.2  # 20-Entropy keeps the top 20% highest-entropy response tokens of the mini-batch
 LOG_RATIO_CLAMP = 20.0
 
 
-def _check(algo: str) -> None:
-    if algo not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algo!r}; valid: {', '.join(ALGORITHMS)}")
+def algorithm(name: str) -> Algorithm:
+    """ALGORITHMS[name], or a ValueError naming the valid ones."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; valid: {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[name]
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -95,7 +113,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
     logprobs (B, T) differentiable, old_logprobs (B, T) of the rollout policy, advantages (B, T) (or (B, 1)),
     loss_mask (B, T) float weights (0/1, or 1/|y_i| for GRPO). denominator: float or 0-d tensor, the global number
-    from `denominator_part` summed over micro-batches and ranks; default loss_mask.sum() (one-batch use).
+    from `token_weights` summed over ranks; default loss_mask.sum() (one-batch use).
         per_token_loss = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)
         dual clip (A < 0): per_token_loss = min(per_token_loss, -dual_clip A)      (dual_clip > 1)
     stats: 0-d detached tensors on the input's device (no host sync; call .item() when logging), computed over
@@ -160,68 +178,40 @@ def tis_weight(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: 
     return d.exp().clamp(max=cap)
 
 
-def threshold_inputs(algo: str, logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
-                     response_mask: torch.Tensor, tau_p: float = 0.002) -> torch.Tensor:
-    """1-D detached tensor of the entropies the mini-batch threshold is taken over (phase 1).
+class TokenWeights(NamedTuple):
+    weights: torch.Tensor  # (B, T) float: I_it (GRPO: I_it / |y_i|)
+    silenced: torch.Tensor  # (B, T) bool: response tokens the algorithm removes
+    threshold: float | None  # the mini-batch entropy threshold (S2T's tau_h, 20-Entropy's), None if none is used
+    denominator: torch.Tensor  # 0-d float: this rank's share of N (sum it over ranks)
 
-    stapo: entropies of the S2T candidates; 20-entropy: of all response tokens; others: empty.
+
+def token_weights(algo: str, logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
+                  response_mask: torch.Tensor, tau_p: float = 0.002, quantile: float = 0.75,
+                  gather=None) -> TokenWeights:
+    """The token weights of one mini-batch (this rank's rows of it) and its share of the denominator N.
+
+    logprobs, entropy (B, T) of the current policy; advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1.
+    gather: concatenates a 1-D tensor over ranks (train.all_gather_cat), so entropy thresholds are over the whole
+    mini-batch; None: this process holds the whole mini-batch.
     """
-    _check(algo)
-    if algo == "stapo":
-        sel = s2t.candidates(logprobs, advantages, response_mask, tau_p)  # (B, T)
-    elif algo == "20-entropy":
-        sel = response_mask > 0
-    else:
-        sel = torch.zeros_like(response_mask, dtype=torch.bool)
-    return entropy.detach()[sel]  # (n,)
-
-
-def entropy_threshold(algo: str, values: torch.Tensor, quantile: float = 0.75) -> float | None:
-    """The mini-batch entropy threshold from the gathered `threshold_inputs` (phase 2).
-
-    stapo: tau_h = `quantile`-quantile of the candidate entropies (None if there are none: silence nothing);
-    20-entropy: the (1 - ENTROPY_TOP_FRACTION) = 0.8-quantile of all response entropies (`quantile` unused);
-    others: None.
-    """
-    _check(algo)
-    if algo == "stapo":
-        return s2t.quantile_of(values, quantile)
-    if algo == "20-entropy":
-        return s2t.quantile_of(values, 1 - ENTROPY_TOP_FRACTION)
-    return None
-
-
-def loss_weights(algo: str, logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
-                 response_mask: torch.Tensor, tau_p: float = 0.002,
-                 threshold: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights (B, T) float, silenced (B, T) bool) of one micro-batch (phase 3); see the table above.
-
-    silenced marks response tokens the algorithm removes (S2T mask, FullMask mask, 20-Entropy's low-entropy 80%).
-    """
-    _check(algo)
-    mask = (response_mask > 0).float()  # (B, T)
-    if algo == "stapo":
-        silenced = s2t.spurious_mask_at(logprobs, entropy, advantages, response_mask, tau_p, threshold)
-    elif algo == "fullmask":
-        silenced = s2t.candidates(logprobs, advantages, response_mask, tau_p)  # every candidate, no entropy test
-    elif algo == "20-entropy" and threshold is not None:  # None only if the mini-batch has no response tokens
-        silenced = (mask > 0) & (entropy.detach() < threshold)  # keep H >= tau: the top 20%
-    else:  # justrl, grpo (and 20-entropy on a mini-batch without response tokens)
-        silenced = torch.zeros_like(mask, dtype=torch.bool)
-    weights = mask * (~silenced).float()  # (B, T)
-    if algo == "grpo":
-        weights = weights / mask.sum(dim=1, keepdim=True).clamp(min=1)  # 1/|y_i|: per-sequence mean
-    return weights, silenced
-
-
-def denominator_part(algo: str, weights: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """This micro-batch's share of the global denominator (phase 3), a 0-d float tensor; sum over micro-batches
-    and ranks. stapo/justrl/fullmask: kept tokens; 20-entropy: all response tokens; grpo: sequences with at
-    least one response token."""
-    _check(algo)
+    a = algorithm(algo)
     mask = response_mask > 0  # (B, T)
-    if algo == "grpo":
-        return mask.any(dim=1).sum().float()
-    if algo == "20-entropy":
-        return mask.sum().float()
-    return weights.sum()
+    silenced, threshold = torch.zeros_like(mask), None
+    if a.silence == "s2t":
+        silenced, threshold = s2t.spurious_mask(logprobs, entropy, advantages, response_mask, tau_p, quantile, gather)
+    elif a.silence == "candidates":
+        silenced = s2t.candidates(logprobs, advantages, response_mask, tau_p)  # every candidate, no entropy test
+    elif a.silence == "low_entropy":
+        values = entropy.detach()[mask]  # (n,) every response token's entropy
+        threshold = s2t.quantile_of(values if gather is None else gather(values), 1 - ENTROPY_TOP_FRACTION)
+        if threshold is not None:  # None only if the mini-batch has no response tokens
+            silenced = mask & (entropy.detach() < threshold)  # keep H >= tau: the top 20% (choice 4)
+    weights = (mask & ~silenced).float()  # (B, T): I_it
+    if a.denominator == "sequences":  # GRPO: 1/|y_i| per token, N = sequences with a response token
+        weights = weights / mask.float().sum(dim=1, keepdim=True).clamp(min=1)
+        part = mask.any(dim=1).sum().float()
+    elif a.denominator == "response":  # 20-Entropy: N = all response tokens (choice 4)
+        part = mask.sum().float()
+    else:  # N = sum_i sum_t I_it
+        part = weights.sum()
+    return TokenWeights(weights, silenced, threshold, part)

@@ -200,15 +200,14 @@ def test_s2t_truth_table():
                 rows.append((1.0 if pos else -1.0, LOW_LP if low_p else HIGH_LP, 0.5 if low_h else 2.0, 1.0))
     rows.append((1.0, LOW_LP, 0.5, 0.0))  # all three hold but it is not a response token
     adv, lp, ent, mask = (torch.tensor([[r[i] for r in rows]]) for i in range(4))
-    silenced = s2t.spurious_mask_at(lp, ent, adv, mask, TAU_P, entropy_threshold=1.0)
+    silenced = s2t.spurious_mask(lp, ent, adv, mask, TAU_P, 0.75, gather=lambda v: _at(v, 1.0))[0]  # tau_h = 1.0
     expected = torch.zeros(1, 9, dtype=torch.bool)
     expected[0, 7] = True  # only (A > 0, p < tau_p, H < tau_h)
     assert torch.equal(silenced, expected)
     # A = 0 is not "better than average"; p exactly tau_p is not below it
-    zero_adv = s2t.spurious_mask_at(torch.tensor([[LOW_LP, math.log(TAU_P)]]), torch.tensor([[0.5, 0.5]]),
-                                    torch.tensor([[0.0, 1.0]]), torch.ones(1, 2), TAU_P, 1.0)
+    zero_adv = s2t.candidates(torch.tensor([[LOW_LP, math.log(TAU_P)]]), torch.tensor([[0.0, 1.0]]), torch.ones(1, 2),
+                              TAU_P)
     assert not zero_adv.any()
-    assert not s2t.spurious_mask_at(lp, ent, adv, mask, TAU_P, entropy_threshold=None).any()
 
 
 def test_s2t_quantile_boundary():
@@ -217,26 +216,25 @@ def test_s2t_quantile_boundary():
     lp = torch.tensor([[LOW_LP] * 5 + [LOW_LP, HIGH_LP]])
     adv = torch.tensor([[1.0] * 5 + [-1.0, 1.0]])  # the two low-entropy extra tokens are not candidates
     mask = torch.ones(1, 7)
-    silenced = s2t.spurious_mask(lp, ent, adv, mask, tau_p=TAU_P, quantile=0.75)
+    silenced, tau_h = s2t.spurious_mask(lp, ent, adv, mask, tau_p=TAU_P, quantile=0.75)
     assert silenced[0].tolist() == [True, True, False, False, True, False, False]
-    assert stapo.entropy_threshold("stapo", stapo.threshold_inputs("stapo", lp, ent, adv, mask, TAU_P),
-                                   0.75) == pytest.approx(0.4)
+    assert tau_h == pytest.approx(0.4)
     # 4 candidates 1..4: rank 2.25 -> tau_h = 3.25 -> 3 of 4 silenced (75%)
     silenced = s2t.spurious_mask(torch.full((1, 4), LOW_LP), torch.tensor([[4.0, 1.0, 3.0, 2.0]]),
-                                 torch.ones(1, 4), torch.ones(1, 4))
+                                 torch.ones(1, 4), torch.ones(1, 4))[0]
     assert silenced[0].tolist() == [False, True, True, True]
     # a lone candidate equals its own quantile and is kept
     assert not s2t.spurious_mask(torch.full((1, 1), LOW_LP), torch.ones(1, 1), torch.ones(1, 1),
-                                 torch.ones(1, 1)).any()
+                                 torch.ones(1, 1))[0].any()
 
 
 def test_s2t_no_candidates():
     lp = torch.full((2, 3), HIGH_LP)
     ent = torch.rand(2, 3)
     adv = torch.tensor([[1.0], [-1.0]]).expand(2, 3)
-    assert not s2t.spurious_mask(lp, ent, adv, torch.ones(2, 3)).any()
-    values = stapo.threshold_inputs("stapo", lp, ent, adv, torch.ones(2, 3))
-    assert values.numel() == 0 and stapo.entropy_threshold("stapo", values) is None
+    gathered = []
+    silenced, tau_h = s2t.spurious_mask(lp, ent, adv, torch.ones(2, 3), gather=lambda v: gathered.append(v) or v)
+    assert not silenced.any() and tau_h is None and gathered[0].numel() == 0  # an empty share still gathers
 
 
 def test_s2t_quantile_matches_torch_and_large_inputs():
@@ -301,7 +299,7 @@ def test_s2t_token_sample():
     ent, col = torch.rand(B, T, generator=g) * 3, torch.rand(B, T, generator=g)
     adv = torch.tensor([[1.0], [1.0], [-1.0], [0.5]])  # (B, 1)
     mask = (torch.arange(T)[None] < torch.tensor([[50], [30], [40], [10]])).float()
-    silenced = s2t.spurious_mask(lp, ent, adv, mask, TAU_P, 0.75)
+    silenced = s2t.spurious_mask(lp, ent, adv, mask, TAU_P, 0.75)[0]
     silenced[2, 0] = True  # silenced by another rule (20-Entropy-like), not a candidate: drawn too
     special = (s2t.candidates(lp, adv, mask, TAU_P) | silenced) & (mask > 0)
     assert 5 < special.sum() < 40
@@ -341,24 +339,39 @@ def _batch(seed=0):
     return logprobs, entropy, old, ref, adv, mask
 
 
+def _at(values, threshold):
+    """A `gather` that replaces the gathered entropies by one value, so the q-quantile is `threshold`."""
+    return torch.tensor([threshold])
+
+
+def _ranks(algo, batch, chunks):
+    """stapo.token_weights on each chunk of rows as on a rank of its own, with an all-gather of the entropy values
+    simulated in two passes (record every chunk's values, then hand all of them to every chunk)."""
+    logprobs, entropy, old, ref, adv, mask = batch
+    seen = []
+    for c in chunks:
+        stapo.token_weights(algo, logprobs[c], entropy[c], adv[c], mask[c], TAU_P, 0.75, lambda v: seen.append(v) or v)
+    every = torch.cat(seen) if seen else None
+    return [stapo.token_weights(algo, logprobs[c], entropy[c], adv[c], mask[c], TAU_P, 0.75, lambda v: every)
+            for c in chunks]
+
+
 def _update(algo, batch, sizes, beta=0.04):
-    """What train.py does for one mini-batch split into micro-batches: returns (summed loss, grad, weights)."""
+    """What train.py does for one mini-batch whose rows are split over ranks (`sizes` rows each), each rank's rows
+    one micro-batch: returns (summed loss, grad, weights)."""
     logprobs, entropy, old, ref, adv, mask = batch
     param = torch.nn.Parameter(logprobs.clone())
     chunks = torch.arange(len(logprobs)).split(sizes)
-    values = torch.cat([stapo.threshold_inputs(algo, logprobs[c], entropy[c], adv[c], mask[c], TAU_P)
-                        for c in chunks])
-    tau = stapo.entropy_threshold(algo, values, 0.75)
-    parts = [stapo.loss_weights(algo, logprobs[c], entropy[c], adv[c], mask[c], TAU_P, tau)[0] for c in chunks]
-    den = sum(stapo.denominator_part(algo, w, mask[c]) for w, c in zip(parts, chunks))
+    parts = _ranks(algo, batch, chunks)
+    den = sum(p.denominator for p in parts)  # all_sum over ranks
     total = 0.0
-    for w, c in zip(parts, chunks):
-        loss, _ = stapo.policy_loss(param[c], old[c], adv[c], w, *stapo.ALGO_CLIP[algo], denominator=den)
+    for p, c in zip(parts, chunks):
+        loss, _ = stapo.policy_loss(param[c], old[c], adv[c], p.weights, *stapo.ALGORITHMS[algo].clip, denominator=den)
         if algo == "grpo":
-            loss = loss + beta * (w * stapo.kl_k3(param[c], ref[c])).sum() / den
+            loss = loss + beta * (p.weights * stapo.kl_k3(param[c], ref[c])).sum() / den
         loss.backward()
         total += loss.item()
-    return total, param.grad, torch.cat(parts)
+    return total, param.grad, torch.cat([p.weights for p in parts])
 
 
 @pytest.mark.parametrize("algo", stapo.ALGORITHMS)
@@ -373,20 +386,17 @@ def test_algo_microbatch_split_invariant(algo):
         assert torch.equal(weights_s, weights)
     # control: a per-micro-batch token mean (the anti-pattern) does change the update
     logprobs, entropy, old, ref, adv, mask = batch
-    naive = sum(stapo.policy_loss(logprobs[c], old[c], adv[c], weights[c], *stapo.ALGO_CLIP[algo])[0].item()
+    naive = sum(stapo.policy_loss(logprobs[c], old[c], adv[c], weights[c], *stapo.ALGORITHMS[algo].clip)[0].item()
                 for c in torch.arange(6).split([1, 2, 3]))
     assert abs(naive - loss) > 1e-3
 
 
 def test_algo_stapo_silences_and_renormalizes():
     logprobs, entropy, old, ref, adv, mask = _batch()
-    values = stapo.threshold_inputs("stapo", logprobs, entropy, adv, mask, TAU_P)
-    tau = stapo.entropy_threshold("stapo", values, 0.75)
-    weights, silenced = stapo.loss_weights("stapo", logprobs, entropy, adv, mask, TAU_P, tau)
+    weights, silenced, tau, den = stapo.token_weights("stapo", logprobs, entropy, adv, mask, TAU_P, 0.75)
     n_cand = s2t.candidates(logprobs, adv, mask, TAU_P).sum().item()
     assert 0 < silenced.sum().item() < n_cand  # the fixture silences some but not all candidates
-    assert torch.equal(silenced, s2t.spurious_mask(logprobs, entropy, adv, mask, TAU_P, 0.75))
-    den = stapo.denominator_part("stapo", weights, mask)
+    assert torch.equal(silenced, s2t.spurious_mask(logprobs, entropy, adv, mask, TAU_P, 0.75)[0])
     assert den.item() == mask.sum().item() - silenced.sum().item()  # silenced tokens leave the denominator
     param = logprobs.clone().requires_grad_(True)
     loss, _ = stapo.policy_loss(param, old, adv, weights, denominator=den)
@@ -412,9 +422,9 @@ def test_algo_stapo_equals_justrl_without_silencing():
 
 def test_algo_fullmask_silences_all_candidates():
     logprobs, entropy, old, ref, adv, mask = _batch()
-    weights, silenced = stapo.loss_weights("fullmask", logprobs, entropy, adv, mask, TAU_P, None)
-    assert torch.equal(silenced, s2t.candidates(logprobs, adv, mask, TAU_P))
-    assert stapo.denominator_part("fullmask", weights, mask).item() == mask.sum().item() - silenced.sum().item()
+    weights, silenced, tau, den = stapo.token_weights("fullmask", logprobs, entropy, adv, mask, TAU_P)
+    assert torch.equal(silenced, s2t.candidates(logprobs, adv, mask, TAU_P)) and tau is None
+    assert den.item() == mask.sum().item() - silenced.sum().item()
 
 
 def test_algo_20_entropy_keeps_top_fifth_and_full_denominator():
@@ -424,19 +434,17 @@ def test_algo_20_entropy_keeps_top_fifth_and_full_denominator():
     mask = torch.ones(B, T)
     lp = torch.full((B, T), -1.0)
     adv = torch.ones(B, T)
-    tau = stapo.entropy_threshold("20-entropy", stapo.threshold_inputs("20-entropy", lp, entropy, adv, mask))
+    weights, silenced, tau, den = stapo.token_weights("20-entropy", lp, entropy, adv, mask, TAU_P, quantile=0.5)
     assert tau == pytest.approx(79.2)  # 0.8 * 99, whatever quantile S2T uses
-    weights, silenced = stapo.loss_weights("20-entropy", lp, entropy, adv, mask, TAU_P, tau)
     assert weights.sum().item() == 20 and torch.equal(weights > 0, entropy >= 80)
     assert silenced.sum().item() == 80
-    assert stapo.denominator_part("20-entropy", weights, mask).item() == 100  # all response tokens
+    assert den.item() == 100  # all response tokens
 
 
 def test_algo_grpo_is_mean_of_sequence_means():
     logprobs, entropy, old, ref, adv, mask = _batch()
-    weights, silenced = stapo.loss_weights("grpo", logprobs, entropy, adv, mask, TAU_P, None)
+    weights, silenced, tau, den = stapo.token_weights("grpo", logprobs, entropy, adv, mask, TAU_P)
     assert not silenced.any()
-    den = stapo.denominator_part("grpo", weights, mask)
     assert den.item() == 6
     loss, _ = stapo.policy_loss(logprobs, old, adv, weights, 0.2, 0.2, denominator=den)
     seq_means = []
@@ -452,10 +460,7 @@ def test_algo_grpo_is_mean_of_sequence_means():
 
 def test_algo_unknown_name():
     x = torch.zeros(1, 2)
-    for call in (lambda: stapo.threshold_inputs("ppo", x, x, x, x),
-                 lambda: stapo.entropy_threshold("ppo", x[0]),
-                 lambda: stapo.loss_weights("ppo", x, x, x, x),
-                 lambda: stapo.denominator_part("ppo", x, x)):
+    for call in (lambda: stapo.token_weights("ppo", x, x, x, x), lambda: stapo.algorithm("ppo")):
         with pytest.raises(ValueError, match="stapo, justrl, grpo, 20-entropy, fullmask"):
             call()
 
@@ -655,7 +660,7 @@ def test_model_memory_estimate_counts_parameters_and_kv_cache():
     with torch.no_grad():
         lm.model(input_ids=torch.randint(96, (rows, length)), past_key_values=cache, use_cache=True)
     cache_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    assert cache_bytes == model.kv_cache_bytes(rows, length, 3, 2, 8, dtype_bytes=4)
+    assert cache_bytes == model.kv_cache_bytes(config, rows, length, dtype_bytes=4)
     base = model.memory_estimate(config, tokens=1000)
     double, off = model.memory_estimate(config, tokens=2000), model.memory_estimate(config, checkpointing=False)
     assert double["activations"] == pytest.approx(2 * base["activations"]) and off["activations"] > base["activations"]
@@ -1624,7 +1629,7 @@ def test_eval_kv_cache_budget_bounds_every_call(tmp_path, monkeypatch, capsys):
             return super().sample(prompts, group_size, *args)
 
     def make_engine(name, lm, tokenizer, chat, **kwargs):
-        made.update(kwargs, row=rollout.kv_cache_bytes(lm.config, 1, kwargs["max_model_len"], 4))
+        made.update(kwargs, row=model.kv_cache_bytes(lm.config, 1, kwargs["max_model_len"], 4))
         return Recording(lm, rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, _REAL_VOCAB)
 
     monkeypatch.setattr(rollout, "make_engine", make_engine)
@@ -1718,7 +1723,7 @@ def test_eval_uses_the_training_runs_prompt_and_sampling(tmp_path, monkeypatch, 
     calls.clear()
     results = ev.main(["--run", str(run), "--limit", "3", "--out", str(tmp_path / "o3")])
     heldout = results["models"][str(run / "hf")]["benchmarks"]["heldout"]
-    assert [p["problem"] for p in heldout["problems"]] == [r["problem"] for r in train.builtin_task("test")[:3]]
+    assert [p["problem"] for p in heldout["problems"]] == [r["problem"] for r in ev.builtin_task("test")[:3]]
     assert heldout["k"] == 2 and calls[0]["k"] == 2  # the run's --eval-samples
 
 
@@ -2386,11 +2391,11 @@ def test_train_hf_export_reproduces_logprobs(tmp_path, monkeypatch):
     rank, world, device = train.init_distributed()
     try:
         with _one_thread():
-            state = train.setup(cfg, rank, world, device)
-            train.train(cfg, rank, world, device, state)
+            run = train.setup(cfg, rank, world, device)
+            train.train(run)
     finally:
         dist.destroy_process_group()
-    policy = state[0]
+    policy = run.policy
     exported = Policy(AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf")).eval()
     input_ids = torch.randint(4, _TOY_VOCAB, (3, 9))
     attention_mask = torch.ones_like(input_ids)
@@ -2606,7 +2611,7 @@ def test_train_s2t_figure_and_tokens_file(tmp_path, monkeypatch, capsys):
     with _one_thread():
         assert train.main(_toy_args(_toy_data(tmp_path), out, steps=2, tau_p=0.5, token_sample=1000, heldout=4,
                                     plots=True, export_hf=False)) == 0
-    lines, metrics = plots.read_jsonl(out / "tokens.jsonl"), _metrics(out)
+    lines, metrics = plots.read_log(out / "tokens.jsonl"), _metrics(out)
     silenced = [int(m["s2t/silenced"]) for m in metrics]
     assert min(silenced) > 0 and (f"stapo silenced {sum(silenced)} tokens in 2 of 2 steps; S2T candidates (A > 0, "
                                   f"p < tau_p): {sum(int(m['s2t/candidates']) for m in metrics)} (metrics.jsonl "
@@ -2945,7 +2950,7 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
     assert [(r["step"], r["split"]) for r in samples] == [(0, "heldout")] * 2 + [(1, "train")] * 3 + [
         (1, "heldout")] * 2
     tokenizer, even = tiny_tokenizer(), ("0", "2", "4", "6", "8")
-    rows = {r["problem"]: r["answer"] for r in train.read_rows(str(tmp_path / "toy.jsonl"), "prompt", "answer")}
+    rows = {r["problem"]: r["answer"] for r in ev.read_rows(str(tmp_path / "toy.jsonl"), "prompt", "answer")}
     for r in samples:
         problem = next(p for p in rows if tokenizer.decode(format_prompt(tokenizer, p, False, "")) == r["prompt"])
         assert r["answer"] == rows[problem]

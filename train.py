@@ -1,5 +1,5 @@
-"""Train a causal LM with STAPO or a baseline by RL on verifiable math rewards (paper Sec. 3-4, Algorithm 1; recipe
-of PAPER.md Sec. 6), on 1 CPU, 1 GPU or many GPU nodes with the same code.
+"""Train a causal LM with STAPO or a baseline by RL on verifiable math rewards (docs/paper.md §3-§4, Algorithm 1;
+the recipe of §6), on 1 CPU, 1 GPU or many GPU nodes with the same code.
 
     python train.py                                    # no GPU: embedded default (SmolLM2-135M, built-in sums)
     torchrun --standalone --nproc_per_node=2 train.py  # the same on 2 CPU processes (gloo, FSDP2)
@@ -7,39 +7,33 @@ of PAPER.md Sec. 6), on 1 CPU, 1 GPU or many GPU nodes with the same code.
     torchrun --nnodes=8 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py \\
         --model Qwen/Qwen3-8B-Base --out-dir runs/stapo-8b   # 64 GPUs, as in the paper
     python train.py --resume runs/stapo-8b             # continue exactly where the last checkpoint stopped
-    python eval.py --run runs/stapo-8b                 # evaluate the export with the run's prompts and sampling
     python train.py --plot runs/stapo runs/justrl      # the runs' curves overlaid, and what S2T saw (plots.py)
 
-One step: take `prompts_per_step` prompts; each rank samples G responses for its share (groups never split across
-ranks); grade (reward.py); group advantages (stapo.py); one no-grad pass for pi_old log-probs, entropy and
-collision; then for each mini-batch of `mini_batch_prompts` prompts: p and H of the current policy, the mini-batch's
-entropy threshold over all ranks, the loss weights (S2T mask) and the global denominator, gradient accumulation over
-token-budget micro-batches (`Rollout.micro_batches`), grad clip, AdamW.
+Reading order: the step (`train_step`: rollouts, rewards, advantages, pi_old, then per mini-batch the token weights
+and the gradient over token-budget micro-batches), the loop (`train`), then rollouts, setup, distributed helpers,
+checkpoints, loggers, and the configuration with its CLI (`Config`, `parse_config`, `main`).
 
 Deliberate differences from the paper's veRL setup:
-1. Presets: `--preset auto` picks `paper` (PAPER.md Sec. 6) when CUDA is available and `cpu` (a small run that
-   finishes in minutes: SmolLM2-135M on built-in one-step sums) otherwise. A flag given on the command line always
-   wins; each value lives once, in `Config` (paper) or `CPU_PRESET` (cpu).
+1. Presets: `--preset auto` is `paper` (§6) on CUDA and `cpu` (SmolLM2-135M on built-in sums, minutes) otherwise; a
+   flag given on the command line always wins; each value lives once, in `Config` (paper) or `CPU_PRESET` (cpu).
 2. pi_old log-probs are recomputed by the training forward (as veRL does), not taken from the sampler; the mean
-   absolute difference is logged as `rollout/logprob_diff` (~0 in fp32: both use the tokenizer's rows only).
-3. Sampling noise is seeded per generate call from (seed, step, global index of its first prompt), so rollouts are
-   reproducible on resume without saving generator states, and with `--rollout-chunk 1` independent of the number
-   of ranks.
-4. Mini-batch k is the same set of prompts for any number of ranks: rank r holds the r-th slice of every
-   mini-batch. The S2T threshold, the denominator and the metrics are reduced over all ranks.
-5. FSDP2 averages gradients over ranks; each rank backpropagates world_size * (its sum / global denominator), so
-   the applied gradient is the gradient of (sum over all ranks / global denominator).
-6. A mini-batch whose advantages are all zero is skipped (no optimizer step, no weight decay) unless GRPO's KL
-   term still gives it a gradient; a non-finite gradient norm skips the step with a warning.
-7. Rows of --data whose prompt exceeds --max-prompt-len tokens are dropped at load time (veRL filters them too);
-   duplicate (problem, answer) rows are dropped (the Hub DAPO-Math-17k repeats each problem 100 times).
-8. Sampling uses rollout.generate (HF model + KV cache, finished rows dropped) by default, or with --rollout vllm a
-   colocated vLLM engine per rank fed with the policy's weights before each rollout phase (rollout.VLLMEngine); the
-   cpu preset also departs from the paper's prompt (raw text "...\nThe answer is"; README.md) and trains at its
-   T = 1.0.
-9. Outputs: steps count from 1 in every file, the console and checkpoint/step_N; every run checkpoints its last
-   step, so it can be resumed; config.json records the values in effect (a given flag without effect warns).
+   absolute difference is logged as `rollout/logprob_diff`.
+3. Sampling noise is seeded per generate call from (seed, step, global index of its first prompt): rollouts are
+   reproducible on resume, and with `--rollout-chunk 1` independent of the number of ranks.
+4. Mini-batch k is the same set of prompts for any number of ranks (rank r holds the r-th slice of each); the S2T
+   threshold, the denominator and the metrics are reduced over all ranks.
+5. FSDP2 averages gradients over ranks; each rank backpropagates world_size * (its sum / global denominator).
+6. A mini-batch whose advantages are all zero is skipped (no optimizer step, no weight decay) unless GRPO's KL term
+   still gives it a gradient; a non-finite gradient norm skips the step with a warning.
+7. Prompts longer than --max-prompt-len are dropped at load time and counted (veRL filters them too); duplicate
+   (problem, answer) rows are dropped (the Hub DAPO-Math-17k repeats each problem 100 times).
+8. Sampling: rollout.generate (HF model + KV cache) by default, or a colocated vLLM engine per rank (--rollout
+   vllm); the cpu preset uses a raw-text prompt ("...\\nThe answer is") at the paper's T = 1.0.
+9. Steps count from 1 in every file, the console and checkpoint/step_N; every run checkpoints its last step;
+   config.json records the values in effect (a given flag without effect warns).
 """
+from __future__ import annotations
+
 import datetime
 import importlib.util
 import json
@@ -62,11 +56,716 @@ import reward
 import rollout
 import s2t
 import stapo
-from eval import parse_flags
-from model import (Policy, from_rank0, lm_vocab_size, load_model, memory_estimate, memory_line, save_hf,
-                   shard_policy)
+from eval import load_rows, parse_flags
+from model import (Policy, from_rank0, kv_cache_bytes, lm_vocab_size, load_model, memory_estimate, memory_line,
+                   save_hf, shard_policy)
 
 
+# ------------------------------------------------------------------------------------------------- the step
+@dataclass
+class Run:
+    """A run's state between steps (`setup` makes it): the configuration, the process, the models and the data."""
+    cfg: Config
+    rank: int
+    world: int
+    device: torch.device
+    policy: Policy
+    ref_policy: Policy | None  # GRPO's reference model (--kl-beta > 0), else None
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    engine: object  # the rollout engine (rollout.make_engine)
+    rows: list[dict]  # training problems {"problem", "answer"} and their prompts (token ids)
+    prompts: list[list[int]]
+    test_rows: list[dict]  # held-out problems and their prompts
+    test_prompts: list[list[int]]
+    start: int = 0  # steps already done (a resumed run)
+
+
+def train_step(run: Run, step: int) -> tuple[dict, list[dict], list[dict], list[dict]]:
+    """Step `step + 1` (steps count from 1; `step` is the 0-based data position): one rollout batch and its
+    mini-batch updates -> (metrics, spurious.jsonl lines, samples.jsonl records, tokens.jsonl records)."""
+    cfg, G, device, policy = run.cfg, run.cfg.group_size, run.device, run.policy
+    t0 = time.time()
+    # 1. G responses for each of this rank's prompts of the step (difference 3: seeded per generate call).
+    batch, mine = sample(run, step)  # mine: the row index of each prompt
+    # 2. Rewards and group advantages (groups never span ranks).
+    texts = batch.texts(run.tokenizer)
+    rewards = torch.tensor([reward.reward(text, run.rows[mine[i // G]]["answer"], cfg.reward)
+                            for i, text in enumerate(texts)])  # (B,)
+    advantages = stapo.group_advantages(rewards, G).to(device)  # (B,)
+    adv = advantages[:, None].expand_as(batch.logprobs)  # (B, T): every token of y_i gets A_i
+    mask = batch.response_mask.float()  # (B, T)
+    # 3. pi_old log-probs, entropy and collision: one no-grad pass (= p and H of the first mini-batch).
+    old_logprobs, old_entropy, old_collision = token_stats(policy, batch, cfg, device)
+    ref_logprobs = token_stats(run.ref_policy, batch, cfg, device)[0] if run.ref_policy is not None else None
+    log = StepLog(run, step, batch, rewards, advantages, old_logprobs, old_entropy, time.time() - t0)
+    log.samples = completions(step + 1, "train", texts, rewards.tolist(), [run.prompts[i] for i in mine], run.rows,
+                              mine, G, run.tokenizer, cfg)
+
+    # 4. Mini-batch updates (paper Algorithm 1).
+    t0 = time.time()
+    policy.train()
+    clip = clip_range(cfg)
+    rows_per_mb = cfg.mini_batch_prompts // run.world * G
+    for k, start in enumerate(range(0, len(batch), rows_per_mb)):
+        idx = slice(start, start + rows_per_mb)
+        mb, mb_adv, mb_mask, mb_old = batch.select(idx), adv[idx], mask[idx], old_logprobs[idx]
+        if k == 0:  # p, H of the current policy = pi_old before the first update
+            logprobs, entropy, collision = old_logprobs[idx], old_entropy[idx], old_collision[idx]
+        else:
+            logprobs, entropy, collision = token_stats(policy, mb, cfg, device)
+        # The algorithm's token weights (S2T: the mask, tau_h over the whole mini-batch) and the global N.
+        weights, silenced, threshold, part = stapo.token_weights(cfg.algo, logprobs, entropy, mb_adv, mb_mask,
+                                                                 cfg.tau_p, cfg.quantile, gather=all_gather_cat)
+        denominator, nonzero = all_sum(part, ((mb_adv != 0) & (weights > 0)).sum())
+        if cfg.tis_cap is not None:  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
+            weights = weights * stapo.tis_weight(mb_old, batch.logprobs[idx], cfg.tis_cap)
+        # What S2T does: counts and gradient norms of silenced vs kept tokens (w = r A, 0 where clipped).
+        w = stapo.surrogate_weight(logprobs, mb_old, mb_adv, *clip, cfg.dual_clip)
+        log.s2t(k, mb, logprobs, entropy, collision, mb_adv, mb_mask, silenced, w, threshold, rewards[idx] > 0)
+        if nonzero == 0 and run.ref_policy is None:  # zero advantages, no KL term: nothing to learn (difference 6)
+            log.counts["skipped/zero_adv"] += 1
+            continue
+        run.optimizer.zero_grad(set_to_none=True)
+        losses = accumulate_gradients(run, mb, mb_old, mb_adv, weights, denominator, clip,
+                                      None if ref_logprobs is None else ref_logprobs[idx], log.sums)
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        if not math.isfinite(grad_norm):  # the norm is global, so every rank skips together
+            warnings.warn(f"step {step + 1} mini-batch {k}: non-finite gradient norm, update skipped")
+            run.optimizer.zero_grad(set_to_none=True)
+            log.counts["skipped/nonfinite"] += 1
+            continue
+        run.optimizer.step()
+        run.scheduler.step()
+        log.updated(grad_norm, *losses)
+    run.optimizer.zero_grad(set_to_none=True)
+    return log.close(time.time() - t0)
+
+
+def sample(run: Run, step: int) -> tuple[rollout.Rollout, list[int]]:
+    """(this rank's rollout batch of step `step + 1` on the policy's device, the row index of each of its prompts):
+    its prompts in mini-batch order (`rank_slice`), each generate call seeded from (seed, step, global index of
+    its first prompt) (difference 3)."""
+    cfg = run.cfg
+    indices = prompt_indices(step, len(run.rows), cfg)
+    positions = rank_slice(len(indices), cfg, run.rank, run.world)
+    mine = [indices[i] for i in positions]  # row indices
+    chunk = prompts_per_call(cfg, len(mine), run.policy.lm.config, rollout_dtype(cfg, run.device).itemsize)
+    seeds = [hash((cfg.seed, step, step * cfg.prompts_per_step + i)) % 2**62 for i in positions[::chunk]]
+    run.policy.eval()
+    with run.engine.ready(run.policy):  # plain: parameters gathered; vllm: current weights pushed
+        batch = run.engine.sample([run.prompts[i] for i in mine], cfg.group_size, seeds, chunk, cfg.max_response_len,
+                                  cfg.temperature, cfg.top_p)
+    return batch.to(run.device), mine  # the engine's device (vLLM: the CPU) -> the policy's
+
+
+def clip_range(cfg: Config) -> tuple[float, float]:
+    """(eps_low, eps_high): --clip-low / --clip-high, or the algorithm's (stapo.ALGORITHMS)."""
+    low, high = stapo.ALGORITHMS[cfg.algo].clip
+    return low if cfg.clip_low is None else cfg.clip_low, high if cfg.clip_high is None else cfg.clip_high
+
+
+def accumulate_gradients(run: Run, mb: rollout.Rollout, mb_old, mb_adv, weights, denominator: float,
+                         clip: tuple[float, float], ref_logprobs, sums: dict) -> tuple[float, float]:
+    """The gradient of one mini-batch's objective J (paper Eq. 3 / stapo.policy_loss) accumulated over token-budget
+    micro-batches, no optimizer step: sum_micro sum_ranks (world * loss_part) / world = J's gradient, however the
+    rows are grouped. mb_old, mb_adv, weights, ref_logprobs (None without a KL term): (b, T). Adds token counts
+    and token-weighted clip statistics to `sums`; returns (policy loss, KL term) of this rank."""
+    cfg, device = run.cfg, run.device
+    loss_sum = kl_sum = 0.0
+    micro = mb.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max)  # same count on every rank
+    lengths = mb.lengths()  # (b,)
+    sums["fed_tokens"] += sum(len(mi) * lengths[mi].max().item() for mi in micro)  # padding included
+    sums["real_tokens"] += lengths.sum().item()
+    for mi in micro:
+        new_logprobs = policy_forward(run.policy, mb.select(mi), cfg, device)[0]  # (b', T')
+        cut = (mi, slice(0, new_logprobs.shape[1]))
+        loss, stats = stapo.policy_loss(new_logprobs, mb_old[cut].to(device), mb_adv[cut].to(device),
+                                        weights[cut].to(device), *clip, cfg.dual_clip, denominator)
+        if ref_logprobs is not None:  # GRPO with --kl-beta > 0
+            kl = (weights[cut].to(device) * stapo.kl_k3(new_logprobs, ref_logprobs[cut].to(device))).sum()
+            kl = kl / max(denominator, 1.0)
+            loss = loss + cfg.kl_beta * kl
+            kl_sum += kl.item()
+        (loss * run.world).backward()  # FSDP2 divides the summed gradient by world (difference 5)
+        loss_sum += loss.item()
+        tokens = stats["loss/tokens"].item()
+        sums["loss_tokens"] += tokens
+        for key in ("clip/frac_low", "clip/frac_high", "clip/frac_dual", "ratio/mean", "kl/approx"):
+            sums[key] += stats[key].item() * tokens if key in stats else 0.0  # token-weighted means
+    return loss_sum, kl_sum
+
+
+class StepLog:
+    """The metric bookkeeping of one step: sums over this rank's sequences and tokens, reduced over ranks once, in
+    `close`, into the metrics.jsonl line (README.md, metrics glossary), plus the spurious.jsonl lines, samples.jsonl
+    records and tokens.jsonl records the step writes."""
+
+    def __init__(self, run: Run, step: int, batch: rollout.Rollout, rewards, advantages, old_logprobs, old_entropy,
+                 t_rollout: float):
+        self.run, self.step, self.t_rollout = run, step, t_rollout
+        mask = batch.response_mask.float()  # (B, T)
+        self.sums = {"reward": rewards.sum(), "correct": (rewards > 0).sum(),  # a positive reward is correct
+                     "seqs": len(batch), "tokens": mask.sum(), "truncated": batch.truncated.sum(),
+                     "zero_adv": (advantages == 0).sum(), "entropy": (old_entropy * mask).sum(),
+                     "logprob_diff": ((old_logprobs - batch.logprobs).abs() * mask).sum()}
+        self.sums |= dict.fromkeys(["s2t/candidates", "s2t/silenced", "kept", "silenced_p", "silenced_h",
+                                    "gn_silenced", "gn_kept", "loss/policy", "loss/kl", "loss_tokens", "clip/frac_low",
+                                    "clip/frac_high", "clip/frac_dual", "ratio/mean", "kl/approx", "fed_tokens",
+                                    "real_tokens"], 0.0)
+        self.counts = {"updates": 0, "skipped/zero_adv": 0, "skipped/nonfinite": 0}  # global: equal on every rank
+        self.grad_norm_sum = 0.0
+        self.spurious, self.samples, self.drawn = [], [], []
+
+    def s2t(self, k: int, mb: rollout.Rollout, logprobs, entropy, collision, mb_adv, mb_mask, silenced, w,
+            threshold: float | None, correct: torch.Tensor) -> None:
+        """What the mask did in mini-batch k: its counts, p, H and closed-form logit-gradient norms of silenced vs
+        kept tokens, up to --spurious-per-step spurious.jsonl lines and a tokens.jsonl record. All tensors (b, T)
+        of the mini-batch on this rank; w = r A (0 where clipped); correct (b,) bool."""
+        cfg, tokenizer = self.run.cfg, self.run.tokenizer
+        diag = s2t.diagnostics(logprobs, entropy, collision, mb_adv, mb_mask, silenced, cfg.tau_p, w=w)
+        n_sil, n_kept = diag["s2t/silenced"], mb_mask.sum().item() - diag["s2t/silenced"]
+        for key, value in [("s2t/candidates", diag["s2t/candidates"]), ("s2t/silenced", n_sil), ("kept", n_kept),
+                           ("silenced_p", n_sil * diag["s2t/silenced_p_mean"]),
+                           ("silenced_h", n_sil * diag["s2t/silenced_h_mean"]),
+                           ("gn_silenced", n_sil * diag["s2t/grad_norm_silenced"]),
+                           ("gn_kept", n_kept * diag["s2t/grad_norm_kept"])]:
+            self.sums[key] += value
+        room = max(cfg.spurious_per_step - len(self.spurious), 0)
+        self.spurious += [{"step": self.step + 1, "mini_batch": k,
+                           "token": tokenizer.decode([int(mb.response_ids[i, t])]),
+                           "context": tokenizer.decode(mb.response_ids[i, max(0, t - 12):t].tolist()),
+                           "p": math.exp(float(logprobs[i, t])), "H": float(entropy[i, t]),
+                           "advantage": float(mb_adv[i, t])}
+                          for i, t in silenced.nonzero().tolist()[:room]]
+        if cfg.token_sample:  # what S2T saw: a seeded sample of the mini-batch's tokens for OUT/tokens.jsonl
+            gen = torch.Generator().manual_seed(hash((cfg.seed, self.step, k, self.run.rank)) % 2**62)  # not global
+            drawn = s2t.token_sample(logprobs, entropy, collision, mb_adv, mb_mask, silenced, cfg.token_sample, gen,
+                                     cfg.tau_p, w)
+            self.drawn.append(token_record(self.step + 1, k, threshold, drawn, correct))
+
+    def updated(self, grad_norm: float, loss: float, kl: float) -> None:
+        """An optimizer step was made: its gradient norm and this rank's losses."""
+        self.counts["updates"] += 1
+        self.grad_norm_sum += grad_norm
+        self.sums["loss/policy"] += loss
+        self.sums["loss/kl"] += kl
+
+    def close(self, t_update: float) -> tuple[dict, list[dict], list[dict], list[dict]]:
+        """(the metrics.jsonl line of the step from the sums of all ranks, spurious, samples, tokens records)."""
+        tot = dict(zip(self.sums, all_sum(*self.sums.values())))
+        counts, updates = self.counts, self.counts["updates"]
+
+        def mean(key, n):
+            return tot[key] / max(n, 1)
+
+        n_seq, n_tok, n_loss = tot["seqs"], tot["tokens"], tot["loss_tokens"]
+        n_sil, n_kept, t_rollout = tot["s2t/silenced"], tot["kept"], self.t_rollout
+        metrics = {
+            "step": self.step + 1, "reward/mean": mean("reward", n_seq), "reward/acc": mean("correct", n_seq),
+            "response/len_mean": mean("tokens", n_seq), "response/truncated_frac": mean("truncated", n_seq),
+            "entropy/mean": mean("entropy", n_tok), "rollout/logprob_diff": mean("logprob_diff", n_tok),
+            "adv/zero_frac": mean("zero_adv", n_seq),
+            "s2t/candidates": tot["s2t/candidates"], "s2t/silenced": n_sil,
+            "s2t/silenced_frac": mean("s2t/silenced", n_sil + n_kept),
+            "s2t/silenced_p_mean": mean("silenced_p", n_sil), "s2t/silenced_h_mean": mean("silenced_h", n_sil),
+            "s2t/grad_norm_silenced": mean("gn_silenced", n_sil), "s2t/grad_norm_kept": mean("gn_kept", n_kept),
+            "loss/policy": mean("loss/policy", updates), "loss/kl": mean("loss/kl", updates),
+            "clip/frac_low": mean("clip/frac_low", n_loss), "clip/frac_high": mean("clip/frac_high", n_loss),
+            "clip/frac_dual": mean("clip/frac_dual", n_loss),
+            "batch/pad_frac": 1 - tot["real_tokens"] / tot["fed_tokens"] if tot["fed_tokens"] else 0.0,
+            "ratio/mean": mean("ratio/mean", n_loss), "kl/approx": mean("kl/approx", n_loss),
+            "grad_norm": self.grad_norm_sum / max(updates, 1), "lr": self.run.scheduler.get_last_lr()[0],
+            **{k: float(v) for k, v in counts.items()},
+            "time/rollout_s": t_rollout, "time/update_s": t_update,
+            "tokens_per_s": n_tok / max(t_rollout + t_update, 1e-9),
+        }
+        return metrics, self.spurious, self.samples, self.drawn
+
+
+def completions(step: int, split: str, texts: list[str], rewards: list[float], prompts: list[list[int]],
+                rows: list[dict], row_ids: list[int], group_size: int, tokenizer, cfg: Config) -> list[dict]:
+    """samples.jsonl records of the first response of each of the first `samples_per_step` prompts: the prompt
+    as the model saw it, the response, the gold answer and the reward (texts[i] answers prompts[i // group_size])."""
+    return [{"step": step, "split": split, "prompt": tokenizer.decode(prompts[j]), "response": texts[j * group_size],
+             "answer": rows[row_ids[j]]["answer"], "reward": rewards[j * group_size]}
+            for j in range(min(cfg.samples_per_step, len(prompts)))]
+
+
+def token_record(step: int, k: int, threshold: float | None, drawn: dict, correct: torch.Tensor) -> dict:
+    """One line of tokens.jsonl: the tokens `s2t.token_sample` drew from mini-batch k of step `step`, as columns
+    (floats to 4 significant digits); `correct` (b,) bool per response of the mini-batch."""
+    rows = drawn["row"]
+    return {"step": step, "mini_batch": k, "tau_h": threshold,
+            **{key: [float(f"{v:.4g}") for v in drawn[key].tolist()] for key in ("p", "H", "A", "grad_norm", "weight")},
+            "correct": correct.cpu()[rows].int().tolist(), "candidate": drawn["candidate"].int().tolist(),
+            "silenced": drawn["silenced"].int().tolist()}
+
+
+# ------------------------------------------------------------------------------------------------- the loop
+def train(run: Run) -> None:
+    """The training loop on the objects `setup` made: steps, metrics, samples and spurious-token lines, evals,
+    checkpoints, the HF export. Step N (counted from 1) is the same N in the console, metrics.jsonl, eval.jsonl
+    (N = evaluated after N steps, 0 = before training), samples.jsonl, spurious.jsonl and checkpoint/step_N."""
+    from tqdm import tqdm
+
+    cfg, rank, world, start = run.cfg, run.rank, run.world, run.start
+    out = Path(cfg.out_dir)
+    logs = ("metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl", "tokens.jsonl")
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if start:  # a resume: what changed (RESUMABLE flags only, parse_config checked) goes into resumes.jsonl
+            old = json.loads((out / "config.json").read_text())
+            changed = {k: [old.get(k), v] for k, v in asdict(cfg).items() if k != "resume" and old.get(k) != v}
+            with open(out / "resumes.jsonl", "a") as f:
+                f.write(json.dumps({"step": start, "changed": changed}) + "\n")
+        elif cfg.overwrite:  # the user asked to replace the run in this folder
+            for name in RUN_FILES:
+                if (out / name).is_dir():
+                    shutil.rmtree(out / name)
+                elif (out / name).exists():
+                    (out / name).unlink()
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+        for name in logs:  # drop lines past the checkpoint
+            f = out / name
+            lines = f.read_text().splitlines() if start and f.exists() else []
+            f.write_text("".join(x + "\n" for x in lines if x and json.loads(x)["step"] <= start))
+    dist.barrier()  # the folder is ready (an --overwrite done) before any rank writes into it
+
+    log, close_log = open_logger(cfg, out) if rank == 0 else (None, None)
+
+    def write(name, records):
+        if rank == 0:
+            with open(out / name, "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+            if log and name in ("metrics.jsonl", "eval.jsonl"):
+                for r in records:
+                    log(r)
+
+    def gather(records):
+        parts = [None] * world
+        dist.all_gather_object(parts, records)
+        return [x for part in parts for x in part]
+
+    def say(message, warning=False):  # its own line, above the progress bar
+        if rank == 0:
+            tqdm.write(f"train.py: warning: {message}" if warning else message, file=sys.stderr if warning else None)
+
+    def run_eval(done):
+        if run.test_rows and cfg.eval_samples:
+            result, samples = evaluate(run, done)
+            write("eval.jsonl", [{"step": done, **result}])
+            write("samples.jsonl", gather(samples)[:cfg.samples_per_step])
+            when = f"after {n_steps(done)}" if done else "before training"
+            say(f"held-out accuracy {when}: {result['eval/acc']:.3f} ({int(result['eval/n'])} samples)")
+
+    if start == 0:
+        run_eval(0)
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"{cfg.algo} steps", dynamic_ncols=True,
+               disable=rank != 0)
+    for step in bar:
+        metrics, spurious, samples, drawn = train_step(run, step)
+        done = step + 1
+        write("spurious.jsonl", gather(spurious)[:cfg.spurious_per_step])
+        write("samples.jsonl", gather(samples)[:cfg.samples_per_step])
+        write("tokens.jsonl", [{key: sum((r[key] for r in same), []) if isinstance(same[0][key], list) else value
+                                for key, value in same[0].items()}  # one line per mini-batch, ranks concatenated
+                               for same in zip(*gather([drawn]))])
+        write("metrics.jsonl", [metrics])
+        bar.set_postfix({"train_acc": f"{metrics['reward/acc']:.2f}", "H": f"{metrics['entropy/mean']:.2f}",
+                         "silenced": f"{metrics['s2t/silenced_frac']:.1e}"})
+        if metrics["adv/zero_frac"] == 1.0:  # every group had equal rewards: the policy gradient is zero
+            acc, none = metrics["reward/acc"], " and no update was made" if metrics["updates"] == 0 else ""
+            say(f"step {done}: every response was right, so the policy gradient is zero{none}; use harder data"
+                if acc == 1 else f"step {done}: in every group the {cfg.group_size} responses had equal rewards "
+                f"(train_acc {acc:.2f}), so the policy gradient is zero{none}; use easier data, a larger "
+                f"--group-size or a higher --temperature", warning=True)
+        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+            run_eval(done)
+        if done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0):
+            save_checkpoint(out, done, run.policy, run.optimizer, run.scheduler, rank, cfg)
+    bar.close()
+    if start < cfg.steps:
+        run_eval(cfg.steps)
+    if cfg.export_hf:
+        save_hf(run.policy, run.tokenizer, str(out / "hf"))
+    if rank == 0:
+        if close_log:
+            close_log()
+        if cfg.plots:
+            plots.figures([str(out)], str(out / "metrics.png"))
+        shown = [n for n in ("spurious.jsonl", "s2t.png", "gradient.png")
+                 if (out / n).exists() and (out / n).stat().st_size]
+        steps = plots.read_log(out / "metrics.jsonl")  # resumed steps included
+        say(silenced_summary(cfg.algo, steps, shown))
+        if plots.correlation_line(str(out)):  # RQ1: the gradient norm against p and H (gradient.png)
+            say(plots.correlation_line(str(out)))
+        diverged = divergence(steps)
+        if diverged:
+            say(diverged + "; lower --lr (or raise --warmup-steps)", warning=True)
+        made = [name for name in ("config.json", *logs, "metrics.png", "s2t.png", "gradient.png")
+                if (out / name).exists()]
+        made += [f"checkpoint/step_{checkpoint_step(out)}"] if (out / "checkpoint" / "latest").exists() else []
+        made += ["hf/ (python eval.py --run " + str(out) + ")"] if cfg.export_hf else []
+        say(f"outputs in {out}/: {', '.join(made)}; " + (f"{diverged}; " if diverged else "")
+            + f"continue with python train.py --resume {out} --steps N")
+
+
+def silenced_summary(algo: str, steps: list[dict], files: list[str]) -> str:
+    """The console line that counts what the mask silenced over a run (its metrics.jsonl lines)."""
+    silenced = [int(m.get("s2t/silenced", 0)) for m in steps]
+    candidates = sum(int(m.get("s2t/candidates", 0)) for m in steps)
+    return (f"{algo} silenced {sum(silenced)} tokens in {sum(n > 0 for n in silenced)} of {len(steps)} steps; S2T "
+            f"candidates (A > 0, p < tau_p): {candidates} (metrics.jsonl s2t/*{'; see ' if files else ''}"
+            f"{', '.join(files)})")
+
+
+def divergence(steps: list[dict]) -> str:
+    """'' or the sentence that says which steps (metrics.jsonl lines) skipped an update for a non-finite gradient."""
+    bad = [m["step"] for m in steps if m.get("skipped/nonfinite", 0) > 0]
+    if not bad:
+        return ""
+    none = [m["step"] for m in steps if m.get("skipped/nonfinite", 0) > 0 and m.get("updates", 0) == 0]
+    return (f"the run diverged: the gradient norm was not finite in {n_steps(len(bad))} of {len(steps)} "
+            f"({_step_list(bad)}), {len(none)} of them made no update at all")
+
+
+def _step_list(numbers: list[int]) -> str:
+    """[2, 3, 4, 7] -> 'steps 2-4, 7'."""
+    runs, start = [], None
+    for i, n in enumerate(numbers):
+        start = n if start is None else start
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            runs.append(f"{start}-{n}" if n > start else f"{n}")
+            start = None
+    return ("steps " if len(numbers) > 1 else "step ") + ", ".join(runs)
+
+
+def n_steps(n: int) -> str:
+    return f"{n} step" + ("" if n == 1 else "s")
+
+
+# ----------------------------------------------------------------------------------------------- evaluation
+def evaluate(run: Run, done: int) -> tuple[dict, list[dict]]:
+    """Mean accuracy over `eval_samples` samples per held-out problem (problems split round-robin over ranks) after
+    `done` steps, and this rank's samples.jsonl records."""
+    cfg, rows, prompts, rank, tokenizer, policy = (run.cfg, run.test_rows, run.test_prompts, run.rank, run.tokenizer,
+                                                   run.policy)
+    mine = list(range(rank, len(rows), run.world))
+    correct = total = length = 0.0
+    samples = []
+    policy.eval()
+    with run.engine.ready(policy):  # a collective: every rank enters, also one without held-out problems
+        out = run.engine.sample([prompts[i] for i in mine], cfg.eval_samples, [cfg.seed + 1 + rank], len(mine),
+                            cfg.max_response_len, cfg.temperature, cfg.top_p) if mine else None
+    if mine:
+        texts = out.texts(tokenizer)
+        verdicts = [float(reward.grade(t, rows[mine[j // cfg.eval_samples]]["answer"])) for j, t in enumerate(texts)]
+        correct, total, length = sum(verdicts), len(texts), float(out.response_mask.sum())
+        samples = completions(done, "heldout", texts, verdicts, [prompts[i] for i in mine], rows, mine,
+                              cfg.eval_samples, tokenizer, cfg)
+    correct, total, length = all_sum(correct, total, length)
+    return {"eval/acc": correct / max(total, 1), "eval/len_mean": length / max(total, 1), "eval/n": total}, samples
+
+
+# ------------------------------------------------------------------------------------------------ rollouts
+def prompt_indices(step: int, n_rows: int, cfg: Config) -> list[int]:
+    """Row indices of the `prompts_per_step` prompts of `step` (all ranks): a fresh permutation every epoch."""
+    perms, out = {}, []
+    for pos in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step):
+        epoch, i = divmod(pos, n_rows)
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(n_rows, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
+        out.append(int(perms[epoch][i]))
+    return out
+
+
+def rank_slice(n: int, cfg: Config, rank: int, world: int) -> list[int]:
+    """Positions (0..n-1 in the step's prompt list) this rank handles: the rank-th slice of every mini-batch, so a
+    mini-batch is the same set of prompts for any number of ranks (difference 4)."""
+    m = cfg.mini_batch_prompts // world
+    return [k * cfg.mini_batch_prompts + rank * m + j for k in range(n // cfg.mini_batch_prompts) for j in range(m)]
+
+
+def prompts_per_call(cfg: Config, n: int, lm_config, dtype_bytes: int) -> int:
+    """Prompts per generate call for n prompts on a rank: --rollout-chunk, or the most whose worst-case KV cache
+    (G rows x (max prompt + response) tokens each) fits --kv-cache-gb."""
+    per_prompt = kv_cache_bytes(lm_config, cfg.group_size, cfg.max_prompt_len + cfg.max_response_len,
+                                        dtype_bytes)
+    return min(n, cfg.rollout_chunk or max(1, int(cfg.kv_cache_gb * 1e9 // per_prompt)))
+
+
+def rollout_dtype(cfg: Config, device) -> torch.dtype:
+    """dtype of the sampler's weights and KV cache: FSDP2's bf16 compute dtype with mixed precision on CUDA."""
+    return torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision else torch.float32
+
+
+def make_engine(cfg: Config, lm, tokenizer, prompts: list[list[int]], rank: int, world: int, device):
+    """The --rollout engine, created once (vllm: on every rank at the same time); prints the KV-cache estimate."""
+    n, G, dtype = cfg.prompts_per_step // world, cfg.group_size, rollout_dtype(cfg, device)
+    chunk, tokens = prompts_per_call(cfg, n, lm.config, dtype.itemsize), cfg.max_prompt_len + cfg.max_response_len
+    kv_call = kv_cache_bytes(lm.config, chunk * G, tokens, dtype.itemsize)
+    kv_vllm = min(kv_cache_bytes(lm.config, n * G, tokens, dtype.itemsize), int(cfg.kv_cache_gb * 1e9))
+    if rank == 0:
+        what = (f"vLLM KV cache {kv_vllm / 1e9:.2f} GB" if cfg.rollout == "vllm" else
+                f"{chunk} prompts x G {G} per generate call, KV cache at most {kv_call / 1e9:.2f} GB")
+        print(f"rollout ({cfg.rollout}): {what} per rank (--kv-cache-gb {cfg.kv_cache_gb:g})", flush=True)
+    longest = max(map(len, prompts)) + cfg.max_response_len  # train and held-out prompts
+    return rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest,
+                               kv_cache_memory_bytes=kv_vllm, dtype=dtype, seed=cfg.seed)
+
+
+def policy_forward(policy, mb: rollout.Rollout, cfg: Config, device):
+    """(logprobs, entropy, collision) of `policy` on the rows `mb`, each (B, T') with T' <= T: all-padding prompt
+    columns (left) and response columns (right) are dropped first."""
+    P = mb.prompt_ids.shape[1]
+    p0 = int((mb.prompt_mask.sum(0) > 0).nonzero()[0])
+    t1 = int((mb.response_mask.sum(0) > 0).nonzero()[-1]) + 1
+    input_ids, attention_mask = (x[:, p0:P + t1].to(device) for x in mb.training_inputs())  # (B, P - p0 + T')
+    return policy(input_ids, attention_mask, mb.response_mask[:, :t1].to(device), temperature=cfg.temperature,
+                  chunk_size=cfg.chunk_size)
+
+
+def token_stats(policy, batch: rollout.Rollout, cfg: Config, device):
+    """(logprobs, entropy, collision), each (B, T) of the rollout's T on `device`, of the current policy,
+    micro-batch by micro-batch without gradients."""
+    outs = [torch.zeros(batch.response_ids.shape, device=device) for _ in range(3)]
+    with torch.no_grad():
+        for idx in batch.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max):  # same count on every rank
+            for full, part in zip(outs, policy_forward(policy, batch.select(idx), cfg, device)):
+                full[idx, :part.shape[1]] = part.float()
+    return outs
+
+
+# ------------------------------------------------------------------------------------------------- setup
+def setup(cfg: Config, rank: int, world: int, device) -> Run:
+    """Everything that can fail on bad inputs: data, model, sharding, optimizer, resume."""
+    if cfg.prompts_per_step % world or cfg.mini_batch_prompts % world:
+        raise ValueError(f"--prompts-per-step and --mini-batch-prompts must be multiples of the {world} ranks")
+    if cfg.logger not in LOGGERS:
+        raise ValueError(f"unknown --logger {cfg.logger!r}; valid: '', tensorboard, wandb")
+    if cfg.logger and importlib.util.find_spec(LOGGERS[cfg.logger]) is None:
+        raise ImportError(f"--logger {cfg.logger} needs the {LOGGERS[cfg.logger]} package: pip install "
+                          f"{LOGGERS[cfg.logger]}")
+    train_rows, test_rows = load_rows(cfg)
+    # one process: read onto its device; several: read once on rank 0, the others build it on the meta device and
+    # receive their shards of the weights from rank 0 in shard_policy (model.from_rank0)
+    load = (lambda: load_model(cfg.model, device=device)) if world == 1 else (lambda: from_rank0(
+        lambda: load_model(cfg.model)))
+    lm, tokenizer = load()
+    if cfg.chat and not tokenizer.chat_template:
+        raise ValueError(f"the tokenizer of {cfg.model!r} has no chat template; use --no-chat")
+    train_prompts, test_prompts = ([rollout.format_prompt(tokenizer, r["problem"], cfg.chat, cfg.instruction)
+                                    for r in rows] for rows in (train_rows, test_rows))
+    def fitting(rows, prompts):  # rows whose prompt fits --max-prompt-len, and how many did not (difference 7)
+        keep = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_len]
+        return [rows[i] for i in keep], [prompts[i] for i in keep], len(prompts) - len(keep)
+
+    train_rows, train_prompts, dropped = fitting(train_rows, train_prompts)
+    test_rows, test_prompts, dropped_test = fitting(test_rows, test_prompts)
+    if not train_prompts:
+        raise ValueError(f"every prompt of {cfg.data or 'the built-in task'} is longer than --max-prompt-len")
+    if (dropped or dropped_test) and rank == 0:
+        print(f"train.py: dropped {dropped} of {dropped + len(train_prompts)} training prompts and {dropped_test} of "
+              f"{dropped_test + len(test_prompts)} held-out prompts longer than --max-prompt-len {cfg.max_prompt_len} "
+              f"tokens", file=sys.stderr, flush=True)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    if rank == 0:  # the memory model's estimate for this run (README.md "Memory"), rows at their longest
+        per_rank, prompt_len = cfg.prompts_per_step // world, max(map(len, train_prompts))
+        row, rows = prompt_len + cfg.max_response_len, cfg.mini_batch_prompts // world * cfg.group_size
+        print(memory_line(memory_estimate(
+            lm.config, world, min(max(cfg.max_tokens_per_micro_batch, row), rows * row), cfg.grad_checkpointing,
+            prompts_per_call(cfg, per_rank, lm.config, rollout_dtype(cfg, device).itemsize) * cfg.group_size,
+            prompt_len, cfg.max_response_len,
+            fsdp=cfg.fsdp, compute_bytes=2 if cfg.fsdp and cfg.mixed_precision else 4,  # as in effect (in_effect)
+            chunk_size=cfg.chunk_size)), flush=True)
+
+    def make_policy(model_lm):
+        policy = Policy(model_lm, vocab_size=lm_vocab_size(tokenizer))  # the sampler's rows only
+        if cfg.grad_checkpointing:
+            model_lm.gradient_checkpointing_enable({"use_reentrant": False})
+        if cfg.fsdp:  # in_effect: on with several processes or CUDA
+            shard_policy(policy, mixed_precision=cfg.mixed_precision, from_rank0=world > 1, device=device)
+        return policy
+
+    policy = make_policy(lm)
+    ref_policy = None
+    if cfg.algo == "grpo" and cfg.kl_beta > 0:
+        ref_policy = make_policy(load()[0]).requires_grad_(False)
+    # fused: one kernel over all parameters (CPU: 4-5x faster than the foreach loop at SmolLM2's 135M, bench.py flops)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    # lr: linear warm-up over warmup_steps optimizer steps, then constant
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
+    start = load_checkpoint(Path(cfg.out_dir), policy, optimizer, scheduler, rank) if cfg.resume else 0
+    engine = make_engine(cfg, lm, tokenizer, train_prompts + test_prompts, rank, world, device)
+    return Run(cfg, rank, world, device, policy, ref_policy, tokenizer, optimizer, scheduler, engine, train_rows,
+               train_prompts, test_rows, test_prompts, start)
+
+
+# ------------------------------------------------------------------------------------------- distributed
+def init_distributed(timeout_min: float = 60.0) -> tuple[int, int, torch.device]:
+    """(rank, world size, device). Under torchrun: the env:// process group (NCCL for CUDA tensors, gloo for CPU
+    ones), whose collectives wait `timeout_min` minutes for the slowest rank; as a plain process: a 1-process group,
+    so the code below has no single-process branches."""
+    cuda = torch.cuda.is_available()
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_min))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        local_rank = 0
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def all_sum(*values: float) -> list[float]:
+    """Sum python floats over ranks (one all-reduce)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_max(value: int) -> int:
+    """The largest of one integer over ranks (the micro-batch count every rank makes)."""
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+def all_gather_cat(values: torch.Tensor) -> torch.Tensor:
+    """Concatenate 1-D tensors of different lengths from all ranks (pad to the longest, all-gather, trim)."""
+    world, values = dist.get_world_size(), values.detach().float().cpu()
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([values.numel()]))
+    longest = int(max(sizes))
+    parts = [torch.zeros(longest) for _ in range(world)]
+    dist.all_gather(parts, torch.nn.functional.pad(values, (0, longest - values.numel())))
+    return torch.cat([p[:int(s)] for p, s in zip(parts, sizes)])
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, rank: int, cfg: Config) -> None:
+    """Sharded DCP checkpoint of the model (+ the optimizer unless --no-save-optimizer) after `done` steps in
+    OUT/checkpoint/step_<done>, plus one small file per rank (step, scheduler and RNG states); the data position
+    needs no state. Then OUT/checkpoint/latest names it (written to a temporary file and renamed: never torn) and
+    the previous one is deleted. A write that fails on any rank (a full disk) raises RunError on every rank, with
+    the new folder removed and `latest` still naming the previous checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    path, latest = out / "checkpoint" / f"step_{done}", out / "checkpoint" / "latest"
+    failed = None
+    try:
+        model_sd, optim_sd = get_state_dict(policy, optimizer)
+        dcp.save({"model": model_sd, **({"optim": optim_sd} if cfg.save_optimizer else {})}, checkpoint_id=str(path))
+        torch.save({"step": done, "optimizer": cfg.save_optimizer, "config": asdict(cfg),
+                    "scheduler": scheduler.state_dict(), "python_rng": random.getstate(),
+                    "torch_rng": torch.get_rng_state(),
+                    "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+                   path / f"rank{rank}.pt")
+    except (OSError, RuntimeError, CheckpointException) as e:  # e.g. "[enforce fail at inline_container.cc]"
+        failed = e
+    if all_sum(failed is not None)[0]:  # every rank stops here together
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+        reason = str(failed).strip().splitlines()[0] if failed is not None and str(failed).strip() else "another rank"
+        kept = f"{latest} still names {latest.read_text().strip()}" if latest.exists() else "no checkpoint was kept"
+        raise RunError(f"could not write {path} (a full disk?): {reason}; {kept} (python train.py --resume {out})")
+    if rank == 0:
+        previous = latest.read_text().strip() if latest.exists() else None
+        (out / "checkpoint" / "latest.tmp").write_text(path.name)
+        os.replace(out / "checkpoint" / "latest.tmp", latest)
+        if previous and previous != path.name:
+            shutil.rmtree(out / "checkpoint" / previous, ignore_errors=True)
+    dist.barrier()
+
+
+class RunError(Exception):
+    """A failure the user can act on, met while training (a full disk): one line and exit status 2."""
+
+
+def checkpoint_step(out: Path) -> int:
+    """Steps done by the last complete checkpoint of OUT (its folder is checkpoint/step_<steps>): the one
+    checkpoint/latest names (replaced whole by a rename), or, where `latest` is unreadable (torn by an older
+    version or by hand), the newest step_N folder that is complete (DCP's .metadata and rank 0's file)."""
+    latest = out / "checkpoint" / "latest"
+    try:
+        return int(latest.read_text().strip().removeprefix("step_"))
+    except (OSError, ValueError):
+        complete = [int(p.name[5:]) for p in (out / "checkpoint").glob("step_*") if p.name[5:].isdigit()
+                    and (p / ".metadata").is_file() and (p / "rank0.pt").is_file()]
+        if not complete:
+            raise FileNotFoundError(f"{out} has no checkpoint to resume from: the run stopped before its first one "
+                                    f"(written every --save-every steps and at the last step)") from None
+        if latest.exists() and int(os.environ.get("RANK", 0)) == 0:
+            print(f"train.py: warning: {latest} is unreadable; using the newest complete checkpoint, "
+                  f"step_{max(complete)}", file=sys.stderr, flush=True)
+        return max(complete)
+
+
+def load_checkpoint(out: Path, policy, optimizer, scheduler, rank: int) -> int:
+    """Restore the last checkpoint of OUT; returns the number of completed steps. A weights-only checkpoint
+    (--no-save-optimizer) leaves AdamW freshly initialized (zero moments), with a warning."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+
+    path = out / "checkpoint" / f"step_{checkpoint_step(out)}"
+    extra = torch.load(path / f"rank{rank}.pt", weights_only=False)
+    model_sd, optim_sd = get_state_dict(policy, optimizer)
+    state = {"model": model_sd, **({"optim": optim_sd} if extra["optimizer"] else {})}
+    dcp.load(state, checkpoint_id=str(path))
+    if extra["optimizer"]:
+        set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        set_model_state_dict(policy, state["model"])
+    scheduler.load_state_dict(extra["scheduler"])
+    random.setstate(extra["python_rng"])
+    torch.set_rng_state(extra["torch_rng"])
+    if extra["cuda_rng"] is not None:
+        torch.cuda.set_rng_state(extra["cuda_rng"])
+    if rank == 0:
+        print(f"resuming from {path} at step {extra['step'] + 1} ({n_steps(extra['step'])} done)", flush=True)
+        if not extra["optimizer"]:
+            print(f"train.py: warning: {path} holds weights only (--no-save-optimizer): AdamW restarts from zero "
+                  f"moments, so the resumed run differs from an uninterrupted one", file=sys.stderr, flush=True)
+    return extra["step"]
+
+
+# ------------------------------------------------------------------------------------------------ loggers
+LOGGERS = {"": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # --logger -> the package it needs
+
+
+def open_logger(cfg: Config, out: Path):
+    """(log(record), close()) for --logger, each record a metrics.jsonl or eval.jsonl line logged at its `step`
+    with all its other keys; (None, None) without a logger. The package is imported only when chosen."""
+    if cfg.logger == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(out / "tensorboard"))
+
+        def log(record):
+            for key, value in record.items():
+                if key != "step":
+                    writer.add_scalar(key, value, record["step"])
+        return log, writer.close
+    if cfg.logger == "wandb":
+        import wandb
+
+        run = wandb.init(project="stapo", name=out.name, dir=str(out), config=asdict(cfg))
+        return (lambda record: run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"]),
+                run.finish)
+    return None, None
+
+
+# ---------------------------------------------------------------------------------- configuration and CLI
 @dataclass
 class Config:
     """RL-train a causal LM with STAPO or a baseline (defaults: the paper's recipe, PAPER.md Sec. 6). Or, instead
@@ -113,7 +812,7 @@ class Config:
     grad_clip: float = 1.0
     """max global gradient norm"""
     clip_low: float | None = None
-    """eps_low of the ratio clip; default: the algorithm's (stapo.ALGO_CLIP, 0.2)"""
+    """eps_low of the ratio clip; default: the algorithm's (stapo.ALGORITHMS, 0.2)"""
     clip_high: float | None = None
     """eps_high of the ratio clip; default: the algorithm's (0.28; GRPO 0.2)"""
     dual_clip: float | None = 10.0
@@ -331,774 +1030,6 @@ def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> Config:
     return replace(cfg, **effective)
 
 
-# ---------------------------------------------------------------------------------------------------- data
-# The built-in task: every one-digit sum "What is a + b?" (100 problems, 20 held out), deterministic. Chosen by
-# measuring SmolLM2-135M-Instruct (README.md): with the raw-text prompt "...\nThe answer is" it is right on ~12% of
-# them at T = 1.0 (~20% at 0.7; ~2% for word problems or a chat prompt with the \boxed{} instruction), so many
-# groups of 8 have mixed rewards.
-def builtin_task(split: str) -> list[dict]:
-    """The built-in problems of `split` ('train': 80, 'test': 20), each {"problem", "answer"}."""
-    rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(10) for b in range(10)]
-    random.Random(1234).shuffle(rows)
-    return rows[20:] if split == "train" else rows[:20]
-
-
-def _field(row: dict, key: str):
-    for part in key.split("."):
-        row = row.get(part) if isinstance(row, dict) else None
-    return row
-
-
-# DAPO-Math-17k wraps each problem in its own instructions ("... of the form Answer: $Answer ..."); we strip them and
-# append the paper's \boxed{} instruction like JustRL does.
-_DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the form "
-                "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
-_DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
-
-
-def load_rows(cfg: Config) -> tuple[list[dict], list[dict]]:
-    """(train, held-out) lists of {"problem", "answer"} from --data, or the built-in task when --data is ''."""
-    if not cfg.data:
-        return builtin_task("train"), builtin_task("test")
-    rows = read_rows(cfg.data, cfg.prompt_key, cfg.answer_key, cfg.split)
-    if cfg.heldout >= len(rows):
-        raise ValueError(f"--heldout {cfg.heldout} leaves no training rows ({len(rows)} rows in {cfg.data})")
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    rows = [rows[i] for i in order]
-    return rows[cfg.heldout:], rows[:cfg.heldout]
-
-
-def read_rows(data: str, prompt_key: str, answer_key: str, split: str = "train") -> list[dict]:
-    """Rows {"problem", "answer"} of a local .jsonl/.json/.parquet file or a Hub dataset, in file order, duplicates
-    dropped (difference 7). `prompt_key`/`answer_key` are dotted paths; a chat message list gives its last user
-    turn; an answer is a string or a list of strings. eval.py's --data reads files with it too."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    suffix = next((s for s in (".jsonl", ".json", ".parquet") if data.endswith(s)), None)
-    if suffix and not os.path.isfile(data):
-        raise FileNotFoundError(f"data file not found: {data}")
-    if suffix == ".jsonl":
-        table = read_jsonl(data)
-    elif suffix:
-        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log line: ours is the one line
-        try:
-            table = datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=data,
-                                          split="train")
-        except Exception as e:  # noqa: BLE001 - datasets wraps every reason (empty file: StopIteration)
-            raise ValueError(f"{data}: not a readable {suffix[1:]} file ({type(e).__name__}: "
-                             f"{(str(e).strip().splitlines() or [''])[0][:200]})") from None
-    else:
-        table = datasets.load_dataset(data, split=split)
-    if not len(table):
-        raise ValueError(f"{data}: no rows")
-    rows, seen = [], set()
-    for i, row in enumerate(table):
-        problem, answer = _field(row, prompt_key), _field(row, answer_key)
-        if isinstance(problem, list):  # chat messages: the last user turn
-            problem = next((m.get("content") for m in reversed(problem) if m.get("role") == "user"), None)
-        if not isinstance(problem, str) or not problem.strip():
-            raise ValueError(f"{data} row {i}: no prompt in field {prompt_key!r}")
-        if isinstance(answer, (int, float)):
-            answer = str(answer)
-        if not answer or not (isinstance(answer, str) or all(isinstance(a, str) for a in answer)):
-            raise ValueError(f"{data} row {i}: no answer in field {answer_key!r}")
-        problem = problem.removeprefix(_DAPO_PREFIX).removesuffix(_DAPO_SUFFIX)
-        if (problem, str(answer)) not in seen:  # DAPO-Math-17k repeats each of its 17k problems 100 times
-            seen.add((problem, str(answer)))
-            rows.append({"problem": problem, "answer": answer})
-    return rows
-
-
-def read_jsonl(path: str) -> list[dict]:
-    """The rows of a JSON-lines file (blank lines skipped); a line that is not a UTF-8 JSON object raises ValueError
-    naming the file and the line."""
-    rows = []
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path} line {n}: not UTF-8 ({e.reason} at byte {e.start})") from None
-            if not text.strip():
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {n}: not JSON ({e.msg} at character {e.pos + 1})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path} line {n}: not a JSON object")
-            rows.append(row)
-    return rows
-
-
-def prompt_indices(step: int, n_rows: int, cfg: Config) -> list[int]:
-    """Row indices of the `prompts_per_step` prompts of `step` (all ranks): a fresh permutation every epoch."""
-    perms, out = {}, []
-    for pos in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step):
-        epoch, i = divmod(pos, n_rows)
-        if epoch not in perms:
-            perms[epoch] = torch.randperm(n_rows, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
-        out.append(int(perms[epoch][i]))
-    return out
-
-
-def rank_slice(n: int, cfg: Config, rank: int, world: int) -> list[int]:
-    """Positions (0..n-1 in the step's prompt list) this rank handles: the rank-th slice of every mini-batch, so a
-    mini-batch is the same set of prompts for any number of ranks (difference 4)."""
-    m = cfg.mini_batch_prompts // world
-    return [k * cfg.mini_batch_prompts + rank * m + j for k in range(n // cfg.mini_batch_prompts) for j in range(m)]
-
-
-# ------------------------------------------------------------------------------------------------ rollouts
-def prompts_per_call(cfg: Config, n: int, lm_config, dtype_bytes: int) -> int:
-    """Prompts per generate call for n prompts on a rank: --rollout-chunk, or the most whose worst-case KV cache
-    (G rows x (max prompt + response) tokens each) fits --kv-cache-gb."""
-    per_prompt = rollout.kv_cache_bytes(lm_config, cfg.group_size, cfg.max_prompt_len + cfg.max_response_len,
-                                        dtype_bytes)
-    return min(n, cfg.rollout_chunk or max(1, int(cfg.kv_cache_gb * 1e9 // per_prompt)))
-
-
-def rollout_dtype(cfg: Config, device) -> torch.dtype:
-    """dtype of the sampler's weights and KV cache: FSDP2's bf16 compute dtype with mixed precision on CUDA."""
-    return torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision else torch.float32
-
-
-def make_engine(cfg: Config, lm, tokenizer, prompts: list[list[int]], rank: int, world: int, device):
-    """The --rollout engine, created once (vllm: on every rank at the same time); prints the KV-cache estimate."""
-    n, G, dtype = cfg.prompts_per_step // world, cfg.group_size, rollout_dtype(cfg, device)
-    chunk, tokens = prompts_per_call(cfg, n, lm.config, dtype.itemsize), cfg.max_prompt_len + cfg.max_response_len
-    kv_call = rollout.kv_cache_bytes(lm.config, chunk * G, tokens, dtype.itemsize)
-    kv_vllm = min(rollout.kv_cache_bytes(lm.config, n * G, tokens, dtype.itemsize), int(cfg.kv_cache_gb * 1e9))
-    if rank == 0:
-        what = (f"vLLM KV cache {kv_vllm / 1e9:.2f} GB" if cfg.rollout == "vllm" else
-                f"{chunk} prompts x G {G} per generate call, KV cache at most {kv_call / 1e9:.2f} GB")
-        print(f"rollout ({cfg.rollout}): {what} per rank (--kv-cache-gb {cfg.kv_cache_gb:g})", flush=True)
-    longest = max(map(len, prompts)) + cfg.max_response_len  # train and held-out prompts
-    return rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest,
-                               kv_cache_memory_bytes=kv_vllm, dtype=dtype, seed=cfg.seed)
-
-
-def policy_forward(policy, mb: rollout.Rollout, cfg: Config, device):
-    """(logprobs, entropy, collision) of `policy` on the rows `mb`, each (B, T') with T' <= T: all-padding prompt
-    columns (left) and response columns (right) are dropped first."""
-    P = mb.prompt_ids.shape[1]
-    p0 = int((mb.prompt_mask.sum(0) > 0).nonzero()[0])
-    t1 = int((mb.response_mask.sum(0) > 0).nonzero()[-1]) + 1
-    input_ids, attention_mask = (x[:, p0:P + t1].to(device) for x in mb.training_inputs())  # (B, P - p0 + T')
-    return policy(input_ids, attention_mask, mb.response_mask[:, :t1].to(device), temperature=cfg.temperature,
-                  chunk_size=cfg.chunk_size)
-
-
-def token_stats(policy, batch: rollout.Rollout, cfg: Config, device):
-    """(logprobs, entropy, collision), each (B, T) of the rollout's T on `device`, of the current policy,
-    micro-batch by micro-batch without gradients."""
-    outs = [torch.zeros(batch.response_ids.shape, device=device) for _ in range(3)]
-    with torch.no_grad():
-        for idx in batch.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max):  # same count on every rank
-            for full, part in zip(outs, policy_forward(policy, batch.select(idx), cfg, device)):
-                full[idx, :part.shape[1]] = part.float()
-    return outs
-
-
-# ------------------------------------------------------------------------------------------- distributed
-def init_distributed(timeout_min: float = 60.0) -> tuple[int, int, torch.device]:
-    """(rank, world size, device). Under torchrun: the env:// process group (NCCL for CUDA tensors, gloo for CPU
-    ones), whose collectives wait `timeout_min` minutes for the slowest rank; as a plain process: a 1-process group,
-    so the code below has no single-process branches."""
-    cuda = torch.cuda.is_available()
-    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_min))
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        local_rank = 0
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def all_sum(*values: float) -> list[float]:
-    """Sum python floats over ranks (one all-reduce)."""
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-def all_max(value: int) -> int:
-    """The largest of one integer over ranks (the micro-batch count every rank makes)."""
-    t = torch.tensor([value], dtype=torch.long)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t)
-
-
-def all_gather_cat(values: torch.Tensor) -> torch.Tensor:
-    """Concatenate 1-D tensors of different lengths from all ranks (pad to the longest, all-gather, trim)."""
-    world, values = dist.get_world_size(), values.detach().float().cpu()
-    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([values.numel()]))
-    longest = int(max(sizes))
-    parts = [torch.zeros(longest) for _ in range(world)]
-    dist.all_gather(parts, torch.nn.functional.pad(values, (0, longest - values.numel())))
-    return torch.cat([p[:int(s)] for p, s in zip(parts, sizes)])
-
-
-# ------------------------------------------------------------------------------------------------- the step
-def train_step(step: int, policy, ref_policy, optimizer, scheduler, rows: list[dict], prompts: list[list[int]],
-               tokenizer, cfg: Config, rank: int, world: int, device, engine) -> tuple[dict, list[dict], list[dict]]:
-    """Step `step + 1` (steps count from 1; `step` is the 0-based data position): one rollout batch and its
-    mini-batch updates -> (metrics, sample of silenced tokens, sample of completions)."""
-    G = cfg.group_size
-    clip_low, clip_high = stapo.ALGO_CLIP[cfg.algo]
-    clip_low = clip_low if cfg.clip_low is None else cfg.clip_low
-    clip_high = clip_high if cfg.clip_high is None else cfg.clip_high
-    # 1. Prompts of this rank in mini-batch order; each generate call seeded from (seed, step, global index of its
-    #    first prompt) (difference 3).
-    t0 = time.time()
-    indices = prompt_indices(step, len(rows), cfg)
-    positions = rank_slice(len(indices), cfg, rank, world)
-    mine = [indices[i] for i in positions]  # row indices
-    chunk = prompts_per_call(cfg, len(mine), policy.lm.config, rollout_dtype(cfg, device).itemsize)
-    seeds = [hash((cfg.seed, step, step * cfg.prompts_per_step + i)) % 2**62 for i in positions[::chunk]]
-    policy.eval()
-    with engine.ready(policy):  # plain: parameters gathered; vllm: current weights pushed
-        batch = engine.sample([prompts[i] for i in mine], G, seeds, chunk, cfg.max_response_len, cfg.temperature,
-                              cfg.top_p).to(device)  # the engine's device (vLLM: the CPU) -> the policy's
-    # 2. Rewards and group advantages (groups never span ranks).
-    texts = batch.texts(tokenizer)
-    rewards = torch.tensor([reward.reward(text, rows[mine[i // G]]["answer"], cfg.reward)
-                            for i, text in enumerate(texts)])  # (B,)
-    samples = completions(step + 1, "train", texts, rewards.tolist(), [prompts[i] for i in mine], rows, mine, G,
-                          tokenizer, cfg)
-    advantages = stapo.group_advantages(rewards, G).to(device)  # (B,)
-    adv = advantages[:, None].expand_as(batch.logprobs)  # (B, T): every token of y_i gets A_i
-    mask = batch.response_mask.float()  # (B, T)
-    # 3. pi_old log-probs, entropy and collision: one no-grad pass (= p and H of the first mini-batch).
-    old_logprobs, old_entropy, old_collision = token_stats(policy, batch, cfg, device)
-    ref_logprobs = token_stats(ref_policy, batch, cfg, device)[0] if ref_policy is not None else None
-    t_rollout = time.time() - t0
-    # Sums over this rank's sequences and tokens for the metrics, reduced over ranks once, at the end of the step.
-    sums = {"reward": rewards.sum(), "correct": (rewards > 0).sum(),  # a positive reward is correct in every mode
-            "seqs": len(batch), "tokens": mask.sum(), "truncated": batch.truncated.sum(),
-            "zero_adv": (advantages == 0).sum(), "entropy": (old_entropy * mask).sum(),
-            "logprob_diff": ((old_logprobs - batch.logprobs).abs() * mask).sum()}
-    sums |= dict.fromkeys(["s2t/candidates", "s2t/silenced", "kept", "silenced_p", "silenced_h", "gn_silenced",
-                           "gn_kept", "loss/policy", "loss/kl", "loss_tokens", "clip/frac_low", "clip/frac_high",
-                           "clip/frac_dual", "ratio/mean", "kl/approx", "fed_tokens", "real_tokens"], 0.0)
-    updates = skipped_zero_adv = skipped_nonfinite = grad_norm_sum = 0.0  # already global: equal on every rank
-    spurious, drawn_lines = [], []
-
-    # 4. Mini-batch updates (paper Algorithm 1).
-    t0 = time.time()
-    policy.train()
-    rows_per_mb = cfg.mini_batch_prompts // world * G
-    for k, start in enumerate(range(0, len(batch), rows_per_mb)):
-        idx = slice(start, start + rows_per_mb)
-        mb, mb_adv, mb_mask, mb_old = batch.select(idx), adv[idx], mask[idx], old_logprobs[idx]
-        if k == 0:  # p, H of the current policy = pi_old before the first update
-            logprobs, entropy, collision = old_logprobs[idx], old_entropy[idx], old_collision[idx]
-        else:
-            logprobs, entropy, collision = token_stats(policy, mb, cfg, device)
-        # Threshold over the whole mini-batch on all ranks, then weights, silenced mask and the global denominator.
-        values = stapo.threshold_inputs(cfg.algo, logprobs, entropy, mb_adv, mb_mask, cfg.tau_p)
-        threshold = stapo.entropy_threshold(cfg.algo, all_gather_cat(values), cfg.quantile)
-        weights, silenced = stapo.loss_weights(cfg.algo, logprobs, entropy, mb_adv, mb_mask, cfg.tau_p, threshold)
-        denominator, nonzero = all_sum(stapo.denominator_part(cfg.algo, weights, mb_mask),
-                                       ((mb_adv != 0) & (weights > 0)).sum())
-        if cfg.tis_cap is not None:  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
-            weights = weights * stapo.tis_weight(mb_old, batch.logprobs[idx], cfg.tis_cap)
-        # What S2T does: counts and gradient norms of silenced vs kept tokens (w = r A, 0 where clipped).
-        w = stapo.surrogate_weight(logprobs, mb_old, mb_adv, clip_low, clip_high, cfg.dual_clip)
-        lines, drawn = record_s2t(step, k, mb, logprobs, entropy, collision, mb_adv, mb_mask, silenced, w, threshold,
-                                  rewards[idx] > 0, tokenizer, cfg, rank, sums, cfg.spurious_per_step - len(spurious))
-        spurious += lines
-        drawn_lines += [drawn] if drawn else []
-        if nonzero == 0 and ref_policy is None:  # zero advantages, no KL term: nothing to learn, skip (difference 6)
-            skipped_zero_adv += 1
-            continue
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum, kl_sum = accumulate_gradients(policy, mb, mb_old, mb_adv, weights, denominator, (clip_low, clip_high),
-                                                None if ref_logprobs is None else ref_logprobs[idx], cfg, world, device,
-                                                sums)
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        if not math.isfinite(grad_norm):  # the norm is global, so every rank skips together
-            warnings.warn(f"step {step + 1} mini-batch {k}: non-finite gradient norm, update skipped")
-            optimizer.zero_grad(set_to_none=True)
-            skipped_nonfinite += 1
-            continue
-        optimizer.step()
-        scheduler.step()
-        updates += 1
-        grad_norm_sum += grad_norm
-        sums["loss/policy"] += loss_sum
-        sums["loss/kl"] += kl_sum
-    optimizer.zero_grad(set_to_none=True)
-    t_update = time.time() - t0
-
-    tot = dict(zip(sums, all_sum(*sums.values())))
-    counts = {"updates": updates, "skipped/zero_adv": skipped_zero_adv, "skipped/nonfinite": skipped_nonfinite}
-    metrics = step_metrics(step, tot, counts, grad_norm_sum, scheduler.get_last_lr()[0], t_rollout, t_update)
-    return metrics, spurious, samples, drawn_lines
-
-
-def record_s2t(step: int, k: int, mb: rollout.Rollout, logprobs, entropy, collision, mb_adv, mb_mask, silenced, w,
-               threshold: float | None, correct: torch.Tensor, tokenizer, cfg: Config, rank: int, sums: dict,
-               n_spurious: int) -> tuple[list[dict], dict | None]:
-    """What S2T did in mini-batch k of step `step + 1`: adds its counts, p, H and closed-form logit-gradient norms
-    of silenced vs kept tokens to `sums`; returns (up to n_spurious spurious.jsonl lines, its tokens.jsonl line or
-    None). All tensors (b, T) of the mini-batch on this rank; w = r A (0 where clipped); correct (b,) bool."""
-    diag = s2t.diagnostics(logprobs, entropy, collision, mb_adv, mb_mask, silenced, cfg.tau_p, w=w)
-    n_sil, n_kept = diag["s2t/silenced"], mb_mask.sum().item() - diag["s2t/silenced"]
-    for key, value in [("s2t/candidates", diag["s2t/candidates"]), ("s2t/silenced", n_sil), ("kept", n_kept),
-                       ("silenced_p", n_sil * diag["s2t/silenced_p_mean"]),
-                       ("silenced_h", n_sil * diag["s2t/silenced_h_mean"]),
-                       ("gn_silenced", n_sil * diag["s2t/grad_norm_silenced"]),
-                       ("gn_kept", n_kept * diag["s2t/grad_norm_kept"])]:
-        sums[key] += value
-    spurious = [{"step": step + 1, "mini_batch": k, "token": tokenizer.decode([int(mb.response_ids[i, t])]),
-                 "context": tokenizer.decode(mb.response_ids[i, max(0, t - 12):t].tolist()),
-                 "p": math.exp(float(logprobs[i, t])), "H": float(entropy[i, t]), "advantage": float(mb_adv[i, t])}
-                for i, t in silenced.nonzero().tolist()[:max(n_spurious, 0)]]
-    if not cfg.token_sample:
-        return spurious, None
-    # what S2T saw: a seeded sample of the mini-batch's tokens for OUT/tokens.jsonl
-    gen = torch.Generator().manual_seed(hash((cfg.seed, step, k, rank)) % 2**62)  # not the global RNG
-    drawn = s2t.token_sample(logprobs, entropy, collision, mb_adv, mb_mask, silenced, cfg.token_sample, gen,
-                             cfg.tau_p, w)
-    return spurious, token_record(step + 1, k, threshold, drawn, correct)
-
-
-def accumulate_gradients(policy, mb: rollout.Rollout, mb_old, mb_adv, weights, denominator: float,
-                         clip: tuple[float, float], ref_logprobs, cfg: Config, world: int, device,
-                         sums: dict) -> tuple[float, float]:
-    """The gradient of one mini-batch's objective J (paper Eq. 3 / stapo.policy_loss) accumulated over token-budget
-    micro-batches, no optimizer step: sum_micro sum_ranks (world * loss_part) / world = J's gradient, however the
-    rows are grouped. mb_old, mb_adv, weights, ref_logprobs (None without a KL term): (b, T). Adds token counts and
-    token-weighted clip statistics to `sums`; returns (policy loss, KL term) of this rank."""
-    loss_sum = kl_sum = 0.0
-    micro = mb.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max)  # same count on every rank
-    lengths = mb.lengths()  # (b,)
-    sums["fed_tokens"] += sum(len(mi) * lengths[mi].max().item() for mi in micro)  # padding included
-    sums["real_tokens"] += lengths.sum().item()
-    for mi in micro:
-        new_logprobs = policy_forward(policy, mb.select(mi), cfg, device)[0]  # (b', T')
-        cut = (mi, slice(0, new_logprobs.shape[1]))
-        loss, stats = stapo.policy_loss(new_logprobs, mb_old[cut].to(device), mb_adv[cut].to(device),
-                                        weights[cut].to(device), *clip, cfg.dual_clip, denominator)
-        if ref_logprobs is not None:  # GRPO with --kl-beta > 0
-            kl = (weights[cut].to(device) * stapo.kl_k3(new_logprobs, ref_logprobs[cut].to(device))).sum()
-            kl = kl / max(denominator, 1.0)
-            loss = loss + cfg.kl_beta * kl
-            kl_sum += kl.item()
-        (loss * world).backward()  # FSDP2 divides the summed gradient by world (difference 5)
-        loss_sum += loss.item()
-        tokens = stats["loss/tokens"].item()
-        sums["loss_tokens"] += tokens
-        for key in ("clip/frac_low", "clip/frac_high", "clip/frac_dual", "ratio/mean", "kl/approx"):
-            sums[key] += stats[key].item() * tokens if key in stats else 0.0  # token-weighted means
-    return loss_sum, kl_sum
-
-
-def step_metrics(step: int, tot: dict, counts: dict, grad_norm_sum: float, lr: float, t_rollout: float,
-                 t_update: float) -> dict:
-    """The metrics.jsonl line of step `step + 1` from the global sums `tot` (README.md, glossary)."""
-
-    def mean(key, n):
-        return tot[key] / max(n, 1)
-
-    n_seq, n_tok, n_loss = tot["seqs"], tot["tokens"], tot["loss_tokens"]
-    n_sil, n_kept = tot["s2t/silenced"], tot["kept"]
-    metrics = {
-        "step": step + 1, "reward/mean": mean("reward", n_seq), "reward/acc": mean("correct", n_seq),
-        "response/len_mean": mean("tokens", n_seq), "response/truncated_frac": mean("truncated", n_seq),
-        "entropy/mean": mean("entropy", n_tok), "rollout/logprob_diff": mean("logprob_diff", n_tok),
-        "adv/zero_frac": mean("zero_adv", n_seq),
-        "s2t/candidates": tot["s2t/candidates"], "s2t/silenced": n_sil,
-        "s2t/silenced_frac": mean("s2t/silenced", n_sil + n_kept),
-        "s2t/silenced_p_mean": mean("silenced_p", n_sil), "s2t/silenced_h_mean": mean("silenced_h", n_sil),
-        "s2t/grad_norm_silenced": mean("gn_silenced", n_sil), "s2t/grad_norm_kept": mean("gn_kept", n_kept),
-        "loss/policy": mean("loss/policy", counts["updates"]), "loss/kl": mean("loss/kl", counts["updates"]),
-        "clip/frac_low": mean("clip/frac_low", n_loss), "clip/frac_high": mean("clip/frac_high", n_loss),
-        "clip/frac_dual": mean("clip/frac_dual", n_loss),
-        "batch/pad_frac": 1 - tot["real_tokens"] / tot["fed_tokens"] if tot["fed_tokens"] else 0.0,
-        "ratio/mean": mean("ratio/mean", n_loss), "kl/approx": mean("kl/approx", n_loss),
-        "grad_norm": grad_norm_sum / max(counts["updates"], 1), "lr": lr, **counts,
-        "time/rollout_s": t_rollout, "time/update_s": t_update,
-        "tokens_per_s": n_tok / max(t_rollout + t_update, 1e-9),
-    }
-    return metrics
-
-
-def completions(step: int, split: str, texts: list[str], rewards: list[float], prompts: list[list[int]],
-                rows: list[dict], row_ids: list[int], group_size: int, tokenizer, cfg: Config) -> list[dict]:
-    """samples.jsonl records of the first response of each of the first `samples_per_step` prompts: the prompt
-    as the model saw it, the response, the gold answer and the reward (texts[i] answers prompts[i // group_size])."""
-    return [{"step": step, "split": split, "prompt": tokenizer.decode(prompts[j]), "response": texts[j * group_size],
-             "answer": rows[row_ids[j]]["answer"], "reward": rewards[j * group_size]}
-            for j in range(min(cfg.samples_per_step, len(prompts)))]
-
-
-def token_record(step: int, k: int, threshold: float | None, drawn: dict, correct: torch.Tensor) -> dict:
-    """One line of tokens.jsonl: the tokens `s2t.token_sample` drew from mini-batch k of step `step`, as columns
-    (floats to 4 significant digits); `correct` (b,) bool per response of the mini-batch."""
-    rows = drawn["row"]
-    return {"step": step, "mini_batch": k, "tau_h": threshold,
-            **{key: [float(f"{v:.4g}") for v in drawn[key].tolist()] for key in ("p", "H", "A", "grad_norm", "weight")},
-            "correct": correct.cpu()[rows].int().tolist(), "candidate": drawn["candidate"].int().tolist(),
-            "silenced": drawn["silenced"].int().tolist()}
-
-
-# ----------------------------------------------------------------------------------------------- evaluation
-def evaluate(policy, rows: list[dict], prompts: list[list[int]], tokenizer, cfg: Config, rank: int, world: int,
-             device, engine, done: int) -> tuple[dict, list[dict]]:
-    """Mean accuracy over `eval_samples` samples per held-out problem (problems split round-robin over ranks) after
-    `done` steps, and this rank's samples.jsonl records."""
-    mine = list(range(rank, len(rows), world))
-    correct = total = length = 0.0
-    samples = []
-    policy.eval()
-    with engine.ready(policy):  # a collective: every rank enters, also one without held-out problems
-        out = engine.sample([prompts[i] for i in mine], cfg.eval_samples, [cfg.seed + 1 + rank], len(mine),
-                            cfg.max_response_len, cfg.temperature, cfg.top_p) if mine else None
-    if mine:
-        texts = out.texts(tokenizer)
-        verdicts = [float(reward.grade(t, rows[mine[j // cfg.eval_samples]]["answer"])) for j, t in enumerate(texts)]
-        correct, total, length = sum(verdicts), len(texts), float(out.response_mask.sum())
-        samples = completions(done, "heldout", texts, verdicts, [prompts[i] for i in mine], rows, mine,
-                              cfg.eval_samples, tokenizer, cfg)
-    correct, total, length = all_sum(correct, total, length)
-    return {"eval/acc": correct / max(total, 1), "eval/len_mean": length / max(total, 1), "eval/n": total}, samples
-
-
-# ---------------------------------------------------------------------------------------------- checkpoints
-def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, rank: int, cfg: Config) -> None:
-    """Sharded DCP checkpoint of the model (+ the optimizer unless --no-save-optimizer) after `done` steps in
-    OUT/checkpoint/step_<done>, plus one small file per rank (step, scheduler and RNG states); the data position
-    needs no state. Then OUT/checkpoint/latest names it (written to a temporary file and renamed: never torn) and
-    the previous one is deleted. A write that fails on any rank (a full disk) raises RunError on every rank, with
-    the new folder removed and `latest` still naming the previous checkpoint."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    path, latest = out / "checkpoint" / f"step_{done}", out / "checkpoint" / "latest"
-    failed = None
-    try:
-        model_sd, optim_sd = get_state_dict(policy, optimizer)
-        dcp.save({"model": model_sd, **({"optim": optim_sd} if cfg.save_optimizer else {})}, checkpoint_id=str(path))
-        torch.save({"step": done, "optimizer": cfg.save_optimizer, "config": asdict(cfg),
-                    "scheduler": scheduler.state_dict(), "python_rng": random.getstate(),
-                    "torch_rng": torch.get_rng_state(),
-                    "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
-                   path / f"rank{rank}.pt")
-    except (OSError, RuntimeError, CheckpointException) as e:  # e.g. "[enforce fail at inline_container.cc]"
-        failed = e
-    if all_sum(failed is not None)[0]:  # every rank stops here together
-        if rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-        dist.barrier()
-        reason = str(failed).strip().splitlines()[0] if failed is not None and str(failed).strip() else "another rank"
-        kept = f"{latest} still names {latest.read_text().strip()}" if latest.exists() else "no checkpoint was kept"
-        raise RunError(f"could not write {path} (a full disk?): {reason}; {kept} (python train.py --resume {out})")
-    if rank == 0:
-        previous = latest.read_text().strip() if latest.exists() else None
-        (out / "checkpoint" / "latest.tmp").write_text(path.name)
-        os.replace(out / "checkpoint" / "latest.tmp", latest)
-        if previous and previous != path.name:
-            shutil.rmtree(out / "checkpoint" / previous, ignore_errors=True)
-    dist.barrier()
-
-
-class RunError(Exception):
-    """A failure the user can act on, met while training (a full disk): one line and exit status 2."""
-
-
-def checkpoint_step(out: Path) -> int:
-    """Steps done by the last complete checkpoint of OUT (its folder is checkpoint/step_<steps>): the one
-    checkpoint/latest names (replaced whole by a rename), or, where `latest` is unreadable (torn by an older
-    version or by hand), the newest step_N folder that is complete (DCP's .metadata and rank 0's file)."""
-    latest = out / "checkpoint" / "latest"
-    try:
-        return int(latest.read_text().strip().removeprefix("step_"))
-    except (OSError, ValueError):
-        complete = [int(p.name[5:]) for p in (out / "checkpoint").glob("step_*") if p.name[5:].isdigit()
-                    and (p / ".metadata").is_file() and (p / "rank0.pt").is_file()]
-        if not complete:
-            raise FileNotFoundError(f"{out} has no checkpoint to resume from: the run stopped before its first one "
-                                    f"(written every --save-every steps and at the last step)") from None
-        if latest.exists() and int(os.environ.get("RANK", 0)) == 0:
-            print(f"train.py: warning: {latest} is unreadable; using the newest complete checkpoint, "
-                  f"step_{max(complete)}", file=sys.stderr, flush=True)
-        return max(complete)
-
-
-def load_checkpoint(out: Path, policy, optimizer, scheduler, rank: int) -> int:
-    """Restore the last checkpoint of OUT; returns the number of completed steps. A weights-only checkpoint
-    (--no-save-optimizer) leaves AdamW freshly initialized (zero moments), with a warning."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
-
-    path = out / "checkpoint" / f"step_{checkpoint_step(out)}"
-    extra = torch.load(path / f"rank{rank}.pt", weights_only=False)
-    model_sd, optim_sd = get_state_dict(policy, optimizer)
-    state = {"model": model_sd, **({"optim": optim_sd} if extra["optimizer"] else {})}
-    dcp.load(state, checkpoint_id=str(path))
-    if extra["optimizer"]:
-        set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    else:
-        set_model_state_dict(policy, state["model"])
-    scheduler.load_state_dict(extra["scheduler"])
-    random.setstate(extra["python_rng"])
-    torch.set_rng_state(extra["torch_rng"])
-    if extra["cuda_rng"] is not None:
-        torch.cuda.set_rng_state(extra["cuda_rng"])
-    if rank == 0:
-        print(f"resuming from {path} at step {extra['step'] + 1} ({n_steps(extra['step'])} done)", flush=True)
-        if not extra["optimizer"]:
-            print(f"train.py: warning: {path} holds weights only (--no-save-optimizer): AdamW restarts from zero "
-                  f"moments, so the resumed run differs from an uninterrupted one", file=sys.stderr, flush=True)
-    return extra["step"]
-
-
-# ------------------------------------------------------------------------------------------------ loggers
-LOGGERS = {"": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # --logger -> the package it needs
-
-
-def open_logger(cfg: Config, out: Path):
-    """(log(record), close()) for --logger, each record a metrics.jsonl or eval.jsonl line logged at its `step`
-    with all its other keys; (None, None) without a logger. The package is imported only when chosen."""
-    if cfg.logger == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(str(out / "tensorboard"))
-
-        def log(record):
-            for key, value in record.items():
-                if key != "step":
-                    writer.add_scalar(key, value, record["step"])
-        return log, writer.close
-    if cfg.logger == "wandb":
-        import wandb
-
-        run = wandb.init(project="stapo", name=out.name, dir=str(out), config=asdict(cfg))
-        return (lambda record: run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"]),
-                run.finish)
-    return None, None
-
-
-# --------------------------------------------------------------------------------------------------- main
-def setup(cfg: Config, rank: int, world: int, device):
-    """Everything that can fail on bad inputs: data, model, sharding, optimizer, resume."""
-    if cfg.prompts_per_step % world or cfg.mini_batch_prompts % world:
-        raise ValueError(f"--prompts-per-step and --mini-batch-prompts must be multiples of the {world} ranks")
-    if cfg.logger not in LOGGERS:
-        raise ValueError(f"unknown --logger {cfg.logger!r}; valid: '', tensorboard, wandb")
-    if cfg.logger and importlib.util.find_spec(LOGGERS[cfg.logger]) is None:
-        raise ImportError(f"--logger {cfg.logger} needs the {LOGGERS[cfg.logger]} package: pip install "
-                          f"{LOGGERS[cfg.logger]}")
-    train_rows, test_rows = load_rows(cfg)
-    # one process: read onto its device; several: read once on rank 0, the others build it on the meta device and
-    # receive their shards of the weights from rank 0 in shard_policy (model.from_rank0)
-    load = (lambda: load_model(cfg.model, device=device)) if world == 1 else (lambda: from_rank0(
-        lambda: load_model(cfg.model)))
-    lm, tokenizer = load()
-    if cfg.chat and not tokenizer.chat_template:
-        raise ValueError(f"the tokenizer of {cfg.model!r} has no chat template; use --no-chat")
-    train_prompts, test_prompts = ([rollout.format_prompt(tokenizer, r["problem"], cfg.chat, cfg.instruction)
-                                    for r in rows] for rows in (train_rows, test_rows))
-    def fitting(rows, prompts):  # rows whose prompt fits --max-prompt-len, and how many did not (difference 7)
-        keep = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_len]
-        return [rows[i] for i in keep], [prompts[i] for i in keep], len(prompts) - len(keep)
-
-    train_rows, train_prompts, dropped = fitting(train_rows, train_prompts)
-    test_rows, test_prompts, dropped_test = fitting(test_rows, test_prompts)
-    if not train_prompts:
-        raise ValueError(f"every prompt of {cfg.data or 'the built-in task'} is longer than --max-prompt-len")
-    if (dropped or dropped_test) and rank == 0:
-        print(f"train.py: dropped {dropped} of {dropped + len(train_prompts)} training prompts and {dropped_test} of "
-              f"{dropped_test + len(test_prompts)} held-out prompts longer than --max-prompt-len {cfg.max_prompt_len} "
-              f"tokens", file=sys.stderr, flush=True)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    if rank == 0:  # the memory model's estimate for this run (README.md "Memory"), rows at their longest
-        per_rank, prompt_len = cfg.prompts_per_step // world, max(map(len, train_prompts))
-        row, rows = prompt_len + cfg.max_response_len, cfg.mini_batch_prompts // world * cfg.group_size
-        print(memory_line(memory_estimate(
-            lm.config, world, min(max(cfg.max_tokens_per_micro_batch, row), rows * row), cfg.grad_checkpointing,
-            prompts_per_call(cfg, per_rank, lm.config, rollout_dtype(cfg, device).itemsize) * cfg.group_size,
-            prompt_len, cfg.max_response_len,
-            fsdp=cfg.fsdp, compute_bytes=2 if cfg.fsdp and cfg.mixed_precision else 4,  # as in effect (in_effect)
-            chunk_size=cfg.chunk_size)), flush=True)
-
-    def make_policy(model_lm):
-        policy = Policy(model_lm, vocab_size=lm_vocab_size(tokenizer))  # the sampler's rows only
-        if cfg.grad_checkpointing:
-            model_lm.gradient_checkpointing_enable({"use_reentrant": False})
-        if cfg.fsdp:  # in_effect: on with several processes or CUDA
-            shard_policy(policy, mixed_precision=cfg.mixed_precision, from_rank0=world > 1, device=device)
-        return policy
-
-    policy = make_policy(lm)
-    ref_policy = None
-    if cfg.algo == "grpo" and cfg.kl_beta > 0:
-        ref_policy = make_policy(load()[0]).requires_grad_(False)
-    # fused: one kernel over all parameters (CPU: 4-5x faster than the foreach loop at SmolLM2's 135M, bench.py flops)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
-    # lr: linear warm-up over warmup_steps optimizer steps, then constant
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
-    start = load_checkpoint(Path(cfg.out_dir), policy, optimizer, scheduler, rank) if cfg.resume else 0
-    data = (train_rows, train_prompts, test_rows, test_prompts)
-    engine = make_engine(cfg, lm, tokenizer, train_prompts + test_prompts, rank, world, device)
-    return policy, ref_policy, tokenizer, optimizer, scheduler, data, start, engine
-
-
-def train(cfg: Config, rank: int, world: int, device, state) -> None:
-    """The training loop on the objects `setup` made: steps, metrics, samples and spurious-token lines, evals,
-    checkpoints, the HF export. Step N (counted from 1) is the same N in the console, metrics.jsonl, eval.jsonl
-    (N = evaluated after N steps, 0 = before training), samples.jsonl, spurious.jsonl and checkpoint/step_N."""
-    from tqdm import tqdm
-
-    policy, ref_policy, tokenizer, optimizer, scheduler, (rows, prompts, test_rows, test_prompts), start, engine = state
-    out = Path(cfg.out_dir)
-    logs = ("metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl", "tokens.jsonl")
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        if start:  # a resume: what changed (RESUMABLE flags only, parse_config checked) goes into resumes.jsonl
-            old = json.loads((out / "config.json").read_text())
-            changed = {k: [old.get(k), v] for k, v in asdict(cfg).items() if k != "resume" and old.get(k) != v}
-            with open(out / "resumes.jsonl", "a") as f:
-                f.write(json.dumps({"step": start, "changed": changed}) + "\n")
-        elif cfg.overwrite:  # the user asked to replace the run in this folder
-            for name in RUN_FILES:
-                if (out / name).is_dir():
-                    shutil.rmtree(out / name)
-                elif (out / name).exists():
-                    (out / name).unlink()
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-        for name in logs:  # drop lines past the checkpoint
-            f = out / name
-            lines = f.read_text().splitlines() if start and f.exists() else []
-            f.write_text("".join(x + "\n" for x in lines if x and json.loads(x)["step"] <= start))
-    dist.barrier()  # the folder is ready (an --overwrite done) before any rank writes into it
-
-    log, close_log = open_logger(cfg, out) if rank == 0 else (None, None)
-
-    def write(name, records):
-        if rank == 0:
-            with open(out / name, "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in records)
-            if log and name in ("metrics.jsonl", "eval.jsonl"):
-                for r in records:
-                    log(r)
-
-    def gather(records):
-        parts = [None] * world
-        dist.all_gather_object(parts, records)
-        return [x for part in parts for x in part]
-
-    def say(message, warning=False):  # its own line, above the progress bar
-        if rank == 0:
-            tqdm.write(f"train.py: warning: {message}" if warning else message, file=sys.stderr if warning else None)
-
-    def run_eval(done):
-        if test_rows and cfg.eval_samples:
-            result, samples = evaluate(policy, test_rows, test_prompts, tokenizer, cfg, rank, world, device, engine,
-                                       done)
-            write("eval.jsonl", [{"step": done, **result}])
-            write("samples.jsonl", gather(samples)[:cfg.samples_per_step])
-            when = f"after {n_steps(done)}" if done else "before training"
-            say(f"held-out accuracy {when}: {result['eval/acc']:.3f} ({int(result['eval/n'])} samples)")
-
-    if start == 0:
-        run_eval(0)
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"{cfg.algo} steps", dynamic_ncols=True,
-               disable=rank != 0)
-    for step in bar:
-        metrics, spurious, samples, drawn = train_step(step, policy, ref_policy, optimizer, scheduler, rows, prompts,
-                                                       tokenizer, cfg, rank, world, device, engine)
-        done = step + 1
-        write("spurious.jsonl", gather(spurious)[:cfg.spurious_per_step])
-        write("samples.jsonl", gather(samples)[:cfg.samples_per_step])
-        write("tokens.jsonl", [{key: sum((r[key] for r in same), []) if isinstance(same[0][key], list) else value
-                                for key, value in same[0].items()}  # one line per mini-batch, ranks concatenated
-                               for same in zip(*gather([drawn]))])
-        write("metrics.jsonl", [metrics])
-        bar.set_postfix({"train_acc": f"{metrics['reward/acc']:.2f}", "H": f"{metrics['entropy/mean']:.2f}",
-                         "silenced": f"{metrics['s2t/silenced_frac']:.1e}"})
-        if metrics["adv/zero_frac"] == 1.0:  # every group had equal rewards: the policy gradient is zero
-            acc, none = metrics["reward/acc"], " and no update was made" if metrics["updates"] == 0 else ""
-            say(f"step {done}: every response was right, so the policy gradient is zero{none}; use harder data"
-                if acc == 1 else f"step {done}: in every group the {cfg.group_size} responses had equal rewards "
-                f"(train_acc {acc:.2f}), so the policy gradient is zero{none}; use easier data, a larger "
-                f"--group-size or a higher --temperature", warning=True)
-        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
-            run_eval(done)
-        if done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0):
-            save_checkpoint(out, done, policy, optimizer, scheduler, rank, cfg)
-    bar.close()
-    if start < cfg.steps:
-        run_eval(cfg.steps)
-    if cfg.export_hf:
-        save_hf(policy, tokenizer, str(out / "hf"))
-    if rank == 0:
-        if close_log:
-            close_log()
-        if cfg.plots:
-            plots.figures([str(out)], str(out / "metrics.png"))
-        shown = [n for n in ("spurious.jsonl", "s2t.png", "gradient.png")
-                 if (out / n).exists() and (out / n).stat().st_size]
-        steps = plots.read_jsonl(out / "metrics.jsonl")  # resumed steps included
-        say(silenced_summary(cfg.algo, steps, shown))
-        if plots.correlation_line(str(out)):  # RQ1: the gradient norm against p and H (gradient.png)
-            say(plots.correlation_line(str(out)))
-        diverged = divergence(steps)
-        if diverged:
-            say(diverged + "; lower --lr (or raise --warmup-steps)", warning=True)
-        made = [name for name in ("config.json", *logs, "metrics.png", "s2t.png", "gradient.png")
-                if (out / name).exists()]
-        made += [f"checkpoint/step_{checkpoint_step(out)}"] if (out / "checkpoint" / "latest").exists() else []
-        made += ["hf/ (python eval.py --run " + str(out) + ")"] if cfg.export_hf else []
-        say(f"outputs in {out}/: {', '.join(made)}; " + (f"{diverged}; " if diverged else "")
-            + f"continue with python train.py --resume {out} --steps N")
-
-
-def silenced_summary(algo: str, steps: list[dict], files: list[str]) -> str:
-    """The console line that counts what the mask silenced over a run (its metrics.jsonl lines)."""
-    silenced = [int(m.get("s2t/silenced", 0)) for m in steps]
-    candidates = sum(int(m.get("s2t/candidates", 0)) for m in steps)
-    return (f"{algo} silenced {sum(silenced)} tokens in {sum(n > 0 for n in silenced)} of {len(steps)} steps; S2T "
-            f"candidates (A > 0, p < tau_p): {candidates} (metrics.jsonl s2t/*{'; see ' if files else ''}"
-            f"{', '.join(files)})")
-
-
-def divergence(steps: list[dict]) -> str:
-    """'' or the sentence that says which steps (metrics.jsonl lines) skipped an update for a non-finite gradient."""
-    bad = [m["step"] for m in steps if m.get("skipped/nonfinite", 0) > 0]
-    if not bad:
-        return ""
-    none = [m["step"] for m in steps if m.get("skipped/nonfinite", 0) > 0 and m.get("updates", 0) == 0]
-    return (f"the run diverged: the gradient norm was not finite in {n_steps(len(bad))} of {len(steps)} "
-            f"({_step_list(bad)}), {len(none)} of them made no update at all")
-
-
-def _step_list(numbers: list[int]) -> str:
-    """[2, 3, 4, 7] -> 'steps 2-4, 7'."""
-    runs, start = [], None
-    for i, n in enumerate(numbers):
-        start = n if start is None else start
-        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
-            runs.append(f"{start}-{n}" if n > start else f"{n}")
-            start = None
-    return ("steps " if len(numbers) > 1 else "step ") + ", ".join(runs)
-
-
-def n_steps(n: int) -> str:
-    return f"{n} step" + ("" if n == 1 else "s")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--plot" in argv:  # python train.py --plot RUN [RUN ...] [--out PNG]: figures only (plots.py)
@@ -1114,17 +1045,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_config(argv)
         rank, world, device = init_distributed(cfg.collective_timeout_min)
-        state = setup(cfg, rank, world, device)
+        run = setup(cfg, rank, world, device)
     except (FileNotFoundError, ValueError, KeyError, ImportError, OSError) as e:
         if dist.is_initialized():
             dist.destroy_process_group()
         return error(e)
     try:
-        train(cfg, rank, world, device, state)
+        train(run)
     except RunError as e:
         return error(e)
     finally:
-        state[-1].close()  # the rollout engine; deleting a vLLM engine may already tear down the process group
+        run.engine.close()  # the rollout engine; deleting a vLLM engine may already tear down the process group
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
