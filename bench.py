@@ -11,91 +11,7 @@
     python bench.py train-step      # the CPU default step (train.py --preset cpu) with --rollout plain vs vllm
 
 Not part of the test suite: timings on a shared machine are noisy, so nothing here asserts a speed.
-
-logprobs: Paper: STAPO (arXiv:2602.15620) Sec. 2 needs log pi(y_t) and the full-vocabulary entropy H_t of every response
-    token; this measures what computing them costs at Qwen3's vocabulary (V = 151,936) and Qwen3-1.7B's hidden size
-    (D = 2048), fp32 on CPU, forward + backward of sum_t log pi(y_t), for N = 1024, 4096, 16384 tokens.
-    
-    Deliberate choices:
-    1. Each (implementation, N) runs in its own process and reports its peak resident memory (VmHWM) minus the
-       resident memory once the inputs (hidden, weight) exist, so the numbers do not mix. The weight gradient (V x D fp32,
-       1.24 GB) is part of both.
-    2. A naive run is only started where its predicted peak fits the memory limit (`max_gb`); otherwise the table shows
-       the prediction: the naive extra memory is linear in N, so it is extrapolated from the measured N = 1024 run.
-    3. Time ratios chunked/naive are measured in one process at N = 1024 (alternating, best of 2), because timings
-       across processes are noisy on a shared machine; per-process times are printed too. With one chunk the chunked
-       code recomputes nothing; with 4 chunks of 256 it recomputes 3 of them, the cost at any N > chunk_size.
-
-generate: Prints a markdown table: tokens/s of both on the tiny model and on SmolLM2-135M-Instruct (same batch, length and
-    sampling settings, interleaved repetitions, medians), how far decoding is from the machine's limit (bytes of weights
-    read per step / measured copy bandwidth, and FLOPs per step / measured matmul throughput), and the time per token
-    under 2-process FSDP2 (inside `rollout.gathered`) against the same rank decoding an unsharded copy.
-    
-    Deliberate choices:
-    1. One thread per process (restored afterwards): the machine is shared, and OpenMP threads that spin while other
-       processes hold the cores make multi-threaded timings meaningless. Ratios are what we report.
-    2. EOS is set to an id that cannot be sampled, so both samplers decode exactly `max_new_tokens` steps.
-    3. `model.generate` gets top_k=0 (its default is 50) so both sample from the same distribution.
-
-engines: Useful tokens/s (tokens up to and including EOS, per second of rollout) of the plain sampler with finished
-    rows dropped (`compact`, the default) and with the fixed batch (compact=None: the same tokens), and of the vLLM
-    engine when vllm is importable, on SmolLM2-135M-Instruct with the built-in task's raw prompts ("What is a + b?\nThe
-    answer is"), T = 1.0: 32 prompts x G 4 with <= 64 new tokens, and a long tail (16 x 4 with <= 256: most answers
-    stop within ~10 tokens, the few that ramble run 10-25x longer). Then vLLM's weight push and the per-row cost of one
-    decode step at several batch sizes (what refilling freed rows would recover).
-
-    Deliberate choices:
-    1. One thread (restored afterwards), one process, each engine warmed up by a 2-token call, best of `reps` runs.
-    2. vLLM's weights are pushed from the same HF model (`VLLMEngine.ready`); its samples differ from ours (another
-       random stream), so useful tokens are counted per engine.
-
-grader: Paper: STAPO (arXiv:2602.15620) Sec. 6 grades 256 x 8 = 2,048 responses per rollout batch, so the grader must not be
-    the bottleneck. Corpora: the responses of shared/data/grader_cases.jsonl (real answer forms, several parse paths),
-    the golds of AIME, AMC, MATH-500 and OlympiadBench boxed in a response (mostly the string fast path), and hostile
-    inputs (refused by the size guards, or cut by the deadline). Without ../shared/data it falls back to the
-    repository's testdata/ (and says so). The last column counts verdicts that differ from the label (grader_cases:
-    the human label; benchmark golds: a gold must grade itself; hostile inputs: only the 1 MB response is right).
-    
-    Deliberate choices:
-    1. One process, best of `repeats` passes per corpus (the machine is shared, so the best pass is the least noisy);
-       the slowest single grade is the maximum over all passes.
-    2. "strict" (the paper's string match of the last box) is timed on the same corpus as the reference point.
-
-gpu: Paper: STAPO (arXiv:2602.15620) Sec. 6 trains Qwen3-1.7B/8B with FSDP, responses up to 15,360 tokens. One
-    prepared run on one CUDA GPU, no network: a random model of Qwen3-1.7B's exact shape (QWEN3_1_7B) and a
-    word-level tokenizer of its full vocabulary, saved to a temporary folder and loaded by train.setup (FSDP2 via
-    model.shard_policy, bf16 compute / fp32 master weights, activation checkpointing, AdamW); then
-    (1) one train.train_step per response length 1k / 4k / 16k on synthetic rollouts: tokens/s, MFU against the
-    bf16 matmul rate measured here, peak memory; (2) log-probs and entropy of that policy against an fp32 copy of the
-    same weights, and the chunked LM head against the naive one (fp32 and bf16, fp64 reference); (3) rollout.generate
-    inside rollout.gathered at batch 64 and 256 x 1,024 new tokens, per step against the weight-streaming bound
-    (bf16 weight bytes / copy bandwidth measured here); (4) train.main for 2 steps of a scaled-down paper preset
-    (4 prompts x G = 8, 2,048-token responses). Prints one markdown table and writes it with the raw numbers to
-    OUT/gpu.md and OUT/gpu.json (`--out`, default out/bench-gpu).
-
-    Deliberate choices:
-    1. The rollout engine is replaced by a synthetic one in (1) (uniform random tokens, the last one \boxed{1} or
-       \boxed{2}, graded for real), so the update measures exactly train_step's pi_old pass, S2T, loss, backward,
-       clip and optimizer step at a fixed length; (3) measures the sampler itself.
-    2. In (4) rewards are the parity of the response length: a random model is never right, and all-wrong groups
-       would skip every update.
-    3. MFU counts model FLOPs (3 x forward: 2 x parameters per token, the head on response tokens, causal
-       attention), not the recomputation of activation checkpointing or of the chunked head's backward.
-    4. Only torch + transformers APIs present in torch 2.11-2.13 and transformers 5.17-5.19; vLLM is not measured.
-update: Paper: STAPO (arXiv:2602.15620) Sec. 6 trains on responses up to 15,360 tokens (veRL, dynamic batch size of 32,768
-    tokens per GPU). (1) A rollout batch of 64 rows with a realistic length mix (lognormal, median ~245 response tokens,
-    a tail to the cap of 1920 = 15360 / 8) through the update's forward + backward, split into 8-sequence micro-batches
-    in rollout order (the former --micro-batch-size 8) or by token budget (`Rollout.micro_batches`): padding fraction,
-    largest micro-batch, time per real token. (2) Peak memory of one training step vs length, with and without
-    activation checkpointing, against `model.memory_estimate`.
-
-    Deliberate choices:
-    1. Scaled-down Qwen3 shapes (hidden 128, MLP 384, one 32-wide head) so that 16k-token rows run on a CPU; the
-       memory model is checked on the same shapes it is later applied to at full size.
-    2. Memory: each (length, checkpointing) in a fresh process, peak resident memory (VmHWM) minus the resident
-       memory before the model exists, so the measurement covers every term the estimate has (fp32 parameters,
-       gradients, AdamW states, activations).
-
+Each bench function's docstring says what it measures and its deliberate choices.
 """
 import json
 import math
@@ -128,7 +44,7 @@ from rollout import Rollout, format_prompt, gathered, generate
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# `python bench.py logprobs`: model.chunked_logprobs_entropy vs the naive full-logits computation (issue 3)
+# `python bench.py logprobs`: model.chunked_logprobs_entropy vs the naive full-logits computation
 V, D = 151_936, 2048  # Qwen3 vocabulary, Qwen3-1.7B hidden size
 
 
@@ -207,6 +123,20 @@ def _same_process_times(N=1024, repeats=2):
 
 
 def bench_model(sizes=(1024, 4096, 16384), max_gb=12.0):
+    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §2, needs log pi(y_t) and the full-vocabulary entropy H_t of every response
+    token; this measures what computing them costs at Qwen3's vocabulary (V = 151,936) and Qwen3-1.7B's hidden size
+    (D = 2048), fp32 on CPU, forward + backward of sum_t log pi(y_t), for N = 1024, 4096, 16384 tokens.
+
+    Deliberate choices:
+    1. Each (implementation, N) runs in its own process and reports its peak resident memory (VmHWM) minus the
+       resident memory once the inputs (hidden, weight) exist, so the numbers do not mix. The weight gradient (V x D fp32,
+       1.24 GB) is part of both.
+    2. A naive run is only started where its predicted peak fits the memory limit (`max_gb`); otherwise the table shows
+       the prediction: the naive extra memory is linear in N, so it is extrapolated from the measured N = 1024 run.
+    3. Time ratios chunked/naive are measured in one process at N = 1024 (alternating, best of 2), because timings
+       across processes are noisy on a shared machine; per-process times are printed too. With one chunk the chunked
+       code recomputes nothing; with 4 chunks of 256 it recomputes 3 of them, the cost at any N > chunk_size.
+    """
     print(f"chunked_logprobs_entropy vs naive, forward + backward, V={V}, D={D}, fp32 CPU, chunk_size=1024, "
           f"{torch.get_num_threads()} threads")
     print("| N tokens | naive peak extra GiB | chunked peak extra GiB | naive s | chunked s |")
@@ -229,7 +159,7 @@ def bench_model(sizes=(1024, 4096, 16384), max_gb=12.0):
           f"(3 recomputed) {best['chunked x4']:.1f} s = {best['chunked x4'] / best['naive']:.2f}x")
 
 # ------------------------------------------------------------------------------------------------------------------
-# `python bench.py generate`: rollout.generate vs transformers' model.generate, and under FSDP2 (issue 4)
+# `python bench.py generate`: rollout.generate vs transformers' model.generate, and under FSDP2
 _PROBLEMS = ["What is 12*13?", "Solve x^2 = 49 for x > 0.", "How many primes are below 30?", "Simplify 3/9.",
              "What is the sum of the interior angles of a hexagon?", "Compute 2^10.", "Find gcd(84, 36).", "1+1"]
 
@@ -327,6 +257,17 @@ def _fsdp_row(name, batch, steps, reps):
 
 
 def bench_rollout():
+    """Prints a markdown table: tokens/s of both on the tiny model and on SmolLM2-135M-Instruct (same batch, length and
+    sampling settings, interleaved repetitions, medians), how far decoding is from the machine's limit (bytes of weights
+    read per step / measured copy bandwidth, and FLOPs per step / measured matmul throughput), and the time per token
+    under 2-process FSDP2 (inside `rollout.gathered`) against the same rank decoding an unsharded copy.
+
+    Deliberate choices:
+    1. One thread per process (restored afterwards): the machine is shared, and OpenMP threads that spin while other
+       processes hold the cores make multi-threaded timings meaningless. Ratios are what we report.
+    2. EOS is set to an id that cannot be sampled, so both samplers decode exactly `max_new_tokens` steps.
+    3. `model.generate` gets top_k=0 (its default is 50) so both sample from the same distribution.
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -353,7 +294,7 @@ def bench_rollout():
         torch.set_num_threads(threads)
 
 # ------------------------------------------------------------------------------------------------------------------
-# `python bench.py grader`: reward.grade: grades per second and the slowest grade (issue 5)
+# `python bench.py grader`: reward.grade: grades per second and the slowest grade
 _REWARD_DATA = Path(__file__).parent.parent / "shared" / "data"  # the full benchmark files, beside the repository
 _REWARD_FALLBACK = Path(__file__).parent / "testdata"  # the few rows kept in the repository
 
@@ -408,6 +349,18 @@ def _reward_run(items, fn, repeats):
 
 
 def bench_reward(repeats=3):
+    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §6, grades 256 x 8 = 2,048 responses per rollout batch, so the grader must not be
+    the bottleneck. Corpora: the responses of shared/data/grader_cases.jsonl (real answer forms, several parse paths),
+    the golds of AIME, AMC, MATH-500 and OlympiadBench boxed in a response (mostly the string fast path), and hostile
+    inputs (refused by the size guards, or cut by the deadline). Without ../shared/data it falls back to the
+    repository's testdata/ (and says so). The last column counts verdicts that differ from the label (grader_cases:
+    the human label; benchmark golds: a gold must grade itself; hostile inputs: only the 1 MB response is right).
+
+    Deliberate choices:
+    1. One process, best of `repeats` passes per corpus (the machine is shared, so the best pass is the least noisy);
+       the slowest single grade is the maximum over all passes.
+    2. "strict" (the paper's string match of the last box) is timed on the same corpus as the reference point.
+    """
     reward.grade("\\boxed{\\sqrt{2}}", "\\sqrt{2}+0")  # warm sympy's caches once
     corpora = _reward_corpora()
     print(f"timeout {reward.TIMEOUT_S} s per grade\n")
@@ -419,7 +372,7 @@ def bench_reward(repeats=3):
         print(f"| {name} | {len(items)} | {rate:,.0f} | {strict:,.0f} | {worst * 1e3:.1f} | {case} | {wrong} |")
 
 # ------------------------------------------------------------------------------------------------------------------
-# `python bench.py gpu [--smoke] [--out DIR]`: the CUDA path of training and rollouts at Qwen3-1.7B shape (issue 14)
+# `python bench.py gpu [--smoke] [--out DIR]`: the CUDA path of training and rollouts at Qwen3-1.7B shape
 # The Qwen3 base models' shapes, as in their Hub config.json files. Qwen3-1.7B's: the keras-hub conversion's model card
 # (huggingface.co/keras/qwen3_1.7b_en: vocabulary 151936, 28 layers, 16 query / 8 KV heads, hidden 2048, head_dim 128,
 # intermediate 6144, rope wavelength 1e6, norm eps 1e-6, tied embeddings) and slime's scripts/models/qwen3-1.7B.sh
@@ -719,9 +672,32 @@ def _gpu_table(rows, header):
 
 
 def bench_gpu(smoke=False, out=None):
-    """The CUDA path at Qwen3-1.7B shape in one run (<= ~8 minutes on an H200): FSDP2 training steps, numerics,
+    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §6, trains Qwen3-1.7B/8B with FSDP, responses up to 15,360 tokens. One
+    prepared run on one CUDA GPU, no network: a random model of Qwen3-1.7B's exact shape (QWEN3_1_7B) and a
+    word-level tokenizer of its full vocabulary, saved to a temporary folder and loaded by train.setup (FSDP2 via
+    model.shard_policy, bf16 compute / fp32 master weights, activation checkpointing, AdamW); then
+    (1) one train.train_step per response length 1k / 4k / 16k on synthetic rollouts: tokens/s, MFU against the
+    bf16 matmul rate measured here, peak memory; (2) log-probs and entropy of that policy against an fp32 copy of the
+    same weights, and the chunked LM head against the naive one (fp32 and bf16, fp64 reference); (3) rollout.generate
+    inside rollout.gathered at batch 64 and 256 x 1,024 new tokens, per step against the weight-streaming bound
+    (bf16 weight bytes / copy bandwidth measured here); (4) train.main for 2 steps of a scaled-down paper preset
+    (4 prompts x G = 8, 2,048-token responses). Prints one markdown table and writes it with the raw numbers to
+    OUT/gpu.md and OUT/gpu.json (`--out`, default out/bench-gpu).
+
+    Deliberate choices:
+    1. The rollout engine is replaced by a synthetic one in (1) (uniform random tokens, the last one \boxed{1} or
+       \boxed{2}, graded for real), so the update measures exactly train_step's pi_old pass, S2T, loss, backward,
+       clip and optimizer step at a fixed length; (3) measures the sampler itself.
+    2. In (4) rewards are the parity of the response length: a random model is never right, and all-wrong groups
+       would skip every update.
+    3. MFU counts model FLOPs (3 x forward: 2 x parameters per token, the head on response tokens, causal
+       attention), not the recomputation of activation checkpointing or of the chunked head's backward.
+    4. Only torch + transformers APIs present in torch 2.11-2.13 and transformers 5.17-5.19; vLLM is not measured.
+
+    The CUDA path at Qwen3-1.7B shape in one run (<= ~8 minutes on an H200): FSDP2 training steps, numerics,
     the sampler, and train.py end to end. `smoke`: the same code at toy shapes on the CPU (fp32, no mixed
-    precision), in seconds; the test suite runs it."""
+    precision), in seconds; the test suite runs it.
+    """
     import importlib.util
 
     start = time.perf_counter()
@@ -854,6 +830,20 @@ def _update_pass(policy, batch, micro, cfg):
 
 
 def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
+    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §6, trains on responses up to 15,360 tokens (veRL, dynamic batch size of 32,768
+    tokens per GPU). (1) A rollout batch of 64 rows with a realistic length mix (lognormal, median ~245 response tokens,
+    a tail to the cap of 1920 = 15360 / 8) through the update's forward + backward, split into 8-sequence micro-batches
+    in rollout order (a fixed sequence count) or by token budget (`Rollout.micro_batches`): padding fraction,
+    largest micro-batch, time per real token. (2) Peak memory of one training step vs length, with and without
+    activation checkpointing, against `model.memory_estimate`.
+
+    Deliberate choices:
+    1. Scaled-down Qwen3 shapes (hidden 128, MLP 384, one 32-wide head) so that 16k-token rows run on a CPU; the
+       memory model is checked on the same shapes it is later applied to at full size.
+    2. Memory: each (length, checkpointing) in a fresh process, peak resident memory (VmHWM) minus the resident
+       memory before the model exists, so the measurement covers every term the estimate has (fp32 parameters,
+       gradients, AdamW states, activations).
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -925,6 +915,18 @@ def _best(fn, reps):
 
 
 def bench_engines(reps=1):
+    """Useful tokens/s (tokens up to and including EOS, per second of rollout) of the plain sampler with finished
+    rows dropped (`compact`, the default) and with the fixed batch (compact=None: the same tokens), and of the vLLM
+    engine when vllm is importable, on SmolLM2-135M-Instruct with the built-in task's raw prompts ("What is a + b?\nThe
+    answer is"), T = 1.0: 32 prompts x G 4 with <= 64 new tokens, and a long tail (16 x 4 with <= 256: most answers
+    stop within ~10 tokens, the few that ramble run 10-25x longer). Then vLLM's weight push and the per-row cost of one
+    decode step at several batch sizes (what refilling freed rows would recover).
+
+    Deliberate choices:
+    1. One thread (restored afterwards), one process, each engine warmed up by a 2-token call, best of `reps` runs.
+    2. vLLM's weights are pushed from the same HF model (`VLLMEngine.ready`); its samples differ from ours (another
+       random stream), so useful tokens are counted per engine.
+    """
     import importlib.util
 
     threads = torch.get_num_threads()

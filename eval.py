@@ -1,4 +1,4 @@
-"""Evaluate checkpoints the way the paper does (PAPER.md §7): k sampled answers per problem on AIME24, AIME25,
+"""Evaluate checkpoints the way the paper does (docs/paper.md §7): k sampled answers per problem on AIME24, AIME25,
 AMC23 (avg@32) and MATH500, Minerva, OlympiadBench (avg@4), graded by rule, one table row per checkpoint.
 
     python eval.py --models smollm2 --benchmarks gsm8k math500 --data-dir ../shared/data/benchmarks --limit 30 \
@@ -59,12 +59,12 @@ TITLES = {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "
           "olympiadbench": "Olympiad", "gsm8k": "GSM8K"}
 DEFAULT_K = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4, "olympiadbench": 4, "gsm8k": 4}
 OTHER_K = 4  # samples per problem of --data sets (and of heldout for a run without --eval-samples)
-PRESETS = {"train-aligned": (1.0, 1.0), "justrl": (0.7, 0.9)}  # (temperature, top_p), PAPER.md §7
+PRESETS = {"train-aligned": (1.0, 1.0), "justrl": (0.7, 0.9)}  # (temperature, top_p), docs/paper.md §7
 
 
 # ------------------------------------------------------------------- problem sets (train.py --data, eval.py --data)
 # The built-in task: every one-digit sum "What is a + b?" (100 problems, 20 held out), deterministic. Chosen by
-# measuring SmolLM2-135M-Instruct (README.md): with the raw-text prompt "...\nThe answer is" it is right on ~12% of
+# measuring SmolLM2-135M-Instruct (docs/training.md): with the raw-text prompt "...\nThe answer is" it is right on ~12% of
 # them at T = 1.0 (~20% at 0.7; ~2% for word problems or a chat prompt with the \boxed{} instruction), so many
 # groups of 8 have mixed rewards.
 def builtin_task(split: str) -> list[dict]:
@@ -436,7 +436,7 @@ class Config:
     regrade: str | None = None
     """path of an existing results.json: re-grade its samples, rewrite it and table.md next to it, sample nothing"""
     rollout: str = "plain"
-    """plain | vllm: sampling engine (vllm: a vLLM engine in this process, fed with the loaded weights; README)"""
+    """plain | vllm: sampling engine (vllm: a vLLM engine in this process, fed with the loaded weights; docs/rollouts.md)"""
     kv_cache_gb: float = 40.0
     """KV-cache budget per rank in GB (worst case: every row at the longest prompt + --max-new-tokens): bounds the
     problems per generate call below --batch-size, and is vLLM's KV cache"""

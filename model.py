@@ -412,7 +412,7 @@ def save_hf(policy_or_lm, tokenizer, out_dir):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Memory model: estimated peak memory per rank (README.md "Memory"), from config numbers only.
+# Memory model: estimated peak memory per rank (docs/memory.md), from config numbers only.
 
 
 def kv_cache_bytes(config, rows: int, tokens: int, dtype_bytes: int = 2) -> int:
@@ -448,7 +448,7 @@ def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: 
     # and rotary (5 each), v, the attention output and its copy, and the MLP's gate, up, silu(gate) and product (4 I)
     per_layer = 6 * D + 7 * H * hd + 6 * KV * hd + 4 * I
     # checkpointing keeps each layer's input and, in the backward, one layer's recomputed activations; the
-    # backward's gradient temporaries fit in the memory it frees (measured on CPU, README.md "Memory")
+    # backward's gradient temporaries fit in the memory it frees (measured on CPU, docs/memory.md)
     saved = layers * D + per_layer if checkpointing else layers * per_layer
     terms = {
         "params": 4 * n / shards / GiB,

@@ -1,10 +1,10 @@
-"""Figures of training runs, drawn from the files train.py writes into a run folder (README.md, "Outputs").
+"""Figures of training runs, drawn from the files train.py writes into a run folder (docs/outputs.md).
 
     python train.py --plot RUN [RUN ...] [--out PNG]    # redraw / overlay finished runs (train.py hands over here)
 
 - `metrics.png`: reward, entropy and silenced fraction per step (metrics.jsonl) and the held-out accuracy
   (eval.jsonl), one line per run.
-- `s2t.png`: what S2T saw (tokens.jsonl, paper Sec. 4): the drawn response tokens in the (probability, entropy)
+- `s2t.png`: what S2T saw (tokens.jsonl, docs/paper.md §4): the drawn response tokens in the (probability, entropy)
   plane with the tau_p line, the mini-batch tau_h values, correct vs incorrect responses and the silenced tokens
   marked; beside it the closed-form logit-gradient norm |w| sqrt(1 - 2p + sum_v p_v^2) of silenced vs kept tokens
   (the paper's claim: the low-p, low-H tokens of correct answers carry the largest gradients). One row per
@@ -200,7 +200,7 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# RQ1, the gradient analysis (paper Sec. 4): the token-wise policy-gradient magnitude against p and H
+# RQ1, the gradient analysis (docs/paper.md §4, §8): the token-wise policy-gradient magnitude against p and H
 def _ranks(values: list[float], weights: list[float]) -> list[float]:
     """Weighted mid-ranks in [0, 1]: the share of the total weight below each value plus half of its own tie group."""
     order = sorted(range(len(values)), key=lambda i: values[i])
@@ -338,7 +338,9 @@ def run_summary(run: str) -> dict:
     return {"run": run, "algo": config.get("algo"), "tau_p": config.get("tau_p"), "quantile": config.get("quantile"),
             "seed": config.get("seed"), "steps": len(steps), "silenced": silenced, "candidates": candidates,
             "silenced_of_tokens": silenced / tokens if tokens else 0.0,
-            "silenced_of_candidates": silenced / candidates if candidates else 0.0,
+            # 20-Entropy silences by entropy alone, not among the S2T candidates: no such share
+            "silenced_of_candidates": None if config.get("algo") == "20-entropy" else
+            silenced / candidates if candidates else 0.0,
             "silencing_steps": sum(m.get("s2t/silenced", 0) > 0 for m in steps),
             "acc_before": evals[0]["eval/acc"] if evals and evals[0]["step"] == 0 else None,
             "acc_after": evals[-1]["eval/acc"] if evals else None,

@@ -1,5 +1,5 @@
-"""Final-answer extraction, answer equivalence and the +-1 reward (paper Sec. 1 and 6: the DAPO reward on the last
-\\boxed{}; Sec. 7: rule-based grading of the benchmarks).
+"""Final-answer extraction, answer equivalence and the +-1 reward (docs/paper.md §1 and §6: the DAPO reward on the last
+\\boxed{}; §7: rule-based grading of the benchmarks).
 
 `grade(response, gold)` takes the final answer of a response (the last \\boxed{...}, else an explicit "the answer
 is ..." phrase or a one-number concluding sentence; never "the last number in the text") and decides whether it
@@ -50,6 +50,54 @@ class Refused(Exception):
 def _tick(deadline):
     if time.monotonic() > deadline:
         raise Refused("time limit")
+
+
+# ------------------------------------------------------------------------------------------------ public API
+def _golds(gold):
+    """A gold answer as a list of strings: a list means several answers (OlympiadBench); 27.0 -> "27.0"."""
+    return [str(g) for g in ([gold] if isinstance(gold, (str, int, float)) else gold)]
+
+
+def extract_answer(response, timeout=TIMEOUT_S):
+    """The final answer of a response as a string ('' for an empty box), or None when there is none (or no answer
+    could be found within `timeout` seconds)."""
+    try:
+        return _extract(response, time.monotonic() + timeout)[0] if isinstance(response, str) else None
+    except Refused:
+        return None
+
+
+def is_equivalent(pred, gold, timeout=TIMEOUT_S):
+    """Whether the answer string `pred` equals `gold` (a string, or a list of strings for several answers)."""
+    return isinstance(pred, str) and _equivalent(pred, _golds(gold), time.monotonic() + timeout)
+
+
+def grade(response, gold, timeout=TIMEOUT_S):
+    """Whether the final answer of `response` equals `gold`; extraction and comparison together stop within about
+    `timeout` seconds (the deadline starts here; measured: at most ~0.15 s later on hostile inputs, docs/grader.md)."""
+    deadline = time.monotonic() + timeout
+    try:
+        answer = _extract(response, deadline)[0] if isinstance(response, str) else None
+    except Refused:
+        return False
+    return bool(answer and answer.strip()) and _equivalent(answer, _golds(gold), deadline)
+
+
+def reward(response, gold, mode="dapo"):
+    """The RL reward. "dapo": +1 / -1 by `grade`; "binary": 1 / 0; "strict": +1 / -1 by the paper's rule, a
+    normalized string match of the last \\boxed{} only."""
+    if mode == "strict":
+        deadline = time.monotonic() + TIMEOUT_S
+        try:
+            box = _extract(response, deadline)[1] if isinstance(response, str) else None
+            pred = _clean(box, deadline)[0] if box else ""
+            golds = ", ".join(_clean(g, deadline)[0] for g in _golds(gold))
+        except Refused:
+            return -1.0
+        return 1.0 if pred and _squash(pred) == _squash(golds) else -1.0
+    if mode not in ("dapo", "binary"):
+        raise ValueError(f"unknown reward mode {mode!r}")
+    return 1.0 if grade(response, gold) else (0.0 if mode == "binary" else -1.0)
 
 
 # ------------------------------------------------------------------------------------------------ extraction
@@ -769,51 +817,3 @@ def _equivalent(pred, golds, deadline):
         return False
     except Exception:  # Refused, or anything sympy raises on a strange answer: not equivalent, never a crash
         return False
-
-
-# ------------------------------------------------------------------------------------------------ public API
-def _golds(gold):
-    """A gold answer as a list of strings: a list means several answers (OlympiadBench); 27.0 -> "27.0"."""
-    return [str(g) for g in ([gold] if isinstance(gold, (str, int, float)) else gold)]
-
-
-def extract_answer(response, timeout=TIMEOUT_S):
-    """The final answer of a response as a string ('' for an empty box), or None when there is none (or no answer
-    could be found within `timeout` seconds)."""
-    try:
-        return _extract(response, time.monotonic() + timeout)[0] if isinstance(response, str) else None
-    except Refused:
-        return None
-
-
-def is_equivalent(pred, gold, timeout=TIMEOUT_S):
-    """Whether the answer string `pred` equals `gold` (a string, or a list of strings for several answers)."""
-    return isinstance(pred, str) and _equivalent(pred, _golds(gold), time.monotonic() + timeout)
-
-
-def grade(response, gold, timeout=TIMEOUT_S):
-    """Whether the final answer of `response` equals `gold`; extraction and comparison together stop within about
-    `timeout` seconds (the deadline starts here; measured: at most ~0.15 s later on hostile inputs, README)."""
-    deadline = time.monotonic() + timeout
-    try:
-        answer = _extract(response, deadline)[0] if isinstance(response, str) else None
-    except Refused:
-        return False
-    return bool(answer and answer.strip()) and _equivalent(answer, _golds(gold), deadline)
-
-
-def reward(response, gold, mode="dapo"):
-    """The RL reward. "dapo": +1 / -1 by `grade`; "binary": 1 / 0; "strict": +1 / -1 by the paper's rule, a
-    normalized string match of the last \\boxed{} only."""
-    if mode == "strict":
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            box = _extract(response, deadline)[1] if isinstance(response, str) else None
-            pred = _clean(box, deadline)[0] if box else ""
-            golds = ", ".join(_clean(g, deadline)[0] for g in _golds(gold))
-        except Refused:
-            return -1.0
-        return 1.0 if pred and _squash(pred) == _squash(golds) else -1.0
-    if mode not in ("dapo", "binary"):
-        raise ValueError(f"unknown reward mode {mode!r}")
-    return 1.0 if grade(response, gold) else (0.0 if mode == "binary" else -1.0)

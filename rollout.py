@@ -1,4 +1,4 @@
-"""Rollouts: prompt formatting and a hand-written batched sampler with a KV cache (paper Sec. 1 and 6: G responses
+"""Rollouts: prompt formatting and a hand-written batched sampler with a KV cache (docs/paper.md §1 and §6: G responses
 per prompt from the rollout policy pi_old, temperature 1.0 / top-p 1.0 in training, 0.7 / 0.9 in one eval setting),
 and the optional vLLM engine (`VLLMEngine`, imported only when chosen) behind the same `sample` call and `Rollout`.
 
@@ -22,7 +22,7 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    scattered back to the full (B, T) buffers. Slots freed this way are not refilled with further prompts
    (continuous batching): within one generate call there is nothing to refill them with. Across calls
    (--rollout-chunk below a rank's prompts) refilling would pay: a decode step costs ~5x more per row at 8 rows than
-   at 128 on CPU (bench.py engines, README); not done here.
+   at 128 on CPU (bench.py engines, docs/rollouts.md); not done here.
 5. Sampling draws one uniform per row of the FULL batch every step and uses those of the running rows, then searches
    the CDF (exact; torch.multinomial does the same, slower on CPU). Row i therefore gets the same uniforms whether or
    not finished rows were dropped: compaction changes no token (test_stapo.py checks it token for token).

@@ -1,4 +1,4 @@
-"""S2T, Silencing Spurious Tokens: the token mask of STAPO and its diagnostics (paper Sec. 4, PAPER.md Sec. 4).
+"""S2T, Silencing Spurious Tokens: the token mask of STAPO and its diagnostics (docs/paper.md §4).
 
 A response token is spurious (silenced, I_it = 0) iff all three hold:
     1. A_i > 0                 it sits in a better-than-average (correct) response,

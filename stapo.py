@@ -1,4 +1,4 @@
-"""Group advantages and the policy losses of STAPO and its baselines (paper Sec. 3 and 5, PAPER.md Sec. 2, 3, 5).
+"""Group advantages and the policy losses of STAPO and its baselines (docs/paper.md §2, §3, §5).
 
     A_i  = (R_i - mean_j R_j) / (std_j R_j + eps)                       (unbiased std over the G rewards)
     J    = 1/N sum_i sum_t I_it min(r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i),   N = sum_i sum_t I_it

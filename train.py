@@ -200,7 +200,7 @@ def accumulate_gradients(run: Run, mb: rollout.Rollout, mb_old, mb_adv, weights,
 
 class StepLog:
     """The metric bookkeeping of one step: sums over this rank's sequences and tokens, reduced over ranks once, in
-    `close`, into the metrics.jsonl line (README.md, metrics glossary), plus the spurious.jsonl lines, samples.jsonl
+    `close`, into the metrics.jsonl line (README.md, Metrics glossary), plus the spurious.jsonl lines, samples.jsonl
     records and tokens.jsonl records the step writes."""
 
     def __init__(self, run: Run, step: int, batch: rollout.Rollout, rewards, advantages, old_logprobs, old_entropy,
@@ -573,7 +573,7 @@ def setup(cfg: Config, rank: int, world: int, device) -> Run:
               f"tokens", file=sys.stderr, flush=True)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    if rank == 0:  # the memory model's estimate for this run (README.md "Memory"), rows at their longest
+    if rank == 0:  # the memory model's estimate for this run (docs/memory.md), rows at their longest
         per_rank, prompt_len = cfg.prompts_per_step // world, max(map(len, train_prompts))
         row, rows = prompt_len + cfg.max_response_len, cfg.mini_batch_prompts // world * cfg.group_size
         print(memory_line(memory_estimate(
@@ -768,7 +768,7 @@ def open_logger(cfg: Config, out: Path):
 # ---------------------------------------------------------------------------------- configuration and CLI
 @dataclass
 class Config:
-    """RL-train a causal LM with STAPO or a baseline (defaults: the paper's recipe, PAPER.md Sec. 6). Or, instead
+    """RL-train a causal LM with STAPO or a baseline (defaults: the paper's recipe, docs/paper.md §6). Or, instead
     of training: `python train.py --plot RUN [RUN ...] [--out PNG]` redraws the figures of finished runs, overlaid
     (RUN/metrics.png and RUN/s2t.png for one run, FIRST_RUN/compare.png and compare_s2t.png for several; --out
     X.png: X.png and X_s2t.png)."""
@@ -834,7 +834,7 @@ class Config:
     top_p: float = 1.0
     """nucleus sampling"""
     rollout: str = "auto"
-    """auto | plain | vllm: rollout engine (vllm: a colocated vLLM engine fed with the policy's weights; README);
+    """auto | plain | vllm: rollout engine (vllm: a colocated vLLM engine fed with the policy's weights; docs/rollouts.md);
     auto = vllm on CUDA when vllm is installed, else plain (config.json records which)"""
     kv_cache_gb: float = 40.0
     """KV-cache budget per rank in GB (worst case: every row at max prompt + response length): bounds the plain
@@ -899,7 +899,7 @@ class Config:
 
 # The embedded default for machines without a GPU (`--preset cpu`): SmolLM2-135M-Instruct on builtin_task, sized so
 # `python train.py` (8 min) and `torchrun --standalone --nproc_per_node=2 train.py` (9.5 min) finish in < 15
-# minutes on 2 idle cores, and S2T silences tokens in most steps (README.md, "The embedded default").
+# minutes on 2 idle cores, and S2T silences tokens in most steps (docs/training.md).
 CPU_PRESET = dict(
     model="smollm2", data="", chat=False, instruction="The answer is", temperature=1.0, max_response_len=24,
     steps=10, prompts_per_step=16, mini_batch_prompts=8, lr=3.5e-6, warmup_steps=0, grad_checkpointing=False,
@@ -1014,7 +1014,7 @@ def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> Config:
         rollout_engine = "vllm" if cuda and importlib.util.find_spec("vllm") is not None else "plain"
         if cuda and rollout_engine == "plain" and int(os.environ.get("RANK", 0)) == 0:
             print("train.py: note: --rollout auto samples with the plain sampler, since vllm is not installed (pip "
-                  "install vllm==0.32.0: far faster at the paper's lengths; README, Rollouts)", file=sys.stderr,
+                  "install vllm==0.32.0: far faster at the paper's lengths; docs/rollouts.md)", file=sys.stderr,
                   flush=True)
     effective = {"rollout": rollout_engine,
                  "fsdp": cfg.fsdp or world > 1 or cuda, "mixed_precision": cfg.mixed_precision and cuda,
