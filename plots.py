@@ -229,6 +229,15 @@ def rank_correlation(x: list[float], y: list[float], w: list[float] | None = Non
     return cov / (vx * vy) ** 0.5 if vx > 0 and vy > 0 else None
 
 
+def partial_rank_correlation(x: list[float], y: list[float], z: list[float], w: list[float] | None = None):
+    """Spearman's correlation of x and y at equal z: (r_xy - r_xz r_yz) / sqrt((1 - r_xz^2)(1 - r_yz^2)) from the
+    weighted rank correlations; None where one is undefined or z determines x or y."""
+    r_xy, r_xz, r_yz = rank_correlation(x, y, w), rank_correlation(x, z, w), rank_correlation(y, z, w)
+    if None in (r_xy, r_xz, r_yz) or max(abs(r_xz), abs(r_yz)) >= 1:
+        return None
+    return (r_xy - r_xz * r_yz) / ((1 - r_xz ** 2) * (1 - r_yz ** 2)) ** 0.5
+
+
 def _weighted_quantile(values: list[float], weights: list[float], q: float) -> float:
     """The value at which the weight below reaches q of the total (values sorted by value)."""
     pairs = sorted(zip(values, weights))
@@ -257,16 +266,21 @@ def gradient_analysis(records: list[dict]) -> dict:
     """The paper's RQ1 on the tokens of tokens.jsonl `records` that carry a gradient (|w| > 0: nonzero advantage,
     ratio not clipped): Spearman correlations of the closed-form logit-gradient norm with p and with H (weighted,
     so the oversampled candidates count as the tokens they are), and its binned medians against log10 p and H,
-    for correct and incorrect responses. Keys: n, rho_p, rho_h, and per response kind bins_p, bins_h."""
-    tok = {k: [v for r in records for v in r[k]] for k in ("p", "H", "grad_norm", "weight", "correct")}
-    keep = [i for i, g in enumerate(tok["grad_norm"]) if g > 0]
+    for correct and incorrect responses. Low-p tokens are mostly high-entropy ones, so the plain correlation with H
+    mixes in p's; rho_h_at_p is the partial rank correlation of the norm per unit advantage, sqrt(1 - 2p + sum p^2)
+    (the factor S2T's rule is about), with H at equal p. Keys: n, rho_p, rho_h, rho_h_at_p, and per response kind
+    bins_p, bins_h."""
+    tok = {k: [v for r in records for v in r[k]] for k in ("p", "H", "A", "grad_norm", "weight", "correct")}
+    keep = [i for i, (g, a) in enumerate(zip(tok["grad_norm"], tok["A"])) if g > 0 and a != 0]
     col = {k: [v[i] for i in keep] for k, v in tok.items()}
     logp = [math.log10(max(p, 1e-12)) for p in col["p"]]
     p_edges = list(range(math.floor(min(logp, default=-1)), 1))  # one bin per decade of p, up to p = 1
     h_top = max(col["H"], default=1.0)
     h_edges = [h_top * i / 8 for i in range(9)]
     result = {"n": len(keep), "rho_p": rank_correlation(col["p"], col["grad_norm"], col["weight"]),
-              "rho_h": rank_correlation(col["H"], col["grad_norm"], col["weight"])}
+              "rho_h": rank_correlation(col["H"], col["grad_norm"], col["weight"]),
+              "rho_h_at_p": partial_rank_correlation(col["H"], [g / abs(a) for g, a in zip(col["grad_norm"], col["A"])],
+                                                     col["p"], col["weight"])}
     for kind, flag in (("correct", 1), ("incorrect", 0)):
         sel = [i for i, c in enumerate(col["correct"]) if c == flag]
         pick = lambda values: [values[i] for i in sel]  # noqa: E731
@@ -283,8 +297,8 @@ def correlation_line(run: str) -> str:
         return ""
     a = gradient_analysis(records)
     fmt = lambda r: "-" if r is None else f"{r:+.2f}"  # noqa: E731
-    return (f"logit-gradient norm vs p: Spearman {fmt(a['rho_p'])}, vs H: {fmt(a['rho_h'])} ({a['n']} drawn tokens "
-            f"with a gradient, weighted; tokens.jsonl)")
+    return (f"logit-gradient norm vs p: Spearman {fmt(a['rho_p'])}, vs H: {fmt(a['rho_h'])}, vs H at equal p (per "
+            f"unit advantage): {fmt(a['rho_h_at_p'])} ({a['n']} drawn tokens with a gradient, weighted; tokens.jsonl)")
 
 
 def plot_gradient(run_dirs: list[str], out_png: str) -> bool:

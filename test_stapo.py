@@ -2672,6 +2672,18 @@ def test_plot_gradient_analysis_sign_and_bins():
     zero = _token_records()  # tokens without a gradient (zero advantage or clipped) are left out
     zero[0]["grad_norm"] = [0.0] * 200
     assert plots.gradient_analysis(zero)["n"] == 200
+    # at equal p: H tied to p (low p = high H, as in real runs) plus a factor that falls with H at fixed p, and
+    # advantages of several sizes: the plain correlation with H is positive, the partial one at equal p negative
+    g = torch.Generator().manual_seed(3)
+    logp = torch.rand(400, generator=g) * -6
+    H = -logp / 2 + torch.rand(400, generator=g)  # (400,)
+    A = torch.tensor([0.8, 1.0, 1.25]).repeat(134)[:400]
+    factor = 1 - logp / 6 - 0.1 * (H + logp / 2)  # falls with p and, at equal p, with H
+    tied = [{"p": (10 ** logp).tolist(), "H": H.tolist(), "A": A.tolist(), "grad_norm": (A * factor).tolist(),
+             "weight": [1.0] * 400, "correct": [1] * 400}]
+    a = plots.gradient_analysis(tied)
+    assert a["rho_h"] > 0.3 and a["rho_h_at_p"] < -0.3, a
+    assert plots.partial_rank_correlation([1, 2, 3], [1, 2, 3], [1, 2, 3]) is None  # z determines x
 
 
 def test_plot_gradient_figure_round_trips_from_the_run_folder(tmp_path, capsys):
