@@ -10,8 +10,9 @@ AMC23 (avg@32) and MATH500, Minerva, OlympiadBench (avg@4), graded by rule, one 
     python eval.py --models tiny --data easy=my.jsonl --prompt-key q --answer-key a   # your own JSONL
 
 Sampling is a rollout engine (`--rollout plain`: rollout.generate; `vllm`: rollout.VLLMEngine), grading is
-reward.grade; this file only loads the
-benchmarks, splits the problems across ranks, counts and writes. Outputs: OUT/results.json (the config and every
+reward.grade; this file loads the problem sets (the built-in task, JSONL/JSON/parquet files and Hub datasets read
+by `read_rows`, train.py's train/held-out split `load_rows`, the benchmarks), splits the problems across ranks,
+counts and writes. Outputs: OUT/results.json (the config and every
 sample's text, extracted answer, verdict, length in tokens, truncation flag) and OUT/table.md.
 
 Deliberate differences from the paper's evaluation:
@@ -32,7 +33,7 @@ Deliberate differences from the paper's evaluation:
 
 Every input (names, paths, files, numbers) is checked before a model loads; an error is one line, exit status 2.
 This file also holds `parse_flags`, the dataclass -> argparse builder of both scripts (here, so `--help` needs no
-torch).
+torch). train.py imports its problem sets and its CLI builder from here; nothing here imports train.py.
 """
 from __future__ import annotations
 
