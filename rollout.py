@@ -95,12 +95,14 @@ class Rollout:
         return Rollout(*(getattr(self, f.name)[idx] for f in fields(self)))
 
     def lengths(self) -> torch.Tensor:
-        """(B,) prompt + response tokens of each row: the columns `model.Policy` feeds for it."""
+        """(B,) prompt + response tokens of each row: the tokens `model.Policy` packs for it."""
         return self.prompt_mask.sum(1) + self.response_mask.sum(1)
 
     def micro_batches(self, max_tokens: int, agree=None) -> list[torch.Tensor]:
-        """Row indices of micro-batches whose padded size, rows x longest row (what `model.Policy` feeds), is at
-        most `max_tokens`; a row longer than that is a micro-batch of its own (so max_tokens=1: one row each).
+        """Row indices of micro-batches whose padded size, rows x longest row, is at most `max_tokens`; a row longer
+        than that is a micro-batch of its own (so max_tokens=1: one row each). `model.Policy` packs the rows' real
+        tokens into one row, so only attention lays them out as rows x longest: the budget bounds that layout and
+        every activation of the micro-batch.
 
         Rows are sorted longest first (the largest micro-batch runs first, so an out-of-memory shows at once) and
         cut into consecutive runs: sorted, they pad little. `agree(count) -> count` turns the fewest micro-batches

@@ -21,6 +21,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import asdict, fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -642,6 +643,90 @@ def test_model_training_forward_memory_linear_in_length():
 
     small, large = extra_mib(2048), extra_mib(8192)
     assert small > 20 and large / small < 5, (small, large)
+
+
+def _packing_batch(seed=3):
+    """6 rows of different prompt (1-5) and response (1-7) lengths, left-padded prompt + right-padded response."""
+    g = torch.Generator().manual_seed(seed)
+    P, T = 5, 7
+    prompt_len, resp_len = torch.tensor([5, 3, 4, 1, 5, 2]), torch.tensor([7, 2, 5, 1, 3, 6])
+    prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()  # (B, P)
+    response_mask = (torch.arange(T) < resp_len[:, None]).long()  # (B, T)
+    prompt_ids = torch.randint(4, 104, (6, P), generator=g) * prompt_mask
+    response_ids = torch.randint(4, 104, (6, T), generator=g) * response_mask
+    return Rollout(prompt_ids, prompt_mask, response_ids, response_mask, torch.zeros(6, T), torch.zeros(6, dtype=bool))
+
+
+def _rows_one_by_one(lm, batch, temperature):
+    """(logprobs, entropy), each (B, T): every row alone through the plain HF model (no packing, no padding)."""
+    logprobs, entropy = torch.zeros(batch.response_ids.shape), torch.zeros(batch.response_ids.shape)
+    for i in range(len(batch)):
+        ids = torch.cat([batch.prompt_ids[i][batch.prompt_mask[i].bool()],
+                         batch.response_ids[i][batch.response_mask[i].bool()]])[None]  # (1, l)
+        n, p = int(batch.response_mask[i].sum()), int(batch.prompt_mask[i].sum())
+        logp = (lm(input_ids=ids).logits[0, p - 1:-1] / temperature).log_softmax(-1)  # (n, V)
+        logprobs[i, :n] = logp.gather(1, ids[0, p:, None])[:, 0]
+        entropy[i, :n] = -(logp.exp() * logp).sum(-1).detach()
+    return logprobs, entropy
+
+
+@pytest.mark.parametrize("algo", stapo.ALGORITHMS)
+def test_train_packed_rows_match_each_row_alone(algo):
+    """Every algorithm: the gradient `train.accumulate_gradients` accumulates with rows packed into micro-batches
+    (model.Policy: one row of real tokens, attention kept within each sequence; budgets 10**6 = all rows in one
+    packed row, 16, 1 = one row each) = the independent computation with each row alone through the plain HF model
+    and the loss of stapo.policy_loss on it: the same loss and gradients."""
+    torch.manual_seed(0)
+    lm = tiny_model()
+    policy, batch, T = Policy(lm), _packing_batch(), 0.8
+    cfg = train.Config(algo=algo, temperature=T, tau_p=0.2, kl_beta=0.04 if algo == "grpo" else 0.0)
+    g = torch.Generator().manual_seed(1)
+    mask = batch.response_mask.float()
+    logprobs, entropy = _rows_one_by_one(lm, batch, T)
+    old = (logprobs.detach() + 0.15 * torch.randn(mask.shape, generator=g)) * mask  # ratios away from 1: clipping
+    ref = (logprobs.detach() + 0.1 * torch.randn(mask.shape, generator=g)) * mask if algo == "grpo" else None
+    adv = stapo.group_advantages(torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, -1.0]), 3)[:, None].expand_as(mask)
+    weights, _, _, den = stapo.token_weights(algo, logprobs.detach(), entropy, adv, mask, cfg.tau_p, cfg.quantile)
+    clip = train.clip_range(cfg)
+    want, _ = stapo.policy_loss(logprobs, old, adv, weights, *clip, cfg.dual_clip, den)
+    if ref is not None:
+        want = want + cfg.kl_beta * (weights * stapo.kl_k3(logprobs, ref)).sum() / den
+    want_grads = torch.autograd.grad(want, list(lm.parameters()))
+    assert sum(g.abs().sum() for g in want_grads) > 0
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for budget in (10**6, 16, 1):
+            run = SimpleNamespace(cfg=replace(cfg, max_tokens_per_micro_batch=budget), device=torch.device("cpu"),
+                                  policy=policy, world=1)
+            lm.zero_grad(set_to_none=True)
+            loss, _ = train.accumulate_gradients(run, batch, old, adv, weights, float(den), clip, ref,
+                                                  defaultdict(float))
+            assert loss == pytest.approx(want.item(), abs=1e-6), budget  # the KL term included
+            for p_, w_ in zip(lm.parameters(), want_grads):
+                torch.testing.assert_close(p_.grad, w_, atol=1e-6, rtol=1e-4)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_model_packed_attention_flash_varlen_layout(monkeypatch):
+    """The flash-attn branch of packed attention (CUDA + fp16/bf16 + flash-attn installed; none of them here): a
+    stand-in flash_attn_varlen_func that runs SDPA on each sequence alone gives Policy the outputs of the SDPA
+    branch, so the packed row, cu_seqlens and layouts handed to flash-attn are right."""
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False):  # (N, heads, hd) each
+        assert causal and torch.equal(cu_q, cu_k) and max_q == max_k == int(cu_q.diff().max())
+        out = [torch.nn.functional.scaled_dot_product_attention(
+            *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=softmax_scale, enable_gqa=True)
+            for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist())]  # each (H, l, hd)
+        return torch.cat(out, 1).transpose(0, 1)  # (N, H, hd)
+
+    lm = tiny_model()
+    policy, batch = Policy(lm), _packing_batch()
+    want = policy(*batch.training_inputs(), batch.response_mask)
+    monkeypatch.setitem(sys.modules, "flash_attn", SimpleNamespace(flash_attn_varlen_func=varlen))
+    monkeypatch.setattr(model, "_flash_varlen", lambda query: True)
+    got = policy(*batch.training_inputs(), batch.response_mask)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
 def test_model_memory_estimate_counts_parameters_and_kv_cache():
