@@ -1074,6 +1074,46 @@ def _long_tail_batch(tokenizer, rows: int = 128, cap: int = 256, seed: int = 0) 
                    response_mask, torch.zeros(rows, T), response == cap)
 
 
+def _padded_forward(policy, mb: Rollout, cfg) -> torch.Tensor:
+    """The baseline of packing, the former training forward: each row shifted left by its prompt padding and
+    right-padded to the longest, the backbone over (B, L) with causal SDPA and no mask, the head on response tokens.
+    Returns the response log-probs (N,)."""
+    input_ids, attention_mask = mb.training_inputs()  # (B, P+T)
+    B, T = mb.response_mask.shape
+    P = input_ids.shape[1] - T
+    shift, length = P - attention_mask[:, :P].sum(1), attention_mask.sum(1)  # (B,), (B,)
+    cols = torch.arange(int(length.max()))  # (L,)
+    src = (cols + shift[:, None]).clamp(max=input_ids.shape[1] - 1)  # (B, L)
+    hidden = policy.lm.get_decoder()(input_ids=input_ids.gather(1, src), position_ids=cols.expand(B, -1),
+                                     use_cache=False).last_hidden_state  # (B, L, D)
+    mask = mb.response_mask.bool()
+    b, t = mask.nonzero(as_tuple=True)
+    return model.chunked_logprobs_entropy(hidden[b, P - shift[b] + t - 1], policy.lm.lm_head.weight[:policy.vocab_size],
+                                          input_ids[:, P:][mask], cfg.temperature, cfg.chunk_size)[0]
+
+
+def _packing_table(policy, batch: Rollout, cfg, budgets=(768, 32768), reps=3):
+    """Forward + backward of one mini-batch's micro-batches, packed rows (model.Policy) against right-padded rows
+    (`_padded_forward`), alternating in this process (median of `reps`)."""
+    rows = cfg.mini_batch_prompts * cfg.group_size
+    mb = batch.select(slice(0, rows))
+    print("\npacked rows against right-padded rows: forward + backward of the first mini-batch, same process, "
+          f"median of {reps}\n")
+    print("| --max-tokens-per-micro-batch | micro-batches | padding of rows x longest | padded rows s | packed s | "
+          "padded / packed |")
+    print("|---|---|---|---|---|---|")
+    for budget in budgets:
+        micro = mb.micro_batches(budget)
+        fed = sum(len(mi) * int(mb.lengths()[mi].max()) for mi in micro)
+        forwards = {"padded": lambda m: _padded_forward(policy, m, cfg),
+                    "packed": lambda m: train.policy_forward(policy, m, cfg, torch.device("cpu"))[0]}
+        t = _interleaved({name: (lambda f=f: [f(mb.select(mi)).sum().backward() for mi in micro])
+                          for name, f in forwards.items()}, reps=reps)
+        policy.zero_grad(set_to_none=True)
+        print(f"| {budget} | {len(micro)} | {1 - int(mb.lengths().sum()) / fed:.3f} | {t['padded']:.2f} | "
+              f"{t['packed']:.2f} | {t['padded'] / t['packed']:.2f}x |", flush=True)
+
+
 def _update_profile(run_step) -> dict[str, float]:
     """Seconds of one `run_step()` by part, from the PyTorch profiler: the LM head (forward and backward, chunked
     softmax statistics included), attention (SDPA forward and backward), the optimizer, gradient clipping, host
@@ -1119,7 +1159,8 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
     response-length parity, so every mini-batch updates): the achieved FLOP rate of the update (its forward and
     backward and the p/H pass of the second mini-batch, counted by `_forward_flops` from the batch and the model's
     shapes) against matmuls of the model's own shapes and a 2048 x 2048 matmul timed in the same process, for
-    several token budgets; then where the update's time goes (`_update_profile`)."""
+    several token budgets; packed against right-padded rows (`_packing_table`); then where the update's time goes
+    (`_update_profile`)."""
     from unittest import mock
 
     cfg = train.parse_config(["--preset", "cpu", "--out-dir", tempfile.mkdtemp(prefix="bench-flops-"), "--overwrite"])
@@ -1139,6 +1180,8 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
     print("|---|---|---|---|---|---|---|---|---|---|")
     for label, batch in workloads.items():
         engine = _CachedEngine(state.engine, batch)
+        if batch is None:
+            sampled = engine  # the CPU default's batch, for the packing table
         for budget in budgets:
             if batch is not None and budget > 4096:  # one 17k-token micro-batch: ~30 GiB of activations here
                 continue
@@ -1162,6 +1205,7 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
             print(f"| {label} | {budget} | {micro} | {metrics['batch/pad_frac']:.3f} | {update_s:.2f} | "
                   f"{flops / 1e9:.0f} | {flops / update_s / 1e9:.0f} | {flops / update_s / shape_rate:.2f} | "
                   f"{flops / update_s / square_rate:.2f} | {statistics.median(t[1] for t in times):.2f} |", flush=True)
+    _packing_table(state.policy, sampled.batch, cfg)
     print("\nwhere the update's time goes (one train_step, PyTorch profiler; seconds and share of the step)\n")
     print("| workload | budget | step s | LM head | attention | backbone (rest of fwd/bwd) | optimizer | grad clip | "
           "host syncs (count) |")

@@ -2108,6 +2108,43 @@ def test_train_token_budget_does_not_change_update(tmp_path, monkeypatch):
             assert pad[0] == 0 and 0 <= pad[1] < pad[2] < 0.9, pad  # one row each: no padding
 
 
+def test_train_on_policy_forward_stands_in_for_the_pi_old_pass(tmp_path, monkeypatch):
+    """One mini-batch per step with JustRL and GRPO (weights that need no p or H): no pi_old pass (token_stats runs
+    for GRPO's reference model only), the update's own forward fills pi_old in, and two steps train to the metrics
+    and parameters of the same runs with the pass (`on_policy` off); a step whose groups all tie (no forward) makes
+    the pass after all. STAPO (p, H before the loss) keeps it."""
+    _patch(monkeypatch, _EVEN)
+    data = _varied_data(tmp_path)
+    calls, token_stats = [], train.token_stats
+    monkeypatch.setattr(train, "token_stats", lambda *a: calls.append(1) or token_stats(*a))
+    keys = _BUDGET_KEYS + ("rollout/logprob_diff", "updates")
+    with _one_thread():
+        for algo, flags, passes in [("justrl", {}, 0), ("grpo", {"kl_beta": 0.04}, 2), ("stapo", {}, 2)]:
+            runs = {}
+            for name, fused in (("fused", None), ("pass", False)):
+                with monkeypatch.context() as m:
+                    if fused is not None:
+                        m.setattr(train, "on_policy", lambda cfg: False)
+                    calls.clear()
+                    out = tmp_path / f"{algo}-{name}"
+                    assert train.main(_budget_args(data, out, algo, flags | {"mini_batch_prompts": 4, "steps": 2},
+                                                   9)) == 0
+                    runs[name] = (out, len(calls))
+            assert runs["fused"][1] == passes and runs["pass"][1] == 2 + (algo == "grpo") * 2, (algo, runs)
+            for a, b in zip(_metrics(runs["fused"][0]), _metrics(runs["pass"][0])):
+                assert a["updates"] == 1
+                for key in keys:
+                    assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (algo, key)
+            _close(load_file(runs["fused"][0] / "hf" / "model.safetensors"),
+                   load_file(runs["pass"][0] / "hf" / "model.safetensors"), atol=1e-5)
+        monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo": 1.0)  # every group ties
+        calls.clear()
+        assert train.main(_budget_args(data, tmp_path / "tied", "justrl", {"mini_batch_prompts": 4}, 9)) == 0
+        tied = _metrics(tmp_path / "tied")[0]
+        assert len(calls) == 1 and tied["updates"] == 0 and tied["skipped/zero_adv"] == 1
+        assert tied["entropy/mean"] > 0 and tied["rollout/logprob_diff"] < 1e-4
+
+
 # runner code: every rank appends (its own micro-batch count, the agreed count) of each split to LOG/rank<R>
 _COUNT_LOG = """
 _all_max = train.all_max

@@ -17,7 +17,9 @@ Deliberate differences from the paper's veRL setup:
 1. Presets: `--preset auto` is `paper` (§6) on CUDA and `cpu` (SmolLM2-135M on built-in sums, minutes) otherwise; a
    flag given on the command line always wins; each value lives once, in `Config` (paper) or `CPU_PRESET` (cpu).
 2. pi_old log-probs are recomputed by the training forward (as veRL does), not taken from the sampler; the mean
-   absolute difference is logged as `rollout/logprob_diff`.
+   absolute difference is logged as `rollout/logprob_diff`. On policy (one mini-batch per step, JustRL or GRPO,
+   no TIS: `on_policy`) the update's own forward gives them, detached, instead of a separate pass (as TRL does
+   with one iteration per batch); STAPO, 20-Entropy and FullMask need p and H before the loss, so keep the pass.
 3. Sampling noise is seeded per generate call from (seed, step, global index of its first prompt): rollouts are
    reproducible on resume, and with `--rollout-chunk 1` independent of the number of ranks.
 4. Mini-batch k is the same set of prompts for any number of ranks (rank r holds the r-th slice of each); the S2T
@@ -96,10 +98,13 @@ def train_step(run: Run, step: int) -> tuple[dict, list[dict], list[dict], list[
     advantages = stapo.group_advantages(rewards, G).to(device)  # (B,)
     adv = advantages[:, None].expand_as(batch.logprobs)  # (B, T): every token of y_i gets A_i
     mask = batch.response_mask.float()  # (B, T)
-    # 3. pi_old log-probs, entropy and collision: one no-grad pass (= p and H of the first mini-batch).
-    old_logprobs, old_entropy, old_collision = token_stats(policy, batch, cfg, device)
+    # 3. pi_old log-probs, entropy and collision: one no-grad pass (= p and H of the first mini-batch), or, where
+    #    the update's own forward gives the same numbers before it needs them (`on_policy`), filled in by it.
+    fused = on_policy(cfg)
+    old_logprobs, old_entropy, old_collision = [torch.zeros_like(batch.logprobs) for _ in range(3)] if fused else \
+        token_stats(policy, batch, cfg, device)
     ref_logprobs = token_stats(run.ref_policy, batch, cfg, device)[0] if run.ref_policy is not None else None
-    log = StepLog(run, step, batch, rewards, advantages, old_logprobs, old_entropy, time.time() - t0)
+    log = StepLog(run, step, batch, rewards, advantages, time.time() - t0)
     log.samples = completions(step + 1, "train", texts, rewards.tolist(), [run.prompts[i] for i in mine], run.rows,
                               mine, G, run.tokenizer, cfg)
 
@@ -121,15 +126,22 @@ def train_step(run: Run, step: int) -> tuple[dict, list[dict], list[dict], list[
         denominator, nonzero = all_sum(part, ((mb_adv != 0) & (weights > 0)).sum())
         if cfg.tis_cap is not None:  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
             weights = weights * stapo.tis_weight(mb_old, batch.logprobs[idx], cfg.tis_cap)
-        # What S2T does: counts and gradient norms of silenced vs kept tokens (w = r A, 0 where clipped).
+        skip = nonzero == 0 and run.ref_policy is None  # zero advantages, no KL term: nothing to learn (difference 6)
+        fill = (mb_old, entropy, collision) if fused else None  # views of old_*: the forward fills them
+        if not skip:
+            run.optimizer.zero_grad(set_to_none=True)
+            losses = accumulate_gradients(run, mb, mb_old, mb_adv, weights, denominator, clip,
+                                          None if ref_logprobs is None else ref_logprobs[idx], log.sums, fill)
+        elif fused:  # no forward made: the pi_old pass after all
+            for full, part in zip(fill, token_stats(policy, mb, cfg, device)):
+                full.copy_(part)
+        # What S2T does: counts and gradient norms of silenced vs kept tokens (w = r A, 0 where clipped), from the
+        # p, H and pi_old before this mini-batch's update.
         w = stapo.surrogate_weight(logprobs, mb_old, mb_adv, *clip, cfg.dual_clip)
         log.s2t(k, mb, logprobs, entropy, collision, mb_adv, mb_mask, silenced, w, threshold, rewards[idx] > 0)
-        if nonzero == 0 and run.ref_policy is None:  # zero advantages, no KL term: nothing to learn (difference 6)
+        if skip:
             log.counts["skipped/zero_adv"] += 1
             continue
-        run.optimizer.zero_grad(set_to_none=True)
-        losses = accumulate_gradients(run, mb, mb_old, mb_adv, weights, denominator, clip,
-                                      None if ref_logprobs is None else ref_logprobs[idx], log.sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if not math.isfinite(grad_norm):  # the norm is global, so every rank skips together
@@ -141,7 +153,16 @@ def train_step(run: Run, step: int) -> tuple[dict, list[dict], list[dict], list[
         run.scheduler.step()
         log.updated(grad_norm, *losses)
     run.optimizer.zero_grad(set_to_none=True)
+    log.pi_old(batch, old_logprobs, old_entropy)
     return log.close(time.time() - t0)
+
+
+def on_policy(cfg: Config) -> bool:
+    """Whether the update's own forward stands in for the pi_old pass: one mini-batch per step (the policy has not
+    moved when that forward runs, so pi_old = its log-probs, detached: ratio 1, TRL's num_iterations=1), weights that
+    need no p or H before it (JustRL, GRPO) and no TIS (which weighs by pi_old before the loss)."""
+    return cfg.mini_batch_prompts == cfg.prompts_per_step and stapo.ALGORITHMS[cfg.algo].silence is None and \
+        cfg.tis_cap is None
 
 
 def sample(run: Run, step: int) -> tuple[rollout.Rollout, list[int]]:
@@ -168,11 +189,13 @@ def clip_range(cfg: Config) -> tuple[float, float]:
 
 
 def accumulate_gradients(run: Run, mb: rollout.Rollout, mb_old, mb_adv, weights, denominator: float,
-                         clip: tuple[float, float], ref_logprobs, sums: dict) -> tuple[float, float]:
+                         clip: tuple[float, float], ref_logprobs, sums: dict, fill=None) -> tuple[float, float]:
     """The gradient of one mini-batch's objective J (paper Eq. 3 / stapo.policy_loss) accumulated over token-budget
     micro-batches, no optimizer step: sum_micro sum_ranks (world * loss_part) / world = J's gradient, however the
     rows are grouped. mb_old, mb_adv, weights, ref_logprobs (None without a KL term): (b, T). Adds token counts
-    and token-weighted clip statistics to `sums`; returns (policy loss, KL term) of this rank."""
+    and token-weighted clip statistics to `sums`; returns (policy loss, KL term) of this rank. fill (on policy:
+    (mb_old, entropy, collision), each (b, T)): each micro-batch's forward writes its detached log-probs, entropy
+    and collision into them before the loss reads mb_old."""
     cfg, device = run.cfg, run.device
     loss_sum = kl_sum = 0.0
     micro = mb.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max)  # same count on every rank
@@ -180,8 +203,10 @@ def accumulate_gradients(run: Run, mb: rollout.Rollout, mb_old, mb_adv, weights,
     sums["fed_tokens"] += sum(len(mi) * lengths[mi].max().item() for mi in micro)  # padding included
     sums["real_tokens"] += lengths.sum().item()
     for mi in micro:
-        new_logprobs = policy_forward(run.policy, mb.select(mi), cfg, device)[0]  # (b', T')
+        new_logprobs, *stats = policy_forward(run.policy, mb.select(mi), cfg, device)  # each (b', T')
         cut = (mi, slice(0, new_logprobs.shape[1]))
+        for full, part in zip(fill or (), (new_logprobs, *stats)):
+            full[cut] = part.detach()
         loss, stats = stapo.policy_loss(new_logprobs, mb_old[cut].to(device), mb_adv[cut].to(device),
                                         weights[cut].to(device), *clip, cfg.dual_clip, denominator)
         if ref_logprobs is not None:  # GRPO with --kl-beta > 0
@@ -203,15 +228,13 @@ class StepLog:
     `close`, into the metrics.jsonl line (README.md, Metrics glossary), plus the spurious.jsonl lines, samples.jsonl
     records and tokens.jsonl records the step writes."""
 
-    def __init__(self, run: Run, step: int, batch: rollout.Rollout, rewards, advantages, old_logprobs, old_entropy,
-                 t_rollout: float):
+    def __init__(self, run: Run, step: int, batch: rollout.Rollout, rewards, advantages, t_rollout: float):
         self.run, self.step, self.t_rollout = run, step, t_rollout
         mask = batch.response_mask.float()  # (B, T)
         self.sums = {"reward": rewards.sum(), "correct": (rewards > 0).sum(),  # a positive reward is correct
                      "seqs": len(batch), "tokens": mask.sum(), "truncated": batch.truncated.sum(),
-                     "zero_adv": (advantages == 0).sum(), "entropy": (old_entropy * mask).sum(),
-                     "logprob_diff": ((old_logprobs - batch.logprobs).abs() * mask).sum()}
-        self.sums |= dict.fromkeys(["s2t/candidates", "s2t/silenced", "kept", "silenced_p", "silenced_h",
+                     "zero_adv": (advantages == 0).sum()}
+        self.sums |= dict.fromkeys(["entropy", "logprob_diff", "s2t/candidates", "s2t/silenced", "kept", "silenced_p", "silenced_h",
                                     "gn_silenced", "gn_kept", "loss/policy", "loss/kl", "loss_tokens", "clip/frac_low",
                                     "clip/frac_high", "clip/frac_dual", "ratio/mean", "kl/approx", "fed_tokens",
                                     "real_tokens"], 0.0)
@@ -245,6 +268,12 @@ class StepLog:
             drawn = s2t.token_sample(logprobs, entropy, collision, mb_adv, mb_mask, silenced, cfg.token_sample, gen,
                                      cfg.tau_p, w)
             self.drawn.append(token_record(self.step + 1, k, threshold, drawn, correct))
+
+    def pi_old(self, batch: rollout.Rollout, old_logprobs, old_entropy) -> None:
+        """pi_old's entropy and its distance from the sampler's log-probs, over the step's tokens (each (B, T))."""
+        mask = batch.response_mask.float()  # (B, T)
+        self.sums["entropy"] += (old_entropy * mask).sum()
+        self.sums["logprob_diff"] += ((old_logprobs - batch.logprobs).abs() * mask).sum()
 
     def updated(self, grad_norm: float, loss: float, kl: float) -> None:
         """An optimizer step was made: its gradient norm and this rank's losses."""
