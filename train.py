@@ -203,9 +203,9 @@ def accumulate_gradients(run: Run, mb: rollout.Rollout, mb_old, mb_adv, weights,
     sums["fed_tokens"] += sum(len(mi) * lengths[mi].max().item() for mi in micro)  # padding included
     sums["real_tokens"] += lengths.sum().item()
     for mi in micro:
-        new_logprobs, *stats = policy_forward(run.policy, mb.select(mi), cfg, device)  # each (b', T')
+        new_logprobs, entropy, collision = policy_forward(run.policy, mb.select(mi), cfg, device)  # each (b', T')
         cut = (mi, slice(0, new_logprobs.shape[1]))
-        for full, part in zip(fill or (), (new_logprobs, *stats)):
+        for full, part in zip(fill or (), (new_logprobs, entropy, collision)):  # on policy: pi_old = this forward
             full[cut] = part.detach()
         loss, stats = stapo.policy_loss(new_logprobs, mb_old[cut].to(device), mb_adv[cut].to(device),
                                         weights[cut].to(device), *clip, cfg.dual_clip, denominator)
@@ -234,10 +234,10 @@ class StepLog:
         self.sums = {"reward": rewards.sum(), "correct": (rewards > 0).sum(),  # a positive reward is correct
                      "seqs": len(batch), "tokens": mask.sum(), "truncated": batch.truncated.sum(),
                      "zero_adv": (advantages == 0).sum()}
-        self.sums |= dict.fromkeys(["entropy", "logprob_diff", "s2t/candidates", "s2t/silenced", "kept", "silenced_p", "silenced_h",
-                                    "gn_silenced", "gn_kept", "loss/policy", "loss/kl", "loss_tokens", "clip/frac_low",
-                                    "clip/frac_high", "clip/frac_dual", "ratio/mean", "kl/approx", "fed_tokens",
-                                    "real_tokens"], 0.0)
+        self.sums |= dict.fromkeys(["entropy", "logprob_diff", "s2t/candidates", "s2t/silenced", "kept", "silenced_p",
+                                    "silenced_h", "gn_silenced", "gn_kept", "loss/policy", "loss/kl", "loss_tokens",
+                                    "clip/frac_low", "clip/frac_high", "clip/frac_dual", "ratio/mean", "kl/approx",
+                                    "fed_tokens", "real_tokens"], 0.0)
         self.counts = {"updates": 0, "skipped/zero_adv": 0, "skipped/nonfinite": 0}  # global: equal on every rank
         self.grad_norm_sum = 0.0
         self.spurious, self.samples, self.drawn = [], [], []
