@@ -25,10 +25,10 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from TRL:
 7. The training forward packs the real tokens of a micro-batch end to end into one row (positions restarting at
    each sequence) and keeps attention within each sequence (`packed_sdpa_attention`): projections, MLPs and the LM
    head never see padding (on the CPU default's forward + backward: as fast as right-padded rows at the 768-token
-   budget, where little is padded, 1.20-1.34x faster in one 32k-token micro-batch; bench.py flops). Attention lays the sequences out as (rows, longest) for SDPA's causal kernel without a mask: from a 2D
-   mask with left padding, transformers' SDPA path builds a dense (B, 1, L, L) mask and PyTorch then takes a kernel
-   that materializes the (L x L) scores (measured on CPU: 10.5x the memory from 2k to 8k tokens; 3.9x without the
-   mask). With flash-attn installed on CUDA, its variable-length kernel takes the packed row directly (veRL's path).
+   budget, where little is padded, 1.20-1.34x faster in one 32k-token micro-batch; bench.py flops). Attention
+   lays the sequences out as (rows, longest) for SDPA's causal kernel without a mask: from a 2D mask with left
+   padding, transformers' SDPA path builds a dense (B, 1, L, L) mask and PyTorch then takes a kernel that
+   materializes the (L x L) scores (measured on CPU: 10.5x the memory from 2k to 8k tokens; 3.9x without the mask). With flash-attn installed on CUDA, its variable-length kernel takes the packed row directly (veRL's path).
 """
 import importlib.util
 import os
