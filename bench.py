@@ -1088,8 +1088,9 @@ def _padded_forward(policy, mb: Rollout, cfg) -> torch.Tensor:
                                      use_cache=False).last_hidden_state  # (B, L, D)
     mask = mb.response_mask.bool()
     b, t = mask.nonzero(as_tuple=True)
-    return model.chunked_logprobs_entropy(hidden[b, P - shift[b] + t - 1], policy.lm.lm_head.weight[:policy.vocab_size],
-                                          input_ids[:, P:][mask], cfg.temperature, cfg.chunk_size)[0]
+    return model.chunked_logprobs_entropy(hidden[b, P - shift[b] + t - 1], policy.lm.lm_head.weight,
+                                          input_ids[:, P:][mask], cfg.temperature, cfg.chunk_size,
+                                          vocab_size=policy.vocab_size)[0]
 
 
 def _packing_table(policy, batch: Rollout, cfg, budgets=(768, 32768), reps=3):

@@ -33,6 +33,7 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from TRL:
 import importlib.util
 import os
 import string
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -113,15 +114,15 @@ class _ChunkedHead(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size):
-        N = hidden.shape[0]
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, vocab_size):
+        N, head = hidden.shape[0], weight[:vocab_size]  # (V', D): the real vocabulary rows (a view, no copy)
         acc = torch.promote_types(hidden.dtype, torch.float32)  # softmax statistics in fp32 (fp64 stays fp64)
         logprobs, entropy, collision, lse = (hidden.new_empty(N, dtype=acc) for _ in range(4))  # (N,)
         p = None
         for s in range(0, N, chunk_size):
             rows = slice(s, s + chunk_size)
             del p  # free the previous chunk's probabilities before making this chunk's logits
-            z = (hidden[rows] / temperature @ weight.T).to(acc)  # (C, V) tempered logits, 1/T applied to (C, D)
+            z = (hidden[rows] / temperature @ head.T).to(acc)  # (C, V) tempered logits, 1/T applied to (C, D)
             lse[rows] = z.logsumexp(-1)  # (C,)
             logp = z.sub_(lse[rows, None])  # (C, V) log pi(v) = z_v - logsumexp(z), in place
             p = logp.exp()  # (C, V) pi(v)
@@ -131,80 +132,102 @@ class _ChunkedHead(torch.autograd.Function):
             collision[rows] = torch.mul(p, p, out=logp).sum(-1)  # sum_v pi(v)^2
             del z, logp
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.last_probs, ctx.temperature, ctx.chunk_size = p, temperature, chunk_size
+        ctx.last_probs, ctx.temperature, ctx.chunk_size, ctx.vocab_size = p, temperature, chunk_size, vocab_size
         ctx.mark_non_differentiable(entropy, collision)
         return logprobs, entropy, collision
 
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy, _grad_collision):
         hidden, weight, targets, lse = ctx.saved_tensors
-        T, C, N = ctx.temperature, ctx.chunk_size, hidden.shape[0]
+        T, C, N, head = ctx.temperature, ctx.chunk_size, hidden.shape[0], weight[:ctx.vocab_size]  # head (V', D)
         last_probs, ctx.last_probs = ctx.last_probs, None  # used once and freed early; a second backward recomputes
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # (N, D)
-        # (V, D) weight gradient, summed over chunks in fp32 even for bf16 weights (a bf16 running sum over many
-        # chunks loses precision; one matmul, as autograd does, accumulates in fp32 internally)
+        # (V, D) weight gradient (rows >= vocab_size stay 0), summed over chunks in fp32 even for bf16 weights (a
+        # bf16 running sum over many chunks loses precision; one matmul, as autograd does, accumulates in fp32)
         grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if ctx.needs_input_grad[1] else None
+        grad_head = None if grad_weight is None else grad_weight[:ctx.vocab_size]  # (V', D) view
         for s in reversed(range(0, N, C)):  # the last chunk first: its probabilities are kept from the forward
             rows = slice(s, s + C)
             h = hidden[rows] / T  # (C, D)
             p, last_probs = last_probs, None
             if p is None:  # recompute pi = exp(z - logsumexp(z)) in place
-                p = (h @ weight.T).to(lse.dtype).sub_(lse[rows, None]).exp_()  # (C, V)
+                p = (h @ head.T).to(lse.dtype).sub_(lse[rows, None]).exp_()  # (C, V)
             # d log pi(y) / d z_v = 1[v = y] - pi(v); the 1/T of z = (hidden / T) @ W.T is applied to (C, D) tensors
             g = grad_logprobs[rows].to(lse.dtype)[:, None]  # (C, 1) upstream gradient of log pi(y_t)
             grad_z = p.mul_(-g).scatter_add_(1, targets[rows, None], g).to(weight.dtype)  # (C, V), in place
             del p
             if grad_hidden is not None:
-                grad_hidden[rows] = grad_z @ weight / T  # (C, D)
-            if grad_weight is not None and grad_weight.dtype == weight.dtype:
-                grad_weight.addmm_(grad_z.T, h)  # (V, D) += (V, C) @ (C, D), in place
-            elif grad_weight is not None:
-                grad_weight += (grad_z.T @ h).to(grad_weight.dtype)  # bf16 matmul, fp32 running sum
+                grad_hidden[rows] = grad_z @ head / T  # (C, D)
+            if grad_head is not None and grad_head.dtype == weight.dtype:
+                grad_head.addmm_(grad_z.T, h)  # (V, D) += (V, C) @ (C, D), in place
+            elif grad_head is not None:
+                grad_head += (grad_z.T @ h).to(grad_head.dtype)  # bf16 matmul, fp32 running sum
             del grad_z
-        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None
 
 
-def chunked_logprobs_entropy(hidden, weight, targets, temperature=1.0, chunk_size=1024, with_collision=False):
+def chunked_logprobs_entropy(hidden, weight, targets, temperature=1.0, chunk_size=1024, with_collision=False,
+                             vocab_size=None):
     """Per-token log pi(target), entropy and (optionally) collision probability of softmax(hidden @ weight.T / T).
 
-    hidden (N, D), weight (V, D) the LM-head weight, targets (N,) token ids. Returns `(logprobs, entropy)` or, with
+    hidden (N, D), weight (V, D) the LM-head weight, targets (N,) token ids; vocab_size: only rows below it enter the
+    softmax (the real vocabulary; their gradient rows only are nonzero), None = all. Slicing inside rather than
+    passing `weight[:vocab_size]` saves autograd a (V, D) zeros + copy per call. Returns `(logprobs, entropy)` or, with
     `with_collision`, `(logprobs, entropy, collision)`, each (N,) float32 (float64 for float64 inputs). Equal to
     the naive `log_softmax(hidden @ weight.T / temperature)` computation; logprobs are differentiable w.r.t. hidden
     and weight, entropy and collision are detached. At most `chunk_size x V` logits exist at once (see `_ChunkedHead`).
     """
-    logprobs, entropy, collision = _ChunkedHead.apply(hidden, weight, targets, temperature, chunk_size)
+    logprobs, entropy, collision = _ChunkedHead.apply(hidden, weight, targets, temperature, chunk_size, vocab_size)
     return (logprobs, entropy, collision) if with_collision else (logprobs, entropy)
 
 
+def first_with_same_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) long: for each row, the first row whose prompt (the ids where prompt_mask is 1; left-padded (B, P)
+    tensors) is the same. The G responses of one prompt share it: the sampler prefills it once and `Policy` runs its
+    tokens once."""
+    _, group = torch.unique(prompt_ids.masked_fill(prompt_mask == 0, -1), dim=0, return_inverse=True)  # (B,)
+    rows = torch.arange(len(group), device=group.device)  # (B,)
+    return torch.full_like(rows, len(rows)).scatter_reduce(0, group, rows, "amin")[group]  # (B,)
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# Packed rows: the training forward runs every real token of a micro-batch end to end in one row, attention kept
-# within each sequence.
+# Packed rows: the training forward runs every real token of a micro-batch end to end in one row, a prompt shared by
+# several rows once, and keeps attention within each sequence.
 PACKED_SDPA = "stapo_packed_sdpa"  # the attention implementation `Policy` gives its model
 
 
-def packed_sdpa_attention(module, query, key, value, attention_mask, cu_seq_lens_q=None, max_length_q=None,
-                          **kwargs):
-    """transformers' SDPA attention, and for packed rows (cu_seq_lens_q given, batch 1) causal attention within
-    each sequence: query (1, H, N, hd), key / value (1, KV, N, hd) of S sequences end to end, sequence s at columns
-    cu_seq_lens_q[s]:cu_seq_lens_q[s + 1]. The sequences are laid out as (S, max_length_q) rows for SDPA's causal
-    kernel (each row's padding sits after its real tokens, so no real token sees it) and packed back: padding
-    exists only inside attention, every projection, MLP and the LM head run on real tokens only."""
-    if cu_seq_lens_q is None:
+@dataclass
+class PackedRows:
+    """Where the S sequences of a packed row are, for attention. Sequence s (one rollout row: prompt + response) is
+    laid out as row s of an (S, L) grid, L its longest; `index[s, c]` is the packed column of its c-th token. Rows
+    that share a prompt read the same packed prompt columns, so each owns only some cells: every packed column is
+    owned by exactly one real cell, and the owned cells in row-major order are the packed columns in order."""
+    index: torch.Tensor  # (S, L) long: packed column of each cell (0 where not real)
+    real: torch.Tensor   # (S, L) bool: c < the length of sequence s
+    owner: torch.Tensor  # (S, L) bool: the cell whose attention output is its packed column's
+
+
+def packed_sdpa_attention(module, query, key, value, attention_mask, packed: PackedRows | None = None, **kwargs):
+    """transformers' SDPA attention, and for a packed row (`packed` given, batch 1) causal attention within each
+    sequence: query (1, H, N, hd), key / value (1, KV, N, hd) of the packed row. Each sequence is laid out as a row of
+    (S, L) for SDPA's causal kernel (its padding sits after its real tokens, so no real token sees it; a shared
+    prompt is read by every row of its group, its keys and values thereby serve each response) and the owned cells
+    are packed back: padding and a shared prompt's repeats exist only inside attention; every projection, MLP and
+    the LM head run on each packed token once."""
+    if packed is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if _flash_varlen(query):  # CUDA, half precision, flash-attn installed: its variable-length kernel, no padding
         from flash_attn import flash_attn_varlen_func
-        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # each (N, heads, hd)
-        out = flash_attn_varlen_func(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q,
-                                     softmax_scale=kwargs.get("scaling"), causal=True)  # (N, H, hd)
-        return out[None], None  # (1, N, H, hd)
-    N = query.shape[2]
-    starts, lengths = cu_seq_lens_q[:-1].long(), cu_seq_lens_q.diff()  # (S,), (S,)
-    cols = torch.arange(max_length_q, device=query.device)  # (L,)
-    src = (starts[:, None] + cols).clamp(max=N - 1)  # (S, L) packed column of each laid-out one
-    real = cols < lengths[:, None]  # (S, L)
-    rows = [x[0][:, src].transpose(0, 1) for x in (query, key, value)]  # each (S, heads, L, hd)
+        cells = packed.index[packed.real]  # (M,) the real cells, row-major: sequences end to end
+        q, k, v = (x[0][:, cells].transpose(0, 1) for x in (query, key, value))  # each (M, heads, hd)
+        lengths = packed.real.sum(1)  # (S,)
+        cu = nn.functional.pad(lengths.cumsum(0), (1, 0)).int()  # (S+1,)
+        L = packed.real.shape[1]
+        out = flash_attn_varlen_func(q, k, v, cu, cu, L, L, softmax_scale=kwargs.get("scaling"), causal=True)
+        return out[packed.owner[packed.real]][None], None  # (M, H, hd) -> (1, N, H, hd)
+    rows = [x[0][:, packed.index].transpose(0, 1) for x in (query, key, value)]  # each (S, heads, L, hd)
     out, _ = sdpa_attention_forward(module, *rows, None, **kwargs)  # (S, L, H, hd), causal (no mask)
-    return out[real][None], None  # (1, N, H, hd)
+    return out[packed.owner][None], None  # (1, N, H, hd)
 
 
 def _flash_varlen(query) -> bool:
@@ -250,31 +273,39 @@ class Policy(nn.Module):
         """input_ids, attention_mask (B, P+T) = left-padded prompt + right-padded response; response_mask (B, T).
         Returns logprobs, entropy, collision, each (B, T) float32 and 0 where response_mask == 0.
 
-        Packed rows (difference 7): the real tokens of all B rows run end to end as one row of N = sum of lengths
-        tokens, positions restarting at 0 for each, attention restricted to each sequence (`packed_sdpa_attention`);
-        no attention mask is built, no padding reaches a matmul."""
+        Packed rows (difference 7): the real tokens of the B rows run end to end as one row of N tokens, positions
+        restarting at 0 for each sequence, and a prompt that several rows share (the G responses of one prompt)
+        only once, in its first row; attention is restricted to each sequence (`packed_sdpa_attention`). No
+        attention mask is built, no padding reaches a matmul, no shared prompt is computed twice."""
         B, T = response_mask.shape
         P = input_ids.shape[1] - T
-        shift = P - attention_mask[:, :P].sum(1)  # (B,) left padding of each prompt
+        prompt_len = attention_mask[:, :P].sum(1)  # (B,)
+        shift = P - prompt_len  # (B,) left padding of each prompt
         length = attention_mask.sum(1)  # (B,) real tokens (prompt + response) of each row
         L = int(length.max())
-        cols = torch.arange(L, device=input_ids.device)  # (L,)
+        cols = torch.arange(L, device=input_ids.device)  # (L,) column c = position c of the sequence
         src = (cols + shift[:, None]).clamp(max=input_ids.shape[1] - 1)  # (B, L) original column of each new one
         real = cols < length[:, None]  # (B, L) the real-token prefix of each row (all ones: no holes in the mask)
         scored_unseen = (response_mask.bool() & (attention_mask[:, P:] == 0)).any()
         if (shift >= P).any() or scored_unseen or not (attention_mask.gather(1, src).bool() | ~real).all():
             raise ValueError("Policy.forward expects a non-empty left-padded prompt + right-padded response per row")
-        cu = nn.functional.pad(length.cumsum(0), (1, 0)).int()  # (B+1,) where each row starts in the packed row
+        # Rows with the same prompt share it: the first of them brings the prompt's tokens, every row its response.
+        first = first_with_same_prompt(input_ids[:, :P], attention_mask[:, :P])  # (B,)
+        brings = first == torch.arange(B, device=first.device)  # (B,) the row brings its prompt
+        own = real & (brings[:, None] | (cols >= prompt_len[:, None]))  # (B, L) the tokens row b brings
+        start = own.sum(1).cumsum(0) - own.sum(1)  # (B,) packed column of each row's first own token
+        index = start[:, None] + own.cumsum(1) - 1  # (B, L) packed column of each own cell, in order
+        index = torch.where(own, index, index[first]).masked_fill(~real, 0)  # shared prompt: the first row's columns
         out = self.lm.get_decoder()(  # the backbone: last_hidden_state (1, N, D) is after the final norm
-            input_ids=input_ids.gather(1, src)[real][None], position_ids=cols.expand(B, -1)[real][None],
-            use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=L, max_length_k=L,
+            input_ids=input_ids.gather(1, src)[own][None], position_ids=cols.expand(B, -1)[own][None],
+            use_cache=False, packed=PackedRows(index, real, own),
         )
         mask = response_mask.bool()  # (B, T)
         b, t = mask.nonzero(as_tuple=True)  # (N',), (N',) row-major, the order of [mask] below
-        hidden = out.last_hidden_state[0, cu[b] + P - shift[b] + t - 1]  # (N', D): response token t of row b
+        hidden = out.last_hidden_state[0, index[b, prompt_len[b] + t - 1]]  # (N', D): predicts response token t
         logprobs, entropy, collision = chunked_logprobs_entropy(
-            hidden, self.lm.lm_head.weight[:self.vocab_size], input_ids[:, P:][mask],  # (N', D), (V, D), (N',)
-            temperature=temperature, chunk_size=chunk_size, with_collision=True,
+            hidden, self.lm.lm_head.weight, input_ids[:, P:][mask],  # (N', D), (V, D), (N',)
+            temperature=temperature, chunk_size=chunk_size, with_collision=True, vocab_size=self.vocab_size,
         )
         results = []
         for values in (logprobs, entropy, collision):  # (N',) -> (B, T), zeros off the response

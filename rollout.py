@@ -2,11 +2,12 @@
 per prompt from the rollout policy pi_old, temperature 1.0 / top-p 1.0 in training, 0.7 / 0.9 in one eval setting),
 and the optional vLLM engine (`VLLMEngine`, imported only when chosen) behind the same `sample` call and `Rollout`.
 
-The sampler is the whole of `generate` below: left-pad the prompts, prefill once, then decode one token per step
-with the model's `DynamicCache`, computing logits only for the last position. Per step it does one backbone forward
-through `__call__` and one head matmul, exactly as `model.Policy` computes the training forward (so the sampling
-distribution and the recomputed pi_old agree by construction), a few tensor ops to sample, and writes into
-preallocated (B, T) buffers; no logits processors.
+The sampler is the whole of `generate` below: left-pad the prompts, prefill each distinct prompt once (the G rows
+of a group take copies of its KV cache), then decode one token per step with the model's `DynamicCache`, computing
+logits only for the last position. Per step it does one backbone forward through `__call__` and one head matmul,
+exactly as `model.Policy` computes the training forward (so the sampling distribution and the recomputed pi_old
+agree by construction), a few tensor ops to sample, and writes into preallocated (B, T) buffers; no logits
+processors.
 
 Deliberate differences from the paper's stack (veRL + vLLM) and from `transformers.generate`:
 1. The recorded log-prob of a sampled token is taken under the FULL tempered softmax (all real vocabulary rows),
@@ -42,7 +43,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers import DynamicCache
 
-from model import kv_cache_bytes, lm_vocab_size, position_ids_from_mask
+from model import first_with_same_prompt, kv_cache_bytes, lm_vocab_size, position_ids_from_mask
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -101,17 +102,22 @@ class Rollout:
     def micro_batches(self, max_tokens: int, agree=None) -> list[torch.Tensor]:
         """Row indices of micro-batches whose padded size, rows x longest row, is at most `max_tokens`; a row longer
         than that is a micro-batch of its own (so max_tokens=1: one row each). `model.Policy` packs the rows' real
-        tokens into one row, so only attention lays them out as rows x longest: the budget bounds that layout and
-        every activation of the micro-batch.
+        tokens into one row, a prompt shared by several rows once, so only attention lays them out as rows x
+        longest: the budget bounds that layout and every activation of the micro-batch.
 
-        Rows are sorted longest first (the largest micro-batch runs first, so an out-of-memory shows at once) and
-        cut into consecutive runs: sorted, they pad little. `agree(count) -> count` turns the fewest micro-batches
-        the budget allows into the number to make; train.py passes the maximum over ranks, because every micro-batch
-        is an FSDP forward (an all-gather per layer) that all ranks must make together (verl's
-        `rearrange_micro_batches(..., same_micro_num_in_dp=True)`). The rows are balanced over that many
-        micro-batches: the largest padded size is as small as `count` consecutive runs of the sorted rows allow."""
+        Rows are ordered by prompt group (the rows of one prompt together, so a micro-batch that holds them runs the
+        prompt once), groups longest row first, and longest first within a group (the largest micro-batch runs
+        first, so an out-of-memory shows at once), then cut into consecutive runs. `agree(count) -> count` turns the
+        fewest micro-batches the budget allows into the number to make; train.py passes the maximum over ranks,
+        because every micro-batch is an FSDP forward (an all-gather per layer) that all ranks must make together
+        (verl's `rearrange_micro_batches(..., same_micro_num_in_dp=True)`). The rows are balanced over that many
+        micro-batches: the largest padded size is as small as `count` consecutive runs of the ordered rows allow."""
         lengths = self.lengths().tolist()
-        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep their order
+        first = first_with_same_prompt(self.prompt_ids, self.prompt_mask).tolist()  # (B,) the group of each row
+        longest = {}
+        for i, g in enumerate(first):
+            longest[g] = max(longest.get(g, 0), lengths[i])
+        order = sorted(range(len(lengths)), key=lambda i: (-longest[first[i]], first[i], -lengths[i]))  # stable
         srt = [lengths[i] for i in order]
         need = len(_consecutive_runs(srt, max_tokens))
         count = agree(need) if agree else need
@@ -124,7 +130,7 @@ class Rollout:
         runs = _consecutive_runs(srt, low)
         while len(runs) < count:  # halve the largest run of several rows (rows >= count, so one exists)
             j = max((j for j, (s, e) in enumerate(runs) if e - s > 1),
-                    key=lambda j: (runs[j][1] - runs[j][0]) * srt[runs[j][0]])
+                    key=lambda j: (runs[j][1] - runs[j][0]) * max(srt[runs[j][0]:runs[j][1]]))
             s, e = runs[j]
             runs[j:j + 1] = [(s, (s + e) // 2), ((s + e) // 2, e)]
         return [torch.tensor(order[s:e]) for s, e in runs]
@@ -136,12 +142,13 @@ class Rollout:
 
 
 def _consecutive_runs(lengths: list[int], cap: int) -> list[tuple[int, int]]:
-    """Cut `lengths` (sorted longest first) into the fewest consecutive runs [s, e) with (e - s) x lengths[s] <= cap
-    (a longer row alone): each run takes rows while one more fits (for sorted rows, greedy is the fewest)."""
+    """Cut `lengths` into the fewest consecutive runs [s, e) with (e - s) x max(lengths[s:e]) <= cap (a longer row
+    alone): each run takes rows while one more fits (that cost only grows as a run grows, so greedy is the fewest)."""
     runs, s = [], 0
     while s < len(lengths):
-        e = s + 1
-        while e < len(lengths) and (e + 1 - s) * lengths[s] <= cap:
+        e, longest = s + 1, lengths[s]
+        while e < len(lengths) and (e + 1 - s) * max(longest, lengths[e]) <= cap:
+            longest = max(longest, lengths[e])
             e += 1
         runs.append((s, e))
         s = e
@@ -228,8 +235,16 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
         # forward compute the same distribution by construction (and the head only sees the last position).
         decoder, head = model.get_decoder(), model.get_output_embeddings().weight[:vocab_size]  # head: (V', D)
         cache = DynamicCache(config=model.config)
-        hidden = decoder(input_ids=prompt, attention_mask=prompt_mask, past_key_values=cache, use_cache=True,
-                         position_ids=position_ids_from_mask(prompt_mask)).last_hidden_state  # prefill (B, P, D)
+        # Prefill each distinct prompt once (the G rows of a group share it), then give every row its prompt's cache.
+        first = first_with_same_prompt(prompt, prompt_mask)  # (B,)
+        unique = first.unique()  # (U,) rows that bring a prompt
+        hidden = decoder(input_ids=prompt[unique], attention_mask=prompt_mask[unique], past_key_values=cache,
+                         use_cache=True, position_ids=position_ids_from_mask(prompt_mask[unique])
+                         ).last_hidden_state  # prefill (U, P, D)
+        if len(unique) < B:
+            slot = torch.searchsorted(unique, first)  # (B,) each row's prompt among the U
+            cache.batch_select_indices(slot)
+            hidden = hidden[slot]  # (B, P, D)
         for t in range(T):
             logits = hidden[:, -1] @ head.T  # (R, V') real vocabulary rows only (difference 2)
             u = None if temperature == 0 else torch.rand(B, generator=generator, device=device)[rows]  # (R,)

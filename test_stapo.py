@@ -563,6 +563,22 @@ def test_model_chunked_entropy_accurate_at_qwen_vocabulary():
     torch.testing.assert_close(logprobs.double(), ref_logprobs, atol=2e-5, rtol=0)
 
 
+def test_model_chunked_vocab_rows_inside():
+    """vocab_size: the softmax over the first rows of the weight only, as passing weight[:vocab_size] (values and
+    gradients), with zero gradient in the rows beyond."""
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(9, 8, generator=g, requires_grad=True), torch.randn(12, 8, generator=g,
+                                                                                    requires_grad=True)
+    targets = torch.randint(7, (9,), generator=g)
+    got = model.chunked_logprobs_entropy(hidden, weight, targets, 0.7, chunk_size=4, vocab_size=7)
+    grads = torch.autograd.grad(got[0].sum(), (hidden, weight))
+    want = model.chunked_logprobs_entropy(hidden, weight[:7], targets, 0.7, chunk_size=4)
+    want_grads = torch.autograd.grad(want[0].sum(), (hidden, weight))
+    for a, b in zip((*got, *grads), (*want, *want_grads)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert (grads[1][7:] == 0).all() and grads[1][:7].abs().sum() > 0
+
+
 def test_model_chunked_empty_batch():
     """A micro-batch with no response tokens: empty outputs, zero gradients, no error."""
     hidden, weight = torch.randn(0, 8, requires_grad=True), torch.randn(20, 8, requires_grad=True)
@@ -646,15 +662,31 @@ def test_model_training_forward_memory_linear_in_length():
 
 
 def _packing_batch(seed=3):
-    """6 rows of different prompt (1-5) and response (1-7) lengths, left-padded prompt + right-padded response."""
+    """6 rows, left-padded prompt + right-padded response: prompt A (5 tokens) in rows 0, 1, 2 and 5, prompt B (1
+    token) in rows 3 and 4 (the G responses of a prompt share it, and rows 0-2 / 5 are not adjacent), responses of
+    1-7 tokens."""
     g = torch.Generator().manual_seed(seed)
     P, T = 5, 7
-    prompt_len, resp_len = torch.tensor([5, 3, 4, 1, 5, 2]), torch.tensor([7, 2, 5, 1, 3, 6])
+    prompt_len, resp_len = torch.tensor([5, 5, 5, 1, 1, 5]), torch.tensor([7, 2, 5, 1, 3, 6])
     prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()  # (B, P)
     response_mask = (torch.arange(T) < resp_len[:, None]).long()  # (B, T)
-    prompt_ids = torch.randint(4, 104, (6, P), generator=g) * prompt_mask
+    prompts = torch.randint(4, 104, (2, P), generator=g)  # A, B
+    prompt_ids = prompts[torch.tensor([0, 0, 0, 1, 1, 0])] * prompt_mask
     response_ids = torch.randint(4, 104, (6, T), generator=g) * response_mask
     return Rollout(prompt_ids, prompt_mask, response_ids, response_mask, torch.zeros(6, T), torch.zeros(6, dtype=bool))
+
+
+def test_model_policy_computes_a_shared_prompt_once():
+    """The backbone sees each distinct prompt once and every response: 5 + 1 + 24 tokens for `_packing_batch`
+    (6 x prompt + response = 48 without sharing), and a micro-batch holding one row of a group brings the prompt."""
+    lm = tiny_model()
+    seen = []
+    lm.model.embed_tokens.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))
+    batch = _packing_batch()
+    Policy(lm)(*batch.training_inputs(), batch.response_mask)
+    rows = batch.select([4, 1])  # one row of B, one of A
+    Policy(lm)(*rows.training_inputs(), rows.response_mask)
+    assert seen == [(1, 5 + 1 + 24), (1, 1 + 3 + 5 + 2)]
 
 
 def _rows_one_by_one(lm, batch, temperature):
@@ -673,9 +705,9 @@ def _rows_one_by_one(lm, batch, temperature):
 @pytest.mark.parametrize("algo", stapo.ALGORITHMS)
 def test_train_packed_rows_match_each_row_alone(algo):
     """Every algorithm: the gradient `train.accumulate_gradients` accumulates with rows packed into micro-batches
-    (model.Policy: one row of real tokens, attention kept within each sequence; budgets 10**6 = all rows in one
-    packed row, 16, 1 = one row each) = the independent computation with each row alone through the plain HF model
-    and the loss of stapo.policy_loss on it: the same loss and gradients."""
+    (model.Policy: one row of real tokens, a shared prompt once, attention kept within each sequence; budgets
+    10**6 = all rows in one packed row, 16, 1 = one row each) = the independent computation with each row alone
+    through the plain HF model and the loss of stapo.policy_loss on it: the same loss and gradients."""
     torch.manual_seed(0)
     lm = tiny_model()
     policy, batch, T = Policy(lm), _packing_batch(), 0.8
@@ -987,6 +1019,23 @@ def test_rollout_greedy_equals_hf_generate():
                      eos_token_id=2, pad_token_id=0)[:, P:]  # (B, T)
     assert hf.shape == r.response_ids.shape
     assert torch.equal(hf, r.response_ids)
+
+
+def test_rollout_prefills_each_prompt_once():
+    """The G rows of a prompt are prefilled once and decode from copies of its KV cache: the prefill sees the 4
+    distinct prompts, the first decode step all 12 rows, and the greedy tokens are model.generate's on the 12 rows
+    (which prefills every row)."""
+    lm, prompts = _eos_biased_model(105), _prompts()
+    seen = []
+    handle = lm.get_decoder().register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    r = sample_groups(lm, prompts, 3, max_new_tokens=48, temperature=0, eos_token_id=2, pad_token_id=0)
+    handle.remove()
+    assert seen[:2] == [4, 12] and len(r) == 12
+    P = r.prompt_ids.shape[1]
+    hf = lm.generate(input_ids=r.prompt_ids, attention_mask=r.prompt_mask, max_new_tokens=48, do_sample=False,
+                     eos_token_id=2, pad_token_id=0)[:, P:]  # (B, T)
+    assert torch.equal(hf[:, :r.response_ids.shape[1]], r.response_ids) and (hf[:, r.response_ids.shape[1]:] == 0).all()
 
 
 def _cache_rows_per_step(lm):
@@ -1995,34 +2044,6 @@ def test_train_torchrun_two_processes_match_one(tmp_path):
            load_file(tmp_path / "two" / "hf" / "model.safetensors"), atol=1e-5)
 
 
-def test_rollout_micro_batches_respect_the_token_budget():
-    """Token-budget micro-batches: a partition of the rows, longest first; rows x longest row <= budget unless a
-    single row is longer; as few micro-batches as the budget allows (greedy filling, one more row would not fit)."""
-    g = torch.Generator().manual_seed(0)
-    B, P, T = 40, 6, 30
-    prompt_len, response_len = torch.randint(1, P + 1, (B,), generator=g), torch.randint(1, T + 1, (B,), generator=g)
-    prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()  # (B, P) left-padded
-    response_mask = (torch.arange(T) < response_len[:, None]).long()  # (B, T) right-padded
-    batch = Rollout(torch.zeros(B, P, dtype=torch.long), prompt_mask, torch.zeros(B, T, dtype=torch.long),
-                    response_mask, torch.zeros(B, T), torch.zeros(B, dtype=torch.bool))
-    lengths = (prompt_len + response_len).tolist()
-    assert batch.lengths().tolist() == lengths
-    for budget in (1, 20, 35, 100, 10**6):  # 35 < the longest row (up to 36)
-        parts = [p.tolist() for p in batch.micro_batches(budget)]
-        order = [i for p in parts for i in p]
-        assert sorted(order) == list(range(B)) and [lengths[i] for i in order] == sorted(lengths, reverse=True)
-        for p in parts:
-            assert len(p) * max(lengths[i] for i in p) <= budget or len(p) == 1
-        srt, fewest, s = sorted(lengths, reverse=True), 0, 0
-        while s < B:  # the fewest: fill each micro-batch while one more row fits
-            e = s + 1
-            while e < B and (e + 1 - s) * srt[s] <= budget:
-                e += 1
-            fewest, s = fewest + 1, e
-        assert len(parts) == fewest
-    assert len(batch.micro_batches(1)) == B and len(batch.micro_batches(10**6)) == 1
-
-
 def _rows_of_lengths(lengths: list[int]) -> Rollout:
     """A Rollout whose rows have these prompt + response lengths (prompt 1 token, the rest response)."""
     B, T = len(lengths), max(lengths)
@@ -2032,31 +2053,77 @@ def _rows_of_lengths(lengths: list[int]) -> Rollout:
                    torch.zeros(B, dtype=torch.bool))
 
 
+def _group_order(lengths: list[int], groups: list[int]) -> list[int]:
+    """The row order micro_batches promises: rows of one prompt together, groups by their longest row (ties: the
+    group first seen first), longest first within a group."""
+    longest = {g: max(n for n, h in zip(lengths, groups) if h == g) for g in groups}
+    seen = {g: groups.index(g) for g in groups}
+    return sorted(range(len(lengths)), key=lambda i: (-longest[groups[i]], seen[groups[i]], -lengths[i]))
+
+
+def _grouped_rows(lengths: list[int], groups: list[int]) -> Rollout:
+    """A Rollout whose rows have these prompt + response lengths and prompts (group g: a 1-token prompt id g + 4)."""
+    base = _rows_of_lengths(lengths)
+    return replace(base, prompt_ids=torch.tensor(groups)[:, None] + 4)
+
+
+def test_rollout_micro_batches_respect_the_token_budget():
+    """Token-budget micro-batches: a partition of the rows in group order (the rows of one prompt together, groups
+    longest row first, longest first within a group); rows x longest row <= budget unless a single row is longer;
+    as few micro-batches as the budget allows for that order (one more row would not fit)."""
+    g = torch.Generator().manual_seed(0)
+    B, P, T, G = 40, 6, 30, 4
+    prompt_len, response_len = torch.randint(1, P + 1, (B // G,), generator=g), torch.randint(1, T + 1, (B,),
+                                                                                             generator=g)
+    prompt_len = prompt_len.repeat_interleave(G)  # (B,) G rows per prompt
+    prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()  # (B, P) left-padded
+    prompt_ids = torch.randint(4, 100, (B // G, P), generator=g).repeat_interleave(G, 0) * prompt_mask
+    response_mask = (torch.arange(T) < response_len[:, None]).long()  # (B, T) right-padded
+    batch = Rollout(prompt_ids, prompt_mask, torch.zeros(B, T, dtype=torch.long), response_mask, torch.zeros(B, T),
+                    torch.zeros(B, dtype=torch.bool))
+    lengths = (prompt_len + response_len).tolist()
+    assert batch.lengths().tolist() == lengths
+    want = _group_order(lengths, [i // G for i in range(B)])
+    for budget in (1, 20, 35, 100, 10**6):  # 35 < the longest row (up to 36)
+        parts = [p.tolist() for p in batch.micro_batches(budget)]
+        assert [i for p in parts for i in p] == want
+        for p in parts:
+            assert len(p) * max(lengths[i] for i in p) <= budget or len(p) == 1
+        srt, fewest, s = [lengths[i] for i in want], 0, 0
+        while s < B:  # the fewest: fill each micro-batch while one more row fits
+            e = s + 1
+            while e < B and (e + 1 - s) * max(srt[s:e + 1]) <= budget:
+                e += 1
+            fewest, s = fewest + 1, e
+        assert len(parts) == fewest
+    assert len(batch.micro_batches(1)) == B and len(batch.micro_batches(10**6)) == 1
+
+
 def test_rollout_micro_batches_agreed_count_is_balanced_and_within_budget():
     """With agree(): exactly the agreed number of micro-batches (at least what the rows need), a partition of the
-    rows in length order, every micro-batch within the budget unless it is one over-long row, and the largest padded
-    size as small as any split of the sorted rows into that many consecutive runs allows (brute force)."""
+    rows in group order, every micro-batch within the budget unless it is one over-long row, and the largest padded
+    size as small as any split of the ordered rows into that many consecutive runs allows (brute force)."""
     import itertools
 
     g = torch.Generator().manual_seed(3)
     for trial in range(60):
         n = int(torch.randint(1, 9, (1,), generator=g))
         lengths = torch.randint(2, 40, (n,), generator=g).tolist()
-        batch = _rows_of_lengths(lengths)
+        groups = torch.randint(0, 1 + trial % 4, (n,), generator=g).tolist()  # 1 to 4 prompts, rows in any order
+        batch = _grouped_rows(lengths, groups)
         budget = int(torch.randint(1, 120, (1,), generator=g))
         need = len(batch.micro_batches(budget))
+        srt = [lengths[i] for i in _group_order(lengths, groups)]
         for count in range(need, n + 1):
             parts = [p.tolist() for p in batch.micro_batches(budget, agree=lambda own: count)]
             assert len(parts) == count and all(parts)
-            order = [i for p in parts for i in p]
-            assert sorted(order) == list(range(n)) and [lengths[i] for i in order] == sorted(lengths, reverse=True)
+            assert [i for p in parts for i in p] == _group_order(lengths, groups)
             cost = [len(p) * max(lengths[i] for i in p) for p in parts]
             assert all(c <= budget or len(p) == 1 for c, p in zip(cost, parts)), (lengths, budget, count, parts)
-            srt = sorted(lengths, reverse=True)
-            best = min(max((b - a) * srt[a] for a, b in zip((0, *cuts), (*cuts, n)))
+            best = min(max((b - a) * max(srt[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
                        for cuts in itertools.combinations(range(1, n), count - 1)
-                       if all((b - a) * srt[a] <= budget or b - a == 1 for a, b in zip((0, *cuts), (*cuts, n))))
-            assert max(cost) == best, (lengths, budget, count, parts)
+                       if all((b - a) * max(srt[a:b]) <= budget or b - a == 1 for a, b in zip((0, *cuts), (*cuts, n))))
+            assert max(cost) == best, (lengths, groups, budget, count, parts)
     with pytest.raises(ValueError, match="cannot cut 3 rows into 4 micro-batches"):
         _rows_of_lengths([5, 4, 3]).micro_batches(100, agree=lambda own: 4)
     # a count below what the rows need would break the budget: refused

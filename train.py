@@ -578,6 +578,8 @@ def setup(cfg: Config, rank: int, world: int, device) -> Run:
     if cfg.logger and importlib.util.find_spec(LOGGERS[cfg.logger]) is None:
         raise ImportError(f"--logger {cfg.logger} needs the {LOGGERS[cfg.logger]} package: pip install "
                           f"{LOGGERS[cfg.logger]}")
+    if device.type == "cpu":
+        keep_freed_memory()
     train_rows, test_rows = load_rows(cfg)
     # one process: read onto its device; several: read once on rank 0, the others build it on the meta device and
     # receive their shards of the weights from rank 0 in shard_policy (model.from_rank0)
@@ -632,6 +634,22 @@ def setup(cfg: Config, rank: int, world: int, device) -> Run:
     engine = make_engine(cfg, lm, tokenizer, train_prompts + test_prompts, rank, world, device)
     return Run(cfg, rank, world, device, policy, ref_policy, tokenizer, optimizer, scheduler, engine, train_rows,
                train_prompts, test_rows, test_prompts, start)
+
+
+def keep_freed_memory() -> None:
+    """Training on the CPU: keep freed memory in the process. glibc's malloc returns every freed block over 32 MB
+    to the OS, so each micro-batch's activations and (V, D) gradients fault their pages in again (zeroed by the
+    kernel): ~25-35% of the CPU default's update (docs/performance.md). No mmap'd blocks and no trimming keep them
+    for reuse, as the jemalloc / tcmalloc setups recommended for PyTorch on CPUs do; the resident memory then stays
+    at the run's peak. A no-op without glibc."""
+    import ctypes
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+    mallopt(M_MMAP_MAX, 0)  # every block from the heap, none mmap'd (and unmapped at its free)
+    mallopt(M_TRIM_THRESHOLD, -1)  # (size_t) -1: never give the heap's free top back
 
 
 # ------------------------------------------------------------------------------------------- distributed
@@ -933,7 +951,6 @@ CPU_PRESET = dict(
     model="smollm2", data="", chat=False, instruction="The answer is", temperature=1.0, max_response_len=24,
     steps=10, prompts_per_step=16, mini_batch_prompts=8, lr=3.5e-6, warmup_steps=0, grad_checkpointing=False,
     rollout_chunk=0, save_every=0, eval_samples=4, out_dir="out/train-cpu",
-    max_tokens_per_micro_batch=768,  # the fastest budget per real token here, padding <= 0.10 (bench.py flops)
 )
 
 
