@@ -196,38 +196,62 @@ def first_with_same_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) 
 PACKED_SDPA = "stapo_packed_sdpa"  # the attention implementation `Policy` gives its model
 
 
+# Attention lays sequences of similar length out together; a bucket's layout is at most this share padding.
+ATTENTION_PADDING = 0.1
+
+
+def attention_buckets(lengths: list[int], padding: float = ATTENTION_PADDING) -> list[list[int]]:
+    """The sequences (indices into `lengths`) of each attention layout of a packed row: longest first, a sequence
+    joins the current bucket while it is at least (1 - padding) x the bucket's longest, so each (rows x longest)
+    layout is less than `padding` padding. (A group's G responses differ in length, and one layout over all rows
+    would attend over the longest everywhere.)"""
+    buckets = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if buckets and lengths[i] >= (1 - padding) * lengths[buckets[-1][0]]:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    return buckets
+
+
 @dataclass
 class PackedRows:
-    """Where the S sequences of a packed row are, for attention. Sequence s (one rollout row: prompt + response) is
-    laid out as row s of an (S, L) grid, L its longest; `index[s, c]` is the packed column of its c-th token. Rows
-    that share a prompt read the same packed prompt columns, so each owns only some cells: every packed column is
-    owned by exactly one real cell, and the owned cells in row-major order are the packed columns in order."""
-    index: torch.Tensor  # (S, L) long: packed column of each cell (0 where not real)
-    real: torch.Tensor   # (S, L) bool: c < the length of sequence s
-    owner: torch.Tensor  # (S, L) bool: the cell whose attention output is its packed column's
+    """Where the sequences of a packed row are, for attention. Each bucket (`attention_buckets`) is an (S_b, L_b)
+    grid, one sequence (prompt + response of a row) per grid row, `index[s, c]` the packed column of its c-th token.
+    Rows that share a prompt read the same packed prompt columns, so each owns only some cells: every packed column
+    is owned by exactly one real cell, and `unpack` puts the owned cells (bucket by bucket, row-major) back in
+    packed order."""
+    index: list[torch.Tensor]  # per bucket (S_b, L_b) long: packed column of each cell (0 where not real)
+    real: list[torch.Tensor]   # per bucket (S_b, L_b) bool: c < the length of sequence s
+    owner: list[torch.Tensor]  # per bucket (S_b, L_b) bool: the cell whose attention output is its packed column's
+    unpack: torch.Tensor       # (N,) long: where packed column j is among the owned cells
 
 
 def packed_sdpa_attention(module, query, key, value, attention_mask, packed: PackedRows | None = None, **kwargs):
     """transformers' SDPA attention, and for a packed row (`packed` given, batch 1) causal attention within each
-    sequence: query (1, H, N, hd), key / value (1, KV, N, hd) of the packed row. Each sequence is laid out as a row of
-    (S, L) for SDPA's causal kernel (its padding sits after its real tokens, so no real token sees it; a shared
-    prompt is read by every row of its group, its keys and values thereby serve each response) and the owned cells
-    are packed back: padding and a shared prompt's repeats exist only inside attention; every projection, MLP and
-    the LM head run on each packed token once."""
+    sequence: query (1, H, N, hd), key / value (1, KV, N, hd) of the packed row. The sequences of a bucket are laid
+    out as the rows of (S_b, L_b) for SDPA's causal kernel (a row's padding sits after its real tokens, so no real
+    token sees it; a shared prompt is read by every row of its group, its keys and values thereby serve each
+    response) and the owned cells are packed back: padding and a shared prompt's repeats exist only inside
+    attention; every projection, MLP and the LM head run on each packed token once."""
     if packed is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if _flash_varlen(query):  # CUDA, half precision, flash-attn installed: its variable-length kernel, no padding
         from flash_attn import flash_attn_varlen_func
-        cells = packed.index[packed.real]  # (M,) the real cells, row-major: sequences end to end
+        cells = torch.cat([i[r] for i, r in zip(packed.index, packed.real)])  # (M,) real cells: sequences end to end
         q, k, v = (x[0][:, cells].transpose(0, 1) for x in (query, key, value))  # each (M, heads, hd)
-        lengths = packed.real.sum(1)  # (S,)
+        lengths = torch.cat([r.sum(1) for r in packed.real])  # (S,)
         cu = nn.functional.pad(lengths.cumsum(0), (1, 0)).int()  # (S+1,)
-        L = packed.real.shape[1]
+        L = max(r.shape[1] for r in packed.real)
         out = flash_attn_varlen_func(q, k, v, cu, cu, L, L, softmax_scale=kwargs.get("scaling"), causal=True)
-        return out[packed.owner[packed.real]][None], None  # (M, H, hd) -> (1, N, H, hd)
-    rows = [x[0][:, packed.index].transpose(0, 1) for x in (query, key, value)]  # each (S, heads, L, hd)
-    out, _ = sdpa_attention_forward(module, *rows, None, **kwargs)  # (S, L, H, hd), causal (no mask)
-    return out[packed.owner][None], None  # (1, N, H, hd)
+        owned = torch.cat([o[r] for o, r in zip(packed.owner, packed.real)])  # (M,)
+        return out[owned][packed.unpack][None], None  # (M, H, hd) -> (1, N, H, hd)
+    outs = []
+    for index, owner in zip(packed.index, packed.owner):
+        rows = [x[0][:, index].transpose(0, 1) for x in (query, key, value)]  # each (S_b, heads, L_b, hd)
+        out, _ = sdpa_attention_forward(module, *rows, None, **kwargs)  # (S_b, L_b, H, hd), causal (no mask)
+        outs.append(out[owner])  # (owned cells, H, hd)
+    return torch.cat(outs)[packed.unpack][None], None  # (1, N, H, hd)
 
 
 def _flash_varlen(query) -> bool:
@@ -296,9 +320,14 @@ class Policy(nn.Module):
         start = own.sum(1).cumsum(0) - own.sum(1)  # (B,) packed column of each row's first own token
         index = start[:, None] + own.cumsum(1) - 1  # (B, L) packed column of each own cell, in order
         index = torch.where(own, index, index[first]).masked_fill(~real, 0)  # shared prompt: the first row's columns
+        lengths = length.tolist()
+        buckets = [(torch.tensor(rows, device=index.device), lengths[rows[0]]) for rows in attention_buckets(lengths)]
+        layouts = [[x[rows, :longest] for rows, longest in buckets] for x in (index, real, own)]  # (S_b, L_b) each
+        owned = torch.cat([i[o] for i, o in zip(layouts[0], layouts[2])])  # (N,) packed column of each owned cell
+        unpack = torch.empty_like(owned).index_put_((owned,), torch.arange(len(owned), device=owned.device))
         out = self.lm.get_decoder()(  # the backbone: last_hidden_state (1, N, D) is after the final norm
             input_ids=input_ids.gather(1, src)[own][None], position_ids=cols.expand(B, -1)[own][None],
-            use_cache=False, packed=PackedRows(index, real, own),
+            use_cache=False, packed=PackedRows(*layouts, unpack),
         )
         mask = response_mask.bool()  # (B, T)
         b, t = mask.nonzero(as_tuple=True)  # (N',), (N',) row-major, the order of [mask] below

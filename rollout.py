@@ -43,7 +43,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers import DynamicCache
 
-from model import first_with_same_prompt, kv_cache_bytes, lm_vocab_size, position_ids_from_mask
+from model import attention_buckets, first_with_same_prompt, kv_cache_bytes, lm_vocab_size, position_ids_from_mask
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -134,6 +134,16 @@ class Rollout:
             s, e = runs[j]
             runs[j:j + 1] = [(s, (s + e) // 2), ((s + e) // 2, e)]
         return [torch.tensor(order[s:e]) for s, e in runs]
+
+    def packed_sizes(self) -> tuple[int, int]:
+        """(tokens `model.Policy` runs through the backbone for these rows as one micro-batch: every row's real
+        tokens, a prompt shared by several rows once; cells of its attention layouts, padding included, from
+        `model.attention_buckets`)."""
+        lengths = self.lengths()  # (B,)
+        first = first_with_same_prompt(self.prompt_ids, self.prompt_mask)  # (B,)
+        shared = self.prompt_mask.sum(1)[first != torch.arange(len(self), device=first.device)].sum()
+        n = lengths.tolist()
+        return int(lengths.sum() - shared), sum(len(b) * n[b[0]] for b in attention_buckets(n))
 
     def texts(self, tokenizer) -> list[str]:
         """Decoded responses without special tokens (EOS and padding dropped)."""

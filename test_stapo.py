@@ -676,9 +676,35 @@ def _packing_batch(seed=3):
     return Rollout(prompt_ids, prompt_mask, response_ids, response_mask, torch.zeros(6, T), torch.zeros(6, dtype=bool))
 
 
+def test_model_attention_buckets_bound_padding(monkeypatch):
+    """attention_buckets: a partition of the sequences, longest first, each (rows x longest) layout < 10% padding;
+    model.Policy's SDPA calls get exactly those layouts (one call per bucket and layer)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        lengths = torch.randint(1, 300, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+        buckets = model.attention_buckets(lengths)
+        order = [i for b in buckets for i in b]
+        assert sorted(order) == list(range(len(lengths))) and [lengths[i] for i in order] == sorted(lengths)[::-1]
+        for b in buckets:
+            assert sum(lengths[b[0]] - lengths[i] for i in b) < 0.1 * len(b) * lengths[b[0]] or len(b) == 1
+    shapes, sdpa = [], model.sdpa_attention_forward
+
+    def recording(module, q, k, v, mask, **kwargs):
+        shapes.append(tuple(q.shape[i] for i in (0, 2)))  # (rows, longest)
+        return sdpa(module, q, k, v, mask, **kwargs)
+
+    monkeypatch.setattr(model, "sdpa_attention_forward", recording)
+    lm, batch = tiny_model(), _packing_batch()
+    Policy(lm)(*batch.training_inputs(), batch.response_mask)
+    lengths = batch.lengths().tolist()  # 12, 7, 10, 2, 4, 11
+    want = [(len(b), lengths[b[0]]) for b in model.attention_buckets(lengths)]
+    assert want == [(2, 12), (1, 10), (1, 7), (1, 4), (1, 2)] and shapes == want * lm.config.num_hidden_layers
+
+
 def test_model_policy_computes_a_shared_prompt_once():
     """The backbone sees each distinct prompt once and every response: 5 + 1 + 24 tokens for `_packing_batch`
-    (6 x prompt + response = 48 without sharing), and a micro-batch holding one row of a group brings the prompt."""
+    (6 x prompt + response = 48 without sharing), and a micro-batch holding one row of a group brings the prompt;
+    Rollout.packed_sizes (the metrics' count) says the same."""
     lm = tiny_model()
     seen = []
     lm.model.embed_tokens.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))
@@ -687,6 +713,7 @@ def test_model_policy_computes_a_shared_prompt_once():
     rows = batch.select([4, 1])  # one row of B, one of A
     Policy(lm)(*rows.training_inputs(), rows.response_mask)
     assert seen == [(1, 5 + 1 + 24), (1, 1 + 3 + 5 + 2)]
+    assert batch.packed_sizes() == (5 + 1 + 24, 2 * 12 + 10 + 7 + 4 + 2) and rows.packed_sizes() == (11, 4 + 7)
 
 
 def _rows_one_by_one(lm, batch, temperature):
@@ -2162,7 +2189,8 @@ def _same_update(a: Path, b: Path) -> None:
 
 def test_train_token_budget_does_not_change_update(tmp_path, monkeypatch):
     """Every algorithm: token budgets 9 (below the longest row, up to 14 tokens: those run alone) and 10^6 (one
-    micro-batch) give the losses and parameters of budget 1 (one row per micro-batch); padding is reported."""
+    micro-batch) give the losses and parameters of budget 1 (one row per micro-batch); padding (attention layouts,
+    < 10%) and the prompts computed once (more in larger micro-batches) are reported."""
     _patch(monkeypatch, _EVEN)
     data = _varied_data(tmp_path)
     with _one_thread():
@@ -2171,8 +2199,10 @@ def test_train_token_budget_does_not_change_update(tmp_path, monkeypatch):
                 assert train.main(_budget_args(data, tmp_path / f"{algo}-{budget}", algo, flags, budget)) == 0
             for budget in (9, 10**6):
                 _same_update(tmp_path / f"{algo}-1", tmp_path / f"{algo}-{budget}")
-            pad = [_metrics(tmp_path / f"{algo}-{budget}")[0]["batch/pad_frac"] for budget in (1, 9, 10**6)]
-            assert pad[0] == 0 and 0 <= pad[1] < pad[2] < 0.9, pad  # one row each: no padding
+            first = [_metrics(tmp_path / f"{algo}-{budget}")[0] for budget in (1, 9, 10**6)]
+            pad, shared = [m["batch/pad_frac"] for m in first], [m["batch/shared_frac"] for m in first]
+            assert pad[0] == 0 and 0 <= min(pad) and max(pad) < 0.1, pad  # one row each: no padding
+            assert shared[0] == 0 and shared[1] <= shared[2] and 0 < shared[2] < 0.9, shared  # one row each: none
 
 
 def test_train_on_policy_forward_stands_in_for_the_pi_old_pass(tmp_path, monkeypatch):

@@ -199,9 +199,11 @@ def accumulate_gradients(run: Run, mb: rollout.Rollout, mb_old, mb_adv, weights,
     cfg, device = run.cfg, run.device
     loss_sum = kl_sum = 0.0
     micro = mb.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max)  # same count on every rank
-    lengths = mb.lengths()  # (b,)
-    sums["fed_tokens"] += sum(len(mi) * lengths[mi].max().item() for mi in micro)  # padding included
-    sums["real_tokens"] += lengths.sum().item()
+    for mi in micro:  # tokens the backbone runs (a shared prompt once), cells attention lays out (padding included)
+        computed, laid = mb.select(mi).packed_sizes()
+        sums["computed_tokens"] += computed
+        sums["laid_tokens"] += laid
+    sums["real_tokens"] += mb.lengths().sum().item()
     for mi in micro:
         new_logprobs, entropy, collision = policy_forward(run.policy, mb.select(mi), cfg, device)  # each (b', T')
         cut = (mi, slice(0, new_logprobs.shape[1]))
@@ -237,7 +239,7 @@ class StepLog:
         self.sums |= dict.fromkeys(["entropy", "logprob_diff", "s2t/candidates", "s2t/silenced", "kept", "silenced_p",
                                     "silenced_h", "gn_silenced", "gn_kept", "loss/policy", "loss/kl", "loss_tokens",
                                     "clip/frac_low", "clip/frac_high", "clip/frac_dual", "ratio/mean", "kl/approx",
-                                    "fed_tokens", "real_tokens"], 0.0)
+                                    "computed_tokens", "laid_tokens", "real_tokens"], 0.0)
         self.counts = {"updates": 0, "skipped/zero_adv": 0, "skipped/nonfinite": 0}  # global: equal on every rank
         self.grad_norm_sum = 0.0
         self.spurious, self.samples, self.drawn = [], [], []
@@ -304,7 +306,8 @@ class StepLog:
             "loss/policy": mean("loss/policy", updates), "loss/kl": mean("loss/kl", updates),
             "clip/frac_low": mean("clip/frac_low", n_loss), "clip/frac_high": mean("clip/frac_high", n_loss),
             "clip/frac_dual": mean("clip/frac_dual", n_loss),
-            "batch/pad_frac": 1 - tot["real_tokens"] / tot["fed_tokens"] if tot["fed_tokens"] else 0.0,
+            "batch/pad_frac": 1 - tot["real_tokens"] / tot["laid_tokens"] if tot["laid_tokens"] else 0.0,
+            "batch/shared_frac": 1 - tot["computed_tokens"] / tot["real_tokens"] if tot["real_tokens"] else 0.0,
             "ratio/mean": mean("ratio/mean", n_loss), "kl/approx": mean("kl/approx", n_loss),
             "grad_norm": self.grad_norm_sum / max(updates, 1), "lr": self.run.scheduler.get_last_lr()[0],
             **{k: float(v) for k, v in counts.items()},
