@@ -1010,17 +1010,18 @@ def bench_train_step(steps=4):
 
 # ------------------------------------------------------------------------------------------------------------------
 # `python bench.py flops`: the update's achieved FLOP rate against matmuls of the model's own shapes
-def _forward_flops(config, lengths: list[int], responses: list[int]) -> float:
+def _forward_flops(config, lengths: list[int], responses: list[int], computed: int | None = None) -> float:
     """FLOPs of one forward of `model.Policy` over rows of `lengths` real tokens (prompt + response), `responses`
-    response tokens each: 2 per weight and token in the decoder layers (every real token), causal attention
-    (QK^T and PV over each row's l (l + 1) / 2 token pairs), the LM head (2 V D) on response tokens only. Padding,
-    recomputation and elementwise work are not counted: this is the work the update needs."""
+    response tokens each: 2 per weight and token in the decoder layers (every real token, or the `computed` tokens
+    the backbone runs when rows share a prompt: `Rollout.packed_sizes`), causal attention (QK^T and PV over each
+    row's l (l + 1) / 2 token pairs), the LM head (2 V D) on response tokens only. Padding, recomputation and
+    elementwise work are not counted: this is the work the update needs."""
     D, I, layers, V = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
     H, KV = config.num_attention_heads, config.num_key_value_heads
     hd = getattr(config, "head_dim", None) or D // H
     per_token = layers * 2 * (2 * D * H * hd + 2 * D * KV * hd + 3 * D * I)  # q and o; k and v; gate, up, down
     attention = layers * 4 * H * hd * sum(n * (n + 1) / 2 for n in lengths)
-    return per_token * sum(lengths) + attention + 2 * V * D * sum(responses)
+    return per_token * (sum(lengths) if computed is None else computed) + attention + 2 * V * D * sum(responses)
 
 
 def _shape_matmul_rate(config, tokens: int, reps: int = 3) -> float:
@@ -1062,10 +1063,10 @@ class _CachedEngine:
 
 def _long_tail_batch(tokenizer, rows: int = 128, cap: int = 256, seed: int = 0) -> Rollout:
     """A synthetic rollout batch with the length mix of math RL at a laptop's scale: prompts of the built-in task
-    (~12 tokens), responses lognormal with median ~20 tokens and a tail to `cap`; random token ids (timing only)."""
+    (~12 tokens, 8 rows each), responses lognormal with median ~20 tokens and a tail to `cap`; random token ids (timing only)."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [format_prompt(tokenizer, f"What is {i % 10} + {i * 7 % 10}?", False, "The answer is")
-               for i in range(rows)]
+    prompts = [format_prompt(tokenizer, f"What is {i // 32} + {i // 8 % 4}?", False, "The answer is")
+               for i in range(rows)]  # G = 8 rows per prompt
     response = (torch.randn(rows, generator=g) * 1.0 + 3.0).exp().clamp(2, cap).long()  # (B,) median ~20
     ids, mask = rollout._left_pad(prompts, tokenizer.pad_token_id)
     T = int(response.max())
@@ -1094,25 +1095,49 @@ def _padded_forward(policy, mb: Rollout, cfg) -> torch.Tensor:
 
 
 def _packing_table(policy, batch: Rollout, cfg, budgets=(768, 32768), reps=3):
-    """Forward + backward of one mini-batch's micro-batches, packed rows (model.Policy) against right-padded rows
-    (`_padded_forward`), alternating in this process (median of `reps`)."""
+    """Forward + backward of one mini-batch's micro-batches: right-padded rows (`_padded_forward`, the forward before
+    packing), packed rows each with its own prompt (`model.first_with_same_prompt` replaced by "no row shares"), and
+    packed rows with shared prompts (model.Policy as it is), alternating in this process (median of `reps`)."""
+    from unittest import mock
+
     rows = cfg.mini_batch_prompts * cfg.group_size
     mb = batch.select(slice(0, rows))
-    print("\npacked rows against right-padded rows: forward + backward of the first mini-batch, same process, "
-          f"median of {reps}\n")
+    print("\npadded rows, packed rows, packed rows with shared prompts: forward + backward of the first mini-batch, "
+          f"same process, median of {reps}\n")
     print("| --max-tokens-per-micro-batch | micro-batches | padding of rows x longest | padded rows s | packed s | "
-          "padded / packed |")
-    print("|---|---|---|---|---|---|")
+          "packed + shared prompts s | padded / shared | packed / shared |")
+    print("|---|---|---|---|---|---|---|---|")
+    alone = mock.patch.object(model, "first_with_same_prompt", lambda ids, mask: torch.arange(len(ids)))
     for budget in budgets:
         micro = mb.micro_batches(budget)
         fed = sum(len(mi) * int(mb.lengths()[mi].max()) for mi in micro)
-        forwards = {"padded": lambda m: _padded_forward(policy, m, cfg),
-                    "packed": lambda m: train.policy_forward(policy, m, cfg, torch.device("cpu"))[0]}
+        packed = lambda m: train.policy_forward(policy, m, cfg, torch.device("cpu"))[0]  # noqa: E731
+
+        def unshared(m):
+            with alone:
+                return packed(m)
+        forwards = {"padded": lambda m: _padded_forward(policy, m, cfg), "packed": unshared, "shared": packed}
         t = _interleaved({name: (lambda f=f: [f(mb.select(mi)).sum().backward() for mi in micro])
                           for name, f in forwards.items()}, reps=reps)
         policy.zero_grad(set_to_none=True)
         print(f"| {budget} | {len(micro)} | {1 - int(mb.lengths().sum()) / fed:.3f} | {t['padded']:.2f} | "
-              f"{t['packed']:.2f} | {t['padded'] / t['packed']:.2f}x |", flush=True)
+              f"{t['packed']:.2f} | {t['shared']:.2f} | {t['padded'] / t['shared']:.2f}x | "
+              f"{t['packed'] / t['shared']:.2f}x |", flush=True)
+
+
+def _malloc(keep: bool) -> None:
+    """glibc's malloc: keep freed memory (train.keep_freed_memory), or glibc's default in its steady state (its
+    dynamic mmap threshold has risen to its 32 MiB cap, the trim threshold to twice that: blocks over 32 MiB are
+    mmap'd and unmapped at their free, a free heap top over 64 MiB is given back)."""
+    import ctypes
+    if keep:
+        train.keep_freed_memory()
+        return
+    mallopt = ctypes.CDLL("libc.so.6").mallopt
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
+    mallopt(M_MMAP_MAX, 65536)
+    mallopt(M_MMAP_THRESHOLD, 32 * 2**20)
+    mallopt(M_TRIM_THRESHOLD, 64 * 2**20)
 
 
 def _update_profile(run_step) -> dict[str, float]:
@@ -1160,8 +1185,8 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
     response-length parity, so every mini-batch updates): the achieved FLOP rate of the update (its forward and
     backward and the p/H pass of the second mini-batch, counted by `_forward_flops` from the batch and the model's
     shapes) against matmuls of the model's own shapes and a 2048 x 2048 matmul timed in the same process, for
-    several token budgets; packed against right-padded rows (`_packing_table`); then where the update's time goes
-    (`_update_profile`)."""
+    several token budgets; right-padded rows, packed rows and packed rows with shared prompts (`_packing_table`);
+    freed memory kept or given back to the OS (`_malloc`); then where the update's time goes (`_update_profile`)."""
     from unittest import mock
 
     cfg = train.parse_config(["--preset", "cpu", "--out-dir", tempfile.mkdtemp(prefix="bench-flops-"), "--overwrite"])
@@ -1176,13 +1201,15 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
     workloads = {"CPU default (sampled)": None}
     if long_tail:
         workloads["long tail (<= 256 tokens)"] = _long_tail_batch(state.tokenizer)
-    print("| workload | --max-tokens-per-micro-batch | micro-batches per mini-batch | batch/pad_frac | update s | "
-          "update GFLOP | GFLOP/s | of shape matmul | of 2048^2 matmul | pi_old pass s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| workload | --max-tokens-per-micro-batch | micro-batches per mini-batch | batch/pad_frac | "
+          "batch/shared_frac | update s | update GFLOP | GFLOP/s | of shape matmul | of 2048^2 matmul | pi_old pass s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, batch in workloads.items():
         engine = _CachedEngine(state.engine, batch)
         if batch is None:
             sampled = engine  # the CPU default's batch, for the packing table
+        with mock.patch.object(reward, "reward", parity):  # warm-up (first touch of every buffer), not timed
+            train.train_step(replace(state, engine=engine), 0)
         for budget in budgets:
             if batch is not None and budget > 4096:  # one 17k-token micro-batch: ~30 GiB of activations here
                 continue
@@ -1195,18 +1222,37 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
             b = engine.batch
             rows = cfg.mini_batch_prompts * cfg.group_size
             lengths, responses = b.lengths().tolist(), b.response_mask.sum(1).tolist()
-            flops = sum(3 * _forward_flops(config, lengths[s:s + rows], responses[s:s + rows])
-                        for s in range(0, len(b), rows))  # forward + backward of every mini-batch
-            flops += sum(_forward_flops(config, lengths[s:s + rows], responses[s:s + rows])
-                         for s in range(rows, len(b), rows))  # p, H of the later mini-batches
+
+            def mb_flops(s):  # one forward of mini-batch s: its micro-batches, a shared prompt once in each
+                mb = b.select(slice(s, s + rows))
+                computed = sum(mb.select(mi).packed_sizes()[0] for mi in mb.micro_batches(budget))
+                return _forward_flops(config, lengths[s:s + rows], responses[s:s + rows], computed)
+            flops = sum(3 * mb_flops(s) for s in range(0, len(b), rows))  # forward + backward of every mini-batch
+            flops += sum(mb_flops(s) for s in range(rows, len(b), rows))  # p, H of the later mini-batches
             micro = len(b.select(slice(0, rows)).micro_batches(budget))
-            tokens = max(len(mi) * int(b.lengths()[mi].max()) for mi in b.select(slice(0, rows)).micro_batches(budget))
+            first = b.select(slice(0, rows))
+            tokens = max(first.select(mi).packed_sizes()[0] for mi in first.micro_batches(budget))  # matmul rows
             shape_rate = _shape_matmul_rate(config, min(tokens, 2048))
             update_s = statistics.median(t[0] for t in times)
-            print(f"| {label} | {budget} | {micro} | {metrics['batch/pad_frac']:.3f} | {update_s:.2f} | "
+            print(f"| {label} | {budget} | {micro} | {metrics['batch/pad_frac']:.3f} | "
+                  f"{metrics['batch/shared_frac']:.3f} | {update_s:.2f} | "
                   f"{flops / 1e9:.0f} | {flops / update_s / 1e9:.0f} | {flops / update_s / shape_rate:.2f} | "
                   f"{flops / update_s / square_rate:.2f} | {statistics.median(t[1] for t in times):.2f} |", flush=True)
     _packing_table(state.policy, sampled.batch, cfg)
+    print("\nfreed memory kept (train.keep_freed_memory, as train.py runs on CPU) or given back (glibc's default): "
+          f"the update of the CPU default, alternating in this process, median of {steps}\n")
+    print("| --max-tokens-per-micro-batch | given back: update s | kept: update s | given back / kept |")
+    print("|---|---|---|---|")
+    for budget in (32768, 768):
+        run = replace(state, cfg=replace(cfg, max_tokens_per_micro_batch=budget), engine=sampled)
+        times = {True: [], False: []}
+        with mock.patch.object(reward, "reward", parity):
+            for _ in range(steps):
+                for keep in (False, True):
+                    _malloc(keep)
+                    times[keep].append(train.train_step(run, 0)[0]["time/update_s"])
+        back, kept = statistics.median(times[False]), statistics.median(times[True])
+        print(f"| {budget} | {back:.2f} | {kept:.2f} | {back / kept:.2f}x |", flush=True)
     print("\nwhere the update's time goes (one train_step, PyTorch profiler; seconds and share of the step)\n")
     print("| workload | budget | step s | LM head | attention | backbone (rest of fwd/bwd) | optimizer | grad clip | "
           "host syncs (count) |")

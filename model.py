@@ -549,8 +549,8 @@ def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: 
     intermediate and head sizes, layers, heads, KV heads, vocabulary, tied embeddings) trained as train.py does.
 
     Parameters are fp32 master weights; with `fsdp` they, their gradients and AdamW's two states are sharded over
-    `world` ranks. compute_bytes: 2 for bf16 mixed precision (CUDA), 4 for fp32. tokens: padded tokens of one
-    training micro-batch (--max-tokens-per-micro-batch). The rollout phase holds the sharded parameters and AdamW
+    `world` ranks. compute_bytes: 2 for bf16 mixed precision (CUDA), 4 for fp32. tokens: prompt + response tokens
+    of one training micro-batch (--max-tokens-per-micro-batch). The rollout phase holds the sharded parameters and AdamW
     states (gradients are freed after each step), the gathered full copy (FSDP2, `rollout.gathered`), the KV cache
     of one generate call of `rollout_rows` rows at prompt_len + response_len positions, and the prefill's
     activations. Returned keys: the terms, "train_peak", "rollout_peak" and "peak" (their max).

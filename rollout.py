@@ -100,18 +100,19 @@ class Rollout:
         return self.prompt_mask.sum(1) + self.response_mask.sum(1)
 
     def micro_batches(self, max_tokens: int, agree=None) -> list[torch.Tensor]:
-        """Row indices of micro-batches whose padded size, rows x longest row, is at most `max_tokens`; a row longer
-        than that is a micro-batch of its own (so max_tokens=1: one row each). `model.Policy` packs the rows' real
-        tokens into one row, a prompt shared by several rows once, so only attention lays them out as rows x
-        longest: the budget bounds that layout and every activation of the micro-batch.
+        """Row indices of micro-batches of at most `max_tokens` tokens, counted as the rows' prompt + response tokens
+        (`lengths`, no padding: verl's dynamic batch size); a row longer than that is a micro-batch of its own (so
+        max_tokens=1: one row each). `model.Policy` runs those tokens packed in one row, a prompt shared by several
+        rows once, and attention lays them out in length buckets (`model.attention_buckets`, < 10% padding): the
+        budget bounds every activation of the micro-batch.
 
         Rows are ordered by prompt group (the rows of one prompt together, so a micro-batch that holds them runs the
-        prompt once), groups longest row first, and longest first within a group (the largest micro-batch runs
+        prompt once), groups longest row first, and longest first within a group (the longest attention layout runs
         first, so an out-of-memory shows at once), then cut into consecutive runs. `agree(count) -> count` turns the
         fewest micro-batches the budget allows into the number to make; train.py passes the maximum over ranks,
         because every micro-batch is an FSDP forward (an all-gather per layer) that all ranks must make together
         (verl's `rearrange_micro_batches(..., same_micro_num_in_dp=True)`). The rows are balanced over that many
-        micro-batches: the largest padded size is as small as `count` consecutive runs of the ordered rows allow."""
+        micro-batches: the largest is as small as `count` consecutive runs of the ordered rows allow."""
         lengths = self.lengths().tolist()
         first = first_with_same_prompt(self.prompt_ids, self.prompt_mask).tolist()  # (B,) the group of each row
         longest = {}
@@ -130,7 +131,7 @@ class Rollout:
         runs = _consecutive_runs(srt, low)
         while len(runs) < count:  # halve the largest run of several rows (rows >= count, so one exists)
             j = max((j for j, (s, e) in enumerate(runs) if e - s > 1),
-                    key=lambda j: (runs[j][1] - runs[j][0]) * max(srt[runs[j][0]:runs[j][1]]))
+                    key=lambda j: sum(srt[runs[j][0]:runs[j][1]]))
             s, e = runs[j]
             runs[j:j + 1] = [(s, (s + e) // 2), ((s + e) // 2, e)]
         return [torch.tensor(order[s:e]) for s, e in runs]
@@ -152,13 +153,13 @@ class Rollout:
 
 
 def _consecutive_runs(lengths: list[int], cap: int) -> list[tuple[int, int]]:
-    """Cut `lengths` into the fewest consecutive runs [s, e) with (e - s) x max(lengths[s:e]) <= cap (a longer row
-    alone): each run takes rows while one more fits (that cost only grows as a run grows, so greedy is the fewest)."""
+    """Cut `lengths` into the fewest consecutive runs [s, e) with sum(lengths[s:e]) <= cap (a longer row alone):
+    each run takes rows while one more fits (greedy is the fewest)."""
     runs, s = [], 0
     while s < len(lengths):
-        e, longest = s + 1, lengths[s]
-        while e < len(lengths) and (e + 1 - s) * max(longest, lengths[e]) <= cap:
-            longest = max(longest, lengths[e])
+        e, total = s + 1, lengths[s]
+        while e < len(lengths) and total + lengths[e] <= cap:
+            total += lengths[e]
             e += 1
         runs.append((s, e))
         s = e

@@ -2096,8 +2096,8 @@ def _grouped_rows(lengths: list[int], groups: list[int]) -> Rollout:
 
 def test_rollout_micro_batches_respect_the_token_budget():
     """Token-budget micro-batches: a partition of the rows in group order (the rows of one prompt together, groups
-    longest row first, longest first within a group); rows x longest row <= budget unless a single row is longer;
-    as few micro-batches as the budget allows for that order (one more row would not fit)."""
+    longest row first, longest first within a group); the rows' prompt + response tokens <= budget unless a single
+    row is longer; as few micro-batches as the budget allows for that order (one more row would not fit)."""
     g = torch.Generator().manual_seed(0)
     B, P, T, G = 40, 6, 30, 4
     prompt_len, response_len = torch.randint(1, P + 1, (B // G,), generator=g), torch.randint(1, T + 1, (B,),
@@ -2111,15 +2111,15 @@ def test_rollout_micro_batches_respect_the_token_budget():
     lengths = (prompt_len + response_len).tolist()
     assert batch.lengths().tolist() == lengths
     want = _group_order(lengths, [i // G for i in range(B)])
-    for budget in (1, 20, 35, 100, 10**6):  # 35 < the longest row (up to 36)
+    for budget in (1, 20, 35, 100, 10**6):  # 20, 35 < the longest row (up to 36)
         parts = [p.tolist() for p in batch.micro_batches(budget)]
         assert [i for p in parts for i in p] == want
         for p in parts:
-            assert len(p) * max(lengths[i] for i in p) <= budget or len(p) == 1
+            assert sum(lengths[i] for i in p) <= budget or len(p) == 1
         srt, fewest, s = [lengths[i] for i in want], 0, 0
         while s < B:  # the fewest: fill each micro-batch while one more row fits
             e = s + 1
-            while e < B and (e + 1 - s) * max(srt[s:e + 1]) <= budget:
+            while e < B and sum(srt[s:e + 1]) <= budget:
                 e += 1
             fewest, s = fewest + 1, e
         assert len(parts) == fewest
@@ -2145,11 +2145,11 @@ def test_rollout_micro_batches_agreed_count_is_balanced_and_within_budget():
             parts = [p.tolist() for p in batch.micro_batches(budget, agree=lambda own: count)]
             assert len(parts) == count and all(parts)
             assert [i for p in parts for i in p] == _group_order(lengths, groups)
-            cost = [len(p) * max(lengths[i] for i in p) for p in parts]
+            cost = [sum(lengths[i] for i in p) for p in parts]
             assert all(c <= budget or len(p) == 1 for c, p in zip(cost, parts)), (lengths, budget, count, parts)
-            best = min(max((b - a) * max(srt[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
+            best = min(max(sum(srt[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
                        for cuts in itertools.combinations(range(1, n), count - 1)
-                       if all((b - a) * max(srt[a:b]) <= budget or b - a == 1 for a, b in zip((0, *cuts), (*cuts, n))))
+                       if all(sum(srt[a:b]) <= budget or b - a == 1 for a, b in zip((0, *cuts), (*cuts, n))))
             assert max(cost) == best, (lengths, groups, budget, count, parts)
     with pytest.raises(ValueError, match="cannot cut 3 rows into 4 micro-batches"):
         _rows_of_lengths([5, 4, 3]).micro_batches(100, agree=lambda own: 4)
@@ -2304,11 +2304,12 @@ def test_train_smollm2_two_processes_with_different_micro_batch_counts_match_one
                       + _COUNT_LOG.format(log=str(tmp_path / "log"))
                       + "code = train.main(sys.argv[1:])\nsys.stdout.flush()\nsys.stderr.flush()\nos._exit(code)\n")
     (tmp_path / "log").mkdir()
-    # seed 1: one prompt per rank, rows of 28, 28, 17, 16 tokens on one rank and 23, 16, 16, 16 on the other, so
-    # budget 93 makes 2 micro-batches on one and 1 on the other (found by sampling), and a group with mixed rewards
+    # seed 1: one prompt per rank, rows of 28, 28, 17, 16 tokens (89) on one rank and 23, 16, 16, 16 (71) on the
+    # other, so budget 80 makes 2 micro-batches on one and 1 on the other (found by sampling), and a group with mixed
+    # rewards
     args = ["--model", "smollm2", "--steps", "1", "--seed", "1", "--prompts-per-step", "2", "--mini-batch-prompts",
             "2", "--group-size", "4", "--max-response-len", "16", "--rollout-chunk", "1", "--eval-samples", "0",
-            "--no-plots", "--max-tokens-per-micro-batch", "93", "--no-save-optimizer"]
+            "--no-plots", "--max-tokens-per-micro-batch", "80", "--no-save-optimizer"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for nproc, out in ((2, "two"), (1, "one")):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]

@@ -851,8 +851,9 @@ class Config:
     mini_batch_prompts: int = 64
     """prompts per optimizer step, over all ranks"""
     max_tokens_per_micro_batch: int = 32768
-    """padded tokens (rows x longest prompt + response) per forward/backward on each rank: rows sorted by length,
-    a longer row alone, 1 = one row at a time (gradient accumulation: changes memory, not the update)"""
+    """tokens per forward/backward on each rank, counted as its rows' prompt + response tokens (no padding, as
+    verl's dynamic batch size): the rows of a prompt together, a longer row alone, 1 = one row at a time (gradient
+    accumulation: changes memory, not the update)"""
     lr: float = 1e-6
     """AdamW learning rate, constant after the warm-up"""
     warmup_steps: int = 10
