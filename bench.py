@@ -1125,19 +1125,40 @@ def _packing_table(policy, batch: Rollout, cfg, budgets=(768, 32768), reps=3):
               f"{t['packed'] / t['shared']:.2f}x |", flush=True)
 
 
-def _malloc(keep: bool) -> None:
-    """glibc's malloc: keep freed memory (train.keep_freed_memory), or glibc's default in its steady state (its
-    dynamic mmap threshold has risen to its 32 MiB cap, the trim threshold to twice that: blocks over 32 MiB are
-    mmap'd and unmapped at their free, a free heap top over 64 MiB is given back)."""
-    import ctypes
-    if keep:
-        train.keep_freed_memory()
-        return
-    mallopt = ctypes.CDLL("libc.so.6").mallopt
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
-    mallopt(M_MMAP_MAX, 65536)
-    mallopt(M_MMAP_THRESHOLD, 32 * 2**20)
-    mallopt(M_TRIM_THRESHOLD, 64 * 2**20)
+_MALLOC_PROBE = """import statistics, sys, tempfile
+sys.path.insert(0, {root!r})
+from dataclasses import replace
+from unittest import mock
+import torch
+import torch.distributed as dist
+import bench, reward, train
+if not {keep}:
+    train.keep_freed_memory = lambda: None  # glibc's malloc as it comes
+cfg = train.parse_config(["--preset", "cpu", "--max-tokens-per-micro-batch", "{budget}", "--out-dir",
+                          tempfile.mkdtemp(prefix="bench-malloc-"), "--overwrite"])
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+state = train.setup(cfg, 0, 1, torch.device("cpu"))
+run = replace(state, engine=bench._CachedEngine(state.engine))
+with mock.patch.object(reward, "reward", bench._parity):
+    times = [train.train_step(run, 0)[0]["time/update_s"] for _ in range({steps} + 1)][1:]  # after a warm-up
+print(statistics.median(times))
+"""
+
+
+def _parity(response, gold, mode="dapo"):
+    """A reward by response-length parity: mixed rewards in every group, so every mini-batch updates."""
+    return 1.0 if len(response) % 2 else -1.0
+
+
+def _malloc_row(keep: bool, budget: int, steps: int) -> float:
+    """Median update seconds of the CPU default in a fresh process, with freed memory kept (train.py's setting on
+    CPU, `train.keep_freed_memory`) or glibc's malloc as it comes (blocks over its mmap threshold unmapped at
+    their free and faulted in again at the next allocation)."""
+    code = _MALLOC_PROBE.format(root=str(Path(__file__).resolve().parent), keep=keep, budget=budget, steps=steps)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return float(out.stdout.split()[-1])
 
 
 def _update_profile(run_step) -> dict[str, float]:
@@ -1186,7 +1207,7 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
     backward and the p/H pass of the second mini-batch, counted by `_forward_flops` from the batch and the model's
     shapes) against matmuls of the model's own shapes and a 2048 x 2048 matmul timed in the same process, for
     several token budgets; right-padded rows, packed rows and packed rows with shared prompts (`_packing_table`);
-    freed memory kept or given back to the OS (`_malloc`); then where the update's time goes (`_update_profile`)."""
+    freed memory kept or not (`_malloc_row`); then where the update's time goes (`_update_profile`)."""
     from unittest import mock
 
     cfg = train.parse_config(["--preset", "cpu", "--out-dir", tempfile.mkdtemp(prefix="bench-flops-"), "--overwrite"])
@@ -1197,10 +1218,12 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
     square_rate = 2 * 2048 ** 3 / _best(lambda: square @ square, 5)[0]
     print(f"\nthe update of train.py --preset cpu: SmolLM2-135M-Instruct fp32, CPU, {torch.get_num_threads()} threads; "
           f"2048 x 2048 fp32 matmul: {square_rate / 1e9:.0f} GFLOP/s\n")
-    parity = lambda response, gold, mode="dapo": 1.0 if len(response) % 2 else -1.0  # noqa: E731
+    parity = _parity
     workloads = {"CPU default (sampled)": None}
     if long_tail:
         workloads["long tail (<= 256 tokens)"] = _long_tail_batch(state.tokenizer)
+    print("FLOPs: the update's work counted over each row's real tokens (the same update without shared prompts) and, "
+          "in parentheses, what the backbone computes (a shared prompt once)\n")
     print("| workload | --max-tokens-per-micro-batch | micro-batches per mini-batch | batch/pad_frac | "
           "batch/shared_frac | update s | update GFLOP | GFLOP/s | of shape matmul | of 2048^2 matmul | pi_old pass s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -1211,8 +1234,6 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
         with mock.patch.object(reward, "reward", parity):  # warm-up (first touch of every buffer), not timed
             train.train_step(replace(state, engine=engine), 0)
         for budget in budgets:
-            if batch is not None and budget > 4096:  # one 17k-token micro-batch: ~30 GiB of activations here
-                continue
             run = replace(state, cfg=replace(cfg, max_tokens_per_micro_batch=budget), engine=engine)
             times = []
             with mock.patch.object(reward, "reward", parity):
@@ -1223,43 +1244,42 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
             rows = cfg.mini_batch_prompts * cfg.group_size
             lengths, responses = b.lengths().tolist(), b.response_mask.sum(1).tolist()
 
-            def mb_flops(s):  # one forward of mini-batch s: its micro-batches, a shared prompt once in each
+            def mb_flops(s, shared=True):  # one forward of mini-batch s (shared: a shared prompt once)
                 mb = b.select(slice(s, s + rows))
-                computed = sum(mb.select(mi).packed_sizes()[0] for mi in mb.micro_batches(budget))
+                computed = sum(mb.select(mi).packed_sizes()[0] for mi in mb.micro_batches(budget)) if shared else None
                 return _forward_flops(config, lengths[s:s + rows], responses[s:s + rows], computed)
-            flops = sum(3 * mb_flops(s) for s in range(0, len(b), rows))  # forward + backward of every mini-batch
-            flops += sum(mb_flops(s) for s in range(rows, len(b), rows))  # p, H of the later mini-batches
+
+            def update_flops(shared):  # forward + backward of every mini-batch, p, H of the later ones
+                return sum(3 * mb_flops(s, shared) for s in range(0, len(b), rows)) + \
+                    sum(mb_flops(s, shared) for s in range(rows, len(b), rows))
+            flops, row_flops = update_flops(True), update_flops(False)
             micro = len(b.select(slice(0, rows)).micro_batches(budget))
             first = b.select(slice(0, rows))
             tokens = max(first.select(mi).packed_sizes()[0] for mi in first.micro_batches(budget))  # matmul rows
             shape_rate = _shape_matmul_rate(config, min(tokens, 2048))
             update_s = statistics.median(t[0] for t in times)
             print(f"| {label} | {budget} | {micro} | {metrics['batch/pad_frac']:.3f} | "
-                  f"{metrics['batch/shared_frac']:.3f} | {update_s:.2f} | "
-                  f"{flops / 1e9:.0f} | {flops / update_s / 1e9:.0f} | {flops / update_s / shape_rate:.2f} | "
-                  f"{flops / update_s / square_rate:.2f} | {statistics.median(t[1] for t in times):.2f} |", flush=True)
+                  f"{metrics['batch/shared_frac']:.3f} | {update_s:.2f} | {row_flops / 1e9:.0f} ({flops / 1e9:.0f}) | "
+                  f"{row_flops / update_s / 1e9:.0f} ({flops / update_s / 1e9:.0f}) | "
+                  f"{row_flops / update_s / shape_rate:.2f} ({flops / update_s / shape_rate:.2f}) | "
+                  f"{row_flops / update_s / square_rate:.2f} ({flops / update_s / square_rate:.2f}) | "
+                  f"{statistics.median(t[1] for t in times):.2f} |", flush=True)
     _packing_table(state.policy, sampled.batch, cfg)
-    print("\nfreed memory kept (train.keep_freed_memory, as train.py runs on CPU) or given back (glibc's default): "
-          f"the update of the CPU default, alternating in this process, median of {steps}\n")
-    print("| --max-tokens-per-micro-batch | given back: update s | kept: update s | given back / kept |")
+    print("\nfreed memory kept (train.keep_freed_memory, as train.py runs on CPU) or glibc's malloc as it comes: "
+          f"the update of the CPU default, each in a fresh process, alternating, median of {steps} steps after a "
+          "warm-up step\n")
+    print("| --max-tokens-per-micro-batch | glibc's malloc: update s | kept: update s | glibc / kept |")
     print("|---|---|---|---|")
     for budget in (32768, 768):
-        run = replace(state, cfg=replace(cfg, max_tokens_per_micro_batch=budget), engine=sampled)
-        times = {True: [], False: []}
-        with mock.patch.object(reward, "reward", parity):
-            for _ in range(steps):
-                for keep in (False, True):
-                    _malloc(keep)
-                    times[keep].append(train.train_step(run, 0)[0]["time/update_s"])
-        back, kept = statistics.median(times[False]), statistics.median(times[True])
-        print(f"| {budget} | {back:.2f} | {kept:.2f} | {back / kept:.2f}x |", flush=True)
+        t = {keep: _malloc_row(keep, budget, steps) for keep in (False, True)}
+        print(f"| {budget} | {t[False]:.2f} | {t[True]:.2f} | {t[False] / t[True]:.2f}x |", flush=True)
     print("\nwhere the update's time goes (one train_step, PyTorch profiler; seconds and share of the step)\n")
     print("| workload | budget | step s | LM head | attention | backbone (rest of fwd/bwd) | optimizer | grad clip | "
           "host syncs (count) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for label, batch in workloads.items():
         engine = _CachedEngine(state.engine, batch)
-        for budget in (32768, 768) if batch is None else (4096, 768):
+        for budget in (32768, 768):
             run = replace(state, cfg=replace(cfg, max_tokens_per_micro_batch=budget), engine=engine)
             with mock.patch.object(reward, "reward", parity):
                 p = _update_profile(lambda: train.train_step(run, 0))

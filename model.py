@@ -23,12 +23,15 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from TRL:
    V = 151,936 against fp64; a sum 5e-6, the fp32 logits' own error), which moves S2T and 20-Entropy thresholds
    at the margin.
 7. The training forward packs the real tokens of a micro-batch end to end into one row (positions restarting at
-   each sequence) and keeps attention within each sequence (`packed_sdpa_attention`): projections, MLPs and the LM
-   head never see padding (on the CPU default's forward + backward: as fast as right-padded rows at the 768-token
-   budget, where little is padded, 1.20-1.34x faster in one 32k-token micro-batch; bench.py flops). Attention
-   lays the sequences out as (rows, longest) for SDPA's causal kernel without a mask: from a 2D mask with left
-   padding, transformers' SDPA path builds a dense (B, 1, L, L) mask and PyTorch then takes a kernel that
-   materializes the (L x L) scores (measured on CPU: 10.5x the memory from 2k to 8k tokens; 3.9x without the mask). With flash-attn installed on CUDA, its variable-length kernel takes the packed row directly (veRL's path).
+   each sequence), and a prompt shared by several rows (the G responses of one prompt) enters it once; attention
+   is kept within each sequence (`packed_sdpa_attention`), each response reading its group's prompt keys and
+   values. Projections, MLPs and the LM head never see padding or a repeated prompt (TRL's GRPOTrainer and veRL's
+   default actor run every row's prompt; unsloth's PrefixGrouper shares it as here). Attention lays sequences of
+   similar length out as (rows, longest) (`attention_buckets`, < 10% padding) for SDPA's causal kernel without a
+   mask: from a 2D mask with left padding, transformers' SDPA path builds a dense (B, 1, L, L) mask and PyTorch
+   then takes a kernel that materializes the (L x L) scores (measured on CPU: 10.5x the memory from 2k to 8k
+   tokens; 3.9x without the mask). With flash-attn installed on CUDA, its variable-length kernel takes the
+   sequences directly (veRL's path). Measured in docs/performance.md (`python bench.py flops`).
 """
 import importlib.util
 import os
