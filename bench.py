@@ -821,19 +821,19 @@ def _mix_rollout(rows, seed=0):
 
 
 def _update_pass(policy, batch, micro, cfg):
-    """Forward + backward of every micro-batch (the update's work); returns the padded tokens fed."""
-    fed, lengths = 0, batch.lengths()
+    """Forward + backward of every micro-batch (the update's work); returns the cells attention laid out."""
+    laid = 0
     for mi in micro:
         train.policy_forward(policy, batch.select(mi), cfg, torch.device("cpu"))[0].sum().backward()
-        fed += len(mi) * int(lengths[mi].max())
-    return fed
+        laid += batch.select(mi).packed_sizes()[1]
+    return laid
 
 
 def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
     """Paper: STAPO (arXiv:2602.15620), docs/paper.md §6, trains on responses up to 15,360 tokens (veRL, dynamic batch size of 32,768
     tokens per GPU). (1) A rollout batch of 64 rows with a realistic length mix (lognormal, median ~245 response tokens,
     a tail to the cap of 1920 = 15360 / 8) through the update's forward + backward, split into 8-sequence micro-batches
-    in rollout order (a fixed sequence count) or by token budget (`Rollout.micro_batches`): padding fraction,
+    in rollout order (a fixed sequence count) or by token budget (`Rollout.micro_batches`): attention's padding,
     largest micro-batch, time per real token. (2) Peak memory of one training step vs length, with and without
     activation checkpointing, against `model.memory_estimate`.
 
@@ -854,19 +854,19 @@ def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
         schemes = {"8 sequences (old --micro-batch-size 8)": list(torch.arange(rows).split(8))}
         for budget in (4096, 8192, 16384):
             schemes[f"token budget {budget}"] = batch.micro_batches(budget)
-        fed = {name: _update_pass(policy, batch, micro, cfg) for name, micro in schemes.items()}
+        laid = {name: _update_pass(policy, batch, micro, cfg) for name, micro in schemes.items()}
         t = _interleaved({name: (lambda m=micro: _update_pass(policy, batch, m, cfg))
                           for name, micro in schemes.items()}, reps=3)
         base = next(iter(schemes))
         median = int(batch.response_mask.sum(1).median())
         print(f"update forward + backward, {rows} rows (response lengths: median {median}, max "
               f"{batch.response_mask.shape[1]}), scaled-down Qwen3 (2 layers), fp32 CPU, 1 thread, median of 3\n")
-        print("| micro-batches | count | largest (padded tokens) | batch/pad_frac | time per real token | "
+        print("| micro-batches | count | largest (tokens) | batch/pad_frac | time per real token | "
               "vs 8 sequences |")
         print("|---|---|---|---|---|---|")
         for name, micro in schemes.items():
-            largest = max(len(mi) * int(batch.lengths()[mi].max()) for mi in micro)
-            print(f"| {name} | {len(micro)} | {largest} | {1 - real / fed[name]:.3f} | {t[name] / real * 1e6:.1f} us | "
+            largest = max(int(batch.lengths()[mi].sum()) for mi in micro)
+            print(f"| {name} | {len(micro)} | {largest} | {1 - real / laid[name]:.3f} | {t[name] / real * 1e6:.1f} us | "
                   f"{t[name] / t[base]:.2f}x |", flush=True)
 
         print("\nmodel.memory_estimate at the paper's recipe (256 prompts x G=8 per step, --rollout-chunk 8, prompt "
