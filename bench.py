@@ -866,8 +866,8 @@ def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
         print("|---|---|---|---|---|---|")
         for name, micro in schemes.items():
             largest = max(int(batch.lengths()[mi].sum()) for mi in micro)
-            print(f"| {name} | {len(micro)} | {largest} | {1 - real / laid[name]:.3f} | {t[name] / real * 1e6:.1f} us | "
-                  f"{t[name] / t[base]:.2f}x |", flush=True)
+            print(f"| {name} | {len(micro)} | {largest} | {1 - real / laid[name]:.3f} | "
+                  f"{t[name] / real * 1e6:.1f} us | {t[name] / t[base]:.2f}x |", flush=True)
 
         print("\nmodel.memory_estimate at the paper's recipe (256 prompts x G=8 per step, --rollout-chunk 8, prompt "
               "1024 + response 15360, 32768 tokens per micro-batch, bf16 compute, FSDP2), GiB per rank\n")
@@ -1063,7 +1063,8 @@ class _CachedEngine:
 
 def _long_tail_batch(tokenizer, rows: int = 128, cap: int = 256, seed: int = 0) -> Rollout:
     """A synthetic rollout batch with the length mix of math RL at a laptop's scale: prompts of the built-in task
-    (~12 tokens, 8 rows each), responses lognormal with median ~20 tokens and a tail to `cap`; random token ids (timing only)."""
+    (~12 tokens, 8 rows each), responses lognormal with median ~20 tokens and a tail to `cap`; random token ids
+    (timing only)."""
     g = torch.Generator().manual_seed(seed)
     prompts = [format_prompt(tokenizer, f"What is {i // 32} + {i // 8 % 4}?", False, "The answer is")
                for i in range(rows)]  # G = 8 rows per prompt
@@ -1225,7 +1226,8 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
     print("FLOPs: the update's work counted over each row's real tokens (the same update without shared prompts) and, "
           "in parentheses, what the backbone computes (a shared prompt once)\n")
     print("| workload | --max-tokens-per-micro-batch | micro-batches per mini-batch | batch/pad_frac | "
-          "batch/shared_frac | update s | update GFLOP | GFLOP/s | of shape matmul | of 2048^2 matmul | pi_old pass s |")
+          "batch/shared_frac | update s | update GFLOP | GFLOP/s | of shape matmul | of 2048^2 matmul | "
+          "pi_old pass s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, batch in workloads.items():
         engine = _CachedEngine(state.engine, batch)
