@@ -34,6 +34,7 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from TRL:
    sequences directly (veRL's path). Measured in docs/performance.md (`python bench.py flops`).
 """
 import importlib.util
+import json
 import os
 import string
 from dataclasses import dataclass
@@ -512,15 +513,17 @@ def shard_policy(policy: Policy, mixed_precision: bool = True, from_rank0: bool 
     return policy
 
 
-def save_hf(policy_or_lm, tokenizer, out_dir):
-    """Write a HF directory (safetensors + config + tokenizer) loadable by `from_pretrained`.
+def save_hf(policy_or_lm, tokenizer, out_dir, dtype: torch.dtype | None = None):
+    """Write a HF directory (safetensors + config + tokenizer) loadable by `from_pretrained`, with the weights in
+    `dtype` (default: their own; config.json's `dtype` says which).
 
     Works on a plain or FSDP2-sharded Policy (or lm): every rank must call it (the full state dict is gathered
     collectively onto rank 0's CPU); rank 0 writes."""
     lm = policy_or_lm.lm if isinstance(policy_or_lm, Policy) else policy_or_lm
     distributed = dist.is_available() and dist.is_initialized()
     state = get_model_state_dict(policy_or_lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    state = {k.removeprefix("lm."): v for k, v in state.items()}  # Policy's keys -> HF keys
+    state = {k.removeprefix("lm."): v if dtype is None or not v.is_floating_point() else v.to(dtype)
+             for k, v in state.items()}  # Policy's keys -> HF keys
     first = {}  # a parameter shared by several modules (tied embeddings) is saved once, under its first name
     for name, p in lm.named_parameters(remove_duplicate=False):
         if first.setdefault(id(p), name) != name:
@@ -528,6 +531,12 @@ def save_hf(policy_or_lm, tokenizer, out_dir):
     if not distributed or dist.get_rank() == 0:
         lm.save_pretrained(out_dir, state_dict=state)
         tokenizer.save_pretrained(out_dir)
+        if dtype is not None:  # save_pretrained records the live model's dtype
+            config = os.path.join(out_dir, "config.json")
+            with open(config) as f:
+                values = json.load(f)
+            with open(config, "w") as f:
+                json.dump({**values, "dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
     if distributed:
         dist.barrier()
 

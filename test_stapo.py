@@ -37,6 +37,7 @@ import model
 import plots
 import reward
 import rollout
+import run_folder
 import s2t
 import stapo
 import train
@@ -2371,11 +2372,11 @@ def test_train_resume_errors_are_one_line(tmp_path, monkeypatch, capsys):
 
 
 def _md5s(folder: Path) -> dict[str, str]:
-    """{relative path: md5} of every file under folder."""
+    """{relative path: md5} of every file under folder but run.lock (it names the last process that opened it)."""
     import hashlib
 
     return {str(p.relative_to(folder)): hashlib.md5(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))
-            if p.is_file()}
+            if p.is_file() and p.name != "run.lock"}
 
 
 def _one_line_error(capsys, expected: str) -> None:
@@ -2406,7 +2407,7 @@ def test_train_refuses_a_folder_that_holds_a_run(tmp_path, monkeypatch, capsys):
         capsys.readouterr()
         assert train.main(_toy_args(data, run, steps=1)) == 2
         _one_line_error(capsys, f"--out-dir {run} holds a run (config.json, metrics.jsonl")
-        assert _md5s(run) == before and "checkpoint/step_2/rank0.pt" in before
+        assert _md5s(run) == before and "checkpoint/step_2/state.pt" in before
         assert train.main(_toy_args(data, run, steps=1, overwrite=True)) == 0
     assert len(_metrics(run)) == 1 and sorted(p.name for p in (run / "checkpoint").iterdir()) == ["latest", "step_1"]
     assert train.main(["--resume", str(run), "--overwrite"]) == 2
@@ -2547,7 +2548,9 @@ def test_train_torn_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path
         (run / "checkpoint" / "latest").write_text("ste")
         capsys.readouterr()
         assert train.main(["--resume", str(run), "--steps", "3"]) == 0
-    assert "is unreadable; using the newest complete checkpoint, step_2" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"train.py: warning: {run / 'checkpoint' / 'latest'} names ste, which is missing or incomplete" in err
+    assert "train.py: warning: resuming from step_2, the newest checkpoint that passes its checks" in err
     assert [m["step"] for m in _metrics(run)] == [1, 2, 3]
     assert (run / "checkpoint" / "latest").read_text() == "step_3"
 
@@ -2620,12 +2623,15 @@ def test_train_weights_only_checkpoint(tmp_path, monkeypatch, capsys):
 
 def test_train_hf_export_reproduces_logprobs(tmp_path, monkeypatch):
     _patch(monkeypatch, _EVEN)
-    cfg = train.parse_config(_toy_args(_toy_data(tmp_path), tmp_path / "run", steps=1))
+    cfg, _, _ = train.parse_config(_toy_args(_toy_data(tmp_path), tmp_path / "run", steps=1))
     rank, world, device = train.init_distributed()
     try:
-        with _one_thread():
-            run = train.setup(cfg, rank, world, device)
-            train.train(run)
+        with _one_thread(), run_folder.Preemption() as preemption:  # main's steps, keeping the run's policy
+            rows = train.read_inputs(cfg, world)
+            _, _, lock = run_folder.open_run(asdict(cfg), None, rank, world)
+            run = train.setup(cfg, rows, rank, world, device, None, preemption)
+            assert train.train(run) == 0
+            lock.release()
     finally:
         dist.destroy_process_group()
     policy = run.policy
@@ -3134,7 +3140,7 @@ def test_train_eval_samples_zero_and_numeric_flags(tmp_path, monkeypatch, capsys
     data = _toy_data(tmp_path)
     with _one_thread():
         assert train.main(_toy_args(data, tmp_path / "noeval", heldout=2, eval_samples=0, export_hf=False)) == 0
-    assert (tmp_path / "noeval" / "eval.jsonl").read_text() == "" and len(_metrics(tmp_path / "noeval")) == 1
+    assert not (tmp_path / "noeval" / "eval.jsonl").exists() and len(_metrics(tmp_path / "noeval")) == 1
     assert "held-out accuracy" not in capsys.readouterr().out
     monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     for flag, value, expected in [("eval_samples", -1, "--eval-samples must be >= 0 (got -1)"),
@@ -3174,14 +3180,15 @@ def test_train_rollout_auto_is_vllm_on_cuda_when_installed(monkeypatch, capsys):
     from importlib.util import find_spec
 
     cfg = train.Config()
-    assert cfg.rollout == "auto" and train.in_effect(cfg, {}, cuda=False, world=1).rollout == "plain"
-    assert train.in_effect(cfg, {}, cuda=True, world=1).rollout == ("vllm" if find_spec("vllm") else "plain")
+    assert cfg.rollout == "auto" and train.in_effect(cfg, {}, cuda=False, world=1) == (replace(
+        cfg, rollout="plain", fsdp=False, mixed_precision=False), [])
+    assert train.in_effect(cfg, {}, cuda=True, world=1)[0].rollout == ("vllm" if find_spec("vllm") else "plain")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "vllm" else find_spec(name))
-    capsys.readouterr()
-    assert train.in_effect(cfg, {}, cuda=True, world=1).rollout == "plain"
-    note = capsys.readouterr().err.strip().splitlines()
-    assert len(note) == 1 and note[0].startswith("train.py: note: --rollout auto samples with the plain sampler")
-    assert train.in_effect(train.replace(cfg, rollout="plain"), {}, cuda=True, world=1).rollout == "plain"
+    chosen, notes = train.in_effect(cfg, {}, cuda=True, world=1)
+    assert chosen.rollout == "plain" and len(notes) == 1, notes
+    assert notes[0].startswith("note: --rollout auto samples with the plain sampler")
+    assert train.in_effect(train.replace(cfg, rollout="plain"), {}, cuda=True, world=1) == (replace(
+        cfg, rollout="plain", fsdp=True), [])
 
 
 def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
@@ -3215,8 +3222,9 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
         "spurious.jsonl, s2t.png)")
     assert train.silenced_summary("justrl", [], []) == (
         "justrl silenced 0 tokens in 0 of 0 steps; S2T candidates (A > 0, p < tau_p): 0 (metrics.jsonl s2t/*)")
+    spurious = "spurious.jsonl, " if metrics[0]["s2t/silenced"] else ""  # a log without lines is never made
     assert out[-1].startswith(f"outputs in {tmp_path / 'run'}/: config.json, metrics.jsonl, eval.jsonl, samples.jsonl, "
-                              f"spurious.jsonl, tokens.jsonl, checkpoint/step_1, hf/ (python eval.py --run "
+                              f"{spurious}tokens.jsonl, checkpoint/step_1, hf/ (python eval.py --run "
                               f"{tmp_path / 'run'})")
 
 

@@ -38,11 +38,9 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
-import json
 import math
 import os
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -56,11 +54,12 @@ import torch.distributed as dist
 import plots
 import reward
 import rollout
+import run_folder
 import s2t
 import stapo
 from eval import load_rows, parse_flags
 from model import (Policy, from_rank0, kv_cache_bytes, lm_vocab_size, load_model, memory_estimate, memory_line,
-                   save_hf, shard_policy)
+                   shard_policy)
 
 
 # ------------------------------------------------------------------------------------------------- the step
@@ -81,16 +80,20 @@ class Run:
     prompts: list[list[int]]
     test_rows: list[dict]  # held-out problems and their prompts
     test_prompts: list[list[int]]
+    preemption: run_folder.Preemption  # stop signals (SIGTERM, SIGUSR1) on any rank
     start: int = 0  # steps already done (a resumed run)
 
 
-def train_step(run: Run, step: int) -> tuple[dict, list[dict], list[dict], list[dict]]:
+def train_step(run: Run, step: int) -> tuple[dict, list[dict], list[dict], list[dict]] | None:
     """Step `step + 1` (steps count from 1; `step` is the 0-based data position): one rollout batch and its
-    mini-batch updates -> (metrics, spurious.jsonl lines, samples.jsonl records, tokens.jsonl records)."""
+    mini-batch updates -> (metrics, spurious.jsonl lines, samples.jsonl records, tokens.jsonl records), or None
+    when a stop signal came during the rollout (nothing was updated)."""
     cfg, G, device, policy = run.cfg, run.cfg.group_size, run.device, run.policy
     t0 = time.time()
     # 1. G responses for each of this rank's prompts of the step (difference 3: seeded per generate call).
     batch, mine = sample(run, step)  # mine: the row index of each prompt
+    if run.preemption.agreed():  # a stop signal came during the rollout: abandon the step (run_folder.Preemption)
+        return None
     # 2. Rewards and group advantages (groups never span ranks).
     texts = batch.texts(run.tokenizer)
     rewards = torch.tensor([reward.reward(text, run.rows[mine[i // G]]["answer"], cfg.reward)
@@ -173,7 +176,7 @@ def sample(run: Run, step: int) -> tuple[rollout.Rollout, list[int]]:
     indices = prompt_indices(step, len(run.rows), cfg)
     positions = rank_slice(len(indices), cfg, run.rank, run.world)
     mine = [indices[i] for i in positions]  # row indices
-    chunk = prompts_per_call(cfg, len(mine), run.policy.lm.config, rollout_dtype(cfg, run.device).itemsize)
+    chunk = prompts_per_call(cfg, len(mine), run.policy.lm.config, compute_dtype(cfg, run.device).itemsize)
     seeds = [hash((cfg.seed, step, step * cfg.prompts_per_step + i)) % 2**62 for i in positions[::chunk]]
     run.policy.eval()
     with run.engine.ready(run.policy):  # plain: parameters gathered; vllm: current weights pushed
@@ -337,44 +340,22 @@ def token_record(step: int, k: int, threshold: float | None, drawn: dict, correc
 
 
 # ------------------------------------------------------------------------------------------------- the loop
-def train(run: Run) -> None:
-    """The training loop on the objects `setup` made: steps, metrics, samples and spurious-token lines, evals,
-    checkpoints, the HF export. Step N (counted from 1) is the same N in the console, metrics.jsonl, eval.jsonl
-    (N = evaluated after N steps, 0 = before training), samples.jsonl, spurious.jsonl and checkpoint/step_N."""
+def train(run: Run) -> int:
+    """The training loop on the objects `setup` made: steps, logs, evaluations, checkpoints, the HF export. Returns
+    the exit status: 0, or run_folder.STOPPED when a stop signal ended the run early (with a checkpoint). Step N
+    (from 1) is the same N in the console, metrics.jsonl, eval.jsonl (N = evaluated after N steps, 0 = before
+    training), samples.jsonl, spurious.jsonl and checkpoint/step_N. What the folder promises: run_folder.py."""
     from tqdm import tqdm
 
     cfg, rank, world, start = run.cfg, run.rank, run.world, run.start
     out = Path(cfg.out_dir)
-    logs = ("metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl", "tokens.jsonl")
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        if start:  # a resume: what changed (RESUMABLE flags only, parse_config checked) goes into resumes.jsonl
-            old = json.loads((out / "config.json").read_text())
-            changed = {k: [old.get(k), v] for k, v in asdict(cfg).items() if k != "resume" and old.get(k) != v}
-            with open(out / "resumes.jsonl", "a") as f:
-                f.write(json.dumps({"step": start, "changed": changed}) + "\n")
-        elif cfg.overwrite:  # the user asked to replace the run in this folder
-            for name in RUN_FILES:
-                if (out / name).is_dir():
-                    shutil.rmtree(out / name)
-                elif (out / name).exists():
-                    (out / name).unlink()
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-        for name in logs:  # drop lines past the checkpoint
-            f = out / name
-            lines = f.read_text().splitlines() if start and f.exists() else []
-            f.write_text("".join(x + "\n" for x in lines if x and json.loads(x)["step"] <= start))
-    dist.barrier()  # the folder is ready (an --overwrite done) before any rank writes into it
-
     log, close_log = open_logger(cfg, out) if rank == 0 else (None, None)
 
-    def write(name, records):
-        if rank == 0:
-            with open(out / name, "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in records)
-            if log and name in ("metrics.jsonl", "eval.jsonl"):
-                for r in records:
-                    log(r)
+    def write(records: dict[str, list[dict]]):  # rank 0 appends whole lines; a full disk stops every rank
+        run_folder.write_logs(out, records, rank)
+        for name in ("eval.jsonl", "metrics.jsonl"):
+            for r in records.get(name, []) if log else []:
+                log(r)
 
     def gather(records):
         parts = [None] * world
@@ -385,44 +366,66 @@ def train(run: Run) -> None:
         if rank == 0:
             tqdm.write(f"train.py: warning: {message}" if warning else message, file=sys.stderr if warning else None)
 
-    def run_eval(done):
-        if run.test_rows and cfg.eval_samples:
-            result, samples = evaluate(run, done)
-            write("eval.jsonl", [{"step": done, **result}])
-            write("samples.jsonl", gather(samples)[:cfg.samples_per_step])
-            when = f"after {n_steps(done)}" if done else "before training"
-            say(f"held-out accuracy {when}: {result['eval/acc']:.3f} ({int(result['eval/n'])} samples)")
+    def eval_due(done):  # before training, every --eval-every steps and after the last (when there is a set)
+        return bool(run.test_rows and cfg.eval_samples) and (
+            done in (0, cfg.steps) or bool(cfg.eval_every and done % cfg.eval_every == 0))
 
-    if start == 0:
-        run_eval(0)
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"{cfg.algo} steps", dynamic_ncols=True,
-               disable=rank != 0)
-    for step in bar:
-        metrics, spurious, samples, drawn = train_step(run, step)
-        done = step + 1
-        write("spurious.jsonl", gather(spurious)[:cfg.spurious_per_step])
-        write("samples.jsonl", gather(samples)[:cfg.samples_per_step])
-        write("tokens.jsonl", [{key: sum((r[key] for r in same), []) if isinstance(same[0][key], list) else value
-                                for key, value in same[0].items()}  # one line per mini-batch, ranks concatenated
-                               for same in zip(*gather([drawn]))])
-        write("metrics.jsonl", [metrics])
-        bar.set_postfix({"train_acc": f"{metrics['reward/acc']:.2f}", "H": f"{metrics['entropy/mean']:.2f}",
-                         "silenced": f"{metrics['s2t/silenced_frac']:.1e}"})
-        if metrics["adv/zero_frac"] == 1.0:  # every group had equal rewards: the policy gradient is zero
-            acc, none = metrics["reward/acc"], " and no update was made" if metrics["updates"] == 0 else ""
-            say(f"step {done}: every response was right, so the policy gradient is zero{none}; use harder data"
-                if acc == 1 else f"step {done}: in every group the {cfg.group_size} responses had equal rewards "
-                f"(train_acc {acc:.2f}), so the policy gradient is zero{none}; use easier data, a larger "
-                f"--group-size or a higher --temperature", warning=True)
-        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
-            run_eval(done)
-        if done == cfg.steps or (cfg.save_every and done % cfg.save_every == 0):
-            save_checkpoint(out, done, run.policy, run.optimizer, run.scheduler, rank, cfg)
-    bar.close()
-    if start < cfg.steps:
-        run_eval(cfg.steps)
-    if cfg.export_hf:
-        save_hf(run.policy, run.tokenizer, str(out / "hf"))
+    def run_eval(done):  # False when a stop signal came during it: nothing is written, the resume evaluates again
+        result, samples = evaluate(run, done)
+        if result is None:
+            return False
+        write({"eval.jsonl": [{"step": done, **result}], "samples.jsonl": gather(samples)[:cfg.samples_per_step]})
+        when = f"after {n_steps(done)}" if done else "before training"
+        say(f"held-out accuracy {when}: {result['eval/acc']:.3f} ({int(result['eval/n'])} samples)")
+        return True
+
+    evaluated = {r["step"] for r in run_folder.read_log(out / "eval.jsonl")[0]}  # a resume evaluates what is due
+    stopped = eval_due(start) and start not in evaluated and not run_eval(start)
+    saved = done = start  # the steps of the last checkpoint (none of a new run: 0), the steps done
+    with tqdm(total=cfg.steps, initial=start, desc=f"{cfg.algo} steps", dynamic_ncols=True,
+              disable=rank != 0) as bar:  # closed also when an error leaves the loop
+        for step in range(start, cfg.steps):
+            if stopped:
+                break
+            result = train_step(run, step)
+            if result is None:  # a stop signal during the rollout: the step is abandoned
+                stopped = True
+                break
+            metrics, spurious, samples, drawn = result
+            done = step + 1
+            write({"spurious.jsonl": gather(spurious)[:cfg.spurious_per_step],
+                   "samples.jsonl": gather(samples)[:cfg.samples_per_step],
+                   "tokens.jsonl": [{key: sum((r[key] for r in same), []) if isinstance(same[0][key], list) else value
+                                     for key, value in same[0].items()}  # one line per mini-batch, ranks concatenated
+                                    for same in zip(*gather([drawn]))],
+                   "metrics.jsonl": [metrics]})
+            bar.update()
+            bar.set_postfix({"train_acc": f"{metrics['reward/acc']:.2f}", "H": f"{metrics['entropy/mean']:.2f}",
+                             "silenced": f"{metrics['s2t/silenced_frac']:.1e}"})
+            if metrics["adv/zero_frac"] == 1.0:  # every group had equal rewards: the policy gradient is zero
+                acc, no_update = metrics["reward/acc"], " and no update was made" if metrics["updates"] == 0 else ""
+                say(f"step {done}: every response was right, so the policy gradient is zero{no_update}; use harder data"
+                    if acc == 1 else f"step {done}: in every group the {cfg.group_size} responses had equal rewards "
+                    f"(train_acc {acc:.2f}), so the policy gradient is zero{no_update}; use easier data, a larger "
+                    f"--group-size or a higher --temperature", warning=True)
+            stopped = eval_due(done) and not run_eval(done)
+            stopped = run.preemption.agreed() or stopped  # every rank, every step: one all-reduce
+            if done == cfg.steps or stopped or (cfg.save_every and done % cfg.save_every == 0):
+                saved = checkpoint(run, done)
+    if stopped:
+        if saved != done:  # stopped in the rollout after a step without a checkpoint
+            saved = checkpoint(run, done)
+        if rank == 0:
+            run_folder.write_stopped(out, run.preemption.signal, saved or None)
+            if close_log:
+                close_log()
+        kept = (f"checkpoint/step_{saved} is kept; the same command with --resume auto (or python train.py "
+                f"--resume {out}) continues the run" if saved else "nothing to keep; the same command starts it again")
+        say(f"stopped by {run.preemption.signal} after {n_steps(done)} of {cfg.steps}, "
+            f"{time.monotonic() - run.preemption.received:.1f} s after the signal: {kept}")
+        return run_folder.STOPPED
+    if cfg.export_hf and run_folder.export_step(out / "hf") != cfg.steps:
+        run_folder.export(run.policy, run.tokenizer, out, cfg.steps, compute_dtype(cfg, run.device), rank)
     if rank == 0:
         if close_log:
             close_log()
@@ -437,12 +440,20 @@ def train(run: Run) -> None:
         diverged = divergence(steps)
         if diverged:
             say(diverged + "; lower --lr (or raise --warmup-steps)", warning=True)
-        made = [name for name in ("config.json", *logs, "metrics.png", "s2t.png", "gradient.png")
-                if (out / name).exists()]
-        made += [f"checkpoint/step_{checkpoint_step(out)}"] if (out / "checkpoint" / "latest").exists() else []
+        made = [name for name in run_folder.RUN_FILES if (out / name).is_file() and name != "stopped.json"]
+        made += [f"checkpoint/step_{run_folder.complete_steps(out)[0]}"] if run_folder.complete_steps(out) else []
         made += ["hf/ (python eval.py --run " + str(out) + ")"] if cfg.export_hf else []
         say(f"outputs in {out}/: {', '.join(made)}; " + (f"{diverged}; " if diverged else "")
             + f"continue with python train.py --resume {out} --steps N")
+    return 0
+
+
+def checkpoint(run: Run, done: int) -> int:
+    """Write the checkpoint after `done` steps (every rank; run_folder.save_checkpoint); returns `done`."""
+    run_folder.save_checkpoint(Path(run.cfg.out_dir), done, run.policy, run.optimizer, run.scheduler,
+                               run_folder.recipe(asdict(run.cfg)), run.cfg.save_optimizer, run.cfg.keep_checkpoints,
+                               run.rank, run.world)
+    return done
 
 
 def silenced_summary(algo: str, steps: list[dict], files: list[str]) -> str:
@@ -480,9 +491,9 @@ def n_steps(n: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- evaluation
-def evaluate(run: Run, done: int) -> tuple[dict, list[dict]]:
+def evaluate(run: Run, done: int) -> tuple[dict | None, list[dict]]:
     """Mean accuracy over `eval_samples` samples per held-out problem (problems split round-robin over ranks) after
-    `done` steps, and this rank's samples.jsonl records."""
+    `done` steps, and this rank's samples.jsonl records; (None, []) when a stop signal came during it."""
     cfg, rows, prompts, rank, tokenizer, policy = (run.cfg, run.test_rows, run.test_prompts, run.rank, run.tokenizer,
                                                    run.policy)
     mine = list(range(rank, len(rows), run.world))
@@ -491,7 +502,9 @@ def evaluate(run: Run, done: int) -> tuple[dict, list[dict]]:
     policy.eval()
     with run.engine.ready(policy):  # a collective: every rank enters, also one without held-out problems
         out = run.engine.sample([prompts[i] for i in mine], cfg.eval_samples, [cfg.seed + 1 + rank], len(mine),
-                            cfg.max_response_len, cfg.temperature, cfg.top_p) if mine else None
+                                cfg.max_response_len, cfg.temperature, cfg.top_p) if mine else None
+    if run.preemption.agreed():  # a stop signal came during it
+        return None, []
     if mine:
         texts = out.texts(tokenizer)
         verdicts = [float(reward.grade(t, rows[mine[j // cfg.eval_samples]]["answer"])) for j, t in enumerate(texts)]
@@ -529,14 +542,15 @@ def prompts_per_call(cfg: Config, n: int, lm_config, dtype_bytes: int) -> int:
     return min(n, cfg.rollout_chunk or max(1, int(cfg.kv_cache_gb * 1e9 // per_prompt)))
 
 
-def rollout_dtype(cfg: Config, device) -> torch.dtype:
-    """dtype of the sampler's weights and KV cache: FSDP2's bf16 compute dtype with mixed precision on CUDA."""
+def compute_dtype(cfg: Config, device) -> torch.dtype:
+    """FSDP2's compute dtype (bf16 with mixed precision on CUDA, else fp32): the sampler's weights and KV cache, and
+    the exported model's."""
     return torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision else torch.float32
 
 
 def make_engine(cfg: Config, lm, tokenizer, prompts: list[list[int]], rank: int, world: int, device):
     """The --rollout engine, created once (vllm: on every rank at the same time); prints the KV-cache estimate."""
-    n, G, dtype = cfg.prompts_per_step // world, cfg.group_size, rollout_dtype(cfg, device)
+    n, G, dtype = cfg.prompts_per_step // world, cfg.group_size, compute_dtype(cfg, device)
     chunk, tokens = prompts_per_call(cfg, n, lm.config, dtype.itemsize), cfg.max_prompt_len + cfg.max_response_len
     kv_call = kv_cache_bytes(lm.config, chunk * G, tokens, dtype.itemsize)
     kv_vllm = min(kv_cache_bytes(lm.config, n * G, tokens, dtype.itemsize), int(cfg.kv_cache_gb * 1e9))
@@ -572,8 +586,9 @@ def token_stats(policy, batch: rollout.Rollout, cfg: Config, device):
 
 
 # ------------------------------------------------------------------------------------------------- setup
-def setup(cfg: Config, rank: int, world: int, device) -> Run:
-    """Everything that can fail on bad inputs: data, model, sharding, optimizer, resume."""
+def read_inputs(cfg: Config, world: int) -> tuple[list[dict], list[dict]]:
+    """The checks that need neither the model nor the run folder, made first (every rank): the number of processes,
+    the logger, the data -> (training rows, held-out rows) of eval.load_rows."""
     if cfg.prompts_per_step % world or cfg.mini_batch_prompts % world:
         raise ValueError(f"--prompts-per-step and --mini-batch-prompts must be multiples of the {world} ranks")
     if cfg.logger not in LOGGERS:
@@ -581,9 +596,24 @@ def setup(cfg: Config, rank: int, world: int, device) -> Run:
     if cfg.logger and importlib.util.find_spec(LOGGERS[cfg.logger]) is None:
         raise ImportError(f"--logger {cfg.logger} needs the {LOGGERS[cfg.logger]} package: pip install "
                           f"{LOGGERS[cfg.logger]}")
+    train_rows, test_rows = load_rows(cfg)
+    too_few(cfg, len(train_rows))
+    return train_rows, test_rows
+
+
+def too_few(cfg: Config, n_rows: int) -> None:
+    """A step takes each training problem at most once: refuse --prompts-per-step above the problems there are."""
+    if cfg.prompts_per_step > n_rows:
+        raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is more than the {n_rows} training problems of "
+                         f"{cfg.data or 'the built-in task'} (a step takes each at most once): lower it")
+
+
+def setup(cfg: Config, rows: tuple[list[dict], list[dict]], rank: int, world: int, device,
+          checkpoint: Path | None, preemption: run_folder.Preemption) -> Run:
+    """The model, its sharding, the optimizer, the rollout engine, and the checkpoint a resume continues from."""
     if device.type == "cpu":
         keep_freed_memory()
-    train_rows, test_rows = load_rows(cfg)
+    train_rows, test_rows = rows
     # one process: read onto its device; several: read once on rank 0, the others build it on the meta device and
     # receive their shards of the weights from rank 0 in shard_policy (model.from_rank0)
     load = (lambda: load_model(cfg.model, device=device)) if world == 1 else (lambda: from_rank0(
@@ -601,6 +631,7 @@ def setup(cfg: Config, rank: int, world: int, device) -> Run:
     test_rows, test_prompts, dropped_test = fitting(test_rows, test_prompts)
     if not train_prompts:
         raise ValueError(f"every prompt of {cfg.data or 'the built-in task'} is longer than --max-prompt-len")
+    too_few(cfg, len(train_prompts))
     if (dropped or dropped_test) and rank == 0:
         print(f"train.py: dropped {dropped} of {dropped + len(train_prompts)} training prompts and {dropped_test} of "
               f"{dropped_test + len(test_prompts)} held-out prompts longer than --max-prompt-len {cfg.max_prompt_len} "
@@ -612,7 +643,7 @@ def setup(cfg: Config, rank: int, world: int, device) -> Run:
         row, rows = prompt_len + cfg.max_response_len, cfg.mini_batch_prompts // world * cfg.group_size
         print(memory_line(memory_estimate(
             lm.config, world, min(max(cfg.max_tokens_per_micro_batch, row), rows * row), cfg.grad_checkpointing,
-            prompts_per_call(cfg, per_rank, lm.config, rollout_dtype(cfg, device).itemsize) * cfg.group_size,
+            prompts_per_call(cfg, per_rank, lm.config, compute_dtype(cfg, device).itemsize) * cfg.group_size,
             prompt_len, cfg.max_response_len,
             fsdp=cfg.fsdp, compute_bytes=2 if cfg.fsdp and cfg.mixed_precision else 4,  # as in effect (in_effect)
             chunk_size=cfg.chunk_size)), flush=True)
@@ -633,10 +664,17 @@ def setup(cfg: Config, rank: int, world: int, device) -> Run:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     # lr: linear warm-up over warmup_steps optimizer steps, then constant
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
-    start = load_checkpoint(Path(cfg.out_dir), policy, optimizer, scheduler, rank) if cfg.resume else 0
+    start = 0
+    if checkpoint is not None:  # any number of ranks: DCP reshards (run_folder.load_checkpoint)
+        state = run_folder.load_checkpoint(checkpoint, policy, optimizer, scheduler)
+        start = state["step"]
+        run_folder.say(f"resuming from {checkpoint} at step {start + 1} ({n_steps(start)} done)", rank)
+        if not state["optimizer"]:
+            run_folder.say(f"{checkpoint} holds weights only (--no-save-optimizer): AdamW restarts from zero moments, "
+                           f"so the resumed run differs from an uninterrupted one", rank, warning=True)
     engine = make_engine(cfg, lm, tokenizer, train_prompts + test_prompts, rank, world, device)
     return Run(cfg, rank, world, device, policy, ref_policy, tokenizer, optimizer, scheduler, engine, train_rows,
-               train_prompts, test_rows, test_prompts, start)
+               train_prompts, test_rows, test_prompts, preemption, start)
 
 
 def keep_freed_memory() -> None:
@@ -697,96 +735,6 @@ def all_gather_cat(values: torch.Tensor) -> torch.Tensor:
     parts = [torch.zeros(longest) for _ in range(world)]
     dist.all_gather(parts, torch.nn.functional.pad(values, (0, longest - values.numel())))
     return torch.cat([p[:int(s)] for p, s in zip(parts, sizes)])
-
-
-# ---------------------------------------------------------------------------------------------- checkpoints
-def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, rank: int, cfg: Config) -> None:
-    """Sharded DCP checkpoint of the model (+ the optimizer unless --no-save-optimizer) after `done` steps in
-    OUT/checkpoint/step_<done>, plus one small file per rank (step, scheduler and RNG states); the data position
-    needs no state. Then OUT/checkpoint/latest names it (written to a temporary file and renamed: never torn) and
-    the previous one is deleted. A write that fails on any rank (a full disk) raises RunError on every rank, with
-    the new folder removed and `latest` still naming the previous checkpoint."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    path, latest = out / "checkpoint" / f"step_{done}", out / "checkpoint" / "latest"
-    failed = None
-    try:
-        model_sd, optim_sd = get_state_dict(policy, optimizer)
-        dcp.save({"model": model_sd, **({"optim": optim_sd} if cfg.save_optimizer else {})}, checkpoint_id=str(path))
-        torch.save({"step": done, "optimizer": cfg.save_optimizer, "config": asdict(cfg),
-                    "scheduler": scheduler.state_dict(), "python_rng": random.getstate(),
-                    "torch_rng": torch.get_rng_state(),
-                    "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
-                   path / f"rank{rank}.pt")
-    except (OSError, RuntimeError, CheckpointException) as e:  # e.g. "[enforce fail at inline_container.cc]"
-        failed = e
-    if all_sum(failed is not None)[0]:  # every rank stops here together
-        if rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-        dist.barrier()
-        reason = str(failed).strip().splitlines()[0] if failed is not None and str(failed).strip() else "another rank"
-        kept = f"{latest} still names {latest.read_text().strip()}" if latest.exists() else "no checkpoint was kept"
-        raise RunError(f"could not write {path} (a full disk?): {reason}; {kept} (python train.py --resume {out})")
-    if rank == 0:
-        previous = latest.read_text().strip() if latest.exists() else None
-        (out / "checkpoint" / "latest.tmp").write_text(path.name)
-        os.replace(out / "checkpoint" / "latest.tmp", latest)
-        if previous and previous != path.name:
-            shutil.rmtree(out / "checkpoint" / previous, ignore_errors=True)
-    dist.barrier()
-
-
-class RunError(Exception):
-    """A failure the user can act on, met while training (a full disk): one line and exit status 2."""
-
-
-def checkpoint_step(out: Path) -> int:
-    """Steps done by the last complete checkpoint of OUT (its folder is checkpoint/step_<steps>): the one
-    checkpoint/latest names (replaced whole by a rename), or, where `latest` is unreadable (torn by an older
-    version or by hand), the newest step_N folder that is complete (DCP's .metadata and rank 0's file)."""
-    latest = out / "checkpoint" / "latest"
-    try:
-        return int(latest.read_text().strip().removeprefix("step_"))
-    except (OSError, ValueError):
-        complete = [int(p.name[5:]) for p in (out / "checkpoint").glob("step_*") if p.name[5:].isdigit()
-                    and (p / ".metadata").is_file() and (p / "rank0.pt").is_file()]
-        if not complete:
-            raise FileNotFoundError(f"{out} has no checkpoint to resume from: the run stopped before its first one "
-                                    f"(written every --save-every steps and at the last step)") from None
-        if latest.exists() and int(os.environ.get("RANK", 0)) == 0:
-            print(f"train.py: warning: {latest} is unreadable; using the newest complete checkpoint, "
-                  f"step_{max(complete)}", file=sys.stderr, flush=True)
-        return max(complete)
-
-
-def load_checkpoint(out: Path, policy, optimizer, scheduler, rank: int) -> int:
-    """Restore the last checkpoint of OUT; returns the number of completed steps. A weights-only checkpoint
-    (--no-save-optimizer) leaves AdamW freshly initialized (zero moments), with a warning."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
-
-    path = out / "checkpoint" / f"step_{checkpoint_step(out)}"
-    extra = torch.load(path / f"rank{rank}.pt", weights_only=False)
-    model_sd, optim_sd = get_state_dict(policy, optimizer)
-    state = {"model": model_sd, **({"optim": optim_sd} if extra["optimizer"] else {})}
-    dcp.load(state, checkpoint_id=str(path))
-    if extra["optimizer"]:
-        set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    else:
-        set_model_state_dict(policy, state["model"])
-    scheduler.load_state_dict(extra["scheduler"])
-    random.setstate(extra["python_rng"])
-    torch.set_rng_state(extra["torch_rng"])
-    if extra["cuda_rng"] is not None:
-        torch.cuda.set_rng_state(extra["cuda_rng"])
-    if rank == 0:
-        print(f"resuming from {path} at step {extra['step'] + 1} ({n_steps(extra['step'])} done)", flush=True)
-        if not extra["optimizer"]:
-            print(f"train.py: warning: {path} holds weights only (--no-save-optimizer): AdamW restarts from zero "
-                  f"moments, so the resumed run differs from an uninterrupted one", file=sys.stderr, flush=True)
-    return extra["step"]
 
 
 # ------------------------------------------------------------------------------------------------ loggers
@@ -929,12 +877,16 @@ class Config:
     save_every: int = 50
     """also write a sharded checkpoint every N steps (0 = only at the last step, which always writes one, so every
     finished run can be resumed)"""
+    keep_checkpoints: int = 2
+    """complete checkpoints kept (the newest; 2 leaves one to fall back to if the newest is found damaged)"""
     save_optimizer: bool = True
     """keep AdamW's moments in checkpoints (--no-save-optimizer: weights only, ~1/3 of the size; a resume then
     restarts AdamW from zero moments, with a warning)"""
     resume: str = ""
-    """output folder of a run to continue from its last checkpoint, with its config; only the flags of RESUMABLE may
-    change (more steps, evaluation, logging, memory), a change is recorded in OUT/resumes.jsonl"""
+    """RUN: continue the run in the folder RUN from its newest verified checkpoint, with its config (only the flags of
+    run_folder.RESUMABLE may change; a change is recorded in RUN/resumes.jsonl); auto: continue the run in --out-dir
+    if it holds a checkpoint, else start it there with the flags given (the same command line for the first attempt
+    and every requeue or restart)"""
     overwrite: bool = False
     """replace the run already in --out-dir: its logs, checkpoints and export are deleted when training starts
     (without it, a folder that holds a run is refused)"""
@@ -954,35 +906,38 @@ class Config:
 CPU_PRESET = dict(
     model="smollm2", data="", chat=False, instruction="The answer is", temperature=1.0, max_response_len=24,
     steps=10, prompts_per_step=16, mini_batch_prompts=8, lr=3.5e-6, warmup_steps=0, grad_checkpointing=False,
-    rollout_chunk=0, save_every=0, eval_samples=4, out_dir="out/train-cpu",
+    rollout_chunk=0, save_every=0, keep_checkpoints=1, eval_samples=4, out_dir="out/train-cpu",
 )
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
-    """argv -> Config. Each field is a --flag (eval.parse_flags: underscores -> dashes, the string under it is its
-    --help). Values: the flags given, else (with --resume) the resumed run's config, else the preset's (CPU_PRESET
-    or Config). Every value is checked here, before anything loads."""
+def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, list[str]]:
+    """argv -> (Config, the resumed run's recorded config or None for a new run, warnings for rank 0 to print).
+    Each field is a --flag (eval.parse_flags: underscores -> dashes, the string under it is its --help). Values: the
+    flags given, else (resuming) the run's config.json, else the preset's (CPU_PRESET or Config). Every value is
+    checked here; the run folder is only read (its config.json and which checkpoints it holds)."""
     given = parse_flags(Config, argv, "train.py", notes={k: f"cpu preset: {v!r}" for k, v in CPU_PRESET.items()})
     cuda = torch.cuda.is_available()
-    if given.get("resume"):
-        run = Path(given["resume"])
-        if not (run / "config.json").is_file():
-            raise FileNotFoundError(f"no run to resume: {run / 'config.json'} does not exist")
-        checkpoint_step(run)  # raises when there is no complete checkpoint
-        if given.get("overwrite"):
-            raise ValueError("--overwrite starts a new run in --out-dir; it cannot be combined with --resume")
-        if "out_dir" in given and Path(given["out_dir"]) != run:
-            raise ValueError(f"--resume continues the run in its own folder {run}; --out-dir cannot move it")
-        recorded = json.loads((run / "config.json").read_text())
-        values = {**recorded, **given, "out_dir": given["resume"]}
-    else:
-        preset = given.get("preset", "auto")
-        if preset == "auto":
-            preset = "paper" if cuda else "cpu"
-        if preset not in ("paper", "cpu"):
-            raise ValueError(f"unknown --preset {preset!r}; valid: auto, paper, cpu")
-        values = {**(CPU_PRESET if preset == "cpu" else {}), **given, "preset": preset}
-    cfg = Config(**values)
+    preset = given.get("preset", "auto")
+    if preset == "auto":
+        preset = "paper" if cuda else "cpu"
+    if preset not in ("paper", "cpu"):
+        raise ValueError(f"unknown --preset {preset!r}; valid: auto, paper, cpu")
+    defaults = CPU_PRESET if preset == "cpu" else {}
+    resume = given.get("resume", "")
+    if resume and given.get("overwrite"):
+        raise ValueError("--overwrite starts a new run in --out-dir; it cannot be combined with --resume")
+    if resume not in ("", "auto"):  # --resume RUN: the run in its own folder
+        if "out_dir" in given and Path(given["out_dir"]) != Path(resume):
+            raise ValueError(f"--resume continues the run in its own folder {resume}; --out-dir cannot move it")
+        given["out_dir"] = resume
+    out = Path(given.get("out_dir", defaults.get("out_dir", Config.out_dir)))
+    recorded = None  # --resume RUN, or --resume auto in a folder with a complete checkpoint: the run's recipe
+    if resume and (resume != "auto" or run_folder.complete_steps(out)):
+        recorded = run_folder.recorded_config(out)
+        if not run_folder.complete_steps(out):
+            raise FileNotFoundError(f"{out} has no checkpoint to resume from: the run stopped before its first one "
+                                    f"(written every --save-every steps, at a stop by signal and at the last step)")
+    cfg = Config(**({**recorded, **given} if recorded else {**defaults, **given, "preset": preset}))
     if cfg.algo not in stapo.ALGORITHMS:
         raise ValueError(f"unknown --algo {cfg.algo!r}; valid: {', '.join(stapo.ALGORITHMS)}")
     if cfg.rollout not in ("auto", "plain", "vllm"):
@@ -1007,27 +962,10 @@ def parse_config(argv: list[str] | None = None) -> Config:
         value = getattr(cfg, f.name)
         if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= torch.finfo(torch.float32).max):
             raise ValueError(f"--{f.name.replace('_', '-')} {value} is not a finite float32")
-    cfg = in_effect(cfg, given, cuda, int(os.environ.get("WORLD_SIZE", 1)))
-    out = Path(cfg.out_dir)
-    if cfg.resume:
-        done = checkpoint_step(out)
-        if cfg.steps < done:
-            raise ValueError(f"--steps {cfg.steps} is less than the {done} steps {cfg.out_dir} has done")
-        old = Config(**recorded)
-        changed = [f.name for f in fields(Config) if f.name not in ("resume", "out_dir", "fsdp")  # fsdp: by ranks
-                   and getattr(old, f.name) != getattr(cfg, f.name)]
-        refused = [n for n in changed if n not in RESUMABLE or (n == "kv_cache_gb" and cfg.rollout_chunk == 0)]
-        if refused:
-            n = refused[0]
-            raise ValueError(f"--{n.replace('_', '-')} {getattr(cfg, n)!r} differs from the resumed run's "
-                             f"{getattr(old, n)!r}: a resumed run keeps its recipe (on resume only "
-                             f"{', '.join('--' + r.replace('_', '-') for r in RESUMABLE)} may change); start a new "
-                             f"run with --out-dir to change it")
-    else:
-        found = [name for name in RUN_FILES if (out / name).exists()]
-        if found and not cfg.overwrite:
-            raise ValueError(f"--out-dir {out} holds a run ({', '.join(found)}): continue it with --resume {out}, "
-                             f"choose another --out-dir, or replace it with --overwrite")
+    # torchrun's env:// contract: WORLD_SIZE is set before the process group exists
+    cfg, notes = in_effect(cfg, given, cuda, int(os.environ.get("WORLD_SIZE", 1)))
+    if recorded:
+        run_folder.resume_changes(recorded, asdict(cfg))  # raises for a change of recipe
     existing = next(p for p in (out, *out.parents) if p.exists())  # out, or the folder it would be made in
     if not existing.is_dir():
         raise OSError(f"--out-dir {out} cannot be made: {existing} is a file")
@@ -1035,37 +973,26 @@ def parse_config(argv: list[str] | None = None) -> Config:
         tempfile.TemporaryFile(dir=existing).close()
     except OSError as e:
         raise OSError(f"--out-dir {out} cannot be written: {e.strerror or e}") from None
-    return cfg
-
-
-# Flags that may change when a run is resumed: they change how long it runs, what it evaluates and logs, and how
-# much memory a step takes, not what it computes (kv_cache_gb only with --rollout-chunk > 0: otherwise it sets the
-# prompts per generate call, and with them the sampling seeds).
-RESUMABLE = ("steps", "eval_every", "eval_samples", "samples_per_step", "spurious_per_step", "token_sample",
-             "save_every", "save_optimizer", "export_hf", "plots", "logger", "collective_timeout_min",
-             "max_tokens_per_micro_batch", "chunk_size", "grad_checkpointing", "kv_cache_gb")
-# What a run writes into its --out-dir; a new run refuses a folder that holds any of these unless --overwrite.
-RUN_FILES = ("config.json", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl", "tokens.jsonl",
-             "resumes.jsonl", "checkpoint", "hf", "metrics.png", "s2t.png", "gradient.png", "tensorboard", "wandb")
+    return cfg, recorded, notes
 
 
 # Lower bounds of the integer (and a few float) flags, checked before anything loads.
 _AT_LEAST = dict(steps=1, prompts_per_step=1, group_size=2, mini_batch_prompts=1, max_tokens_per_micro_batch=1,
                  lr=0, warmup_steps=0, weight_decay=0, kl_beta=0, max_prompt_len=1, max_response_len=1, rollout_chunk=0,
                  chunk_size=1, heldout=0, eval_every=0, eval_samples=0, spurious_per_step=0, samples_per_step=0,
-                 save_every=0)
+                 save_every=0, keep_checkpoints=1)
 
 
-def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> Config:
-    """The config the run actually uses, which config.json records: a flag given on the command line that has no
-    effect on this machine or with these settings prints one warning line (rank 0) and is stored as in effect."""
-    rollout_engine = cfg.rollout
+def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> tuple[Config, list[str]]:
+    """The config the run actually uses, which config.json records, and the lines for rank 0 to print: a warning for
+    each flag given on the command line that has no effect on this machine or with these settings (stored as in
+    effect), a note where --rollout auto could not choose vLLM on CUDA."""
+    notes, rollout_engine = [], cfg.rollout
     if cfg.rollout == "auto":  # vLLM where it pays (CUDA) and is installed
         rollout_engine = "vllm" if cuda and importlib.util.find_spec("vllm") is not None else "plain"
-        if cuda and rollout_engine == "plain" and int(os.environ.get("RANK", 0)) == 0:
-            print("train.py: note: --rollout auto samples with the plain sampler, since vllm is not installed (pip "
-                  "install vllm==0.32.0: far faster at the paper's lengths; docs/rollouts.md)", file=sys.stderr,
-                  flush=True)
+        if cuda and rollout_engine == "plain":
+            notes.append("note: --rollout auto samples with the plain sampler, since vllm is not installed (pip "
+                         "install vllm==0.32.0: far faster at the paper's lengths; docs/rollouts.md)")
     effective = {"rollout": rollout_engine,
                  "fsdp": cfg.fsdp or world > 1 or cuda, "mixed_precision": cfg.mixed_precision and cuda,
                  "kl_beta": cfg.kl_beta if cfg.algo == "grpo" else 0.0, "heldout": cfg.heldout if cfg.data else 0,
@@ -1074,41 +1001,62 @@ def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> Config:
            "heldout": "with the built-in task (it has its own 20 held-out problems)",
            "eval_every": "without a held-out evaluation (--heldout 0 or --eval-samples 0)"}
     for name, reason in why.items():
-        if name in given and given[name] != effective[name] and int(os.environ.get("RANK", 0)) == 0:
-            print(f"train.py: warning: --{name.replace('_', '-')} {given[name]} has no effect {reason}; config.json "
-                  f"records {name} = {effective[name]!r}", file=sys.stderr, flush=True)
-    return replace(cfg, **effective)
+        if name in given and given[name] != effective[name]:
+            notes.append(f"warning: --{name.replace('_', '-')} {given[name]} has no effect {reason}; config.json "
+                         f"records {name} = {effective[name]!r}")
+    return replace(cfg, **effective), notes
+
+
+def agree(work, *args):
+    """work(*args) on every rank; a bad input on any rank raises on every rank (naming the rank unless all failed),
+    so that rank 0 prints it once and no rank waits in a collective for one that failed."""
+    try:
+        result, failed = work(*args), None
+    except BAD_INPUT as e:
+        result, failed = None, e
+    failed = run_folder.agreed_failure(failed)
+    if failed:
+        raise ValueError(failed)
+    return result
+
+
+BAD_INPUT = (FileNotFoundError, ValueError, KeyError, ImportError, OSError, run_folder.RunError)  # one line, exit 2
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python train.py [flags]`: exit status 0 (trained, or nothing left to do), 2 (a bad input or a full disk:
+    one line), run_folder.STOPPED (a stop signal: a checkpoint was written, run the same command again)."""
     argv = sys.argv[1:] if argv is None else argv
     if "--plot" in argv:  # python train.py --plot RUN [RUN ...] [--out PNG]: figures only (plots.py)
         return plots.main(argv)
-    rank = 0
-
-    def error(e: Exception) -> int:  # bad inputs: one line, no traceback, exit status 2
-        if rank == 0:
-            print(f"train.py: error: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
-                  file=sys.stderr)
-        return 2
-
-    try:
-        cfg = parse_config(argv)
-        rank, world, device = init_distributed(cfg.collective_timeout_min)
-        run = setup(cfg, rank, world, device)
-    except (FileNotFoundError, ValueError, KeyError, ImportError, OSError) as e:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return error(e)
-    try:
-        train(run)
-    except RunError as e:
-        return error(e)
-    finally:
-        run.engine.close()  # the rollout engine; deleting a vLLM engine may already tear down the process group
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    rank = int(os.environ.get("RANK", 0))  # until the process group exists: torchrun's env:// contract
+    run = lock = None
+    with run_folder.Preemption() as preemption:  # from here on, SIGTERM / SIGUSR1 stop the run with a checkpoint
+        try:
+            cfg, recorded, notes = parse_config(argv)
+            rank, world, device = init_distributed(cfg.collective_timeout_min)
+            for note in notes if rank == 0 else ():
+                print(f"train.py: {note}", file=sys.stderr, flush=True)
+            rows = agree(read_inputs, cfg, world)  # the inputs before the folder
+            opened = run_folder.open_run(asdict(cfg), recorded, rank, world)
+            if opened is None:
+                run_folder.say(f"{cfg.out_dir} has done its {n_steps(cfg.steps)}" + (
+                    " and its export is up to date" if cfg.export_hf else "") + ": nothing to do", rank)
+                return 0
+            start, checkpoint_path, lock = opened
+            run = setup(cfg, rows, rank, world, device, checkpoint_path, preemption)
+            return train(run)
+        except BAD_INPUT as e:
+            if rank == 0:
+                print(f"train.py: error: {run_folder.first_line(e)}", file=sys.stderr)
+            return 2
+        finally:
+            if run is not None:
+                run.engine.close()  # the rollout engine; deleting a vLLM engine may already tear down the group
+            if lock is not None:
+                lock.release()
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 if __name__ == "__main__":
