@@ -38,9 +38,16 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 import model
 import reward
 import rollout
+import run_folder
 import train
 from model import Policy, load_model, shard_policy
 from rollout import Rollout, format_prompt, gathered, generate
+
+
+def _train_run(cfg, device) -> train.Run:
+    """train.py's state for `cfg` on one process (an initialized process group), without a run folder: what
+    `train.main` builds before its loop, for benches that call `train.train_step` themselves."""
+    return train.setup(cfg, train.read_inputs(cfg, 1), 0, 1, device, None, run_folder.Preemption())
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -733,10 +740,10 @@ def bench_gpu(smoke=False, out=None):
     rows = []
     cfg = train.Config(preset="paper", model=model_dir, data=str(data), prompt_key="prompt", answer_key="answer",
                        instruction="", chat=False, grad_checkpointing=True, fsdp=True, warmup_steps=0, save_every=0,
-                       rollout="plain", out_dir=str(work / "train"))
+                       rollout="plain", out_dir=str(work / "train"), prompts_per_step=1, mini_batch_prompts=1)
     train.init_distributed()
     try:
-        state = train.setup(cfg, 0, 1, device)  # load_model(dir), Policy, gradient checkpointing, FSDP2, AdamW
+        state = _train_run(cfg, device)  # load_model(dir), Policy, gradient checkpointing, FSDP2, AdamW
         _gpu_train(sizes, cfg, state, device, flops_rate, rows)
         _gpu_numerics(sizes, cfg, state, device, rows)
         _gpu_rollouts(sizes, state, device, bandwidth, rows)
@@ -1136,9 +1143,9 @@ import bench, reward, train
 if not {keep}:
     train.keep_freed_memory = lambda: None  # glibc's malloc as it comes
 cfg = train.parse_config(["--preset", "cpu", "--max-tokens-per-micro-batch", "{budget}", "--out-dir",
-                          tempfile.mkdtemp(prefix="bench-malloc-"), "--overwrite"])
+                          tempfile.mkdtemp(prefix="bench-malloc-"), "--overwrite"])[0]
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-state = train.setup(cfg, 0, 1, torch.device("cpu"))
+state = bench._train_run(cfg, torch.device("cpu"))
 run = replace(state, engine=bench._CachedEngine(state.engine))
 with mock.patch.object(reward, "reward", bench._parity):
     times = [train.train_step(run, 0)[0]["time/update_s"] for _ in range({steps} + 1)][1:]  # after a warm-up
@@ -1211,9 +1218,10 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
     freed memory kept or not (`_malloc_row`); then where the update's time goes (`_update_profile`)."""
     from unittest import mock
 
-    cfg = train.parse_config(["--preset", "cpu", "--out-dir", tempfile.mkdtemp(prefix="bench-flops-"), "--overwrite"])
+    cfg = train.parse_config(["--preset", "cpu", "--out-dir", tempfile.mkdtemp(prefix="bench-flops-"),
+                              "--overwrite"])[0]
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1) if not dist.is_initialized() else None
-    state = train.setup(cfg, 0, 1, torch.device("cpu"))
+    state = _train_run(cfg, torch.device("cpu"))
     config = state.policy.lm.config
     square = torch.randn(2048, 2048)
     square_rate = 2 * 2048 ** 3 / _best(lambda: square @ square, 5)[0]

@@ -459,6 +459,16 @@ def train_run(folder: str | Path) -> dict | None:
     return config if isinstance(config, dict) and "max_response_len" in config else None
 
 
+def stale_export(run: Path) -> None:
+    """Warn (rank 0) when the run's export RUN/hf holds fewer steps than its newest checkpoint (run_folder.py)."""
+    import run_folder
+
+    exported, kept = run_folder.export_step(run / "hf"), run_folder.complete_steps(run)
+    if exported is not None and kept and kept[0] > exported and os.environ.get("RANK", "0") == "0":
+        print(f"eval.py: warning: {run / 'hf'} holds the model after {exported} steps, but the run's newest checkpoint "
+              f"is after {kept[0]} (python train.py --resume {run} --export-hf exports it)", file=sys.stderr)
+
+
 def _label_name(spec: str) -> tuple[str, str]:
     """LABEL=NAME -> (LABEL, NAME); NAME alone -> (NAME, NAME)."""
     label, _, name = spec.partition("=") if "=" in spec and not os.path.exists(spec) else (spec, "", spec)
@@ -493,6 +503,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
         if runs:
             values["run"], run = next(iter(runs.items()))
     if run:
+        stale_export(Path(values["run"]))
         inherited = {k: run[t] for k, t in RUN_FIELDS.items() if run["data"] or not k.endswith("_key")}
         values = {**inherited, **values}  # the field names of a built-in-task run say nothing about --data
         if "preset" in given:  # an explicit --preset beats the run's sampling

@@ -73,7 +73,9 @@ def say(message: str, rank: int = 0, warning: bool = False) -> None:
 
 
 def first_line(e: BaseException) -> str:
-    """An error as one line (its message's first line, or its type)."""
+    """An error as one line: its message's first line (an OSError's reason without "[Errno N]"), or its type."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror + (f": {e.filename}" if e.filename else "")
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
@@ -551,8 +553,9 @@ class Preemption:
         """Every rank at the same point: whether any rank was asked to stop (one all-reduce)."""
         flag = torch.tensor([self.requested()], dtype=torch.long)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and self.signal is None:
-            self.signal, self.received = "a signal to another rank", time.monotonic()
+        if flag.item() and self.signal is None:  # the rank that got it posted its name before this all-reduce
+            store = dist.distributed_c10d._get_default_store()
+            self.signal, self.received = store.get(self.KEY).decode() + " (to another rank)", time.monotonic()
         return bool(flag.item())
 
 

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -2026,14 +2027,16 @@ def _metrics(out: Path) -> list[dict]:
 
 
 def _run(tmp_path: Path, args: list[str], nproc: int = 1, check: str = _EVEN, head_dim: int = 16,
-         extra: str = "") -> None:
+         extra: str = "", expect: int | None = 0) -> subprocess.CompletedProcess:
+    """The toy run `args` in a fresh process (torchrun for nproc > 1); its exit status must be `expect` (None: any)."""
     runner = tmp_path / "runner.py"
     runner.write_text(_RUNNER.format(root=str(ROOT), check=check, vocab=_TOY_VOCAB, head_dim=head_dim, extra=extra))
     cmd = [sys.executable, str(runner)] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(runner)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd + args, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert expect is None or proc.returncode == expect, proc.stderr[-3000:]
+    return proc
 
 
 def _close(a: dict, b: dict, atol: float) -> None:
@@ -2713,6 +2716,285 @@ def test_train_every_algorithm_runs(tmp_path, monkeypatch, algo, flags):
         assert 0.6 < m["s2t/silenced_frac"] < 0.9
     if algo == "grpo":
         assert m["loss/kl"] >= 0
+
+
+# ------------------------------------------------------------------ run_folder.py: runs that survive a cluster
+# A stop signal delivered from inside the run at a chosen call (deterministic: no timing): SIGTERM to this process
+# at the nth call of `target` (module.attribute), on the rank `rank` only.
+_SIGNAL_AT = """
+import signal as _signal
+def _signal_at(module, name, nth, rank="0", sig=_signal.SIGTERM):
+    original, calls = getattr(module, name), []
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == nth and os.environ.get("RANK", "0") == rank:
+            os.kill(os.getpid(), sig)
+        return original(*args, **kwargs)
+    setattr(module, name, wrapped)
+import rollout
+_signal_at({target}, {nth}, {rank!r}, _signal.{sig})
+"""
+
+
+def _signal_extra(target: str, nth: int, rank: str = "0", sig: str = "SIGTERM") -> str:
+    return _SIGNAL_AT.format(target=target, nth=nth, rank=rank, sig=sig)
+
+
+_TIMES = {"time/rollout_s", "time/update_s", "tokens_per_s"}
+# what 1 and 2 processes compute alike (the micro-batch layout, batch/*, is per rank; evaluations are seeded per rank)
+_ANY_WORLD = ("reward/mean", "reward/acc", "response/len_mean", "loss/policy", "grad_norm", "entropy/mean",
+              "s2t/candidates", "s2t/silenced", "updates")
+
+
+def _same_run(a: Path, b: Path, keys: tuple[str, ...] | None = None, atol: float = 0.0) -> None:
+    """Two run folders hold the same run: their metrics.jsonl lines (times aside, or only `keys`, to rel 1e-4) and,
+    for every key, eval.jsonl; their exported weights (to `atol`)."""
+    for name in ("metrics.jsonl",) if keys else ("metrics.jsonl", "eval.jsonl"):
+        if name == "eval.jsonl" and not (a / name).exists() and not (b / name).exists():
+            continue
+        x, y = ([json.loads(line) for line in (f / name).read_text().splitlines()] for f in (a, b))
+        assert [r["step"] for r in x] == [r["step"] for r in y], name
+        for r, q in zip(x, y):
+            r, q = ({k: v for k, v in d.items() if (k in keys if keys else k not in _TIMES)} for d in (r, q))
+            assert r == pytest.approx(q, rel=1e-4 if keys else 1e-6, abs=1e-6 if keys else 1e-9), name
+    _close(load_file(a / "hf" / "model.safetensors"), load_file(b / "hf" / "model.safetensors"), atol=atol)
+
+
+# the phase a signal comes in: (the call that sends it, its number, the steps of the checkpoint left, eval lines)
+_PHASES = {"rollout": ("rollout.PlainEngine, 'sample'", 3, 1, [0]),  # calls: eval 0, step 1, step 2's (stopped)
+           "update": ("train, 'clip_range'", 2, 2, [0]),  # once a step, after the rollout: step 2's updates
+           "eval": ("rollout.PlainEngine, 'sample'", 4, 2, [0])}  # --eval-every 2: eval 0, step 1, step 2, eval 2
+
+
+@pytest.mark.parametrize("phase", list(_PHASES))
+def test_train_stop_signal_checkpoints_and_resume_auto_finishes_exactly(tmp_path, phase):
+    """SIGTERM in the rollout (the step is abandoned), in the update (the step's updates finish first) or in an
+    evaluation (it is dropped and run again by the resume): the run writes a checkpoint, says so in one line, writes
+    stopped.json and exits with run_folder.STOPPED; the same command line (--resume auto) then finishes the run, equal
+    to an uninterrupted one. (A SIGTERM killed the run at once: rc 143, nothing saved.)"""
+    target, nth, kept, evals = _PHASES[phase]
+    data = _toy_data(tmp_path)
+    args = _toy_args(data, tmp_path / "cut", steps=3, heldout=2, eval_every=2, resume="auto")
+    _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3, heldout=2, eval_every=2))
+    proc = _run(tmp_path, args, extra=_signal_extra(target, nth), expect=run_folder.STOPPED)
+    stopped = [x for x in proc.stdout.splitlines() if x.startswith("stopped by SIGTERM")]
+    assert len(stopped) == 1 and f"checkpoint/step_{kept} is kept" in stopped[0], proc.stdout[-2000:]
+    assert json.loads((tmp_path / "cut" / "stopped.json").read_text()) == {
+        "signal": "SIGTERM", "steps_done": kept, "checkpoint": f"checkpoint/step_{kept}"}
+    assert [m["step"] for m in _metrics(tmp_path / "cut")] == list(range(1, kept + 1))
+    assert [json.loads(x)["step"] for x in (tmp_path / "cut" / "eval.jsonl").read_text().splitlines()] == evals
+    _run(tmp_path, args)  # the same command line
+    assert not (tmp_path / "cut" / "stopped.json").exists()
+    _same_run(tmp_path / "cut", tmp_path / "full")
+
+
+def test_train_stop_signal_to_one_rank_stops_both_then_resume_on_other_world_sizes(tmp_path):
+    """2 -> 1: SIGUSR1 to rank 1 only, in step 2's rollout: both ranks stop at the same point (rank 0 learns it through
+    the process group), the checkpoint of step 1 stays; 1 process resumes it. 1 -> 2: a 1-process run stopped after
+    step 1 resumes on 2 processes. Both finish equal to an uninterrupted 1-process run (--rollout-chunk 1; FSDP2 vs
+    one process: float rounding). (A 1-process run resumed on 2 failed: rank 1 found no rank1.pt.)"""
+    data = _toy_data(tmp_path)
+    _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3, heldout=2))
+    two_one = _toy_args(data, tmp_path / "two_one", steps=3, heldout=2, resume="auto")
+    proc = _run(tmp_path, two_one, nproc=2, extra=_signal_extra("rollout.PlainEngine, 'sample'", 3, "1", "SIGUSR1"),
+                expect=None)
+    assert proc.returncode != 0 and "stopped by SIGUSR1 (to another rank) after 1 step of 3" in proc.stdout, proc.stderr
+    assert json.loads((tmp_path / "two_one" / "stopped.json").read_text())["steps_done"] == 1
+    _run(tmp_path, two_one)
+    one_two = _toy_args(data, tmp_path / "one_two", steps=3, heldout=2, resume="auto")
+    _run(tmp_path, one_two, extra=_signal_extra("rollout.PlainEngine, 'sample'", 3), expect=run_folder.STOPPED)
+    _run(tmp_path, one_two, nproc=2)
+    for run in ("two_one", "one_two"):
+        _same_run(tmp_path / run, tmp_path / "full", keys=_ANY_WORLD, atol=1e-5)
+
+
+def test_train_one_writer_per_folder(tmp_path, monkeypatch, capsys):
+    """A second run or resume into a folder whose lock another process holds fails in one line naming the holder,
+    and the folder is untouched; a lock released by its holder (or its death) does not block. Two runs started at
+    once into one fresh folder: one trains, the other is refused. (Both exited 0 with metrics.jsonl steps
+    [1,2,1,2,3,4,...].)"""
+    _patch(monkeypatch, _EVEN)
+    data, run = _toy_data(tmp_path), tmp_path / "run"
+    with _one_thread():
+        assert train.main(_toy_args(data, run, steps=1, export_hf=False)) == 0
+        before = _md5s(run)
+        held = run_folder.Lock(run)  # another writer
+        capsys.readouterr()
+        assert train.main(["--resume", str(run), "--steps", "2"]) == 2
+        _one_line_error(capsys, f"{run} is in use by another run (host {socket.gethostname()} pid {os.getpid()} since ")
+        assert _md5s(run) == before
+        held.release()
+        assert train.main(["--resume", str(run), "--steps", "2"]) == 0
+    runner = tmp_path / "runner.py"
+    runner.write_text(_RUNNER.format(root=str(ROOT), check=_EVEN, vocab=_TOY_VOCAB, head_dim=16, extra=""))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    both = [subprocess.Popen([sys.executable, str(runner), *_toy_args(data, tmp_path / "fresh", steps=2)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in both]
+    assert sorted(rc for rc, _ in results) == [0, 2], results
+    refused = next(err for rc, err in results if rc == 2)  # in use, or (if it came late) holding the run
+    assert f"train.py: error: {tmp_path / 'fresh'} is in use by another run (host " in refused or (
+        f"train.py: error: --out-dir {tmp_path / 'fresh'} holds a run" in refused), refused
+    assert [m["step"] for m in _metrics(tmp_path / "fresh")] == [1, 2]
+
+
+def test_train_torn_log_lines_and_a_full_disk_in_a_log_write(tmp_path, monkeypatch, capsys):
+    """A full disk while appending step 2's metrics line: one line (exit 2) naming the file and the kept checkpoint,
+    a torn line left; the resume drops it with a warning naming the file and finishes equal to an uninterrupted run.
+    A log that needs no cut is not rewritten. (It was an OSError traceback, then a JSONDecodeError naming no file.)"""
+    _patch(monkeypatch, _EVEN)
+    data = _toy_data(tmp_path)
+    real_open = open
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        metrics = tmp_path / "cut" / "metrics.jsonl"
+        second = str(path) == str(metrics) and "a" in mode and metrics.exists()  # step 2's line
+        f = real_open(path, mode, *args, **kwargs)
+        if second:
+            f.write(b'{"step": 2, "reward/me')  # the part that fit
+            f.close()
+            raise OSError(28, "No space left on device")
+        return f
+
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "full", steps=3, save_every=1, heldout=2)) == 0
+        monkeypatch.setattr(run_folder, "open", full_disk, raising=False)
+        assert train.main(_toy_args(data, tmp_path / "cut", steps=3, save_every=1, heldout=2)) == 2
+        _one_line_error(capsys, f"could not write {tmp_path / 'cut' / 'metrics.jsonl'} (No space left on device); "
+                                f"checkpoint/step_1 is kept: python train.py --resume auto --out-dir ")
+        monkeypatch.delattr(run_folder, "open")
+        samples, evals = ((tmp_path / "cut" / name).stat().st_ino for name in ("samples.jsonl", "eval.jsonl"))
+        assert train.main(["--resume", str(tmp_path / "cut")]) == 0
+    err = capsys.readouterr().err
+    assert f"train.py: warning: {tmp_path / 'cut' / 'metrics.jsonl'} line 2 is torn (an interrupted write): " in err
+    assert (tmp_path / "cut" / "samples.jsonl").stat().st_ino != samples  # cut: step 2's lines went
+    assert (tmp_path / "cut" / "eval.jsonl").stat().st_ino == evals  # nothing to cut: not rewritten
+    _same_run(tmp_path / "cut", tmp_path / "full")
+
+
+def test_train_checkpoints_are_verified_and_fall_back(tmp_path, monkeypatch, capsys):
+    """4 KB of zeros in a shard of the newest checkpoint: the resume names the damaged file, falls back to the older
+    kept checkpoint and finishes equal to the uninterrupted run. `latest` naming a missing step: a warning and the
+    newest complete one. No checkpoint passing its checks: one line, exit 2. (A zeroed shard resumed silently with
+    1,023 zero weights; a `latest` naming step_99 gave '--steps 6 is less than the 99 steps'.)"""
+    _patch(monkeypatch, _EVEN)
+    data, run = _toy_data(tmp_path), tmp_path / "run"
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "full", steps=3)) == 0
+        assert train.main(_toy_args(data, run, steps=2, save_every=1, keep_checkpoints=2)) == 0
+        assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["latest", "step_1", "step_2"]
+        shard = max((run / "checkpoint" / "step_2").glob("*.distcp"), key=lambda p: p.stat().st_size)
+        with open(shard, "r+b") as f:
+            f.seek(1024)
+            f.write(bytes(4096))
+        capsys.readouterr()
+        assert train.main(["--resume", str(run), "--steps", "3"]) == 0
+        err = capsys.readouterr().err
+        assert f"{run / 'checkpoint' / 'step_2'} fails its manifest: {shard.name} (damaged)" in err, err
+        assert "resuming from step_1, the newest checkpoint that passes its checks" in err
+        _same_run(run, tmp_path / "full")
+        (run / "checkpoint" / "latest").write_text("step_99")
+        assert train.main(["--resume", str(run), "--steps", "3", "--no-export-hf"]) == 0
+        assert "latest names step_99, which is missing or incomplete" in capsys.readouterr().err
+        (run / "checkpoint" / "step_3" / ".metadata").write_bytes(b"")  # the only checkpoint left (keep 2: 2 and 3)
+        shutil.rmtree(run / "checkpoint" / "step_2")
+        assert train.main(["--resume", str(run), "--steps", "4"]) == 2
+    _one_line_error(capsys, f"{run} has no checkpoint that passes its checks")
+
+
+def test_train_export_is_atomic_dated_and_eval_warns_when_stale(tmp_path, monkeypatch, capsys):
+    """A failing export (a full disk) leaves the previous hf/ whole and says so in one line; `--resume auto` with
+    every step done exports again (and, with the export up to date, does nothing, touching nothing); hf/export.json
+    names the step it holds, and eval.py --run warns when the run's checkpoint is newer. (A full disk left hf/ with
+    only its config files, or the old export beside a newer checkpoint without a word.)"""
+    _patch(monkeypatch, _EVEN)
+    data, run = _toy_data(tmp_path), tmp_path / "run"
+    save = model.save_hf
+
+    def full_disk(*args, **kwargs):
+        save(*args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    with _one_thread():
+        assert train.main(_toy_args(data, run, steps=1)) == 0
+        first = _md5s(run / "hf")
+        assert json.loads((run / "hf" / "export.json").read_text()) == {"step": 1}
+        monkeypatch.setattr(model, "save_hf", full_disk)
+        assert train.main(["--resume", str(run), "--steps", "2"]) == 2
+        _one_line_error(capsys, f"could not export the model to {run / 'hf'} (No space left on device); the "
+                                f"checkpoint is kept")
+        assert _md5s(run / "hf") == first and not (run / "hf.partial").exists()
+        monkeypatch.setattr(model, "save_hf", save)
+        argv = _toy_args(data, run, steps=2, resume="auto")
+        assert train.main(argv) == 0  # nothing to train: the export
+        assert json.loads((run / "hf" / "export.json").read_text()) == {"step": 2}
+        before = _md5s(run)
+        capsys.readouterr()
+        assert train.main(argv) == 0
+        assert capsys.readouterr().out.strip().endswith(f"{run} has done its 2 steps and its export is up to date: "
+                                                        f"nothing to do")
+        assert _md5s(run) == before
+        assert train.main(["--resume", str(run), "--steps", "3", "--no-export-hf"]) == 0
+    capsys.readouterr()
+    cfg = ev.parse_config(["--run", str(run), "--benchmarks", "heldout"])
+    assert cfg.run == str(run)
+    assert (f"eval.py: warning: {run / 'hf'} holds the model after 2 steps, but the run's newest checkpoint is after 3 "
+            f"(python train.py --resume {run} --export-hf exports it)") in capsys.readouterr().err
+
+
+def test_checkpoint_stores_a_tied_weight_once_and_restores_it(tmp_path):
+    """Tied embeddings (SmolLM2's, Qwen3-1.7B's): the checkpoint holds the weight under its first name only (113 MB
+    less for SmolLM2) and the load restores both names to the saved values, still one tensor; the manifest lists
+    every file with its size and CRC-32."""
+    lm = tiny_model()
+    lm.config.tie_word_embeddings = True
+    lm.tie_weights()
+    policy = Policy(lm)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    for p in policy.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    saved = {k: v.clone() for k, v in policy.state_dict().items()}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        run_folder.save_checkpoint(tmp_path, 1, policy, optimizer, scheduler, {}, True, 1, 0, 1)
+        import torch.distributed.checkpoint as dcp
+        names = dcp.FileSystemReader(str(tmp_path / "checkpoint" / "step_1")).read_metadata().state_dict_metadata
+        assert "model.lm.model.embed_tokens.weight" in names and "model.lm.lm_head.weight" not in names, list(names)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.zero_()
+        done, path = run_folder.verified_checkpoint(tmp_path, 0, 1)
+        assert (done, path.name) == (1, "step_1")
+        run_folder.load_checkpoint(path, policy, optimizer, scheduler)
+    finally:
+        dist.destroy_process_group()
+    for k, v in policy.state_dict().items():
+        torch.testing.assert_close(v, saved[k], rtol=0, atol=0, msg=k)
+    assert policy.lm.lm_head.weight is policy.lm.model.embed_tokens.weight
+    manifest = json.loads((path / "manifest.json").read_text())["files"]
+    assert sorted(manifest) == sorted(p.name for p in path.iterdir() if p.name != "manifest.json")
+    assert all(size == (path / n).stat().st_size for n, (size, _) in manifest.items())
+
+
+def test_train_bad_input_on_one_rank_is_one_line_naming_it(tmp_path):
+    """A data error on rank 1 only (a file one node cannot read): both ranks exit 2 and rank 0 prints it once,
+    naming rank 1. A step asking for more prompts than the data has is refused in one line. (Rank 1's errors were
+    never printed: the user saw a gloo 'Connection reset by peer' traceback.)"""
+    data = _toy_data(tmp_path)
+    extra = ("_load = train.load_rows\n"
+             "train.load_rows = lambda cfg: (_ for _ in ()).throw(ValueError('toy.jsonl line 3: unreadable here')) "
+             "if os.environ.get('RANK') == '1' else _load(cfg)\n")
+    proc = _run(tmp_path, _toy_args(data, tmp_path / "run"), nproc=2, extra=extra, expect=None)
+    errors = [x for x in proc.stderr.splitlines() if "train.py: error:" in x]
+    assert proc.returncode != 0 and errors == ["train.py: error: rank 1: toy.jsonl line 3: unreadable here"], errors
+    assert not (tmp_path / "run").exists()
+    proc = _run(tmp_path, _toy_args(data, tmp_path / "big", prompts_per_step=100, mini_batch_prompts=100),
+                expect=2)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "train.py: error: --prompts-per-step 100 is more than the 55 training problems of "
+        f"{data} (a step takes each at most once): lower it")
 
 
 # ------------------------------------------------------------------ a second device, simulated on the CPU
