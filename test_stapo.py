@@ -2760,10 +2760,12 @@ def _same_run(a: Path, b: Path, keys: tuple[str, ...] | None = None, atol: float
     _close(load_file(a / "hf" / "model.safetensors"), load_file(b / "hf" / "model.safetensors"), atol=atol)
 
 
-# the phase a signal comes in: (the call that sends it, its number, the steps of the checkpoint left, eval lines)
-_PHASES = {"rollout": ("rollout.PlainEngine, 'sample'", 3, 1, [0]),  # calls: eval 0, step 1, step 2's (stopped)
-           "update": ("train, 'clip_range'", 2, 2, [0]),  # once a step, after the rollout: step 2's updates
-           "eval": ("rollout.PlainEngine, 'sample'", 4, 2, [0])}  # --eval-every 2: eval 0, step 1, step 2, eval 2
+# the phase a signal comes in: (the call that sends it, its number, the steps of the checkpoint left, eval lines,
+# where the stop line says it came)
+_PHASES = {"rollout": ("rollout.PlainEngine, 'sample'", 3, 1, [0], "in step 2's rollout (the step is dropped)"),
+           "update": ("train, 'clip_range'", 2, 2, [0], "in step 2 (its updates finished)"),  # once a step
+           "eval": ("rollout.PlainEngine, 'sample'", 4, 2, [0],  # --eval-every 2: eval 0, step 1, step 2, eval 2
+                    "in the evaluation after 2 steps (it runs again on resume)")}
 
 
 @pytest.mark.parametrize("phase", list(_PHASES))
@@ -2772,13 +2774,15 @@ def test_train_stop_signal_checkpoints_and_resume_auto_finishes_exactly(tmp_path
     evaluation (it is dropped and run again by the resume): the run writes a checkpoint, says so in one line, writes
     stopped.json and exits with run_folder.STOPPED; the same command line (--resume auto) then finishes the run, equal
     to an uninterrupted one. (A SIGTERM killed the run at once: rc 143, nothing saved.)"""
-    target, nth, kept, evals = _PHASES[phase]
+    target, nth, kept, evals, where = _PHASES[phase]
     data = _toy_data(tmp_path)
     args = _toy_args(data, tmp_path / "cut", steps=3, heldout=2, eval_every=2, resume="auto")
     _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3, heldout=2, eval_every=2))
     proc = _run(tmp_path, args, extra=_signal_extra(target, nth), expect=run_folder.STOPPED)
+    n_steps = train.n_steps
     stopped = [x for x in proc.stdout.splitlines() if x.startswith("stopped by SIGTERM")]
-    assert len(stopped) == 1 and f"checkpoint/step_{kept} is kept" in stopped[0], proc.stdout[-2000:]
+    assert len(stopped) == 1 and stopped[0].startswith(f"stopped by SIGTERM {where}, {n_steps(kept)} of 3 done, ")
+    assert f"s after the signal: checkpoint/step_{kept} is kept" in stopped[0], proc.stdout[-2000:]
     assert json.loads((tmp_path / "cut" / "stopped.json").read_text()) == {
         "signal": "SIGTERM", "steps_done": kept, "checkpoint": f"checkpoint/step_{kept}"}
     assert [m["step"] for m in _metrics(tmp_path / "cut")] == list(range(1, kept + 1))
@@ -2798,7 +2802,8 @@ def test_train_stop_signal_to_one_rank_stops_both_then_resume_on_other_world_siz
     two_one = _toy_args(data, tmp_path / "two_one", steps=3, heldout=2, resume="auto")
     proc = _run(tmp_path, two_one, nproc=2, extra=_signal_extra("rollout.PlainEngine, 'sample'", 3, "1", "SIGUSR1"),
                 expect=None)
-    assert proc.returncode != 0 and "stopped by SIGUSR1 (to another rank) after 1 step of 3" in proc.stdout, proc.stderr
+    assert proc.returncode != 0 and ("stopped by SIGUSR1 (to another rank) in step 2's rollout (the step is dropped), 1 "
+                                      "step of 3 done") in proc.stdout, proc.stderr
     assert json.loads((tmp_path / "two_one" / "stopped.json").read_text())["steps_done"] == 1
     _run(tmp_path, two_one)
     one_two = _toy_args(data, tmp_path / "one_two", steps=3, heldout=2, resume="auto")
@@ -2976,6 +2981,19 @@ def test_checkpoint_stores_a_tied_weight_once_and_restores_it(tmp_path):
     manifest = json.loads((path / "manifest.json").read_text())["files"]
     assert sorted(manifest) == sorted(p.name for p in path.iterdir() if p.name != "manifest.json")
     assert all(size == (path / n).stat().st_size for n, (size, _) in manifest.items())
+
+
+def test_train_sets_mkl_reproducibility_before_torch_loads():
+    """train.py asks MKL for conditional numerical reproducibility before torch loads it: without it, SmolLM2's
+    backward at 2 threads differed in the last bits from run to run (layers 0-20, 1e-6), so a resumed CPU run drifted
+    from the uninterrupted one (`python bench.py preempt`); a value the user set is kept."""
+    code = "import os, sys; import train; print(os.environ['MKL_CBWR'], 'torch' in sys.modules)"
+    for env, expected in (({}, "AUTO,STRICT True"), ({"MKL_CBWR": "COMPATIBLE"}, "COMPATIBLE True")):
+        env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"} | env
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+        assert out.stdout.strip() == expected, out.stderr[-2000:]
+    source = (ROOT / "train.py").read_text()
+    assert source.index('os.environ.setdefault("MKL_CBWR"') < source.index("\nimport torch")
 
 
 def test_train_bad_input_on_one_rank_is_one_line_naming_it(tmp_path):

@@ -48,7 +48,12 @@ import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-import torch
+# MKL's conditional numerical reproducibility, set before torch loads MKL: without it, a matmul on several CPU threads
+# may sum in an order that depends on memory alignment, so two runs of one command (or a run and its resume) differ
+# in the last bits and their samples drift apart after a few steps (measured: SmolLM2 at 2 threads; no slower).
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+import torch  # noqa: E402 - after MKL_CBWR
 import torch.distributed as dist
 
 import plots
@@ -381,6 +386,7 @@ def train(run: Run) -> int:
 
     evaluated = {r["step"] for r in run_folder.read_log(out / "eval.jsonl")[0]}  # a resume evaluates what is due
     stopped = eval_due(start) and start not in evaluated and not run_eval(start)
+    where = f"in the evaluation after {n_steps(start)} (it runs again on resume)"  # where a stop came, if one did
     saved = done = start  # the steps of the last checkpoint (none of a new run: 0), the steps done
     with tqdm(total=cfg.steps, initial=start, desc=f"{cfg.algo} steps", dynamic_ncols=True,
               disable=rank != 0) as bar:  # closed also when an error leaves the loop
@@ -389,7 +395,7 @@ def train(run: Run) -> int:
                 break
             result = train_step(run, step)
             if result is None:  # a stop signal during the rollout: the step is abandoned
-                stopped = True
+                stopped, where = True, f"in step {step + 1}'s rollout (the step is dropped)"
                 break
             metrics, spurious, samples, drawn = result
             done = step + 1
@@ -408,8 +414,9 @@ def train(run: Run) -> int:
                     if acc == 1 else f"step {done}: in every group the {cfg.group_size} responses had equal rewards "
                     f"(train_acc {acc:.2f}), so the policy gradient is zero{no_update}; use easier data, a larger "
                     f"--group-size or a higher --temperature", warning=True)
-            stopped = eval_due(done) and not run_eval(done)
-            stopped = run.preemption.agreed() or stopped  # every rank, every step: one all-reduce
+            stopped, where = run.preemption.agreed(), f"in step {done} (its updates finished)"  # one all-reduce
+            if not stopped and eval_due(done) and not run_eval(done):
+                stopped, where = True, f"in the evaluation after {n_steps(done)} (it runs again on resume)"
             if done == cfg.steps or stopped or (cfg.save_every and done % cfg.save_every == 0):
                 saved = checkpoint(run, done)
     if stopped:
@@ -421,7 +428,7 @@ def train(run: Run) -> int:
                 close_log()
         kept = (f"checkpoint/step_{saved} is kept; the same command with --resume auto (or python train.py "
                 f"--resume {out}) continues the run" if saved else "nothing to keep; the same command starts it again")
-        say(f"stopped by {run.preemption.signal} after {n_steps(done)} of {cfg.steps}, "
+        say(f"stopped by {run.preemption.signal} {where}, {n_steps(done)} of {cfg.steps} done, "
             f"{time.monotonic() - run.preemption.received:.1f} s after the signal: {kept}")
         return run_folder.STOPPED
     if cfg.export_hf and run_folder.export_step(out / "hf") != cfg.steps:
