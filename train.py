@@ -438,7 +438,10 @@ def train(run: Run) -> None:
         if diverged:
             say(diverged + "; lower --lr (or raise --warmup-steps)", warning=True)
         made = [name for name in ("config.json", *logs, "metrics.png", "s2t.png", "gradient.png")
-                if (out / name).exists()]
+                if (out / name).exists() and (out / name).stat().st_size]  # an empty log is no output
+        if not plots.read_log(out / "eval.jsonl"):  # no accuracy before and after: say why and how to get it
+            say("no held-out evaluation: " + ("--eval-samples 0" if not cfg.eval_samples else
+                f"no held-out rows (--heldout N keeps N rows of {cfg.data} out of training)"))
         made += [f"checkpoint/step_{checkpoint_step(out)}"] if (out / "checkpoint" / "latest").exists() else []
         made += ["hf/ (python eval.py --run " + str(out) + ")"] if cfg.export_hf else []
         say(f"outputs in {out}/: {', '.join(made)}; " + (f"{diverged}; " if diverged else "")
@@ -494,7 +497,8 @@ def evaluate(run: Run, done: int) -> tuple[dict, list[dict]]:
                             cfg.max_response_len, cfg.temperature, cfg.top_p) if mine else None
     if mine:
         texts = out.texts(tokenizer)
-        verdicts = [float(reward.grade(t, rows[mine[j // cfg.eval_samples]]["answer"])) for j, t in enumerate(texts)]
+        verdicts = [float(reward.correct(t, rows[mine[j // cfg.eval_samples]]["answer"], cfg.reward))
+                    for j, t in enumerate(texts)]
         correct, total, length = sum(verdicts), len(texts), float(out.response_mask.sum())
         samples = completions(done, "heldout", texts, verdicts, [prompts[i] for i in mine], rows, mine,
                               cfg.eval_samples, tokenizer, cfg)
@@ -834,8 +838,9 @@ class Config:
     """field of the problem text (a dotted path for nested fields; a chat message list uses its last user turn)"""
     answer_key: str = "reward_model.ground_truth"
     """field of the gold answer (dotted path); a string or a list of strings"""
-    heldout: int = 0
-    """rows of --data kept out of training and evaluated (the built-in task has its own held-out split)"""
+    heldout: int | None = None
+    """rows of --data kept out of training and evaluated before and after it; default (none): a tenth of the rows,
+    at most 20, none below 10 rows (eval.heldout_count); 0 = none. The built-in task has its own 20"""
     instruction: str = rollout.INSTRUCTION
     """text appended to every problem (default: the paper's \\boxed{} instruction, rollout.INSTRUCTION)"""
     chat: bool = True
@@ -875,7 +880,9 @@ class Config:
     kl_beta: float = 0.0
     """GRPO only: weight of the k3 KL to the initial model (0 = no reference model)"""
     reward: str = "dapo"
-    """reward mode of reward.reward: dapo (+1/-1), binary (1/0), strict (normalized last-box string match)"""
+    """dapo (+1/-1 by reward.grade), binary (1/0), strict (normalized last-box string match), or your own function
+    FILE.py:FUNCTION or MODULE:FUNCTION, called as FUNCTION(response, answer) -> a finite number (reward.py, "your own
+    reward"; examples/reward_last_line.py); a positive reward counts as correct (reward/acc, held-out accuracy)"""
     max_prompt_len: int = 1024
     """prompts longer than this (tokens) are dropped"""
     max_response_len: int = 15360
@@ -941,8 +948,8 @@ class Config:
     export_hf: bool = True
     """write a Hugging Face-format model to OUT/hf at the end"""
     plots: bool = True
-    """write OUT/metrics.png and OUT/s2t.png at the end (needs matplotlib; `python train.py --plot RUN ...` redraws
-    and overlays runs)"""
+    """write this run's figures OUT/metrics.png, s2t.png and gradient.png at its end (needs matplotlib; --plot RUN
+    [RUN ...], not this flag, redraws and overlays finished runs)"""
     logger: str = ""
     """live curves of the metrics.jsonl and eval.jsonl keys: '' (none), tensorboard (OUT/tensorboard; pip install
     tensorboard) or wandb (pip install wandb; WANDB_MODE=offline works without network)"""
@@ -962,7 +969,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
     """argv -> Config. Each field is a --flag (eval.parse_flags: underscores -> dashes, the string under it is its
     --help). Values: the flags given, else (with --resume) the resumed run's config, else the preset's (CPU_PRESET
     or Config). Every value is checked here, before anything loads."""
-    given = parse_flags(Config, argv, "train.py", notes={k: f"cpu preset: {v!r}" for k, v in CPU_PRESET.items()})
+    given = parse_flags(Config, argv, "train.py", notes={k: f"cpu preset: {v!r}" for k, v in CPU_PRESET.items()},
+                        modes={"plot": plots.PLOT_HELP})  # --plot: main hands over to plots.main before this
     cuda = torch.cuda.is_available()
     if given.get("resume"):
         run = Path(given["resume"])
@@ -983,6 +991,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
             raise ValueError(f"unknown --preset {preset!r}; valid: auto, paper, cpu")
         values = {**(CPU_PRESET if preset == "cpu" else {}), **given, "preset": preset}
     cfg = Config(**values)
+    reward.load_reward(cfg.reward)  # an unknown mode or a broken FILE.py:FUNCTION: one line now, not in step 1
     if cfg.algo not in stapo.ALGORITHMS:
         raise ValueError(f"unknown --algo {cfg.algo!r}; valid: {', '.join(stapo.ALGORITHMS)}")
     if cfg.rollout not in ("auto", "plain", "vllm"):
@@ -996,6 +1005,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
                            ("quantile", 0 <= cfg.quantile <= 1, "in [0, 1]"), ("grad_clip", cfg.grad_clip > 0, "> 0"),
                            ("dual_clip", cfg.dual_clip is None or cfg.dual_clip > 1, "> 1"),
                            ("kv_cache_gb", cfg.kv_cache_gb > 0, "> 0"),
+                           ("heldout", cfg.heldout is None or cfg.heldout >= 0, ">= 0"),
                            ("collective_timeout_min", cfg.collective_timeout_min > 0, "> 0"),
                            ("tis_cap", cfg.tis_cap is None or cfg.tis_cap > 0, "> 0")):
         if not ok:
@@ -1052,7 +1062,7 @@ RUN_FILES = ("config.json", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "spu
 # Lower bounds of the integer (and a few float) flags, checked before anything loads.
 _AT_LEAST = dict(steps=1, prompts_per_step=1, group_size=2, mini_batch_prompts=1, max_tokens_per_micro_batch=1,
                  lr=0, warmup_steps=0, weight_decay=0, kl_beta=0, max_prompt_len=1, max_response_len=1, rollout_chunk=0,
-                 chunk_size=1, heldout=0, eval_every=0, eval_samples=0, spurious_per_step=0, samples_per_step=0,
+                 chunk_size=1, eval_every=0, eval_samples=0, spurious_per_step=0, samples_per_step=0,
                  save_every=0)
 
 
@@ -1069,7 +1079,7 @@ def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> Config:
     effective = {"rollout": rollout_engine,
                  "fsdp": cfg.fsdp or world > 1 or cuda, "mixed_precision": cfg.mixed_precision and cuda,
                  "kl_beta": cfg.kl_beta if cfg.algo == "grpo" else 0.0, "heldout": cfg.heldout if cfg.data else 0,
-                 "eval_every": cfg.eval_every if (not cfg.data or cfg.heldout) and cfg.eval_samples else 0}
+                 "eval_every": cfg.eval_every if (not cfg.data or cfg.heldout != 0) and cfg.eval_samples else 0}
     why = {"mixed_precision": "without CUDA (compute is fp32)", "kl_beta": f"with --algo {cfg.algo} (GRPO only)",
            "heldout": "with the built-in task (it has its own 20 held-out problems)",
            "eval_every": "without a held-out evaluation (--heldout 0 or --eval-samples 0)"}
@@ -1102,7 +1112,7 @@ def main(argv: list[str] | None = None) -> int:
         return error(e)
     try:
         train(run)
-    except RunError as e:
+    except (RunError, reward.RewardError) as e:  # RewardError: your --reward function raised
         return error(e)
     finally:
         run.engine.close()  # the rollout engine; deleting a vLLM engine may already tear down the process group
