@@ -327,8 +327,8 @@ def correlation_line(run: str) -> str:
     a = gradient_analysis(records)
     fmt = lambda r: "-" if r is None else f"{r:+.2f}"  # noqa: E731
     return (f"logit-gradient norm vs p: Spearman {fmt(a['rho_p'])} ({fmt(a['rho_p_low'])} below p = {P_FLAT:g}), vs "
-            f"H: {fmt(a['rho_h'])}, vs H at equal p (per unit advantage): {fmt(a['rho_h_at_p'])} ({a['n']} drawn tokens "
-            f"with a gradient, weighted; tokens.jsonl)")
+            f"H: {fmt(a['rho_h'])}, vs H at equal p (per unit advantage): {fmt(a['rho_h_at_p'])} ({a['n']} drawn "
+            f"tokens with a gradient, weighted; tokens.jsonl)")
 
 
 def plot_gradient(run_dirs: list[str], out_png: str) -> bool:
