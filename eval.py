@@ -6,14 +6,15 @@ AMC23 (avg@32) and MATH500, Minerva, OlympiadBench (avg@4), graded by rule, one 
     python eval.py --models Qwen/Qwen3-1.7B-Base stapo=runs/stapo/hf --no-chat   # 1 GPU, the six from the Hub
     torchrun --standalone --nproc_per_node=8 eval.py --models runs/stapo/hf --preset justrl   # 8 GPUs
     python eval.py --regrade out/eval/results.json                  # re-grade saved samples, rewrite table.md
-    python eval.py --run out/train-cpu     # a train.py run's export: its prompts, sampling, held-out set
+    python eval.py --run out/train-cpu     # a run's export, as train.py evaluated it: into out/train-cpu/eval/
     python eval.py --models tiny --data easy=my.jsonl --prompt-key q --answer-key a   # your own JSONL
 
 Sampling is a rollout engine (`--rollout plain`: rollout.generate; `vllm`: rollout.VLLMEngine), grading is
-reward.grade; this file loads the problem sets (the built-in task, JSONL/JSON/parquet files and Hub datasets read
-by `read_rows`, train.py's train/held-out split `load_rows`, the benchmarks), splits the problems across ranks,
-counts and writes. Outputs: OUT/results.json (the config and every
-sample's text, extracted answer, verdict, length in tokens, truncation flag) and OUT/table.md.
+reward.correct (a positive reward; reward.grade unless --reward says otherwise); this file loads the problem sets
+(the built-in task, JSONL/JSON/parquet files and Hub datasets read by `read_rows`, train.py's train/held-out split
+`load_rows`, the benchmarks), splits the problems across ranks, counts and writes. Outputs: OUT/results.json (the
+config and every sample's text, extracted answer, verdict, length in tokens, truncation flag) and OUT/table.md, OUT
+= --out (RUN/eval for a run, else out/eval; one that holds an earlier evaluation only with --overwrite).
 
 Deliberate differences from the paper's evaluation:
 1. Rule-based grading only (reward.py); the paper adds an LLM verifier where the rules fail, so a response the
@@ -27,19 +28,23 @@ Deliberate differences from the paper's evaluation:
    shown but never averaged in.
 5. Generate call c of a set (problems from position `start` of the rank's share) is seeded seed + rank +
    1_000_003 * start (the first call: seed + rank), so samples (not the expectation) change with the number of ranks
-   and the batch size.
-6. Beyond the paper: `--run` takes prompt format and sampling from a train.py run's config.json (flag > run >
-   default), `heldout` is the run's held-out set and `--data` reads your own files with train.py's field logic.
+   and the batch size. A run's `heldout` set is one call per rank seeded with the run's seed + 1 by default: what
+   train.py's evaluation sampled, so `--run` reproduces its eval.jsonl numbers.
+6. Beyond the paper: `--run` takes prompt format, sampling, seed and reward from a train.py run's config.json (flag >
+   run > default), `heldout` is the run's held-out set and `--data` reads your own files with train.py's field
+   logic.
 
 Every input (names, paths, files, numbers) is checked before a model loads; an error is one line, exit status 2.
 This file also holds `parse_flags`, the dataclass -> argparse builder of both scripts (here, so `--help` needs no
-torch). train.py imports its problem sets and its CLI builder from here; nothing here imports train.py.
+torch), with `--config FILE` and its validator `check_values`. train.py imports its problem sets and its CLI builder
+from here; nothing here imports train.py.
 """
 from __future__ import annotations
 
 import argparse
 import ast
 import datetime
+import difflib
 import inspect
 import json
 import math
@@ -89,26 +94,37 @@ _DAPO_PREFIX = ("Solve the following math problem step by step. The last line of
 _DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 
 
-def load_rows(cfg) -> tuple[list[dict], list[dict]]:
+HELDOUT_MAX = 20  # --heldout's default: a tenth of the rows of --data, at most this many (none below 10 rows)
+
+
+def heldout_count(n_rows: int, heldout: int | None) -> int:
+    """Rows of --data held out of n_rows: --heldout N, or by default (None) n_rows // 10, at most HELDOUT_MAX."""
+    return min(HELDOUT_MAX, n_rows // 10) if heldout is None else heldout
+
+
+def load_rows(cfg, prog: str = "train.py") -> tuple[list[dict], list[dict]]:
     """(train, held-out) lists of {"problem", "answer"} of a train.py config (its data, prompt_key, answer_key, split,
-    heldout and seed): the rows of --data, shuffled by the seed, the first `heldout` held out; or the built-in task
-    when --data is ''."""
+    heldout and seed): the rows of --data, shuffled by the seed, the first `heldout_count` held out; or the built-in
+    task when --data is ''."""
     import torch
 
     if not cfg.data:
         return builtin_task("train"), builtin_task("test")
-    rows = read_rows(cfg.data, cfg.prompt_key, cfg.answer_key, cfg.split)
-    if cfg.heldout >= len(rows):
-        raise ValueError(f"--heldout {cfg.heldout} leaves no training rows ({len(rows)} rows in {cfg.data})")
+    rows = read_rows(cfg.data, cfg.prompt_key, cfg.answer_key, cfg.split, prog)
+    heldout = heldout_count(len(rows), cfg.heldout)
+    if heldout >= len(rows):
+        raise ValueError(f"--heldout {heldout} leaves no training rows ({len(rows)} rows in {cfg.data})")
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     rows = [rows[i] for i in order]
-    return rows[cfg.heldout:], rows[:cfg.heldout]
+    return rows[heldout:], rows[:heldout]
 
 
-def read_rows(data: str, prompt_key: str, answer_key: str, split: str = "train") -> list[dict]:
-    """Rows {"problem", "answer"} of a local .jsonl/.json/.parquet file or a Hub dataset, in file order, duplicates
-    dropped (difference 7). `prompt_key`/`answer_key` are dotted paths; a chat message list gives its last user
-    turn; an answer is a string or a list of strings. train.py's --data and eval.py's --data."""
+def read_rows(data: str, prompt_key: str, answer_key: str, split: str = "train", prog: str = "eval.py") -> list[dict]:
+    """Rows {"problem", "answer"} of a local .jsonl/.json/.parquet file or a Hub dataset, in file order. Rows that
+    repeat an earlier row's problem and answer are dropped and counted on stderr (train.py's difference 7).
+    `prompt_key`/`answer_key` are dotted paths; a chat message list gives its last user turn; an answer is a string,
+    a finite number or a list of strings (`answer_value`). A bad row raises ValueError naming its line (.jsonl) or
+    row (1-based) and what is wrong. train.py's --data and eval.py's --data."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -116,40 +132,96 @@ def read_rows(data: str, prompt_key: str, answer_key: str, split: str = "train")
     if suffix and not os.path.isfile(data):
         raise FileNotFoundError(f"data file not found: {data}")
     if suffix == ".jsonl":
-        table = read_jsonl(data)
-    elif suffix:
-        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log line: ours is the one line
-        try:
-            table = datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=data,
-                                          split="train")
-        except Exception as e:  # noqa: BLE001 - datasets wraps every reason (empty file: StopIteration)
-            raise ValueError(f"{data}: not a readable {suffix[1:]} file ({type(e).__name__}: "
-                             f"{(str(e).strip().splitlines() or [''])[0][:200]})") from None
+        numbered = read_jsonl(data)
     else:
-        table = datasets.load_dataset(data, split=split)
-    if not len(table):
+        if suffix:
+            datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log line: ours is the one line
+            try:
+                table = datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=data,
+                                              split="train")
+            except Exception as e:  # noqa: BLE001 - datasets wraps every reason (empty file: StopIteration)
+                raise ValueError(f"{data}: not a readable {suffix[1:]} file ({type(e).__name__}: "
+                                 f"{(str(e).strip().splitlines() or [''])[0][:200]})") from None
+        else:
+            table = datasets.load_dataset(data, split=split)
+        numbered = [(f"row {i}", row) for i, row in enumerate(table, 1)]
+    if not numbered:
         raise ValueError(f"{data}: no rows")
     rows, seen = [], set()
-    for i, row in enumerate(table):
+    for where, row in numbered:
         problem, answer = _at_path(row, prompt_key), _at_path(row, answer_key)
         if isinstance(problem, list):  # chat messages: the last user turn
-            problem = next((m.get("content") for m in reversed(problem) if m.get("role") == "user"), None)
+            problem = next((m.get("content") for m in reversed(problem) if isinstance(m, dict)
+                            and m.get("role") == "user"), None)
+        fields_hint = f"the row's fields: {', '.join(row) or 'none'}"
+        if problem is None or problem == "":
+            raise ValueError(f"{data} {where}: no prompt in field {prompt_key!r} ({fields_hint}); name the field "
+                             f"with --prompt-key")
         if not isinstance(problem, str) or not problem.strip():
-            raise ValueError(f"{data} row {i}: no prompt in field {prompt_key!r}")
-        if isinstance(answer, (int, float)):
-            answer = str(answer)
-        if not answer or not (isinstance(answer, str) or all(isinstance(a, str) for a in answer)):
-            raise ValueError(f"{data} row {i}: no answer in field {answer_key!r}")
+            raise ValueError(f"{data} {where}: the prompt in field {prompt_key!r} is {_kind(problem)}, not text")
+        if answer is None or answer == "" or answer == []:
+            raise ValueError(f"{data} {where}: no answer in field {answer_key!r} ({fields_hint}); name the field "
+                             f"with --answer-key")
+        try:
+            answer = answer_value(answer)
+            _encodable(problem, "prompt")
+        except ValueError as e:
+            raise ValueError(f"{data} {where}: {e}") from None
         problem = problem.removeprefix(_DAPO_PREFIX).removesuffix(_DAPO_SUFFIX)
         if (problem, str(answer)) not in seen:  # DAPO-Math-17k repeats each of its 17k problems 100 times
             seen.add((problem, str(answer)))
             rows.append({"problem": problem, "answer": answer})
+    repeated = len(numbered) - len(rows)
+    if repeated and int(os.environ.get("RANK", 0)) == 0:
+        print(f"{prog}: note: {data}: dropped {repeated:,} of {len(numbered):,} rows that repeat an earlier row's "
+              f"problem and answer; {len(rows):,} rows remain", file=sys.stderr, flush=True)
     return rows
 
 
-def read_jsonl(path: str) -> list[dict]:
-    """The rows of a JSON-lines file (blank lines skipped); a line that is not a UTF-8 JSON object raises ValueError
-    naming the file and the line."""
+def _kind(value) -> str:
+    """How a JSON value is named in an error: 'a JSON object', 'a boolean', 'the number 3', ..."""
+    if isinstance(value, dict):
+        return "a JSON object"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return f"the number {value}"
+    if isinstance(value, list):
+        return "a list"
+    return f"the text {value!r}" if isinstance(value, str) else type(value).__name__
+
+
+def answer_value(value) -> str | list[str]:
+    """A gold answer as reward.grade takes it: a string, a finite number as a string (27.0 -> "27.0") or a list of
+    strings (several answers). Anything else (a JSON object, a boolean, NaN, a list of numbers, an empty or
+    unencodable string) raises ValueError saying what it is."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ValueError(f"the answer is {value}, not a finite number")
+        return str(value)
+    if isinstance(value, str) and value.strip():
+        _encodable(value, "answer")
+        return value
+    if isinstance(value, list) and value and all(isinstance(a, str) and a.strip() for a in value):
+        for a in value:
+            _encodable(a, "answer")
+        return value
+    what = "a list that is not all non-empty strings" if isinstance(value, list) else _kind(value)
+    raise ValueError(f"the answer is {what}; an answer is a string, a finite number or a list of strings")
+
+
+def _encodable(text: str, what: str) -> None:
+    """Raise ValueError when `text` cannot be written as UTF-8 (a lone surrogate such as \\ud800 is valid JSON)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the {what} holds the lone surrogate {text[e.start]!r} at character {e.start + 1}, which "
+                         f"is not UTF-8 text") from None
+
+
+def read_jsonl(path: str) -> list[tuple[str, dict]]:
+    """The rows of a JSON-lines file as ("line N", row), N counted from 1 as an editor does (blank lines skipped);
+    a line that is not a UTF-8 JSON object raises ValueError naming the file and the line."""
     rows = []
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
@@ -165,14 +237,18 @@ def read_jsonl(path: str) -> list[dict]:
                 raise ValueError(f"{path} line {n}: not JSON ({e.msg} at character {e.pos + 1})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path} line {n}: not a JSON object")
-            rows.append(row)
+            rows.append((f"line {n}", row))
     return rows
 
 
 # ---------------------------------------------------------------------------------------------------- benchmarks
-def _gold_field(key: str) -> Callable[[dict], str | None]:
-    """The gold is a field as it is (AMC's floats such as 27.0 become "27.0": the grader compares numbers)."""
-    return lambda row: None if row.get(key) is None else str(row[key]).strip()
+def _gold_field(key: str) -> Callable[[dict], str | list[str] | None]:
+    """The gold is a field as it is (AMC's floats such as 27.0 become "27.0": the grader compares numbers); a JSON
+    object, a boolean or NaN raises ValueError (answer_value)."""
+    def gold(row):
+        value = None if row.get(key) is None else answer_value(row[key])
+        return value.strip() if isinstance(value, str) else value
+    return gold
 
 
 def _last_box(key: str) -> Callable[[dict], str | None]:
@@ -192,7 +268,8 @@ def _after_hashes(key: str) -> Callable[[dict], str | None]:
 
 def _answer_list(key: str) -> Callable[[dict], list[str] | None]:
     """OlympiadBench: `final_answer` is a list of LaTeX strings; reward.grade takes the list as it is."""
-    return lambda row: [str(a).strip() for a in row[key]] if row.get(key) else None
+    return lambda row: [a.strip() for a in answer_value(row[key])] if isinstance(row.get(key), list) and row[key] \
+        else _gold_field(key)(row)
 
 
 @dataclass(frozen=True)
@@ -244,19 +321,25 @@ def load_benchmark(name: str, data_dir: str | Path | None = None) -> list[dict]:
         path = Path(data_dir) / spec.file
         if not path.is_file():
             raise FileNotFoundError(f"benchmark {name}: {path} not found")
-        with open(path, encoding="utf-8") as f:
-            raw = [json.loads(line) for line in f if line.strip()]
-        source, where = spec.local, str(path)
+        numbered, source = read_jsonl(str(path)), spec.local
+        at = lambda where: f"{where} of {path}"  # noqa: E731
     else:
         import datasets
-        raw = datasets.load_dataset(spec.hub_id, spec.hub_config, split=spec.hub_split)
-        source, where = spec.hub, f"{spec.hub_id} ({spec.hub_split})"
+        table = datasets.load_dataset(spec.hub_id, spec.hub_config, split=spec.hub_split)
+        numbered, source = [(f"row {i}", row) for i, row in enumerate(table, 1)], spec.hub
+        at = lambda where: f"{where} of {spec.hub_id} ({spec.hub_split})"  # noqa: E731
     rows = []
-    for i, row in enumerate(raw):
-        problem, gold = row.get(source.problem_key), source.gold(row)
-        if not problem or not gold or (isinstance(gold, list) and not all(gold)):
-            missing = "problem" if not problem else "gold answer"
-            raise ValueError(f"benchmark {name}: row {i} of {where} has no {missing}: {str(row)[:200]}")
+    for where, row in numbered:
+        problem = row.get(source.problem_key)
+        try:
+            gold = source.gold(row)
+            if isinstance(problem, str):
+                _encodable(problem, "problem")
+        except ValueError as e:
+            raise ValueError(f"benchmark {name}: {at(where)}: {e}") from None
+        if not isinstance(problem, str) or not problem.strip() or not gold:
+            missing = "problem" if not isinstance(problem, str) or not problem.strip() else "gold answer"
+            raise ValueError(f"benchmark {name}: {at(where)} has no {missing}: {str(row)[:200]}")
         answer = ", ".join(gold) if isinstance(gold, list) else gold
         rows.append({"problem": problem, "answer": answer, "gold": gold})
     return rows
@@ -286,13 +369,44 @@ def benchmark_metrics(problems: list[dict]) -> dict:
     }
 
 
+def read_results(path: str | Path) -> dict:
+    """The results.json at `path`, checked to be what eval.py writes (a config with the settings table.md names, and
+    per model and benchmark the problems, each with its gold and samples); otherwise ValueError in one line."""
+    try:
+        results = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--regrade {path}: not JSON ({e})") from None
+    if not isinstance(results, dict):
+        raise ValueError(f"--regrade {path}: not an eval.py results.json ({_kind(results)})")
+    if not isinstance(results.get("config"), dict) or not isinstance(results.get("models"), dict):
+        raise ValueError(f"--regrade {path}: not an eval.py results.json (without 'config' and 'models')")
+    missing = [k for k in ("chat", "instruction", "run", "temperature", "top_p", "max_new_tokens")
+               if k not in results["config"]]
+    if missing:
+        raise ValueError(f"--regrade {path}: its config lacks {', '.join(missing)}")
+    if not results["models"]:
+        raise ValueError(f"--regrade {path}: no models, so no samples to grade")
+    for label, model in results["models"].items():
+        benchmarks = model.get("benchmarks") if isinstance(model, dict) else None
+        for b, bench in (benchmarks.items() if isinstance(benchmarks, dict) and benchmarks else [(None, None)]):
+            problems = bench.get("problems") if isinstance(bench, dict) else None
+            if not problems or not all(isinstance(p, dict) and "gold" in p and p.get("samples") and all(
+                    isinstance(s, dict) and isinstance(s.get("text"), str) for s in p["samples"]) for p in problems):
+                raise ValueError(f"--regrade {path}: model {label}" + (f", benchmark {b}" if b else "") +
+                                 " has no samples to grade")
+    return results
+
+
 def regrade(results: dict) -> dict:
-    """Grade every stored sample again with the current reward.py and recompute the metrics (in place)."""
+    """Grade every stored sample again with the current reward.py, and the reward its config names, and recompute
+    the metrics (in place)."""
+    mode = results["config"].get("reward", "dapo")
     for model in results["models"].values():
         for bench in model["benchmarks"].values():
             for p in bench["problems"]:
                 for s in p["samples"]:
-                    s["extracted"], s["correct"] = reward.extract_answer(s["text"]), reward.grade(s["text"], p["gold"])
+                    s["extracted"] = reward.extract_answer(s["text"])
+                    s["correct"] = reward.correct(s["text"], p["gold"], mode)
             bench["metrics"] = benchmark_metrics(bench["problems"])
     return results
 
@@ -306,18 +420,20 @@ def table(results: dict) -> str:
     cfg = results["config"]
     prompt = f"{'chat template' if cfg['chat'] else 'raw text'} + instruction {cfg['instruction']!r}"
     source = f" (settings of the run {cfg['run']})" if cfg["run"] else ""
+    correct = "" if cfg.get("reward", "dapo") == "dapo" else f", correct = a positive reward of {cfg['reward']}"
+    average = (f" Avg = mean over the {len(paper)} of the paper's six benchmarks evaluated here "
+               f"({', '.join(TITLES[b] for b in paper)}); GSM8K and your own sets are never averaged." if paper else
+               "")  # no paper benchmark: no Avg column
     lines = [f"avg@k (%), temperature {cfg['temperature']}, top-p {cfg['top_p']}, max {cfg['max_new_tokens']} new "
-             f"tokens, {prompt}{source}. "
-             f"Avg = mean over the {len(paper)} of the paper's six benchmarks evaluated here "
-             f"({', '.join(TITLES[b] for b in paper) or 'none'}); GSM8K and your own sets are never averaged.", "",
-             "| Model | " + " | ".join(TITLES.get(b, b) for b in benches) + " | Avg |",
-             "|---" * (len(benches) + 2) + "|"]
+             f"tokens, {prompt}{source}{correct}.{average}", "",
+             "| Model | " + " | ".join(TITLES.get(b, b) for b in benches) + (" | Avg |" if paper else " |"),
+             "|---" * (len(benches) + 1 + bool(paper)) + "|"]
     for label, model in results["models"].items():
         got = model["benchmarks"]
         cells = [f"{got[b]['metrics']['avg@k']:.2f}" if b in got else "-" for b in benches]
         done = [got[b]["metrics"]["avg@k"] for b in paper if b in got]
-        avg = f"{sum(done) / len(done):.2f}" if done and len(done) == len(paper) else "-"
-        lines.append(f"| {label} | " + " | ".join(cells) + f" | {avg} |")
+        avg = [f"{sum(done) / len(done):.2f}" if done and len(done) == len(paper) else "-"] if paper else []
+        lines.append(f"| {label} | " + " | ".join(cells + avg) + " |")
     lines += ["", "| Model | Benchmark | problems | k | avg@k | pass@k | mean length | truncated % |",
               "|---|---|---|---|---|---|---|---|"]
     for label, model in results["models"].items():
@@ -343,18 +459,25 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def parse_flags(cls, argv: list[str] | None, prog: str, notes: dict[str, str] | None = None) -> dict:
+def parse_flags(cls, argv: list[str] | None, prog: str, notes: dict[str, str] | None = None,
+                modes: dict[str, str] | None = None) -> dict:
     """The flags given in argv, as {field: value}, for the dataclass `cls` (absent flags are absent: the caller
     layers them over its defaults, a preset or a training run's config.json).
 
     One --flag per field (underscores -> dashes); its --help is the string literal under the field, its default
     and `notes[field]`. bool -> --flag/--no-flag, list[X] -> one or more X, Literal -> choices, X | None -> X or
-    'none'. A bad flag prints one line `PROG: error: ...` and exits with status 2."""
+    'none'. `--config FILE` (JSON or YAML, e.g. a run's config.json) gives values as if they were flags, under the
+    flags on the command line (`read_config`). `modes` ({name: help}) lists options the caller handles before
+    parsing (train.py's --plot) in --help. A bad flag or config file prints one line `PROG: error: ...` and exits
+    with status 2."""
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
             if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
     hints = typing.get_type_hints(cls)
     parser = OneLineParser(prog=prog, description=(cls.__doc__ or "").strip(), argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", metavar="FILE", help="a JSON or YAML file of flag values, each key a flag's name "
+                        "with underscores (--top-p: top_p), e.g. a run's config.json: the base layer under the flags "
+                        "given here, which win")
     for f in fields(cls):
         tp = hints[f.name]
         default = f.default_factory() if f.default is MISSING else f.default
@@ -372,7 +495,89 @@ def parse_flags(cls, argv: list[str] | None, prog: str, notes: dict[str, str] | 
         else:
             kw["type"] = _or_none(tp) if optional else tp
         parser.add_argument("--" + f.name.replace("_", "-"), **kw)
-    return vars(parser.parse_args(argv))
+    if modes:
+        group = parser.add_argument_group("other modes")
+        for name, text in modes.items():
+            group.add_argument("--" + name, nargs="+", metavar="RUN", help=text.replace("%", "%%"))
+    given = vars(parser.parse_args(argv))
+    if "config" in given:
+        try:
+            given = {**read_config(cls, given.pop("config")), **given}
+        except ValueError as e:
+            parser.error(str(e))
+    return given
+
+
+def read_config(cls, path: str) -> dict:
+    """The values of a --config FILE for the dataclass `cls`: a JSON object, or a YAML mapping for .yaml / .yml
+    (numbers such as 1e-6 are read as numbers, as JSON and YAML 1.2 read them), checked by `check_values`. A file
+    that is missing or does not parse raises ValueError in one line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--config {path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    if path.endswith((".yaml", ".yml")):
+        import re
+
+        import yaml
+
+        class Loader(yaml.SafeLoader):  # YAML 1.1 reads 1e-6 as text (it wants 1.0e-6); JSON and YAML 1.2 do not
+            pass
+        Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                                     list("-+0123456789."))
+        try:
+            values = yaml.load(text, Loader=Loader)
+        except yaml.YAMLError as e:
+            raise ValueError(f"--config {path}: not YAML ({' '.join(str(e).split())})") from None
+    else:
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config {path}: not JSON ({e}); a .yaml or .yml file is read as YAML") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path}: not a mapping of flag names to values but {_kind(values)}")
+    return check_values(cls, values, path)
+
+
+def check_values(cls, values: dict, source: str) -> dict:
+    """`values` ({field name: value}, e.g. a config file's or a run's config.json) checked against the fields of the
+    dataclass `cls`: every key is a field and every value has the field's type (a float field takes an integer, a
+    field of X | None takes null, nothing else converts: "0.001" is not a float, true is not a number). Returns
+    them with integers of float fields as floats; the first wrong key raises ValueError naming `source` and it."""
+    hints, checked = typing.get_type_hints(cls), {}
+    for key, value in values.items():
+        if key not in hints:
+            close = difflib.get_close_matches(str(key), hints, n=1)
+            raise ValueError(f"{source}: unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + "; the keys are the flags' names with underscores")
+        ok, wanted, value = _typed(hints[key], value)
+        if not ok:
+            raise ValueError(f"{source}: {key!r} must be {wanted}, not {_kind(values[key])}")
+        checked[key] = value
+    return checked
+
+
+def _typed(tp, value) -> tuple[bool, str, object]:
+    """(whether `value` has the type `tp`, the type in words, the value as the field keeps it)."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:  # X | None
+        inner = next(a for a in typing.get_args(tp) if a is not type(None))
+        ok, wanted, value = (True, "", None) if value is None else _typed(inner, value)
+        return ok, f"{wanted} or null", value
+    if typing.get_origin(tp) is Literal:
+        choices = typing.get_args(tp)
+        return value in choices, "one of " + ", ".join(map(repr, choices)), value
+    if typing.get_origin(tp) is list:
+        parts = [_typed(typing.get_args(tp)[0], v) for v in value] if isinstance(value, list) else [(False, "", 0)]
+        wanted = f"a list of {_typed(typing.get_args(tp)[0], None)[1].removeprefix('a ').removeprefix('an ')}s"
+        return all(ok for ok, _, _ in parts), wanted, [v for _, _, v in parts]
+    if tp is bool:
+        return isinstance(value, bool), "true or false", value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), "an integer", value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, "a number", float(value) if ok else value
+    return isinstance(value, tp), "a string" if tp is str else f"a {tp.__name__}", value
 
 
 def _or_none(tp: type) -> Callable[[str], object]:
@@ -428,14 +633,23 @@ class Config:
     --max-response-len with --run"""
     limit: int | None = None
     """evaluate only the first LIMIT problems of each benchmark"""
-    batch_size: int = 64
-    """sequences per generate call on each rank (problems per call = max(1, batch_size // k))"""
-    seed: int = 0
-    """sampling seed; rank r uses seed + r"""
-    out: str = "out/eval"
-    """output folder for results.json and table.md"""
+    batch_size: int | None = None
+    """sequences per generate call on each rank (problems per call = max(1, batch_size // k)); default 64, and for
+    heldout all of a rank's problems in one call, as train.py's held-out evaluation samples them"""
+    seed: int | None = None
+    """sampling seed (rank r's first generate call uses seed + r); default: the run's --seed + 1 with --run, as
+    train.py's held-out evaluation, else 0"""
+    reward: str = "dapo"
+    """what counts as correct, a positive reward (reward.correct): dapo or binary (reward.grade), strict (last-box
+    string match) or your own FILE.py:FUNCTION / MODULE:FUNCTION; default: the run's --reward with --run"""
+    out: str | None = None
+    """output folder for results.json and table.md; default: RUN/eval with --run (or --models RUN/hf), else
+    out/eval"""
+    overwrite: bool = False
+    """replace the results.json and table.md already in --out (without it, an --out that holds them is refused)"""
     regrade: str | None = None
-    """path of an existing results.json: re-grade its samples, rewrite it and table.md next to it, sample nothing"""
+    """path of an existing results.json: re-grade its samples with its --reward, rewrite it and table.md next to it,
+    sample nothing"""
     rollout: str = "plain"
     """plain | vllm: sampling engine (vllm: a vLLM engine in this process, fed with the loaded weights; docs/rollouts.md)"""
     kv_cache_gb: float = 40.0
@@ -447,7 +661,9 @@ class Config:
 
 # eval.py field <- the train.py config.json field it takes its default from (how the run formats and samples)
 RUN_FIELDS = {"chat": "chat", "instruction": "instruction", "temperature": "temperature", "top_p": "top_p",
-              "max_new_tokens": "max_response_len", "prompt_key": "prompt_key", "answer_key": "answer_key"}
+              "max_new_tokens": "max_response_len", "prompt_key": "prompt_key", "answer_key": "answer_key",
+              "reward": "reward"}
+BATCH_SIZE = 64  # --batch-size's default, but for heldout
 
 
 def train_run(folder: str | Path) -> dict | None:
@@ -520,7 +736,12 @@ def parse_config(argv: list[str] | None = None) -> Config:
     if values.get("instruction") is None:
         import rollout
         values["instruction"] = rollout.INSTRUCTION
+    if values.get("seed") is None:  # train.py seeds its held-out evaluation with --seed + 1 (train.evaluate)
+        values["seed"] = run["seed"] + 1 if run else 0
+    if values.get("out") is None:
+        values["out"] = str(Path(values["run"]) / "eval") if run else "out/eval"
     cfg = Config(**values)
+    reward.load_reward(cfg.reward)  # an unknown mode or a broken FILE.py:FUNCTION: one line, before any model
     for b in cfg.benchmarks:
         if b not in BENCHMARKS and b != "heldout":
             raise ValueError(f"unknown benchmark {b!r}; choose from {', '.join(BENCHMARKS)}, heldout (with --run); "
@@ -531,7 +752,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
         raise FileNotFoundError(f"--data-dir {cfg.data_dir}: no such folder")
     for name, rule in (("temperature", cfg.temperature > 0), ("top_p", 0 < cfg.top_p <= 1),
                        ("k", cfg.k is None or cfg.k >= 1), ("max_new_tokens", cfg.max_new_tokens >= 1),
-                       ("limit", cfg.limit is None or cfg.limit >= 1), ("batch_size", cfg.batch_size >= 1),
+                       ("limit", cfg.limit is None or cfg.limit >= 1),
+                       ("batch_size", cfg.batch_size is None or cfg.batch_size >= 1),
                        ("kv_cache_gb", cfg.kv_cache_gb > 0), ("collective_timeout_min", cfg.collective_timeout_min > 0)):
         if not rule:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is out of range")
@@ -592,7 +814,8 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, de
     # --kv-cache-gb, but at least one problem's k rows (the plain sampler holds them at once; vLLM queues what does
     # not fit its KV cache of at most --kv-cache-gb)
     row_bytes, budget = model_lib.kv_cache_bytes(lm.config, 1, longest, lm.dtype.itemsize), int(cfg.kv_cache_gb * 1e9)
-    per_call = {b: max(1, min(cfg.batch_size, budget // row_bytes) // s["k"]) for b, s in sets.items()}
+    per_call = {b: len(s["rows"]) if b == "heldout" and cfg.batch_size is None else  # as train.evaluate: one call
+                max(1, min(cfg.batch_size or BATCH_SIZE, budget // row_bytes) // s["k"]) for b, s in sets.items()}
     need = max(per_call[b] * s["k"] for b, s in sets.items()) * row_bytes  # the largest call, every row at its longest
     if rank == 0:
         calls = ", ".join(f"{b} {per_call[b]} x {s['k']}" for b, s in sets.items())
@@ -617,40 +840,58 @@ def evaluate_model(engine, lm, tokenizer, per_call: dict[str, int], name: str, c
 
     bar = tqdm(total=sum(len(s["rows"][rank::world]) for s in sets.values()), desc=f"{name} (rank 0 of {world})",
                disable=rank != 0)
-    with engine.ready(lm):  # vllm: the weights are pushed once, for every set
-        for b, s in sets.items():
-            k, rows = s["k"], s["rows"]
-            mine = list(range(rank, len(rows), world))  # round-robin split of the problems over the ranks
-            problems = []
-            for start in range(0, len(mine), per_call[b]):
-                idx = mine[start: start + per_call[b]]
-                prompts = [rollout.format_prompt(tokenizer, rows[i]["problem"], cfg.chat, cfg.instruction)
-                           for i in idx]
-                with torch.no_grad():  # rows j*k .. j*k+k-1 answer problem idx[j] (difference 5: the seed)
-                    ro = engine.sample(prompts, k, [cfg.seed + rank + 1_000_003 * start], len(prompts),
-                                       cfg.max_new_tokens, cfg.temperature, cfg.top_p)
-                texts = ro.texts(tokenizer)
-                lengths = ro.response_mask.sum(-1).tolist()  # (B,) tokens including EOS
-                truncated = ro.truncated.tolist()  # (B,)
-                for j, i in enumerate(idx):
-                    gold = rows[i]["gold"]
-                    problems.append({"index": i, "problem": rows[i]["problem"], "gold": gold, "samples": [
-                        {"text": texts[r], "extracted": reward.extract_answer(texts[r]),
-                         "correct": reward.grade(texts[r], gold), "length": int(lengths[r]),
-                         "truncated": bool(truncated[r])} for r in range(j * k, j * k + k)]})
-                bar.update(len(idx))
-            if world > 1:
-                import torch.distributed as dist
-                parts = [None] * world if rank == 0 else None
-                dist.gather_object(problems, parts, dst=0)
-                problems = sorted((p for part in parts for p in part), key=lambda p: p["index"]) if rank == 0 else []
-            yield b, {"k": k, "temperature": cfg.temperature, "top_p": cfg.top_p,
-                      "metrics": benchmark_metrics(problems), "problems": problems} if rank == 0 else None
-    bar.close()
+    try:
+        with engine.ready(lm):  # vllm: the weights are pushed once, for every set
+            for b, s in sets.items():
+                k, rows = s["k"], s["rows"]
+                mine = list(range(rank, len(rows), world))  # round-robin split of the problems over the ranks
+                problems = []
+                for start in range(0, len(mine), per_call[b]):
+                    idx = mine[start: start + per_call[b]]
+                    prompts = [rollout.format_prompt(tokenizer, rows[i]["problem"], cfg.chat, cfg.instruction)
+                               for i in idx]
+                    with torch.no_grad():  # rows j*k .. j*k+k-1 answer problem idx[j] (difference 5: the seed)
+                        ro = engine.sample(prompts, k, [cfg.seed + rank + 1_000_003 * start], len(prompts),
+                                           cfg.max_new_tokens, cfg.temperature, cfg.top_p)
+                    texts = ro.texts(tokenizer)
+                    lengths = ro.response_mask.sum(-1).tolist()  # (B,) tokens including EOS
+                    truncated = ro.truncated.tolist()  # (B,)
+                    for j, i in enumerate(idx):
+                        gold = rows[i]["gold"]
+                        problems.append({"index": i, "problem": rows[i]["problem"], "gold": gold, "samples": [
+                            {"text": texts[r], "extracted": reward.extract_answer(texts[r]),
+                             "correct": reward.correct(texts[r], gold, cfg.reward), "length": int(lengths[r]),
+                             "truncated": bool(truncated[r])} for r in range(j * k, j * k + k)]})
+                    bar.update(len(idx))
+                if world > 1:
+                    import torch.distributed as dist
+                    parts = [None] * world if rank == 0 else None
+                    dist.gather_object(problems, parts, dst=0)
+                    problems = sorted((p for part in parts for p in part), key=lambda p: p["index"]) \
+                        if rank == 0 else []
+                yield b, {"k": k, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                          "metrics": benchmark_metrics(problems), "problems": problems} if rank == 0 else None
+    finally:  # also when your --reward function raises: the bar's line ends before the error's
+        bar.close()
     engine.close()
 
 
 BAD_INPUT = (FileNotFoundError, ValueError, KeyError, ImportError, OSError)  # what bad inputs raise
+
+
+def check_weights(name: str) -> None:
+    """Raise ValueError when a .safetensors file of the model folder `name` cannot be read (truncated by an
+    interrupted copy or export): its header must describe the whole file. Other names pass."""
+    if not os.path.isdir(name):
+        return
+    from safetensors import SafetensorError, safe_open
+    for path in sorted(Path(name).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="numpy"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{path}: not a complete safetensors file ({str(e).strip()}); copy or export it "
+                             f"again") from None
 
 
 def fail(error: Exception, rank: int):
@@ -665,18 +906,23 @@ def main(argv: list[str] | None = None) -> dict | None:
     rank = int(os.environ.get("RANK", 0))
     try:  # every input is checked before a model loads: one line, exit status 2, nothing written
         cfg = parse_config(argv)
-        if cfg.regrade:
-            results = regrade(json.loads(Path(cfg.regrade).read_text()))
+        if cfg.regrade:  # graded and tabled in full before anything is rewritten
+            results = regrade(read_results(cfg.regrade))
+            text = table(results)
         else:
+            if (Path(cfg.out) / "results.json").exists() and not cfg.overwrite:
+                raise ValueError(f"--out {cfg.out} holds the results of an earlier evaluation (results.json): choose "
+                                 f"another --out, or replace them with --overwrite")
             sets = load_sets(cfg)
             import model
             for spec in cfg.models:
                 model.check_model_name(_label_name(spec)[1])
-    except BAD_INPUT as e:
+                check_weights(_label_name(spec)[1])
+    except (*BAD_INPUT, reward.RewardError) as e:
         fail(e, rank)
     if cfg.regrade:
         write_outputs(results, Path(cfg.regrade).parent)
-        print(table(results))
+        print(text)
         return results
     if cfg.run and rank == 0:
         print(f"eval.py: prompts and sampling of the run {cfg.run}: {'chat template' if cfg.chat else 'raw text'}, "
@@ -703,10 +949,13 @@ def main(argv: list[str] | None = None) -> dict | None:
             opened = open_engine(name, cfg, sets, rank, device)
         except BAD_INPUT as e:
             fail(e, rank)
-        for b, got in evaluate_model(*opened, name, cfg, sets, rank, world):
-            if rank == 0:
-                results["models"][label]["benchmarks"][b] = got
-                write_outputs(results, cfg.out)  # after every benchmark, so a long run keeps what it has
+        try:  # your --reward function raising: one line naming it
+            for b, got in evaluate_model(*opened, name, cfg, sets, rank, world):
+                if rank == 0:
+                    results["models"][label]["benchmarks"][b] = got
+                    write_outputs(results, cfg.out)  # after every benchmark, so a long run keeps what it has
+        except reward.RewardError as e:
+            fail(e, rank)
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     if world > 1 and dist.is_initialized():  # closing a vLLM engine already tore the group down

@@ -9,6 +9,7 @@
   marked; beside it the closed-form logit-gradient norm |w| sqrt(1 - 2p + sum_v p_v^2) of silenced vs kept tokens
   (the paper's claim: the low-p, low-H tokens of correct answers carry the largest gradients). One row per
   setting; the tokens of its seeds are pooled.
+- `gradient.png`: RQ1, that norm's binned median against p and against H, with the correlations it illustrates.
 
 One concept, pictures of run folders: a file of its own so that train.py stays the story of one step and runs can
 be redrawn and overlaid after the fact from their files alone (no torch, no model). matplotlib is optional: without
@@ -24,6 +25,13 @@ Choices:
 4. The token picture shows the sample train.py drew (`s2t.token_sample`: every candidate and silenced token, and a
    fixed-size random sample of the others); the gradient-norm means in its title are weighted by `weight`, so they
    estimate the means over all response tokens.
+5. Held-out accuracy is measured at a few steps only (before and after training, every --eval-every steps): it is
+   drawn as points, with their values for a single run, never as a line through steps it was not measured at.
+6. Nothing is drawn over the tokens: the legend of s2t.png stands beside the plane, and each mini-batch's tau_h is a
+   tick on the tau_p line (the tokens left of it with H below their own mini-batch's tick were silenced).
+7. A correlation is printed beside the curve it describes, with its scope: the norm's Spearman correlation with p
+   over all tokens comes from the fall between p = 0.1 and 1 (sqrt(1 - 2p + sum p^2) -> 0); below p = P_FLAT the
+   factor is ~1 and the curve is flat, so gradient.png states both, on a logit p axis that shows both regions.
 """
 import argparse
 import json
@@ -33,9 +41,14 @@ from pathlib import Path
 
 METRIC_PANELS = (("metrics.jsonl", "reward/mean", "reward (+-1 mean)"), ("metrics.jsonl", "entropy/mean", "entropy"),
                  ("metrics.jsonl", "s2t/silenced_frac", "silenced fraction"),
-                 ("eval.jsonl", "eval/acc", "held-out accuracy (after N steps)"))
+                 ("eval.jsonl", "eval/acc", "held-out accuracy, where evaluated"))
+GRADIENT_NORM = r"logit-gradient norm $|w|\,\sqrt{1 - 2p + \sum_v p_v^2}$"  # s2t.grad_norm_logits, w = r A
+P_FLAT = 0.1  # below this p the factor sqrt(1 - 2p + sum p^2) is ~1: the norm is ~|w| whatever p (gradient.png)
 STYLES = ("-", "--", ":", "-.")
 MARKERS = ("o", "s", "^", "D", "v", "x")
+PLOT_HELP = ("redraw the figures of finished runs, RUN/metrics.png, s2t.png and gradient.png (several runs: overlaid), "
+             "and print RQ1's correlations, without training (not --plots, which draws this run's at its end); "
+             "`python train.py --plot RUN --help` lists --out, --table and --sensitivity")
 USAGE = ("python train.py --plot RUN [RUN ...] [--out PNG] [--table | --sensitivity]: instead of training, redraw the "
          "figures of finished runs, overlaid (default: RUN/metrics.png, RUN/s2t.png and RUN/gradient.png for one run, "
          "FIRST_RUN/compare.png, compare_s2t.png and compare_gradient.png for several; --out PNG: PNG and PNG's stem "
@@ -110,27 +123,35 @@ def plot_metrics(run_dirs: list[str], out_png: str) -> bool:
             steps = sorted(set.intersection(*(set(r) for r in runs)))
             if len(runs) > 1 and steps:
                 means[g] = steps, [sum(r[x] for r in runs) / len(runs) for x in steps], len(runs)
-        curves = {}
+        curves, points = {}, name == "eval.jsonl"  # choice 5: evaluations are points, with no line between them
         for i, run in enumerate(run_dirs):
             if run in data:
                 xs, ys, thin = list(data[run]), list(data[run].values()), group[run] in means
-                ax.plot(xs, ys, linestyle=STYLES[i % len(STYLES)], marker=MARKERS[i % len(MARKERS)],
-                        markevery=max(1, len(xs) // 12), color=colors[group[run]],
-                        label="_" + run if thin else _label(run),  # "_": not in the legend
-                        **(dict(linewidth=0.8, alpha=0.6, markersize=2) if thin else dict(markersize=4)))
+                ax.plot(xs, ys, linestyle="none" if points else STYLES[i % len(STYLES)],
+                        marker=MARKERS[i % len(MARKERS)], markevery=1 if points else max(1, len(xs) // 12),
+                        color=colors[group[run]], label="_" + run if thin else _label(run),  # "_": not in the legend
+                        **(dict(linewidth=0.8, alpha=0.6, markersize=3 if points else 2) if thin else
+                           dict(markersize=6 if points else 4)))
                 curves.setdefault((tuple(xs), tuple(ys)), []).append(Path(run).name)
         for g, (steps, mean, n) in means.items():
-            ax.plot(steps, mean, color=colors[g], linewidth=2.5, label=f"{g}: mean of {n} runs (thin: each)")
+            ax.plot(steps, mean, color=colors[g], linewidth=2.5, linestyle="none" if points else "-",
+                    marker="D" if points else None, markersize=7, label=f"{g}: mean of {n} runs (thin: each)")
+        if points and len(curves) == 1:  # one run: its measured values beside the points
+            for x, y in zip(*next(iter(curves))):
+                ax.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(6, -3), fontsize=8)
+        if points:
+            ax.set_ylim(-0.04, 1.04)  # an accuracy
         same = [names for names in curves.values() if len(names) > 1]  # choice 2
         if same:
             ax.text(0.02, 0.02, "\n".join("identical: " + " = ".join(n) for n in same), transform=ax.transAxes,
                     fontsize=7, va="bottom")
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel("steps done" if name == "eval.jsonl" else "step")
+        ax.set_xlabel("steps done (0 = before training)" if points else "step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # choice 1
         steps = [x for xs, _ in curves for x in xs]
-        if steps and max(steps) - min(steps) < 2:  # a single point or two: whole steps around it
-            ax.set_xlim(min(steps) - 1, max(steps) + 1)
+        if steps and (points or max(steps) - min(steps) < 2):  # points clear of the frame; whole steps around one
+            pad = max(1, (max(steps) - min(steps)) / 20)
+            ax.set_xlim(min(steps) - pad, max(steps) + pad)
         if not curves:
             ax.text(0.5, 0.5, f"no {name}", transform=ax.transAxes, ha="center", color="gray")
     axes[0].legend(fontsize=7)
@@ -150,12 +171,12 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
     plt = _pyplot()
     if plt is None:
         return False
-    fig, axes = plt.subplots(len(rows), 2, figsize=(11, 4 * len(rows)), squeeze=False)
+    fig, axes = plt.subplots(len(rows), 2, figsize=(13.5, 4 * len(rows)), squeeze=False)
     for (ax_h, ax_g), (g, runs) in zip(axes, rows.items()):
         records = [r for run in runs for r in read_log(Path(run) / "tokens.jsonl")]
         tau_p = _config(runs[0]).get("tau_p", 0.002)
         tok = {k: [v for r in records for v in r[k]]
-               for k in ("p", "H", "correct", "candidate", "silenced", "grad_norm", "weight")}
+               for k in ("p", "H", "A", "correct", "candidate", "silenced", "grad_norm", "weight")}
         n = len(tok["p"])
         taus = sorted({r["tau_h"] for r in records if r.get("tau_h") is not None})  # none without an entropy test
         groups = [("incorrect response", lambda i: not tok["correct"][i] and not tok["silenced"][i],
@@ -171,9 +192,9 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
             for ax, y in ((ax_h, "H"), (ax_g, "grad_norm")):
                 ax.scatter([tok["p"][i] for i in sel], [tok[y][i] for i in sel], label=f"{name} ({len(sel)})",
                            **style)
-        if taus:
-            ax_h.hlines(taus, 1e-9, tau_p, colors="tab:red", alpha=0.25, linewidth=0.8,
-                        label=f"mini-batch tau_h ({len(taus)} values)")
+        if taus:  # choice 6: each mini-batch's threshold as a tick on the tau_p line, not a line across the plane
+            ax_h.scatter([tau_p] * len(taus), taus, marker="_", s=160, linewidths=2, c="tab:red", zorder=3,
+                         label=f"tau_h of each mini-batch ({len(taus)}: {min(taus):.2f}-{max(taus):.2f})")
         for ax in (ax_h, ax_g):
             ax.set_xscale("log")
             ax.axvline(tau_p, color="k", linestyle="--", linewidth=0.8, label=f"tau_p = {tau_p:g}")
@@ -186,13 +207,15 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
 
         silenced = [i for i in range(n) if tok["silenced"][i]]
         kept = [i for i in range(n) if not tok["silenced"][i]]
+        with_gradient = sum(g > 0 and a != 0 for g, a in zip(tok["grad_norm"], tok["A"]))  # gradient.png's tokens
         ax_h.set_ylabel("entropy H")
         who = _label(runs[0]) if len(runs) == 1 else f"{len(runs)} runs of {g}"
-        ax_h.set_title(f"{who}: {n} drawn tokens, {len(records)} mini-batches", fontsize=9)
-        ax_g.set_ylabel("|w| sqrt(1 - 2p + sum p^2)")
-        ax_g.set_title(f"logit-gradient norm, mean silenced {mean(silenced)} vs kept {mean(kept)}",
-                       fontsize=9)
-        ax_h.legend(fontsize=7, loc="upper left")
+        ax_h.set_title(f"{who}: {n:,} drawn tokens ({with_gradient:,} with a gradient), {len(records)} "
+                       f"mini-batches", fontsize=9)
+        ax_g.set_ylabel(GRADIENT_NORM)
+        ax_g.set_title(f"mean norm (weighted): silenced {mean(silenced)} vs kept {mean(kept)}", fontsize=9)
+        ax_g.legend(*ax_h.get_legend_handles_labels(), fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1),
+                    borderaxespad=0)  # choice 6: beside the plane, over no token
     fig.tight_layout()
     fig.savefig(out_png, dpi=80)
     plt.close(fig)
@@ -266,18 +289,24 @@ def gradient_analysis(records: list[dict]) -> dict:
     """The paper's RQ1 on the tokens of tokens.jsonl `records` that carry a gradient (|w| > 0: nonzero advantage,
     ratio not clipped): Spearman correlations of the closed-form logit-gradient norm with p and with H (weighted,
     so the oversampled candidates count as the tokens they are), and its binned medians against log10 p and H,
-    for correct and incorrect responses. Low-p tokens are mostly high-entropy ones, so the plain correlation with H
-    mixes in p's; rho_h_at_p is the partial rank correlation of the norm per unit advantage, sqrt(1 - 2p + sum p^2)
-    (the factor S2T's rule is about), with H at equal p. Keys: n, rho_p, rho_h, rho_h_at_p, and per response kind
-    bins_p, bins_h."""
+    for correct and incorrect responses. Below p = P_FLAT the factor sqrt(1 - 2p + sum p^2) is ~1, so rho_p_low,
+    the correlation with p among those tokens, says whether the rarest tokens carry more than the merely unlikely
+    ones. Low-p tokens are mostly high-entropy ones, so the plain correlation with H mixes in p's; rho_h_at_p is the
+    partial rank correlation of the norm per unit advantage, sqrt(1 - 2p + sum p^2) (the factor S2T's rule is
+    about), with H at equal p. Keys: n, rho_p, rho_p_low, rho_h, rho_h_at_p, and per response kind bins_p,
+    bins_h."""
     tok = {k: [v for r in records for v in r[k]] for k in ("p", "H", "A", "grad_norm", "weight", "correct")}
     keep = [i for i, (g, a) in enumerate(zip(tok["grad_norm"], tok["A"])) if g > 0 and a != 0]
     col = {k: [v[i] for i in keep] for k, v in tok.items()}
     logp = [math.log10(max(p, 1e-12)) for p in col["p"]]
-    p_edges = list(range(math.floor(min(logp, default=-1)), 1))  # one bin per decade of p, up to p = 1
+    # one bin per decade of p up to P_FLAT, then finer ones up to 1, where the norm falls to 0
+    p_edges = list(range(math.floor(min(logp, default=-1)), -1)) + [math.log10(p) for p in (0.1, 0.3, 0.5, 0.7, 0.9,
+                                                                                           0.99, 0.999)] + [0]
+    low = [i for i, p in enumerate(col["p"]) if p < P_FLAT]
     h_top = max(col["H"], default=1.0)
     h_edges = [h_top * i / 8 for i in range(9)]
     result = {"n": len(keep), "rho_p": rank_correlation(col["p"], col["grad_norm"], col["weight"]),
+              "rho_p_low": rank_correlation(*([col[k][i] for i in low] for k in ("p", "grad_norm", "weight"))),
               "rho_h": rank_correlation(col["H"], col["grad_norm"], col["weight"]),
               "rho_h_at_p": partial_rank_correlation(col["H"], [g / abs(a) for g, a in zip(col["grad_norm"], col["A"])],
                                                      col["p"], col["weight"])}
@@ -297,19 +326,24 @@ def correlation_line(run: str) -> str:
         return ""
     a = gradient_analysis(records)
     fmt = lambda r: "-" if r is None else f"{r:+.2f}"  # noqa: E731
-    return (f"logit-gradient norm vs p: Spearman {fmt(a['rho_p'])}, vs H: {fmt(a['rho_h'])}, vs H at equal p (per "
-            f"unit advantage): {fmt(a['rho_h_at_p'])} ({a['n']} drawn tokens with a gradient, weighted; tokens.jsonl)")
+    return (f"logit-gradient norm vs p: Spearman {fmt(a['rho_p'])} ({fmt(a['rho_p_low'])} below p = {P_FLAT:g}), vs "
+            f"H: {fmt(a['rho_h'])}, vs H at equal p (per unit advantage): {fmt(a['rho_h_at_p'])} ({a['n']} drawn "
+            f"tokens with a gradient, weighted; tokens.jsonl)")
 
 
 def plot_gradient(run_dirs: list[str], out_png: str) -> bool:
     """RQ1's figure: the logit-gradient norm's binned median (and 25-75% band) against p (log scale) and against H,
-    correct and incorrect responses, one colour per setting (seeds pooled); Spearman correlations in the legend."""
+    correct and incorrect responses, one colour per setting (seeds pooled); each panel's title gives the weighted
+    Spearman correlations it illustrates (against p: over all tokens and below p = P_FLAT, where the curve is
+    flat), the legend only the lines."""
     rows = {g: [r for r in runs if read_log(Path(r) / "tokens.jsonl")] for g, runs in seed_groups(run_dirs).items()}
     rows = {g: runs for g, runs in rows.items() if runs}
     plt = _pyplot() if rows else None
     if plt is None:
         return False
-    fig, (ax_p, ax_h) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_p, ax_h) = plt.subplots(1, 2, figsize=(12, 4.6))
+    fmt = lambda r: "-" if r is None else f"{r:+.2f}"  # noqa: E731
+    said_p, said_h = [], []
     for c, (g, runs) in enumerate(rows.items()):
         a = gradient_analysis([r for run in runs for r in read_log(Path(run) / "tokens.jsonl")])
         for kind, style in (("correct", "-"), ("incorrect", ":")):
@@ -318,21 +352,25 @@ def plot_gradient(run_dirs: list[str], out_png: str) -> bool:
                 if not bins:
                     continue
                 xs = [x_of(b[0]) for b in bins]
-                rho = a["rho_p"] if key == "bins_p" else a["rho_h"]
-                label = f"{g}, {kind}" + (f" (Spearman {rho:+.2f}, all)" if kind == "correct" and rho is not None
-                                          else "")
-                ax.plot(xs, [b[1] for b in bins], linestyle=style, marker="o", color=f"C{c}", label=label)
+                ax.plot(xs, [b[1] for b in bins], linestyle=style, marker="o", color=f"C{c}",
+                        label=f"{g}, {kind} responses")
                 if len(rows) == 1:
                     ax.fill_between(xs, [b[2] for b in bins], [b[3] for b in bins], color=f"C{c}", alpha=0.12)
-    ax_p.set_xscale("log")
-    ax_p.set_xlabel("p (probability of the sampled token; bins of one decade)")
+        who = f"{g}: " if len(rows) > 1 else ""
+        said_p.append(f"{who}Spearman {fmt(a['rho_p'])} over all tokens, {fmt(a['rho_p_low'])} below p = {P_FLAT:g}")
+        said_h.append(f"{who}Spearman {fmt(a['rho_h'])}; at equal p, per unit advantage: {fmt(a['rho_h_at_p'])}")
+    ax_p.set_xscale("logit")  # log near 0 and near 1, where the norm falls
+    ax_p.axvline(P_FLAT, color="gray", linestyle="--", linewidth=0.8)
+    ax_p.set_xlabel(f"p (probability of the sampled token; logit scale, bins of one decade below {P_FLAT:g})")
     ax_h.set_xlabel("entropy H (8 bins)")
+    ax_p.set_title("\n".join(said_p), fontsize=8)
+    ax_h.set_title("\n".join(said_h), fontsize=8)
     for ax in (ax_p, ax_h):
-        ax.set_ylabel("|w| sqrt(1 - 2p + sum p^2): median, 25-75%")
-        ax.legend(fontsize=7)
-    fig.suptitle("RQ1: the token's logit-gradient norm against its probability and entropy (tokens.jsonl, weighted)",
+        ax.set_ylabel(GRADIENT_NORM + ": median, 25-75%", fontsize=8)
+    fig.legend(*ax_p.get_legend_handles_labels(), loc="lower center", ncol=min(4, 2 * len(rows)), fontsize=8)
+    fig.suptitle("RQ1: a token's logit-gradient norm against its probability and entropy (tokens.jsonl, weighted)",
                  fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06 + 0.04 * ((2 * len(rows) - 1) // 4), 1, 1))
     fig.savefig(out_png, dpi=80)
     plt.close(fig)
     return True

@@ -21,8 +21,16 @@ Deliberate differences from the paper and from common graders (verl, Math-Verify
    deadline, started when grade() is called, is checked while extracting boxes, in the parser and between
    comparisons; nested boxes are never joined (a box inside a box is its content). Anything refused or late grades
    as not equivalent.
+5. Any Python function can be the reward instead (`reward(response, gold, "FILE.py:FUNCTION")`, `load_reward`), as
+   TRL takes reward functions; whatever the reward, a response is correct when its reward is positive (`correct`).
 """
+import functools
+import importlib
+import importlib.util
+import inspect
 import math
+import numbers
+import os
 import re
 import time
 from collections import namedtuple
@@ -85,7 +93,10 @@ def grade(response, gold, timeout=TIMEOUT_S):
 
 def reward(response, gold, mode="dapo"):
     """The RL reward. "dapo": +1 / -1 by `grade`; "binary": 1 / 0; "strict": +1 / -1 by the paper's rule, a
-    normalized string match of the last \\boxed{} only."""
+    normalized string match of the last \\boxed{} only; "FILE.py:FUNCTION" or "MODULE:FUNCTION": your function
+    (`load_reward`), called as FUNCTION(response, gold). A response is correct when its reward is positive."""
+    if ":" in mode:
+        return _call(load_reward(mode), mode, response, gold)
     if mode == "strict":
         deadline = time.monotonic() + TIMEOUT_S
         try:
@@ -95,9 +106,88 @@ def reward(response, gold, mode="dapo"):
         except Refused:
             return -1.0
         return 1.0 if pred and _squash(pred) == _squash(golds) else -1.0
-    if mode not in ("dapo", "binary"):
-        raise ValueError(f"unknown reward mode {mode!r}")
+    if mode not in BUILTIN:
+        raise ValueError(f"unknown reward {mode!r}; valid: {', '.join(BUILTIN)}, or your own as FILE.py:FUNCTION or "
+                         f"MODULE:FUNCTION")
     return 1.0 if grade(response, gold) else (0.0 if mode == "binary" else -1.0)
+
+
+def correct(response, gold, mode="dapo"):
+    """Whether `response` is correct under the reward `mode`: its reward is positive. train.py's reward/acc and
+    held-out accuracy and eval.py's avg@k count this (for dapo and binary it is `grade`)."""
+    return reward(response, gold, mode) > 0
+
+
+# ------------------------------------------------------------------------------------------------ your own reward
+# Any verifier can be the reward (code that runs tests, a format check, another grader), as TRL's reward functions
+# are: --reward FILE.py:FUNCTION or MODULE:FUNCTION names a Python function
+#
+#     def FUNCTION(response: str, answer: str | list[str]) -> float
+#
+# called once per sampled response with the row's gold answer (--answer-key: a string, or a list of strings), in the
+# training and held-out evaluation of train.py and in eval.py. It returns a finite number (a bool counts as 1 / 0):
+# any scale works, since the advantages are group-normalized, but the reward must be positive exactly when the
+# response is correct (reward/acc, held-out accuracy and avg@k count positive rewards). examples/reward_last_line.py
+# is one.
+BUILTIN = ("dapo", "binary", "strict")
+
+
+class RewardError(Exception):
+    """Your reward function raised, or returned something other than a finite number."""
+
+
+@functools.lru_cache(maxsize=None)
+def load_reward(spec):
+    """The function `spec` names, checked: a built-in mode ("dapo", "binary", "strict": reward itself), or
+    "FILE.py:FUNCTION" (a Python file, path relative to the working directory) or "MODULE:FUNCTION" (an importable
+    module). A missing file or module, an error while importing it, a missing or non-callable FUNCTION, or one that
+    cannot be called with (response, answer) raises ValueError in one line. Loaded once per process."""
+    if spec in BUILTIN:
+        return functools.partial(reward, mode=spec)
+    where, _, name = spec.rpartition(":")
+    if not where or not name.isidentifier():
+        raise ValueError(f"unknown reward {spec!r}; valid: {', '.join(BUILTIN)}, or your own as FILE.py:FUNCTION or "
+                         f"MODULE:FUNCTION")
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise ValueError(f"reward {spec}: no such file {where}")
+            module_spec = importlib.util.spec_from_file_location(f"_reward_{abs(hash(where))}", where)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the user's module raises while it is imported
+        raise ValueError(f"reward {spec}: importing {where} raised {type(e).__name__}: {_first_line(e)}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"reward {spec}: {where} has no function {name}")
+    try:
+        inspect.signature(fn).bind("response", "answer")
+    except TypeError:
+        raise ValueError(f"reward {spec}: {name} must take two arguments, (response, answer)") from None
+    except ValueError:  # no signature to inspect (some builtins): the first call will tell
+        pass
+    return fn
+
+
+def _call(fn, spec, response, gold):
+    """fn(response, gold) as a float; anything it raises, or a value that is not a finite number, is a RewardError
+    naming the function."""
+    try:
+        value = fn(response, gold)
+    except Exception as e:  # noqa: BLE001 - the user's code: any exception becomes one line naming it
+        raise RewardError(f"reward function {spec} raised {type(e).__name__}: {_first_line(e)}") from e
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise RewardError(f"reward function {spec} returned {value!r:.60}, not a finite number")
+    return float(value)
+
+
+def _first_line(error):
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "(no message)"
 
 
 # ------------------------------------------------------------------------------------------------ extraction

@@ -50,7 +50,7 @@ import torch.distributed as dist
 LOGS = ("metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl", "tokens.jsonl", "resumes.jsonl")
 # What a run writes into OUT: a new run refuses a folder that holds any of these unless --overwrite.
 RUN_FILES = ("config.json", *LOGS, "checkpoint", "hf", "stopped.json", "metrics.png", "s2t.png", "gradient.png",
-             "tensorboard", "wandb")
+             "tensorboard", "wandb", "eval")
 # Flags that may change when a run is resumed: how long it runs, what it evaluates and logs, how much memory a step
 # takes, never what it computes (kv_cache_gb only with --rollout-chunk > 0: otherwise it sets the prompts per
 # generate call, and with them the sampling seeds).

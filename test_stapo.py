@@ -1616,6 +1616,106 @@ def test_reward_modes():
     assert reward.grade(None, "1") is False and reward.extract_answer(None) is None
     assert reward.grade("\\boxed{27}", 27.0) and reward.grade("\\boxed{27}", 27)  # a number as gold
 
+def test_reward_your_own_function_is_loaded_checked_and_named_in_its_errors(tmp_path, monkeypatch):
+    """--reward FILE.py:FUNCTION or MODULE:FUNCTION: the function is loaded once and called as (response, answer);
+    every way it can be wrong is one line naming it, and what it returns must be a finite number (positive =
+    correct). The example in examples/ grades a non-math task."""
+    example = "examples/reward_last_line.py:last_line"
+    monkeypatch.chdir(ROOT)
+    assert reward.reward("Let me think.\n\"Paris\".", "paris", example) == 1.0
+    assert reward.reward("Paris?\nLyon", ["Paris", "Lyon"], example) == 1.0
+    assert reward.reward("Paris, I think", "Paris", example) == -1.0 and reward.correct("", "Paris", example) is False
+    (tmp_path / "mine.py").write_text(textwrap.dedent("""
+        import math
+        def half(response, answer):
+            return 0.5 if response == answer else -0.5
+        def flag(response, answer):
+            return response == answer
+        def boom(response, answer):
+            return 1 / 0
+        def nan(response, answer):
+            return math.nan
+        def text(response, answer):
+            return "1.0"
+        def one(response):
+            return 1.0
+        not_a_function = 3
+        """))
+    (tmp_path / "broken.py").write_text("import no_such_module_here\n")
+    spec = lambda name: f"{tmp_path / 'mine.py'}:{name}"  # noqa: E731
+    assert reward.reward("4", "4", spec("half")) == 0.5 and reward.reward("5", "4", spec("half")) == -0.5
+    assert reward.correct("4", "4", spec("flag")) is True and reward.reward("5", "4", spec("flag")) == 0.0
+    assert reward.load_reward(spec("half")) is reward.load_reward(spec("half"))  # imported once
+    assert reward.load_reward("os.path:join") is os.path.join  # an importable module
+    for name, expected in (("boom", "raised ZeroDivisionError: division by zero"), ("nan", "returned nan, not a "
+                           "finite number"), ("text", "returned '1.0', not a finite number")):
+        with pytest.raises(reward.RewardError) as e:
+            reward.reward("4", "4", spec(name))
+        assert str(e.value) == f"reward function {spec(name)} {expected}"
+    for bad, expected in ((spec("one"), "one must take two arguments, (response, answer)"),
+                          (spec("not_a_function"), "has no function not_a_function"),
+                          (spec("missing"), "has no function missing"),
+                          (f"{tmp_path / 'nope.py'}:f", f"no such file {tmp_path / 'nope.py'}"),
+                          (f"{tmp_path / 'broken.py'}:f", "raised ModuleNotFoundError: No module named "
+                                                         "'no_such_module_here'"),
+                          ("no_such_module_here:f", "importing no_such_module_here raised ModuleNotFoundError"),
+                          ("dapoo", "unknown reward 'dapoo'; valid: dapo, binary, strict, or your own as "
+                                    "FILE.py:FUNCTION or MODULE:FUNCTION")):
+        with pytest.raises(ValueError) as e:
+            reward.load_reward(bad)
+        assert expected in str(e.value) and "\n" not in str(e.value), (bad, str(e.value))
+    assert "torch" not in reward.__dict__ and "import torch" not in Path(reward.__file__).read_text()
+
+
+_HALF_REWARD = """
+def even(response, answer):  # the toy task's _EVEN check with rewards +-0.5
+    return 0.5 if response.strip()[:1] in ("0", "2", "4", "6", "8") and response.strip() else -0.5
+
+def boom(response, answer):
+    raise KeyError("no verifier for this row")
+"""
+
+
+def test_train_and_eval_use_your_own_reward_function(tmp_path, monkeypatch, capsys):
+    """train.py --reward FILE.py:FUNCTION trains on that function's rewards (samples.jsonl shows them) and counts a
+    positive reward as correct in reward/acc and the held-out accuracy; eval.py --run takes the run's reward and gives
+    the same held-out numbers; a bad spec is one line before the model loads, and an error inside the function while
+    training or evaluating is one line naming the function and the exception, exit status 2."""
+    monkeypatch.setattr(train, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)
+    monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=_TOY_VOCAB), tiny_tokenizer()))
+    (tmp_path / "rewards.py").write_text(_HALF_REWARD)
+    even, boom = f"{tmp_path / 'rewards.py'}:even", f"{tmp_path / 'rewards.py'}:boom"
+    data = _toy_data(tmp_path)
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "run", heldout=4, steps=2, reward=even)) == 0
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert {s["reward"] for s in samples if s["split"] == "train"} <= {0.5, -0.5}
+    assert {s["reward"] for s in samples if s["split"] == "heldout"} <= {1.0, 0.0}  # correct or not
+    for m in _metrics(tmp_path / "run"):
+        assert m["reward/mean"] == pytest.approx(0.5 * m["reward/acc"] - 0.5 * (1 - m["reward/acc"]))
+    last = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[-1])
+    monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)
+    results = ev.main(["--run", str(tmp_path / "run")])
+    assert results["config"]["reward"] == even
+    bench = results["models"][str(tmp_path / "run" / "hf")]["benchmarks"]["heldout"]
+    assert bench["metrics"]["avg@k"] == pytest.approx(100 * last["eval/acc"])
+    capsys.readouterr()
+    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    assert train.main(_toy_args(data, tmp_path / "bad", reward=f"{tmp_path / 'rewards.py'}:odd")) == 2
+    _one_line_error(capsys, f"train.py: error: reward {tmp_path / 'rewards.py'}:odd: {tmp_path / 'rewards.py'} has no "
+                            f"function odd")
+    monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=_TOY_VOCAB), tiny_tokenizer()))
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "boom", reward=boom)) == 2
+    _one_line_error(capsys, f"train.py: error: reward function {boom} raised KeyError: 'no verifier for this row'")
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--run", str(tmp_path / "run"), "--reward", boom, "--out", str(tmp_path / "e")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and [x for x in err.splitlines() if "error" in x] == [
+        f"eval.py: error: reward function {boom} raised KeyError: 'no verifier for this row'"]
+    assert "Traceback" not in err
+
+
 # ==================================================================================================================
 # eval.py: benchmarks and metrics
 # ==================================================================================================================
@@ -1656,11 +1756,59 @@ def test_eval_known_golds():
 def test_eval_missing_gold_is_an_error(tmp_path):
     lines = [{"question": "1+1?", "answer": "2 #### 2"}, {"question": "2+2?", "answer": "it is four"}]
     (tmp_path / "gsm8k.jsonl").write_text("\n".join(json.dumps(r) for r in lines))
-    with pytest.raises(ValueError, match=r"gsm8k: row 1 .*no gold answer"):
+    with pytest.raises(ValueError, match=r"gsm8k: line 2 .*no gold answer"):
         ev.load_benchmark("gsm8k", tmp_path)
     (tmp_path / "minerva_math.jsonl").write_text(json.dumps({"problem": "x?", "solution": "no box here"}))
-    with pytest.raises(ValueError, match=r"minerva: row 0 "):
+    with pytest.raises(ValueError, match=r"minerva: line 1 "):
         ev.load_benchmark("minerva", tmp_path)
+
+
+@pytest.mark.parametrize("answer, expected", [
+    ({"x": 1}, "the answer is a JSON object"), (True, "the answer is a boolean"),
+    (float("nan"), "the answer is nan, not a finite number"), ([1, 2], "a list that is not all non-empty strings"),
+    ("\ud800", "the answer holds the lone surrogate '\\ud800' at character 1")])
+def test_eval_data_readers_refuse_answers_that_are_not_answers(tmp_path, answer, expected):
+    """An answer is a string, a finite number or a list of strings: a JSON object (its keys became the answer), a
+    boolean ("True"), NaN ("nan"), a list of numbers and a lone surrogate are one error naming the 1-based line, in
+    --data files (read_rows) and benchmark files (load_benchmark) alike."""
+    lines = [json.dumps({"problem": "1+1?", "answer": "2"}), "", json.dumps({"problem": "2+2?", "answer": answer})]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError) as e:
+        ev.read_rows(str(tmp_path / "d.jsonl"), "problem", "answer")
+    assert str(e.value).startswith(f"{tmp_path / 'd.jsonl'} line 3: ") and expected in str(e.value), str(e.value)
+    (tmp_path / "aime24.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError) as e:
+        ev.load_benchmark("aime24", tmp_path)
+    assert f"line 3 of {tmp_path / 'aime24.jsonl'}: " in str(e.value) and expected in str(e.value), str(e.value)
+    assert ev.answer_value(27.0) == "27.0" and ev.answer_value(["1", "2"]) == ["1", "2"] and ev.answer_value("x") == "x"
+
+
+def test_eval_data_errors_name_fields_lines_and_count_duplicates(tmp_path, monkeypatch, capsys):
+    """Without --prompt-key the error names the row's fields and the flag; a prompt with a lone surrogate (valid
+    JSON, not UTF-8: it failed only in the tokenizer, after the model loaded) is an error naming its line before any
+    model loads; a repeated row is dropped and counted on stderr, like prompts over --max-prompt-len."""
+    path = tmp_path / "easy.jsonl"
+    path.write_text(json.dumps({"q": "1+1?", "a": "2"}) + "\n")
+    with pytest.raises(ValueError, match=r"easy.jsonl line 1: no prompt in field 'prompt' \(the row's fields: q, a\); "
+                                         r"name the field with --prompt-key"):
+        ev.read_rows(str(path), "prompt", "a")
+    with pytest.raises(ValueError, match=r"line 1: no answer in field 'answer' \(the row's fields: q, a\); name the "
+                                         r"field with --answer-key"):
+        ev.read_rows(str(path), "q", "answer")
+    monkeypatch.setattr(model, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    path.write_text(json.dumps({"q": "1+1?", "a": "2"}) + "\n" + '{"q": "2+\\ud800?", "a": "4"}\n')
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--models", "tiny", "--data", str(path), "--prompt-key", "q", "--answer-key", "a", "--out",
+                 str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"eval.py: error: {path} line 2: the prompt holds the lone surrogate "
+                                         f"'\\ud800' at character 3, which is not UTF-8 text"], err
+    path.write_text("".join(json.dumps({"q": q, "a": a}) + "\n" for q, a in
+                            (("1+1?", "2"), ("2+2?", "4"), ("1+1?", "2"), ("1+1?", 2), ("1+1?", "3"))))
+    assert ev.read_rows(str(path), "q", "a", prog="train.py") == [
+        {"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": "4"}, {"problem": "1+1?", "answer": "3"}]
+    assert capsys.readouterr().err == (f"train.py: note: {path}: dropped 2 of 5 rows that repeat an earlier row's "
+                                       f"problem and answer; 3 rows remain\n")
 
 
 def test_eval_hub_layout_mapping(monkeypatch):
@@ -1703,8 +1851,10 @@ def test_eval_cli_flags_and_help(capsys):
     cfg = ev.parse_config(["--models", "a", "lbl=b", "--benchmarks", "gsm8k", "--no-chat", "--k", "8",
                            "--preset", "justrl", "--max-new-tokens", "16"])
     assert cfg == ev.Config(models=["a", "lbl=b"], benchmarks=["gsm8k"], chat=False, k=8, preset="justrl",
-                            max_new_tokens=16, temperature=0.7, top_p=0.9, instruction=INSTRUCTION)
-    assert ev.parse_config([]) == ev.Config(temperature=1.0, top_p=1.0, instruction=INSTRUCTION)
+                            max_new_tokens=16, temperature=0.7, top_p=0.9, instruction=INSTRUCTION, seed=0,
+                            out="out/eval")
+    assert ev.parse_config([]) == ev.Config(temperature=1.0, top_p=1.0, instruction=INSTRUCTION, seed=0,
+                                            out="out/eval")
     assert ev.parse_config(["--preset", "justrl", "--temperature", "0.5"]).top_p == 0.9  # a flag beats the preset
     assert ev.parse_config(["--instruction", ""]).instruction == ""  # no instruction, not the default one
     with pytest.raises(SystemExit):
@@ -1739,6 +1889,72 @@ def test_cli_one_builder_for_train_and_eval(capsys):
     proc = subprocess.run([sys.executable, "-c", "import sys, eval; print('torch' in sys.modules)"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "False", proc.stderr
+
+
+def test_cli_config_file_is_the_base_layer_under_the_flags(tmp_path, capsys):
+    """--config FILE (JSON, a run's own config.json included, or YAML) gives flag values as if they were given, the
+    command line wins over them, in train.py and eval.py alike; an unknown key or a value of the wrong type is one
+    line naming the file and the key, exit status 2. check_values is the validator (the lead's resume uses it)."""
+    data = _toy_data(tmp_path)
+    recipe = train.parse_config(_toy_args(data, tmp_path / "x", lr=0.002, algo="justrl"))[0]
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "config.json").write_text(json.dumps(run_folder.recipe(asdict(recipe))))
+    rerun = train.parse_config(["--config", str(tmp_path / "x" / "config.json"), "--seed", "1", "--out-dir",
+                                str(tmp_path / "x-seed1")])[0]
+    assert rerun == replace(recipe, seed=1, out_dir=str(tmp_path / "x-seed1"))  # python train.py --config ... reruns it
+    (tmp_path / "r.yaml").write_text("model: tiny\ndata: " + data + "\nanswer_key: answer\nchat: false\nlr: 1e-4\n"
+                                     "steps: 3\nclip_low: null\nout_dir: " + str(tmp_path / "y") + "\n")
+    cfg = train.parse_config(["--config", str(tmp_path / "r.yaml"), "--steps", "2"])[0]
+    assert (cfg.model, cfg.lr, cfg.steps, cfg.chat, cfg.clip_low) == ("tiny", 1e-4, 2, False, None)
+    (tmp_path / "e.json").write_text(json.dumps({"benchmarks": ["gsm8k"], "k": 8, "temperature": 0.7, "seed": 3}))
+    cfg = ev.parse_config(["--config", str(tmp_path / "e.json"), "--k", "2"])
+    assert (cfg.benchmarks, cfg.k, cfg.temperature, cfg.seed) == (["gsm8k"], 2, 0.7, 3)
+    assert ev.check_values(train.Config, {"lr": 1, "steps": 2, "clip_low": None}, "src") == {
+        "lr": 1.0, "steps": 2, "clip_low": None}
+    cases = {"bad_str.json": ('{"temperature": "0.7"}', "'temperature' must be a number | not the text '0.7'"),
+             "bad_bool.json": ('{"temperature": true}', "'temperature' must be a number | not a boolean"),
+             "bad_int.json": ('{"seed": 2.5}', "'seed' must be an integer | not the number 2.5"),
+             "flag.json": ('{"chat": 1}', "'chat' must be true or false, not the number 1"),
+             "typo.json": ('{"temprature": 0.1}', "unknown key 'temprature' (did you mean 'temperature'?)"),
+             "dash.json": ('{"top-p": 0.9}', "unknown key 'top-p' (did you mean 'top_p'?)"),
+             "list.json": ('[1]', "not a mapping of flag names to values but a list"),
+             "broken.json": ('{"seed": }', "not JSON (Expecting value: line 1 column 10 (char 9))"),
+             "broken.yaml": ("seed: [1", "not YAML"),
+             "missing.json": (None, "cannot be read (No such file or directory)")}
+    for name, (text, expected) in cases.items():
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        for module, prog in ((train, "train.py"), (ev, "eval.py")):
+            with pytest.raises(SystemExit) as e:
+                module.parse_config(["--config", str(tmp_path / name)])
+            err = capsys.readouterr().err.strip().splitlines()
+            assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"{prog}: error: ") and \
+                str(tmp_path / name) in err[0] and all(part in err[0] for part in expected.split(" | ")), (name, err)
+    (tmp_path / "bench.json").write_text('{"benchmarks": "gsm8k"}')
+    with pytest.raises(ValueError, match="'benchmarks' must be a list of strings, not the text 'gsm8k'"):
+        ev.read_config(ev.Config, str(tmp_path / "bench.json"))
+
+
+def test_train_help_lists_plot_apart_from_plots(capsys):
+    """train.py --help lists --plot among its options, apart from --plots and told apart from it."""
+    with pytest.raises(SystemExit):
+        train.parse_config(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "other modes: --plot RUN [RUN ...] redraw the figures of finished runs" in text
+    assert "(not --plots, which draws this run's at its end)" in text and "--config FILE" in text
+
+
+def test_readme_install_gives_cpu_linux_the_cpu_torch_build():
+    """PyPI's torch==2.13.0 for Linux is the CUDA build (gigabytes of nvidia-* and triton packages): the quick start
+    installs the CPU build from PyTorch's CPU wheel index before requirements.txt, and requirements.txt's comment no
+    longer says `pip install -r requirements.txt` takes the CPU build."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("## Quick start"):readme.index("## GPUs and many nodes")]
+    cpu_line = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    assert cpu_line in block and block.index(cpu_line) < block.index("pip install -r requirements.txt")
+    requirements = (ROOT / "requirements.txt").read_text()
+    assert cpu_line in requirements and "takes the CPU build" not in requirements
+    assert "torch==2.13.0\n" in requirements  # the pin the CPU build (2.13.0+cpu) satisfies, so pip keeps it
 
 
 def _run_tiny(out, extra=()):
@@ -1780,6 +1996,64 @@ def test_eval_end_to_end_tiny_and_regrade(tmp_path):
     assert cells[1] == cells[3] == "16.67"  # table.md rewritten: MATH500 and Avg (= MATH500 only)
 
 
+def _results(**change) -> dict:
+    """A minimal results.json as eval.py writes it: one model, one benchmark, one problem with one sample."""
+    sample = {"text": "so \\boxed{2}", "extracted": None, "correct": False, "length": 3, "truncated": False}
+    results = {"config": {"chat": True, "instruction": "", "run": None, "temperature": 1.0, "top_p": 1.0,
+                          "max_new_tokens": 4},
+               "models": {"m": {"name": "m", "benchmarks": {"gsm8k": {
+                   "k": 1, "temperature": 1.0, "top_p": 1.0, "metrics": {},
+                   "problems": [{"index": 0, "problem": "1+1?", "gold": "2", "samples": [sample]}]}}}}}
+    return {**results, **change}
+
+
+def test_eval_regrade_refuses_what_is_not_a_results_file_and_rewrites_nothing(tmp_path, capsys):
+    """--regrade on a JSON list, on results without samples or without `config`: one line, exit 2, and the file is
+    left as it was (it was rewritten before the failure, or the failure was a traceback)."""
+    path = tmp_path / "results.json"
+    no_samples = _results()
+    no_samples["models"]["m"]["benchmarks"]["gsm8k"]["problems"][0]["samples"] = []
+    cases = {"[1, 2]": "not an eval.py results.json (a list)",
+             json.dumps({"models": _results()["models"]}): "not an eval.py results.json (without 'config' and "
+                                                           "'models')",
+             json.dumps(_results(config={"chat": True})): "its config lacks instruction, run, temperature",
+             json.dumps(no_samples): "model m, benchmark gsm8k has no samples to grade",
+             json.dumps(_results(models={"m": {"name": "m", "benchmarks": {}}})): "model m has no samples to grade",
+             "{not json": "not JSON"}
+    for text, expected in cases.items():
+        path.write_text(text)
+        with pytest.raises(SystemExit) as e:
+            ev.main(["--regrade", str(path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"eval.py: error: --regrade {path}: ") \
+            and expected in err[0], (expected, err)
+        assert path.read_text() == text and not (tmp_path / "table.md").exists()
+    path.write_text(json.dumps(_results()))
+    regraded = ev.main(["--regrade", str(path)])
+    assert regraded["models"]["m"]["benchmarks"]["gsm8k"]["metrics"]["avg@k"] == 100.0
+    assert json.loads(path.read_text()) == regraded and (tmp_path / "table.md").exists()
+
+
+def test_eval_truncated_safetensors_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """A model folder whose .safetensors file was cut short (an interrupted copy): one line naming the file, exit
+    status 2, before the model loads (it was a SafetensorError traceback from inside transformers)."""
+    lm, tokenizer = model.load_model("tiny")
+    lm.save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    monkeypatch.setattr(model, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--models", str(tmp_path / "hf"), "--benchmarks", "gsm8k", "--data-dir", str(DATA), "--out",
+                 str(tmp_path / "e")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"eval.py: error: {weights}: not a complete safetensors file (Error while "
+                                         f"deserializing header: incomplete metadata, file not fully covered); copy "
+                                         f"or export it again"], err
+    assert not (tmp_path / "e").exists()
+
+
 def test_eval_kv_cache_budget_bounds_every_call(tmp_path, monkeypatch, capsys):
     """--kv-cache-gb bounds the rows of every generate call (at their longest) and the engine's KV cache, as in
     train.py. (eval.py gave vLLM --batch-size rows at full length: ~141 GiB for Qwen3-1.7B at k = 32 and 20k tokens,
@@ -1800,7 +2074,7 @@ def test_eval_kv_cache_budget_bounds_every_call(tmp_path, monkeypatch, capsys):
     assert calls == [4, 2] * 2 and made["kv_cache_memory_bytes"] == 4 * made["row"], calls
     calls.clear()
     budget = 3.5 * made["row"]  # bytes: 3 rows at the longest prompt + 6 new tokens
-    _run_tiny(tmp_path, ["--kv-cache-gb", str(budget / 1e9)])
+    _run_tiny(tmp_path, ["--kv-cache-gb", str(budget / 1e9), "--overwrite"])
     assert calls == [2] * 6 and made["kv_cache_memory_bytes"] == 2 * made["row"] <= budget, calls  # 1 x k 2
     assert "problems x samples per generate call: gsm8k 1 x 2, math500 1 x 2" in capsys.readouterr().out
 
@@ -1869,7 +2143,7 @@ def test_eval_uses_the_training_runs_prompt_and_sampling(tmp_path, monkeypatch, 
     for how in (["--run", str(run)], ["--models", str(run / "hf")]):
         calls.clear()
         results = ev.main([*how, "--data", str(data), "--prompt-key", "q.text", "--answer-key", "sol", "--k", "2",
-                           "--out", str(tmp_path / "out")])
+                           "--out", str(tmp_path / "out"), "--overwrite"])
         expected = [format_prompt(tokenizer, p, False, "The answer is") for p in problems]
         assert [c["prompts"] for c in calls] == [expected]
         assert [(c["temperature"], c["top_p"], c["max_new_tokens"]) for c in calls] == [(0.7, 0.9, 5)]
@@ -1909,7 +2183,8 @@ def test_eval_own_jsonl_with_named_fields(tmp_path):
         assert len(p["samples"]) == 2
         assert all(s["correct"] == reward.grade(s["text"], p["gold"]) for s in p["samples"])
     table = (tmp_path / "out" / "table.md").read_text()
-    assert "| Model | sums | Avg |" in table and "| tiny | sums | 3 | 2 |" in table
+    # no paper benchmark: no Avg column and no "Avg = mean over the 0 of the paper's six benchmarks" sentence
+    assert "| Model | sums |\n" in table and "| tiny | sums | 3 | 2 |" in table and "Avg" not in table
     results = ev.main(["--models", "tiny", "--data", f"talk={tmp_path / 'chat.jsonl'}", "--prompt-key", "q",
                        "--answer-key", "sol", "--k", "1", "--max-new-tokens", "2", "--out", str(tmp_path / "o2")])
     assert results["models"]["tiny"]["benchmarks"]["talk"]["problems"][0]["problem"] == "What is 2 + 2?"
@@ -1930,7 +2205,8 @@ def test_eval_bad_inputs_one_line_error_before_any_model(tmp_path, monkeypatch, 
         "unknown benchmark 'easy'": ["--benchmarks", "easy", "--data-dir", str(tmp_path)],
         "not a train.py output folder": ["--run", str(tmp_path / "empty")],
         "data file not found": ["--data", str(tmp_path / "missing.jsonl")],
-        "sums.jsonl row 0: no prompt in field 'problem'": ["--data", str(data)],
+        "sums.jsonl line 1: no prompt in field 'problem' (the row's fields: q, sol); name the field with "
+        "--prompt-key": ["--data", str(data)],
         "give --run": ["--benchmarks", "heldout"],
         "--temperature 0.0 is out of range": ["--data", str(data), "--temperature", "0"],
     }
@@ -1992,7 +2268,7 @@ def _toy_args(data: str, out: Path, **flags) -> list[str]:
     base = dict(model="tiny", data=data, answer_key="answer", instruction="", algo="stapo", steps=1,
                 prompts_per_step=4, group_size=4, mini_batch_prompts=2, max_tokens_per_micro_batch=20,
                 max_response_len=3, lr=1e-3, warmup_steps=0, rollout_chunk=1, save_every=0, out_dir=str(out),
-                preset="cpu", plots=False)
+                preset="cpu", plots=False, heldout=0)  # no held-out set unless asked (the default holds out a tenth)
     base.update(flags)
     args = ["--no-chat"]
     for key, value in base.items():
@@ -2459,6 +2735,35 @@ def test_train_heldout_prompts_longer_than_max_prompt_len_are_dropped_and_counte
     assert [e["eval/n"] for e in evals] == [4 * (heldout - 1)] * 2
 
 
+def test_train_holds_out_a_tenth_of_your_data_by_default_or_says_there_is_none(tmp_path, monkeypatch, capsys):
+    """Without --heldout, a tenth of --data's rows (at most 20) is held out and evaluated before and after training,
+    and eval.py --run finds the same rows; data too small for that trains on every row, and the closing line says
+    there is no held-out evaluation and how to get one instead of listing an empty eval.jsonl. (The default was 0:
+    no accuracy before and after, and an empty eval.jsonl among the outputs.)"""
+    _patch(monkeypatch, _EVEN)
+    assert [ev.heldout_count(n, None) for n in (9, 10, 55, 199, 10_000)] == [0, 1, 5, 19, 20]
+    assert ev.heldout_count(55, 0) == 0 and ev.heldout_count(55, 7) == 7
+    data = _toy_data(tmp_path)  # 55 rows
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "run", heldout=None, export_hf=False)) == 0
+    evals = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["eval/n"]) for e in evals] == [(0, 5 * 4), (1, 5 * 4)]
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    train_rows, heldout = ev.load_rows(SimpleNamespace(**config))
+    assert config["heldout"] is None and len(heldout) == 5 and len(train_rows) == 50
+    out = capsys.readouterr().out
+    assert "held-out accuracy before training" in out and "no held-out evaluation" not in out
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(json.dumps({"prompt": f"{a}{a}", "answer": str(2 * a)}) + "\n" for a in range(5)))
+    with _one_thread():
+        assert train.main(_toy_args(str(small), tmp_path / "small", heldout=None, export_hf=False)) == 0
+    out = capsys.readouterr().out
+    assert (f"no held-out evaluation: no held-out rows (--heldout N keeps N rows of {small} out of training)"
+            in out), out
+    closing = next(x for x in out.splitlines() if "outputs in" in x)
+    assert "eval.jsonl" not in closing and "metrics.jsonl" in closing, closing
+
+
 def test_train_and_eval_unreadable_data_are_one_line_errors(tmp_path, capsys):
     """Empty, malformed and non-UTF-8 data files: one line naming the file (and the line), exit 2, in train.py and
     eval.py --data. (They were 27-line tracebacks from inside datasets, or named neither file nor row.)"""
@@ -2655,7 +2960,7 @@ def test_train_bad_inputs_one_line_error(tmp_path, capsys):
     bad_row.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
     cases = {
         "data file not found": _toy_args(str(tmp_path / "missing.jsonl"), tmp_path / "o"),
-        "bad.jsonl row 1: no answer": _toy_args(str(bad_row), tmp_path / "o"),
+        "bad.jsonl line 2: no answer in field 'answer'": _toy_args(str(bad_row), tmp_path / "o"),
         "unknown --algo 'ppo'": _toy_args(data, tmp_path / "o", algo="ppo"),
         "model directory not found": _toy_args(data, tmp_path / "o", model="./no/such/model"),
         "--temperature must be > 0": _toy_args(data, tmp_path / "o", temperature=0),
@@ -2983,6 +3288,24 @@ def test_checkpoint_stores_a_tied_weight_once_and_restores_it(tmp_path):
     assert all(size == (path / n).stat().st_size for n, (size, _) in manifest.items())
 
 
+def test_train_resume_checks_a_hand_edited_config(tmp_path, monkeypatch, capsys):
+    """A run's config.json edited by hand: a value of the wrong type or an unknown key is one line (exit 2) naming
+    the file and the key, and nothing in the run changes. (`"lr": "0.001"` resumed with a string learning rate.)"""
+    _patch(monkeypatch, _EVEN)
+    run = tmp_path / "run"
+    with _one_thread():
+        assert train.main(_toy_args(_toy_data(tmp_path), run, steps=1, export_hf=False)) == 0
+    config = json.loads((run / "config.json").read_text())
+    for edit, expected in (({"lr": "0.001"}, "'lr' must be a number, not the text '0.001'"),
+                           ({"lrr": 0.1}, "unknown key 'lrr' (did you mean 'lr'?)")):
+        (run / "config.json").write_text(json.dumps({**config, **edit}))
+        before = _md5s(run)
+        capsys.readouterr()
+        assert train.main(["--resume", str(run), "--steps", "2"]) == 2
+        _one_line_error(capsys, f"{run / 'config.json'}: {expected}")
+        assert _md5s(run) == before
+
+
 def test_train_sets_mkl_reproducibility_before_torch_loads():
     """train.py asks MKL for conditional numerical reproducibility before torch loads it: without it, SmolLM2's
     backward at 2 threads differed in the last bits from run to run (layers 0-20, 1e-6), so a resumed CPU run drifted
@@ -3194,8 +3517,8 @@ def test_plot_gradient_analysis_sign_and_bins():
     falling, rising = plots.gradient_analysis(_token_records()), plots.gradient_analysis(_token_records(sign=1))
     assert falling["rho_p"] < -0.9 and rising["rho_p"] > 0.9 and abs(falling["rho_h"]) < 0.15
     assert falling["n"] == 400 and falling["correct"]["n"] == falling["incorrect"]["n"] == 200
-    bins = falling["correct"]["bins_p"]  # one bin per decade of p: centres -5.5 ... -0.5
-    assert [b[0] for b in bins] == [-5.5, -4.5, -3.5, -2.5, -1.5, -0.5]
+    bins = falling["correct"]["bins_p"]  # one bin per decade of p below 0.1 (centres -5.5 ... -1.5), finer above
+    assert [b[0] for b in bins][:5] == [-5.5, -4.5, -3.5, -2.5, -1.5] and -1 < bins[5][0] < bins[-1][0] < 0
     assert all(a[1] > b[1] for a, b in zip(bins, bins[1:]))  # medians fall as p rises
     records = _token_records()
     edges = [-6, -3, 0]
@@ -3233,6 +3556,55 @@ def test_plot_gradient_figure_round_trips_from_the_run_folder(tmp_path, capsys):
     out = capsys.readouterr().out
     rho = plots.gradient_analysis(_token_records())["rho_p"]
     assert f"{run}: logit-gradient norm vs p: Spearman {rho:+.2f}" in out and (run / "gradient.png").is_file()
+
+
+def test_plot_figures_say_what_the_numbers_say(tmp_path, monkeypatch):
+    """What a reader sees matches the numbers: held-out accuracy is points at the evaluated steps with their values
+    (a line from step 0 to 10 suggested a measured trend); s2t.png keeps its legend off the (p, H) plane, shows the
+    mini-batch thresholds as ticks on the tau_p line instead of lines across it, labels the norm in math notation and
+    counts the drawn tokens with a gradient as the console does; gradient.png states the correlation with p over all
+    tokens and below p = 0.1, where its curve is flat, in the panel title instead of a legend entry."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    run = Path(_fake_run(tmp_path / "run", [0.1, 0.2], [0.1, 0.8]))
+    g = torch.Generator().manual_seed(0)
+    logp = torch.rand(600, generator=g) * -6  # p from 1e-6 to 1
+    norm = torch.where(logp < -1, 1.0, -logp).clamp(min=0.01) + 0.05 * torch.rand(600, generator=g)  # flat below 0.1
+    records = []
+    for k in range(3):
+        s = slice(200 * k, 200 * k + 200)
+        p = (10 ** logp[s]).tolist()
+        records.append({"step": 1, "mini_batch": k, "tau_h": 1.0 + k, "p": p, "H": (-logp[s] / 2).tolist(),
+                        "A": [1.0] * 199 + [0.0], "grad_norm": norm[s].tolist(), "weight": [1.0] * 200,
+                        "correct": [1] * 100 + [0] * 100, "candidate": [int(x < 0.002) for x in p],
+                        "silenced": [int(x < 1e-4) for x in p]})
+    (run / "tokens.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    a = plots.gradient_analysis(records)
+    assert a["rho_p"] < -0.3 and abs(a["rho_p_low"]) < 0.15, a  # the fall is above p = 0.1 only
+    assert f"({a['rho_p_low']:+.2f} below p = 0.1)" in plots.correlation_line(str(run))
+
+    assert plots.plot_metrics([str(run)], str(tmp_path / "m.png"))
+    held = next(ax for ax in figures[-1].axes if ax.get_title().startswith("held-out accuracy"))
+    assert held.lines[0].get_linestyle() == "None" and [t.get_text() for t in held.texts] == ["0.100", "0.800"]
+
+    assert plots.plot_tokens([str(run)], str(tmp_path / "s.png"))
+    fig = figures[-1]
+    fig.canvas.draw()
+    ax_h, ax_g = fig.axes
+    legend = ax_g.get_legend()
+    box = legend.get_window_extent()
+    assert not box.overlaps(ax_h.get_window_extent()) and not box.overlaps(ax_g.get_window_extent())
+    assert len(ax_h.lines) <= 1 and len(ax_h.collections) == 5  # 4 kinds of tokens, one set of tau_h ticks
+    assert "$" in ax_g.get_ylabel() and "sum p^2" not in ax_g.get_ylabel()
+    assert f"600 drawn tokens ({a['n']} with a gradient)" in ax_h.get_title() and a["n"] == 597
+
+    assert plots.plot_gradient([str(run)], str(tmp_path / "g.png"))
+    ax_p, ax_H = figures[-1].axes
+    assert f"Spearman {a['rho_p']:+.2f} over all tokens, {a['rho_p_low']:+.2f} below p = 0.1" in ax_p.get_title()
+    assert ax_p.get_xscale() == "logit" and ax_p.get_legend() is None
+    assert not any("Spearman" in t.get_text() for t in figures[-1].legends[0].get_texts())
 
 
 def test_plot_tables_side_by_side_and_sensitivity_grid(tmp_path, monkeypatch, capsys):
@@ -3299,6 +3671,7 @@ def test_plot_cli_output_location_heldout_panel_and_errors(tmp_path, monkeypatch
     held = next(ax for ax in fig.axes if ax.get_title().startswith("held-out accuracy"))
     assert [list(line.get_data()[1]) for line in held.lines] == [[0.2, 0.4], [0.2, 0.6]]
     assert list(held.lines[0].get_data()[0]) == [0, 2]
+    assert all(line.get_linestyle() == "None" for line in held.lines)  # measured points, no line between them
     assert all(float(t).is_integer() for ax in fig.axes for t in ax.get_xticks())
     reward_ax = next(ax for ax in fig.axes if ax.get_title().startswith("reward"))
     assert "identical: a = b" in [t.get_text() for t in reward_ax.texts] and not held.texts
@@ -3349,7 +3722,7 @@ def test_plot_tokens_pools_the_seeds_of_an_algorithm(tmp_path, monkeypatch):
 
     def tokens(run, silenced, tau_h=1.0):
         n = len(silenced)
-        rec = {"step": 1, "tau_h": tau_h, "p": [1e-3] * n, "H": [0.5] * n, "correct": [True] * n,
+        rec = {"step": 1, "tau_h": tau_h, "p": [1e-3] * n, "H": [0.5] * n, "A": [1.0] * n, "correct": [True] * n,
                "candidate": silenced, "silenced": silenced, "grad_norm": [1.0] * n, "weight": [1.0] * n}
         Path(run, "tokens.jsonl").write_text(json.dumps(rec) + "\n")
         return run
@@ -3363,11 +3736,12 @@ def test_plot_tokens_pools_the_seeds_of_an_algorithm(tmp_path, monkeypatch):
     monkeypatch.setattr(plt, "close", figures.append)
     assert plots.plot_tokens([a0, a1, b, bare, bare], str(tmp_path / "s.png"))
     titles = [ax.get_title() for ax in figures[0].axes if ax.get_ylabel() == "entropy H"]
-    assert titles == ["2 runs of stapo: 5 drawn tokens, 2 mini-batches", f"{b} (fullmask, seed 0): 1 drawn tokens, "
-                      "1 mini-batches", f"{bare}: 1 drawn tokens, 1 mini-batches"]
-    legend = [t.get_text() for t in figures[0].axes[0].get_legend().get_texts()]
-    assert "silenced (3)" in legend and "mini-batch tau_h (1 values)" in legend
-    legend = [t.get_text() for t in figures[0].axes[2].get_legend().get_texts()]  # no entropy test: no tau_h
+    assert titles == ["2 runs of stapo: 5 drawn tokens (5 with a gradient), 2 mini-batches",
+                      f"{b} (fullmask, seed 0): 1 drawn tokens (1 with a gradient), 1 mini-batches",
+                      f"{bare}: 1 drawn tokens (1 with a gradient), 1 mini-batches"]
+    legend = [t.get_text() for t in figures[0].axes[1].get_legend().get_texts()]  # beside the row's right panel
+    assert "silenced (3)" in legend and "tau_h of each mini-batch (1: 1.00-1.00)" in legend
+    legend = [t.get_text() for t in figures[0].axes[3].get_legend().get_texts()]  # no entropy test: no tau_h
     assert "candidate, kept (0)" in legend and not any("tau_h" in t for t in legend)
 
 
@@ -3508,8 +3882,8 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
         assert r["answer"] == rows[problem]
         if r["split"] == "train":  # the toy reward of the test: +1 for an even first character
             assert r["reward"] == (1.0 if r["response"].strip()[:1] in even else -1.0)
-        else:
-            assert r["reward"] == float(reward.grade(r["response"], r["answer"]))
+        else:  # held out: 1.0 when correct, a positive reward (reward.correct), else 0.0
+            assert r["reward"] == (1.0 if r["response"].strip()[:1] in even else 0.0)
     assert [x.split(":")[0] for x in out if x.startswith("held-out")] == [
         "held-out accuracy before training", "held-out accuracy after 1 step"]
     metrics = _metrics(tmp_path / "run")
@@ -3522,25 +3896,38 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
         "spurious.jsonl, s2t.png)")
     assert train.silenced_summary("justrl", [], []) == (
         "justrl silenced 0 tokens in 0 of 0 steps; S2T candidates (A > 0, p < tau_p): 0 (metrics.jsonl s2t/*)")
-    spurious = "spurious.jsonl, " if metrics[0]["s2t/silenced"] else ""  # a log without lines is never made
-    assert out[-1].startswith(f"outputs in {tmp_path / 'run'}/: config.json, metrics.jsonl, eval.jsonl, samples.jsonl, "
-                              f"{spurious}tokens.jsonl, checkpoint/step_1, hf/ (python eval.py --run "
-                              f"{tmp_path / 'run'})")
+    logs = [n for n in ("config.json", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl",
+                        "tokens.jsonl") if (tmp_path / "run" / n).exists()]  # a log without lines is never made
+    assert out[-1].startswith(f"outputs in {tmp_path / 'run'}/: {', '.join(logs)}, checkpoint/step_1, hf/ (python "
+                              f"eval.py --run {tmp_path / 'run'})")
 
 
-def test_eval_run_reproduces_train_heldout_evaluation(tmp_path, monkeypatch):
-    """eval.py --run on a finished run, seeded as train.py's evaluation is (seed + 1, one generate call), samples the
-    same responses: the same held-out accuracy and mean length as the run's last eval.jsonl line."""
+def test_eval_run_reproduces_train_heldout_evaluation(tmp_path, monkeypatch, capsys):
+    """eval.py --run on a finished run, with default flags, samples the held-out problems as train.py's evaluation
+    did (seed + 1, all problems in one generate call, even past --batch-size's 64 rows), so it reports the same
+    accuracy and mean length as the run's last eval.jsonl line; it writes into RUN/eval and refuses to replace an
+    earlier evaluation there without --overwrite. (It printed 11.25 for a run whose eval.jsonl said 8.75, unless
+    given --seed 1 --batch-size 80, and wrote every evaluation into the same out/eval.)"""
     _patch(monkeypatch, _EVEN)
     with _one_thread():
-        assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", heldout=3, steps=2)) == 0
+        assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", heldout=17, steps=2)) == 0
     last = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[-1])
     monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)  # as train.py's was in this run
-    results = ev.main(["--run", str(tmp_path / "run"), "--seed", "1", "--out", str(tmp_path / "eval")])
+    results = ev.main(["--run", str(tmp_path / "run")])
     bench = results["models"][str(tmp_path / "run" / "hf")]["benchmarks"]["heldout"]
-    assert last["step"] == 2 and bench["k"] == 4 and len(bench["problems"]) == 3
+    assert last["step"] == 2 and bench["k"] == 4 and len(bench["problems"]) == 17
     assert bench["metrics"]["avg@k"] == pytest.approx(100 * last["eval/acc"])
     assert bench["metrics"]["mean_length"] == pytest.approx(last["eval/len_mean"])
+    assert json.loads((tmp_path / "run" / "eval" / "results.json").read_text())["config"]["seed"] == 1
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--run", str(tmp_path / "run"), "--k", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"eval.py: error: --out {tmp_path / 'run' / 'eval'} holds the results of an "
+                                         f"earlier evaluation (results.json): choose another --out, or replace them "
+                                         f"with --overwrite"], err
+    ev.main(["--run", str(tmp_path / "run"), "--k", "1", "--limit", "2", "--overwrite"])
+    assert json.loads((tmp_path / "run" / "eval" / "results.json").read_text())["config"]["k"] == 1
 
 
 # ==================================================================================================================

@@ -62,7 +62,7 @@ import rollout
 import run_folder
 import s2t
 import stapo
-from eval import load_rows, parse_flags
+from eval import check_values, load_rows, parse_flags
 from model import (Policy, from_rank0, kv_cache_bytes, lm_vocab_size, load_model, memory_estimate, memory_line,
                    shard_policy)
 
@@ -448,6 +448,9 @@ def train(run: Run) -> int:
         if diverged:
             say(diverged + "; lower --lr (or raise --warmup-steps)", warning=True)
         made = [name for name in run_folder.RUN_FILES if (out / name).is_file() and name != "stopped.json"]
+        if not plots.read_log(out / "eval.jsonl"):  # no accuracy before and after: say why and how to get it
+            say("no held-out evaluation: " + ("--eval-samples 0" if not cfg.eval_samples else
+                f"no held-out rows (--heldout N keeps N rows of {cfg.data} out of training)"))
         made += [f"checkpoint/step_{run_folder.complete_steps(out)[0]}"] if run_folder.complete_steps(out) else []
         made += ["hf/ (python eval.py --run " + str(out) + ")"] if cfg.export_hf else []
         say(f"outputs in {out}/: {', '.join(made)}; " + (f"{diverged}; " if diverged else "")
@@ -514,7 +517,8 @@ def evaluate(run: Run, done: int) -> tuple[dict | None, list[dict]]:
         return None, []
     if mine:
         texts = out.texts(tokenizer)
-        verdicts = [float(reward.grade(t, rows[mine[j // cfg.eval_samples]]["answer"])) for j, t in enumerate(texts)]
+        verdicts = [float(reward.correct(t, rows[mine[j // cfg.eval_samples]]["answer"], cfg.reward))
+                    for j, t in enumerate(texts)]
         correct, total, length = sum(verdicts), len(texts), float(out.response_mask.sum())
         samples = completions(done, "heldout", texts, verdicts, [prompts[i] for i in mine], rows, mine,
                               cfg.eval_samples, tokenizer, cfg)
@@ -789,8 +793,9 @@ class Config:
     """field of the problem text (a dotted path for nested fields; a chat message list uses its last user turn)"""
     answer_key: str = "reward_model.ground_truth"
     """field of the gold answer (dotted path); a string or a list of strings"""
-    heldout: int = 0
-    """rows of --data kept out of training and evaluated (the built-in task has its own held-out split)"""
+    heldout: int | None = None
+    """rows of --data kept out of training and evaluated before and after it; default (none): a tenth of the rows,
+    at most 20, none below 10 rows (eval.heldout_count); 0 = none. The built-in task has its own 20"""
     instruction: str = rollout.INSTRUCTION
     """text appended to every problem (default: the paper's \\boxed{} instruction, rollout.INSTRUCTION)"""
     chat: bool = True
@@ -830,7 +835,9 @@ class Config:
     kl_beta: float = 0.0
     """GRPO only: weight of the k3 KL to the initial model (0 = no reference model)"""
     reward: str = "dapo"
-    """reward mode of reward.reward: dapo (+1/-1), binary (1/0), strict (normalized last-box string match)"""
+    """dapo (+1/-1 by reward.grade), binary (1/0), strict (normalized last-box string match), or your own function
+    FILE.py:FUNCTION or MODULE:FUNCTION, called as FUNCTION(response, answer) -> a finite number (reward.py, "your own
+    reward"; examples/reward_last_line.py); a positive reward counts as correct (reward/acc, held-out accuracy)"""
     max_prompt_len: int = 1024
     """prompts longer than this (tokens) are dropped"""
     max_response_len: int = 15360
@@ -900,8 +907,8 @@ class Config:
     export_hf: bool = True
     """write a Hugging Face-format model to OUT/hf at the end"""
     plots: bool = True
-    """write OUT/metrics.png and OUT/s2t.png at the end (needs matplotlib; `python train.py --plot RUN ...` redraws
-    and overlays runs)"""
+    """write this run's figures OUT/metrics.png, s2t.png and gradient.png at its end (needs matplotlib; --plot RUN
+    [RUN ...], not this flag, redraws and overlays finished runs)"""
     logger: str = ""
     """live curves of the metrics.jsonl and eval.jsonl keys: '' (none), tensorboard (OUT/tensorboard; pip install
     tensorboard) or wandb (pip install wandb; WANDB_MODE=offline works without network)"""
@@ -922,7 +929,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
     Each field is a --flag (eval.parse_flags: underscores -> dashes, the string under it is its --help). Values: the
     flags given, else (resuming) the run's config.json, else the preset's (CPU_PRESET or Config). Every value is
     checked here; the run folder is only read (its config.json and which checkpoints it holds)."""
-    given = parse_flags(Config, argv, "train.py", notes={k: f"cpu preset: {v!r}" for k, v in CPU_PRESET.items()})
+    given = parse_flags(Config, argv, "train.py", notes={k: f"cpu preset: {v!r}" for k, v in CPU_PRESET.items()},
+                        modes={"plot": plots.PLOT_HELP})  # --plot: main hands over to plots.main before this
     cuda = torch.cuda.is_available()
     preset = given.get("preset", "auto")
     if preset == "auto":
@@ -940,11 +948,12 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
     out = Path(given.get("out_dir", defaults.get("out_dir", Config.out_dir)))
     recorded = None  # --resume RUN, or --resume auto in a folder with a complete checkpoint: the run's recipe
     if resume and (resume != "auto" or run_folder.complete_steps(out)):
-        recorded = run_folder.recorded_config(out)
+        recorded = check_values(Config, run_folder.recorded_config(out), str(out / "config.json"))  # hand edits too
         if not run_folder.complete_steps(out):
             raise FileNotFoundError(f"{out} has no checkpoint to resume from: the run stopped before its first one "
                                     f"(written every --save-every steps, at a stop by signal and at the last step)")
     cfg = Config(**({**recorded, **given} if recorded else {**defaults, **given, "preset": preset}))
+    reward.load_reward(cfg.reward)  # an unknown mode or a broken FILE.py:FUNCTION: one line now, not in step 1
     if cfg.algo not in stapo.ALGORITHMS:
         raise ValueError(f"unknown --algo {cfg.algo!r}; valid: {', '.join(stapo.ALGORITHMS)}")
     if cfg.rollout not in ("auto", "plain", "vllm"):
@@ -958,6 +967,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
                            ("quantile", 0 <= cfg.quantile <= 1, "in [0, 1]"), ("grad_clip", cfg.grad_clip > 0, "> 0"),
                            ("dual_clip", cfg.dual_clip is None or cfg.dual_clip > 1, "> 1"),
                            ("kv_cache_gb", cfg.kv_cache_gb > 0, "> 0"),
+                           ("heldout", cfg.heldout is None or cfg.heldout >= 0, ">= 0"),
                            ("collective_timeout_min", cfg.collective_timeout_min > 0, "> 0"),
                            ("tis_cap", cfg.tis_cap is None or cfg.tis_cap > 0, "> 0")):
         if not ok:
@@ -986,7 +996,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
 # Lower bounds of the integer (and a few float) flags, checked before anything loads.
 _AT_LEAST = dict(steps=1, prompts_per_step=1, group_size=2, mini_batch_prompts=1, max_tokens_per_micro_batch=1,
                  lr=0, warmup_steps=0, weight_decay=0, kl_beta=0, max_prompt_len=1, max_response_len=1, rollout_chunk=0,
-                 chunk_size=1, heldout=0, eval_every=0, eval_samples=0, spurious_per_step=0, samples_per_step=0,
+                 chunk_size=1, eval_every=0, eval_samples=0, spurious_per_step=0, samples_per_step=0,
                  save_every=0, keep_checkpoints=1)
 
 
@@ -1003,7 +1013,7 @@ def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> tuple[Config,
     effective = {"rollout": rollout_engine,
                  "fsdp": cfg.fsdp or world > 1 or cuda, "mixed_precision": cfg.mixed_precision and cuda,
                  "kl_beta": cfg.kl_beta if cfg.algo == "grpo" else 0.0, "heldout": cfg.heldout if cfg.data else 0,
-                 "eval_every": cfg.eval_every if (not cfg.data or cfg.heldout) and cfg.eval_samples else 0}
+                 "eval_every": cfg.eval_every if (not cfg.data or cfg.heldout != 0) and cfg.eval_samples else 0}
     why = {"mixed_precision": "without CUDA (compute is fp32)", "kl_beta": f"with --algo {cfg.algo} (GRPO only)",
            "heldout": "with the built-in task (it has its own 20 held-out problems)",
            "eval_every": "without a held-out evaluation (--heldout 0 or --eval-samples 0)"}
@@ -1027,7 +1037,8 @@ def agree(work, *args):
     return result
 
 
-BAD_INPUT = (FileNotFoundError, ValueError, KeyError, ImportError, OSError, run_folder.RunError)  # one line, exit 2
+# one line and exit status 2: bad inputs, a full disk, a folder in use, an error raised by your --reward function
+BAD_INPUT = (FileNotFoundError, ValueError, KeyError, ImportError, OSError, run_folder.RunError, reward.RewardError)
 
 
 def main(argv: list[str] | None = None) -> int:
