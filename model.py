@@ -33,8 +33,12 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from TRL:
    tokens; 3.9x without the mask). With flash-attn installed on CUDA, its variable-length kernel takes the
    sequences directly (veRL's path). Measured in docs/performance.md (`python bench.py flops`).
 """
+import functools
+import hashlib
+import importlib.metadata
 import importlib.util
 import os
+import shutil
 import string
 from dataclasses import dataclass
 
@@ -392,25 +396,44 @@ def _load_gguf(path):
     del config.quantization_config
     lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     lm.load_state_dict(gguf_lm.state_dict())
-    try:  # write a private folder, then rename it into place: a reader never sees half a folder
-        partial = f"{cached}.partial-{os.getpid()}"
-        lm.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
-        os.replace(partial, cached)
-    except OSError:  # a read-only cache (or another process won the rename): convert again next time
-        pass
+    _save_into_place(cached, lm, tokenizer)
     return lm, tokenizer
+
+
+def _save_into_place(folder: str, *parts) -> bool:
+    """`save_pretrained` each of `parts` into a private folder, then rename it to `folder`: a reader never sees half
+    a folder, and of concurrent writers the first rename wins. False (and nothing left behind) when the cache is
+    read-only or another process's folder is already there."""
+    partial = f"{folder}.partial-{os.getpid()}"
+    try:
+        for part in parts:
+            part.save_pretrained(partial)
+        os.replace(partial, folder)
+        return True
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+        return False
 
 
 def gguf_cache_dir(path: str) -> str:
     """Where the HF folder converted from the GGUF file `path` is cached: $STAPO_CACHE (default ~/.cache/stapo), one
-    folder per file name, size, modification time and transformers version (the converter)."""
+    folder per file content (its SHA-256: every copy of the file, e.g. the one each virtual environment installs,
+    shares one folder whatever its path or modification time) and converter (the transformers and gguf versions that
+    read it: another version may convert differently)."""
     import transformers
 
     root = os.environ.get("STAPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "stapo")
     st = os.stat(path)
-    return os.path.join(root, f"{os.path.basename(path)}-{st.st_size}-{int(st.st_mtime)}-"
-                              f"transformers{transformers.__version__}")
+    digest = _file_sha256(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    return os.path.join(root, f"{os.path.basename(path)}-{digest[:16]}-transformers{transformers.__version__}-"
+                              f"gguf{importlib.metadata.version('gguf')}")
+
+
+@functools.lru_cache(maxsize=16)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    """SHA-256 of a file (~0.1 s for SmolLM2's 98 MB), once per process for the same path, size and mtime."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def check_model_name(name: str) -> None:
