@@ -1141,6 +1141,69 @@ def test_rollout_compaction_same_tokens(temperature, top_p):
     assert len(sizes) > 1 and all(b <= 0.85 * a for a, b in zip(sizes, sizes[1:]))
 
 
+def test_rollout_in_place_cache_equals_dynamic_cache():
+    """Pins the transformers cache interface `rollout.InPlaceCache` relies on (5.17-5.19: `update` returns what
+    attention reads, `get_seq_length` / `get_mask_sizes` give the length): a prefill of left-padded prompts, decode
+    steps, a row drop and more steps give the hidden states of transformers' DynamicCache with
+    `batch_select_indices`, while the cache is written in place (views of buffers allocated once) and a drop copies
+    only the rows moved into freed slots."""
+    from transformers import DynamicCache
+    lm = tiny_model()
+    decoder = lm.get_decoder()
+    prompt, prompt_mask = rollout._left_pad(_prompts(), 0)  # (4, P), rows of different lengths
+    B, P, T = 4, prompt.shape[1], 6
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, T)], 1)  # (B, P+T)
+    positions = prompt_mask.sum(1, keepdim=True) + torch.arange(T)  # (B, T)
+    tokens = torch.randint(3, _REAL_VOCAB, (B, T), generator=torch.Generator().manual_seed(0))
+    ours, ref = rollout.InPlaceCache(lm.config, B, P + T), DynamicCache(config=lm.config)
+    copied = []
+    copy_rows = ours.copy_rows
+    ours.copy_rows = lambda dst, src, rows: (copied.append(len(dst)), copy_rows(dst, src, rows))
+    rows = torch.arange(B)
+    with torch.no_grad():
+        for cache in (ours, ref):
+            decoder(input_ids=prompt, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
+                    past_key_values=cache, use_cache=True)
+        buffer = ours.layers[0].key_buffer.data_ptr()
+        for t in range(T):
+            if t == 3:  # rows 0 and 2 finish: row 3 moves into slot 0, row 1 stays; the reference selects [1, 3]
+                order = rollout._drop_finished(torch.tensor([False, True, False, True]), ours)
+                assert order.tolist() == [3, 1] and copied == [1]  # one row's cache copied, not both kept rows
+                ref.batch_select_indices(torch.tensor([1, 3]))
+                rows = rows[order]
+            outs = []
+            for cache, r in ((ours, rows), (ref, rows.sort().values)):
+                outs.append(decoder(input_ids=tokens[r, t:t + 1], attention_mask=mask[r, :P + t + 1],
+                                    position_ids=positions[r, t:t + 1], past_key_values=cache,
+                                    use_cache=True).last_hidden_state)
+            torch.testing.assert_close(outs[0], outs[1][rows.argsort().argsort()], atol=1e-6, rtol=0)
+            layer = ours.layers[0]
+            assert ours.get_seq_length() == P + t + 1 and layer.keys.shape == ref.layers[0].keys.shape
+            assert layer.keys.data_ptr() == buffer  # a view of the buffer allocated at the prefill
+    with pytest.raises(NotImplementedError, match="full attention"):
+        config = tiny_model().config
+        config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+        rollout.InPlaceCache(config, B, P + T)
+
+
+def test_rollout_onednn_linears_same_values():
+    """Inside `_onednn_linears` every linear layer computes x W^T + b through oneDNN's reordered weights (as the
+    sampler's head does through `_packed`): the values of F.linear up to fp32 rounding; afterwards the layers are
+    plain again. The packed path runs only where it applies (CPU, fp32 / bf16, not under autograd here)."""
+    lm = tiny_model()
+    linear = torch.nn.Linear(64, 48)  # with a bias
+    x = torch.randn(5, 1, 64)
+    head = lm.lm_head.weight[:_REAL_VOCAB]
+    with torch.inference_mode():
+        ref = linear(x), torch.nn.functional.linear(x[:, 0], head)
+        with rollout._onednn_linears(linear):
+            assert "forward" in vars(linear) and torch.backends.mkldnn.is_available()
+            torch.testing.assert_close(linear(x), ref[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rollout._packed(head)(x[:, 0]), ref[1], atol=1e-5, rtol=1e-5)
+    assert "forward" not in vars(linear) and torch.equal(linear(x), ref[0])
+    assert not rollout._packs(torch.zeros(2, 2, dtype=torch.float16)) and rollout._packs(head)
+
+
 def test_rollout_response_mask_and_truncation():
     lm = _eos_biased_model(73)
     r = generate(lm, _prompts(), 40, temperature=0, eos_token_id=2, pad_token_id=0)
