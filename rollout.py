@@ -38,9 +38,11 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
 8. On CPU the decoder's linear layers and the LM head compute through oneDNN with their weights reordered once per
    generate call into its blocked layout (`_onednn_linears`, one more copy of the weights meanwhile), as vLLM-CPU
    does: 1.2-2x faster matmuls at decode's row counts than F.linear (MKL), the same values up to fp32 rounding
-   (~1e-6 relative; `rollout/logprob_diff` shows the sampler against the training forward). CUDA runs F.linear. The decode step
-   is not compiled: `torch.compile` of the backbone took minutes to compile on CPU for a gain within the noise, and
-   cannot lower the reordered weights (docs/rollouts.md).
+   (~1e-6 relative; `rollout/logprob_diff` shows the sampler against the training forward). CUDA runs F.linear.
+   With left-padded prompts (a mask) on CPU, attention runs `model.grouped_sdpa` when the model runs
+   `model.PACKED_SDPA` (under `model.Policy` and in `PlainEngine`): no copy of the cache per head group. The decode
+   step is not compiled: `torch.compile` of the backbone took minutes to compile on CPU for a gain within the
+   noise, and cannot lower the reordered weights (docs/rollouts.md).
 """
 import gc
 import math
@@ -53,7 +55,8 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers.cache_utils import Cache, DynamicLayer
 
-from model import attention_buckets, first_with_same_prompt, kv_cache_bytes, lm_vocab_size, position_ids_from_mask
+from model import (PACKED_SDPA, attention_buckets, first_with_same_prompt, kv_cache_bytes, lm_vocab_size,
+                   position_ids_from_mask)
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -442,6 +445,7 @@ class PlainEngine:
 
     def __init__(self, lm, eos_token_id, pad_token_id: int, vocab_size: int | None):
         self.lm, self.eos, self.pad, self.vocab_size = lm, eos_token_id, pad_token_id, vocab_size
+        lm.set_attn_implementation(PACKED_SDPA)  # as model.Policy does: model.grouped_sdpa under a mask
 
     @contextmanager
     def ready(self, policy):
