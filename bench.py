@@ -925,7 +925,7 @@ def _best(fn, reps):
 class _DecodeMatmuls:
     """Seconds of the matmuls of one forward of `lm` over R token rows (x W^T for every decoder weight: the backbone;
     the LM head's rows < vocab_size: the head), at the faster of torch's two CPU kernels for each (F.linear, and
-    oneDNN with the weight reordered once, as `generate` runs it), best of 3, on the model's own weights; cached by
+    oneDNN with the weight reordered once, as `generate` runs it), best of 5, on the model's own weights; cached by
     R. `rollout_seconds(r)` is the least time those matmuls allow for a rollout of r's lengths (the issue's
     "decode-step matmul limit"): the prefill of each distinct prompt, the head for every row, then at step t >= 1
     one backbone and one head row for each row that has a token t."""
@@ -941,7 +941,7 @@ class _DecodeMatmuls:
             x = {w.shape[1]: torch.randn(rows, w.shape[1]) for w, _ in self.parts[part]}
             kernels = [lambda: [torch.nn.functional.linear(x[w.shape[1]], w) for w, _ in self.parts[part]],
                        lambda: [packed(x[w.shape[1]]) for w, packed in self.parts[part]]]
-            self.cache[part, rows] = min(_best(k, 3)[0] for k in kernels)
+            self.cache[part, rows] = min(_best(k, 5)[0] for k in kernels)
         return self.cache[part, rows]
 
     def step(self, rows: int) -> float:
