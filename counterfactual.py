@@ -1,8 +1,8 @@
 """The counterfactual contribution of a response token to the reward: does a silenced token matter? (RQ2,
 docs/paper.md §8 and §4)
 
-    python counterfactual.py RUN                      # step 1 of a train.py run, K = 16, 8 tokens of each kind
-    python counterfactual.py RUN --steps 1 3 --k 32 --tokens 16 --plot
+    python counterfactual.py RUN                      # step 1 of a train.py run, K = 32, 16 tokens of each kind
+    python counterfactual.py RUN --steps 1 11 --k 16 --tokens 8 --plot
 
 S2T silences low-probability, low-entropy tokens of correct responses because, the paper says, they "contribute
 negligibly to the correct reasoning outcome" while inheriting the whole sequence's reward. This file measures that
@@ -39,15 +39,18 @@ Deliberate choices:
    says "no difference seen in K draws", not "exactly known" (the smallest rate K can see is 1/K).
 6. Only the step's first mini-batch is analysed: its p and H are pi_old's, the policy the checkpoint holds, so the
    mask and the continuations come from the same policy (later mini-batches see a policy updated in between).
-7. The rollout is regenerated, not read back: exact for a run made by one process (or with --rollout-chunk 1),
-   and checked against the run's own metrics.jsonl and samples.jsonl lines of the step (a warning and
-   `"rollout_matches_run": false` in every line when they differ).
+7. The rollout is regenerated, not read back: exact for a run made by one process (or with --rollout-chunk 1) when
+   this command runs with the run's thread count (OMP_NUM_THREADS: rounding differs between thread counts, and
+   with it the sampled tokens), and checked against the run's metrics.jsonl and samples.jsonl lines of the step.
+   When they differ, a warning says so and every line has `"rollout_matches_run": false`: the analysis is still
+   self-consistent (the same policy's rollout, mask and continuations), but its tokens are not the run's.
 """
 from __future__ import annotations
 
 import json
 import math
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -310,9 +313,9 @@ class Config:
     steps: list[int] = field(default_factory=lambda: [1])
     """steps to analyse (from 1): step s needs the policy after step s - 1, RUN/checkpoint/step_<s - 1> (step 1: the
     initial model)"""
-    k: int = 16
+    k: int = 32
     """continuations per prefix (each token: K with it kept, K with its position redrawn)"""
-    tokens: int = 8
+    tokens: int = 16
     """tokens of each kind (silenced, candidate, other) drawn per step, at most"""
     seed: int = 0
     """seed of the token draw and the continuations"""
@@ -342,9 +345,14 @@ def main(argv: list[str] | None = None) -> int:
             st = regenerate_step(run_dir, step)
             if st.matches_run is False:
                 print(f"counterfactual.py: warning: the regenerated rollout of step {step} differs from the run's "
-                      f"logs (a run of several processes without --rollout-chunk 1?); its tokens are still analysed",
+                      f"logs (run this with the run's OMP_NUM_THREADS; a run of several processes needs "
+                      f"--rollout-chunk 1): the same policy's rollout is analysed, not the run's tokens",
                       file=sys.stderr)
-            lines += analyse_step(st, step, cfg.k, cfg.tokens, cfg.seed, cfg.prefixes_per_call)
+            t0 = time.time()
+            new = analyse_step(st, step, cfg.k, cfg.tokens, cfg.seed, cfg.prefixes_per_call)
+            print(f"step {step}: {len(new)} tokens in {time.time() - t0:.0f} s "
+                  f"({(time.time() - t0) / max(len(new), 1):.1f} s per token, K = {cfg.k})", flush=True)
+            lines += new
             st.engine.close()
     except (FileNotFoundError, ValueError) as e:
         print(f"counterfactual.py: error: {e}", file=sys.stderr)

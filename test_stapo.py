@@ -3363,6 +3363,23 @@ def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
     assert "step_3" in capsys.readouterr().err and (run / "counterfactual.jsonl").read_text() == first
 
 
+def test_chain_sums_task(tmp_path):
+    """tasks/chain_sums.py: worked answers, prompts of three examples and a question, the reward of the first block
+    only (not of the examples the model goes on to invent), and a data file its generator reproduces."""
+    from tasks import chain_sums
+
+    assert chain_sums.worked((3, 5, 2)) == "3 + 5 = 8, 8 + 2 = 10. The answer is 10."
+    row = chain_sums.problem((1, 2, 4))
+    assert row["answer"] == "7" and row["prompt"].endswith("\n\nQ: 1 + 2 + 4 = ?\nA:")
+    assert row["prompt"].count("The answer is") == 3
+    assert chain_sums.reward(" 1 + 2 = 3, 3 + 4 = 7. The answer is 7.\n\nQ: 2 + 2 + 2 = ?\nA: The answer is 6.", "7") == 1
+    assert chain_sums.reward(" 1 + 2 = 3, 3 + 4 = 8. The answer is 8.\n\nQ: 1 + 2 + 4 = ?\nA: The answer is 7.", "7") == -1
+    chain_sums.main(tmp_path / "sums.jsonl")
+    assert (tmp_path / "sums.jsonl").read_text() == (ROOT / "tasks" / "chain_sums.jsonl").read_text()
+    rows = ev.read_jsonl(str(ROOT / "tasks" / "chain_sums.jsonl"))
+    assert len(rows) == 726 == len({r["prompt"] for r in rows})
+
+
 def test_entropy_change_against_a_hand_computation():
     """One AdamW step on a tiny model: the mean entropy change at silenced, kept-candidate and other positions (chosen
     by hand) equals the change of the entropies computed by hand from the model's logits before and after."""
