@@ -102,7 +102,7 @@ def token_effects(sample: Callable, grade: Callable, prompts: list[list[int]], r
         ends = t + 1 == len(y)  # y_t is the response's EOS or its last token at the budget (choice 3)
         prefixes += [_Prefix(j, "keep", y[:t + 1], 0 if ends else max_response_len - (t + 1)),
                      _Prefix(j, "resample", y[:t], max_response_len - t)]
-    outcomes = {(p.token, p.side): [] for p in prefixes}  # (token, side) -> K successes (0/1)
+    outcomes = {}  # (token, side) -> K successes (0/1)
     for p in prefixes:
         if p.budget == 0:  # the response itself, K times
             outcomes[p.token, p.side] = [float(grade(tokens[p.token][0], p.response) > 0)] * k
