@@ -10,6 +10,8 @@
   (the paper's claim: the low-p, low-H tokens of correct answers carry the largest gradients). One row per
   setting; the tokens of its seeds are pooled.
 - `gradient.png`: RQ1, that norm's binned median against p and against H, with the correlations it illustrates.
+- `counterfactual.png` (`python counterfactual.py RUN --plot`, RQ2): each analysed token's effect on the success
+  rate against its probability, silenced vs kept candidates vs other tokens (counterfactual.jsonl).
 
 One concept, pictures of run folders: a file of its own so that train.py stays the story of one step and runs can
 be redrawn and overlaid after the fact from their files alone (no torch, no model). matplotlib is optional: without
@@ -468,6 +470,48 @@ def plot_sensitivity(run_dirs: list[str], out_png: str) -> bool:
         ax.set_xlabel("tau_p")
         ax.set_ylabel("quantile q")
         ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=80)
+    plt.close(fig)
+    return True
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# RQ2, what the mask removes (docs/paper.md §4, §8): each token's counterfactual effect on the reward
+KIND_STYLES = {"silenced": dict(color="tab:red", marker="x"), "candidate": dict(color="tab:orange", marker="o"),
+               "other": dict(color="tab:blue", marker=".")}
+
+
+def plot_counterfactual(lines: list[dict], out_png: str) -> bool:
+    """The counterfactual.jsonl lines of counterfactual.py: each token's effect on the success rate (with its
+    standard error) against its probability p, coloured by kind (silenced, kept candidate, other), and the effects
+    of each kind side by side with their mean; True if written."""
+    if not lines:
+        return False
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, (ax_p, ax_k) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
+    kinds = [k for k in KIND_STYLES if any(x["kind"] == k for x in lines)]
+    for j, kind in enumerate(kinds):
+        mine = [x for x in lines if x["kind"] == kind]
+        style = KIND_STYLES[kind]
+        ax_p.errorbar([x["p"] for x in mine], [x["effect"] for x in mine], yerr=[x["stderr"] for x in mine],
+                      linestyle="none", alpha=0.7, label=f"{kind} ({len(mine)})", **style)
+        spread = [j + 0.3 * ((i * 0.618) % 1 - 0.5) for i in range(len(mine))]  # deterministic jitter
+        ax_k.scatter(spread, [x["effect"] for x in mine], s=14, alpha=0.6, **style)
+        mean = sum(x["effect"] for x in mine) / len(mine)
+        ax_k.hlines(mean, j - 0.3, j + 0.3, colors="k", linewidth=2)
+    for ax in (ax_p, ax_k):
+        ax.axhline(0, color="k", linewidth=0.6, linestyle="--")
+    ax_p.set_xscale("log")
+    ax_p.set_xlabel("p (probability of the token under the policy that sampled it)")
+    ax_p.set_ylabel("effect: success kept - success redrawn")
+    ax_p.legend(fontsize=8)
+    k = sorted({x["k"] for x in lines})
+    ax_p.set_title(f"counterfactual effect of {len(lines)} tokens, K = {', '.join(map(str, k))}", fontsize=9)
+    ax_k.set_xticks(range(len(kinds)), kinds)
+    ax_k.set_title("effects per kind, black: mean", fontsize=9)
     fig.tight_layout()
     fig.savefig(out_png, dpi=80)
     plt.close(fig)

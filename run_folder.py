@@ -55,7 +55,7 @@ RUN_FILES = ("config.json", *LOGS, "checkpoint", "hf", "stopped.json", "metrics.
 # takes, never what it computes (kv_cache_gb only with --rollout-chunk > 0: otherwise it sets the prompts per
 # generate call, and with them the sampling seeds).
 RESUMABLE = ("steps", "eval_every", "eval_samples", "samples_per_step", "spurious_per_step", "token_sample",
-             "save_every", "keep_checkpoints", "save_optimizer", "export_hf", "plots", "logger",
+             "entropy_change", "save_every", "keep_checkpoints", "save_optimizer", "export_hf", "plots", "logger",
              "collective_timeout_min", "max_tokens_per_micro_batch", "chunk_size", "grad_checkpointing", "kv_cache_gb")
 STOPPED = 75  # exit status after a stop by signal, with a checkpoint written: run the same command again
 #               (sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry")

@@ -7,6 +7,8 @@ A response token is spurious (silenced, I_it = 0) iff all three hold:
                                (tokens meeting 1 and 2) of the whole mini-batch.
 The gradient of a token's objective w.r.t. its logits has norm |w| sqrt(1 - 2p + sum_v p_v^2), w = r A
 (`grad_norm_logits`): low p and low H (large sum p^2) give the largest, spurious updates.
+A low-probability token with A > 0 also raises its position's entropy when it is reinforced; `entropy_change`
+measures what one update did to the entropy at silenced, kept-candidate and other positions.
 
 Deliberate differences / choices the paper leaves open:
 1. Condition 3 is strict (H < tau_h) and tau_h uses torch.quantile's linear interpolation, so a lone candidate is
@@ -106,6 +108,30 @@ def diagnostics(logprobs: torch.Tensor, entropy: torch.Tensor, collision: torch.
         "s2t/grad_norm_silenced": mean(g, silenced),
         "s2t/grad_norm_kept": mean(g, kept),
     }
+
+
+def entropy_change(entropy_before: torch.Tensor, entropy_after: torch.Tensor, response_mask: torch.Tensor,
+                   silenced: torch.Tensor, candidates: torch.Tensor) -> dict[str, float]:
+    """What one update did to the entropy of the positions of one mini-batch, per kind of token (the paper's "Entropy
+    Update Mechanism": reinforcing a low-probability token with A > 0 raises its position's entropy).
+
+    entropy_before, entropy_after (B, T): H_it of the same rows before and after the optimizer step; response_mask
+    (B, T) 0/1; silenced (B, T) bool: the algorithm's mask; candidates (B, T) bool: A > 0 and p < tau_p. Returns sums
+    of dH = H_after - H_before and token counts (python floats; sum them over mini-batches and ranks, then divide):
+        entropy_change/silenced_sum, _n     silenced response tokens
+        entropy_change/candidate_sum, _n    candidates the algorithm kept
+        entropy_change/other_sum, _n        every other response token
+    """
+    mask = response_mask > 0  # (B, T)
+    delta = (entropy_after.detach() - entropy_before.detach()).float()  # (B, T) dH
+    silenced = silenced & mask
+    kinds = {"silenced": silenced, "candidate": candidates & mask & ~silenced,
+             "other": mask & ~candidates & ~silenced}
+    out = {}
+    for kind, sel in kinds.items():
+        out[f"entropy_change/{kind}_sum"] = delta[sel].sum().item()
+        out[f"entropy_change/{kind}_n"] = float(sel.sum().item())
+    return out
 
 
 def token_sample(logprobs: torch.Tensor, entropy: torch.Tensor, collision: torch.Tensor, advantages: torch.Tensor,

@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import counterfactual
 import eval as ev
 import model
 import plots
@@ -3435,6 +3436,25 @@ def test_train_resume_checks_a_hand_edited_config(tmp_path, monkeypatch, capsys)
         assert _md5s(run) == before
 
 
+def test_train_entropy_change_per_kind_of_token(tmp_path, monkeypatch):
+    """--entropy-change logs the mean entropy change an update made at silenced tokens, kept candidates and other
+    tokens. With lr 0 the policy does not move: every change is exactly 0 (the positions before and after are the
+    same); with lr 1e-2 the update moves them; without the flag the keys are absent."""
+    _patch(monkeypatch, _EVEN)
+    data = _toy_data(tmp_path)
+    keys = [f"entropy_change/{kind}" for kind in ("silenced", "candidate", "other")]
+    with _one_thread():
+        for lr in (0.0, 1e-2):
+            assert train.main(_toy_args(data, tmp_path / f"lr{lr}", steps=2, lr=lr, tau_p=0.5, entropy_change=True,
+                                        export_hf=False)) == 0
+        assert train.main(_toy_args(data, tmp_path / "off", steps=1, export_hf=False)) == 0
+    still, moved = _metrics(tmp_path / "lr0.0"), _metrics(tmp_path / "lr0.01")
+    assert sum(m["updates"] for m in still) > 0 and sum(m["s2t/silenced"] for m in still) > 0
+    assert all(m[k] == 0.0 for m in still for k in keys), still
+    assert any(m["entropy_change/other"] != 0.0 for m in moved)
+    assert not any(k in _metrics(tmp_path / "off")[0] for k in keys)
+
+
 def test_train_sets_mkl_reproducibility_before_torch_loads():
     """train.py asks MKL for conditional numerical reproducibility before torch loads it: without it, SmolLM2's
     backward at 2 threads differed in the last bits from run to run (layers 0-20, 1e-6), so a resumed CPU run drifted
@@ -4106,6 +4126,189 @@ def test_eval_run_reproduces_train_heldout_evaluation(tmp_path, monkeypatch, cap
                                          f"with --overwrite"], err
     ev.main(["--run", str(tmp_path / "run"), "--k", "1", "--limit", "2", "--overwrite"])
     assert json.loads((tmp_path / "run" / "eval" / "results.json").read_text())["config"]["k"] == 1
+
+
+# ==================================================================================================================
+# counterfactual.py and s2t.entropy_change: what the mask removes and what an update does to entropy (RQ2)
+# ==================================================================================================================
+# A tabular policy whose tokens' effects on success are known exactly. Prompt [gold]; response: a hint A or B (1/2
+# each), then the answer digit (gold with probability 0.9 after A, 0.2 after B, else one of the 9 other digits),
+# then filler tokens that cannot change anything, never EOS (so every response runs to the budget).
+_HINT_A, _HINT_B, _FILL = 10, 11, 12
+_P_RIGHT = {_HINT_A: 0.9, _HINT_B: 0.2}
+_CF_LEN = 6  # max_response_len: hint, answer, 4 fillers
+
+
+def _tabular_sampler(calls: list):
+    import random
+
+    def sample(prefixes, k, max_new_tokens, seed):
+        calls.append((len(prefixes), max_new_tokens, seed))
+        rng, out = random.Random(seed), []
+        for prefix in prefixes:
+            gold, response = prefix[0], prefix[1:]
+            for _ in range(k):
+                cont = []
+                while len(cont) < max_new_tokens:
+                    t = len(response) + len(cont)
+                    if t == 0:
+                        token = _HINT_A if rng.random() < 0.5 else _HINT_B
+                    elif t == 1:
+                        hint = (response + cont)[0]
+                        token = gold if rng.random() < _P_RIGHT[hint] else rng.choice([d for d in range(10) if d != gold])
+                    else:
+                        token = _FILL
+                    cont.append(token)
+                out.append(cont)
+        return out
+    return sample
+
+
+def _tabular_grade(prompts):
+    def grade(row, response):
+        assert len(response) == _CF_LEN, response  # every continuation got exactly the budget its prefix left
+        return 1.0 if response[1] == prompts[row][0] else -1.0
+    return grade
+
+
+def test_counterfactual_estimator_on_a_known_policy():
+    """effect = P(success | y_<=t) - P(success | y_<t) lands within 3 standard errors of the exact value for a hint
+    token (+0.35 / -0.35), a deciding token (+0.1, +0.8, -0.2) and tokens that cannot change the answer (0, also the
+    last one); comparing with the response's own reward instead (a wrong estimator) misses by far more."""
+    prompts = [[7], [3], [3]]
+    f = [_FILL] * 4
+    responses = [[_HINT_A, 7] + f, [_HINT_B, 3] + f, [_HINT_B, 5] + f]  # right, right, wrong
+    v = 0.5 * 0.9 + 0.5 * 0.2  # P(success) before the hint
+    exact = {(0, 0): 0.9 - v, (0, 1): 1 - 0.9, (0, 3): 0.0, (0, 5): 0.0, (1, 0): 0.2 - v, (1, 1): 1 - 0.2,
+             (2, 1): 0 - 0.2}
+    calls = []
+    effects = counterfactual.token_effects(_tabular_sampler(calls), _tabular_grade(prompts), prompts, responses,
+                                           list(exact), k=2000, max_response_len=_CF_LEN, seed=3, prefixes_per_call=4)
+    for e in effects:
+        truth = exact[e.row, e.t]
+        assert e.k == 2000 and abs(e.effect - truth) <= 3 * e.stderr + 1e-12, (e, truth)
+        assert e.effect == pytest.approx(e.keep - e.resample) and e.stderr < 0.03
+        if truth == 0:
+            assert e.effect == 0 and e.stderr == 0  # nothing after the answer can change it
+        reward_of_response = 1.0 if responses[e.row][1] == prompts[e.row][0] else 0.0
+        if (e.row, e.t) in ((0, 0), (1, 0)):  # the response's reward is not the success with y_t kept
+            assert abs(reward_of_response - e.resample - truth) > 3 * e.stderr + 0.05
+    # one call per group of <= 4 prefixes (the last token's kept prefix is the response itself: no call), longest
+    # budget first, each call seeded differently
+    assert [n for n, _, _ in calls] == [4, 4, 4, 1] and [m for _, m, _ in calls] == sorted(
+        (m for _, m, _ in calls), reverse=True) and len({s for _, _, s in calls}) == 4
+    again = counterfactual.token_effects(_tabular_sampler([]), _tabular_grade(prompts), prompts, responses,
+                                         list(exact), k=2000, max_response_len=_CF_LEN, seed=3, prefixes_per_call=4)
+    assert again == effects  # seeded: reproducible
+
+
+def test_counterfactual_pick_tokens_and_summary():
+    """Silenced tokens, the candidates kept and other tokens of correct responses only, at most n of each; the
+    summary table has a row per kind."""
+    silenced = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]]).bool()
+    cand = torch.tensor([[1, 1, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0]]).bool()
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]])
+    correct = torch.tensor([True, True, False])
+    picked = counterfactual.pick_tokens(silenced, cand, mask, correct, 2, torch.Generator().manual_seed(0))
+    kinds = {k: [(r, t) for kk, r, t in picked if kk == k] for k in counterfactual.KINDS}
+    assert kinds["silenced"] == [(0, 1), (0, 2)] and kinds["candidate"] == [(0, 0), (1, 1)]
+    assert len(kinds["other"]) == 2 and set(kinds["other"]) <= {(0, 3), (1, 0), (1, 2)}  # row 2 is wrong
+    lines = [{"kind": "silenced", "effect": 0.0, "stderr": 0.0, "keep": 1.0, "resample": 1.0},
+             {"kind": "silenced", "effect": -0.5, "stderr": 0.1, "keep": 0.5, "resample": 1.0},
+             {"kind": "other", "effect": 0.25, "stderr": 0.2, "keep": 1.0, "resample": 0.75}]
+    table = counterfactual.summary(lines)
+    assert "| silenced | 2 | -0.250 (" in table and "| 50% | 100% | 0.75 / 1.00 |" in table
+    assert "| candidate | 0 |" in table and "| other | 1 | +0.250 | 100% | 0% |" in table
+
+
+def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
+    """`python counterfactual.py RUN --steps 1 2` on a toy run (step 2 from the checkpoint of step 1): it
+    regenerates both steps exactly (checked against the run's logs), writes one line per token with the fields a
+    reader needs, for every kind, prints the summary, and the same command writes the same file again."""
+    _patch(monkeypatch, _EVEN)
+    run = tmp_path / "run"
+    args = _toy_args(_toy_data(tmp_path), run, tau_p=0.08, export_hf=False)
+    with _one_thread():
+        assert train.main(args) == 0
+        shutil.copytree(run / "checkpoint" / "step_1", tmp_path / "step_1")  # a resume deletes it
+        assert train.main(["--resume", str(run), "--steps", "2"]) == 0
+        shutil.copytree(tmp_path / "step_1", run / "checkpoint" / "step_1")
+        cmd = [str(run), "--steps", "1", "2", "--k", "4", "--tokens", "2", "--plot"]
+        assert counterfactual.main(cmd) == 0
+        lines = [json.loads(x) for x in (run / "counterfactual.jsonl").read_text().splitlines()]
+        first = (run / "counterfactual.jsonl").read_text()
+        assert counterfactual.main(cmd) == 0
+    assert (run / "counterfactual.jsonl").read_text() == first
+    assert {x["step"] for x in lines} == {1, 2} and {x["kind"] for x in lines} == set(counterfactual.KINDS)
+    for x in lines:
+        assert {"kind", "effect", "stderr", "k", "step", "row", "t", "token", "p", "H", "A", "keep", "resample",
+                "reward", "context"} <= x.keys()
+        assert x["k"] == 4 and x["rollout_matches_run"] is True and -1 <= x["effect"] <= 1
+        assert x["effect"] == pytest.approx(x["keep"] - x["resample"])
+        assert (x["A"] > 0 and x["p"] < 0.08) == (x["kind"] != "other") and (x["kind"] != "other" or x["reward"] > 0)
+    assert all(sum(x["kind"] == kind and x["step"] == step for x in lines) <= 2  # --tokens 2
+               for kind in counterfactual.KINDS for step in (1, 2))
+    out = capsys.readouterr().out
+    assert "| kind | tokens | mean effect (95% CI)" in out and "| silenced |" in out
+    assert (run / "counterfactual.png").is_file() or importlib.util.find_spec("matplotlib") is None
+    assert counterfactual.main([str(run), "--steps", "4"]) == 2  # no checkpoint of step 3 exists
+    assert "step_3" in capsys.readouterr().err and (run / "counterfactual.jsonl").read_text() == first
+
+
+def test_chain_sums_task(tmp_path):
+    """tasks/chain_sums.py: worked answers, prompts of three examples and a question, the reward of the first block
+    only (not of the examples the model goes on to invent), and a data file its generator reproduces."""
+    from tasks import chain_sums
+
+    assert chain_sums.worked((3, 5, 2)) == "3 + 5 = 8, 8 + 2 = 10. The answer is 10."
+    row = chain_sums.problem((1, 2, 4))
+    assert row["answer"] == "7" and row["prompt"].endswith("\n\nQ: 1 + 2 + 4 = ?\nA:")
+    assert row["prompt"].count("The answer is") == 3
+    assert chain_sums.reward(" 1 + 2 = 3, 3 + 4 = 7. The answer is 7.\n\nQ: 2 + 2 + 2 = ?\nA: The answer is 6.", "7") == 1
+    assert chain_sums.reward(" 1 + 2 = 3, 3 + 4 = 8. The answer is 8.\n\nQ: 1 + 2 + 4 = ?\nA: The answer is 7.", "7") == -1
+    chain_sums.main(tmp_path / "sums.jsonl")
+    assert (tmp_path / "sums.jsonl").read_text() == (ROOT / "tasks" / "chain_sums.jsonl").read_text()
+    rows = ev.read_jsonl(str(ROOT / "tasks" / "chain_sums.jsonl"))
+    assert len(rows) == 726 == len({r["prompt"] for r in rows})
+
+
+def test_entropy_change_against_a_hand_computation():
+    """One AdamW step on a tiny model: the mean entropy change at silenced, kept-candidate and other positions (chosen
+    by hand) equals the change of the entropies computed by hand from the model's logits before and after."""
+    torch.manual_seed(0)
+    lm = tiny_model(vocab_size=32)
+    policy = Policy(lm)
+    prompt = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    response = torch.tensor([[11, 12, 13, 14], [15, 16, 17, 0]])
+    response_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    input_ids, attention_mask = torch.cat([prompt, response], 1), torch.cat([torch.ones_like(prompt), response_mask], 1)
+    silenced = torch.zeros(2, 4, dtype=torch.bool)
+    silenced[0, 1] = True
+    cand = torch.zeros(2, 4, dtype=torch.bool)
+    cand[0, 1] = cand[0, 2] = cand[1, 0] = True
+
+    def hand_entropy():  # H at response position t of row b: the softmax of the logits that predict it
+        with torch.no_grad():
+            logp = torch.log_softmax(lm(input_ids=input_ids, attention_mask=attention_mask).logits.float(), -1)
+        return {(b, t): float(-(logp[b, 3 + t - 1].exp() * logp[b, 3 + t - 1]).sum())
+                for b in range(2) for t in range(4) if response_mask[b, t]}
+
+    with torch.no_grad():
+        before = policy(input_ids, attention_mask, response_mask)[1]  # (2, 4)
+    h0 = hand_entropy()
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=0.05)
+    logprobs = policy(input_ids, attention_mask, response_mask)[0]
+    (-(logprobs[0, 1] + logprobs[1, 0])).backward()  # reinforce two tokens
+    optimizer.step()
+    with torch.no_grad():
+        after = policy(input_ids, attention_mask, response_mask)[1]
+    h1 = hand_entropy()
+    got = s2t.entropy_change(before, after, response_mask, silenced, cand)
+    kinds = {"silenced": [(0, 1)], "candidate": [(0, 2), (1, 0)], "other": [(0, 0), (0, 3), (1, 1), (1, 2)]}
+    for kind, where in kinds.items():
+        assert got[f"entropy_change/{kind}_n"] == len(where)
+        assert got[f"entropy_change/{kind}_sum"] == pytest.approx(sum(h1[w] - h0[w] for w in where), abs=1e-4)
+    assert abs(got["entropy_change/silenced_sum"]) > 1e-3  # the update moved the entropy
 
 
 # ==================================================================================================================

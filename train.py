@@ -160,6 +160,9 @@ def train_step(run: Run, step: int) -> tuple[dict, list[dict], list[dict], list[
         run.optimizer.step()
         run.scheduler.step()
         log.updated(grad_norm, *losses)
+        if cfg.entropy_change:  # what the update did to the entropy of the mini-batch's positions, per kind of token
+            log.entropy_change(entropy, token_stats(policy, mb, cfg, device)[1], mb_mask, silenced,
+                               s2t.candidates(logprobs, mb_adv, mb_mask, cfg.tau_p))
     run.optimizer.zero_grad(set_to_none=True)
     log.pi_old(batch, old_logprobs, old_entropy)
     return log.close(time.time() - t0)
@@ -233,6 +236,9 @@ def accumulate_gradients(run: Run, mb: rollout.Rollout, mb_old, mb_adv, weights,
     return loss_sum, kl_sum
 
 
+ENTROPY_KINDS = ("silenced", "candidate", "other")  # s2t.entropy_change's kinds of token
+
+
 class StepLog:
     """The metric bookkeeping of one step: sums over this rank's sequences and tokens, reduced over ranks once, in
     `close`, into the metrics.jsonl line (README.md, Metrics glossary), plus the spurious.jsonl lines, samples.jsonl
@@ -248,6 +254,7 @@ class StepLog:
                                     "silenced_h", "gn_silenced", "gn_kept", "loss/policy", "loss/kl", "loss_tokens",
                                     "clip/frac_low", "clip/frac_high", "clip/frac_dual", "ratio/mean", "kl/approx",
                                     "computed_tokens", "laid_tokens", "real_tokens"], 0.0)
+        self.sums |= dict.fromkeys([f"entropy_change/{kind}_{x}" for kind in ENTROPY_KINDS for x in ("sum", "n")], 0.0)
         self.counts = {"updates": 0, "skipped/zero_adv": 0, "skipped/nonfinite": 0}  # global: equal on every rank
         self.grad_norm_sum = 0.0
         self.spurious, self.samples, self.drawn = [], [], []
@@ -284,6 +291,12 @@ class StepLog:
         mask = batch.response_mask.float()  # (B, T)
         self.sums["entropy"] += (old_entropy * mask).sum()
         self.sums["logprob_diff"] += ((old_logprobs - batch.logprobs).abs() * mask).sum()
+
+    def entropy_change(self, before, after, mb_mask, silenced, candidates) -> None:
+        """--entropy-change: the entropy at the mini-batch's positions before and after its update (each (b, T)),
+        summed per kind of token (s2t.entropy_change)."""
+        for key, value in s2t.entropy_change(before, after, mb_mask, silenced, candidates).items():
+            self.sums[key] += value
 
     def updated(self, grad_norm: float, loss: float, kl: float) -> None:
         """An optimizer step was made: its gradient norm and this rank's losses."""
@@ -322,6 +335,9 @@ class StepLog:
             "time/rollout_s": t_rollout, "time/update_s": t_update,
             "tokens_per_s": n_tok / max(t_rollout + t_update, 1e-9),
         }
+        if self.run.cfg.entropy_change:  # mean H_after - H_before over the step's updates, per kind of token
+            metrics |= {f"entropy_change/{kind}": mean(f"entropy_change/{kind}_sum", tot[f"entropy_change/{kind}_n"])
+                        for kind in ENTROPY_KINDS}
         return metrics, self.spurious, self.samples, self.drawn
 
 
@@ -878,6 +894,9 @@ class Config:
     """evaluate the held-out problems every N steps (0 = before and after training only, when there are any)"""
     eval_samples: int = 4
     """samples per held-out problem (at --temperature); 0 = no held-out evaluation"""
+    entropy_change: bool = False
+    """after each optimizer step, a no-grad forward over the same mini-batch: log the mean entropy change at silenced
+    tokens, kept candidates and other tokens (entropy_change/* in metrics.jsonl; one more forward per update)"""
     spurious_per_step: int = 20
     """silenced tokens written to OUT/spurious.jsonl per step"""
     samples_per_step: int = 4

@@ -1,0 +1,369 @@
+"""The counterfactual contribution of a response token to the reward: does a silenced token matter? (RQ2,
+docs/paper.md §8 and §4)
+
+    python counterfactual.py RUN                      # step 1 of a train.py run, K = 32, 16 tokens of each kind
+    python counterfactual.py RUN --steps 1 11 --k 16 --tokens 8 --plot
+
+S2T silences low-probability, low-entropy tokens of correct responses because, the paper says, they "contribute
+negligibly to the correct reasoning outcome" while inheriting the whole sequence's reward. This file measures that
+contribution. For a token y_t of a graded response y to prompt x, under the policy pi that sampled it:
+
+    effect(y_t) = P(success | x, y_<=t) - P(success | x, y_<t)
+
+the success rate of the response once y_t is written, minus the rate when the policy redraws position t (it may
+draw y_t again): y_t's advantage in success units, Q(y_<t, y_t) - V(y_<t). A token that decides the answer has a
+large effect, one that cannot change it has 0; the paper's "spurious" is an effect near zero (or below it) in a
+correct response. The estimator (`token_effects`) samples K continuations of each prefix and grades them:
+
+    effect = mean_k S(x, y_<=t, c_k) - mean_k S(x, y_<t, c'_k)          S = 1 if the reward is > 0 else 0
+    stderr = sqrt(s_keep^2 / K + s_resample^2 / K)                       s^2: unbiased variance of the K outcomes
+
+The command regenerates one training step of a run exactly (the policy that made its decisions, its rollout, the
+mask of its first mini-batch), draws the tokens the algorithm silenced, the candidates it kept (A > 0, p < tau_p,
+not silenced) and a random sample of other tokens of correct responses, estimates their effects with the run's
+rollout engine and reward, writes RUN/counterfactual.jsonl (one line per token), prints a summary per kind and,
+with --plot, draws RUN/counterfactual.png (plots.plot_counterfactual). Cost: docs/experiments.md.
+
+Deliberate choices:
+1. Success is `reward > 0` (correct), not the reward's value: the effect lies in [-1, 1] whatever the reward mode
+   (with the +-1 DAPO reward the effect on the expected reward is twice it).
+2. The baseline redraws position t from the same policy (V(y_<t)), instead of forcing another token: the question is
+   whether writing y_t changed the outcome, not what some chosen alternative would have done.
+3. Each continuation gets the budget the response had left: max_response_len minus the response tokens already in
+   its prefix, so every graded response is one the run could have sampled. A prefix that ends the response (y_t is
+   its EOS, or its last token at the budget) needs no continuation: its K outcomes are the response's own.
+4. Prefixes are sampled `prefixes_per_call` at a time, sorted by budget; a call asks for its longest budget and cuts
+   each continuation to its own (a sample cut at m tokens is a sample limited to m tokens): batched, same
+   distribution. Call c is seeded from (seed, c), so a result is reproducible for the same tokens and arguments.
+5. The standard error is the plug-in one of two independent proportions: 0 when both sides are unanimous, which
+   says "no difference seen in K draws", not "exactly known" (the smallest rate K can see is 1/K).
+6. Only the step's first mini-batch is analysed: its p and H are pi_old's, the policy the checkpoint holds, so the
+   mask and the continuations come from the same policy (later mini-batches see a policy updated in between).
+7. The rollout is regenerated, not read back: exact for a run made by one process (or with --rollout-chunk 1) when
+   this command runs with the run's thread count (OMP_NUM_THREADS: rounding differs between thread counts, and
+   with it the sampled tokens), and checked against the run's metrics.jsonl and samples.jsonl lines of the step.
+   When they differ, a warning says so and every line has `"rollout_matches_run": false`: the analysis is still
+   self-consistent (the same policy's rollout, mask and continuations), but its tokens are not the run's.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+
+import plots
+import s2t
+import stapo
+
+
+# ------------------------------------------------------------------------------------------- the estimator
+class Effect(NamedTuple):
+    """The estimate for one token y_t of response `row`."""
+    row: int
+    t: int
+    k: int  # continuations per side
+    keep: float  # success rate of K continuations of x, y_<=t
+    resample: float  # success rate of K continuations of x, y_<t (the policy redraws position t)
+    effect: float  # keep - resample
+    stderr: float  # sqrt(s_keep^2 / K + s_resample^2 / K)
+
+
+class _Prefix(NamedTuple):
+    token: int  # index into `tokens`
+    side: str  # "keep" (x, y_<=t) or "resample" (x, y_<t)
+    response: list[int]  # the response tokens in the prefix
+    budget: int  # new tokens it may still get (0: the prefix is the whole response)
+
+
+def token_effects(sample: Callable, grade: Callable, prompts: list[list[int]], responses: list[list[int]],
+                  tokens: list[tuple[int, int]], k: int, max_response_len: int, seed: int = 0,
+                  prefixes_per_call: int = 16) -> list[Effect]:
+    """The effect of each token (row, t) of `tokens` on the success of its response, in the order of `tokens`.
+
+    sample(prefixes, k, max_new_tokens, seed) -> list of k * len(prefixes) continuations (token id lists, prefix i's
+        at [i k, (i + 1) k), each ending at EOS (included) or after max_new_tokens): the policy that sampled the
+        responses, continuing each prefix (a prompt followed by response tokens) k times.
+    grade(row, response) -> float: the reward of a whole response (token ids) to prompt `row`; > 0 is a success.
+    prompts[row], responses[row]: token ids (a response: its generated tokens, EOS included, no padding).
+    """
+    if k < 2:
+        raise ValueError(f"k must be >= 2 (a standard error needs two outcomes), got {k}")
+    prefixes = []
+    for j, (row, t) in enumerate(tokens):
+        y = responses[row]
+        if not 0 <= t < len(y):
+            raise ValueError(f"token {t} of row {row} is outside its {len(y)}-token response")
+        ends = t + 1 == len(y)  # y_t is the response's EOS or its last token at the budget (choice 3)
+        prefixes += [_Prefix(j, "keep", y[:t + 1], 0 if ends else max_response_len - (t + 1)),
+                     _Prefix(j, "resample", y[:t], max_response_len - t)]
+    outcomes = {}  # (token, side) -> K successes (0/1)
+    for p in prefixes:
+        if p.budget == 0:  # the response itself, K times
+            outcomes[p.token, p.side] = [float(grade(tokens[p.token][0], p.response) > 0)] * k
+    todo = sorted((p for p in prefixes if p.budget > 0), key=lambda p: -p.budget)  # longest budget first (choice 4)
+    for c, start in enumerate(range(0, len(todo), prefixes_per_call)):
+        part = todo[start:start + prefixes_per_call]
+        continuations = sample([prompts[tokens[p.token][0]] + p.response for p in part], k, part[0].budget,
+                               hash((seed, c)) % 2**62)
+        for i, p in enumerate(part):
+            row = tokens[p.token][0]
+            outcomes[p.token, p.side] = [float(grade(row, p.response + list(cont[:p.budget])) > 0)
+                                         for cont in continuations[i * k:(i + 1) * k]]
+    effects = []
+    for j, (row, t) in enumerate(tokens):
+        keep, resample = outcomes[j, "keep"], outcomes[j, "resample"]
+        effects.append(Effect(row, t, k, _mean(keep), _mean(resample), _mean(keep) - _mean(resample),
+                              math.sqrt(_variance(keep) / k + _variance(resample) / k)))
+    return effects
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _variance(xs: list[float]) -> float:
+    """Unbiased sample variance."""
+    m = _mean(xs)
+    return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+
+
+def engine_sampler(engine, temperature: float, top_p: float) -> Callable:
+    """`token_effects`'s sample() from a rollout engine (rollout.PlainEngine or VLLMEngine, inside its `ready`): the
+    prefixes are prompts, one generate call for all of them (the K rows of a prefix share its prefill)."""
+    def sample(prefixes: list[list[int]], k: int, max_new_tokens: int, seed: int) -> list[list[int]]:
+        out = engine.sample(prefixes, k, [seed], len(prefixes), max_new_tokens, temperature, top_p)
+        return [ids[mask.bool()].tolist() for ids, mask in zip(out.response_ids, out.response_mask)]
+    return sample
+
+
+# ------------------------------------------------------------------------------------------- the tokens
+KINDS = ("silenced", "candidate", "other")
+
+
+def pick_tokens(silenced: torch.Tensor, candidates: torch.Tensor, response_mask: torch.Tensor,
+                correct: torch.Tensor, n: int, generator: torch.Generator) -> list[tuple[str, int, int]]:
+    """(kind, row, t) of at most n tokens of each kind, drawn uniformly (`generator`), in (kind, row, t) order:
+    'silenced' (the algorithm's mask), 'candidate' (A > 0, p < tau_p, kept) and 'other' (the remaining response
+    tokens of correct responses). silenced, candidates, response_mask (B, T); correct (B,) bool."""
+    mask = response_mask.bool()  # (B, T)
+    silenced = silenced & mask
+    kinds = {"silenced": silenced, "candidate": candidates & mask & ~silenced,
+             "other": mask & ~candidates & ~silenced & correct[:, None]}
+    picked = []
+    for kind in KINDS:
+        where = kinds[kind].nonzero()  # (m, 2) rows (row, t)
+        take = where[torch.randperm(len(where), generator=generator)[:n]]
+        picked += [(kind, int(row), int(t)) for row, t in sorted(take.tolist())]
+    return picked
+
+
+# ------------------------------------------------------------------------------------------- one step of a run
+@dataclass
+class Step:
+    """What the policy of a run saw and decided in the first mini-batch of one step (`regenerate_step`)."""
+    cfg: object  # the run's train.Config
+    tokenizer: object
+    policy: object  # pi_old of the step (model.Policy)
+    engine: object  # the run's rollout engine
+    prompts: list[list[int]]  # (B,) prompt ids of the mini-batch's rows
+    responses: list[list[int]]  # (B,) response ids, EOS included
+    answers: list[str]  # (B,) gold answer of each row
+    data_index: list[int]  # (B,) row of the training data each prompt comes from
+    score: Callable  # score(text, answer) -> the run's reward
+    rewards: torch.Tensor  # (B,)
+    advantages: torch.Tensor  # (B,)
+    logprobs: torch.Tensor  # (B, T) of pi_old
+    entropy: torch.Tensor  # (B, T)
+    response_mask: torch.Tensor  # (B, T)
+    silenced: torch.Tensor  # (B, T) bool: the algorithm's mask
+    candidates: torch.Tensor  # (B, T) bool: A > 0, p < tau_p
+    matches_run: bool | None  # the regenerated rollout agrees with the run's logs (None: the run has no line)
+
+
+def regenerate_step(run_dir: Path, step: int) -> Step:
+    """Step `step` (from 1) of the train.py run in `run_dir`, first mini-batch, as the run made it.
+
+    The one function of this file that reaches into train.py's internals (the run's Config, `setup`, the checkpoint
+    layout, `sample`, `token_stats`, the reward call), so that a change of them is adapted here only. It rebuilds
+    the run in this process (one process, the run's recipe and rollout engine), loads the policy that made the
+    step's decisions (the model of checkpoint/step_<step - 1>, or the initial model for step 1), regenerates the
+    step's rollout (seeded per generate call from (seed, step, prompt index)), and recomputes rewards, advantages,
+    p and H (pi_old = the first mini-batch's) and the algorithm's mask (`stapo.token_weights`)."""
+    import reward
+    import run_folder
+    import train
+
+    cfg = train.Config(**train.check_values(train.Config, run_folder.recorded_config(run_dir), str(run_dir)))
+    if step > 1 and step - 1 not in run_folder.complete_steps(run_dir):
+        kept = sorted(run_folder.complete_steps(run_dir))
+        raise FileNotFoundError(f"step {step} needs the policy after step {step - 1}, checkpoint/step_{step - 1}, "
+                                f"which the run did not keep (its checkpoints: "
+                                f"{', '.join(f'step_{s}' for s in kept) or 'none'}; so steps "
+                                f"{', '.join(str(s + 1) for s in [0, *kept])} can be analysed; keep more with "
+                                f"--save-every 1 --keep-checkpoints N)")
+    if not train.dist.is_initialized():
+        train.init_distributed()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    run = train.setup(cfg, train.read_inputs(cfg, 1), 0, 1, device, None, run_folder.Preemption())
+    if step > 1:  # the policy after step - 1: model, optimizer and scheduler of that checkpoint (the model is used)
+        run_folder.load_checkpoint(run_dir / "checkpoint" / f"step_{step - 1}", run.policy, run.optimizer,
+                                   run.scheduler)
+    batch, mine = train.sample(run, step - 1)
+    G, texts = cfg.group_size, batch.texts(run.tokenizer)
+
+    def score(text: str, answer: str) -> float:
+        return reward.reward(text, answer, cfg.reward)
+
+    rewards = torch.tensor([score(text, run.rows[mine[i // G]]["answer"]) for i, text in enumerate(texts)])  # (B,)
+    matches = _matches_run(run_dir, step, rewards, batch, texts, G, cfg.samples_per_step)
+    mb = batch.select(slice(0, cfg.mini_batch_prompts * G))  # the first mini-batch (one process holds all of it)
+    advantages = stapo.group_advantages(rewards[:len(mb)], G)  # (b,)
+    adv = advantages[:, None].expand(mb.response_ids.shape).to(run.device)  # (b, T)
+    logprobs, entropy, _ = train.token_stats(run.policy, mb, cfg, run.device)  # (b, T) each
+    mask = mb.response_mask.to(run.device)
+    silenced = stapo.token_weights(cfg.algo, logprobs, entropy, adv, mask, cfg.tau_p, cfg.quantile).silenced
+    rows = [mine[i // G] for i in range(len(mb))]
+    return Step(cfg, run.tokenizer, run.policy, run.engine,
+                [ids[m.bool()].tolist() for ids, m in zip(mb.prompt_ids, mb.prompt_mask)],
+                [ids[m.bool()].tolist() for ids, m in zip(mb.response_ids, mb.response_mask)],
+                [run.rows[r]["answer"] for r in rows], rows, score, rewards[:len(mb)], advantages,
+                logprobs.cpu(), entropy.cpu(), mask.cpu(), silenced.cpu(),
+                s2t.candidates(logprobs, adv, mask, cfg.tau_p).cpu(), matches)
+
+
+def _matches_run(run_dir: Path, step: int, rewards, batch, texts: list[str], G: int, n_samples: int) -> bool | None:
+    """Whether a regenerated rollout is the run's: its mean reward and length against the step's metrics.jsonl line
+    and the first response of its first prompts against samples.jsonl (None: the run never made the step)."""
+    line = next((m for m in plots.read_log(run_dir / "metrics.jsonl") if m["step"] == step), None)
+    if line is None:
+        return None
+    samples = [s["response"] for s in plots.read_log(run_dir / "samples.jsonl")
+               if s["step"] == step and s["split"] == "train"]
+    return (math.isclose(line["reward/mean"], rewards.mean().item(), abs_tol=1e-6)
+            and math.isclose(line["response/len_mean"], batch.response_mask.sum(1).float().mean().item(), abs_tol=1e-4)
+            and samples == texts[::G][:min(n_samples, len(samples))])
+
+
+def analyse_step(st: Step, step: int, k: int, n_tokens: int, seed: int, prefixes_per_call: int) -> list[dict]:
+    """counterfactual.jsonl lines of `n_tokens` tokens of each kind of one regenerated step."""
+    cfg, tok = st.cfg, st.tokenizer
+    gen = torch.Generator().manual_seed(hash((seed, step)) % 2**62)
+    picked = pick_tokens(st.silenced, st.candidates, st.response_mask, st.rewards > 0, n_tokens, gen)
+    sample = engine_sampler(st.engine, cfg.temperature, cfg.top_p)
+
+    def grade(row: int, response: list[int]) -> float:
+        return st.score(tok.decode(response, skip_special_tokens=True), st.answers[row])
+
+    with st.engine.ready(st.policy):
+        effects = token_effects(sample, grade, st.prompts, st.responses, [(r, t) for _, r, t in picked], k,
+                                cfg.max_response_len, hash((seed, step, 1)) % 2**62,
+                                prefixes_per_call)
+    lines = []
+    for (kind, row, t), e in zip(picked, effects):
+        y = st.responses[row]
+        lines.append({
+            "algo": cfg.algo, "seed": cfg.seed, "step": step, "kind": kind, "effect": e.effect, "stderr": e.stderr,
+            "k": e.k, "keep": e.keep, "resample": e.resample, "row": row, "t": t, "token": tok.decode([y[t]]),
+            "context": tok.decode(y[max(0, t - 12):t]), "after": tok.decode(y[t + 1:t + 13]),
+            "p": math.exp(float(st.logprobs[row, t])), "H": float(st.entropy[row, t]),
+            "A": float(st.advantages[row]), "reward": float(st.rewards[row]), "response_len": len(y),
+            "data_index": st.data_index[row], "rollout_matches_run": st.matches_run})
+    return lines
+
+
+# ------------------------------------------------------------------------------------------- the summary
+def summary(lines: list[dict]) -> str:
+    """The table printed at the end: per kind, the count, the mean effect with its 95% interval (over the tokens),
+    the share of tokens whose effect is within 1.96 standard errors of 0, the share <= 0, and the mean success rates
+    with the token kept and redrawn."""
+    head = ("| kind | tokens | mean effect (95% CI) | indistinguishable from 0 | effect <= 0 | success kept / redrawn |\n"
+            "|---|---|---|---|---|---|")
+    rows = []
+    for kind in KINDS:
+        mine = [x for x in lines if x["kind"] == kind]
+        if not mine:
+            rows.append(f"| {kind} | 0 | - | - | - | - |")
+            continue
+        effects = [x["effect"] for x in mine]
+        n, mean = len(effects), _mean(effects)
+        half = 1.96 * math.sqrt(_variance(effects) / n) if n > 1 else None
+        ci = f" ({mean - half:+.3f}, {mean + half:+.3f})" if half is not None else ""
+        zero = sum(abs(x["effect"]) <= 1.96 * x["stderr"] for x in mine) / n
+        rows.append(f"| {kind} | {n} | {mean:+.3f}{ci} | {zero:.0%} | "
+                    f"{sum(e <= 0 for e in effects) / n:.0%} | {_mean([x['keep'] for x in mine]):.2f} / "
+                    f"{_mean([x['resample'] for x in mine]):.2f} |")
+    return "\n".join([head, *rows])
+
+
+# ------------------------------------------------------------------------------------------- command line
+@dataclass
+class Config:
+    """Estimate each token's causal effect on the reward (RQ2) for tokens a training step silenced, the candidates
+    it kept and other tokens of correct responses: python counterfactual.py RUN [flags]. Writes
+    RUN/counterfactual.jsonl and prints the summary per kind."""
+    steps: list[int] = field(default_factory=lambda: [1])
+    """steps to analyse (from 1): step s needs the policy after step s - 1, RUN/checkpoint/step_<s - 1> (step 1: the
+    initial model)"""
+    k: int = 32
+    """continuations per prefix (each token: K with it kept, K with its position redrawn)"""
+    tokens: int = 16
+    """tokens of each kind (silenced, candidate, other) drawn per step, at most"""
+    seed: int = 0
+    """seed of the token draw and the continuations"""
+    prefixes_per_call: int = 16
+    """prefixes sampled per generate call (x K rows)"""
+    plot: bool = False
+    """also draw RUN/counterfactual.png (needs matplotlib)"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    from eval import parse_flags
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-"):
+        if "-h" in argv or "--help" in argv:
+            parse_flags(Config, argv, "counterfactual.py RUN")
+        print("counterfactual.py: error: give a train.py run folder first: python counterfactual.py RUN [flags]",
+              file=sys.stderr)
+        return 2
+    run_dir, cfg = Path(argv[0]), Config(**parse_flags(Config, argv[1:], "counterfactual.py RUN"))
+    if not (run_dir / "config.json").is_file():
+        print(f"counterfactual.py: error: {run_dir} is not a train.py run folder (no config.json)", file=sys.stderr)
+        return 2
+    lines, owned = [], not torch.distributed.is_initialized()
+    try:
+        for step in cfg.steps:
+            st = regenerate_step(run_dir, step)
+            if st.matches_run is False:
+                print(f"counterfactual.py: warning: the regenerated rollout of step {step} differs from the run's "
+                      f"logs (run this with the run's OMP_NUM_THREADS; a run of several processes needs "
+                      f"--rollout-chunk 1): the same policy's rollout is analysed, not the run's tokens",
+                      file=sys.stderr)
+            t0 = time.time()
+            new = analyse_step(st, step, cfg.k, cfg.tokens, cfg.seed, cfg.prefixes_per_call)
+            print(f"step {step}: {len(new)} tokens in {time.time() - t0:.0f} s "
+                  f"({(time.time() - t0) / max(len(new), 1):.1f} s per token, K = {cfg.k})", flush=True)
+            lines += new
+            st.engine.close()
+    except (FileNotFoundError, ValueError) as e:
+        print(f"counterfactual.py: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if owned and torch.distributed.is_initialized():  # the 1-process group regenerate_step made
+            torch.distributed.destroy_process_group()
+    out = run_dir / "counterfactual.jsonl"
+    out.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    print(f"{out}: {len(lines)} tokens, K = {cfg.k}, steps {', '.join(map(str, cfg.steps))}\n{summary(lines)}")
+    if cfg.plot:
+        plots.plot_counterfactual(lines, str(run_dir / "counterfactual.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
