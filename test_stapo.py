@@ -4268,7 +4268,7 @@ def test_chain_sums_task(tmp_path):
     assert chain_sums.reward(" 1 + 2 = 3, 3 + 4 = 8. The answer is 8.\n\nQ: 1 + 2 + 4 = ?\nA: The answer is 7.", "7") == -1
     chain_sums.main(tmp_path / "sums.jsonl")
     assert (tmp_path / "sums.jsonl").read_text() == (ROOT / "tasks" / "chain_sums.jsonl").read_text()
-    rows = ev.read_jsonl(str(ROOT / "tasks" / "chain_sums.jsonl"))
+    rows = [row for _, row in ev.read_jsonl(str(ROOT / "tasks" / "chain_sums.jsonl"))]
     assert len(rows) == 726 == len({r["prompt"] for r in rows})
 
 
