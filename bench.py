@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+import data
 import model
 import reward
 import rollout
@@ -915,9 +916,8 @@ def _sums_prompts(tokenizer, n):
 
 def _cpu_default_prompts(tokenizer, n):
     """The first `n` prompts of the CPU default (train.py's cpu preset: the built-in sums, raw text)."""
-    import eval as ev
     return [format_prompt(tokenizer, row["problem"], chat=False, instruction=train.CPU_PRESET["instruction"])
-            for row in ev.builtin_task("train")[:n]]
+            for row in data.builtin_task("train")[:n]]
 
 
 def _best(fn, reps):

@@ -57,6 +57,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+import cli
 import plots
 import s2t
 import stapo
@@ -214,7 +215,7 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
     if step > 1:  # the policy after step - 1: model, optimizer and scheduler of that checkpoint (the model is used)
         run_folder.load_checkpoint(run_dir / "checkpoint" / f"step_{step - 1}", run.policy, run.optimizer,
                                    run.scheduler)
-    batch, mine = train.sample(run, step - 1)
+    batch, mine = train.sample(run, step)
     G, texts = cfg.group_size, batch.texts(run.tokenizer)
 
     def score(text: str, answer: str) -> float:
@@ -323,19 +324,14 @@ class Config:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eval import parse_flags
-
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0].startswith("-"):
         if "-h" in argv or "--help" in argv:
-            parse_flags(Config, argv, "counterfactual.py RUN")
-        print("counterfactual.py: error: give a train.py run folder first: python counterfactual.py RUN [flags]",
-              file=sys.stderr)
-        return 2
-    run_dir, cfg = Path(argv[0]), Config(**parse_flags(Config, argv[1:], "counterfactual.py RUN"))
+            cli.parse_flags(Config, argv, "counterfactual.py RUN")
+        return cli.error("counterfactual.py", "give a train.py run folder first: python counterfactual.py RUN [flags]")
+    run_dir, cfg = Path(argv[0]), Config(**cli.parse_flags(Config, argv[1:], "counterfactual.py RUN"))
     if not (run_dir / "config.json").is_file():
-        print(f"counterfactual.py: error: {run_dir} is not a train.py run folder (no config.json)", file=sys.stderr)
-        return 2
+        return cli.error("counterfactual.py", f"{run_dir} is not a train.py run folder (no config.json)")
     lines, owned = [], not torch.distributed.is_initialized()
     try:
         for step in cfg.steps:
@@ -352,8 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             lines += new
             st.engine.close()
     except (FileNotFoundError, ValueError) as e:
-        print(f"counterfactual.py: error: {e}", file=sys.stderr)
-        return 2
+        return cli.error("counterfactual.py", e)
     finally:
         if owned and torch.distributed.is_initialized():  # the 1-process group regenerate_step made
             torch.distributed.destroy_process_group()

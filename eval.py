@@ -10,9 +10,9 @@ AMC23 (avg@32) and MATH500, Minerva, OlympiadBench (avg@4), graded by rule, one 
     python eval.py --models tiny --data easy=my.jsonl --prompt-key q --answer-key a   # your own JSONL
 
 Sampling is a rollout engine (`--rollout plain`: rollout.generate; `vllm`: rollout.VLLMEngine), grading is
-reward.correct (a positive reward; reward.grade unless --reward says otherwise); this file loads the problem sets
-(the built-in task, JSONL/JSON/parquet files and Hub datasets read by `read_rows`, train.py's train/held-out split
-`load_rows`, the benchmarks), splits the problems across ranks, counts and writes. Outputs: OUT/results.json (the
+reward.correct (a positive reward; reward.grade unless --reward says otherwise), your own files and a run's
+held-out set are read by data.py; this file loads the benchmarks, splits the problems across ranks, counts and
+writes. Outputs: OUT/results.json (the
 config and every sample's text, extracted answer, verdict, length in tokens, truncation flag) and OUT/table.md, OUT
 = --out (RUN/eval for a run, else out/eval; one that holds an earlier evaluation only with --overwrite).
 
@@ -34,31 +34,23 @@ Deliberate differences from the paper's evaluation:
    run > default), `heldout` is the run's held-out set and `--data` reads your own files with train.py's field
    logic.
 
-Every input (names, paths, files, numbers) is checked before a model loads; an error is one line, exit status 2.
-This file also holds `parse_flags`, the dataclass -> argparse builder of both scripts (here, so `--help` needs no
-torch), with `--config FILE` and its validator `check_values`. train.py imports its problem sets and its CLI builder
-from here; nothing here imports train.py.
+Every input (names, paths, files, numbers) is checked before a model loads; an error is one line, exit status 2
+(cli.py). Nothing here imports train.py.
 """
 from __future__ import annotations
 
-import argparse
-import ast
-import datetime
-import difflib
-import inspect
 import json
 import math
 import os
-import random
 import sys
-import textwrap
 import types
-import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
 
+import cli
 import reward
+from data import answer_value, check_utf8, describe, load_rows, read_jsonl, read_rows, repeated_note
 
 PAPER_BENCHMARKS = ("aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench")
 TITLES = {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "MATH500", "minerva": "Minerva",
@@ -66,179 +58,6 @@ TITLES = {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "
 DEFAULT_K = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4, "olympiadbench": 4, "gsm8k": 4}
 OTHER_K = 4  # samples per problem of --data sets (and of heldout for a run without --eval-samples)
 PRESETS = {"train-aligned": (1.0, 1.0), "justrl": (0.7, 0.9)}  # (temperature, top_p), docs/paper.md §7
-
-
-# ------------------------------------------------------------------- problem sets (train.py --data, eval.py --data)
-# The built-in task: every one-digit sum "What is a + b?" (100 problems, 20 held out), deterministic. Chosen by
-# measuring SmolLM2-135M-Instruct (docs/training.md): with the raw-text prompt "...\nThe answer is" it is right on ~12% of
-# them at T = 1.0 (~20% at 0.7; ~2% for word problems or a chat prompt with the \boxed{} instruction), so many
-# groups of 8 have mixed rewards.
-def builtin_task(split: str) -> list[dict]:
-    """The built-in problems of `split` ('train': 80, 'test': 20), each {"problem", "answer"}."""
-    rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(10) for b in range(10)]
-    random.Random(1234).shuffle(rows)
-    return rows[20:] if split == "train" else rows[:20]
-
-
-def _at_path(row: dict, key: str):
-    """row["a"]["b"] for key "a.b" (None where a part is missing)."""
-    for part in key.split("."):
-        row = row.get(part) if isinstance(row, dict) else None
-    return row
-
-
-# DAPO-Math-17k wraps each problem in its own instructions ("... of the form Answer: $Answer ..."); we strip them and
-# append the paper's \boxed{} instruction like JustRL does.
-_DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the form "
-                "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
-_DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
-
-
-HELDOUT_MAX = 20  # --heldout's default: a tenth of the rows of --data, at most this many (none below 10 rows)
-
-
-def heldout_count(n_rows: int, heldout: int | None) -> int:
-    """Rows of --data held out of n_rows: --heldout N, or by default (None) n_rows // 10, at most HELDOUT_MAX."""
-    return min(HELDOUT_MAX, n_rows // 10) if heldout is None else heldout
-
-
-def load_rows(cfg, prog: str = "train.py") -> tuple[list[dict], list[dict]]:
-    """(train, held-out) lists of {"problem", "answer"} of a train.py config (its data, prompt_key, answer_key, split,
-    heldout and seed): the rows of --data, shuffled by the seed, the first `heldout_count` held out; or the built-in
-    task when --data is ''."""
-    import torch
-
-    if not cfg.data:
-        return builtin_task("train"), builtin_task("test")
-    rows = read_rows(cfg.data, cfg.prompt_key, cfg.answer_key, cfg.split, prog)
-    heldout = heldout_count(len(rows), cfg.heldout)
-    if heldout >= len(rows):
-        raise ValueError(f"--heldout {heldout} leaves no training rows ({len(rows)} rows in {cfg.data})")
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    rows = [rows[i] for i in order]
-    return rows[heldout:], rows[:heldout]
-
-
-def read_rows(data: str, prompt_key: str, answer_key: str, split: str = "train", prog: str = "eval.py") -> list[dict]:
-    """Rows {"problem", "answer"} of a local .jsonl/.json/.parquet file or a Hub dataset, in file order. Rows that
-    repeat an earlier row's problem and answer are dropped and counted on stderr (train.py's difference 7).
-    `prompt_key`/`answer_key` are dotted paths; a chat message list gives its last user turn; an answer is a string,
-    a finite number or a list of strings (`answer_value`). A bad row raises ValueError naming its line (.jsonl) or
-    row (1-based) and what is wrong. train.py's --data and eval.py's --data."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    suffix = next((s for s in (".jsonl", ".json", ".parquet") if data.endswith(s)), None)
-    if suffix and not os.path.isfile(data):
-        raise FileNotFoundError(f"data file not found: {data}")
-    if suffix == ".jsonl":
-        numbered = read_jsonl(data)
-    else:
-        if suffix:
-            datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log line: ours is the one line
-            try:
-                table = datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=data,
-                                              split="train")
-            except Exception as e:  # noqa: BLE001 - datasets wraps every reason (empty file: StopIteration)
-                raise ValueError(f"{data}: not a readable {suffix[1:]} file ({type(e).__name__}: "
-                                 f"{(str(e).strip().splitlines() or [''])[0][:200]})") from None
-        else:
-            table = datasets.load_dataset(data, split=split)
-        numbered = [(f"row {i}", row) for i, row in enumerate(table, 1)]
-    if not numbered:
-        raise ValueError(f"{data}: no rows")
-    rows, seen = [], set()
-    for where, row in numbered:
-        problem, answer = _at_path(row, prompt_key), _at_path(row, answer_key)
-        if isinstance(problem, list):  # chat messages: the last user turn
-            problem = next((m.get("content") for m in reversed(problem) if isinstance(m, dict)
-                            and m.get("role") == "user"), None)
-        fields_hint = f"the row's fields: {', '.join(row) or 'none'}"
-        if problem is None or problem == "":
-            raise ValueError(f"{data} {where}: no prompt in field {prompt_key!r} ({fields_hint}); name the field "
-                             f"with --prompt-key")
-        if not isinstance(problem, str) or not problem.strip():
-            raise ValueError(f"{data} {where}: the prompt in field {prompt_key!r} is {_kind(problem)}, not text")
-        if answer is None or answer == "" or answer == []:
-            raise ValueError(f"{data} {where}: no answer in field {answer_key!r} ({fields_hint}); name the field "
-                             f"with --answer-key")
-        try:
-            answer = answer_value(answer)
-            _encodable(problem, "prompt")
-        except ValueError as e:
-            raise ValueError(f"{data} {where}: {e}") from None
-        problem = problem.removeprefix(_DAPO_PREFIX).removesuffix(_DAPO_SUFFIX)
-        if (problem, str(answer)) not in seen:  # DAPO-Math-17k repeats each of its 17k problems 100 times
-            seen.add((problem, str(answer)))
-            rows.append({"problem": problem, "answer": answer})
-    repeated = len(numbered) - len(rows)
-    if repeated and int(os.environ.get("RANK", 0)) == 0:
-        print(f"{prog}: note: {data}: dropped {repeated:,} of {len(numbered):,} rows that repeat an earlier row's "
-              f"problem and answer; {len(rows):,} rows remain", file=sys.stderr, flush=True)
-    return rows
-
-
-def _kind(value) -> str:
-    """How a JSON value is named in an error: 'a JSON object', 'a boolean', 'the number 3', ..."""
-    if isinstance(value, dict):
-        return "a JSON object"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return f"the number {value}"
-    if isinstance(value, list):
-        return "a list"
-    return f"the text {value!r}" if isinstance(value, str) else type(value).__name__
-
-
-def answer_value(value) -> str | list[str]:
-    """A gold answer as reward.grade takes it: a string, a finite number as a string (27.0 -> "27.0") or a list of
-    strings (several answers). Anything else (a JSON object, a boolean, NaN, a list of numbers, an empty or
-    unencodable string) raises ValueError saying what it is."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if not math.isfinite(value):
-            raise ValueError(f"the answer is {value}, not a finite number")
-        return str(value)
-    if isinstance(value, str) and value.strip():
-        _encodable(value, "answer")
-        return value
-    if isinstance(value, list) and value and all(isinstance(a, str) and a.strip() for a in value):
-        for a in value:
-            _encodable(a, "answer")
-        return value
-    what = "a list that is not all non-empty strings" if isinstance(value, list) else _kind(value)
-    raise ValueError(f"the answer is {what}; an answer is a string, a finite number or a list of strings")
-
-
-def _encodable(text: str, what: str) -> None:
-    """Raise ValueError when `text` cannot be written as UTF-8 (a lone surrogate such as \\ud800 is valid JSON)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"the {what} holds the lone surrogate {text[e.start]!r} at character {e.start + 1}, which "
-                         f"is not UTF-8 text") from None
-
-
-def read_jsonl(path: str) -> list[tuple[str, dict]]:
-    """The rows of a JSON-lines file as ("line N", row), N counted from 1 as an editor does (blank lines skipped);
-    a line that is not a UTF-8 JSON object raises ValueError naming the file and the line."""
-    rows = []
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path} line {n}: not UTF-8 ({e.reason} at byte {e.start})") from None
-            if not text.strip():
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {n}: not JSON ({e.msg} at character {e.pos + 1})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path} line {n}: not a JSON object")
-            rows.append((f"line {n}", row))
-    return rows
 
 
 # ---------------------------------------------------------------------------------------------------- benchmarks
@@ -334,13 +153,13 @@ def load_benchmark(name: str, data_dir: str | Path | None = None) -> list[dict]:
         try:
             gold = source.gold(row)
             if isinstance(problem, str):
-                _encodable(problem, "problem")
+                check_utf8(problem, "problem")
         except ValueError as e:
             raise ValueError(f"benchmark {name}: {at(where)}: {e}") from None
         if not isinstance(problem, str) or not problem.strip() or not gold:
             missing = "problem" if not isinstance(problem, str) or not problem.strip() else "gold answer"
             raise ValueError(f"benchmark {name}: {at(where)} has no {missing}: {str(row)[:200]}")
-        answer = ", ".join(gold) if isinstance(gold, list) else gold
+        answer = _joined(gold)
         rows.append({"problem": problem, "answer": answer, "gold": gold})
     return rows
 
@@ -377,7 +196,7 @@ def read_results(path: str | Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"--regrade {path}: not JSON ({e})") from None
     if not isinstance(results, dict):
-        raise ValueError(f"--regrade {path}: not an eval.py results.json ({_kind(results)})")
+        raise ValueError(f"--regrade {path}: not an eval.py results.json ({describe(results)})")
     if not isinstance(results.get("config"), dict) or not isinstance(results.get("models"), dict):
         raise ValueError(f"--regrade {path}: not an eval.py results.json (without 'config' and 'models')")
     missing = [k for k in ("chat", "instruction", "run", "temperature", "top_p", "max_new_tokens")
@@ -451,143 +270,6 @@ def write_outputs(results: dict, out: str | Path) -> None:
     (out / "table.md").write_text(table(results))
 
 
-# ---------------------------------------------------------------------------------------------------------- CLI
-# One command-line builder for train.py and eval.py. It lives here because eval.py imports torch lazily, so that
-# `python eval.py --help` stays fast; train.py imports it.
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of the usage block
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def parse_flags(cls, argv: list[str] | None, prog: str, notes: dict[str, str] | None = None,
-                modes: dict[str, str] | None = None) -> dict:
-    """The flags given in argv, as {field: value}, for the dataclass `cls` (absent flags are absent: the caller
-    layers them over its defaults, a preset or a training run's config.json).
-
-    One --flag per field (underscores -> dashes); its --help is the string literal under the field, its default
-    and `notes[field]`. bool -> --flag/--no-flag, list[X] -> one or more X, Literal -> choices, X | None -> X or
-    'none'. `--config FILE` (JSON or YAML, e.g. a run's config.json) gives values as if they were flags, under the
-    flags on the command line (`read_config`). `modes` ({name: help}) lists options the caller handles before
-    parsing (train.py's --plot) in --help. A bad flag or config file prints one line `PROG: error: ...` and exits
-    with status 2."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    docs = {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
-            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
-    hints = typing.get_type_hints(cls)
-    parser = OneLineParser(prog=prog, description=(cls.__doc__ or "").strip(), argument_default=argparse.SUPPRESS)
-    parser.add_argument("--config", metavar="FILE", help="a JSON or YAML file of flag values, each key a flag's name "
-                        "with underscores (--top-p: top_p), e.g. a run's config.json: the base layer under the flags "
-                        "given here, which win")
-    for f in fields(cls):
-        tp = hints[f.name]
-        default = f.default_factory() if f.default is MISSING else f.default
-        note = f" ({notes[f.name]})" if notes and f.name in notes else ""
-        kw = {"help": f"{docs[f.name]} [default: {default!r}{note}]".replace("%", "%%")}
-        optional = isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
-        if optional:  # X | None -> X
-            tp = next(a for a in typing.get_args(tp) if a is not type(None))
-        if tp is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(tp) is list:
-            kw.update(nargs="+", type=typing.get_args(tp)[0])
-        elif typing.get_origin(tp) is Literal:
-            kw.update(choices=typing.get_args(tp), type=str)
-        else:
-            kw["type"] = _or_none(tp) if optional else tp
-        parser.add_argument("--" + f.name.replace("_", "-"), **kw)
-    if modes:
-        group = parser.add_argument_group("other modes")
-        for name, text in modes.items():
-            group.add_argument("--" + name, nargs="+", metavar="RUN", help=text.replace("%", "%%"))
-    given = vars(parser.parse_args(argv))
-    if "config" in given:
-        try:
-            given = {**read_config(cls, given.pop("config")), **given}
-        except ValueError as e:
-            parser.error(str(e))
-    return given
-
-
-def read_config(cls, path: str) -> dict:
-    """The values of a --config FILE for the dataclass `cls`: a JSON object, or a YAML mapping for .yaml / .yml
-    (numbers such as 1e-6 are read as numbers, as JSON and YAML 1.2 read them), checked by `check_values`. A file
-    that is missing or does not parse raises ValueError in one line."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--config {path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
-    if path.endswith((".yaml", ".yml")):
-        import re
-
-        import yaml
-
-        class Loader(yaml.SafeLoader):  # YAML 1.1 reads 1e-6 as text (it wants 1.0e-6); JSON and YAML 1.2 do not
-            pass
-        Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
-                                     list("-+0123456789."))
-        try:
-            values = yaml.load(text, Loader=Loader)
-        except yaml.YAMLError as e:
-            raise ValueError(f"--config {path}: not YAML ({' '.join(str(e).split())})") from None
-    else:
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--config {path}: not JSON ({e}); a .yaml or .yml file is read as YAML") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"--config {path}: not a mapping of flag names to values but {_kind(values)}")
-    return check_values(cls, values, path)
-
-
-def check_values(cls, values: dict, source: str) -> dict:
-    """`values` ({field name: value}, e.g. a config file's or a run's config.json) checked against the fields of the
-    dataclass `cls`: every key is a field and every value has the field's type (a float field takes an integer, a
-    field of X | None takes null, nothing else converts: "0.001" is not a float, true is not a number). Returns
-    them with integers of float fields as floats; the first wrong key raises ValueError naming `source` and it."""
-    hints, checked = typing.get_type_hints(cls), {}
-    for key, value in values.items():
-        if key not in hints:
-            close = difflib.get_close_matches(str(key), hints, n=1)
-            raise ValueError(f"{source}: unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-                             + "; the keys are the flags' names with underscores")
-        ok, wanted, value = _typed(hints[key], value)
-        if not ok:
-            raise ValueError(f"{source}: {key!r} must be {wanted}, not {_kind(values[key])}")
-        checked[key] = value
-    return checked
-
-
-def _typed(tp, value) -> tuple[bool, str, object]:
-    """(whether `value` has the type `tp`, the type in words, the value as the field keeps it)."""
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:  # X | None
-        inner = next(a for a in typing.get_args(tp) if a is not type(None))
-        ok, wanted, value = (True, "", None) if value is None else _typed(inner, value)
-        return ok, f"{wanted} or null", value
-    if typing.get_origin(tp) is Literal:
-        choices = typing.get_args(tp)
-        return value in choices, "one of " + ", ".join(map(repr, choices)), value
-    if typing.get_origin(tp) is list:
-        parts = [_typed(typing.get_args(tp)[0], v) for v in value] if isinstance(value, list) else [(False, "", 0)]
-        wanted = f"a list of {_typed(typing.get_args(tp)[0], None)[1].removeprefix('a ').removeprefix('an ')}s"
-        return all(ok for ok, _, _ in parts), wanted, [v for _, _, v in parts]
-    if tp is bool:
-        return isinstance(value, bool), "true or false", value
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), "an integer", value
-    if tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return ok, "a number", float(value) if ok else value
-    return isinstance(value, tp), "a string" if tp is str else f"a {tp.__name__}", value
-
-
-def _or_none(tp: type) -> Callable[[str], object]:
-    def convert(text: str):
-        return None if text.lower() == "none" else tp(text)
-
-    convert.__name__ = tp.__name__  # argparse names it in "invalid float value: 'x'"
-    return convert
-
-
 @dataclass
 class Config:
     """Evaluate checkpoints on the STAPO benchmarks or your own files (avg@k, pass@k); write results.json, table.md.
@@ -650,7 +332,7 @@ class Config:
     regrade: str | None = None
     """path of an existing results.json: re-grade its samples with its --reward, rewrite it and table.md next to it,
     sample nothing"""
-    rollout: str = "plain"
+    rollout: Literal["plain", "vllm"] = "plain"
     """plain | vllm: sampling engine (vllm: a vLLM engine in this process, fed with the loaded weights; docs/rollouts.md)"""
     kv_cache_gb: float = 40.0
     """KV-cache budget per rank in GB (worst case: every row at the longest prompt + --max-new-tokens): bounds the
@@ -675,14 +357,15 @@ def train_run(folder: str | Path) -> dict | None:
     return config if isinstance(config, dict) and "max_response_len" in config else None
 
 
-def stale_export(run: Path) -> None:
-    """Warn (rank 0) when the run's export RUN/hf holds fewer steps than its newest checkpoint (run_folder.py)."""
+def stale_export(run: Path) -> str | None:
+    """The warning when a run's export RUN/hf holds fewer steps than its newest checkpoint (run_folder.py), else None."""
     import run_folder
 
     exported, kept = run_folder.export_step(run / "hf"), run_folder.complete_steps(run)
-    if exported is not None and kept and kept[0] > exported and os.environ.get("RANK", "0") == "0":
-        print(f"eval.py: warning: {run / 'hf'} holds the model after {exported} steps, but the run's newest checkpoint "
-              f"is after {kept[0]} (python train.py --resume {run} --export-hf exports it)", file=sys.stderr)
+    if exported is not None and kept and kept[0] > exported:
+        return (f"{run / 'hf'} holds the model after {exported} steps, but the run's newest checkpoint is after "
+                f"{kept[0]} (python train.py --resume {run} --export-hf exports it)")
+    return None
 
 
 def _label_name(spec: str) -> tuple[str, str]:
@@ -694,7 +377,7 @@ def _label_name(spec: str) -> tuple[str, str]:
 def parse_config(argv: list[str] | None = None) -> Config:
     """argv -> Config. Each value: the flag given, else the training run's (--run, or the run folder an --models HF
     directory sits in), else the default. Checks names and paths; loads no data and no model."""
-    given = parse_flags(Config, argv, "eval.py")
+    given = cli.parse_flags(Config, argv, "eval.py")
     if given.get("regrade"):
         if not os.path.isfile(given["regrade"]):
             raise FileNotFoundError(f"--regrade: no such file: {given['regrade']}")
@@ -719,7 +402,6 @@ def parse_config(argv: list[str] | None = None) -> Config:
         if runs:
             values["run"], run = next(iter(runs.items()))
     if run:
-        stale_export(Path(values["run"]))
         inherited = {k: run[t] for k, t in RUN_FIELDS.items() if run["data"] or not k.endswith("_key")}
         values = {**inherited, **values}  # the field names of a built-in-task run say nothing about --data
         if "preset" in given:  # an explicit --preset beats the run's sampling
@@ -759,8 +441,6 @@ def parse_config(argv: list[str] | None = None) -> Config:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is out of range")
     if not cfg.benchmarks and not cfg.data:
         raise ValueError("nothing to evaluate: no --benchmarks and no --data")
-    if cfg.rollout not in ("plain", "vllm"):
-        raise ValueError(f"unknown --rollout {cfg.rollout!r}; valid: plain, vllm")
     return cfg
 
 
@@ -773,7 +453,7 @@ def load_sets(cfg: Config) -> dict[str, dict]:
         if b == "heldout":
             run = train_run(cfg.run)
             rows = [{"problem": r["problem"], "answer": _joined(r["answer"]), "gold": r["answer"]}
-                    for r in load_rows(types.SimpleNamespace(**run))[1]]
+                    for r in load_rows(types.SimpleNamespace(**run))[1]]  # the run's held-out rows
             if not rows:
                 raise ValueError(f"the run {cfg.run} has no held-out problems (train.py --heldout N keeps some)")
             sets[b] = {"k": cfg.k or run["eval_samples"] or OTHER_K, "rows": rows}
@@ -783,7 +463,9 @@ def load_sets(cfg: Config) -> dict[str, dict]:
         name, path = spec.split("=", 1) if "=" in spec and not os.path.exists(spec) else (Path(spec).stem, spec)
         if name in sets:
             raise ValueError(f"--data {spec}: the name {name!r} is taken; name it with NAME={path}")
-        rows = read_rows(path, cfg.prompt_key, cfg.answer_key, cfg.split)
+        rows, repeated = read_rows(path, cfg.prompt_key, cfg.answer_key, cfg.split)
+        if repeated and os.environ.get("RANK", "0") == "0":  # before the process group: torchrun's RANK
+            print(f"eval.py: note: {repeated_note(path, repeated, len(rows))}", file=sys.stderr, flush=True)
         if not rows:
             raise ValueError(f"--data {path}: no rows")
         sets[name] = {"k": cfg.k or OTHER_K,
@@ -793,11 +475,12 @@ def load_sets(cfg: Config) -> dict[str, dict]:
 
 
 def _joined(answer: str | list[str]) -> str:
+    """A gold answer as one string (a list of answers joined by ", ")."""
     return ", ".join(answer) if isinstance(answer, list) else answer
 
 
 # --------------------------------------------------------------------------------------------------- evaluation
-def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, device: str = "cpu"):
+def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, device=None):
     """(engine, lm, tokenizer, problems per generate call of each set) for the checkpoint `name`: the model loaded,
     its KV-cache budget applied, its rollout engine made (raises on a checkpoint that cannot load or sample here)."""
     import torch
@@ -805,7 +488,8 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, de
     import model as model_lib
     import rollout
 
-    dtype = torch.bfloat16 if device.startswith("cuda") else None
+    device = torch.device("cpu") if device is None else device
+    dtype = torch.bfloat16 if device.type == "cuda" else None
     lm, tokenizer = model_lib.load_model(name, dtype=dtype, device=device, require_chat_template=cfg.chat)
     lm.eval()
     longest = max(len(rollout.format_prompt(tokenizer, r["problem"], cfg.chat, cfg.instruction))
@@ -894,14 +578,6 @@ def check_weights(name: str) -> None:
                              f"again") from None
 
 
-def fail(error: Exception, rank: int):
-    """A bad input: one line on rank 0 (the error's first line), exit status 2."""
-    if rank == 0:
-        text = str(error).strip()
-        print(f"eval.py: error: {text.splitlines()[0] if text else type(error).__name__}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def main(argv: list[str] | None = None) -> dict | None:
     rank = int(os.environ.get("RANK", 0))
     try:  # every input is checked before a model loads: one line, exit status 2, nothing written
@@ -919,11 +595,14 @@ def main(argv: list[str] | None = None) -> dict | None:
                 model.check_model_name(_label_name(spec)[1])
                 check_weights(_label_name(spec)[1])
     except (*BAD_INPUT, reward.RewardError) as e:
-        fail(e, rank)
+        raise SystemExit(cli.error("eval.py", e, rank))
     if cfg.regrade:
         write_outputs(results, Path(cfg.regrade).parent)
         print(text)
         return results
+    stale = stale_export(Path(cfg.run)) if cfg.run else None
+    if stale and rank == 0:
+        print(f"eval.py: warning: {stale}", file=sys.stderr)
     if cfg.run and rank == 0:
         print(f"eval.py: prompts and sampling of the run {cfg.run}: {'chat template' if cfg.chat else 'raw text'}, "
               f"instruction {cfg.instruction!r}, temperature {cfg.temperature}, top-p {cfg.top_p}, "
@@ -931,16 +610,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    # `model` is imported above, before init_process_group: torch.distributed.fsdp imported after it holds
-    # references to the WORLD group, whose gloo threads then outlive destroy_process_group and can abort the exit.
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    device = "cpu"
-    if torch.cuda.is_available():
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        torch.cuda.set_device(device)
-    if world > 1:  # as train.py: NCCL for CUDA tensors, gloo for CPU ones (the object gathers)
-        dist.init_process_group("cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo",
-                                timeout=datetime.timedelta(minutes=cfg.collective_timeout_min))
+    # `model` is imported above, before the process group: torch.distributed.fsdp imported after it holds references
+    # to the WORLD group, whose gloo threads then outlive destroy_process_group and can abort the exit.
+    rank, world, device = model.init_distributed(cfg.collective_timeout_min, always=False)
     results = {"config": asdict(cfg), "models": {}}
     for spec in cfg.models:
         label, name = _label_name(spec)
@@ -948,15 +620,15 @@ def main(argv: list[str] | None = None) -> dict | None:
         try:  # a checkpoint without weights or config, or one vLLM refuses: one line too
             opened = open_engine(name, cfg, sets, rank, device)
         except BAD_INPUT as e:
-            fail(e, rank)
+            raise SystemExit(cli.error("eval.py", e, rank))
         try:  # your --reward function raising: one line naming it
             for b, got in evaluate_model(*opened, name, cfg, sets, rank, world):
                 if rank == 0:
                     results["models"][label]["benchmarks"][b] = got
                     write_outputs(results, cfg.out)  # after every benchmark, so a long run keeps what it has
         except reward.RewardError as e:
-            fail(e, rank)
-        if device.startswith("cuda"):
+            raise SystemExit(cli.error("eval.py", e, rank))
+        if device.type == "cuda":
             torch.cuda.empty_cache()
     if world > 1 and dist.is_initialized():  # closing a vLLM engine already tore the group down
         dist.destroy_process_group()

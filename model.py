@@ -36,6 +36,8 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from TRL:
    grouped query heads (`grouped_sdpa`) instead of transformers' path, which copies the keys and values once per
    head group whenever a mask is given.
 """
+from __future__ import annotations
+
 import functools
 import hashlib
 import importlib.metadata
@@ -45,6 +47,7 @@ import os
 import shutil
 import string
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -300,6 +303,18 @@ AttentionMaskInterface.register(PACKED_SDPA, _packed_sdpa_mask)
 # The policy: backbone + chunked head on response positions only.
 
 
+class TokenStats(NamedTuple):
+    """What the policy says of each response token y_t (docs/paper.md §2, §4): log pi(y_t), the full-vocabulary
+    entropy H_t and the collision probability sum_v pi(v)^2 at its position; each (B, T), 0 off the response."""
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    collision: torch.Tensor
+
+    def rows(self, index) -> TokenStats:
+        """The same statistics of the rows `index` (a slice or index tensor)."""
+        return TokenStats(*(x[index] for x in self))
+
+
 class Policy(nn.Module):
     """Wraps a HF causal LM (`policy.lm`) so that one forward gives (logprobs, entropy, collision) of the response.
 
@@ -316,9 +331,9 @@ class Policy(nn.Module):
         self.vocab_size = vocab_size
         lm.set_attn_implementation(PACKED_SDPA)  # = SDPA for the sampler's calls; packed rows in `forward`
 
-    def forward(self, input_ids, attention_mask, response_mask, temperature=1.0, chunk_size=1024):
+    def forward(self, input_ids, attention_mask, response_mask, temperature=1.0, chunk_size=1024) -> TokenStats:
         """input_ids, attention_mask (B, P+T) = left-padded prompt + right-padded response; response_mask (B, T).
-        Returns logprobs, entropy, collision, each (B, T) float32 and 0 where response_mask == 0.
+        Returns TokenStats: logprobs, entropy, collision, each (B, T) float32 and 0 where response_mask == 0.
 
         Packed rows (difference 7): the real tokens of the B rows run end to end as one row of N tokens, positions
         restarting at 0 for each sequence, and a prompt that several rows share (the G responses of one prompt)
@@ -364,7 +379,31 @@ class Policy(nn.Module):
             full = values.new_zeros(B, T)
             full[mask] = values
             results.append(full)
-        return tuple(results)
+        return TokenStats(*results)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Processes and devices.
+
+
+def init_distributed(timeout_min: float = 60.0, always: bool = True) -> tuple[int, int, torch.device]:
+    """(rank, world size, device). Under torchrun (RANK set): the env:// process group (NCCL for CUDA tensors, gloo
+    for CPU ones), whose collectives wait `timeout_min` minutes for the slowest rank, and this rank's GPU. As a plain
+    process: a 1-process group when `always` (train.py: no single-process branches), else none (eval.py)."""
+    import datetime
+
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if "RANK" in os.environ:
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
+                                timeout=datetime.timedelta(minutes=timeout_min))
+    elif always:
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return (dist.get_rank(), dist.get_world_size(), device) if dist.is_initialized() else (0, 1, device)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -35,11 +35,12 @@ Choices:
    over all tokens comes from the fall between p = 0.1 and 1 (sqrt(1 - 2p + sum p^2) -> 0); below p = P_FLAT the
    factor is ~1 and the curve is flat, so gradient.png states both, on a logit p axis that shows both regions.
 """
-import argparse
 import json
 import math
 import sys
 from pathlib import Path
+
+import cli
 
 METRIC_PANELS = (("metrics.jsonl", "reward/mean", "reward (+-1 mean)"), ("metrics.jsonl", "entropy/mean", "entropy"),
                  ("metrics.jsonl", "s2t/silenced_frac", "silenced fraction"),
@@ -531,14 +532,13 @@ def figures(run_dirs: list[str], out_png: str) -> list[str]:
 
 def main(argv: list[str]) -> int:
     """`train.py --plot RUN [RUN ...] [--out PNG]` in any order; a missing run folder is a one-line error."""
-    parser = argparse.ArgumentParser(prog="train.py --plot", description=USAGE)
+    parser = cli.OneLineParser(prog="train.py", description=USAGE)  # errors: "train.py: error: ..."
     parser.add_argument("--plot", nargs="+", required=True, metavar="RUN", help="run folders (train.py --out-dir)")
     parser.add_argument("--out", help="PNG of the metrics figure (the S2T figure goes beside it)")
     parser.add_argument("--table", action="store_true", help="also print the runs' summary table, one row per "
                         "setting, seeds pooled (the algorithms side by side)")
     parser.add_argument("--sensitivity", action="store_true", help="instead: the (tau_p, quantile) grid of the runs, "
                         "as a table and OUT (default FIRST_RUN/sensitivity.png)")
-    parser.error = lambda message: parser.exit(2, f"train.py: error: {message}\n")  # one line, no usage block
     args = parser.parse_args(argv)
     missing = [r for r in args.plot if not (Path(r) / "metrics.jsonl").is_file()]
     if missing:

@@ -32,6 +32,7 @@ Deliberate differences from verl / TRL / torchtitan checkpointing:
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
 import os
 import random
@@ -45,6 +46,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from cli import one_line
 
 # The logs: one JSON object per line, each with the step it belongs to.
 LOGS = ("metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl", "tokens.jsonl", "resumes.jsonl")
@@ -70,14 +73,6 @@ def say(message: str, rank: int = 0, warning: bool = False) -> None:
     if rank == 0:
         print(f"train.py: warning: {message}" if warning else message, file=sys.stderr if warning else sys.stdout,
               flush=True)
-
-
-def first_line(e: BaseException) -> str:
-    """An error as one line: its message's first line (an OSError's reason without "[Errno N]"), or its type."""
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror + (f": {e.filename}" if e.filename else "")
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 # ---------------------------------------------------------------------------------------------- one writer
@@ -316,7 +311,7 @@ def agreed_failure(failed: Exception | None) -> str | None:
     """Every rank: one line describing the first failure of any rank (naming it when not every rank failed), None
     when every rank succeeded; a collective."""
     parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, None if failed is None else first_line(failed))
+    dist.all_gather_object(parts, None if failed is None else one_line(failed))
     bad = [(r, m) for r, m in enumerate(parts) if m is not None]
     if not bad:
         return None
@@ -325,7 +320,7 @@ def agreed_failure(failed: Exception | None) -> str | None:
 
 def broadcast_failure(failed: Exception | None, rank: int) -> str | None:
     """Every rank: rank 0's failure as one line (None without one); a collective. For work only rank 0 does."""
-    message = [None if failed is None else first_line(failed)]
+    message = [None if failed is None else one_line(failed)]
     dist.broadcast_object_list(message, src=0)
     return message[0]
 
@@ -616,3 +611,46 @@ def export_step(folder: Path) -> int | None:
         return int(json.loads((Path(folder) / "export.json").read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+# ----------------------------------------------------------------------------------------------- live curves
+LOGGERS = {"": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # --logger -> the package it needs
+
+
+def check_logger(name: str) -> None:
+    """A one-line error for an unknown --logger or one whose package is missing (before anything loads)."""
+    if name not in LOGGERS:
+        raise ValueError(f"unknown --logger {name!r}; valid: '', tensorboard, wandb")
+    if name and importlib.util.find_spec(LOGGERS[name]) is None:
+        raise ImportError(f"--logger {name} needs the {LOGGERS[name]} package: pip install {LOGGERS[name]}")
+
+
+class Logger:
+    """--logger: live curves in OUT/tensorboard or OUT/wandb of every metrics.jsonl and eval.jsonl line, each
+    logged at its `step` with all its other keys. The package is imported only when chosen."""
+
+    def __init__(self, name: str, out: Path, config: dict):
+        if name == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(out / "tensorboard"))
+        else:
+            import wandb
+
+            self.writer = wandb.init(project="stapo", name=out.name, dir=str(out), config=config)
+
+    def log(self, record: dict) -> None:
+        values = {k: v for k, v in record.items() if k != "step"}
+        if hasattr(self.writer, "add_scalar"):  # tensorboard
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, record["step"])
+        else:
+            self.writer.log(values, step=record["step"])
+
+    def close(self) -> None:
+        (self.writer.close if hasattr(self.writer, "close") else self.writer.finish)()  # tensorboard, wandb
+
+
+def open_logger(name: str, out: Path, config: dict) -> Logger | None:
+    """The --logger `name` ('' = none) writing into the run folder OUT."""
+    return Logger(name, out, config) if name else None

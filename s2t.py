@@ -21,9 +21,15 @@ Deliberate differences / choices the paper leaves open:
    splitting them into micro-batches) and a `gather` over ranks, so tau_h never depends on how rows are split.
 5. No candidates in the mini-batch: nothing is silenced (threshold None).
 """
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from model import TokenStats
 
 
 def quantile_of(values: torch.Tensor, q: float) -> float | None:
@@ -76,10 +82,10 @@ def grad_norm_logits(w: torch.Tensor, logprobs: torch.Tensor, collision: torch.T
     return w.detach().abs() * (1 - 2 * p + collision.detach()).clamp(min=0).sqrt()  # (B, T)
 
 
-def diagnostics(logprobs: torch.Tensor, entropy: torch.Tensor, collision: torch.Tensor, advantages: torch.Tensor,
-                response_mask: torch.Tensor, silenced: torch.Tensor, tau_p: float = 0.002,
-                w: torch.Tensor | None = None) -> dict[str, float]:
-    """Metrics (python floats) of one mask on one mini-batch; call it once on the whole mini-batch.
+def diagnostics(stats: TokenStats, advantages: torch.Tensor, response_mask: torch.Tensor, silenced: torch.Tensor,
+                tau_p: float = 0.002, w: torch.Tensor | None = None) -> dict[str, float]:
+    """Metrics (python floats) of one mask on one mini-batch; call it once on the whole mini-batch. stats: p, H and
+    collision of the current policy (model.TokenStats, each (B, T)).
 
     s2t/candidates       number of candidates (A > 0, p < tau_p)
     s2t/silenced         number of silenced tokens
@@ -90,6 +96,7 @@ def diagnostics(logprobs: torch.Tensor, entropy: torch.Tensor, collision: torch.
     s2t/grad_norm_kept      the same over kept response tokens
     w (B, T) defaults to the advantages, i.e. ratio r = 1 (pi_theta = pi_old, the first mini-batch of a rollout).
     """
+    logprobs, entropy, collision = stats
     mask = response_mask > 0  # (B, T)
     silenced = silenced & mask
     kept = mask & ~silenced
@@ -134,9 +141,9 @@ def entropy_change(entropy_before: torch.Tensor, entropy_after: torch.Tensor, re
     return out
 
 
-def token_sample(logprobs: torch.Tensor, entropy: torch.Tensor, collision: torch.Tensor, advantages: torch.Tensor,
-                 response_mask: torch.Tensor, silenced: torch.Tensor, n_random: int, generator: torch.Generator,
-                 tau_p: float = 0.002, w: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def token_sample(stats: TokenStats, advantages: torch.Tensor, response_mask: torch.Tensor, silenced: torch.Tensor,
+                 n_random: int, generator: torch.Generator, tau_p: float = 0.002,
+                 w: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """A small sample of one mini-batch's response tokens for the (p, H) picture of what S2T saw.
 
     Every token that is a candidate (A > 0, p < tau_p) or silenced is drawn, at most `n_random` of them (a uniform
@@ -146,6 +153,7 @@ def token_sample(logprobs: torch.Tensor, entropy: torch.Tensor, collision: torch
     mini-batch's tokens of the same kind (special or other) each drawn token stands for (1 when all were drawn).
     Inputs are (B, T) tensors on any device (advantages may be (B, 1)); the outputs are on the CPU.
     """
+    logprobs, entropy, collision = stats
     shape, w = logprobs.shape, advantages if w is None else w
     logprobs, entropy, collision, advantages, response_mask, silenced, w = [  # (B, T) each, on the CPU
         x.detach().cpu().expand(shape) for x in (logprobs, entropy, collision, advantages, response_mask, silenced, w)]

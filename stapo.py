@@ -185,12 +185,13 @@ class TokenWeights(NamedTuple):
     denominator: torch.Tensor  # 0-d float: this rank's share of N (sum it over ranks)
 
 
-def token_weights(algo: str, logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
+def token_weights(algo: str, logprobs: torch.Tensor | None, entropy: torch.Tensor | None, advantages: torch.Tensor,
                   response_mask: torch.Tensor, tau_p: float = 0.002, quantile: float = 0.75,
                   gather=None) -> TokenWeights:
     """The token weights of one mini-batch (this rank's rows of it) and its share of the denominator N.
 
-    logprobs, entropy (B, T) of the current policy; advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1.
+    logprobs, entropy (B, T) of the current policy (None for an algorithm that silences nothing: JustRL, GRPO);
+    advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1.
     gather: concatenates a 1-D tensor over ranks (train.all_gather_cat), so entropy thresholds are over the whole
     mini-batch; None: this process holds the whole mini-batch.
     """

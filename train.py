@@ -1,42 +1,38 @@
-"""Train a causal LM with STAPO or a baseline by RL on verifiable math rewards (docs/paper.md §3-§4, Algorithm 1;
-the recipe of §6), on 1 CPU, 1 GPU or many GPU nodes with the same code.
+"""Train a causal LM with STAPO or a baseline by RL on verifiable math rewards (docs/paper.md §3-§4 and
+Algorithm 1; the recipe of §6), on 1 CPU, 1 GPU or many GPU nodes with the same code.
 
-    python train.py                                    # no GPU: embedded default (SmolLM2-135M, built-in sums)
-    torchrun --standalone --nproc_per_node=2 train.py  # the same on 2 CPU processes (gloo, FSDP2)
-    python train.py --model Qwen/Qwen3-1.7B-Base       # 1 GPU: the paper's recipe (DAPO-Math-17k, G=8, ...)
+    python train.py                                    # no GPU: the CPU default (SmolLM2-135M, built-in sums)
+    torchrun --standalone --nproc_per_node=2 train.py --out-dir out/train-cpu-2   # the same, 2 processes
+    python train.py --model Qwen/Qwen3-1.7B-Base       # 1 GPU: the paper's recipe (DAPO-Math-17k, G = 8)
     torchrun --nnodes=8 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py \\
-        --model Qwen/Qwen3-8B-Base --out-dir runs/stapo-8b   # 64 GPUs, as in the paper
-    python train.py --resume runs/stapo-8b             # continue exactly where the last checkpoint stopped
-    python train.py --plot runs/stapo runs/justrl      # the runs' curves overlaid, and what S2T saw (plots.py)
+        --model Qwen/Qwen3-8B-Base --out-dir runs/stapo-8b --resume auto   # 64 GPUs, as in the paper
+    python train.py --plot runs/stapo runs/justrl      # the runs' curves overlaid (plots.py)
 
-Reading order: the step (`train_step`: rollouts, rewards, advantages, pi_old, then per mini-batch the token weights
-and the gradient over token-budget micro-batches), the loop (`train`), then rollouts, setup, distributed helpers,
-checkpoints, loggers, and the configuration with its CLI (`Config`, `parse_config`, `main`).
+Reading order: `train_step` (one RL step, numbered 1-4) and the functions it calls, in the order it calls them;
+`StepLog`, its metrics; `train`, the loop; then the data positions and the rollout engine, `setup`, the
+distributed helpers, and `Config` with the command line (`parse_config`, `main`). The data come from data.py,
+the run folder (checkpoints, logs, resume, stop signals) is run_folder.py.
 
 Deliberate differences from the paper's veRL setup:
-1. Presets: `--preset auto` is `paper` (§6) on CUDA and `cpu` (SmolLM2-135M on built-in sums, minutes) otherwise; a
-   flag given on the command line always wins; each value lives once, in `Config` (paper) or `CPU_PRESET` (cpu).
-2. pi_old log-probs are recomputed by the training forward (as veRL does), not taken from the sampler; the mean
-   absolute difference is logged as `rollout/logprob_diff`. On policy (one mini-batch per step, JustRL or GRPO,
-   no TIS: `on_policy`) the update's own forward gives them, detached, instead of a separate pass (as TRL does
-   with one iteration per batch); STAPO, 20-Entropy and FullMask need p and H before the loss, so keep the pass.
+1. Presets: `--preset auto` is `paper` (§6) on CUDA and `cpu` (SmolLM2-135M on built-in sums, minutes)
+   otherwise; a flag given on the command line always wins; each value lives once, in `Config` or `CPU_PRESET`.
+2. pi_old log-probs are recomputed by the training forward (as veRL does), not taken from the sampler (their
+   distance is `rollout/logprob_diff`). On policy (one mini-batch per step, JustRL or GRPO, no TIS: `on_policy`)
+   the update's own forward gives them, detached, instead of a separate pass (TRL's num_iterations=1).
 3. Sampling noise is seeded per generate call from (seed, step, global index of its first prompt): rollouts are
    reproducible on resume, and with `--rollout-chunk 1` independent of the number of ranks.
-4. Mini-batch k is the same set of prompts for any number of ranks (rank r holds the r-th slice of each); the S2T
-   threshold, the denominator and the metrics are reduced over all ranks.
+4. Mini-batch k is the same set of prompts for any number of ranks (rank r holds the r-th slice of each); the
+   S2T threshold, the denominator and the metrics are reduced over all ranks.
 5. FSDP2 averages gradients over ranks; each rank backpropagates world_size * (its sum / global denominator).
-6. A mini-batch whose advantages are all zero is skipped (no optimizer step, no weight decay) unless GRPO's KL term
-   still gives it a gradient; a non-finite gradient norm skips the step with a warning.
-7. Prompts longer than --max-prompt-len are dropped at load time and counted (veRL filters them too); duplicate
-   (problem, answer) rows are dropped (the Hub DAPO-Math-17k repeats each problem 100 times).
+6. A mini-batch whose advantages are all zero is skipped (no optimizer step, no weight decay) unless GRPO's KL
+   term still gives it a gradient; a non-finite gradient norm skips the step with a warning.
+7. Prompts longer than --max-prompt-len are dropped and counted (veRL filters them too).
 8. Sampling: rollout.generate (HF model + KV cache) by default, or a colocated vLLM engine per rank (--rollout
    vllm); the cpu preset uses a raw-text prompt ("...\\nThe answer is") at the paper's T = 1.0.
-9. Steps count from 1 in every file, the console and checkpoint/step_N; every run checkpoints its last step;
-   config.json records the values in effect (a given flag without effect warns).
+9. Steps count from 1 in every file, on the console and in checkpoint/step_N.
 """
 from __future__ import annotations
 
-import datetime
 import importlib.util
 import math
 import os
@@ -47,30 +43,33 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Literal, NamedTuple
 
-# MKL's conditional numerical reproducibility, set before torch loads MKL: without it, a matmul on several CPU threads
-# may sum in an order that depends on memory alignment, so two runs of one command (or a run and its resume) differ
-# in the last bits and their samples drift apart after a few steps (measured: SmolLM2 at 2 threads; no slower).
+# MKL's conditional numerical reproducibility, set before torch loads MKL: without it, a matmul on several CPU
+# threads may sum in an order that depends on memory alignment, so two runs of one command (or a run and its
+# resume) differ in the last bits and their samples drift apart after a few steps (SmolLM2 at 2 threads).
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 import torch  # noqa: E402 - after MKL_CBWR
-import torch.distributed as dist
+import torch.distributed as dist  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
-import plots
-import reward
-import rollout
-import run_folder
-import s2t
-import stapo
-from eval import check_values, load_rows, parse_flags
-from model import (Policy, from_rank0, kv_cache_bytes, lm_vocab_size, load_model, memory_estimate, memory_line,
-                   shard_policy)
+import cli  # noqa: E402
+import plots  # noqa: E402
+import reward  # noqa: E402
+import rollout  # noqa: E402
+import run_folder  # noqa: E402
+import s2t  # noqa: E402
+import stapo  # noqa: E402
+from data import load_rows, repeated_note  # noqa: E402
+from model import (Policy, TokenStats, from_rank0, init_distributed, kv_cache_bytes, lm_vocab_size,  # noqa: E402
+                   load_model, memory_estimate, memory_line, shard_policy)
 
 
 # ------------------------------------------------------------------------------------------------- the step
 @dataclass
 class Run:
-    """A run's state between steps (`setup` makes it): the configuration, the process, the models and the data."""
+    """A run's state between steps (`setup` makes it): the configuration, the process, the models, the data."""
     cfg: Config
     rank: int
     world: int
@@ -81,116 +80,181 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     engine: object  # the rollout engine (rollout.make_engine)
-    rows: list[dict]  # training problems {"problem", "answer"} and their prompts (token ids)
+    rows: list[dict]  # training problems {"problem", "answer"} (data.py) and their prompts (token ids)
     prompts: list[list[int]]
     test_rows: list[dict]  # held-out problems and their prompts
     test_prompts: list[list[int]]
     preemption: run_folder.Preemption  # stop signals (SIGTERM, SIGUSR1) on any rank
+    logger: run_folder.Logger | None  # --logger (rank 0)
     start: int = 0  # steps already done (a resumed run)
 
 
-def train_step(run: Run, step: int) -> tuple[dict, list[dict], list[dict], list[dict]] | None:
-    """Step `step + 1` (steps count from 1; `step` is the 0-based data position): one rollout batch and its
-    mini-batch updates -> (metrics, spurious.jsonl lines, samples.jsonl records, tokens.jsonl records), or None
-    when a stop signal came during the rollout (nothing was updated)."""
+class StepResult(NamedTuple):
+    """What a step writes: its metrics.jsonl line and its lines of spurious.jsonl, samples.jsonl and
+    tokens.jsonl."""
+    metrics: dict
+    spurious: list[dict]
+    samples: list[dict]
+    tokens: list[dict]
+
+
+def train_step(run: Run, step: int) -> StepResult | None:
+    """Step `step` (counted from 1): one rollout batch and its mini-batch updates (paper Algorithm 1); None when a
+    stop signal came during the rollout (nothing was updated)."""
     cfg, G, device, policy = run.cfg, run.cfg.group_size, run.device, run.policy
     t0 = time.time()
-    # 1. G responses for each of this rank's prompts of the step (difference 3: seeded per generate call).
-    batch, mine = sample(run, step)  # mine: the row index of each prompt
-    if run.preemption.agreed():  # a stop signal came during the rollout: abandon the step (run_folder.Preemption)
+    # 1. G responses to each of this rank's prompts of the step (difference 3: seeded per generate call).
+    batch, prompt_rows = sample(run, step)  # prompt_rows: the training row of each prompt
+    if run.preemption.agreed():  # a stop signal came during the rollout: drop the step (run_folder.Preemption)
         return None
-    # 2. Rewards and group advantages (groups never span ranks).
+    # 2. Rewards R_i and group advantages A_i = (R_i - mean_j R_j) / (std_j R_j + eps); groups never span ranks.
     texts = batch.texts(run.tokenizer)
-    rewards = torch.tensor([reward.reward(text, run.rows[mine[i // G]]["answer"], cfg.reward)
-                            for i, text in enumerate(texts)])  # (B,)
+    answers = [run.rows[prompt_rows[i // G]]["answer"] for i in range(len(texts))]
+    rewards = torch.tensor([reward.reward(t, a, cfg.reward) for t, a in zip(texts, answers)])  # (B,)
     advantages = stapo.group_advantages(rewards, G).to(device)  # (B,)
     adv = advantages[:, None].expand_as(batch.logprobs)  # (B, T): every token of y_i gets A_i
-    mask = batch.response_mask.float()  # (B, T)
-    # 3. pi_old log-probs, entropy and collision: one no-grad pass (= p and H of the first mini-batch), or, where
-    #    the update's own forward gives the same numbers before it needs them (`on_policy`), filled in by it.
-    fused = on_policy(cfg)
-    old_logprobs, old_entropy, old_collision = [torch.zeros_like(batch.logprobs) for _ in range(3)] if fused else \
-        token_stats(policy, batch, cfg, device)
-    ref_logprobs = token_stats(run.ref_policy, batch, cfg, device)[0] if run.ref_policy is not None else None
+    # 3. pi_old: log-probs, entropy and collision of the policy before the step's updates (difference 2): one
+    #    no-grad pass, or None on policy, where the first update's own forward returns them.
+    old = None if on_policy(cfg) else token_stats(policy, batch, cfg, device)  # TokenStats of (B, T) each
+    ref_logprobs = token_stats(run.ref_policy, batch, cfg, device).logprobs if run.ref_policy else None
     log = StepLog(run, step, batch, rewards, advantages, time.time() - t0)
-    log.samples = completions(step + 1, "train", texts, rewards.tolist(), [run.prompts[i] for i in mine], run.rows,
-                              mine, G, run.tokenizer, cfg)
+    log.samples = completions(run, step, "train", texts, rewards.tolist(), prompt_rows, G)
 
-    # 4. Mini-batch updates (paper Algorithm 1).
+    # 4. Mini-batch updates, each with the token weights of its own p and H (paper Algorithm 1).
     t0 = time.time()
     policy.train()
-    clip = clip_range(cfg)
-    rows_per_mb = cfg.mini_batch_prompts // run.world * G
-    for k, start in enumerate(range(0, len(batch), rows_per_mb)):
-        idx = slice(start, start + rows_per_mb)
-        mb, mb_adv, mb_mask, mb_old = batch.select(idx), adv[idx], mask[idx], old_logprobs[idx]
-        if k == 0:  # p, H of the current policy = pi_old before the first update
-            logprobs, entropy, collision = old_logprobs[idx], old_entropy[idx], old_collision[idx]
+    rows_per_mb = cfg.mini_batch_prompts // run.world * G  # this rank's rows of one mini-batch
+    for k, first in enumerate(range(0, len(batch), rows_per_mb)):
+        rows = slice(first, first + rows_per_mb)
+        mb = MiniBatch(batch.select(rows), adv[rows], None if old is None else old.logprobs[rows],
+                       None if ref_logprobs is None else ref_logprobs[rows], rewards[rows] > 0)
+        # p, H (and collision) of the current policy: pi_old's before the first update (on policy: not yet known)
+        if k > 0:
+            current = token_stats(policy, mb.rollout, cfg, device)
         else:
-            logprobs, entropy, collision = token_stats(policy, mb, cfg, device)
-        # The algorithm's token weights (S2T: the mask, tau_h over the whole mini-batch) and the global N.
-        weights, silenced, threshold, part = stapo.token_weights(cfg.algo, logprobs, entropy, mb_adv, mb_mask,
-                                                                 cfg.tau_p, cfg.quantile, gather=all_gather_cat)
-        denominator, nonzero = all_sum(part, ((mb_adv != 0) & (weights > 0)).sum())
+            current = None if old is None else old.rows(rows)
+        # The algorithm's token weights I_it (S2T: the mask, tau_h over the whole mini-batch) and the global N.
+        p, H = (None, None) if current is None else (current.logprobs, current.entropy)  # None: not needed
+        weights = stapo.token_weights(cfg.algo, p, H, mb.advantages, mb.mask, cfg.tau_p, cfg.quantile,
+                                      gather=all_gather_cat)
+        denominator, nonzero = all_sum(weights.denominator, ((mb.advantages != 0) & (weights.weights > 0)).sum())
+        loss_weights = weights.weights  # (b, T)
         if cfg.tis_cap is not None:  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
-            weights = weights * stapo.tis_weight(mb_old, batch.logprobs[idx], cfg.tis_cap)
-        skip = nonzero == 0 and run.ref_policy is None  # zero advantages, no KL term: nothing to learn (difference 6)
-        fill = (mb_old, entropy, collision) if fused else None  # views of old_*: the forward fills them
-        if not skip:
-            run.optimizer.zero_grad(set_to_none=True)
-            losses = accumulate_gradients(run, mb, mb_old, mb_adv, weights, denominator, clip,
-                                          None if ref_logprobs is None else ref_logprobs[idx], log.sums, fill)
-        elif fused:  # no forward made: the pi_old pass after all
-            for full, part in zip(fill, token_stats(policy, mb, cfg, device)):
-                full.copy_(part)
-        # What S2T does: counts and gradient norms of silenced vs kept tokens (w = r A, 0 where clipped), from the
-        # p, H and pi_old before this mini-batch's update.
-        w = stapo.surrogate_weight(logprobs, mb_old, mb_adv, *clip, cfg.dual_clip)
-        log.s2t(k, mb, logprobs, entropy, collision, mb_adv, mb_mask, silenced, w, threshold, rewards[idx] > 0)
+            loss_weights = loss_weights * stapo.tis_weight(mb.old_logprobs, mb.rollout.logprobs, cfg.tis_cap)
+        skip = nonzero == 0 and run.ref_policy is None  # all-zero advantages, no KL term: no update (diff. 6)
+        run.optimizer.zero_grad(set_to_none=True)
+        update = None if skip else accumulate_gradients(run, mb, loss_weights, denominator)
+        if current is None:  # on policy: pi_old is the update's own forward, detached (a pass if it made none)
+            current = update.forward if update else token_stats(policy, mb.rollout, cfg, device)
+            old = current
+        log.s2t(k, mb, current, weights)
         if skip:
             log.counts["skipped/zero_adv"] += 1
             continue
+        log.add(update.sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if not math.isfinite(grad_norm):  # the norm is global, so every rank skips together
-            warnings.warn(f"step {step + 1} mini-batch {k}: non-finite gradient norm, update skipped")
+            warnings.warn(f"step {step} mini-batch {k}: non-finite gradient norm, update skipped")
             run.optimizer.zero_grad(set_to_none=True)
             log.counts["skipped/nonfinite"] += 1
             continue
         run.optimizer.step()
         run.scheduler.step()
-        log.updated(grad_norm, *losses)
-        if cfg.entropy_change:  # what the update did to the entropy of the mini-batch's positions, per kind of token
-            log.entropy_change(entropy, token_stats(policy, mb, cfg, device)[1], mb_mask, silenced,
-                               s2t.candidates(logprobs, mb_adv, mb_mask, cfg.tau_p))
+        log.updated(grad_norm, update)
+        if cfg.entropy_change:  # what the update did to the entropy of the mini-batch's positions, per kind
+            log.entropy_change(mb, current, token_stats(policy, mb.rollout, cfg, device).entropy, weights)
     run.optimizer.zero_grad(set_to_none=True)
-    log.pi_old(batch, old_logprobs, old_entropy)
+    log.pi_old(batch, old)
     return log.close(time.time() - t0)
 
 
 def on_policy(cfg: Config) -> bool:
-    """Whether the update's own forward stands in for the pi_old pass: one mini-batch per step (the policy has not
-    moved when that forward runs, so pi_old = its log-probs, detached: ratio 1, TRL's num_iterations=1), weights that
-    need no p or H before it (JustRL, GRPO) and no TIS (which weighs by pi_old before the loss)."""
+    """Whether the update's own forward stands in for the pi_old pass: one mini-batch per step (the policy has
+    not moved when that forward runs, so pi_old = its log-probs, detached: ratio 1), weights that need no p or H
+    before it (JustRL, GRPO) and no TIS (which weighs by pi_old before the loss)."""
     return cfg.mini_batch_prompts == cfg.prompts_per_step and stapo.ALGORITHMS[cfg.algo].silence is None and \
         cfg.tis_cap is None
 
 
 def sample(run: Run, step: int) -> tuple[rollout.Rollout, list[int]]:
-    """(this rank's rollout batch of step `step + 1` on the policy's device, the row index of each of its prompts):
-    its prompts in mini-batch order (`rank_slice`), each generate call seeded from (seed, step, global index of
-    its first prompt) (difference 3)."""
-    cfg = run.cfg
-    indices = prompt_indices(step, len(run.rows), cfg)
+    """(this rank's rollout batch of step `step` on the policy's device, the training row of each prompt): its
+    prompts in mini-batch order (`rank_slice`), each generate call seeded from (seed, step, global index of its
+    first prompt) (difference 3)."""
+    cfg, position = run.cfg, step - 1  # the steps before this one: the data position
+    indices = prompt_indices(position, len(run.rows), cfg)
     positions = rank_slice(len(indices), cfg, run.rank, run.world)
-    mine = [indices[i] for i in positions]  # row indices
-    chunk = prompts_per_call(cfg, len(mine), run.policy.lm.config, compute_dtype(cfg, run.device).itemsize)
-    seeds = [hash((cfg.seed, step, step * cfg.prompts_per_step + i)) % 2**62 for i in positions[::chunk]]
+    prompt_rows = [indices[i] for i in positions]
+    chunk = prompts_per_call(cfg, len(prompt_rows), run.policy.lm.config, compute_dtype(cfg, run.device).itemsize)
+    seeds = [hash((cfg.seed, position, position * cfg.prompts_per_step + i)) % 2**62 for i in positions[::chunk]]
     run.policy.eval()
     with run.engine.ready(run.policy):  # plain: parameters gathered; vllm: current weights pushed
-        batch = run.engine.sample([run.prompts[i] for i in mine], cfg.group_size, seeds, chunk, cfg.max_response_len,
-                                  cfg.temperature, cfg.top_p)
-    return batch.to(run.device), mine  # the engine's device (vLLM: the CPU) -> the policy's
+        batch = run.engine.sample([run.prompts[i] for i in prompt_rows], cfg.group_size, seeds, chunk,
+                                  cfg.max_response_len, cfg.temperature, cfg.top_p)
+    return batch.to(run.device), prompt_rows  # the engine's device (vLLM: the CPU) -> the policy's
+
+
+@dataclass
+class MiniBatch:
+    """This rank's rows of one mini-batch and what their update reads."""
+    rollout: rollout.Rollout
+    advantages: torch.Tensor  # (b, T): A_i on every token of y_i
+    old_logprobs: torch.Tensor | None  # (b, T) pi_old; None on policy (the update's own forward gives it)
+    ref_logprobs: torch.Tensor | None  # (b, T) GRPO's reference model with --kl-beta > 0, else None
+    correct: torch.Tensor  # (b,) bool: a positive reward
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.rollout.response_mask.float()  # (b, T)
+
+
+class Update(NamedTuple):
+    """What `accumulate_gradients` did on this rank."""
+    loss: float  # the policy loss -J of this rank's rows
+    kl: float  # GRPO's KL term (0 without --kl-beta)
+    sums: dict  # token counts and token-weighted clip statistics, for StepLog
+    forward: TokenStats | None  # on policy: p, H, collision of the forward, detached, (b, T) each (pi_old)
+
+
+def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor, denominator: float) -> Update:
+    """The gradient of one mini-batch's objective J (paper Eq. 3, stapo.policy_loss) accumulated over token-budget
+    micro-batches, no optimizer step: sum_micro sum_ranks (world * loss_part) / world = J's gradient, however the
+    rows are grouped. weights (b, T): the token weights I_it; denominator: the global N."""
+    cfg, device = run.cfg, run.device
+    sums = dict.fromkeys(("computed_tokens", "attention_cells", "real_tokens", "loss_tokens", *CLIP_STATS), 0.0)
+    micro = mb.rollout.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max)  # same count on every rank
+    for rows in micro:  # tokens the backbone runs (a shared prompt once), cells attention lays out
+        computed, cells = mb.rollout.select(rows).packed_sizes()
+        sums["computed_tokens"] += computed
+        sums["attention_cells"] += cells
+    sums["real_tokens"] += mb.rollout.lengths().sum().item()
+    forward = None if mb.old_logprobs is not None else TokenStats(*(torch.zeros_like(mb.rollout.logprobs)
+                                                                     for _ in range(3)))
+    loss_sum = kl_sum = 0.0
+    for rows in micro:
+        new = policy_forward(run.policy, mb.rollout.select(rows), cfg, device)  # TokenStats, each (b', T')
+        cut = (rows, slice(0, new.logprobs.shape[1]))
+        if forward is not None:  # on policy: pi_old is this forward's log-probs, detached (ratio 1)
+            for whole, piece in zip(forward, new):
+                whole[cut] = piece.detach()
+        old = mb.old_logprobs if forward is None else forward.logprobs
+        loss, stats = stapo.policy_loss(new.logprobs, old[cut].to(device), mb.advantages[cut].to(device),
+                                        weights[cut].to(device), *clip_range(cfg), cfg.dual_clip, denominator)
+        if mb.ref_logprobs is not None:  # GRPO with --kl-beta > 0: + beta * sum(I * k3) / N
+            kl = (weights[cut].to(device) * stapo.kl_k3(new.logprobs, mb.ref_logprobs[cut].to(device))).sum()
+            kl = kl / max(denominator, 1.0)
+            loss = loss + cfg.kl_beta * kl
+            kl_sum += kl.item()
+        (loss * run.world).backward()  # FSDP2 divides the summed gradient by world (difference 5)
+        loss_sum += loss.item()
+        tokens = stats["loss/tokens"].item()
+        sums["loss_tokens"] += tokens
+        for key in CLIP_STATS:
+            sums[key] += stats[key].item() * tokens if key in stats else 0.0  # token-weighted means
+    return Update(loss_sum, kl_sum, sums, forward)
+
+
+CLIP_STATS = ("clip/frac_low", "clip/frac_high", "clip/frac_dual", "ratio/mean", "kl/approx")  # policy_loss's
 
 
 def clip_range(cfg: Config) -> tuple[float, float]:
@@ -199,41 +263,26 @@ def clip_range(cfg: Config) -> tuple[float, float]:
     return low if cfg.clip_low is None else cfg.clip_low, high if cfg.clip_high is None else cfg.clip_high
 
 
-def accumulate_gradients(run: Run, mb: rollout.Rollout, mb_old, mb_adv, weights, denominator: float,
-                         clip: tuple[float, float], ref_logprobs, sums: dict, fill=None) -> tuple[float, float]:
-    """The gradient of one mini-batch's objective J (paper Eq. 3 / stapo.policy_loss) accumulated over token-budget
-    micro-batches, no optimizer step: sum_micro sum_ranks (world * loss_part) / world = J's gradient, however the
-    rows are grouped. mb_old, mb_adv, weights, ref_logprobs (None without a KL term): (b, T). Adds token counts
-    and token-weighted clip statistics to `sums`; returns (policy loss, KL term) of this rank. fill (on policy:
-    (mb_old, entropy, collision), each (b, T)): each micro-batch's forward writes its detached log-probs, entropy
-    and collision into them before the loss reads mb_old."""
-    cfg, device = run.cfg, run.device
-    loss_sum = kl_sum = 0.0
-    micro = mb.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max)  # same count on every rank
-    for mi in micro:  # tokens the backbone runs (a shared prompt once), cells attention lays out (padding included)
-        computed, laid = mb.select(mi).packed_sizes()
-        sums["computed_tokens"] += computed
-        sums["laid_tokens"] += laid
-    sums["real_tokens"] += mb.lengths().sum().item()
-    for mi in micro:
-        new_logprobs, entropy, collision = policy_forward(run.policy, mb.select(mi), cfg, device)  # each (b', T')
-        cut = (mi, slice(0, new_logprobs.shape[1]))
-        for full, part in zip(fill or (), (new_logprobs, entropy, collision)):  # on policy: pi_old = this forward
-            full[cut] = part.detach()
-        loss, stats = stapo.policy_loss(new_logprobs, mb_old[cut].to(device), mb_adv[cut].to(device),
-                                        weights[cut].to(device), *clip, cfg.dual_clip, denominator)
-        if ref_logprobs is not None:  # GRPO with --kl-beta > 0
-            kl = (weights[cut].to(device) * stapo.kl_k3(new_logprobs, ref_logprobs[cut].to(device))).sum()
-            kl = kl / max(denominator, 1.0)
-            loss = loss + cfg.kl_beta * kl
-            kl_sum += kl.item()
-        (loss * run.world).backward()  # FSDP2 divides the summed gradient by world (difference 5)
-        loss_sum += loss.item()
-        tokens = stats["loss/tokens"].item()
-        sums["loss_tokens"] += tokens
-        for key in ("clip/frac_low", "clip/frac_high", "clip/frac_dual", "ratio/mean", "kl/approx"):
-            sums[key] += stats[key].item() * tokens if key in stats else 0.0  # token-weighted means
-    return loss_sum, kl_sum
+def policy_forward(policy, rows: rollout.Rollout, cfg: Config, device) -> TokenStats:
+    """p, H and collision of `policy` on `rows`, each (B, T') with T' <= T: all-padding prompt columns (left) and
+    response columns (right) are dropped first."""
+    P = rows.prompt_ids.shape[1]
+    p0 = int((rows.prompt_mask.sum(0) > 0).nonzero()[0])
+    t1 = int((rows.response_mask.sum(0) > 0).nonzero()[-1]) + 1
+    input_ids, attention_mask = (x[:, p0:P + t1].to(device) for x in rows.training_inputs())  # (B, P - p0 + T')
+    return policy(input_ids, attention_mask, rows.response_mask[:, :t1].to(device), temperature=cfg.temperature,
+                  chunk_size=cfg.chunk_size)
+
+
+def token_stats(policy, batch: rollout.Rollout, cfg: Config, device) -> TokenStats:
+    """p, H and collision of the current policy, each (B, T) of the rollout's T on `device`, micro-batch by
+    micro-batch without gradients."""
+    whole = TokenStats(*(torch.zeros(batch.response_ids.shape, device=device) for _ in range(3)))
+    with torch.no_grad():
+        for rows in batch.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max):  # same count on every rank
+            for values, piece in zip(whole, policy_forward(policy, batch.select(rows), cfg, device)):
+                values[rows, :piece.shape[1]] = piece.float()
+    return whole
 
 
 ENTROPY_KINDS = ("silenced", "candidate", "other")  # s2t.entropy_change's kinds of token
@@ -241,8 +290,8 @@ ENTROPY_KINDS = ("silenced", "candidate", "other")  # s2t.entropy_change's kinds
 
 class StepLog:
     """The metric bookkeeping of one step: sums over this rank's sequences and tokens, reduced over ranks once, in
-    `close`, into the metrics.jsonl line (README.md, Metrics glossary), plus the spurious.jsonl lines, samples.jsonl
-    records and tokens.jsonl records the step writes."""
+    `close`, into the metrics.jsonl line (README.md, Metrics glossary), and the step's spurious.jsonl,
+    samples.jsonl and tokens.jsonl records."""
 
     def __init__(self, run: Run, step: int, batch: rollout.Rollout, rewards, advantages, t_rollout: float):
         self.run, self.step, self.t_rollout = run, step, t_rollout
@@ -250,63 +299,71 @@ class StepLog:
         self.sums = {"reward": rewards.sum(), "correct": (rewards > 0).sum(),  # a positive reward is correct
                      "seqs": len(batch), "tokens": mask.sum(), "truncated": batch.truncated.sum(),
                      "zero_adv": (advantages == 0).sum()}
-        self.sums |= dict.fromkeys(["entropy", "logprob_diff", "s2t/candidates", "s2t/silenced", "kept", "silenced_p",
-                                    "silenced_h", "gn_silenced", "gn_kept", "loss/policy", "loss/kl", "loss_tokens",
-                                    "clip/frac_low", "clip/frac_high", "clip/frac_dual", "ratio/mean", "kl/approx",
-                                    "computed_tokens", "laid_tokens", "real_tokens"], 0.0)
-        self.sums |= dict.fromkeys([f"entropy_change/{kind}_{x}" for kind in ENTROPY_KINDS for x in ("sum", "n")], 0.0)
-        self.counts = {"updates": 0, "skipped/zero_adv": 0, "skipped/nonfinite": 0}  # global: equal on every rank
+        self.sums |= dict.fromkeys(["entropy", "logprob_diff", "s2t/candidates", "s2t/silenced", "kept",
+                                    "silenced_p", "silenced_h", "gn_silenced", "gn_kept", "loss/policy", "loss/kl",
+                                    "loss_tokens", *CLIP_STATS, "computed_tokens", "attention_cells",
+                                    "real_tokens"], 0.0)
+        self.sums |= dict.fromkeys([f"entropy_change/{kind}_{x}" for kind in ENTROPY_KINDS for x in ("sum", "n")],
+                                   0.0)
+        self.counts = {"updates": 0, "skipped/zero_adv": 0, "skipped/nonfinite": 0}  # equal on every rank
         self.grad_norm_sum = 0.0
-        self.spurious, self.samples, self.drawn = [], [], []
+        self.spurious, self.samples, self.tokens = [], [], []
 
-    def s2t(self, k: int, mb: rollout.Rollout, logprobs, entropy, collision, mb_adv, mb_mask, silenced, w,
-            threshold: float | None, correct: torch.Tensor) -> None:
-        """What the mask did in mini-batch k: its counts, p, H and closed-form logit-gradient norms of silenced vs
-        kept tokens, up to --spurious-per-step spurious.jsonl lines and a tokens.jsonl record. All tensors (b, T)
-        of the mini-batch on this rank; w = r A (0 where clipped); correct (b,) bool."""
-        cfg, tokenizer = self.run.cfg, self.run.tokenizer
-        diag = s2t.diagnostics(logprobs, entropy, collision, mb_adv, mb_mask, silenced, cfg.tau_p, w=w)
-        n_sil, n_kept = diag["s2t/silenced"], mb_mask.sum().item() - diag["s2t/silenced"]
+    def s2t(self, k: int, mb: MiniBatch, current: TokenStats, weights: stapo.TokenWeights) -> None:
+        """What the mask did in mini-batch k, from p, H and pi_old before its update: counts, p, H and closed-form
+        logit-gradient norms (w = r A, 0 where clipped) of silenced vs kept tokens, up to --spurious-per-step
+        spurious.jsonl lines and a tokens.jsonl record."""
+        cfg, tokenizer, ids = self.run.cfg, self.run.tokenizer, mb.rollout.response_ids
+        old = current.logprobs if mb.old_logprobs is None else mb.old_logprobs
+        w = stapo.surrogate_weight(current.logprobs, old, mb.advantages, *clip_range(cfg), cfg.dual_clip)  # (b, T)
+        diag = s2t.diagnostics(current, mb.advantages, mb.mask, weights.silenced, cfg.tau_p, w=w)
+        n_sil, n_kept = diag["s2t/silenced"], mb.mask.sum().item() - diag["s2t/silenced"]
         for key, value in [("s2t/candidates", diag["s2t/candidates"]), ("s2t/silenced", n_sil), ("kept", n_kept),
                            ("silenced_p", n_sil * diag["s2t/silenced_p_mean"]),
                            ("silenced_h", n_sil * diag["s2t/silenced_h_mean"]),
                            ("gn_silenced", n_sil * diag["s2t/grad_norm_silenced"]),
                            ("gn_kept", n_kept * diag["s2t/grad_norm_kept"])]:
             self.sums[key] += value
-        room = max(cfg.spurious_per_step - len(self.spurious), 0)
-        self.spurious += [{"step": self.step + 1, "mini_batch": k,
-                           "token": tokenizer.decode([int(mb.response_ids[i, t])]),
-                           "context": tokenizer.decode(mb.response_ids[i, max(0, t - 12):t].tolist()),
-                           "p": math.exp(float(logprobs[i, t])), "H": float(entropy[i, t]),
-                           "advantage": float(mb_adv[i, t])}
-                          for i, t in silenced.nonzero().tolist()[:room]]
+        left = max(cfg.spurious_per_step - len(self.spurious), 0)
+        self.spurious += [{"step": self.step, "mini_batch": k, "token": tokenizer.decode([int(ids[i, t])]),
+                           "context": tokenizer.decode(ids[i, max(0, t - 12):t].tolist()),
+                           "p": math.exp(float(current.logprobs[i, t])), "H": float(current.entropy[i, t]),
+                           "advantage": float(mb.advantages[i, t])}
+                          for i, t in weights.silenced.nonzero().tolist()[:left]]
         if cfg.token_sample:  # what S2T saw: a seeded sample of the mini-batch's tokens for OUT/tokens.jsonl
-            gen = torch.Generator().manual_seed(hash((cfg.seed, self.step, k, self.run.rank)) % 2**62)  # not global
-            drawn = s2t.token_sample(logprobs, entropy, collision, mb_adv, mb_mask, silenced, cfg.token_sample, gen,
+            gen = torch.Generator().manual_seed(hash((cfg.seed, self.step - 1, k, self.run.rank)) % 2**62)
+            drawn = s2t.token_sample(current, mb.advantages, mb.mask, weights.silenced, cfg.token_sample, gen,
                                      cfg.tau_p, w)
-            self.drawn.append(token_record(self.step + 1, k, threshold, drawn, correct))
+            self.tokens.append(token_record(self.step, k, weights.threshold, drawn, mb.correct))
 
-    def pi_old(self, batch: rollout.Rollout, old_logprobs, old_entropy) -> None:
-        """pi_old's entropy and its distance from the sampler's log-probs, over the step's tokens (each (B, T))."""
-        mask = batch.response_mask.float()  # (B, T)
-        self.sums["entropy"] += (old_entropy * mask).sum()
-        self.sums["logprob_diff"] += ((old_logprobs - batch.logprobs).abs() * mask).sum()
-
-    def entropy_change(self, before, after, mb_mask, silenced, candidates) -> None:
-        """--entropy-change: the entropy at the mini-batch's positions before and after its update (each (b, T)),
-        summed per kind of token (s2t.entropy_change)."""
-        for key, value in s2t.entropy_change(before, after, mb_mask, silenced, candidates).items():
+    def add(self, sums: dict) -> None:
+        """Token counts and clip statistics of a mini-batch's forward (accumulate_gradients)."""
+        for key, value in sums.items():
             self.sums[key] += value
 
-    def updated(self, grad_norm: float, loss: float, kl: float) -> None:
+    def updated(self, grad_norm: float, update: Update) -> None:
         """An optimizer step was made: its gradient norm and this rank's losses."""
         self.counts["updates"] += 1
         self.grad_norm_sum += grad_norm
-        self.sums["loss/policy"] += loss
-        self.sums["loss/kl"] += kl
+        self.sums["loss/policy"] += update.loss
+        self.sums["loss/kl"] += update.kl
 
-    def close(self, t_update: float) -> tuple[dict, list[dict], list[dict], list[dict]]:
-        """(the metrics.jsonl line of the step from the sums of all ranks, spurious, samples, tokens records)."""
+    def entropy_change(self, mb: MiniBatch, before: TokenStats, after: torch.Tensor,
+                       weights: stapo.TokenWeights) -> None:
+        """--entropy-change: the entropy at the mini-batch's positions before its update (with the p that makes
+        the candidates) and after it (b, T), summed per kind of token (s2t.entropy_change)."""
+        candidates = s2t.candidates(before.logprobs, mb.advantages, mb.mask, self.run.cfg.tau_p)  # (b, T)
+        for key, value in s2t.entropy_change(before.entropy, after, mb.mask, weights.silenced, candidates).items():
+            self.sums[key] += value
+
+    def pi_old(self, batch: rollout.Rollout, old: TokenStats) -> None:
+        """pi_old's entropy and its distance from the sampler's log-probs, over the step's tokens (each (B, T))."""
+        mask = batch.response_mask.float()  # (B, T)
+        self.sums["entropy"] += (old.entropy * mask).sum()
+        self.sums["logprob_diff"] += ((old.logprobs - batch.logprobs).abs() * mask).sum()
+
+    def close(self, t_update: float) -> StepResult:
+        """The step's metrics.jsonl line from the sums of all ranks, and its other records."""
         tot = dict(zip(self.sums, all_sum(*self.sums.values())))
         counts, updates = self.counts, self.counts["updates"]
 
@@ -316,7 +373,7 @@ class StepLog:
         n_seq, n_tok, n_loss = tot["seqs"], tot["tokens"], tot["loss_tokens"]
         n_sil, n_kept, t_rollout = tot["s2t/silenced"], tot["kept"], self.t_rollout
         metrics = {
-            "step": self.step + 1, "reward/mean": mean("reward", n_seq), "reward/acc": mean("correct", n_seq),
+            "step": self.step, "reward/mean": mean("reward", n_seq), "reward/acc": mean("correct", n_seq),
             "response/len_mean": mean("tokens", n_seq), "response/truncated_frac": mean("truncated", n_seq),
             "entropy/mean": mean("entropy", n_tok), "rollout/logprob_diff": mean("logprob_diff", n_tok),
             "adv/zero_frac": mean("zero_adv", n_seq),
@@ -327,7 +384,7 @@ class StepLog:
             "loss/policy": mean("loss/policy", updates), "loss/kl": mean("loss/kl", updates),
             "clip/frac_low": mean("clip/frac_low", n_loss), "clip/frac_high": mean("clip/frac_high", n_loss),
             "clip/frac_dual": mean("clip/frac_dual", n_loss),
-            "batch/pad_frac": 1 - tot["real_tokens"] / tot["laid_tokens"] if tot["laid_tokens"] else 0.0,
+            "batch/pad_frac": 1 - tot["real_tokens"] / tot["attention_cells"] if tot["attention_cells"] else 0.0,
             "batch/shared_frac": 1 - tot["computed_tokens"] / tot["real_tokens"] if tot["real_tokens"] else 0.0,
             "ratio/mean": mean("ratio/mean", n_loss), "kl/approx": mean("kl/approx", n_loss),
             "grad_norm": self.grad_norm_sum / max(updates, 1), "lr": self.run.scheduler.get_last_lr()[0],
@@ -338,16 +395,18 @@ class StepLog:
         if self.run.cfg.entropy_change:  # mean H_after - H_before over the step's updates, per kind of token
             metrics |= {f"entropy_change/{kind}": mean(f"entropy_change/{kind}_sum", tot[f"entropy_change/{kind}_n"])
                         for kind in ENTROPY_KINDS}
-        return metrics, self.spurious, self.samples, self.drawn
+        return StepResult(metrics, self.spurious, self.samples, self.tokens)
 
 
-def completions(step: int, split: str, texts: list[str], rewards: list[float], prompts: list[list[int]],
-                rows: list[dict], row_ids: list[int], group_size: int, tokenizer, cfg: Config) -> list[dict]:
-    """samples.jsonl records of the first response of each of the first `samples_per_step` prompts: the prompt
-    as the model saw it, the response, the gold answer and the reward (texts[i] answers prompts[i // group_size])."""
-    return [{"step": step, "split": split, "prompt": tokenizer.decode(prompts[j]), "response": texts[j * group_size],
-             "answer": rows[row_ids[j]]["answer"], "reward": rewards[j * group_size]}
-            for j in range(min(cfg.samples_per_step, len(prompts)))]
+def completions(run: Run, step: int, split: str, texts: list[str], rewards: list[float], prompt_rows: list[int],
+                group_size: int) -> list[dict]:
+    """samples.jsonl records of the first response to each of the first --samples-per-step prompts of `split`
+    ("train" or "heldout"): the prompt as the model saw it, the response, the gold answer and the reward
+    (texts[i] answers prompt_rows[i // group_size])."""
+    rows, prompts = (run.rows, run.prompts) if split == "train" else (run.test_rows, run.test_prompts)
+    return [{"step": step, "split": split, "prompt": run.tokenizer.decode(prompts[r]),
+             "response": texts[j * group_size], "answer": rows[r]["answer"], "reward": rewards[j * group_size]}
+            for j, r in enumerate(prompt_rows[:run.cfg.samples_per_step])]
 
 
 def token_record(step: int, k: int, threshold: float | None, drawn: dict, correct: torch.Tensor) -> dict:
@@ -355,131 +414,182 @@ def token_record(step: int, k: int, threshold: float | None, drawn: dict, correc
     (floats to 4 significant digits); `correct` (b,) bool per response of the mini-batch."""
     rows = drawn["row"]
     return {"step": step, "mini_batch": k, "tau_h": threshold,
-            **{key: [float(f"{v:.4g}") for v in drawn[key].tolist()] for key in ("p", "H", "A", "grad_norm", "weight")},
+            **{key: [float(f"{v:.4g}") for v in drawn[key].tolist()] for key in ("p", "H", "A", "grad_norm",
+                                                                                 "weight")},
             "correct": correct.cpu()[rows].int().tolist(), "candidate": drawn["candidate"].int().tolist(),
             "silenced": drawn["silenced"].int().tolist()}
 
 
 # ------------------------------------------------------------------------------------------------- the loop
 def train(run: Run) -> int:
-    """The training loop on the objects `setup` made: steps, logs, evaluations, checkpoints, the HF export. Returns
-    the exit status: 0, or run_folder.STOPPED when a stop signal ended the run early (with a checkpoint). Step N
-    (from 1) is the same N in the console, metrics.jsonl, eval.jsonl (N = evaluated after N steps, 0 = before
-    training), samples.jsonl, spurious.jsonl and checkpoint/step_N. What the folder promises: run_folder.py."""
-    from tqdm import tqdm
-
-    cfg, rank, world, start = run.cfg, run.rank, run.world, run.start
-    out = Path(cfg.out_dir)
-    log, close_log = open_logger(cfg, out) if rank == 0 else (None, None)
-
-    def write(records: dict[str, list[dict]]):  # rank 0 appends whole lines; a full disk stops every rank
-        run_folder.write_logs(out, records, rank)
-        for name in ("eval.jsonl", "metrics.jsonl"):
-            for r in records.get(name, []) if log else []:
-                log(r)
-
-    def gather(records):
-        parts = [None] * world
-        dist.all_gather_object(parts, records)
-        return [x for part in parts for x in part]
-
-    def say(message, warning=False):  # its own line, above the progress bar
-        if rank == 0:
-            tqdm.write(f"train.py: warning: {message}" if warning else message, file=sys.stderr if warning else None)
-
-    def eval_due(done):  # before training, every --eval-every steps and after the last (when there is a set)
-        return bool(run.test_rows and cfg.eval_samples) and (
-            done in (0, cfg.steps) or bool(cfg.eval_every and done % cfg.eval_every == 0))
-
-    def run_eval(done):  # False when a stop signal came during it: nothing is written, the resume evaluates again
-        result, samples = evaluate(run, done)
-        if result is None:
-            return False
-        write({"eval.jsonl": [{"step": done, **result}], "samples.jsonl": gather(samples)[:cfg.samples_per_step]})
-        when = f"after {n_steps(done)}" if done else "before training"
-        say(f"held-out accuracy {when}: {result['eval/acc']:.3f} ({int(result['eval/n'])} samples)")
-        return True
-
-    evaluated = {r["step"] for r in run_folder.read_log(out / "eval.jsonl")[0]}  # a resume evaluates what is due
-    stopped = eval_due(start) and start not in evaluated and not run_eval(start)
-    where = f"in the evaluation after {n_steps(start)} (it runs again on resume)"  # where a stop came, if one did
-    saved = done = start  # the steps of the last checkpoint (none of a new run: 0), the steps done
+    """The training loop: steps, their logs, evaluations, checkpoints, the export. Returns the exit status: 0, or
+    run_folder.STOPPED when a stop signal ended the run early (with a checkpoint). Step N (from 1) is the same N
+    in the console, every log (eval.jsonl: evaluated after N steps, 0 = before training) and checkpoint/step_N."""
+    cfg, start = run.cfg, run.start
+    evaluated = {r["step"] for r in run_folder.read_log(Path(cfg.out_dir) / "eval.jsonl")[0]}
+    stopped = eval_due(run, start) and start not in evaluated and not run_eval(run, start)  # a resume's due one
+    where = f"in the evaluation after {plural(start, 'step')} (it runs again on resume)"  # where a stop came
+    saved = done = start  # the steps of the last checkpoint (a new run has none: 0), the steps done
     with tqdm(total=cfg.steps, initial=start, desc=f"{cfg.algo} steps", dynamic_ncols=True,
-              disable=rank != 0) as bar:  # closed also when an error leaves the loop
-        for step in range(start, cfg.steps):
+              disable=run.rank != 0) as bar:  # closed also when an error leaves the loop
+        for step in range(start + 1, cfg.steps + 1):
             if stopped:
                 break
             result = train_step(run, step)
-            if result is None:  # a stop signal during the rollout: the step is abandoned
-                stopped, where = True, f"in step {step + 1}'s rollout (the step is dropped)"
+            if result is None:  # a stop signal during the rollout
+                stopped, where = True, f"in step {step}'s rollout (the step is dropped)"
                 break
-            metrics, spurious, samples, drawn = result
-            done = step + 1
-            write({"spurious.jsonl": gather(spurious)[:cfg.spurious_per_step],
-                   "samples.jsonl": gather(samples)[:cfg.samples_per_step],
-                   "tokens.jsonl": [{key: sum((r[key] for r in same), []) if isinstance(same[0][key], list) else value
-                                     for key, value in same[0].items()}  # one line per mini-batch, ranks concatenated
-                                    for same in zip(*gather([drawn]))],
-                   "metrics.jsonl": [metrics]})
+            done = step
+            write(run, {"spurious.jsonl": gather(result.spurious)[:cfg.spurious_per_step],
+                        "samples.jsonl": gather(result.samples)[:cfg.samples_per_step],
+                        "tokens.jsonl": ranks_joined(gather([result.tokens])),
+                        "metrics.jsonl": [result.metrics]})
             bar.update()
-            bar.set_postfix({"train_acc": f"{metrics['reward/acc']:.2f}", "H": f"{metrics['entropy/mean']:.2f}",
-                             "silenced": f"{metrics['s2t/silenced_frac']:.1e}"})
-            if metrics["adv/zero_frac"] == 1.0:  # every group had equal rewards: the policy gradient is zero
-                acc, no_update = metrics["reward/acc"], " and no update was made" if metrics["updates"] == 0 else ""
-                say(f"step {done}: every response was right, so the policy gradient is zero{no_update}; use harder data"
-                    if acc == 1 else f"step {done}: in every group the {cfg.group_size} responses had equal rewards "
-                    f"(train_acc {acc:.2f}), so the policy gradient is zero{no_update}; use easier data, a larger "
-                    f"--group-size or a higher --temperature", warning=True)
-            stopped, where = run.preemption.agreed(), f"in step {done} (its updates finished)"  # one all-reduce
-            if not stopped and eval_due(done) and not run_eval(done):
-                stopped, where = True, f"in the evaluation after {n_steps(done)} (it runs again on resume)"
-            if done == cfg.steps or stopped or (cfg.save_every and done % cfg.save_every == 0):
-                saved = checkpoint(run, done)
+            bar.set_postfix({"train_acc": f"{result.metrics['reward/acc']:.2f}",
+                             "H": f"{result.metrics['entropy/mean']:.2f}",
+                             "silenced": f"{result.metrics['s2t/silenced_frac']:.1e}"})
+            warn_if_no_gradient(run, result.metrics)
+            stopped, where = run.preemption.agreed(), f"in step {step} (its updates finished)"  # one all-reduce
+            if not stopped and eval_due(run, step) and not run_eval(run, step):
+                stopped, where = True, f"in the evaluation after {plural(step, 'step')} (it runs again on resume)"
+            if step == cfg.steps or stopped or (cfg.save_every and step % cfg.save_every == 0):
+                saved = checkpoint(run, step)
     if stopped:
-        if saved != done:  # stopped in the rollout after a step without a checkpoint
-            saved = checkpoint(run, done)
-        if rank == 0:
-            run_folder.write_stopped(out, run.preemption.signal, saved or None)
-            if close_log:
-                close_log()
-        kept = (f"checkpoint/step_{saved} is kept; the same command with --resume auto (or python train.py "
-                f"--resume {out}) continues the run" if saved else "nothing to keep; the same command starts it again")
-        say(f"stopped by {run.preemption.signal} {where}, {n_steps(done)} of {cfg.steps} done, "
-            f"{time.monotonic() - run.preemption.received:.1f} s after the signal: {kept}")
-        return run_folder.STOPPED
-    if cfg.export_hf and run_folder.export_step(out / "hf") != cfg.steps:
-        run_folder.export(run.policy, run.tokenizer, out, cfg.steps, compute_dtype(cfg, run.device), rank)
-    if rank == 0:
-        if close_log:
-            close_log()
-        if cfg.plots:
-            plots.figures([str(out)], str(out / "metrics.png"))
-        shown = [n for n in ("spurious.jsonl", "s2t.png", "gradient.png")
-                 if (out / n).exists() and (out / n).stat().st_size]
-        steps = plots.read_log(out / "metrics.jsonl")  # resumed steps included
-        say(silenced_summary(cfg.algo, steps, shown))
-        if plots.correlation_line(str(out)):  # RQ1: the gradient norm against p and H (gradient.png)
-            say(plots.correlation_line(str(out)))
-        diverged = divergence(steps)
-        if diverged:
-            say(diverged + "; lower --lr (or raise --warmup-steps)", warning=True)
-        made = [name for name in run_folder.RUN_FILES if (out / name).is_file() and name != "stopped.json"]
-        if not plots.read_log(out / "eval.jsonl"):  # no accuracy before and after: say why and how to get it
-            say("no held-out evaluation: " + ("--eval-samples 0" if not cfg.eval_samples else
-                f"no held-out rows (--heldout N keeps N rows of {cfg.data} out of training)"))
-        made += [f"checkpoint/step_{run_folder.complete_steps(out)[0]}"] if run_folder.complete_steps(out) else []
-        made += ["hf/ (python eval.py --run " + str(out) + ")"] if cfg.export_hf else []
-        say(f"outputs in {out}/: {', '.join(made)}; " + (f"{diverged}; " if diverged else "")
-            + f"continue with python train.py --resume {out} --steps N")
+        return stop(run, done, saved, where)
+    finish(run)
     return 0
+
+
+def write(run: Run, records: dict[str, list[dict]]) -> None:
+    """Append records to the run folder's logs ({file name: lines}; rank 0 writes, a full disk stops every rank)
+    and pass metrics.jsonl and eval.jsonl lines to --logger."""
+    run_folder.write_logs(Path(run.cfg.out_dir), records, run.rank)
+    for name in ("eval.jsonl", "metrics.jsonl"):
+        for record in records.get(name, []) if run.logger else []:
+            run.logger.log(record)
+
+
+def ranks_joined(parts: list[list[dict]]) -> list[dict]:
+    """tokens.jsonl: one line per mini-batch, the columns of every rank's record of it concatenated."""
+    return [{key: sum((r[key] for r in same), []) if isinstance(same[0][key], list) else value
+             for key, value in same[0].items()} for same in zip(*parts)]
+
+
+def say(run: Run, message: str, warning: bool = False) -> None:
+    """A line on rank 0's console, above the progress bar (warnings on stderr)."""
+    if run.rank == 0:
+        tqdm.write(f"train.py: warning: {message}" if warning else message, file=sys.stderr if warning else None)
+
+
+def warn_if_no_gradient(run: Run, metrics: dict) -> None:
+    """Every group of the step had equal rewards: the policy gradient was zero; say why and what helps."""
+    if metrics["adv/zero_frac"] == 1.0:
+        acc, step = metrics["reward/acc"], metrics["step"]
+        no_update = " and no update was made" if metrics["updates"] == 0 else ""
+        say(run, f"step {step}: every response was right, so the policy gradient is zero{no_update}; use harder "
+            f"data" if acc == 1 else f"step {step}: in every group the {run.cfg.group_size} responses had equal "
+            f"rewards (train_acc {acc:.2f}), so the policy gradient is zero{no_update}; use easier data, a larger "
+            f"--group-size or a higher --temperature", warning=True)
+
+
+def eval_due(run: Run, done: int) -> bool:
+    """Whether the held-out set is evaluated after `done` steps: before training, every --eval-every steps and
+    after the last one (when there is a held-out set)."""
+    cfg = run.cfg
+    return bool(run.test_rows and cfg.eval_samples) and (
+        done in (0, cfg.steps) or bool(cfg.eval_every and done % cfg.eval_every == 0))
+
+
+def run_eval(run: Run, done: int) -> bool:
+    """Evaluate the held-out set after `done` steps and write eval.jsonl; False when a stop signal came during it
+    (nothing is written: the resume evaluates again)."""
+    result, samples = evaluate(run, done)
+    if result is None:
+        return False
+    write(run, {"eval.jsonl": [{"step": done, **result}],
+                "samples.jsonl": gather(samples)[:run.cfg.samples_per_step]})
+    when = f"after {plural(done, 'step')}" if done else "before training"
+    say(run, f"held-out accuracy {when}: {result['eval/acc']:.3f} ({int(result['eval/n'])} samples)")
+    return True
+
+
+def evaluate(run: Run, done: int) -> tuple[dict | None, list[dict]]:
+    """Mean accuracy over --eval-samples samples per held-out problem (problems split round-robin over ranks) after
+    `done` steps, and this rank's samples.jsonl records; (None, []) when a stop signal came during it."""
+    cfg, prompts = run.cfg, run.test_prompts
+    mine = list(range(run.rank, len(prompts), run.world))  # this rank's held-out rows
+    correct = total = length = 0.0
+    samples = []
+    run.policy.eval()
+    with run.engine.ready(run.policy):  # a collective: every rank enters, also one without held-out problems
+        out = run.engine.sample([prompts[i] for i in mine], cfg.eval_samples, [cfg.seed + 1 + run.rank], len(mine),
+                                cfg.max_response_len, cfg.temperature, cfg.top_p) if mine else None
+    if run.preemption.agreed():  # a stop signal came during it
+        return None, []
+    if mine:
+        texts = out.texts(run.tokenizer)
+        verdicts = [float(reward.correct(t, run.test_rows[mine[j // cfg.eval_samples]]["answer"], cfg.reward))
+                    for j, t in enumerate(texts)]
+        correct, total, length = sum(verdicts), len(texts), float(out.response_mask.sum())
+        samples = completions(run, done, "heldout", texts, verdicts, mine, cfg.eval_samples)
+    correct, total, length = all_sum(correct, total, length)
+    return {"eval/acc": correct / max(total, 1), "eval/len_mean": length / max(total, 1), "eval/n": total}, samples
 
 
 def checkpoint(run: Run, done: int) -> int:
     """Write the checkpoint after `done` steps (every rank; run_folder.save_checkpoint); returns `done`."""
-    run_folder.save_checkpoint(Path(run.cfg.out_dir), done, run.policy, run.optimizer, run.scheduler,
-                               run_folder.recipe(asdict(run.cfg)), run.cfg.save_optimizer, run.cfg.keep_checkpoints,
-                               run.rank, run.world)
+    cfg = run.cfg
+    run_folder.save_checkpoint(Path(cfg.out_dir), done, run.policy, run.optimizer, run.scheduler,
+                               run_folder.recipe(asdict(cfg)), cfg.save_optimizer, cfg.keep_checkpoints, run.rank,
+                               run.world)
     return done
+
+
+def stop(run: Run, done: int, saved: int, where: str) -> int:
+    """A stop signal ended the run after `done` steps: the checkpoint (unless the last one is of `done` steps),
+    OUT/stopped.json, one line; returns run_folder.STOPPED."""
+    if saved != done:  # stopped in a rollout after a step without a checkpoint
+        saved = checkpoint(run, done)
+    if run.rank == 0:
+        run_folder.write_stopped(Path(run.cfg.out_dir), run.preemption.signal, saved or None)
+        if run.logger:
+            run.logger.close()
+    kept = (f"checkpoint/step_{saved} is kept; the same command with --resume auto (or python train.py --resume "
+            f"{run.cfg.out_dir}) continues the run" if saved else "nothing to keep; the same command starts it again")
+    say(run, f"stopped by {run.preemption.signal} {where}, {plural(done, 'step')} of {run.cfg.steps} done, "
+        f"{time.monotonic() - run.preemption.received:.1f} s after the signal: {kept}")
+    return run_folder.STOPPED
+
+
+def finish(run: Run) -> None:
+    """After the last step: the export (unless up to date), the figures, and the closing lines (what the mask
+    silenced, RQ1's correlations, a divergence, what the run wrote)."""
+    cfg, out = run.cfg, Path(run.cfg.out_dir)
+    if cfg.export_hf and run_folder.export_step(out / "hf") != cfg.steps:
+        run_folder.export(run.policy, run.tokenizer, out, cfg.steps, compute_dtype(cfg, run.device), run.rank)
+    if run.rank != 0:
+        return
+    if run.logger:
+        run.logger.close()
+    if cfg.plots:
+        plots.figures([str(out)], str(out / "metrics.png"))
+    shown = [n for n in ("spurious.jsonl", "s2t.png", "gradient.png") if (out / n).exists()]
+    steps = plots.read_log(out / "metrics.jsonl")  # resumed steps included
+    say(run, silenced_summary(cfg.algo, steps, shown))
+    if plots.correlation_line(str(out)):  # RQ1: the gradient norm against p and H (gradient.png)
+        say(run, plots.correlation_line(str(out)))
+    diverged = divergence(steps)
+    if diverged:
+        say(run, diverged + "; lower --lr (or raise --warmup-steps)", warning=True)
+    made = [name for name in run_folder.RUN_FILES if (out / name).is_file() and name != "stopped.json"]
+    if not plots.read_log(out / "eval.jsonl"):  # no accuracy before and after: say why and how to get it
+        say(run, "no held-out evaluation: " + ("--eval-samples 0" if not cfg.eval_samples else
+            f"no held-out rows (--heldout N keeps N rows of {cfg.data} out of training)"))
+    kept = run_folder.complete_steps(out)
+    made += [f"checkpoint/step_{kept[0]}"] if kept else []
+    made += [f"hf/ (python eval.py --run {out})"] if cfg.export_hf else []
+    say(run, f"outputs in {out}/: {', '.join(made)}; " + (f"{diverged}; " if diverged else "")
+        + f"continue with python train.py --resume {out} --steps N")
 
 
 def silenced_summary(algo: str, steps: list[dict], files: list[str]) -> str:
@@ -497,7 +607,7 @@ def divergence(steps: list[dict]) -> str:
     if not bad:
         return ""
     none = [m["step"] for m in steps if m.get("skipped/nonfinite", 0) > 0 and m.get("updates", 0) == 0]
-    return (f"the run diverged: the gradient norm was not finite in {n_steps(len(bad))} of {len(steps)} "
+    return (f"the run diverged: the gradient norm was not finite in {plural(len(bad), 'step')} of {len(steps)} "
             f"({_step_list(bad)}), {len(none)} of them made no update at all")
 
 
@@ -512,41 +622,18 @@ def _step_list(numbers: list[int]) -> str:
     return ("steps " if len(numbers) > 1 else "step ") + ", ".join(runs)
 
 
-def n_steps(n: int) -> str:
-    return f"{n} step" + ("" if n == 1 else "s")
+def plural(n: int, noun: str) -> str:
+    """'1 step', '3 steps'."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
-# ----------------------------------------------------------------------------------------------- evaluation
-def evaluate(run: Run, done: int) -> tuple[dict | None, list[dict]]:
-    """Mean accuracy over `eval_samples` samples per held-out problem (problems split round-robin over ranks) after
-    `done` steps, and this rank's samples.jsonl records; (None, []) when a stop signal came during it."""
-    cfg, rows, prompts, rank, tokenizer, policy = (run.cfg, run.test_rows, run.test_prompts, run.rank, run.tokenizer,
-                                                   run.policy)
-    mine = list(range(rank, len(rows), run.world))
-    correct = total = length = 0.0
-    samples = []
-    policy.eval()
-    with run.engine.ready(policy):  # a collective: every rank enters, also one without held-out problems
-        out = run.engine.sample([prompts[i] for i in mine], cfg.eval_samples, [cfg.seed + 1 + rank], len(mine),
-                                cfg.max_response_len, cfg.temperature, cfg.top_p) if mine else None
-    if run.preemption.agreed():  # a stop signal came during it
-        return None, []
-    if mine:
-        texts = out.texts(tokenizer)
-        verdicts = [float(reward.correct(t, rows[mine[j // cfg.eval_samples]]["answer"], cfg.reward))
-                    for j, t in enumerate(texts)]
-        correct, total, length = sum(verdicts), len(texts), float(out.response_mask.sum())
-        samples = completions(done, "heldout", texts, verdicts, [prompts[i] for i in mine], rows, mine,
-                              cfg.eval_samples, tokenizer, cfg)
-    correct, total, length = all_sum(correct, total, length)
-    return {"eval/acc": correct / max(total, 1), "eval/len_mean": length / max(total, 1), "eval/n": total}, samples
 
-
-# ------------------------------------------------------------------------------------------------ rollouts
-def prompt_indices(step: int, n_rows: int, cfg: Config) -> list[int]:
-    """Row indices of the `prompts_per_step` prompts of `step` (all ranks): a fresh permutation every epoch."""
+# ------------------------------------------------ data positions and the rollout engine
+def prompt_indices(position: int, n_rows: int, cfg: Config) -> list[int]:
+    """Training rows of the --prompts-per-step prompts of the step after `position` steps (all ranks): a fresh
+    permutation of the rows every epoch."""
     perms, out = {}, []
-    for pos in range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step):
+    for pos in range(position * cfg.prompts_per_step, (position + 1) * cfg.prompts_per_step):
         epoch, i = divmod(pos, n_rows)
         if epoch not in perms:
             perms[epoch] = torch.randperm(n_rows, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
@@ -564,8 +651,7 @@ def rank_slice(n: int, cfg: Config, rank: int, world: int) -> list[int]:
 def prompts_per_call(cfg: Config, n: int, lm_config, dtype_bytes: int) -> int:
     """Prompts per generate call for n prompts on a rank: --rollout-chunk, or the most whose worst-case KV cache
     (G rows x (max prompt + response) tokens each) fits --kv-cache-gb."""
-    per_prompt = kv_cache_bytes(lm_config, cfg.group_size, cfg.max_prompt_len + cfg.max_response_len,
-                                        dtype_bytes)
+    per_prompt = kv_cache_bytes(lm_config, cfg.group_size, cfg.max_prompt_len + cfg.max_response_len, dtype_bytes)
     return min(n, cfg.rollout_chunk or max(1, int(cfg.kv_cache_gb * 1e9 // per_prompt)))
 
 
@@ -575,9 +661,10 @@ def compute_dtype(cfg: Config, device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision else torch.float32
 
 
-def make_engine(cfg: Config, lm, tokenizer, prompts: list[list[int]], rank: int, world: int, device,
-                stop=None):
-    """The --rollout engine, created once (vllm: on every rank at the same time); prints the KV-cache estimate."""
+def rollout_engine(cfg: Config, lm, tokenizer, prompts: list[list[int]], rank: int, world: int, device,
+                   stop=None):
+    """The --rollout engine (rollout.make_engine), made once (vllm: on every rank at the same time), sized for the
+    longest of `prompts`; prints its KV-cache budget. stop: the plain sampler's early end (a stop signal)."""
     n, G, dtype = cfg.prompts_per_step // world, cfg.group_size, compute_dtype(cfg, device)
     chunk, tokens = prompts_per_call(cfg, n, lm.config, dtype.itemsize), cfg.max_prompt_len + cfg.max_response_len
     kv_call = kv_cache_bytes(lm.config, chunk * G, tokens, dtype.itemsize)
@@ -591,40 +678,18 @@ def make_engine(cfg: Config, lm, tokenizer, prompts: list[list[int]], rank: int,
                                kv_cache_memory_bytes=kv_vllm, dtype=dtype, seed=cfg.seed)
 
 
-def policy_forward(policy, mb: rollout.Rollout, cfg: Config, device):
-    """(logprobs, entropy, collision) of `policy` on the rows `mb`, each (B, T') with T' <= T: all-padding prompt
-    columns (left) and response columns (right) are dropped first."""
-    P = mb.prompt_ids.shape[1]
-    p0 = int((mb.prompt_mask.sum(0) > 0).nonzero()[0])
-    t1 = int((mb.response_mask.sum(0) > 0).nonzero()[-1]) + 1
-    input_ids, attention_mask = (x[:, p0:P + t1].to(device) for x in mb.training_inputs())  # (B, P - p0 + T')
-    return policy(input_ids, attention_mask, mb.response_mask[:, :t1].to(device), temperature=cfg.temperature,
-                  chunk_size=cfg.chunk_size)
-
-
-def token_stats(policy, batch: rollout.Rollout, cfg: Config, device):
-    """(logprobs, entropy, collision), each (B, T) of the rollout's T on `device`, of the current policy,
-    micro-batch by micro-batch without gradients."""
-    outs = [torch.zeros(batch.response_ids.shape, device=device) for _ in range(3)]
-    with torch.no_grad():
-        for idx in batch.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max):  # same count on every rank
-            for full, part in zip(outs, policy_forward(policy, batch.select(idx), cfg, device)):
-                full[idx, :part.shape[1]] = part.float()
-    return outs
-
 
 # ------------------------------------------------------------------------------------------------- setup
 def read_inputs(cfg: Config, world: int) -> tuple[list[dict], list[dict]]:
     """The checks that need neither the model nor the run folder, made first (every rank): the number of processes,
-    the logger, the data -> (training rows, held-out rows) of eval.load_rows."""
+    the logger, the data -> (training rows, held-out rows) of data.load_rows."""
     if cfg.prompts_per_step % world or cfg.mini_batch_prompts % world:
         raise ValueError(f"--prompts-per-step and --mini-batch-prompts must be multiples of the {world} ranks")
-    if cfg.logger not in LOGGERS:
-        raise ValueError(f"unknown --logger {cfg.logger!r}; valid: '', tensorboard, wandb")
-    if cfg.logger and importlib.util.find_spec(LOGGERS[cfg.logger]) is None:
-        raise ImportError(f"--logger {cfg.logger} needs the {LOGGERS[cfg.logger]} package: pip install "
-                          f"{LOGGERS[cfg.logger]}")
-    train_rows, test_rows = load_rows(cfg)
+    run_folder.check_logger(cfg.logger)
+    train_rows, test_rows, repeated = load_rows(cfg)
+    if repeated and dist.get_rank() == 0:
+        print(f"train.py: note: {repeated_note(cfg.data, repeated, len(train_rows) + len(test_rows))}",
+              file=sys.stderr, flush=True)
     too_few(cfg, len(train_rows))
     return train_rows, test_rows
 
@@ -651,6 +716,7 @@ def setup(cfg: Config, rows: tuple[list[dict], list[dict]], rank: int, world: in
         raise ValueError(f"the tokenizer of {cfg.model!r} has no chat template; use --no-chat")
     train_prompts, test_prompts = ([rollout.format_prompt(tokenizer, r["problem"], cfg.chat, cfg.instruction)
                                     for r in rows] for rows in (train_rows, test_rows))
+
     def fitting(rows, prompts):  # rows whose prompt fits --max-prompt-len, and how many did not (difference 7)
         keep = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_len]
         return [rows[i] for i in keep], [prompts[i] for i in keep], len(prompts) - len(keep)
@@ -668,9 +734,9 @@ def setup(cfg: Config, rows: tuple[list[dict], list[dict]], rank: int, world: in
     random.seed(cfg.seed)
     if rank == 0:  # the memory model's estimate for this run (docs/memory.md), rows at their longest
         per_rank, prompt_len = cfg.prompts_per_step // world, max(map(len, train_prompts))
-        row, rows = prompt_len + cfg.max_response_len, cfg.mini_batch_prompts // world * cfg.group_size
+        row, n_rows = prompt_len + cfg.max_response_len, cfg.mini_batch_prompts // world * cfg.group_size
         print(memory_line(memory_estimate(
-            lm.config, world, min(max(cfg.max_tokens_per_micro_batch, row), rows * row), cfg.grad_checkpointing,
+            lm.config, world, min(max(cfg.max_tokens_per_micro_batch, row), n_rows * row), cfg.grad_checkpointing,
             prompts_per_call(cfg, per_rank, lm.config, compute_dtype(cfg, device).itemsize) * cfg.group_size,
             prompt_len, cfg.max_response_len,
             fsdp=cfg.fsdp, compute_bytes=2 if cfg.fsdp and cfg.mixed_precision else 4,  # as in effect (in_effect)
@@ -696,14 +762,15 @@ def setup(cfg: Config, rows: tuple[list[dict], list[dict]], rank: int, world: in
     if checkpoint is not None:  # any number of ranks: DCP reshards (run_folder.load_checkpoint)
         state = run_folder.load_checkpoint(checkpoint, policy, optimizer, scheduler)
         start = state["step"]
-        run_folder.say(f"resuming from {checkpoint} at step {start + 1} ({n_steps(start)} done)", rank)
+        run_folder.say(f"resuming from {checkpoint} at step {start + 1} ({plural(start, 'step')} done)", rank)
         if not state["optimizer"]:
             run_folder.say(f"{checkpoint} holds weights only (--no-save-optimizer): AdamW restarts from zero moments, "
                            f"so the resumed run differs from an uninterrupted one", rank, warning=True)
-    engine = make_engine(cfg, lm, tokenizer, train_prompts + test_prompts, rank, world, device,
-                         preemption.requested)  # the plain sampler stops at a signal
+    engine = rollout_engine(cfg, lm, tokenizer, train_prompts + test_prompts, rank, world, device,
+                            preemption.requested)  # the plain sampler stops at a signal
+    logger = run_folder.open_logger(cfg.logger, Path(cfg.out_dir), asdict(cfg)) if rank == 0 else None
     return Run(cfg, rank, world, device, policy, ref_policy, tokenizer, optimizer, scheduler, engine, train_rows,
-               train_prompts, test_rows, test_prompts, preemption, start)
+               train_prompts, test_rows, test_prompts, preemption, logger, start)
 
 
 def keep_freed_memory() -> None:
@@ -723,24 +790,6 @@ def keep_freed_memory() -> None:
 
 
 # ------------------------------------------------------------------------------------------- distributed
-def init_distributed(timeout_min: float = 60.0) -> tuple[int, int, torch.device]:
-    """(rank, world size, device). Under torchrun: the env:// process group (NCCL for CUDA tensors, gloo for CPU
-    ones), whose collectives wait `timeout_min` minutes for the slowest rank; as a plain process: a 1-process group,
-    so the code below has no single-process branches."""
-    cuda = torch.cuda.is_available()
-    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_min))
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        local_rank = 0
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
 def all_sum(*values: float) -> list[float]:
     """Sum python floats over ranks (one all-reduce)."""
     t = torch.tensor([float(v) for v in values], dtype=torch.float64)
@@ -766,30 +815,24 @@ def all_gather_cat(values: torch.Tensor) -> torch.Tensor:
     return torch.cat([p[:int(s)] for p, s in zip(parts, sizes)])
 
 
-# ------------------------------------------------------------------------------------------------ loggers
-LOGGERS = {"": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # --logger -> the package it needs
+def gather(records: list) -> list:
+    """Every rank's list, concatenated in rank order (on every rank)."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, records)
+    return [x for part in parts for x in part]
 
 
-def open_logger(cfg: Config, out: Path):
-    """(log(record), close()) for --logger, each record a metrics.jsonl or eval.jsonl line logged at its `step`
-    with all its other keys; (None, None) without a logger. The package is imported only when chosen."""
-    if cfg.logger == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(str(out / "tensorboard"))
-
-        def log(record):
-            for key, value in record.items():
-                if key != "step":
-                    writer.add_scalar(key, value, record["step"])
-        return log, writer.close
-    if cfg.logger == "wandb":
-        import wandb
-
-        run = wandb.init(project="stapo", name=out.name, dir=str(out), config=asdict(cfg))
-        return (lambda record: run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"]),
-                run.finish)
-    return None, None
+def agree(work, *args):
+    """work(*args) on every rank; a bad input on any rank raises on every rank (naming the rank unless all
+    failed), so that rank 0 prints it once and no rank waits in a collective for one that failed."""
+    try:
+        result, failed = work(*args), None
+    except BAD_INPUT as e:
+        result, failed = None, e
+    failed = run_folder.agreed_failure(failed)
+    if failed:
+        raise ValueError(failed)
+    return result
 
 
 # ---------------------------------------------------------------------------------- configuration and CLI
@@ -864,7 +907,7 @@ class Config:
     """sampling temperature (also divides the logits of the training forward)"""
     top_p: float = 1.0
     """nucleus sampling"""
-    rollout: str = "auto"
+    rollout: Literal["auto", "plain", "vllm"] = "auto"
     """auto | plain | vllm: rollout engine (vllm: a colocated vLLM engine fed with the policy's weights; docs/rollouts.md);
     auto = vllm on CUDA when vllm is installed, else plain (config.json records which)"""
     kv_cache_gb: float = 40.0
@@ -947,10 +990,10 @@ CPU_PRESET = dict(
 
 def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, list[str]]:
     """argv -> (Config, the resumed run's recorded config or None for a new run, warnings for rank 0 to print).
-    Each field is a --flag (eval.parse_flags: underscores -> dashes, the string under it is its --help). Values: the
+    Each field is a --flag (cli.parse_flags: underscores -> dashes, the string under it is its --help). Values: the
     flags given, else (resuming) the run's config.json, else the preset's (CPU_PRESET or Config). Every value is
     checked here; the run folder is only read (its config.json and which checkpoints it holds)."""
-    given = parse_flags(Config, argv, "train.py", notes={k: f"cpu preset: {v!r}" for k, v in CPU_PRESET.items()},
+    given = cli.parse_flags(Config, argv, "train.py", notes={k: f"cpu preset: {v!r}" for k, v in CPU_PRESET.items()},
                         modes={"plot": plots.PLOT_HELP})  # --plot: main hands over to plots.main before this
     cuda = torch.cuda.is_available()
     preset = given.get("preset", "auto")
@@ -969,7 +1012,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
     out = Path(given.get("out_dir", defaults.get("out_dir", Config.out_dir)))
     recorded = None  # --resume RUN, or --resume auto in a folder with a complete checkpoint: the run's recipe
     if resume and (resume != "auto" or run_folder.complete_steps(out)):
-        recorded = check_values(Config, run_folder.recorded_config(out), str(out / "config.json"))  # hand edits too
+        recorded = cli.check_values(Config, run_folder.recorded_config(out), str(out / "config.json"))  # hand edits too
         if not run_folder.complete_steps(out):
             raise FileNotFoundError(f"{out} has no checkpoint to resume from: the run stopped before its first one "
                                     f"(written every --save-every steps, at a stop by signal and at the last step)")
@@ -977,8 +1020,6 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
     reward.load_reward(cfg.reward)  # an unknown mode or a broken FILE.py:FUNCTION: one line now, not in step 1
     if cfg.algo not in stapo.ALGORITHMS:
         raise ValueError(f"unknown --algo {cfg.algo!r}; valid: {', '.join(stapo.ALGORITHMS)}")
-    if cfg.rollout not in ("auto", "plain", "vllm"):
-        raise ValueError(f"unknown --rollout {cfg.rollout!r}; valid: auto, plain, vllm")
     for name, low in _AT_LEAST.items():
         if getattr(cfg, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(cfg, name)})")
@@ -1045,19 +1086,6 @@ def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> tuple[Config,
     return replace(cfg, **effective), notes
 
 
-def agree(work, *args):
-    """work(*args) on every rank; a bad input on any rank raises on every rank (naming the rank unless all failed),
-    so that rank 0 prints it once and no rank waits in a collective for one that failed."""
-    try:
-        result, failed = work(*args), None
-    except BAD_INPUT as e:
-        result, failed = None, e
-    failed = run_folder.agreed_failure(failed)
-    if failed:
-        raise ValueError(failed)
-    return result
-
-
 # one line and exit status 2: bad inputs, a full disk, a folder in use, an error raised by your --reward function
 BAD_INPUT = (FileNotFoundError, ValueError, KeyError, ImportError, OSError, run_folder.RunError, reward.RewardError)
 
@@ -1079,16 +1107,14 @@ def main(argv: list[str] | None = None) -> int:
             rows = agree(read_inputs, cfg, world)  # the inputs before the folder
             opened = run_folder.open_run(asdict(cfg), recorded, rank, world)
             if opened is None:
-                run_folder.say(f"{cfg.out_dir} has done its {n_steps(cfg.steps)}" + (
+                run_folder.say(f"{cfg.out_dir} has done its {plural(cfg.steps, 'step')}" + (
                     " and its export is up to date" if cfg.export_hf else "") + ": nothing to do", rank)
                 return 0
             start, checkpoint_path, lock = opened
             run = setup(cfg, rows, rank, world, device, checkpoint_path, preemption)
             return train(run)
         except BAD_INPUT as e:
-            if rank == 0:
-                print(f"train.py: error: {run_folder.first_line(e)}", file=sys.stderr)
-            return 2
+            return cli.error("train.py", e, rank)
         finally:
             if run is not None:
                 run.engine.close()  # the rollout engine; deleting a vLLM engine may already tear down the group
@@ -1096,6 +1122,7 @@ def main(argv: list[str] | None = None) -> int:
                 lock.release()
             if dist.is_initialized():
                 dist.destroy_process_group()
+
 
 
 if __name__ == "__main__":
