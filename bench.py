@@ -1482,8 +1482,9 @@ def _same_metrics(a: Path, b: Path) -> bool:
     return same and all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-6) for k in wa)
 
 
-def bench_preempt(delays=(25, 50, 75), delays_two=(60,)):
-    """`python train.py --resume auto` (the CPU default: SmolLM2-135M, 10 steps) stopped by SIGTERM `delay` seconds
+def bench_preempt(delays=(25, 50, 75), delays_two=(60,), steps=4):
+    """`python train.py --resume auto --steps 4` (the CPU default: SmolLM2-135M; 4 steps hold every phase a signal
+    can hit, for less than half the time of 10) stopped by SIGTERM `delay` seconds
     after it starts, and on 2 processes (torchrun, gloo) by SIGUSR1 to rank 1 only; then the same command again. Per
     stop: where it came (the stop line), seconds from the signal to the process's exit (the checkpoint write
     included), and whether the finished run equals an uninterrupted one (metrics.jsonl but for times, exported
@@ -1493,10 +1494,11 @@ def bench_preempt(delays=(25, 50, 75), delays_two=(60,)):
 
     work = Path(tempfile.mkdtemp(prefix="bench-preempt-"))
     train_py = str(Path(__file__).parent / "train.py")
-    python = [sys.executable, train_py, "--resume", "auto"]
+    python = [sys.executable, train_py, "--resume", "auto", "--steps", str(steps)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", train_py,
-                "--resume", "auto"]
-    print(f"the CPU default (`python train.py`), {torch.get_num_threads()} threads per process\n")
+                "--resume", "auto", "--steps", str(steps)]
+    print(f"the CPU default (`python train.py --steps {steps}`), {torch.get_num_threads()} threads per process, "
+          f"load average {os.getloadavg()[0]:.1f} at the start\n")
     print("| processes | signal | sent after s | where it came | signal -> exit s | resumed run = uninterrupted |")
     print("|---|---|---|---|---|---|")
     for launcher, name, delays_, rank, sig in ((python, "1", delays, None, signal.SIGTERM),

@@ -75,13 +75,9 @@ def extract_answer(response, timeout=TIMEOUT_S):
         return None
 
 
-def is_equivalent(pred, gold, timeout=TIMEOUT_S):
-    """Whether the answer string `pred` equals `gold` (a string, or a list of strings for several answers)."""
-    return isinstance(pred, str) and _equivalent(pred, _golds(gold), time.monotonic() + timeout)
-
-
 def grade(response, gold, timeout=TIMEOUT_S):
-    """Whether the final answer of `response` equals `gold`; extraction and comparison together stop within about
+    """Whether the final answer of `response` equals `gold` (a string, or a list of strings for several answers);
+    extraction and comparison together stop within about
     `timeout` seconds (the deadline starts here; measured: at most ~0.15 s later on hostile inputs, docs/grader.md)."""
     deadline = time.monotonic() + timeout
     try:

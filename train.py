@@ -332,9 +332,9 @@ class StepLog:
                           for i, t in weights.silenced.nonzero().tolist()[:left]]
         if cfg.token_sample:  # what S2T saw: a seeded sample of the mini-batch's tokens for OUT/tokens.jsonl
             gen = torch.Generator().manual_seed(hash((cfg.seed, self.step - 1, k, self.run.rank)) % 2**62)
-            drawn = s2t.token_sample(current, mb.advantages, mb.mask, weights.silenced, cfg.token_sample, gen,
+            sampled = s2t.token_sample(current, mb.advantages, mb.mask, weights.silenced, cfg.token_sample, gen,
                                      cfg.tau_p, w)
-            self.tokens.append(token_record(self.step, k, weights.threshold, drawn, mb.correct))
+            self.tokens.append(token_record(self.step, k, weights.threshold, sampled, mb.correct))
 
     def add(self, sums: dict) -> None:
         """Token counts and clip statistics of a mini-batch's forward (accumulate_gradients)."""
@@ -409,15 +409,15 @@ def completions(run: Run, step: int, split: str, texts: list[str], rewards: list
             for j, r in enumerate(prompt_rows[:run.cfg.samples_per_step])]
 
 
-def token_record(step: int, k: int, threshold: float | None, drawn: dict, correct: torch.Tensor) -> dict:
+def token_record(step: int, k: int, threshold: float | None, sampled: dict, correct: torch.Tensor) -> dict:
     """One line of tokens.jsonl: the tokens `s2t.token_sample` drew from mini-batch k of step `step`, as columns
     (floats to 4 significant digits); `correct` (b,) bool per response of the mini-batch."""
-    rows = drawn["row"]
+    rows = sampled["row"]
     return {"step": step, "mini_batch": k, "tau_h": threshold,
-            **{key: [float(f"{v:.4g}") for v in drawn[key].tolist()] for key in ("p", "H", "A", "grad_norm",
+            **{key: [float(f"{v:.4g}") for v in sampled[key].tolist()] for key in ("p", "H", "A", "grad_norm",
                                                                                  "weight")},
-            "correct": correct.cpu()[rows].int().tolist(), "candidate": drawn["candidate"].int().tolist(),
-            "silenced": drawn["silenced"].int().tolist()}
+            "correct": correct.cpu()[rows].int().tolist(), "candidate": sampled["candidate"].int().tolist(),
+            "silenced": sampled["silenced"].int().tolist()}
 
 
 # ------------------------------------------------------------------------------------------------- the loop
@@ -517,21 +517,21 @@ def evaluate(run: Run, done: int) -> tuple[dict | None, list[dict]]:
     """Mean accuracy over --eval-samples samples per held-out problem (problems split round-robin over ranks) after
     `done` steps, and this rank's samples.jsonl records; (None, []) when a stop signal came during it."""
     cfg, prompts = run.cfg, run.test_prompts
-    mine = list(range(run.rank, len(prompts), run.world))  # this rank's held-out rows
+    rank_rows = list(range(run.rank, len(prompts), run.world))  # this rank's held-out rows
     correct = total = length = 0.0
     samples = []
     run.policy.eval()
     with run.engine.ready(run.policy):  # a collective: every rank enters, also one without held-out problems
-        out = run.engine.sample([prompts[i] for i in mine], cfg.eval_samples, [cfg.seed + 1 + run.rank], len(mine),
-                                cfg.max_response_len, cfg.temperature, cfg.top_p) if mine else None
+        out = run.engine.sample([prompts[i] for i in rank_rows], cfg.eval_samples, [cfg.seed + 1 + run.rank], len(rank_rows),
+                                cfg.max_response_len, cfg.temperature, cfg.top_p) if rank_rows else None
     if run.preemption.agreed():  # a stop signal came during it
         return None, []
-    if mine:
+    if rank_rows:
         texts = out.texts(run.tokenizer)
-        verdicts = [float(reward.correct(t, run.test_rows[mine[j // cfg.eval_samples]]["answer"], cfg.reward))
+        verdicts = [float(reward.correct(t, run.test_rows[rank_rows[j // cfg.eval_samples]]["answer"], cfg.reward))
                     for j, t in enumerate(texts)]
         correct, total, length = sum(verdicts), len(texts), float(out.response_mask.sum())
-        samples = completions(run, done, "heldout", texts, verdicts, mine, cfg.eval_samples)
+        samples = completions(run, done, "heldout", texts, verdicts, rank_rows, cfg.eval_samples)
     correct, total, length = all_sum(correct, total, length)
     return {"eval/acc": correct / max(total, 1), "eval/len_mean": length / max(total, 1), "eval/n": total}, samples
 
@@ -606,9 +606,9 @@ def divergence(steps: list[dict]) -> str:
     bad = [m["step"] for m in steps if m.get("skipped/nonfinite", 0) > 0]
     if not bad:
         return ""
-    none = [m["step"] for m in steps if m.get("skipped/nonfinite", 0) > 0 and m.get("updates", 0) == 0]
+    no_update = [m["step"] for m in steps if m.get("skipped/nonfinite", 0) > 0 and m.get("updates", 0) == 0]
     return (f"the run diverged: the gradient norm was not finite in {plural(len(bad), 'step')} of {len(steps)} "
-            f"({_step_list(bad)}), {len(none)} of them made no update at all")
+            f"({_step_list(bad)}), {len(no_update)} of them made no update at all")
 
 
 def _step_list(numbers: list[int]) -> str:
@@ -706,6 +706,10 @@ def setup(cfg: Config, rows: tuple[list[dict], list[dict]], rank: int, world: in
     """The model, its sharding, the optimizer, the rollout engine, and the checkpoint a resume continues from."""
     if device.type == "cpu":
         keep_freed_memory()
+        # Deterministic kernels: without them the backward on several threads sums in a varying order, so two
+        # runs of one command at 2 threads, or a run and its resume, differ from the first update on
+        # (docs/training.md, Reproducibility). CUDA keeps its fast kernels.
+        torch.use_deterministic_algorithms(True, warn_only=True)
     train_rows, test_rows = rows
     # one process: read onto its device; several: read once on rank 0, the others build it on the meta device and
     # receive their shards of the weights from rank 0 in shard_policy (model.from_rank0)
