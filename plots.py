@@ -179,7 +179,7 @@ def plot_metrics(run_dirs: list[str], out_png: str, panels: tuple = METRIC_PANEL
             ax.set_xlim(min(steps) - pad, max(steps) + pad)
         if not curves:
             ax.text(0.5, 0.5, f"no {name}", transform=ax.transAxes, ha="center", color="gray")
-    axes[0].legend(fontsize=7)
+    max(axes, key=lambda ax: len(ax.get_legend_handles_labels()[1])).legend(fontsize=7)  # the panel naming most runs
     fig.tight_layout()
     fig.savefig(out_png, dpi=90)
     plt.close(fig)

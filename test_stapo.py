@@ -4008,6 +4008,8 @@ def test_plot_entropy_change_per_kind_skips_steps_without_such_tokens(tmp_path, 
     assert list(lines["_" + stapo[1]].get_data()[0]) == [1, 2]
     candidate = {line.get_label(): line for line in axes["entropy change per update: kept candidates"].lines}
     assert list(candidate[f"{justrl} (justrl, seed 0)"].get_data()[0]) == [1]
+    legend = axes["entropy change per update: kept candidates"].get_legend()  # the panel where JustRL has points
+    assert legend is not None and f"{justrl} (justrl, seed 0)" in [t.get_text() for t in legend.get_texts()]
     assert any(line.get_linestyle() == "--" and list(line.get_ydata()) == [0, 0] for line in silenced.lines)
     table = plots.summary_table([*stapo, justrl]).splitlines()
     head = [c.strip() for c in table[0].split("|")]
