@@ -3,6 +3,7 @@ docs/paper.md §8 and §4)
 
     python counterfactual.py RUN                      # step 1 of a train.py run, K = 32, 16 tokens of each kind
     python counterfactual.py RUN --steps 1 11 --k 16 --tokens 8 --plot
+    python counterfactual.py --table RUN [RUN ...] [--out PNG]   # many analysed runs pooled per algorithm
 
 S2T silences low-probability, low-entropy tokens of correct responses because, the paper says, they "contribute
 negligibly to the correct reasoning outcome" while inheriting the whole sequence's reward. This file measures that
@@ -44,6 +45,9 @@ Deliberate choices:
    with it the sampled tokens), and checked against the run's metrics.jsonl and samples.jsonl lines of the step.
    When they differ, a warning says so and every line has `"rollout_matches_run": false`: the analysis is still
    self-consistent (the same policy's rollout, mask and continuations), but its tokens are not the run's.
+8. Every line also says whether the S2T rule (the run's tau_p and q) would silence the token (`s2t_rule`), whatever
+   the run's algorithm: the candidates of a JustRL or FullMask run split into those STAPO's entropy test picks and
+   those it keeps, so `--table` measures the rule's precision against the other candidates on the same tokens.
 """
 from __future__ import annotations
 
@@ -184,6 +188,7 @@ class Step:
     response_mask: torch.Tensor  # (B, T)
     silenced: torch.Tensor  # (B, T) bool: the algorithm's mask
     candidates: torch.Tensor  # (B, T) bool: A > 0, p < tau_p
+    s2t_rule: torch.Tensor  # (B, T) bool: what the S2T rule (the run's tau_p, q) silences, whatever the algorithm
     matches_run: bool | None  # the regenerated rollout agrees with the run's logs (None: the run has no line)
 
 
@@ -226,16 +231,17 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
     mb = batch.select(slice(0, cfg.mini_batch_prompts * G))  # the first mini-batch (one process holds all of it)
     advantages = stapo.group_advantages(rewards[:len(mb)], G)  # (b,)
     adv = advantages[:, None].expand(mb.response_ids.shape).to(run.device)  # (b, T)
-    logprobs, entropy, _ = train.token_stats(run.policy, mb, cfg, run.device)  # (b, T) each
-    mask = mb.response_mask.to(run.device)
+    stats = train.token_stats(run.policy, mb, cfg, run.device)  # .logprobs, .entropy (b, T) of pi_old
+    logprobs, entropy, mask = stats.logprobs, stats.entropy, mb.response_mask.to(run.device)
     silenced = stapo.token_weights(cfg.algo, logprobs, entropy, adv, mask, cfg.tau_p, cfg.quantile).silenced
+    rule = s2t.spurious_mask(logprobs, entropy, adv, mask, cfg.tau_p, cfg.quantile)[0]  # (b, T): choice 8
     rows = [mine[i // G] for i in range(len(mb))]
     return Step(cfg, run.tokenizer, run.policy, run.engine,
                 [ids[m.bool()].tolist() for ids, m in zip(mb.prompt_ids, mb.prompt_mask)],
                 [ids[m.bool()].tolist() for ids, m in zip(mb.response_ids, mb.response_mask)],
                 [run.rows[r]["answer"] for r in rows], rows, score, rewards[:len(mb)], advantages,
                 logprobs.cpu(), entropy.cpu(), mask.cpu(), silenced.cpu(),
-                s2t.candidates(logprobs, adv, mask, cfg.tau_p).cpu(), matches)
+                s2t.candidates(logprobs, adv, mask, cfg.tau_p).cpu(), rule.cpu(), matches)
 
 
 def _matches_run(run_dir: Path, step: int, rewards, batch, texts: list[str], G: int, n_samples: int) -> bool | None:
@@ -273,33 +279,82 @@ def analyse_step(st: Step, step: int, k: int, n_tokens: int, seed: int, prefixes
             "k": e.k, "keep": e.keep, "resample": e.resample, "row": row, "t": t, "token": tok.decode([y[t]]),
             "context": tok.decode(y[max(0, t - 12):t]), "after": tok.decode(y[t + 1:t + 13]),
             "p": math.exp(float(st.logprobs[row, t])), "H": float(st.entropy[row, t]),
+            "candidate": bool(st.candidates[row, t]), "s2t_rule": bool(st.s2t_rule[row, t]),
             "A": float(st.advantages[row]), "reward": float(st.rewards[row]), "response_len": len(y),
             "data_index": st.data_index[row], "rollout_matches_run": st.matches_run})
     return lines
 
 
 # ------------------------------------------------------------------------------------------- the summary
+HEAD = ("tokens | mean effect (95% CI) | indistinguishable from 0 (95% CI) | effect <= 0 | outcome settled | "
+        "success kept / redrawn |")
+
+
 def summary(lines: list[dict]) -> str:
-    """The table printed at the end: per kind, the count, the mean effect with its 95% interval (over the tokens),
-    the share of tokens whose effect is within 1.96 standard errors of 0, the share <= 0, and the mean success rates
-    with the token kept and redrawn."""
-    head = ("| kind | tokens | mean effect (95% CI) | indistinguishable from 0 | effect <= 0 | success kept / redrawn |\n"
-            "|---|---|---|---|---|---|")
-    rows = []
-    for kind in KINDS:
-        mine = [x for x in lines if x["kind"] == kind]
-        if not mine:
-            rows.append(f"| {kind} | 0 | - | - | - | - |")
-            continue
-        effects = [x["effect"] for x in mine]
-        n, mean = len(effects), _mean(effects)
-        half = 1.96 * math.sqrt(_variance(effects) / n) if n > 1 else None
-        ci = f" ({mean - half:+.3f}, {mean + half:+.3f})" if half is not None else ""
-        zero = sum(abs(x["effect"]) <= 1.96 * x["stderr"] for x in mine) / n
-        rows.append(f"| {kind} | {n} | {mean:+.3f}{ci} | {zero:.0%} | "
-                    f"{sum(e <= 0 for e in effects) / n:.0%} | {_mean([x['keep'] for x in mine]):.2f} / "
-                    f"{_mean([x['resample'] for x in mine]):.2f} |")
-    return "\n".join([head, *rows])
+    """The table printed at the end: one row per kind (`summary_row`)."""
+    return "\n".join(["| kind | " + HEAD, "|---" * (HEAD.count("|") + 1) + "|",
+                      *(f"| {kind} | {summary_row([x for x in lines if x['kind'] == kind])}" for kind in KINDS)])
+
+
+def summary_row(lines: list[dict]) -> str:
+    """The cells of one group of tokens: its count, the mean effect with its 95% interval over the tokens, the share
+    whose effect is within 1.96 standard errors of 0 (the paper's "negligible contribution": the S2T rule's
+    precision when the group is what it silenced) with its 95% Wilson interval, the share <= 0, the share whose
+    outcome was settled before the token (all 2K continuations agree: the answer was already written, or already
+    missed), and the mean success rates with the token kept and redrawn."""
+    n = len(lines)
+    if not n:
+        return "0 | - | - | - | - | - |"
+    effects = [x["effect"] for x in lines]
+    mean = _mean(effects)
+    half = 1.96 * math.sqrt(_variance(effects) / n) if n > 1 else None
+    ci = f" ({mean - half:+.3f}, {mean + half:+.3f})" if half is not None else ""
+    zero = sum(abs(x["effect"]) <= 1.96 * x["stderr"] for x in lines)
+    low, high = wilson(zero, n)
+    settled = sum(x["keep"] == x["resample"] and x["keep"] in (0.0, 1.0) for x in lines)
+    return (f"{n} | {mean:+.3f}{ci} | {zero / n:.0%} ({low:.0%}-{high:.0%}) | {sum(e <= 0 for e in effects) / n:.0%} | "
+            f"{settled / n:.0%} | {_mean([x['keep'] for x in lines]):.2f} / "
+            f"{_mean([x['resample'] for x in lines]):.2f} |")
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion successes / n (95% at z = 1.96): (p + z^2/2n -+ z sqrt(p(1-p)/n +
+    z^2/4n^2)) / (1 + z^2/n); it stays inside [0, 1] and is not empty at 0 or n successes."""
+    p = successes / n
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
+
+
+def pooled_groups(lines: list[dict]) -> dict[str, dict[str, list[dict]]]:
+    """{algorithm (its seeds and steps): {group: lines}} of many runs' lines: per algorithm the three kinds, then its
+    candidates (A > 0, p < tau_p) split by the S2T rule (`s2t_rule`: what STAPO's mask silences in that mini-batch,
+    whatever the run's algorithm), i.e. the rule's precision against the candidates it keeps, on the same tokens."""
+    out = {}
+    for algo in dict.fromkeys(x["algo"] for x in lines):
+        mine = [x for x in lines if x["algo"] == algo]
+        name = f"{algo} ({len({x['seed'] for x in mine})} seeds, steps {_spans(sorted({x['step'] for x in mine}))})"
+        out[name] = {kind: [x for x in mine if x["kind"] == kind] for kind in KINDS}
+        out[name] |= {f"candidates the S2T rule {verb}": [x for x in mine if x["candidate"] and x["s2t_rule"] == rule]
+                      for verb, rule in (("silences", True), ("keeps", False))}
+    return out
+
+
+def pooled_summary(lines: list[dict]) -> str:
+    """RQ2 over many runs (`python counterfactual.py --table RUN ...`): a `summary_row` per group of `pooled_groups`."""
+    rows = [f"| {name if i == 0 else ''} | {group} | {summary_row(g)}"
+            for name, groups in pooled_groups(lines).items() for i, (group, g) in enumerate(groups.items())]
+    return "\n".join(["| algorithm | which tokens | " + HEAD, "|---" * (HEAD.count("|") + 2) + "|", *rows])
+
+
+def _spans(steps: list[int]) -> str:
+    """[1, 2, 3, 5] -> '1-3, 5'."""
+    spans = []
+    for s in steps:
+        if spans and s == spans[-1][1] + 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
 # ------------------------------------------------------------------------------------------- command line
@@ -325,6 +380,8 @@ class Config:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--table":
+        return table(argv[1:])
     if not argv or argv[0].startswith("-"):
         if "-h" in argv or "--help" in argv:
             cli.parse_flags(Config, argv, "counterfactual.py RUN")
@@ -357,6 +414,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{out}: {len(lines)} tokens, K = {cfg.k}, steps {', '.join(map(str, cfg.steps))}\n{summary(lines)}")
     if cfg.plot:
         plots.plot_counterfactual(lines, str(run_dir / "counterfactual.png"))
+    return 0
+
+
+def table(argv: list[str]) -> int:
+    """`python counterfactual.py --table RUN [RUN ...] [--out PNG]`: the counterfactual.jsonl of several runs pooled,
+    per algorithm (`pooled_summary`), and with --out their figure (plots.plot_counterfactual_groups)."""
+    out = argv[argv.index("--out") + 1] if "--out" in argv[:-1] else None
+    runs = list(dict.fromkeys(a for i, a in enumerate(argv) if a != "--out" and (i == 0 or argv[i - 1] != "--out")))
+    missing = [r for r in runs if not (Path(r) / "counterfactual.jsonl").is_file()]
+    if not runs or missing or any(r.startswith("-") for r in runs):
+        why = f" (no counterfactual.jsonl in {', '.join(missing)})" if missing else ""
+        return cli.error("counterfactual.py", f"--table RUN [RUN ...] [--out PNG] needs runs analysed by "
+                                              f"counterfactual.py{why}")
+    lines = [x for run in runs for x in plots.read_log(Path(run) / "counterfactual.jsonl")]
+    print(pooled_summary(lines))
+    if out and plots.plot_counterfactual_groups(pooled_groups(lines), out):
+        print(out)
     return 0
 
 

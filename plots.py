@@ -10,6 +10,8 @@
   (the paper's claim: the low-p, low-H tokens of correct answers carry the largest gradients). One row per
   setting; the tokens of its seeds are pooled.
 - `gradient.png`: RQ1, that norm's binned median against p and against H, with the correlations it illustrates.
+- `entropy_change.png` (runs made with `--entropy-change`): the paper's entropy mechanism, the mean change of the
+  entropy an update made at silenced tokens, kept candidates and other tokens, per step, beside the entropy.
 - `counterfactual.png` (`python counterfactual.py RUN --plot`, RQ2): each analysed token's effect on the success
   rate against its probability, silenced vs kept candidates vs other tokens (counterfactual.jsonl).
 
@@ -23,7 +25,8 @@ Choices:
 2. Every run gets its own line style and marker, and runs whose curves coincide on a panel are named in a note on
    it, since the last one drawn would otherwise hide the others.
 3. Runs that differ only in the seed (`seed_groups`) share a colour; where a panel has several of them with steps
-   in common, each is a thin line and a thick line is their mean at those steps.
+   in common, each is a thin line and a thick line is their mean at each step two or more of them have (the legend
+   says so where that count varies from step to step).
 4. The token picture shows the sample train.py drew (`s2t.token_sample`: every candidate and silenced token, and a
    fixed-size random sample of the others); the gradient-norm means in its title are weighted by `weight`, so they
    estimate the means over all response tokens.
@@ -34,6 +37,9 @@ Choices:
 7. A correlation is printed beside the curve it describes, with its scope: the norm's Spearman correlation with p
    over all tokens comes from the fall between p = 0.1 and 1 (sqrt(1 - 2p + sum p^2) -> 0); below p = P_FLAT the
    factor is ~1 and the curve is flat, so gradient.png states both, on a logit p axis that shows both regions.
+8. train.py logs an entropy change of 0.0 for a kind of token the step did not have (JustRL silences nothing; late
+   steps have no candidates); an update that moves the policy never leaves a mean change of exactly 0, so
+   entropy_change.png reads 0.0 as "no such tokens" and draws no point there, and a dashed line marks 0.
 """
 import json
 import math
@@ -45,6 +51,10 @@ import cli
 METRIC_PANELS = (("metrics.jsonl", "reward/mean", "reward (+-1 mean)"), ("metrics.jsonl", "entropy/mean", "entropy"),
                  ("metrics.jsonl", "s2t/silenced_frac", "silenced fraction"),
                  ("eval.jsonl", "eval/acc", "held-out accuracy, where evaluated"))
+ENTROPY_CHANGE_PANELS = tuple(("metrics.jsonl", f"entropy_change/{kind}", f"entropy change per update: {title}")
+                              for kind, title in (("silenced", "silenced tokens"), ("candidate", "kept candidates"),
+                                                  ("other", "other tokens"))) + \
+    (("metrics.jsonl", "entropy/mean", "entropy"),)  # train.py --entropy-change; choice 8
 GRADIENT_NORM = r"logit-gradient norm $|w|\,\sqrt{1 - 2p + \sum_v p_v^2}$"  # s2t.grad_norm_logits, w = r A
 P_FLAT = 0.1  # below this p the factor sqrt(1 - 2p + sum p^2) is ~1: the norm is ~|w| whatever p (gradient.png)
 STYLES = ("-", "--", ":", "-.")
@@ -104,8 +114,15 @@ def seed_groups(run_dirs: list[str]) -> dict[str, list[str]]:
     return {(a if algos.count(a) == 1 else f"{a} ({runs[0]})"): runs for a, runs in zip(algos, settings.values())}
 
 
-def plot_metrics(run_dirs: list[str], out_png: str) -> bool:
-    """Reward, entropy, silenced fraction and held-out accuracy over steps, one line per run; True if written."""
+def _value(line: dict, key: str) -> float | None:
+    """A metrics line's value of `key`, None where absent or where an entropy-change kind had no tokens (choice 8)."""
+    value = line.get(key)
+    return None if value is None or (key.startswith("entropy_change/") and value == 0.0) else value
+
+
+def plot_metrics(run_dirs: list[str], out_png: str, panels: tuple = METRIC_PANELS) -> bool:
+    """Reward, entropy, silenced fraction and held-out accuracy over steps (or other `panels`: (file, key, title)),
+    one line per run; True if written."""
     plt = _pyplot()
     if plt is None:
         return False
@@ -113,19 +130,20 @@ def plot_metrics(run_dirs: list[str], out_png: str) -> bool:
 
     group = {run: name for name, runs in seed_groups(run_dirs).items() for run in runs}
     colors = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(group.values()))}  # choice 3
-    fig, axes = plt.subplots(1, len(METRIC_PANELS), figsize=(4.2 * len(METRIC_PANELS), 3.4))
-    for ax, (name, key, title) in zip(axes, METRIC_PANELS):
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
+    for ax, (name, key, title) in zip(axes, panels):
         data = {}  # run -> {step: value} of the runs with this panel's key
         for run in run_dirs:
-            lines = [m for m in read_log(Path(run) / name) if key in m]
+            lines = [m for m in read_log(Path(run) / name) if _value(m, key) is not None]
             if lines:
                 data[run] = {m["step"]: m[key] for m in lines}
-        means = {}  # choice 3: group -> (steps, mean, runs) where it has several runs with steps in common
+        means = {}  # choice 3: group -> (steps, mean, runs per step) at the steps two or more of its runs have
         for g in dict.fromkeys(group[run] for run in data):
             runs = [values for run, values in data.items() if group[run] == g]
-            steps = sorted(set.intersection(*(set(r) for r in runs)))
-            if len(runs) > 1 and steps:
-                means[g] = steps, [sum(r[x] for r in runs) / len(runs) for x in steps], len(runs)
+            steps = sorted(x for x in set().union(*runs) if sum(x in r for r in runs) > 1)
+            if steps:
+                have = [[r[x] for r in runs if x in r] for x in steps]
+                means[g] = steps, [sum(v) / len(v) for v in have], sorted({len(v) for v in have})
         curves, points = {}, name == "eval.jsonl"  # choice 5: evaluations are points, with no line between them
         for i, run in enumerate(run_dirs):
             if run in data:
@@ -138,12 +156,16 @@ def plot_metrics(run_dirs: list[str], out_png: str) -> bool:
                 curves.setdefault((tuple(xs), tuple(ys)), []).append(Path(run).name)
         for g, (steps, mean, n) in means.items():
             ax.plot(steps, mean, color=colors[g], linewidth=2.5, linestyle="none" if points else "-",
-                    marker="D" if points else None, markersize=7, label=f"{g}: mean of {n} runs (thin: each)")
+                    marker="D" if points else None, markersize=7,
+                    label=f"{g}: mean of {n[0]} runs (thin: each)" if len(n) == 1 else
+                    f"{g}: mean of the {n[0]}-{n[-1]} runs with a value (thin: each)")
         if points and len(curves) == 1:  # one run: its measured values beside the points
             for x, y in zip(*next(iter(curves))):
                 ax.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(6, -3), fontsize=8)
         if points:
             ax.set_ylim(-0.04, 1.04)  # an accuracy
+        if key.startswith("entropy_change/"):  # a change: its sign is the point
+            ax.axhline(0, color="k", linewidth=0.6, linestyle="--")
         same = [names for names in curves.values() if len(names) > 1]  # choice 2
         if same:
             ax.text(0.02, 0.02, "\n".join("identical: " + " = ".join(n) for n in same), transform=ax.transAxes,
@@ -157,7 +179,7 @@ def plot_metrics(run_dirs: list[str], out_png: str) -> bool:
             ax.set_xlim(min(steps) - pad, max(steps) + pad)
         if not curves:
             ax.text(0.5, 0.5, f"no {name}", transform=ax.transAxes, ha="center", color="gray")
-    axes[0].legend(fontsize=7)
+    max(axes, key=lambda ax: len(ax.get_legend_handles_labels()[1])).legend(fontsize=7)  # the panel naming most runs
     fig.tight_layout()
     fig.savefig(out_png, dpi=90)
     plt.close(fig)
@@ -384,7 +406,8 @@ def plot_gradient(run_dirs: list[str], out_png: str) -> bool:
 def run_summary(run: str) -> dict:
     """What one run folder did: its setting (algo, tau_p, quantile, seed), the share of its response tokens and of
     its S2T candidates that were silenced over all steps, the steps that silenced any, held-out accuracy before and
-    after (eval.jsonl), and the last step's entropy and reward."""
+    after (eval.jsonl), the last step's entropy, reward and accuracy, and (--entropy-change) the mean entropy change
+    an update made per kind of token."""
     config, steps = _config(run), read_log(Path(run) / "metrics.jsonl")
     evals = read_log(Path(run) / "eval.jsonl")
     rows = config.get("prompts_per_step", 0) * config.get("group_size", 0)
@@ -400,7 +423,16 @@ def run_summary(run: str) -> dict:
             "acc_before": evals[0]["eval/acc"] if evals and evals[0]["step"] == 0 else None,
             "acc_after": evals[-1]["eval/acc"] if evals else None,
             "entropy_end": steps[-1]["entropy/mean"] if steps else None,
-            "reward_end": steps[-1]["reward/mean"] if steps else None}
+            "reward_end": steps[-1]["reward/mean"] if steps else None,
+            "acc_end": steps[-1].get("reward/acc") if steps else None,
+            # --entropy-change: the mean over the steps that had such tokens (choice 8) of the step's mean change
+            **{f"entropy_change_{kind}": _mean_or_none([v for v in (_value(m, f"entropy_change/{kind}") for m in steps)
+                                                         if v is not None])
+               for kind in ("silenced", "candidate", "other")}}
+
+
+def _mean_or_none(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def _cell(summaries: list[dict], key: str, fmt: str) -> str:
@@ -413,14 +445,18 @@ def _cell(summaries: list[dict], key: str, fmt: str) -> str:
 
 
 _COLUMNS = (("seeds", None, None), ("held-out before", "acc_before", ".3f"), ("held-out after", "acc_after", ".3f"),
-            ("entropy at the end", "entropy_end", ".2f"), ("silenced % of tokens", "silenced_of_tokens", ".4%"),
+            ("training accuracy, last step", "acc_end", ".2f"), ("entropy at the end", "entropy_end", ".2f"),
+            ("silenced % of tokens", "silenced_of_tokens", ".4%"),
             ("silenced % of candidates", "silenced_of_candidates", ".0%"),
-            ("steps that silenced", "silencing_steps", ".1f"))
+            ("steps that silenced", "silencing_steps", ".1f"),
+            *((f"entropy change per update, {name}", f"entropy_change_{kind}", "+.3f")
+              for kind, name in (("silenced", "silenced"), ("candidate", "kept candidates"), ("other", "other"))))
 
 
 def summary_table(run_dirs: list[str], by: str = "setting") -> str:
     """A markdown table of `run_summary` means over seeds: one row per setting (`seed_groups`: the algorithms side
-    by side) or, with by="thresholds", per (tau_p, quantile) cell of a sensitivity grid."""
+    by side) or, with by="thresholds", per (tau_p, quantile) cell of a sensitivity grid; the entropy-change columns
+    only where a run logged it (--entropy-change)."""
     if by == "thresholds":
         cells = {}
         for run in run_dirs:
@@ -431,11 +467,13 @@ def summary_table(run_dirs: list[str], by: str = "setting") -> str:
     else:
         rows = {f"| {g} |": [run_summary(r) for r in runs] for g, runs in seed_groups(run_dirs).items()}
         head = "| setting |"
-    lines = [head + "".join(f" {name} |" for name, _, _ in _COLUMNS),
-             "|" + "---|" * (head.count("|") - 1 + len(_COLUMNS))]
+    columns = [c for c in _COLUMNS if not (c[1] or "").startswith("entropy_change_")  # only for runs that logged it
+               or any(x[c[1]] is not None for summaries in rows.values() for x in summaries)]
+    lines = [head + "".join(f" {name} |" for name, _, _ in columns),
+             "|" + "---|" * (head.count("|") - 1 + len(columns))]
     for label, summaries in rows.items():
         lines.append(label + "".join(f" {len(summaries) if key is None else _cell(summaries, key, fmt)} |"
-                                     for _, key, fmt in _COLUMNS))
+                                     for _, key, fmt in columns))
     return "\n".join(lines) + "\n"
 
 
@@ -519,15 +557,52 @@ def plot_counterfactual(lines: list[dict], out_png: str) -> bool:
     return True
 
 
+def plot_counterfactual_groups(panels: dict[str, dict[str, list[dict]]], out_png: str) -> bool:
+    """Many runs' counterfactual.jsonl lines (`python counterfactual.py --table RUN ... --out PNG`), one panel per
+    algorithm ({algorithm: {group of tokens: lines}}, counterfactual.pooled_groups): each group's effects side by
+    side, its mean with the 95% interval, and the share indistinguishable from 0 under it; True if written."""
+    panels = {name: {g: xs for g, xs in groups.items() if xs} for name, groups in panels.items()}
+    plt = _pyplot() if any(panels.values()) else None
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.4), sharey=True, squeeze=False)
+    for ax, (name, groups) in zip(axes[0], panels.items()):
+        for j, (group, xs) in enumerate(groups.items()):
+            effects = [x["effect"] for x in xs]
+            style = KIND_STYLES.get(group, dict(color="tab:purple" if "silences" in group else "tab:green", marker="+"))
+            ax.scatter([j + 0.5 * ((i * 0.618) % 1 - 0.5) for i in range(len(xs))], effects, s=10, alpha=0.45,
+                       **style)  # deterministic jitter
+            mean = sum(effects) / len(effects)
+            half = 1.96 * math.sqrt(sum((e - mean) ** 2 for e in effects) / (len(effects) - 1) / len(effects)) \
+                if len(effects) > 1 else 0.0
+            ax.errorbar([j], [mean], yerr=[half], color="k", capsize=6, linewidth=2, marker="_", markersize=18)
+            zero = sum(abs(x["effect"]) <= 1.96 * x["stderr"] for x in xs) / len(xs)
+            ax.annotate(f"n = {len(xs)}\n{zero:.0%} ~ 0", (j, 0), xycoords=("data", "axes fraction"),
+                        xytext=(0, 3), textcoords="offset points", ha="center", fontsize=7)
+        ax.axhline(0, color="k", linewidth=0.6, linestyle="--")
+        ax.set_xticks(range(len(groups)), [g.replace("candidates the S2T rule ", "cand., S2T\n") for g in groups],
+                      fontsize=8)
+        ax.set_title(name, fontsize=9)
+    axes[0][0].set_ylabel("effect: success kept - success redrawn\n(black: mean, 95% interval; ~ 0: within 1.96 se)")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=80)
+    plt.close(fig)
+    return True
+
+
 def figures(run_dirs: list[str], out_png: str) -> list[str]:
-    """The three figures: the metrics one at out_png, the S2T one and the gradient one beside it (stem + _s2t.png
-    and _gradient.png; s2t.png and gradient.png for metrics.png). Returns the paths written."""
+    """The figures: the metrics one at out_png, the S2T one and the gradient one beside it (stem + _s2t.png and
+    _gradient.png; s2t.png and gradient.png for metrics.png), and for runs made with --entropy-change the entropy
+    change per kind of token (_entropy_change.png, entropy_change.png). Returns the paths written."""
     out = Path(out_png)
     beside = lambda name: out.with_name(f"{name}.png" if out.name == "metrics.png"  # noqa: E731
                                         else f"{out.stem}_{name}{out.suffix or '.png'}")
     written = [str(out)] if plot_metrics(run_dirs, str(out)) else []
     written += [str(beside("s2t"))] if plot_tokens(run_dirs, str(beside("s2t"))) else []
-    return written + ([str(beside("gradient"))] if plot_gradient(run_dirs, str(beside("gradient"))) else [])
+    written += [str(beside("gradient"))] if plot_gradient(run_dirs, str(beside("gradient"))) else []
+    changed = any("entropy_change/other" in m for run in run_dirs for m in read_log(Path(run) / "metrics.jsonl"))
+    return written + ([str(beside("entropy_change"))] if changed and plot_metrics(  # runs made with --entropy-change
+        run_dirs, str(beside("entropy_change")), ENTROPY_CHANGE_PANELS) else [])
 
 
 def main(argv: list[str]) -> int:

@@ -3871,7 +3871,9 @@ def test_plot_tables_side_by_side_and_sensitivity_grid(tmp_path, monkeypatch, ca
     steps = _metrics(Path(runs[0]))
     assert one["silenced"] == sum(m["s2t/silenced"] for m in steps) and one["tau_p"] == 0.2
     assert one["silenced_of_candidates"] == pytest.approx(one["silenced"] / sum(m["s2t/candidates"] for m in steps))
-    assert rows[(" 0.2 ", " 0.5 ")][4].strip() == format(one["silenced_of_tokens"], ".4%")
+    assert rows[(" 0.2 ", " 0.5 ")][5].strip() == format(one["silenced_of_tokens"], ".4%")
+    assert rows[(" 0.2 ", " 0.5 ")][3].strip() == format(steps[-1]["reward/acc"], ".2f")
+    assert "entropy change" not in table[0]  # no run logged it
     assert (tmp_path / "grid.png").read_bytes()[:4] == b"\x89PNG"
     assert train.main(["--plot", *runs, "--table"]) == 0  # four settings (the last two runs are seeds of one)
     assert sum(line.startswith("| stapo (") for line in capsys.readouterr().out.splitlines()) == 4
@@ -3987,6 +3989,52 @@ def test_plot_tokens_pools_the_seeds_of_an_algorithm(tmp_path, monkeypatch):
     assert "silenced (3)" in legend and "tau_h of each mini-batch (1: 1.00-1.00)" in legend
     legend = [t.get_text() for t in figures[0].axes[3].get_legend().get_texts()]  # no entropy test: no tau_h
     assert "candidate, kept (0)" in legend and not any("tau_h" in t for t in legend)
+
+
+def test_plot_entropy_change_per_kind_skips_steps_without_such_tokens(tmp_path, monkeypatch):
+    """Runs made with --entropy-change get entropy_change.png: a panel per kind of token, where a step's 0.0 (train.py's
+    value for a kind the step did not have) is no point, the seeds' mean is over the runs with a value at each step,
+    and a dashed line marks 0; the side-by-side table gains the mean change per kind over the steps that had it."""
+    import matplotlib.pyplot as plt
+
+    def run(name, algo, seed, silenced, candidate):
+        path = Path(_fake_run(tmp_path / name, [0.0] * 3, [0.1, 0.2], algo=algo))
+        Path(path, "config.json").write_text(json.dumps({"algo": algo, "tau_p": 0.002, "seed": seed}))
+        Path(path, "metrics.jsonl").write_text("".join(json.dumps(
+            {"step": i + 1, "reward/mean": 0.0, "entropy/mean": 1.0, "response/len_mean": 5.0,
+             "entropy_change/silenced": s,
+             "entropy_change/candidate": c, "entropy_change/other": -0.01}) + "\n"
+            for i, (s, c) in enumerate(zip(silenced, candidate))))
+        return str(path)
+
+    stapo = [run("s0", "stapo", 0, [0.3, 0.1, 0.2], [0.1] * 3), run("s1", "stapo", 1, [0.1, 0.3, 0.0], [0.1] * 3),
+             run("s2", "stapo", 2, [0.2, 0.0, 0.4], [0.1] * 3)]
+    justrl = run("j0", "justrl", 0, [0.0] * 3, [0.2, 0.0, 0.0])
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    written = plots.figures([*stapo, justrl], str(tmp_path / "both.png"))
+    assert str(tmp_path / "both_entropy_change.png") in written
+    axes = {ax.get_title(): ax for ax in figures[-1].axes}
+    silenced = axes["entropy change per update: silenced tokens"]
+    lines = {line.get_label(): line for line in silenced.lines}
+    mean = lines["stapo: mean of the 2-3 runs with a value (thin: each)"]
+    assert list(mean.get_data()[0]) == [1, 2, 3] and list(mean.get_data()[1]) == pytest.approx([0.2, 0.2, 0.3])
+    assert not any("justrl" in label for label in lines)  # JustRL silenced nothing: no point, not a line at 0
+    assert list(lines["_" + stapo[1]].get_data()[0]) == [1, 2]
+    candidate = {line.get_label(): line for line in axes["entropy change per update: kept candidates"].lines}
+    assert list(candidate[f"{justrl} (justrl, seed 0)"].get_data()[0]) == [1]
+    legend = axes["entropy change per update: kept candidates"].get_legend()  # the panel where JustRL has points
+    assert legend is not None and f"{justrl} (justrl, seed 0)" in [t.get_text() for t in legend.get_texts()]
+    assert any(line.get_linestyle() == "--" and list(line.get_ydata()) == [0, 0] for line in silenced.lines)
+    table = plots.summary_table([*stapo, justrl]).splitlines()
+    head = [c.strip() for c in table[0].split("|")]
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")] for r in table[2:]}
+    at = head.index("entropy change per update, silenced")
+    assert rows["stapo"][at] == "+0.233 (+0.200-+0.300)" and rows["justrl"][at] == "-"
+    assert rows["justrl"][head.index("entropy change per update, kept candidates")] == "+0.200"
+    figures.clear()
+    plain = _fake_run(tmp_path / "plain", [0.0, 0.5], [0.1, 0.2])  # made without --entropy-change: no such figure
+    assert [Path(x).name for x in plots.figures([plain], str(tmp_path / "plain.png"))] == ["plain.png"]
 
 
 def test_plot_without_matplotlib_is_a_message(tmp_path, monkeypatch, capsys):
@@ -4263,8 +4311,35 @@ def test_counterfactual_pick_tokens_and_summary():
              {"kind": "silenced", "effect": -0.5, "stderr": 0.1, "keep": 0.5, "resample": 1.0},
              {"kind": "other", "effect": 0.25, "stderr": 0.2, "keep": 1.0, "resample": 0.75}]
     table = counterfactual.summary(lines)
-    assert "| silenced | 2 | -0.250 (" in table and "| 50% | 100% | 0.75 / 1.00 |" in table
-    assert "| candidate | 0 |" in table and "| other | 1 | +0.250 | 100% | 0% |" in table
+    # 1 of 2 within 1.96 se of 0 (Wilson 95%: 9%-91%), both <= 0, 1 of 2 settled (keep = redrawn = 1)
+    assert "| silenced | 2 | -0.250 (" in table and "| 50% (9%-91%) | 100% | 50% | 0.75 / 1.00 |" in table
+    assert "| candidate | 0 |" in table and "| other | 1 | +0.250 | 100% (21%-100%) | 0% | 0% |" in table
+    assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines())
+
+
+def test_counterfactual_wilson_interval_and_pooled_groups():
+    """The Wilson interval against published values (Newcombe 1998: 81/263 -> 0.2553-0.3662; 0/10 -> 0-0.2775);
+    pooled groups per algorithm: its kinds, then its candidates split by the S2T rule, whatever mask it trained with."""
+    assert counterfactual.wilson(81, 263) == pytest.approx((0.2553, 0.3662), abs=1e-4)
+    assert counterfactual.wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+
+    def line(algo, seed, step, kind, candidate, rule, effect=0.0):
+        return {"algo": algo, "seed": seed, "step": step, "kind": kind, "candidate": candidate, "s2t_rule": rule,
+                "effect": effect, "stderr": 0.1, "keep": 0.5, "resample": 0.5 - effect}
+
+    lines = [line("justrl", 0, 1, "candidate", True, True), line("justrl", 0, 2, "candidate", True, False, 0.5),
+             line("justrl", 1, 3, "other", False, False), line("fullmask", 0, 1, "silenced", True, False, 0.5),
+             line("fullmask", 0, 1, "silenced", True, True)]
+    groups = counterfactual.pooled_groups(lines)
+    assert list(groups) == ["justrl (2 seeds, steps 1-3)", "fullmask (1 seeds, steps 1)"]
+    justrl, fullmask = groups.values()
+    assert [len(justrl[k]) for k in counterfactual.KINDS] == [0, 2, 1]
+    assert [x["step"] for x in justrl["candidates the S2T rule silences"]] == [1]
+    assert [x["step"] for x in justrl["candidates the S2T rule keeps"]] == [2]
+    assert [x["effect"] for x in fullmask["candidates the S2T rule keeps"]] == [0.5]
+    table = counterfactual.pooled_summary(lines).splitlines()
+    assert len(table) == 2 + 2 * 5 and table[2].startswith("| justrl (2 seeds, steps 1-3) | silenced | 0 |")
+    assert table[6].startswith("|  | candidates the S2T rule keeps | 1 | +0.500 | 0% (0%-79%) |")
 
 
 def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
@@ -4291,7 +4366,9 @@ def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
                 "reward", "context"} <= x.keys()
         assert x["k"] == 4 and x["rollout_matches_run"] is True and -1 <= x["effect"] <= 1
         assert x["effect"] == pytest.approx(x["keep"] - x["resample"])
-        assert (x["A"] > 0 and x["p"] < 0.08) == (x["kind"] != "other") and (x["kind"] != "other" or x["reward"] > 0)
+        assert (x["A"] > 0 and x["p"] < 0.08) == (x["kind"] != "other") == x["candidate"]
+        assert x["kind"] != "other" or x["reward"] > 0
+        assert x["s2t_rule"] == (x["kind"] == "silenced")  # a STAPO run: its mask is the rule
     assert all(sum(x["kind"] == kind and x["step"] == step for x in lines) <= 2  # --tokens 2
                for kind in counterfactual.KINDS for step in (1, 2))
     out = capsys.readouterr().out
@@ -4299,6 +4376,14 @@ def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
     assert (run / "counterfactual.png").is_file() or importlib.util.find_spec("matplotlib") is None
     assert counterfactual.main([str(run), "--steps", "4"]) == 2  # no checkpoint of step 3 exists
     assert "step_3" in capsys.readouterr().err and (run / "counterfactual.jsonl").read_text() == first
+    # --table: runs pooled per algorithm (a run given twice counts once)
+    assert counterfactual.main(["--table", str(run), str(run), "--out", str(tmp_path / "pooled.png")]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[2].startswith(f"| stapo (1 seeds, steps 1-2) | silenced | "
+                                          f"{sum(x['kind'] == 'silenced' for x in lines)} |")
+    assert (tmp_path / "pooled.png").is_file() or importlib.util.find_spec("matplotlib") is None
+    assert counterfactual.main(["--table", str(tmp_path)]) == 2
+    assert "no counterfactual.jsonl in" in capsys.readouterr().err
 
 
 def test_chain_sums_task(tmp_path):
