@@ -45,9 +45,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Literal, NamedTuple
 
-# MKL's conditional numerical reproducibility, set before torch loads MKL: without it, a matmul on several CPU
-# threads may sum in an order that depends on memory alignment, so two runs of one command (or a run and its
-# resume) differ in the last bits and their samples drift apart after a few steps (SmolLM2 at 2 threads).
+# MKL's conditional numerical reproducibility, set before torch loads MKL: without it MKL may pick, per call, a
+# summation order that depends on memory alignment. With the deterministic kernels of `setup`, two runs of one
+# command (or a run and its resume) agree bit for bit at a fixed thread count (docs/training.md, Reproducibility).
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 import torch  # noqa: E402 - after MKL_CBWR
