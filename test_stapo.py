@@ -1436,16 +1436,22 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str):
     os._exit(0)  # as train.py does: no interpreter teardown racing torch's gloo threads
 
 
+def _two_processes(worker, tmp: str, hung: str, timeout_s: float = 120) -> None:
+    """worker(rank, init_file, tmp) on 2 spawned processes (file:// rendezvous in tmp); both are killed and the test
+    fails with `hung` if they have not finished within timeout_s."""
+    ctx = mp.start_processes(worker, args=(os.path.join(tmp, "init"), tmp), nprocs=2, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ctx.processes:
+                process.kill()
+            raise AssertionError(hung)
+
+
 def test_rollout_fsdp2_two_processes_equal_one():
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_fsdp_worker, args=(os.path.join(tmp, "init"), tmp), nprocs=2, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + 120
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for process in ctx.processes:
-                    process.kill()
-                raise AssertionError("2-process rollout hung")
+        _two_processes(_fsdp_worker, tmp, "2-process rollout hung")
         results = [torch.load(os.path.join(tmp, f"{rank}.pt"), weights_only=False) for rank in range(2)]
     lm = _fsdp_model()
     lengths = set()
@@ -3543,14 +3549,7 @@ def test_stop_signal_to_one_rank_reaches_the_other_through_the_store():
     """SIGUSR1 to rank 1 only: rank 0's `requested()` (the sampler's poll) sees it through the process group's store,
     before any collective, and both agree to stop, naming the signal."""
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_signal_worker, args=(os.path.join(tmp, "init"), tmp), nprocs=2, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + 120
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                for process in ctx.processes:
-                    process.kill()
-                raise AssertionError("2 processes hung")
+        _two_processes(_signal_worker, tmp, "2 processes hung")
         zero, one = (json.loads(Path(tmp, f"{rank}.json").read_text()) for rank in range(2))
     assert one == [True, True, True, "SIGUSR1"]
     assert zero == [None, True, True, "SIGUSR1 (to another rank)"]
