@@ -20,7 +20,7 @@ correct response. The estimator (`token_effects`) samples K continuations of eac
     stderr = sqrt(s_keep^2 / K + s_resample^2 / K)                       s^2: unbiased variance of the K outcomes
 
 The command regenerates one training step of a run exactly (the policy that made its decisions, its rollout, the
-mask of its first mini-batch), draws the tokens the algorithm silenced, the candidates it kept (A > 0, p < tau_p,
+mask of every mini-batch, its updates replayed), draws the tokens the algorithm silenced, the candidates it kept (A > 0, p < tau_p,
 not silenced) and a random sample of other tokens of correct responses, estimates their effects with the run's
 rollout engine and reward, writes RUN/counterfactual.jsonl (one line per token), prints a summary per kind and,
 with --plot, draws RUN/counterfactual.png (plots.plot_counterfactual). Cost: docs/experiments.md.
@@ -38,11 +38,15 @@ Deliberate choices:
    distribution. Call c is seeded from (seed, c), so a result is reproducible for the same tokens and arguments.
 5. The standard error is the plug-in one of two independent proportions: 0 when both sides are unanimous, which
    says "no difference seen in K draws", not "exactly known" (the smallest rate K can see is 1/K).
-6. Only the step's first mini-batch is analysed: its p and H are pi_old's, the policy the checkpoint holds, so the
-   mask and the continuations come from the same policy (later mini-batches see a policy updated in between).
+6. Every mini-batch of the step is analysed, with the mask the run gave it: the step's updates are replayed
+   (`train.train_step`), so mini-batch k's p, H and mask are those of the policy after k updates, as in the run.
+   The continuations come from pi_old, the policy that sampled the rollout (the checkpoint's): the effect is the
+   token's contribution under the policy that wrote it. Each line says its `mini_batch`; the p and H it gives are
+   the ones the mask saw. (With 3.5e-6-sized updates, mini-batch 1's p differs from pi_old's in the 3rd digit.)
 7. The rollout is regenerated, not read back: exact for a run made by one process (or with --rollout-chunk 1) when
    this command runs with the run's thread count (OMP_NUM_THREADS: rounding differs between thread counts, and
-   with it the sampled tokens), and checked against the run's metrics.jsonl and samples.jsonl lines of the step.
+   with it the sampled tokens), and checked against the run's metrics.jsonl (mean reward and length, S2T candidate
+   and silenced counts) and samples.jsonl lines of the step.
    When they differ, a warning says so and every line has `"rollout_matches_run": false`: the analysis is still
    self-consistent (the same policy's rollout, mask and continuations), but its tokens are not the run's.
 8. Every line also says whether the S2T rule (the run's tau_p and q) would silence the token (`s2t_rule`), whatever
@@ -171,41 +175,44 @@ def pick_tokens(silenced: torch.Tensor, candidates: torch.Tensor, response_mask:
 # ------------------------------------------------------------------------------------------- one step of a run
 @dataclass
 class Step:
-    """What the policy of a run saw and decided in the first mini-batch of one step (`regenerate_step`)."""
+    """What the policy of a run saw and decided in one step, every mini-batch (`regenerate_step`); B = its rows."""
     cfg: object  # the run's train.Config
     tokenizer: object
-    policy: object  # pi_old of the step (model.Policy)
+    policy: object  # pi_old of the step (model.Policy): the policy that sampled the rollout
     engine: object  # the run's rollout engine
-    prompts: list[list[int]]  # (B,) prompt ids of the mini-batch's rows
+    prompts: list[list[int]]  # (B,) prompt ids
     responses: list[list[int]]  # (B,) response ids, EOS included
     answers: list[str]  # (B,) gold answer of each row
     data_index: list[int]  # (B,) row of the training data each prompt comes from
+    mini_batch: list[int]  # (B,) the mini-batch each row was updated in
     score: Callable  # score(text, answer) -> the run's reward
     rewards: torch.Tensor  # (B,)
     advantages: torch.Tensor  # (B,)
-    logprobs: torch.Tensor  # (B, T) of pi_old
-    entropy: torch.Tensor  # (B, T)
+    logprobs: torch.Tensor  # (B, T) log p of the policy the mask saw (pi_old in mini-batch 0, then after k updates)
+    entropy: torch.Tensor  # (B, T) H, the same
     response_mask: torch.Tensor  # (B, T)
     silenced: torch.Tensor  # (B, T) bool: the algorithm's mask
     candidates: torch.Tensor  # (B, T) bool: A > 0, p < tau_p
     s2t_rule: torch.Tensor  # (B, T) bool: what the S2T rule (the run's tau_p, q) silences, whatever the algorithm
-    matches_run: bool | None  # the regenerated rollout agrees with the run's logs (None: the run has no line)
+    matches_run: bool | None  # the regenerated rollout and masks agree with the run's logs (None: no line)
 
 
 def regenerate_step(run_dir: Path, step: int) -> Step:
-    """Step `step` (from 1) of the train.py run in `run_dir`, first mini-batch, as the run made it.
+    """Step `step` (from 1) of the train.py run in `run_dir`, every mini-batch, as the run made it.
 
     The one function of this file that reaches into train.py's internals (the run's Config, `setup`, the checkpoint
-    layout, `sample`, `token_stats`, the reward call), so that a change of them is adapted here only. It rebuilds
+    layout, `sample`, `train_step`, the reward call), so that a change of them is adapted here only. It rebuilds
     the run in this process (one process, the run's recipe and rollout engine), loads the policy that made the
-    step's decisions (the model of checkpoint/step_<step - 1>, or the initial model for step 1), regenerates the
-    step's rollout (seeded per generate call from (seed, step, prompt index)), and recomputes rewards, advantages,
-    p and H (pi_old = the first mini-batch's) and the algorithm's mask (`stapo.token_weights`)."""
+    step's decisions (the model, optimizer and scheduler of checkpoint/step_<step - 1>, or the initial ones for
+    step 1), regenerates the step's rollout (seeded per generate call from (seed, step, prompt index)), then
+    replays the step's updates with `train.train_step` to see each mini-batch's p, H and mask as the run computed
+    them (mini-batch k after k updates), and puts the policy back to pi_old, which samples the continuations."""
     import reward
     import run_folder
     import train
 
-    cfg = train.Config(**cli.check_values(train.Config, run_folder.recorded_config(run_dir), str(run_dir)))
+    recorded = train.Config(**cli.check_values(train.Config, run_folder.recorded_config(run_dir), str(run_dir)))
+    cfg = train.replace(recorded, entropy_change=False)  # the replay needs the masks only (the flag moves nothing)
     if step > 1 and step - 1 not in run_folder.complete_steps(run_dir):
         kept = sorted(run_folder.complete_steps(run_dir))
         raise FileNotFoundError(f"step {step} needs the policy after step {step - 1}, checkpoint/step_{step - 1}, "
@@ -217,7 +224,7 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
         train.init_distributed()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     run = train.setup(cfg, train.read_inputs(cfg, 1), 0, 1, device, None, run_folder.Preemption())
-    if step > 1:  # the policy after step - 1: model, optimizer and scheduler of that checkpoint (the model is used)
+    if step > 1:  # the state after step - 1: model, optimizer and scheduler (the replay makes the run's updates)
         run_folder.load_checkpoint(run_dir / "checkpoint" / f"step_{step - 1}", run.policy, run.optimizer,
                                    run.scheduler)
     batch, mine = train.sample(run, step)
@@ -227,26 +234,37 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
         return reward.reward(text, answer, cfg.reward)
 
     rewards = torch.tensor([score(text, run.rows[mine[i // G]]["answer"]) for i, text in enumerate(texts)])  # (B,)
-    matches = _matches_run(run_dir, step, rewards, batch, texts, G, cfg.samples_per_step)
-    mb = batch.select(slice(0, cfg.mini_batch_prompts * G))  # the first mini-batch (one process holds all of it)
-    advantages = stapo.group_advantages(rewards[:len(mb)], G)  # (b,)
-    adv = advantages[:, None].expand(mb.response_ids.shape).to(run.device)  # (b, T)
-    stats = train.token_stats(run.policy, mb, cfg, run.device)  # .logprobs, .entropy (b, T) of pi_old
-    logprobs, entropy, mask = stats.logprobs, stats.entropy, mb.response_mask.to(run.device)
-    silenced = stapo.token_weights(cfg.algo, logprobs, entropy, adv, mask, cfg.tau_p, cfg.quantile).silenced
-    rule = s2t.spurious_mask(logprobs, entropy, adv, mask, cfg.tau_p, cfg.quantile)[0]  # (b, T): choice 8
-    rows = [mine[i // G] for i in range(len(mb))]
+    seen = []  # per mini-batch: its decision, as train_step made it
+
+    def keep(k, mb, current, weights):
+        adv, mask, first = mb.advantages, mb.mask, sum(x[1] for x in seen)
+        if not torch.equal(mb.rollout.response_ids.cpu(), batch.response_ids[first:first + len(mb.rollout)].cpu()):
+            raise ValueError(f"step {step}: the replayed rollout differs from the regenerated one (not seeded?)")
+        seen.append((k, len(mb.rollout), current.logprobs.cpu(), current.entropy.cpu(), mask.cpu(),
+                     weights.silenced.cpu(), s2t.candidates(current.logprobs, adv, mask, cfg.tau_p).cpu(),
+                     s2t.spurious_mask(current.logprobs, current.entropy, adv, mask, cfg.tau_p,
+                                       cfg.quantile)[0].cpu()))  # choice 8: the rule's tau_h of this mini-batch
+
+    pi_old = {name: x.detach().clone() for name, x in run.policy.state_dict().items()}
+    train.train_step(run, step, on_mask=keep)  # the same rollout again (seeded), then the step's updates
+    run.policy.load_state_dict(pi_old)
+    k, sizes, logprobs, entropy, mask, silenced, candidates, rule = zip(*seen)
+    matches = _matches_run(run_dir, step, rewards, batch, texts, G, cfg.samples_per_step,
+                           sum(int(x.sum()) for x in candidates), sum(int(x.sum()) for x in silenced))
     return Step(cfg, run.tokenizer, run.policy, run.engine,
-                [ids[m.bool()].tolist() for ids, m in zip(mb.prompt_ids, mb.prompt_mask)],
-                [ids[m.bool()].tolist() for ids, m in zip(mb.response_ids, mb.response_mask)],
-                [run.rows[r]["answer"] for r in rows], rows, score, rewards[:len(mb)], advantages,
-                logprobs.cpu(), entropy.cpu(), mask.cpu(), silenced.cpu(),
-                s2t.candidates(logprobs, adv, mask, cfg.tau_p).cpu(), rule.cpu(), matches)
+                [ids[m.bool()].tolist() for ids, m in zip(batch.prompt_ids, batch.prompt_mask)],
+                [ids[m.bool()].tolist() for ids, m in zip(batch.response_ids, batch.response_mask)],
+                [run.rows[mine[i // G]]["answer"] for i in range(len(batch))], [mine[i // G] for i in range(len(batch))],
+                [j for j, n in zip(k, sizes) for _ in range(n)], score, rewards, stapo.group_advantages(rewards, G),
+                *(torch.cat(x) for x in (logprobs, entropy, mask)), *(torch.cat(x).bool() for x in
+                                                                        (silenced, candidates, rule)), matches)
 
 
-def _matches_run(run_dir: Path, step: int, rewards, batch, texts: list[str], G: int, n_samples: int) -> bool | None:
-    """Whether a regenerated rollout is the run's: its mean reward and length against the step's metrics.jsonl line
-    and the first response of its first prompts against samples.jsonl (None: the run never made the step)."""
+def _matches_run(run_dir: Path, step: int, rewards, batch, texts: list[str], G: int, n_samples: int,
+                 candidates: int, silenced: int) -> bool | None:
+    """Whether a regenerated step is the run's: its mean reward, length and S2T candidate and silenced counts
+    against the step's metrics.jsonl line, and the first response of its first prompts against samples.jsonl
+    (None: the run never made the step)."""
     line = next((m for m in plots.read_log(run_dir / "metrics.jsonl") if m["step"] == step), None)
     if line is None:
         return None
@@ -254,6 +272,7 @@ def _matches_run(run_dir: Path, step: int, rewards, batch, texts: list[str], G: 
                if s["step"] == step and s["split"] == "train"]
     return (math.isclose(line["reward/mean"], rewards.mean().item(), abs_tol=1e-6)
             and math.isclose(line["response/len_mean"], batch.response_mask.sum(1).float().mean().item(), abs_tol=1e-4)
+            and (line["s2t/candidates"], line["s2t/silenced"]) == (candidates, silenced)
             and samples == texts[::G][:min(n_samples, len(samples))])
 
 
@@ -281,7 +300,7 @@ def analyse_step(st: Step, step: int, k: int, n_tokens: int, seed: int, prefixes
             "p": math.exp(float(st.logprobs[row, t])), "H": float(st.entropy[row, t]),
             "candidate": bool(st.candidates[row, t]), "s2t_rule": bool(st.s2t_rule[row, t]),
             "A": float(st.advantages[row]), "reward": float(st.rewards[row]), "response_len": len(y),
-            "data_index": st.data_index[row], "rollout_matches_run": st.matches_run})
+            "data_index": st.data_index[row], "mini_batch": st.mini_batch[row], "rollout_matches_run": st.matches_run})
     return lines
 
 

@@ -4343,7 +4343,8 @@ def test_counterfactual_wilson_interval_and_pooled_groups():
 
 def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
     """`python counterfactual.py RUN --steps 1 2` on a toy run (step 2 from the checkpoint of step 1): it
-    regenerates both steps exactly (checked against the run's logs), writes one line per token with the fields a
+    regenerates both steps exactly, both mini-batches' masks by replaying the updates (checked against the run's
+    logs: rewards, lengths, candidate and silenced counts), writes one line per token with the fields a
     reader needs, for every kind, prints the summary, and the same command writes the same file again."""
     _patch(monkeypatch, _EVEN)
     run = tmp_path / "run"
@@ -4364,12 +4365,14 @@ def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
         assert {"kind", "effect", "stderr", "k", "step", "row", "t", "token", "p", "H", "A", "keep", "resample",
                 "reward", "context"} <= x.keys()
         assert x["k"] == 4 and x["rollout_matches_run"] is True and -1 <= x["effect"] <= 1
+        assert x["mini_batch"] == x["row"] // 8  # 2 prompts x G 4 per mini-batch
         assert x["effect"] == pytest.approx(x["keep"] - x["resample"])
         assert (x["A"] > 0 and x["p"] < 0.08) == (x["kind"] != "other") == x["candidate"]
         assert x["kind"] != "other" or x["reward"] > 0
         assert x["s2t_rule"] == (x["kind"] == "silenced")  # a STAPO run: its mask is the rule
     assert all(sum(x["kind"] == kind and x["step"] == step for x in lines) <= 2  # --tokens 2
                for kind in counterfactual.KINDS for step in (1, 2))
+    assert {x["mini_batch"] for x in lines} == {0, 1}
     out = capsys.readouterr().out
     assert "| kind | tokens | mean effect (95% CI)" in out and "| silenced |" in out
     assert (run / "counterfactual.png").is_file() or importlib.util.find_spec("matplotlib") is None

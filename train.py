@@ -43,7 +43,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 # MKL's conditional numerical reproducibility, set before torch loads MKL: without it MKL may pick, per call, a
 # summation order that depends on memory alignment. With the deterministic kernels of `setup`, two runs of one
@@ -98,9 +98,10 @@ class StepResult(NamedTuple):
     tokens: list[dict]
 
 
-def train_step(run: Run, step: int) -> StepResult | None:
+def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResult | None:
     """Step `step` (counted from 1): one rollout batch and its mini-batch updates (paper Algorithm 1); None when a
-    stop signal came during the rollout (nothing was updated)."""
+    stop signal came during the rollout (nothing was updated). on_mask(k, mb, current, weights), if given, sees each
+    mini-batch's decision (counterfactual.py replays a step with it)."""
     cfg, G, device, policy = run.cfg, run.cfg.group_size, run.device, run.policy
     t0 = time.time()
     # 1. G responses to each of this rank's prompts of the step (difference 3: seeded per generate call).
@@ -148,6 +149,8 @@ def train_step(run: Run, step: int) -> StepResult | None:
             current = update.forward if update else token_stats(policy, mb.rollout, cfg, device)
             old = current
         log.s2t(k, mb, current, weights)
+        if on_mask:
+            on_mask(k, mb, current, weights)
         if skip:
             log.counts["skipped/zero_adv"] += 1
             continue
