@@ -448,6 +448,8 @@ def table(argv: list[str]) -> int:
                                               f"counterfactual.py{why}")
     lines = [x for run in runs for x in plots.read_log(Path(run) / "counterfactual.jsonl")]
     print(pooled_summary(lines))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
     if out and plots.plot_counterfactual_groups(pooled_groups(lines), out):
         print(out)
     return 0

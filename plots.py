@@ -619,6 +619,8 @@ def main(argv: list[str]) -> int:
     if missing:
         parser.error(f"no run folder with a metrics.jsonl at {', '.join(missing)}")
     first = Path(args.plot[0])
+    if args.out:  # a figure into a folder that does not exist yet: make it
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.sensitivity:
         print(summary_table(args.plot, by="thresholds"))
         out = args.out or str(first / "sensitivity.png")

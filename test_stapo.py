@@ -3899,6 +3899,8 @@ def test_plot_cli_output_location_heldout_panel_and_errors(tmp_path, monkeypatch
     assert train.main(["--plot", a]) == 0 and Path(a, "metrics.png").is_file()  # the run folder, not the cwd
     assert train.main(["--plot", a, b]) == 0 and Path(a, "compare.png").is_file()
     assert train.main(["--out", str(tmp_path / "x.png"), "--plot", a, b]) == 0 and (tmp_path / "x.png").is_file()
+    assert train.main(["--plot", a, "--out", str(tmp_path / "new" / "x.png")]) == 0  # a folder not yet made
+    assert (tmp_path / "new" / "x.png").is_file()
     assert list((tmp_path / "cwd").iterdir()) == []
     assert "--plot RUN [RUN ...]" in " ".join(subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT,
                                                              capture_output=True, text=True).stdout.split())
@@ -4379,11 +4381,11 @@ def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
     assert counterfactual.main([str(run), "--steps", "4"]) == 2  # no checkpoint of step 3 exists
     assert "step_3" in capsys.readouterr().err and (run / "counterfactual.jsonl").read_text() == first
     # --table: runs pooled per algorithm (a run given twice counts once)
-    assert counterfactual.main(["--table", str(run), str(run), "--out", str(tmp_path / "pooled.png")]) == 0
+    assert counterfactual.main(["--table", str(run), str(run), "--out", str(tmp_path / "new" / "pooled.png")]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[2].startswith(f"| stapo (1 seeds, steps 1-2) | silenced | "
                                           f"{sum(x['kind'] == 'silenced' for x in lines)} |")
-    assert (tmp_path / "pooled.png").is_file() or importlib.util.find_spec("matplotlib") is None
+    assert (tmp_path / "new" / "pooled.png").is_file() or importlib.util.find_spec("matplotlib") is None
     assert counterfactual.main(["--table", str(tmp_path)]) == 2
     assert "no counterfactual.jsonl in" in capsys.readouterr().err
 
