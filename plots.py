@@ -168,8 +168,9 @@ def plot_metrics(run_dirs: list[str], out_png: str, panels: tuple = METRIC_PANEL
             ax.axhline(0, color="k", linewidth=0.6, linestyle="--")
         same = [names for names in curves.values() if len(names) > 1]  # choice 2
         if same:
-            ax.text(0.02, 0.02, "\n".join("identical: " + " = ".join(n) for n in same), transform=ax.transAxes,
-                    fontsize=7, va="bottom")
+            lines = ["identical: " + "\n    = ".join(" = ".join(n[i:i + 3]) for i in range(0, len(n), 3))
+                     for n in same]  # three names a line, so that a long group stays inside the panel
+            ax.text(0.02, 0.02, "\n".join(lines), transform=ax.transAxes, fontsize=7, va="bottom")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("steps done (0 = before training)" if points else "step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # choice 1
