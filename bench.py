@@ -16,6 +16,7 @@
 Not part of the test suite: timings on a shared machine are noisy, so nothing here asserts a speed.
 Each bench function's docstring says what it measures and its deliberate choices.
 """
+import contextlib
 import json
 import math
 import os
@@ -1041,13 +1042,14 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
     if against:  # its own copy of the model, with transformers' attention as loaded (PlainEngine sets lm's)
         samplers["plain, before"] = (_load_sampler(against), load_model("smollm2")[0])
 
-    def plain_engine(sampler, lm):
+    def plain_engine(sampler, lm, **options):
         def sample(prompts, G, seed, T, **kwargs):
             return sampler.sample_groups(lm, prompts, G, max_new_tokens=T, eos_token_id=plain.eos,
                                          pad_token_id=plain.pad, vocab_size=plain.vocab_size,
-                                         generator=torch.Generator().manual_seed(seed), **kwargs)
+                                         generator=torch.Generator().manual_seed(seed), **options, **kwargs)
         return sample
     engines = {name: plain_engine(*s) for name, s in samplers.items()}
+    engines["plain, model forward"] = plain_engine(rollout, lm, written_out=False)  # without rollout.DecodeStep
     if importlib.util.find_spec("vllm") is not None:
         tokens = 64 + 64  # the longest prompt (the chat ones: <= 63 tokens) + response
         vllm = rollout.make_engine("vllm", lm, tokenizer, chat=False, max_model_len=tokens, dtype=torch.float32,
@@ -1116,7 +1118,8 @@ def bench_engines(reps: int = 5, threads=(2, 1)):
     workload (32 raw-text prompts "What is a + b?\nThe answer is" x G 4, <= 64 new tokens), on the CPU default's
     rollout (16 built-in prompts x G 8, <= 24 tokens), and on chat prompts of different lengths (left padding: the
     sampler attends under a mask), T = 1.0; each as a fraction of the decode-step matmul limit;
-    a profile of where a rollout's time goes; and when to drop finished rows.
+    a profile of where a rollout's time goes; and when to drop finished rows. "plain, model forward" is the same
+    sampler decoding through the model's own forward (`written_out=False`), not `rollout.DecodeStep`.
     `--against FILE` adds another rollout.py (the code before a change) as the engine "plain, before".
 
     Deliberate choices:
@@ -1137,38 +1140,51 @@ def bench_engines(reps: int = 5, threads=(2, 1)):
 
 def bench_decode_step(rows=(1, 4, 32, 128), threads=(2, 1), steps=16, reps=5):
     """What one decode step of the plain sampler costs beside its matmuls: SmolLM2-135M-Instruct fp32, R rows of a
-    12-token prompt, `steps` decode steps through the backbone and the LM head as `rollout.generate` calls them
-    (oneDNN weights, the in-place KV cache; greedy, so no sampling), against the same steps' matmuls alone
-    (`_DecodeMatmuls.step`: every linear weight and the head at R rows, the faster kernel each). "of its matmuls"
-    = matmuls / step: 1.0 would be a step that does nothing but its matmuls; the rest is attention and the layers'
-    small ops (norms, rotary, activations, residuals, cache writes) and their Python.
+    12-token prompt, `steps` decode steps as `rollout.generate` runs them (greedy, so no sampling; the in-place KV
+    cache; the LM head through oneDNN), through the model's own forward (its linears through oneDNN) and written out
+    (`rollout.DecodeStep`), against the same steps' matmuls alone (`_DecodeMatmuls.step`: every linear weight and the
+    head at R rows, the faster kernel each). "of its matmuls" = matmuls / step: 1.0 would be a step that does
+    nothing but its matmuls; the rest is attention and the layers' small ops (norms, rotary, activations,
+    residuals, cache writes) and their Python.
 
     Deliberate choices: one process, torch.set_num_threads per row of the table (2, torch's default here, then 1);
-    the step and its matmuls alternate, best of `reps`."""
+    the two steps and the matmuls alternate, best of `reps`; both steps must give the same greedy tokens."""
     lm, _ = load_model("smollm2")
     decoder, matmuls = lm.get_decoder(), _DecodeMatmuls(lm, None)
-    print("| threads | rows | decode step ms | its matmuls ms | of its matmuls |\n|---|---|---|---|---|")
+    print("| threads | rows | model forward ms (of its matmuls) | written out ms (of its matmuls) | its matmuls ms |"
+          "\n|---|---|---|---|---|")
     for n in threads:
         torch.set_num_threads(n)
         matmuls.cache.clear()
         for R in rows:
             prompt = torch.randint(100, 1000, (R, 12), generator=torch.Generator().manual_seed(0))
-            with torch.inference_mode(), rollout._onednn_linears(decoder):
-                head = rollout._packed(lm.get_output_embeddings().weight)
 
-                def decode():
+            def decode(written_out):
+                with torch.inference_mode(), contextlib.nullcontext() if written_out else \
+                        rollout._onednn_linears(decoder):
+                    step = rollout.DecodeStep(decoder) if written_out else None
+                    head = rollout._packed(lm.get_output_embeddings().weight)
                     cache = rollout.InPlaceCache(lm.config, R, 12 + steps)
                     hidden = decoder(input_ids=prompt, past_key_values=cache, use_cache=True).last_hidden_state
-                    start = time.perf_counter()
+                    tokens, start = [], time.perf_counter()
                     for t in range(steps):
-                        token = head(hidden[:, -1]).argmax(-1)  # (R,)
-                        hidden = decoder(input_ids=token[:, None], position_ids=torch.full((R, 1), 12 + t),
-                                         past_key_values=cache, use_cache=True).last_hidden_state  # (R, 1, D)
-                    return (time.perf_counter() - start) / steps
+                        tokens.append(head(hidden[:, -1]).argmax(-1))  # (R,)
+                        position = torch.full((R, 1), 12 + t)
+                        hidden = step(tokens[-1], position, None, cache) if step else decoder(
+                            input_ids=tokens[-1][:, None], position_ids=position, past_key_values=cache,
+                            use_cache=True).last_hidden_state  # (R, 1, D)
+                    return (time.perf_counter() - start) / steps, torch.stack(tokens)
 
-                step = min(decode() for _ in range(reps))
+            best, tokens = {False: float("inf"), True: float("inf")}, {}
+            for _ in range(reps):
+                for written_out in best:
+                    seconds, tokens[written_out] = decode(written_out)
+                    best[written_out] = min(best[written_out], seconds)
+            if not torch.equal(tokens[True], tokens[False]):
+                raise AssertionError("the written-out decode step gave other greedy tokens than the model's forward")
             limit = matmuls.step(R)
-            print(f"| {n} | {R} | {step * 1e3:.1f} | {limit * 1e3:.1f} | {limit / step:.2f} |", flush=True)
+            print(f"| {n} | {R} | {best[False] * 1e3:.1f} ({limit / best[False]:.2f}) | {best[True] * 1e3:.1f} "
+                  f"({limit / best[True]:.2f}) | {limit * 1e3:.1f} |", flush=True)
 
 
 def bench_train_step(steps=4):

@@ -40,14 +40,20 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    does: 1.2-2x faster matmuls at decode's row counts than F.linear (MKL), the same values up to fp32 rounding
    (~1e-6 relative; `rollout/logprob_diff` shows the sampler against the training forward). CUDA runs F.linear.
    With left-padded prompts (a mask) on CPU, attention runs `model.grouped_sdpa` when the model runs
-   `model.PACKED_SDPA` (under `model.Policy` and in `PlainEngine`): no copy of the cache per head group. The decode
-   step is not compiled: `torch.compile` of the backbone took minutes to compile on CPU for a gain within the
-   noise, and cannot lower the reordered weights (docs/rollouts.md).
+   `model.PACKED_SDPA` (under `model.Policy` and in `PlainEngine`): no copy of the cache per head group.
+9. On CPU the decode steps of a Llama, Qwen2 or Qwen3 model (`DecodeStep`) are written out here layer by layer
+   instead of running the model's forward: the same equations, computed by the model's own norm, rotary and
+   activation modules, with q, k, v as one matmul and gate, up as one (their weights stacked and reordered for
+   oneDNN once per generate call), and none of the forward's per-call work (mask and position preparation, output
+   objects, the cache's bookkeeping). The prefill runs the model's forward. Tested token for token against the
+   model's forward for the three families, with a padding mask. The step is not compiled: `torch.compile` of the
+   backbone took minutes to compile on CPU for a gain within the noise, and inductor cannot take reordered weights
+   that are not constants (docs/rollouts.md).
 """
 import gc
 import math
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields
 from typing import Callable
 from functools import partial
@@ -55,9 +61,10 @@ from functools import partial
 import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from model import (PACKED_SDPA, attention_buckets, first_with_same_prompt, kv_cache_bytes, lm_vocab_size,
-                   position_ids_from_mask)
+from model import (PACKED_SDPA, attention_buckets, first_with_same_prompt, grouped_sdpa, kv_cache_bytes,
+                   lm_vocab_size, position_ids_from_mask)
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -327,6 +334,71 @@ def _onednn_linears(module: torch.nn.Module):
             del m.forward
 
 
+def _packed_cat(linears: list[torch.nn.Linear]):
+    """x -> x @ [W_1; W_2; ...]^T + [b_1; b_2; ...] through oneDNN: several projections of the same input as one
+    matmul over their stacked weights (difference 9). x (..., in) -> (..., sum of out)."""
+    weight = torch.cat([m.weight.detach() for m in linears])  # (sum of out, in)
+    biases = [m.bias for m in linears]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in linears])
+    return partial(_onednn_linear, torch.ops.mkldnn._reorder_linear_weight(weight), bias)
+
+
+class DecodeStep:
+    """One decode step of a Llama / Qwen2 / Qwen3 decoder (`WRITTEN_OUT`) on the CPU, written out layer by layer
+    (difference 9): token (R,) -> the last hidden state (R, 1, D) after the final norm, as `decoder(input_ids=token[:,
+    None], position_ids=..., attention_mask=..., past_key_values=cache)` returns it. Per layer, the equations of the
+    model's own forward:
+        x = RMSNorm(h);  q, k, v = x [W_q; W_k; W_v]^T (+ b)     one matmul (Qwen3: q, k <- per-head RMSNorm)
+        q, k = RoPE(q, k, position);  K, V = cache + (k, v)      the in-place cache write
+        h = h + softmax(q K^T / sqrt(hd) + mask) V W_o^T         SDPA over grouped heads, padding masked
+        x = RMSNorm(h);  g, u = x [W_gate; W_up]^T               one matmul
+        h = h + (act(g) * u) W_down^T
+    The norms, rotary angles and activation are the model's own modules; the weights are stacked and reordered for
+    oneDNN once per generate call (the only copy of them meanwhile: the prefill then runs F.linear)."""
+
+    def __init__(self, decoder: torch.nn.Module):
+        self.decoder, self.layers = decoder, []
+        for layer in decoder.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            self.layers.append((layer, _packed_cat([attention.q_proj, attention.k_proj, attention.v_proj]),
+                                _packed_cat([attention.o_proj]), _packed_cat([mlp.gate_proj, mlp.up_proj]),
+                                _packed_cat([mlp.down_proj])))
+
+    @staticmethod
+    def supports(model) -> bool:
+        """A decoder of a family in `WRITTEN_OUT` whose weights all `_packs` (a CPU model in fp32 or bf16)."""
+        return (model.config.model_type in WRITTEN_OUT
+                and all(_packs(p) for p in model.get_decoder().layers.parameters()))
+
+    def __call__(self, token: torch.Tensor, position: torch.Tensor, attention_mask: torch.Tensor | None,
+                 cache: InPlaceCache) -> torch.Tensor:
+        h = self.decoder.embed_tokens(token[:, None])  # (R, 1, D)
+        R = h.shape[0]
+        cos, sin = self.decoder.rotary_emb(h, position)  # (R, 1, hd) each
+        mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()  # (R, 1, 1, L)
+        for (layer, qkv, out, gate_up, down), layer_cache in zip(self.layers, cache.layers):
+            attention, mlp = layer.self_attn, layer.mlp
+            hd = attention.head_dim
+            q, k, v = qkv(layer.input_layernorm(h)).split(
+                [m.out_features for m in (attention.q_proj, attention.k_proj, attention.v_proj)], dim=-1)
+            q, k, v = (x.view(R, 1, -1, hd) for x in (q, k, v))  # (R, 1, heads, hd)
+            if hasattr(attention, "q_norm"):  # Qwen3
+                q, k = attention.q_norm(q), attention.k_norm(k)
+            q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (R, heads, 1, hd)
+            keys, values = layer_cache.update(k, v.transpose(1, 2))  # (R, kv_heads, L, hd)
+            o = grouped_sdpa(q, keys, values, mask, attention.scaling)  # (R, 1, heads, hd)
+            h = h + out(o.reshape(R, 1, -1))
+            gate, up = gate_up(layer.post_attention_layernorm(h)).chunk(2, dim=-1)  # (R, 1, I) each
+            h = h + down(mlp.act_fn(gate) * up)
+        return self.decoder.norm(h)  # (R, 1, D)
+
+
+# The decoder families `DecodeStep` writes out: pre-norm attention with rotary positions (Qwen2: q/k/v biases; Qwen3:
+# per-head q/k norms) and a gated MLP.
+WRITTEN_OUT = ("llama", "qwen2", "qwen3")
+
+
 # Finished rows leave the running batch once they are this share of it (difference 4). A drop copies only the caches
 # of the rows moved into the freed slots; bench.py compares cadences.
 COMPACT_FRACTION = 0.0
@@ -335,7 +407,8 @@ COMPACT_FRACTION = 0.0
 def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
              eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
              generator: torch.Generator | None = None, vocab_size: int | None = None,
-             compact: float | None = COMPACT_FRACTION, stop: Callable[[], bool] | None = None) -> Rollout:
+             compact: float | None = COMPACT_FRACTION, stop: Callable[[], bool] | None = None,
+             written_out: bool = True) -> Rollout:
     """Sample one response per prompt from the HF causal LM `model` (under FSDP2: `policy.lm` inside `gathered`).
 
     eos_token_id/pad_token_id default to the model config's. vocab_size = number of real token ids (rows >= it are
@@ -343,6 +416,8 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
     reproducible. Finished rows leave the running batch once they are a share `compact` of it (0: as soon as any
     row finishes; None: never; the tokens are the same either way). `stop()`, asked at each stop check, ends the
     call early (the trainer's stop signal, run_folder.Preemption): that rollout is incomplete, the caller drops it.
+    `written_out`: decode through `DecodeStep` where it supports the model (difference 9); False: through the
+    model's own forward at every step (the same tokens up to fp32 rounding).
     The KV cache goes in as `past_key_values` (transformers 5.17-5.19; later 5.x also call it `cache`).
     """
     device = next(model.parameters()).device
@@ -353,7 +428,8 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
     prompt, prompt_mask = (x.to(device) for x in _left_pad(prompt_ids, pad))  # (B, P)
     P = prompt.shape[1]
     decoder = model.get_decoder()
-    with torch.inference_mode(), _onednn_linears(decoder):  # inference_mode: cheaper per op than no_grad
+    step = DecodeStep(decoder) if written_out and DecodeStep.supports(model) else None  # difference 9
+    with torch.inference_mode(), nullcontext() if step else _onednn_linears(decoder):  # inference_mode: cheaper per op
         # Full-batch output buffers, and the running batch: `rows` (R,) are the rows still decoding, in the order of
         # the cache's first R rows, as are their attention mask and positions. Generated positions are always
         # attended, so response token t sits at position len(prompt) + t, as position_ids_from_mask gives. Without
@@ -400,9 +476,10 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
                     order = _drop_finished(running, cache)  # (R',) difference 4
                     rows, token = rows[order], token[order]
                     attention_mask, positions = attention_mask[order], positions[order]
-            hidden = decoder(input_ids=token[:, None], attention_mask=attention_mask[:, :P + t + 1] if padded else None,
-                             position_ids=positions[:, t:t + 1], past_key_values=cache,
-                             use_cache=True).last_hidden_state  # (R, 1, D)
+            mask = attention_mask[:, :P + t + 1] if padded else None  # (R, P+t+1)
+            hidden = step(token, positions[:, t:t + 1], mask, cache) if step else decoder(
+                input_ids=token[:, None], attention_mask=mask, position_ids=positions[:, t:t + 1], past_key_values=cache,
+                use_cache=True).last_hidden_state  # (R, 1, D)
 
     # Rows sample on after their EOS until they are dropped (difference 4); mask and blank that afterwards. A call ended
     # early (every row finished, or `stop`) made t + 1 tokens.

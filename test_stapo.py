@@ -1107,8 +1107,7 @@ def test_rollout_prefills_each_prompt_once():
     (which prefills every row)."""
     lm, prompts = _eos_biased_model(105), _prompts()
     seen = []
-    handle = lm.get_decoder().register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    handle = lm.get_decoder().embed_tokens.register_forward_pre_hook(lambda module, args: seen.append(len(args[0])))
     r = sample_groups(lm, prompts, 3, max_new_tokens=48, temperature=0, eos_token_id=2, pad_token_id=0)
     handle.remove()
     assert seen[:2] == [4, 12] and len(r) == 12
@@ -1119,14 +1118,14 @@ def test_rollout_prefills_each_prompt_once():
 
 
 def _cache_rows_per_step(lm):
-    """Records the KV cache's batch size at every decode call of lm's backbone; returns (list, hook handle)."""
+    """Records the running rows at every decode step of lm's backbone (the rows of its one-token embedding calls;
+    the prefill embeds whole prompts); returns (list, hook handle)."""
     seen = []
 
-    def hook(module, args, kwargs):
-        cache = kwargs["past_key_values"]
-        if cache.get_seq_length() > 0:  # not the prefill
-            seen.append(cache.layers[0].keys.shape[0])
-    return seen, lm.get_decoder().register_forward_pre_hook(hook, with_kwargs=True)
+    def hook(module, args):
+        if args[0].shape[1] == 1:  # not the prefill
+            seen.append(args[0].shape[0])
+    return seen, lm.get_decoder().embed_tokens.register_forward_pre_hook(hook)
 
 
 @pytest.mark.parametrize("temperature, top_p", [(0, 1.0), (1.0, 1.0), (0.8, 0.9)])
@@ -1224,6 +1223,56 @@ def test_rollout_onednn_linears_same_values():
     assert not rollout._packs(torch.zeros(2, 2, dtype=torch.float16)) and rollout._packs(head)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
+def test_rollout_written_out_decode_step(family):
+    """`rollout.DecodeStep` (the decode step written out layer by layer, on CPU) samples what the model's own forward
+    samples: greedy token for token and sampled with the same generator, log-probs to 1e-5, on left-padded prompts
+    (a padding mask), rows stopping at different lengths, for the three families it writes out (Qwen3's per-head
+    q/k norms, Llama, Qwen2's q/k/v biases, given random values here); the backbone's own forward then runs once,
+    for the prefill. A model it does not support (fp16 weights) decodes through the model's forward."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=False, bos_token_id=None, eos_token_id=2, pad_token_id=0,
+                 initializer_range=0.2)  # at the default 0.02 every prompt gets the same greedy tokens
+    torch.manual_seed(0)
+    lm = {"qwen3": lambda: tiny_model(),
+          "llama": lambda: LlamaForCausalLM(LlamaConfig(**sizes)).float().eval(),
+          "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**sizes)).float().eval()}[family]()
+    prompts = _prompts()
+    with torch.no_grad():
+        for m in lm.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.normal_(0, 0.1)
+        # as _eos_biased_model: EOS wins wherever a token would, the first token for which greedy rows stop apart
+        eos_row = lm.lm_head.weight[2].clone()
+        for token in range(4, 128):
+            lm.lm_head.weight[2] = 1.05 * lm.lm_head.weight[token]
+            lengths = generate(lm, prompts, max_new_tokens=40, temperature=0, eos_token_id=2, pad_token_id=0,
+                               vocab_size=_REAL_VOCAB, written_out=False).response_mask.sum(1)
+            if len(set(lengths.tolist())) > 2 and lengths.max() > 8:
+                break
+            lm.lm_head.weight[2] = eos_row
+    assert rollout.DecodeStep.supports(lm)
+    assert family != "qwen2" or lm.model.layers[0].self_attn.q_proj.bias is not None
+    calls = []
+    handle = lm.get_decoder().register_forward_pre_hook(lambda module, args: calls.append(1))
+    for temperature in (0, 1.0):
+        runs = []
+        for written_out in (True, False):
+            calls.clear()
+            runs.append(generate(lm, prompts, max_new_tokens=40, temperature=temperature, eos_token_id=2,
+                                 pad_token_id=0, vocab_size=_REAL_VOCAB, generator=torch.Generator().manual_seed(1),
+                                 written_out=written_out))
+            steps = int(runs[-1].response_mask.sum(1).max())
+            assert len(calls) == (1 if written_out else steps)  # the prefill only; else the prefill and each step
+        assert torch.equal(runs[0].response_ids, runs[1].response_ids)
+        torch.testing.assert_close(runs[0].logprobs, runs[1].logprobs, atol=1e-5, rtol=0)
+        assert runs[0].prompt_mask.float().mean() < 1 and steps > 8
+        assert temperature or len(set(runs[0].response_mask.sum(1).tolist())) > 2  # greedy rows stop apart
+    handle.remove()
+    assert not rollout.DecodeStep.supports(lm.half())
+
+
 def test_rollout_grouped_sdpa_no_repeated_cache(monkeypatch):
     """`model.grouped_sdpa` (on CPU, when a mask is given, under model.PACKED_SDPA, which PlainEngine and Policy
     give the model) equals SDPA over the key/value heads repeated per head group; the sampler then samples
@@ -1246,12 +1295,12 @@ def test_rollout_grouped_sdpa_no_repeated_cache(monkeypatch):
         calls = []
         monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: calls.append(x.shape[2]) or
                             x.repeat_interleave(n, 1))
-        runs[attention] = generate(lm, prompts, temperature=0, **kwargs), calls
+        runs[attention] = generate(lm, prompts, temperature=0, **kwargs, written_out=False), calls
     (ref, ref_calls), (r, calls) = runs["sdpa"], runs[model.PACKED_SDPA]
     assert torch.equal(r.response_ids, ref.response_ids) and len(set(r.response_mask.sum(1).tolist())) > 1
     torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
     assert calls == [] and len(ref_calls) > 2 * lm.config.num_hidden_layers  # transformers': every step
-    sampled = generate(lm, prompts, generator=torch.Generator().manual_seed(1), **kwargs)
+    sampled = generate(lm, prompts, generator=torch.Generator().manual_seed(1), **kwargs, written_out=False)
     recomputed = _recomputed_logprobs(lm, sampled, 1.0, _REAL_VOCAB)
     torch.testing.assert_close(sampled.logprobs[sampled.response_mask.bool()],
                                recomputed[sampled.response_mask.bool()], atol=1e-5, rtol=0)
