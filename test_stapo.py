@@ -2013,6 +2013,17 @@ def test_eval_data_errors_name_fields_lines_and_count_duplicates(tmp_path, monke
                                                    f"problem and answer; 3 rows remain")
 
 
+def test_read_rows_of_a_jsonl_file_needs_no_datasets(tmp_path):
+    """A .jsonl --data file is read without the `datasets` package (the GPU check runs where it is not installed):
+    with `import datasets` failing, the rows still come back."""
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"q": "1+1?", "a": "2"}) + "\n")
+    code = ("import sys; sys.modules['datasets'] = None; from data import read_rows; "
+            f"print(read_rows({str(path)!r}, 'q', 'a'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.strip() == "([{'problem': '1+1?', 'answer': '2'}], 0)", done.stderr
+
+
 def test_eval_hub_layout_mapping(monkeypatch):
     """The Hub code path (datasets.load_dataset) on testdata/hub/<name>/, rows in the layout (field names, types) of
     each Hub copy: every benchmark maps to the same problems and golds as its local file."""
@@ -4507,7 +4518,8 @@ def test_bench_gpu_smoke(tmp_path):
     with _one_thread():
         bench.bench_gpu(smoke=True, out=tmp_path)
     rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
-    assert [r["part"] for r in rows] == ["train"] * 3 + ["numerics"] * 2 + ["head"] * 2 + ["rollout"] * 2 + ["e2e"] * 2
+    assert [r["part"] for r in rows] == ["train"] * 3 + ["numerics"] * 2 + ["head"] * 2 + ["rollout"] * 3 + ["e2e"] * 2
+    assert [r["sampler"] for r in rows if r["part"] == "rollout"] == ["rollout.generate"] * 2 + ["model.generate"]
     for r in rows:
         if r["part"] == "train":
             assert r["updates"] == 1 and math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["mfu"] > 0
@@ -4521,6 +4533,9 @@ def test_bench_gpu_smoke(tmp_path):
             assert r["updates"] == 1 and 1 <= r["response/len_mean"] <= 8  # --max-response-len 8
     table = (tmp_path / "gpu.md").read_text()
     assert "| one mini-batch update |" in table and "| train.py step |" in table and "vLLM: not measured" in table
+    # --parts: only those parts, and the table is written after each (a run cut short keeps what it measured)
+    bench.bench_gpu(smoke=True, out=tmp_path / "some", parts=("numerics",))
+    assert {r["part"] for r in json.loads((tmp_path / "some" / "gpu.json").read_text())["rows"]} == {"numerics", "head"}
 
 
 # ==================================================================================================================
