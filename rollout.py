@@ -748,7 +748,8 @@ def gathered(policy: torch.nn.Module):
     collective and no FSDP bookkeeping per token. A no-op without FSDP.
 
     Memory: a full copy of the parameters on every rank while inside (e.g. 3.4 GB for 1.7B params in bf16), plus the
-    KV cache. Uses FSDP2 internals (the state's forward hooks; torch 2.13), as no public API detaches them.
+    KV cache. Uses FSDP2 internals (the state's forward hooks; torch 2.11-2.13, 2.11 in the GPU run of docs/gpu.md),
+    as no public API detaches them.
     """
     modules = [m for m in policy.modules() if isinstance(m, FSDPModule)]
     states = [m._get_fsdp_state() for m in modules]
