@@ -577,12 +577,13 @@ def plot_counterfactual_groups(panels: dict[str, dict[str, list[dict]]], out_png
             half = 1.96 * math.sqrt(sum((e - mean) ** 2 for e in effects) / (len(effects) - 1) / len(effects)) \
                 if len(effects) > 1 else 0.0
             ax.errorbar([j], [mean], yerr=[half], color="k", capsize=6, linewidth=2, marker="_", markersize=18)
-            zero = sum(abs(x["effect"]) <= 1.96 * x["stderr"] for x in xs) / len(xs)
-            ax.annotate(f"n = {len(xs)}\n{zero:.0%} ~ 0", (j, 0), xycoords=("data", "axes fraction"),
-                        xytext=(0, 3), textcoords="offset points", ha="center", fontsize=7)
         ax.axhline(0, color="k", linewidth=0.6, linestyle="--")
-        ax.set_xticks(range(len(groups)), [g.replace("candidates the S2T rule ", "cand., S2T\n") for g in groups],
-                      fontsize=8)
+        # under each group, below the axis (where no point can hide it): its size and share indistinguishable from 0
+        labels = []
+        for group, xs in groups.items():
+            zero = sum(abs(x["effect"]) <= 1.96 * x["stderr"] for x in xs) / len(xs)
+            labels.append(group.replace("candidates the S2T rule ", "cand., S2T\n") + f"\nn = {len(xs)}\n{zero:.0%} ~ 0")
+        ax.set_xticks(range(len(groups)), labels, fontsize=7)
         ax.set_title(name, fontsize=9)
     axes[0][0].set_ylabel("effect: success kept - success redrawn\n(black: mean, 95% interval; ~ 0: within 1.96 se)")
     fig.tight_layout()
