@@ -4378,7 +4378,7 @@ def test_counterfactual_pick_tokens_and_summary():
     assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines())
 
 
-def test_counterfactual_wilson_interval_and_pooled_groups():
+def test_counterfactual_wilson_interval_and_pooled_groups(tmp_path, monkeypatch):
     """The Wilson interval against published values (Newcombe 1998: 81/263 -> 0.2553-0.3662; 0/10 -> 0-0.2775);
     pooled groups per algorithm: its kinds, then its candidates split by the S2T rule, whatever mask it trained with."""
     assert counterfactual.wilson(81, 263) == pytest.approx((0.2553, 0.3662), abs=1e-4)
@@ -4401,6 +4401,17 @@ def test_counterfactual_wilson_interval_and_pooled_groups():
     table = counterfactual.pooled_summary(lines).splitlines()
     assert len(table) == 2 + 2 * 5 and table[2].startswith("| justrl (2 seeds, steps 1-3) | silenced | 0 |")
     assert table[6].startswith("|  | candidates the S2T rule keeps | 1 | +0.500 | 0% (0%-79%) |")
+    # the figure: each group's size and share under its tick label, nothing written inside the axes over the points
+    import matplotlib.pyplot as plt
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    assert plots.plot_counterfactual_groups(groups, str(tmp_path / "groups.png"))
+    monkeypatch.undo()
+    axes = figures[0].axes
+    assert [t.get_text() for t in axes[1].get_xticklabels()] == [
+        "silenced\nn = 2\n50% ~ 0", "cand., S2T\nsilences\nn = 1\n100% ~ 0", "cand., S2T\nkeeps\nn = 1\n0% ~ 0"]
+    assert all(not ax.texts for ax in axes)
+    plt.close(figures[0])
 
 
 def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
