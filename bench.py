@@ -4,7 +4,7 @@
     python bench.py logprobs        # chunked log-prob/entropy vs naive: memory and time at Qwen3's vocabulary
     python bench.py generate        # our sampler vs model.generate (tiny, SmolLM2), FSDP2 vs one process
     python bench.py grader          # reward.grade throughput
-    python bench.py gpu             # the CUDA path at Qwen3-1.7B shape on one GPU (<= ~8 min on an H200; not in `all`)
+    python bench.py gpu             # the CUDA path at Qwen3-1.7B shape on one GPU (~7 min on an H200, estimated; not in `all`)
     python bench.py gpu --smoke     # the same code at toy shapes on the CPU in seconds (run by the test suite)
     python bench.py gpu --parts numerics,rollout   # some of its parts: train, numerics, rollout, e2e
     python bench.py update          # token-budget vs sequence-count micro-batches; peak memory vs length vs estimate
