@@ -1079,15 +1079,20 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
                                          pad_token_id=plain.pad, vocab_size=plain.vocab_size,
                                          generator=torch.Generator().manual_seed(seed), **options, **kwargs)
         return sample
+    # Each engine takes the weights once, outside the timed runs, as once per rollout phase in training: the plain
+    # sampler's DecodeStep (stacked, reordered copies: PlainEngine.ready), vLLM's copy (VLLMEngine.ready's push).
+    prepare = {"plain": _best(lambda: rollout.DecodeStep(lm, plain.vocab_size), 3)}
     engines = {name: plain_engine(*s) for name, s in samplers.items()}
+    engines["plain"] = plain_engine(rollout, lm, written_out=prepare["plain"][1])
     engines["plain, model forward"] = plain_engine(rollout, lm, written_out=False)  # without rollout.DecodeStep
     if importlib.util.find_spec("vllm") is not None:
         tokens = 64 + 64  # the longest prompt (the chat ones: <= 63 tokens) + response
         vllm = rollout.make_engine("vllm", lm, tokenizer, chat=False, max_model_len=tokens, dtype=torch.float32,
                                    kv_cache_memory_bytes=model.kv_cache_bytes(lm.config, 128, tokens, 4))
-        with vllm.ready(lm):  # the weights, pushed once
-            pass
+        prepare["vLLM-CPU"] = _best(lambda: vllm.push_weights(lm), 3)  # what VLLMEngine.ready does on CPU
         engines["vLLM-CPU"] = lambda prompts, G, seed, T: vllm.sample(prompts, G, [seed], len(prompts), T, 1.0, 1.0)
+    print(f"\nTaking the weights, once per rollout phase (best of 3): " +
+          ", ".join(f"{name} {seconds:.2f} s" for name, (seconds, _) in prepare.items()))
     assert torch.get_num_threads() == threads
     matmuls = _DecodeMatmuls(lm, plain.vocab_size)
     workloads = {"issue: 32 x G 4, <= 64 tokens": (_sums_prompts(tokenizer, 32), 4, 64),
@@ -1193,8 +1198,8 @@ def bench_decode_step(rows=(1, 4, 32, 128), threads=(2, 1), steps=16, reps=5):
             def decode(written_out):
                 with torch.inference_mode(), contextlib.nullcontext() if written_out else \
                         rollout._onednn_linears(decoder):
-                    step = rollout.DecodeStep(decoder) if written_out else None
-                    head = rollout._packed(lm.get_output_embeddings().weight)
+                    step = rollout.DecodeStep(lm) if written_out else None
+                    head = step.head if step else rollout._packed(lm.get_output_embeddings().weight)
                     cache = rollout.InPlaceCache(lm.config, R, 12 + steps)
                     hidden = decoder(input_ids=prompt, past_key_values=cache, use_cache=True).last_hidden_state
                     tokens, start = [], time.perf_counter()

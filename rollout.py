@@ -44,7 +44,8 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
 9. On CPU the decode steps of a Llama, Qwen2 or Qwen3 model (`DecodeStep`) are written out here layer by layer
    instead of running the model's forward: the same equations, computed by the model's own norm, rotary and
    activation modules, with q, k, v as one matmul and gate, up as one (their weights stacked and reordered for
-   oneDNN once per generate call), and none of the forward's per-call work (mask and position preparation, output
+   oneDNN once per rollout phase by `PlainEngine.ready`, as vLLM takes its weights once per phase; a bare
+   `generate` call does it per call), and none of the forward's per-call work (mask and position preparation, output
    objects, the cache's bookkeeping). The prefill runs the model's forward. Tested token for token against the
    model's forward for the three families, with a padding mask. The step is not compiled: `torch.compile` of the
    backbone took minutes to compile on CPU for a gain within the noise, and inductor cannot take reordered weights
@@ -354,16 +355,19 @@ class DecodeStep:
         h = h + softmax(q K^T / sqrt(hd) + mask) V W_o^T         SDPA over grouped heads, padding masked
         x = RMSNorm(h);  g, u = x [W_gate; W_up]^T               one matmul
         h = h + (act(g) * u) W_down^T
-    The norms, rotary angles and activation are the model's own modules; the weights are stacked and reordered for
-    oneDNN once per generate call (the only copy of them meanwhile: the prefill then runs F.linear)."""
+    The norms, rotary angles and activation are the model's own modules. The weights (and the LM head's real rows,
+    `head`) are stacked and reordered for oneDNN when the step is built (the only copy of them meanwhile: the prefill
+    then runs F.linear): once per rollout phase in `PlainEngine.ready`, once per call in a bare `generate`. A step
+    holds copies, so it is valid only until the weights change."""
 
-    def __init__(self, decoder: torch.nn.Module):
-        self.decoder, self.layers = decoder, []
-        for layer in decoder.layers:
+    def __init__(self, model, vocab_size: int | None = None):
+        self.decoder, self.layers, self.vocab_size = model.get_decoder(), [], vocab_size
+        for layer in self.decoder.layers:
             attention, mlp = layer.self_attn, layer.mlp
             self.layers.append((layer, _packed_cat([attention.q_proj, attention.k_proj, attention.v_proj]),
                                 _packed_cat([attention.o_proj]), _packed_cat([mlp.gate_proj, mlp.up_proj]),
                                 _packed_cat([mlp.down_proj])))
+        self.head = _packed(model.get_output_embeddings().weight[:vocab_size])  # (R, D) -> (R, V') real rows only
 
     @staticmethod
     def supports(model) -> bool:
@@ -408,7 +412,7 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
              eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
              generator: torch.Generator | None = None, vocab_size: int | None = None,
              compact: float | None = COMPACT_FRACTION, stop: Callable[[], bool] | None = None,
-             written_out: bool = True) -> Rollout:
+             written_out: "bool | DecodeStep" = True) -> Rollout:
     """Sample one response per prompt from the HF causal LM `model` (under FSDP2: `policy.lm` inside `gathered`).
 
     eos_token_id/pad_token_id default to the model config's. vocab_size = number of real token ids (rows >= it are
@@ -416,8 +420,9 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
     reproducible. Finished rows leave the running batch once they are a share `compact` of it (0: as soon as any
     row finishes; None: never; the tokens are the same either way). `stop()`, asked at each stop check, ends the
     call early (the trainer's stop signal, run_folder.Preemption): that rollout is incomplete, the caller drops it.
-    `written_out`: decode through `DecodeStep` where it supports the model (difference 9); False: through the
-    model's own forward at every step (the same tokens up to fp32 rounding).
+    `written_out`: decode through `DecodeStep` where it supports the model (difference 9), built for this call; a
+    `DecodeStep` of this model built since its weights last changed (`PlainEngine` builds one per rollout phase):
+    through that one; False: through the model's own forward at every step (the same tokens up to fp32 rounding).
     The KV cache goes in as `past_key_values` (transformers 5.17-5.19; later 5.x also call it `cache`).
     """
     device = next(model.parameters()).device
@@ -428,7 +433,11 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
     prompt, prompt_mask = (x.to(device) for x in _left_pad(prompt_ids, pad))  # (B, P)
     P = prompt.shape[1]
     decoder = model.get_decoder()
-    step = DecodeStep(decoder) if written_out and DecodeStep.supports(model) else None  # difference 9
+    step = written_out if isinstance(written_out, DecodeStep) else \
+        DecodeStep(model, vocab_size) if written_out and DecodeStep.supports(model) else None  # difference 9
+    if step is not None and (step.decoder is not decoder or step.vocab_size != vocab_size):
+        raise ValueError(f"generate got the DecodeStep of another model or vocab_size ({step.vocab_size}, not "
+                         f"{vocab_size})")
     with torch.inference_mode(), nullcontext() if step else _onednn_linears(decoder):  # inference_mode: cheaper per op
         # Full-batch output buffers, and the running batch: `rows` (R,) are the rows still decoding, in the order of
         # the cache's first R rows, as are their attention mask and positions. Generated positions are always
@@ -447,7 +456,7 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
         # The backbone and the LM head are called as Policy.forward calls them, so the sampler and the training
         # forward compute the same distribution (up to the matmul kernel on CPU: difference 8), and the head only
         # sees the last position.
-        head = _packed(model.get_output_embeddings().weight[:vocab_size])  # (R, D) -> (R, V') real rows only
+        head = step.head if step else _packed(model.get_output_embeddings().weight[:vocab_size])  # (R, D) -> (R, V')
         cache = InPlaceCache(model.config, B, P + T)
         # Prefill each distinct prompt once (the G rows of a group share it), then give every row its prompt's cache.
         first = first_with_same_prompt(prompt, prompt_mask)  # (B,)
@@ -527,13 +536,19 @@ class PlainEngine:
     def __init__(self, lm, eos_token_id, pad_token_id: int, vocab_size: int | None,
                  stop: Callable[[], bool] | None = None):
         self.lm, self.eos, self.pad, self.vocab_size, self.stop = lm, eos_token_id, pad_token_id, vocab_size, stop
+        self.step = True  # generate's `written_out`: a DecodeStep during a rollout phase
         lm.set_attn_implementation(PACKED_SDPA)  # as model.Policy does: model.grouped_sdpa under a mask
 
     @contextmanager
     def ready(self, policy):
-        """The rollout phase: under FSDP2 the parameters stay gathered (`gathered`); every rank must enter."""
+        """The rollout phase: under FSDP2 the parameters stay gathered (`gathered`); every rank must enter. On CPU
+        the decode step's weights are stacked and reordered here, once for every generate call of the phase."""
         with gathered(policy):
-            yield self
+            self.step = DecodeStep(self.lm, self.vocab_size) if DecodeStep.supports(self.lm) else True
+            try:
+                yield self
+            finally:
+                self.step = True  # the copies go; the weights change before the next phase
 
     def sample(self, prompts: list[list[int]], group_size: int, seeds: list[int], chunk: int, max_new_tokens: int,
                temperature: float, top_p: float) -> Rollout:
@@ -544,7 +559,7 @@ class PlainEngine:
             parts.append(sample_groups(
                 self.lm, prompts[c:c + chunk], group_size, max_new_tokens=max_new_tokens, temperature=temperature,
                 top_p=top_p, eos_token_id=self.eos, pad_token_id=self.pad, vocab_size=self.vocab_size,
-                generator=torch.Generator(device).manual_seed(seed), stop=self.stop))
+                generator=torch.Generator(device).manual_seed(seed), stop=self.stop, written_out=self.step))
             if self.stop is not None and self.stop():
                 break
         return concat(parts, self.pad)

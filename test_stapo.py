@@ -1273,6 +1273,41 @@ def test_rollout_written_out_decode_step(family):
     assert not rollout.DecodeStep.supports(lm.half())
 
 
+def test_plain_engine_takes_the_weights_once_per_phase(monkeypatch):
+    """`PlainEngine.ready` builds one `DecodeStep` (the stacked, reordered weight copies) for every generate call of a
+    rollout phase, samples what per-call steps sample, drops the copies at the end of the phase and builds them anew
+    from the changed weights in the next (a step kept across phases would sample from the old weights). generate
+    refuses the step of another model or vocabulary size."""
+    lm, prompts = _eos_biased_model(105), _prompts()
+    engine = rollout.PlainEngine(lm, 2, 0, _REAL_VOCAB)
+    built = []
+    monkeypatch.setattr(rollout.DecodeStep, "__init__", lambda self, *a, init=rollout.DecodeStep.__init__:
+                        built.append(1) or init(self, *a))
+
+    def phase():
+        built.clear()
+        with engine.ready(lm):
+            assert isinstance(engine.step, rollout.DecodeStep)
+            r = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)  # four generate calls
+        assert len(built) == 1 and engine.step is True
+        per_call = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)  # outside a phase: a step per call
+        assert len(built) == 1 + len(prompts)
+        assert torch.equal(r.response_ids, per_call.response_ids)
+        torch.testing.assert_close(r.logprobs, per_call.logprobs, atol=1e-6, rtol=0)
+        return r
+
+    before = phase()
+    with torch.no_grad():
+        lm.lm_head.weight.mul_(3.0)  # the update between two phases
+    after = phase()
+    assert not torch.equal(before.response_ids, after.response_ids)
+    step = rollout.DecodeStep(lm, _REAL_VOCAB)
+    for other in (dict(model=tiny_model(), vocab_size=_REAL_VOCAB), dict(model=lm, vocab_size=None)):
+        with pytest.raises(ValueError, match="DecodeStep of another model or vocab_size"):
+            generate(other["model"], prompts, max_new_tokens=4, eos_token_id=2, pad_token_id=0,
+                     vocab_size=other["vocab_size"], written_out=step)
+
+
 def test_rollout_grouped_sdpa_no_repeated_cache(monkeypatch):
     """`model.grouped_sdpa` (on CPU, when a mask is given, under model.PACKED_SDPA, which PlainEngine and Policy
     give the model) equals SDPA over the key/value heads repeated per head group; the sampler then samples
