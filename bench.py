@@ -1091,7 +1091,7 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
                                    kv_cache_memory_bytes=model.kv_cache_bytes(lm.config, 128, tokens, 4))
         prepare["vLLM-CPU"] = _best(lambda: vllm.push_weights(lm), 3)  # what VLLMEngine.ready does on CPU
         engines["vLLM-CPU"] = lambda prompts, G, seed, T: vllm.sample(prompts, G, [seed], len(prompts), T, 1.0, 1.0)
-    print(f"\nTaking the weights, once per rollout phase (best of 3): " +
+    print("\nTaking the weights, once per rollout phase (best of 3): " +
           ", ".join(f"{name} {seconds:.2f} s" for name, (seconds, _) in prepare.items()))
     assert torch.get_num_threads() == threads
     matmuls = _DecodeMatmuls(lm, plain.vocab_size)

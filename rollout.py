@@ -62,7 +62,7 @@ from functools import partial
 import torch
 from torch.distributed.fsdp import FSDPModule
 from transformers.cache_utils import Cache, DynamicLayer
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import rotate_half
 
 from model import (PACKED_SDPA, attention_buckets, first_with_same_prompt, grouped_sdpa, kv_cache_bytes,
                    lm_vocab_size, position_ids_from_mask)
@@ -351,11 +351,12 @@ class DecodeStep:
     None], position_ids=..., attention_mask=..., past_key_values=cache)` returns it. Per layer, the equations of the
     model's own forward:
         x = RMSNorm(h);  q, k, v = x [W_q; W_k; W_v]^T (+ b)     one matmul (Qwen3: q, k <- per-head RMSNorm)
-        q, k = RoPE(q, k, position);  K, V = cache + (k, v)      the in-place cache write
+        q, k = RoPE(q, k, position);  K, V = cache + (k, v)      x cos + rotate_half(x) sin; the in-place write
         h = h + softmax(q K^T / sqrt(hd) + mask) V W_o^T         SDPA over grouped heads, padding masked
         x = RMSNorm(h);  g, u = x [W_gate; W_up]^T               one matmul
         h = h + (act(g) * u) W_down^T
-    The norms, rotary angles and activation are the model's own modules. The weights (and the LM head's real rows,
+    The norms, rotary angles and activation are the model's own modules; q and k, adjacent heads of one matmul's
+    output, are rotated as one tensor, and the padding mask is made additive once for all layers. The weights (and the LM head's real rows,
     `head`) are stacked and reordered for oneDNN when the step is built (the only copy of them meanwhile: the prefill
     then runs F.linear): once per rollout phase in `PlainEngine.ready`, once per call in a bare `generate`. A step
     holds copies, so it is valid only until the weights change."""
@@ -379,22 +380,23 @@ class DecodeStep:
                  cache: InPlaceCache) -> torch.Tensor:
         h = self.decoder.embed_tokens(token[:, None])  # (R, 1, D)
         R = h.shape[0]
-        cos, sin = self.decoder.rotary_emb(h, position)  # (R, 1, hd) each
-        mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()  # (R, 1, 1, L)
+        cos, sin = (x[:, :, None] for x in self.decoder.rotary_emb(h, position))  # (R, 1, 1, hd) each
+        mask = None if attention_mask is None else h.new_zeros(R, 1, 1, attention_mask.shape[1]).masked_fill_(
+            attention_mask[:, None, None, :] == 0, float("-inf"))  # (R, 1, 1, L) additive, once for every layer
         for (layer, qkv, out, gate_up, down), layer_cache in zip(self.layers, cache.layers):
             attention, mlp = layer.self_attn, layer.mlp
             hd = attention.head_dim
-            q, k, v = qkv(layer.input_layernorm(h)).split(
-                [m.out_features for m in (attention.q_proj, attention.k_proj, attention.v_proj)], dim=-1)
-            q, k, v = (x.view(R, 1, -1, hd) for x in (q, k, v))  # (R, 1, heads, hd)
+            H, KV = attention.q_proj.out_features // hd, attention.k_proj.out_features // hd
+            x = qkv(layer.input_layernorm(h)).view(R, 1, H + 2 * KV, hd)  # (R, 1, heads of q, k, v, hd)
+            qk = x[:, :, :H + KV]  # (R, 1, H + KV, hd)
             if hasattr(attention, "q_norm"):  # Qwen3
-                q, k = attention.q_norm(q), attention.k_norm(k)
-            q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (R, heads, 1, hd)
-            keys, values = layer_cache.update(k, v.transpose(1, 2))  # (R, kv_heads, L, hd)
-            o = grouped_sdpa(q, keys, values, mask, attention.scaling)  # (R, 1, heads, hd)
-            h = h + out(o.reshape(R, 1, -1))
+                qk = torch.cat([attention.q_norm(qk[:, :, :H]), attention.k_norm(qk[:, :, H:])], dim=2)
+            qk = (qk * cos + rotate_half(qk) * sin).transpose(1, 2)  # RoPE of q and k at once: (R, H + KV, 1, hd)
+            keys, values = layer_cache.update(qk[:, H:], x[:, :, H + KV:].transpose(1, 2))  # (R, KV, L, hd)
+            o = grouped_sdpa(qk[:, :H], keys, values, mask, attention.scaling)  # (R, 1, H, hd)
+            h += out(o.reshape(R, 1, -1))
             gate, up = gate_up(layer.post_attention_layernorm(h)).chunk(2, dim=-1)  # (R, 1, I) each
-            h = h + down(mlp.act_fn(gate) * up)
+            h += down(mlp.act_fn(gate) * up)
         return self.decoder.norm(h)  # (R, 1, D)
 
 
