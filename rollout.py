@@ -356,10 +356,10 @@ class DecodeStep:
         x = RMSNorm(h);  g, u = x [W_gate; W_up]^T               one matmul
         h = h + (act(g) * u) W_down^T
     The norms, rotary angles and activation are the model's own modules; q and k, adjacent heads of one matmul's
-    output, are rotated as one tensor, and the padding mask is made additive once for all layers. The weights (and the LM head's real rows,
-    `head`) are stacked and reordered for oneDNN when the step is built (the only copy of them meanwhile: the prefill
-    then runs F.linear): once per rollout phase in `PlainEngine.ready`, once per call in a bare `generate`. A step
-    holds copies, so it is valid only until the weights change."""
+    output, are rotated as one tensor, and the padding mask is made additive once for all layers. The weights (and
+    the LM head's real rows, `head`) are stacked and reordered for oneDNN when the step is built (the only copy of
+    them meanwhile: the prefill then runs F.linear): once per rollout phase in `PlainEngine.ready`, once per call in
+    a bare `generate`. A step holds copies, so it is valid only until the weights change."""
 
     def __init__(self, model, vocab_size: int | None = None):
         self.decoder, self.layers, self.vocab_size = model.get_decoder(), [], vocab_size
