@@ -365,16 +365,27 @@ def _at(values, threshold):
     return torch.tensor([threshold])
 
 
-def _ranks(algo, batch, chunks):
-    """stapo.token_weights on each chunk of rows as on a rank of its own, with an all-gather of the entropy values
-    simulated in two passes (record every chunk's values, then hand all of them to every chunk)."""
+def _keys(chunk, seed=5):
+    """randmask's keys of these rows of the batch (their places in the whole mini-batch), T = 8."""
+    return s2t.random_keys(seed, range(int(chunk[0]), int(chunk[-1]) + 1), 8)
+
+
+def _ranks(algo, batch, chunks, seed=5):
+    """stapo.token_weights on each chunk of rows as on a rank of its own, with its all-gathers simulated: a pass
+    records each chunk's j-th gathered values, the next hands every chunk all chunks' j-th values of the pass
+    before, until nothing changes (the values of a later gather may depend on an earlier one: randmask's count)."""
     logprobs, entropy, old, ref, adv, mask = batch
-    seen = []
-    for c in chunks:
-        stapo.token_weights(algo, logprobs[c], entropy[c], adv[c], mask[c], TAU_P, 0.75, lambda v: seen.append(v) or v)
-    every = torch.cat(seen) if seen else None
-    return [stapo.token_weights(algo, logprobs[c], entropy[c], adv[c], mask[c], TAU_P, 0.75, lambda v: every)
-            for c in chunks]
+    every = None
+    for _ in range(4):  # token_weights gathers at most 3 times: entropies, randmask's count, randmask's keys
+        seen = [[] for _ in chunks]
+
+        def gather(values, i):
+            seen[i].append(values)
+            return values if every is None else every[len(seen[i]) - 1]
+        parts = [stapo.token_weights(algo, logprobs[c], entropy[c], adv[c], mask[c], TAU_P, 0.75,
+                                     lambda v, i=i: gather(v, i), _keys(c, seed)) for i, c in enumerate(chunks)]
+        every = [torch.cat(values) for values in zip(*seen)]
+    return parts
 
 
 def _update(algo, batch, sizes, beta=0.04):
@@ -446,6 +457,92 @@ def test_algo_fullmask_silences_all_candidates():
     weights, silenced, tau, den = stapo.token_weights("fullmask", logprobs, entropy, adv, mask, TAU_P)
     assert torch.equal(silenced, s2t.candidates(logprobs, adv, mask, TAU_P)) and tau is None
     assert den.item() == mask.sum().item() - silenced.sum().item()
+
+
+def test_algo_randmask_silences_s2t_count_at_random():
+    """RandMask silences exactly as many candidates as S2T, at positions its seed decides; the same positions for
+    any split of the mini-batch's rows over ranks."""
+    batch = _batch()
+    logprobs, entropy, old, ref, adv, mask = batch
+    cand = s2t.candidates(logprobs, adv, mask, TAU_P)
+    n = s2t.spurious_mask(logprobs, entropy, adv, mask, TAU_P, 0.75)[0].sum().item()
+    assert 0 < n < cand.sum().item()
+    chosen = []
+    for seed in range(40):
+        weights, silenced, tau, den = stapo.token_weights("randmask", logprobs, entropy, adv, mask, TAU_P, 0.75,
+                                                          keys=s2t.random_keys(seed, range(6), 8))
+        assert silenced.sum().item() == n and not (silenced & ~cand).any()  # S2T's count, candidates only
+        assert den.item() == mask.sum().item() - n and torch.equal(weights, (mask > 0).float() * ~silenced)
+        for sizes in ([1, 2, 3], [3, 3]):  # the same tokens when the rows are split over ranks
+            parts = _ranks("randmask", batch, torch.arange(6).split(sizes), seed)
+            assert torch.equal(torch.cat([p.silenced for p in parts]), silenced)
+        chosen.append(silenced)
+    assert len({tuple(c.flatten().tolist()) for c in chosen}) > 1  # another seed, other tokens
+    assert (torch.stack(chosen).sum(0)[cand] > 0).all()  # every candidate is chosen under some seed
+    with pytest.raises(ValueError, match="random keys"):
+        stapo.token_weights("randmask", logprobs, entropy, adv, mask, TAU_P, 0.75)
+
+
+def test_algo_randmask_keys_do_not_depend_on_the_ranks():
+    """train.random_keys: rank r of W holds rows r*b..r*b+b-1 of the mini-batch (train.rank_slice); its keys are those
+    rows' keys of one process, whatever T its rows were padded to."""
+    cfg = train.Config(seed=3, max_response_len=8)
+    whole = train.random_keys(SimpleNamespace(cfg=cfg, rank=0), 2, 1, _keys_mb(6, 8))  # (6, 8)
+    for world in (2, 3):
+        b = 6 // world
+        for rank in range(world):
+            T = 8 - rank  # ranks pad their rows to different lengths
+            got = train.random_keys(SimpleNamespace(cfg=cfg, rank=rank), 2, 1, _keys_mb(b, T))
+            assert torch.equal(got, whole[rank * b:(rank + 1) * b, :T])
+    assert not torch.equal(whole, train.random_keys(SimpleNamespace(cfg=cfg, rank=0), 2, 0, _keys_mb(6, 8)))
+    assert not torch.equal(whole, train.random_keys(SimpleNamespace(cfg=cfg, rank=0), 3, 1, _keys_mb(6, 8)))
+
+
+def _keys_mb(b, T):
+    return SimpleNamespace(rollout=SimpleNamespace(response_ids=torch.zeros(b, T, dtype=torch.long)))
+
+
+_PERM = [0, 3, 4, 1, 2, 5]  # _batch's rows reordered: lengths 8, 8, 6 on rank 0, then 5, 3, 2 on rank 1
+
+
+def _randmask_worker(rank: int, init_file: str, out_dir: str):
+    """One of 2 gloo ranks: randmask, highmask and S2T on its half of the mini-batch, its rows padded to its own T,
+    gathers through train's."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    rows = _PERM[3 * rank:3 * rank + 3]
+    logprobs, entropy, old, ref, adv, mask = (x[rows] for x in _batch())
+    T = int(mask.sum(1).max())  # 8 on rank 0, 5 on rank 1
+    out = {}
+    for algo in ("randmask", "highmask", "stapo"):
+        w = stapo.token_weights(algo, logprobs[:, :T], entropy[:, :T], adv[:, :T], mask[:, :T], TAU_P, 0.75,
+                                train.all_gather_cat, s2t.random_keys(5, range(3 * rank, 3 * rank + 3), 8)[:, :T])
+        out[algo] = torch.nn.functional.pad(w.silenced, (0, 8 - T))
+    torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_algo_controls_two_processes_equal_one():
+    """randmask and highmask on 2 gloo processes (each half of the rows, padded to its own length) = 1 process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _two_processes(_randmask_worker, tmp, "2-process token_weights hung")
+        parts = [torch.load(os.path.join(tmp, f"{rank}.pt")) for rank in range(2)]
+    logprobs, entropy, old, ref, adv, mask = (x[_PERM] for x in _batch())
+    for algo in ("randmask", "highmask", "stapo"):
+        one = stapo.token_weights(algo, logprobs, entropy, adv, mask, TAU_P, 0.75, keys=s2t.random_keys(5, range(6), 8))
+        assert one.silenced.any(), algo
+        assert torch.equal(torch.cat([p[algo] for p in parts]), one.silenced), algo
+
+
+def test_algo_highmask_silences_the_candidates_s2t_keeps():
+    logprobs, entropy, old, ref, adv, mask = _batch()
+    cand = s2t.candidates(logprobs, adv, mask, TAU_P)
+    s2t_silenced, tau_h = s2t.spurious_mask(logprobs, entropy, adv, mask, TAU_P, 0.75)
+    weights, silenced, tau, den = stapo.token_weights("highmask", logprobs, entropy, adv, mask, TAU_P, 0.75)
+    assert torch.equal(silenced, cand & ~s2t_silenced) and silenced.any() and tau == tau_h
+    assert (entropy[silenced] >= tau_h).all()  # the high-entropy candidates
+    assert den.item() == mask.sum().item() - silenced.sum().item()
+    assert not (silenced & s2t_silenced).any() and torch.equal(silenced | s2t_silenced, cand)  # the complement
 
 
 def test_algo_20_entropy_keeps_top_fifth_and_full_denominator():
@@ -765,7 +862,8 @@ def test_train_packed_rows_match_each_row_alone(algo):
     old = (logprobs.detach() + 0.15 * torch.randn(mask.shape, generator=g)) * mask  # ratios away from 1: clipping
     ref = (logprobs.detach() + 0.1 * torch.randn(mask.shape, generator=g)) * mask if algo == "grpo" else None
     adv = stapo.group_advantages(torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, -1.0]), 3)[:, None].expand_as(mask)
-    weights, _, _, den = stapo.token_weights(algo, logprobs.detach(), entropy, adv, mask, cfg.tau_p, cfg.quantile)
+    weights, _, _, den = stapo.token_weights(algo, logprobs.detach(), entropy, adv, mask, cfg.tau_p, cfg.quantile,
+                                             keys=s2t.random_keys(0, range(len(mask)), mask.shape[1]))
     clip = train.clip_range(cfg)
     want, _ = stapo.policy_loss(logprobs, old, adv, weights, *clip, cfg.dual_clip, den)
     if ref is not None:

@@ -136,8 +136,9 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
             current = None if old is None else old.rows(rows)
         # The algorithm's token weights I_it (S2T: the mask, tau_h over the whole mini-batch) and the global N.
         p, H = (None, None) if current is None else (current.logprobs, current.entropy)  # None: not needed
+        keys = random_keys(run, step, k, mb) if stapo.ALGORITHMS[cfg.algo].silence == "random" else None  # (b, T)
         weights = stapo.token_weights(cfg.algo, p, H, mb.advantages, mb.mask, cfg.tau_p, cfg.quantile,
-                                      gather=all_gather_cat)
+                                      gather=all_gather_cat, keys=keys)
         denominator, nonzero = all_sum(weights.denominator, ((mb.advantages != 0) & (weights.weights > 0)).sum())
         loss_weights = weights.weights  # (b, T)
         if cfg.tis_cap is not None:  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
@@ -170,6 +171,15 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
     run.optimizer.zero_grad(set_to_none=True)
     log.pi_old(batch, old)
     return log.close(time.time() - t0)
+
+
+def random_keys(run: Run, step: int, k: int, mb: MiniBatch) -> torch.Tensor:
+    """(b, T) randmask's keys for this rank's rows of mini-batch k of step `step`: seeded from (seed, step, k) and
+    each row's place in the whole mini-batch (rank_slice: rank r holds rows r*b .. r*b+b-1), so the silenced
+    positions are the same on every number of ranks."""
+    b, T = mb.rollout.response_ids.shape
+    rows = range(run.rank * b, (run.rank + 1) * b)
+    return s2t.random_keys(hash((run.cfg.seed, step, k)) % 2**62, rows, run.cfg.max_response_len)[:, :T]
 
 
 def on_policy(cfg: Config) -> bool:
@@ -869,7 +879,7 @@ class Config:
     chat: bool = True
     """format prompts with the tokenizer's chat template (--no-chat: raw text, e.g. for tiny models)"""
     algo: str = "stapo"
-    """stapo | justrl | grpo | 20-entropy | fullmask"""
+    """stapo | justrl | grpo | 20-entropy | fullmask | randmask | highmask (stapo.ALGORITHMS)"""
     steps: int = 500
     """rollout steps (each makes prompts_per_step / mini_batch_prompts optimizer steps)"""
     prompts_per_step: int = 256
