@@ -167,6 +167,27 @@ def entropy_change(entropy_before: torch.Tensor, entropy_after: torch.Tensor, re
     return out
 
 
+TOKEN_KINDS = ("candidate", "low_p", "high_p_pos", "high_p_rest")  # by p < tau_p and the sign of A
+PARTS = ("graded", "after")  # up to and including the answer the reward reads, and the text after it
+
+
+def token_cells(logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+                graded: torch.Tensor, tau_p: float = 0.002) -> dict[str, torch.Tensor]:
+    """bool (B, T) masks that split the response tokens into kind x part, e.g. "candidate_after":
+        candidate      A > 0, p < tau_p (what S2T can silence)
+        low_p          p < tau_p, A <= 0 (other low-probability tokens)
+        high_p_pos     p >= tau_p, A > 0 (reinforced tokens S2T never sees)
+        high_p_rest    p >= tau_p, A <= 0
+    graded (B, T) bool: the tokens up to and including the answer the reward reads (train.graded_tokens)."""
+    mask = response_mask > 0  # (B, T)
+    low = logprobs.detach() < math.log(tau_p)  # (B, T)
+    pos = (advantages > 0).expand_as(mask)  # (B, T)
+    kinds = {"candidate": mask & low & pos, "low_p": mask & low & ~pos, "high_p_pos": mask & ~low & pos,
+             "high_p_rest": mask & ~low & ~pos}
+    return {f"{kind}_{part}": sel & (graded if part == "graded" else ~graded)
+            for kind, sel in kinds.items() for part in PARTS}
+
+
 def token_sample(stats: TokenStats, advantages: torch.Tensor, response_mask: torch.Tensor, silenced: torch.Tensor,
                  n_random: int, generator: torch.Generator, tau_p: float = 0.002,
                  w: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

@@ -2029,6 +2029,7 @@ def test_train_and_eval_use_your_own_reward_function(tmp_path, monkeypatch, caps
     for m in _metrics(tmp_path / "run"):
         assert m["reward/mean"] == pytest.approx(0.5 * m["reward/acc"] - 0.5 * (1 - m["reward/acc"]))
     last = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[-1])
+    assert len(last["eval/correct"]) == 4 and sum(last["eval/correct"]) == last["eval/acc"] * last["eval/n"]
     monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)
     results = ev.main(["--run", str(tmp_path / "run")])
     assert results["config"]["reward"] == even
@@ -2707,6 +2708,7 @@ def test_train_torchrun_two_processes_match_one(tmp_path):
     one, two = _metrics(tmp_path / "one")[0], _metrics(tmp_path / "two")[0]
     evals = [json.loads(line) for line in (tmp_path / "two" / "eval.jsonl").read_text().splitlines()]
     assert [e["eval/n"] for e in evals] == [4, 4]  # before and after, 1 problem x --eval-samples 4
+    assert all(e["eval/correct"] == [round(e["eval/acc"] * 4)] for e in evals)  # correct samples per problem
     assert one["updates"] == 2
     for key in ("reward/mean", "response/len_mean", "loss/policy", "grad_norm", "entropy/mean", "clip/frac_high"):
         assert one[key] == pytest.approx(two[key], rel=1e-4, abs=1e-6), key
@@ -3691,6 +3693,12 @@ def test_train_entropy_change_per_kind_of_token(tmp_path, monkeypatch):
     assert all(m[k] == 0.0 for m in still for k in keys), still
     assert any(m["entropy_change/other"] != 0.0 for m in moved)
     assert not any(k in _metrics(tmp_path / "off")[0] for k in keys)
+    for m in still + moved:  # the kind x part split: shares of the gradient norm, tokens, entropy change
+        tokens = m["response/len_mean"] * 16  # 4 prompts x G 4, each in one mini-batch
+        assert sum(m[f"shares/n_{cell}"] for cell in train.CELLS) == pytest.approx(tokens)
+        assert sum(m[f"shares/grad_{cell}"] for cell in train.CELLS) == pytest.approx(1.0)
+    assert all(m[f"shares/dH_{cell}"] == 0.0 for m in still for cell in train.CELLS)
+    assert any(m[f"shares/dH_{cell}"] != 0.0 for m in moved for cell in train.CELLS)
 
 
 def test_train_sets_mkl_reproducibility_before_torch_loads():
@@ -4262,7 +4270,8 @@ def test_train_logger_gets_the_metrics_keys(tmp_path, monkeypatch, name):
         assert train.main(_toy_args(_toy_data(tmp_path), out, steps=2, heldout=4, logger=name,
                                     export_hf=False)) == 0
     lines = _metrics(out) + [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
-    expected = {key for line in lines for key in line if key != "step"}
+    expected = {key for line in lines for key in line if key != "step" and not isinstance(line[key], list)}
+    assert "eval/correct" not in expected  # the per-problem counts stay in eval.jsonl
     if name == "tensorboard":
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -4398,6 +4407,7 @@ def test_eval_run_reproduces_train_heldout_evaluation(tmp_path, monkeypatch, cap
     with _one_thread():
         assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", heldout=17, steps=2)) == 0
     last = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[-1])
+    assert len(last["eval/correct"]) == 4 and sum(last["eval/correct"]) == last["eval/acc"] * last["eval/n"]
     monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)  # as train.py's was in this run
     results = ev.main(["--run", str(tmp_path / "run")])
     bench = results["models"][str(tmp_path / "run" / "hf")]["benchmarks"]["heldout"]
@@ -4648,6 +4658,41 @@ def test_entropy_change_against_a_hand_computation():
         assert got[f"entropy_change/{kind}_n"] == len(where)
         assert got[f"entropy_change/{kind}_sum"] == pytest.approx(sum(h1[w] - h0[w] for w in where), abs=1e-4)
     assert abs(got["entropy_change/silenced_sum"]) > 1e-3  # the update moved the entropy
+
+
+def test_token_cells_split_the_response_by_kind_and_part():
+    """s2t.token_cells on a hand-built case: every response token in exactly one kind x part."""
+    lp = torch.log(torch.tensor([[0.001, 0.5, 0.001, 0.9], [0.001, 0.3, 0.9, 0.5]]))
+    adv = torch.tensor([[1.0], [-1.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    graded = torch.tensor([[True, True, False, False], [True, False, False, False]])
+    cells = s2t.token_cells(lp, adv, mask, graded, TAU_P)
+    want = {"candidate_graded": [(0, 0)], "candidate_after": [(0, 2)], "high_p_pos_graded": [(0, 1)],
+            "high_p_pos_after": [(0, 3)], "low_p_graded": [(1, 0)], "high_p_rest_after": [(1, 1), (1, 2)]}
+    for cell, sel in cells.items():
+        assert sel.nonzero().tolist() == [list(w) for w in want.get(cell, [])], cell
+    assert torch.equal(sum(sel.int() for sel in cells.values()), mask)  # a partition of the response tokens
+
+
+def test_graded_chars_and_tokens():
+    """reward.graded_chars: the built-in modes end at the extracted answer, tasks/chain_sums at the first blank line,
+    a reward module without the hook grades everything; train.graded_tokens = the fewest tokens holding them (checked
+    against a linear scan)."""
+    text = "3 + 4 = 7. The answer is 7.\n\nQ: 1 + 1 = ?\nA: 2"
+    assert reward.graded_chars(text, "tasks.chain_sums:reward") == len("3 + 4 = 7. The answer is 7.")
+    assert reward.graded_chars("so \\boxed{12} and then 5 more", "dapo") == len("so \\boxed{12")
+    assert reward.graded_chars("no answer here", "dapo") == len("no answer here")
+    assert reward.graded_chars(text, "examples/reward_last_line.py:last_line") == len(text)
+    tok, text = tiny_tokenizer(), "3 + 4 = 7, so \\boxed{7}. Then 12 more words"
+    ids = torch.tensor([tok.encode(text) + [2, 0, 0]])  # EOS, padding
+    mask = torch.tensor([[1] * (ids.shape[1] - 2) + [0, 0]])
+    batch = Rollout(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long), ids, mask,
+                    torch.zeros(ids.shape), torch.zeros(1, dtype=torch.bool))
+    graded = train.graded_tokens(batch, tok, "dapo")
+    chars = reward.graded_chars(text, "dapo")
+    linear = next(m for m in range(ids.shape[1]) if len(tok.decode(ids[0, :m].tolist(), skip_special_tokens=True))
+                  >= chars)
+    assert graded[0].sum().item() == linear == len("3 + 4 = 7, so \\boxed{7") and graded[0, :linear].all()
 
 
 # ==================================================================================================================
