@@ -4695,6 +4695,60 @@ def test_graded_chars_and_tokens():
     assert graded[0].sum().item() == linear == len("3 + 4 = 7, so \\boxed{7") and graded[0, :linear].all()
 
 
+def test_collapse_outcomes_by_hand():
+    """collapse.py's pre-registered outcomes on hand-made curves."""
+    import collapse
+    assert collapse.collapse_step([.2, .6, .5, .4, .2, .1, .3]) == 5  # 0.2 and 0.1 below 0.6 / 2, steps 5 and 6
+    assert collapse.collapse_step([.2, .6, .5, .25, .2, .4]) == 4
+    assert collapse.collapse_step([.2, .6, .5, .25, .4, .2]) is None  # one step below half the peak is not one
+    assert collapse.collapse_step([.6, .1, .1, .5, .5]) is None  # before step 4 does not count
+    assert collapse.entropy_rise([.6, .4, .3, .4, .38]) == pytest.approx(0.1)
+    assert collapse.entropy_rise([.6, .5, .4]) == pytest.approx(-0.1)  # only falls
+    assert collapse.sign_test([1, 2, 1, 1, 3, 1]) == (6, 0, 2 / 64)
+    assert collapse.sign_test([1, 1, 1, 1, 1, -1]) == (5, 1, pytest.approx(14 / 64))
+    assert collapse.sign_test([0, 0, 1]) == (1, 0, 1.0)  # ties dropped
+
+
+def test_collapse_bootstrap_resamples_seeds_and_problems():
+    """A constant difference has a zero-width interval; a difference carried by one problem of four shows the
+    problem clustering: resampling problems widens the interval beyond resampling seeds alone."""
+    import collapse
+    assert collapse.bootstrap_mean_diff([[1.0, 1.0]] * 3, [[0.5, 0.5]] * 3, n=500) == pytest.approx((0.5, 0.5, 0.5))
+    a, b = [[1.0, 0.0, 0.0, 0.0]] * 6, [[0.0] * 4] * 6
+    mean, lo, hi = collapse.bootstrap_mean_diff(a, b, n=2000)
+    assert mean == 0.25 and lo == 0.0 and hi >= 0.5  # every seed agrees; the problems do not
+    seeds_only = collapse.bootstrap_mean_diff([[x] for x in (0.25,) * 6], [[0.0]] * 6, n=2000)
+    assert seeds_only[1] == seeds_only[2] == 0.25
+
+
+def test_collapse_table_and_figure_from_run_folders(tmp_path):
+    """collapse.py RUNS: the table pairs arms by seed (JustRL collapsing where STAPO does not), and draws the figure."""
+    import collapse
+    curves = {"justrl": [.2, .6, .5, .2, .1, .1, .1, .1, .1, .1, .1, .1],
+              "stapo": [.2, .6, .6, .7, .7, .7, .8, .8, .8, .8, .8, .8]}
+    for algo, acc in curves.items():
+        for seed in range(3):
+            folder = tmp_path / f"{algo}-{seed}"
+            folder.mkdir()
+            (folder / "config.json").write_text(json.dumps({"algo": algo, "seed": seed}))
+            (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": t + 1, "reward/acc": a,
+                                                                      "entropy/mean": 0.5 + (1 - a)}) + "\n"
+                                                          for t, a in enumerate(acc)))
+            (folder / "eval.jsonl").write_text("".join(json.dumps({"step": t, "eval/acc": acc[max(t - 1, 0)],
+                                                                   "eval/n": 8, "eval/correct": [round(acc[max(t - 1, 0)] * 4)] * 2})
+                                                       + "\n" for t in (0, 4, 8, 12)))
+    arms = collapse.read_runs(tmp_path)
+    assert [r["collapse"] for r in arms["justrl"].values()] == [4, 4, 4]
+    assert all(r["collapse"] is None for r in arms["stapo"].values())
+    rows = {r["outcome"]: r for r in collapse.compare(arms, "stapo", "justrl")}
+    assert rows["collapsed"]["diffs"] == [-1.0] * 3 and rows["collapsed"]["p"] == 0.25  # 3 of 3: 2 / 8
+    assert rows["held-out acc @12"]["mean_diff"] == pytest.approx(0.75)
+    text = collapse.table(arms)
+    assert "| stapo - justrl | collapsed | 3 |" in text
+    assert collapse.main([str(tmp_path), "--out", str(tmp_path / "c.png")]) == 0 and (tmp_path / "c.png").stat().st_size
+    assert collapse.main([str(tmp_path / "stapo-0")]) == 2  # no complete run below it
+
+
 # ==================================================================================================================
 # bench.py gpu: the prepared GPU check, at toy shapes on the CPU
 # ==================================================================================================================
