@@ -4440,10 +4440,10 @@ _CF_LEN = 6  # max_response_len: hint, answer, 4 fillers
 def _tabular_sampler(calls: list):
     import random
 
-    def sample(prefixes, k, max_new_tokens, seed):
+    def sample(prefixes, k, max_new_tokens, seed, exclude=None):
         calls.append((len(prefixes), max_new_tokens, seed))
         rng, out = random.Random(seed), []
-        for prefix in prefixes:
+        for i, prefix in enumerate(prefixes):
             gold, response = prefix[0], prefix[1:]
             for _ in range(k):
                 cont = []
@@ -4456,7 +4456,8 @@ def _tabular_sampler(calls: list):
                         token = gold if rng.random() < _P_RIGHT[hint] else rng.choice([d for d in range(10) if d != gold])
                     else:
                         token = _FILL
-                    cont.append(token)
+                    if cont or exclude is None or token != exclude[i]:  # the redraw without the token: reject it
+                        cont.append(token)
                 out.append(cont)
         return out
     return sample
@@ -4482,9 +4483,13 @@ def test_counterfactual_estimator_on_a_known_policy():
     calls = []
     effects = counterfactual.token_effects(_tabular_sampler(calls), _tabular_grade(prompts), prompts, responses,
                                            list(exact), k=2000, max_response_len=_CF_LEN, seed=3, prefixes_per_call=4)
+    contrast = {(0, 0): 0.9 - 0.2, (0, 1): 1.0, (0, 3): 0.0, (0, 5): 0.0, (1, 0): 0.2 - 0.9, (1, 1): 1.0,
+                (2, 1): 0 - 0.2}  # Q(a) - Q(not a): effect = (1 - p) contrast, p = 0.5 (hints), 0.9 / 0.2 (answers)
     for e in effects:
         truth = exact[e.row, e.t]
         assert e.k == 2000 and abs(e.effect - truth) <= 3 * e.stderr + 1e-12, (e, truth)
+        assert e.contrast_ci[0] <= contrast[e.row, e.t] <= e.contrast_ci[1], (e, contrast[e.row, e.t])
+        assert e.contrast == pytest.approx(e.keep - e.exclude)
         assert e.effect == pytest.approx(e.keep - e.resample) and e.stderr < 0.03
         if truth == 0:
             assert e.effect == 0 and e.stderr == 0  # nothing after the answer can change it
@@ -4492,9 +4497,10 @@ def test_counterfactual_estimator_on_a_known_policy():
         if (e.row, e.t) in ((0, 0), (1, 0)):  # the response's reward is not the success with y_t kept
             assert abs(reward_of_response - e.resample - truth) > 3 * e.stderr + 0.05
     # one call per group of <= 4 prefixes (the last token's kept prefix is the response itself: no call), longest
-    # budget first, each call seeded differently
-    assert [n for n, _, _ in calls] == [4, 4, 4, 1] and [m for _, m, _ in calls] == sorted(
-        (m for _, m, _ in calls), reverse=True) and len({s for _, _, s in calls}) == 4
+    # budget first, each call seeded differently; then the redraws without the token, in calls of their own
+    assert [n for n, _, _ in calls] == [4, 4, 4, 1, 4, 3] and len({s for _, _, s in calls}) == 6
+    assert all([m for _, m, _ in part] == sorted((m for _, m, _ in part), reverse=True)
+               for part in (calls[:4], calls[4:]))
     again = counterfactual.token_effects(_tabular_sampler([]), _tabular_grade(prompts), prompts, responses,
                                          list(exact), k=2000, max_response_len=_CF_LEN, seed=3, prefixes_per_call=4)
     assert again == effects  # seeded: reproducible
@@ -4511,13 +4517,18 @@ def test_counterfactual_pick_tokens_and_summary():
     kinds = {k: [(r, t) for kk, r, t in picked if kk == k] for k in counterfactual.KINDS}
     assert kinds["silenced"] == [(0, 1), (0, 2)] and kinds["candidate"] == [(0, 0), (1, 1)]
     assert len(kinds["other"]) == 2 and set(kinds["other"]) <= {(0, 3), (1, 0), (1, 2)}  # row 2 is wrong
-    lines = [{"kind": "silenced", "effect": 0.0, "stderr": 0.0, "keep": 1.0, "resample": 1.0},
-             {"kind": "silenced", "effect": -0.5, "stderr": 0.1, "keep": 0.5, "resample": 1.0},
-             {"kind": "other", "effect": 0.25, "stderr": 0.2, "keep": 1.0, "resample": 0.75}]
+    def line(kind, row, keep, resample, exclude, negligible, part="graded"):
+        return {"kind": kind, "row": row, "part": part, "keep": keep, "resample": resample, "exclude": exclude,
+                "effect": keep - resample, "contrast": keep - exclude, "negligible": negligible, "delta": 0.2}
+
+    lines = [line("silenced", 0, 1.0, 1.0, 1.0, True), line("silenced", 1, 0.5, 1.0, 1.0, False),
+             line("other", 0, 1.0, 0.75, 0.5, False, "after")]
     table = counterfactual.summary(lines)
-    # 1 of 2 within 1.96 se of 0 (Wilson 95%: 9%-91%), both <= 0, 1 of 2 settled (keep = redrawn = 1)
-    assert "| silenced | 2 | -0.250 (" in table and "| 50% (9%-91%) | 100% | 50% | 0.75 / 1.00 |" in table
-    assert "| candidate | 0 |" in table and "| other | 1 | +0.250 | 100% (21%-100%) | 0% | 0% |" in table
+    # two responses: the intervals resample them; 1 of 2 negligible, both effects <= 0, 1 of 2 settled
+    assert "| silenced, graded | 2 (2) | -0.250 (-0.500, +0.000) | -0.250 (-0.500, +0.000) | 50% (0%, 100%) " \
+           "(delta 0.2) | 100% | 50% | 0.75 / 1.00 / 1.00 |" in table
+    assert "| candidate, graded | 0 |" in table and "| silenced, after | 0 |" in table
+    assert "| other, after | 1 (1) | +0.250 (+0.250, +0.250) | +0.500 (+0.500, +0.500) | 0% (0%, 0%)" in table
     assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines())
 
 
@@ -4527,34 +4538,69 @@ def test_counterfactual_wilson_interval_and_pooled_groups(tmp_path, monkeypatch)
     assert counterfactual.wilson(81, 263) == pytest.approx((0.2553, 0.3662), abs=1e-4)
     assert counterfactual.wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
 
-    def line(algo, seed, step, kind, candidate, rule, effect=0.0):
-        return {"algo": algo, "seed": seed, "step": step, "kind": kind, "candidate": candidate, "s2t_rule": rule,
-                "effect": effect, "stderr": 0.1, "keep": 0.5, "resample": 0.5 - effect}
+    def line(algo, seed, step, kind, candidate, rule, effect=0.0, part="graded"):
+        return {"algo": algo, "seed": seed, "step": step, "row": step, "kind": kind, "part": part,
+                "candidate": candidate, "s2t_rule": rule, "effect": effect, "stderr": 0.1, "keep": 0.5,
+                "resample": 0.5 - effect, "exclude": 0.5 - effect, "contrast": effect, "negligible": effect == 0,
+                "delta": 0.2}
 
     lines = [line("justrl", 0, 1, "candidate", True, True), line("justrl", 0, 2, "candidate", True, False, 0.5),
-             line("justrl", 1, 3, "other", False, False), line("fullmask", 0, 1, "silenced", True, False, 0.5),
-             line("fullmask", 0, 1, "silenced", True, True)]
+             line("justrl", 1, 3, "other", False, False, part="after"),
+             line("fullmask", 0, 1, "silenced", True, False, 0.5), line("fullmask", 0, 1, "silenced", True, True)]
     groups = counterfactual.pooled_groups(lines)
     assert list(groups) == ["justrl (2 seeds, steps 1-3)", "fullmask (1 seeds, steps 1)"]
     justrl, fullmask = groups.values()
-    assert [len(justrl[k]) for k in counterfactual.KINDS] == [0, 2, 1]
+    assert [len(justrl[f"{k}, {p}"]) for k in counterfactual.KINDS for p in counterfactual.PARTS] == [0, 0, 2, 0, 0, 1]
     assert [x["step"] for x in justrl["candidates the S2T rule silences"]] == [1]
     assert [x["step"] for x in justrl["candidates the S2T rule keeps"]] == [2]
     assert [x["effect"] for x in fullmask["candidates the S2T rule keeps"]] == [0.5]
     table = counterfactual.pooled_summary(lines).splitlines()
-    assert len(table) == 2 + 2 * 5 and table[2].startswith("| justrl (2 seeds, steps 1-3) | silenced | 0 |")
-    assert table[6].startswith("|  | candidates the S2T rule keeps | 1 | +0.500 | 0% (0%-79%) |")
+    assert len(table) == 2 + 2 * 8 and table[2].startswith("| justrl (2 seeds, steps 1-3) | silenced, graded | 0 |")
+    assert table[9].startswith("|  | candidates the S2T rule keeps | 1 (1) | +0.500 (+0.500, +0.500) | "
+                               "+0.500 (+0.500, +0.500) | 0% (0%, 0%)")
     # the figure: each group's size and share under its tick label, nothing written inside the axes over the points
     import matplotlib.pyplot as plt
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)
-    assert plots.plot_counterfactual_groups(groups, str(tmp_path / "groups.png"))
+    assert plots.plot_counterfactual_groups(groups, str(tmp_path / "groups.png"), counterfactual.cluster_interval)
     monkeypatch.undo()
     axes = figures[0].axes
     assert [t.get_text() for t in axes[1].get_xticklabels()] == [
-        "silenced\nn = 2\n50% ~ 0", "cand., S2T\nsilences\nn = 1\n100% ~ 0", "cand., S2T\nkeeps\nn = 1\n0% ~ 0"]
+        "silenced\ngraded\nn = 2\n50% negl.", "cand., S2T\nsilences\nn = 1\n100% negl.",
+        "cand., S2T\nkeeps\nn = 1\n0% negl."]
     assert all(not ax.texts for ax in axes)
     plt.close(figures[0])
+
+
+def test_counterfactual_contrast_redraw_and_equivalence():
+    """The redraw without the token never returns it, even where the policy puts almost all its mass on it; the
+    equivalence test: Newcombe's interval against the published example (56/70 - 48/80: 0.0524 to 0.3339, method 10)
+    and "negligible" only when the interval lies inside +-delta (all K draws agreeing at K = 8 is not enough)."""
+    torch.manual_seed(0)
+    lm = tiny_model(vocab_size=32)
+    with torch.no_grad():
+        lm.get_output_embeddings().weight[7] *= 0  # then make token 7 dominant at every position
+        lm.get_output_embeddings().bias = None
+    prefix = [5, 6, 9]
+    with torch.no_grad():
+        logits = lm(input_ids=torch.tensor([prefix])).logits[0, -1]
+    top = int(logits.argmax())
+    for top_p in (1.0, 0.5):
+        draws = counterfactual.redraw_without(lm, [prefix, prefix], [top, 3], 400, 1.0, top_p, 32, seed=1)
+        assert top not in draws[0] and 3 not in draws[1] and len(draws[0]) == 400
+        assert top in draws[1] or top_p == 1.0  # the other row may draw it
+    # the nucleus that holds the token alone: the rest of the softmax, renormalized
+    draws = counterfactual.redraw_without(lm, [prefix], [top], 50, 0.01, 0.5, 32, seed=1)
+    assert top not in draws[0]
+    p1, p2 = 56 / 70, 48 / 80  # Newcombe's example has unequal n: the formula with the two Wilson intervals
+    (l1, u1), (l2, u2) = counterfactual.wilson(56, 70), counterfactual.wilson(48, 80)
+    d = p1 - p2
+    assert (d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2), d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)) == \
+        pytest.approx((0.0524, 0.3339), abs=1e-4)
+    assert counterfactual.newcombe(8, 8, 8) == pytest.approx((-0.3244, 0.3244), abs=1e-4)  # unanimous: not 0 wide
+    assert counterfactual.newcombe(32, 32, 32)[1] == pytest.approx(0.1072, abs=1e-4)
+    lo, hi = counterfactual.newcombe(16, 14, 32)  # a large interval around a small difference: not negligible
+    assert lo < -0.2 < 0.0625 < 0.2 < hi
 
 
 def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
@@ -4579,7 +4625,10 @@ def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
     assert {x["step"] for x in lines} == {1, 2} and {x["kind"] for x in lines} == set(counterfactual.KINDS)
     for x in lines:
         assert {"kind", "effect", "stderr", "k", "step", "row", "t", "token", "p", "H", "A", "keep", "resample",
-                "reward", "context"} <= x.keys()
+                "reward", "context", "exclude", "contrast", "contrast_ci", "negligible", "part"} <= x.keys()
+        assert x["contrast"] == pytest.approx(x["keep"] - x["exclude"]) and x["part"] in ("graded", "after")
+        lo, hi = x["contrast_ci"]
+        assert x["negligible"] == (-0.2 < lo and hi < 0.2) and lo <= x["contrast"] <= hi
         assert x["k"] == 4 and x["rollout_matches_run"] is True and -1 <= x["effect"] <= 1
         assert x["mini_batch"] == x["row"] // 8  # 2 prompts x G 4 per mini-batch
         assert x["effect"] == pytest.approx(x["keep"] - x["resample"])
@@ -4590,15 +4639,15 @@ def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
                for kind in counterfactual.KINDS for step in (1, 2))
     assert {x["mini_batch"] for x in lines} == {0, 1}
     out = capsys.readouterr().out
-    assert "| kind | tokens | mean effect (95% CI)" in out and "| silenced |" in out
+    assert "| kind | tokens (responses) | mean effect (95% CI) | mean contrast" in out and "| silenced, " in out
     assert (run / "counterfactual.png").is_file() or importlib.util.find_spec("matplotlib") is None
     assert counterfactual.main([str(run), "--steps", "4"]) == 2  # no checkpoint of step 3 exists
     assert "step_3" in capsys.readouterr().err and (run / "counterfactual.jsonl").read_text() == first
     # --table: runs pooled per algorithm (a run given twice counts once)
     assert counterfactual.main(["--table", str(run), str(run), "--out", str(tmp_path / "new" / "pooled.png")]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[2].startswith(f"| stapo (1 seeds, steps 1-2) | silenced | "
-                                          f"{sum(x['kind'] == 'silenced' for x in lines)} |")
+    assert out.splitlines()[2].startswith(f"| stapo (1 seeds, steps 1-2) | silenced, graded | "
+                                          f"{sum(x['kind'] == 'silenced' and x['part'] == 'graded' for x in lines)} ")
     assert (tmp_path / "new" / "pooled.png").is_file() or importlib.util.find_spec("matplotlib") is None
     assert counterfactual.main(["--table", str(tmp_path)]) == 2
     assert "no counterfactual.jsonl in" in capsys.readouterr().err

@@ -303,18 +303,22 @@ CELLS = tuple(f"{kind}_{part}" for kind in s2t.TOKEN_KINDS for part in s2t.PARTS
 
 
 def graded_tokens(batch: rollout.Rollout, tokenizer, mode: str) -> torch.Tensor:
-    """(B, T) bool: each response's tokens up to and including the last one that holds a character the reward reads
-    (reward.graded_chars), found by bisection on the decoded length of the response's prefixes."""
+    """(B, T) bool: each response's graded part (`graded_count`), the rest of it being the text after the answer."""
     graded = torch.zeros(batch.response_ids.shape, dtype=torch.bool)
     for i, (ids, mask) in enumerate(zip(batch.response_ids, batch.response_mask)):
-        ids = ids[mask.bool()].tolist()
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        chars, lo, hi = reward.graded_chars(text, mode), 0, len(ids)
-        while lo < hi:  # the fewest tokens whose text holds the first `chars` characters
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= chars else (mid + 1, hi)
-        graded[i, :lo] = True
+        graded[i, :graded_count(tokenizer, ids[mask.bool()].tolist(), mode)] = True
     return graded
+
+
+def graded_count(tokenizer, ids: list[int], mode: str) -> int:
+    """How many leading tokens of a response (ids) hold the characters the reward reads (reward.graded_chars): the
+    fewest whose decoded text has them, by bisection on the decoded length of the response's prefixes."""
+    chars = reward.graded_chars(tokenizer.decode(ids, skip_special_tokens=True), mode)
+    lo, hi = 0, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= chars else (mid + 1, hi)
+    return lo
 
 
 class StepLog:
