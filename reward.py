@@ -209,6 +209,8 @@ _TURN_END = re.compile(r"<\|[a-z_]{2,30}\|>|<(?:start|end)_of_turn>|</s>")
 _CUT = re.compile(r"\.(?=\s|$)|。|\n|,?\s+(?:since|because|as|which|where|so)\b|,\s*(?:since|because|which|so)\b|"
                   r"\s\((?:i\.e\.|e\.g\.|that is|approx|about|rounded)")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_HOPE = re.compile(r"\s*I hope it is correct\.?$", re.I)  # Minerva's closing sentence
+_STATED = re.compile(r"\s(?:is|are|equals|=)\s+(\$[^$]{1,200}\$|-?\d+(?:\.\d+)?/\d+)[.!]$")  # "... is 2/3."
 _PLAN = re.compile(r"(?:let|first|next|then|to|we (?:need|want|must)|find|compute|calculate|determine|suppose|given|"
                    r"if|consider|or|maybe|perhaps|possibly|alternatively)\b", re.I)
 
@@ -304,13 +306,20 @@ def _from_phrase(text):
 
 
 def _from_conclusion(text):
-    """Without a box or phrase: a complete final sentence stating exactly one number ("So Tom has 35 apples left.").
-    Not "the last number in the text": truncated, hedged, multi-number or planning ("Let ...") endings give None."""
-    last = text.strip().rsplit("\n", 1)[-1].strip()
+    """Without a box or phrase: a complete final sentence stating exactly one number ("So Tom has 35 apples left.") or
+    ending "is <value>." with one fraction or $...$ value ("... the probability that Alice wins is 2/3."); Minerva's
+    closing "I hope it is correct." is skipped. Not "the last number in the text": truncated, hedged, multi-number or
+    planning ("Let ...") endings give None."""
+    last = _HOPE.sub("", text.strip()).rsplit("\n", 1)[-1].strip()
     sentence = re.split(r"(?<=[.!?])\s+", last)[-1]
+    if _PLAN.match(sentence) or re.search(r"\b(?:or|maybe|possibly|perhaps)\b", sentence, re.I):
+        return None
+    stated = _STATED.search(sentence[-300:])
+    if stated:
+        return stated.group(1).strip("$ ")
     numbers = _NUMBER.findall(sentence)
     complete = sentence.endswith((".", "!")) and len(sentence.split()) <= 20
-    return numbers[0].rstrip(",") if complete and len(numbers) == 1 and not _PLAN.match(sentence) else None
+    return numbers[0].rstrip(",") if complete and len(numbers) == 1 else None
 
 
 def _extract(response, deadline):
