@@ -276,7 +276,7 @@ def _from_boxes(text, boxes, deadline):
 
 def _parts(text, boxes, golds, deadline):
     """A gold of k > 1 answers against the last k boxes, one per part ("(a) \\boxed{6} ... (b) \\boxed{15}"), when
-    none of them is unterminated, empty or followed by a hedge, and no retraction stands between them."""
+    none of them is unterminated, empty or hedged and no retraction stands between them."""
     try:
         k = len(golds) if len(golds) > 1 else len(_parse(_clean(golds[0], deadline)[0], deadline))
     except Exception:  # Refused, or anything sympy raises: a gold that cannot be counted has no parts
@@ -286,6 +286,9 @@ def _parts(text, boxes, golds, deadline):
         return False
     if _RETRACT.search(text[last[0][1] : last[-1][0]]):
         return False  # \boxed{3} ... wait, actually \boxed{5}: the second replaces the first
+    joined = text[boxes[-k - 1][1] : last[0][0]] if len(boxes) > k and boxes[-k - 1][1] else ""
+    if len(joined) <= 40 and re.search(r"\b(?:or|maybe|possibly|perhaps)\b", joined, re.I):
+        return False  # (a) \boxed{7} or \boxed{6}: the first part is a hedge
     return _equivalent(", ".join(c for _, _, c in last), golds, deadline)
 
 

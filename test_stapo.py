@@ -1886,6 +1886,7 @@ def test_reward_several_boxes_for_several_parts():
     assert not reward.grade("(a) $\\boxed{6}$ or possibly 7. (b) $\\boxed{15}$.", ["6", "15"])
     assert not reward.grade("(a) $\\boxed{}$. (b) $\\boxed{15}$.", ["6", "15"])
     assert not reward.grade("So $\\boxed{3}$. Wait, that is wrong: actually $\\boxed{5}$.", "3, 5")  # a retraction
+    assert not reward.grade("(a) $\\boxed{7}$ or $\\boxed{6}$. (b) $\\boxed{15}$.", ["6", "15"])  # part (a) hedged
 
 
 def test_reward_list_golds_are_several_answers():
