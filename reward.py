@@ -2,10 +2,10 @@
 \\boxed{}; §7: rule-based grading of the benchmarks).
 
 `grade(response, gold)` takes the final answer of a response (the last \\boxed{...}, else an explicit "the answer
-is ..." phrase or a one-number concluding sentence; never "the last number in the text") and decides whether it
-equals the gold. Answers are read by a small hand-written tokenizer + recursive-descent parser for the
-LaTeX/arithmetic language of math answers that builds sympy objects directly: model output never reaches eval, exec,
-sympify or parse_expr.
+is ..." phrase or a concluding sentence that states one value; never "the last number in the text"; nothing after a
+chat-template token such as <|im_end|>) and decides whether it equals the gold. Answers are read by a small
+hand-written tokenizer + recursive-descent parser for the LaTeX/arithmetic language of math answers that builds sympy
+objects directly: model output never reaches eval, exec, sympify or parse_expr.
 
 Deliberate differences from the paper and from common graders (verl, Math-Verify, Qwen2.5-Math):
 1. The paper compares normalized strings (`mode="strict"` keeps that); the default compares values, because a string
@@ -15,7 +15,10 @@ Deliberate differences from the paper and from common graders (verl, Math-Verify
    significant digits) accepts a prediction in exact, non-decimal form (a fraction, radical, pi, ...) whose value
    lies strictly within half a unit of the gold's last digit. A decimal prediction must equal a decimal gold exactly.
 3. Hedged answers ("3 or 4", "3 and 4", "\\boxed{3} or \\boxed{4}") are lists of two answers and are wrong for a
-   one-answer gold; an empty or unterminated last box is wrong; a retracted answer is its last box.
+   one-answer gold; an empty or unterminated last box is wrong; a retracted answer is its last box. Several boxes are
+   one answer per part only for a gold of as many answers, with no hedge or retraction among them. A multiple-choice
+   gold accepts only its own letter, alone or with its own label text: an answer that only starts with the letter
+   ("E+1", "B = 7") or lists other choices ("B, C", "A B C D E") is wrong, or listing every choice would always pay.
 4. Every grade is bounded without signals (so it works in threads and worker processes): the response tail, the
    answer length, token count, nesting depth, digits, exponents, factorials and trig arguments are capped and one
    deadline, started when grade() is called, is checked while extracting boxes, in the parser and between
@@ -200,8 +203,8 @@ _JOINED = re.compile(r"(?:,|;|&|/|and|or)?(?:maybe|possibly|perhaps)?(?:[a-zA-Z]
 _HEDGE = re.compile(r"[\s$.,;:)\]}*]*\(?\s*(?:or|maybe|possibly|perhaps|alternatively),?\s+(?:maybe\s+|possibly\s+|"
                     r"perhaps\s+|it (?:could|might) be\s+)?[$\\(]*\s*-?\.?\d", re.I)
 _PHRASE = re.compile(r"(?:(?:final\s+)?answer(?:\s*\*\*)?\s*(?:is\b|:|=|(?:should|would|must|will) be\b)|"
-                     r"final\s+answer\b|(?:^|(?<=\n))[ \t*#]*answer[ \t]+(?=[-$\\(\d])|####|答案\s*(?:是|为|:|：))[\s*:]*",
-                     re.I)  # "Answer 5" only at the start of a line
+                     r"final\s+answer\b|(?:^|(?<=\n))[ \t*#]*answer\**[ \t]+(?=[-$\\(\d])|"  # "Answer 5" on its line
+                     r"####|答案\s*(?:是|为|:|：))[\s*:]*", re.I)
 _SENTENCE = re.compile(r"the\s.{0,80}?\s(?:is|are)\s+(.+)", re.I | re.DOTALL)  # Minerva's "The largest $n$ is 34."
 # the end of the model's turn: what follows a chat-template token (an invented next turn) is not its answer
 _RETRACT = re.compile(r"\b(?:wait|actually|instead|mistake|wrong|incorrect|error|re-?check|correction|oops)\b", re.I)
