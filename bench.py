@@ -20,6 +20,7 @@ Not part of the test suite: timings on a shared machine are noisy, so nothing he
 Each bench function's docstring says what it measures and its deliberate choices.
 """
 import contextlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -440,12 +441,13 @@ def bench_grader_compare():
         print("math-verify is not installed (`pip install math-verify`): its columns are left out\n")
     else:
         graders["math-verify"] = peer
+        print(f"math-verify {importlib.metadata.version('math-verify')}\n")
     for grader in graders.values():
         grader("\\boxed{\\sqrt{2}}", "\\sqrt{2}")  # warm caches and imports
-    for data in (_REWARD_FALLBACK, _REWARD_DATA):
-        path = data / "grader_cases.jsonl"
+    for where, path in (("testdata/grader_cases.jsonl", _REWARD_FALLBACK / "grader_cases.jsonl"),
+                        ("../shared/data/grader_cases.jsonl", _REWARD_DATA / "grader_cases.jsonl")):
         if not path.exists():
-            print(f"{path} not found: left out\n")
+            print(f"{where} not found: left out\n")
             continue
         cases = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         by_category = {}
@@ -453,8 +455,7 @@ def bench_grader_compare():
             if not c["ambiguous"]:
                 by_category.setdefault(c["category"], []).append((c["response"], c["gold"], c["id"], c["correct"]))
         by_category["**all**"] = [item for items in by_category.values() for item in items]
-        print(f"{path.parent.parent.name}/{path.parent.name}/{path.name}: agree / cases, false positives / cases "
-              f"labelled wrong, slowest case (ms)\n")
+        print(f"{where}: agree / cases, false positives (of the cases labelled wrong), slowest case (ms)\n")
         print("| category | cases | wrong | " + " | ".join(f"{g} agree | {g} FP | {g} slowest" for g in graders) + " |")
         print("|---|---|---|" + "---|---|---|" * len(graders))
         for category, items in sorted(by_category.items(), key=lambda kv: (kv[0] == "**all**", kv[0])):
