@@ -571,14 +571,15 @@ class _Parser:
         return items
 
     def relation(self):
-        spans, sides, ops = [self.i], [self.ratio()], []
-        spans.append(self.i)
+        start = self.i
+        sides, ops = [self.ratio()], []
+        spans = [(start, self.i)]  # the tokens of each side
         while self.peek() in _RELOPS:
             ops.append(_RELOPS[self.take()])
-            spans.append(self.i)
+            start = self.i
             sides.append(self.ratio())
-            spans.append(self.i)
-        named = [bool(_NAME.fullmatch("".join(self.toks[a:b]))) for a, b in zip(spans[::2], spans[1::2])]
+            spans.append((start, self.i))
+        named = [bool(_NAME.fullmatch("".join(self.toks[a:b]))) for a, b in spans]
         if ops[:1] == ["~"] and named[0] and isinstance(sides[0], sp.Expr) and sides[0].free_symbols:
             # x \approx 11: the value stated, as x = 11 (\pi \approx 3.14 stays \pi)
             sides, ops = sides[:2], ["="]
@@ -996,8 +997,8 @@ def _equivalent(pred, golds, deadline):
         g = ", ".join(c for c, _ in cleaned)
         if not p:
             return False
-        if "," not in g and re.fullmatch(r"-?\d+,\d+", p):  # 2,74 for a one-number gold: a decimal comma (_clean
-            p = p.replace(",", ".")  # read 1,500 as 1500 already)
+        if "," not in g and re.fullmatch(r"-?\d+,\d+", p):  # 2,74 for a one-number gold (_clean made 1,500 1500)
+            p = p.replace(",", ".")  # a decimal comma
         if _squash(p) == _squash(g):
             return True
         choice = _choice(g)
