@@ -203,7 +203,7 @@ _JOINED = re.compile(r"(?:,|;|&|/|and|or)?(?:maybe|possibly|perhaps)?(?:[a-zA-Z]
 _HEDGE = re.compile(r"[\s$.,;:)\]}*]*\(?\s*(?:or|maybe|possibly|perhaps|alternatively),?\s+(?:maybe\s+|possibly\s+|"
                     r"perhaps\s+|it (?:could|might) be\s+)?[$\\(]*\s*-?\.?\d", re.I)
 _PHRASE = re.compile(r"(?:(?:final\s+)?answer(?:\s*\*\*)?\s*(?:is\b|:|=|(?:should|would|must|will) be\b)|"
-                     r"final\s+answer\b|(?:^|(?<=\n))[ \t*#]*answer\**[ \t]+(?=[-$\\(\d])|"  # "Answer 5" on its line
+                     r"final\s+answer\b|(?P<bare>(?:^|(?<=\n))[ \t*#]*answer\**[ \t]+(?=[-$\\(\d]))|"  # "Answer 5"
                      r"####|答案\s*(?:是|为|:|：))[\s*:]*", re.I)
 _SENTENCE = re.compile(r"the\s.{0,80}?\s(?:is|are)\s+(.+)", re.I | re.DOTALL)  # Minerva's "The largest $n$ is 34."
 # the end of the model's turn: what follows a chat-template token (an invented next turn) is not its answer
@@ -296,9 +296,10 @@ def _parts(text, boxes, golds, deadline):
 
 
 def _from_phrase(text):
-    """Without a box: the text after the last "the answer is" / "Answer:" / "####", to the end of its sentence."""
+    """Without a box: the text after the last "the answer is" / "Answer:" / "####", to the end of its sentence; a bare
+    "Answer 5" (no colon) only on the last line, not as a heading ("Answer 2. The value is 7.\n...")."""
     phrases = list(_PHRASE.finditer(text))
-    if not phrases:
+    if not phrases or phrases[-1].group("bare") and "\n" in text[phrases[-1].end() :].strip():
         return None
     rest = text[phrases[-1].end() :].lstrip(" *")
     rest = rest.lstrip("\n") if rest.startswith(("\n\\[", "\n$$")) else rest

@@ -1760,6 +1760,7 @@ def test_reward_source_never_evaluates_text():
     ("\\boxed{12}<|im_end|>\n<|im_start|>user\nAnd now? \\boxed{7}", "12"),
     ("x + 2 = 7.\n\nAnswer 5", "5"),  # "Answer" without a colon, at the start of a line
     ("Answer $\\frac{1}{2}$", "\\frac{1}{2}"),
+    ("Answer 2. The second case gives 7.\nSo we are done.", None),  # "Answer 2" as a heading: no answer
     ("Therefore, the probability that Alice wins the game is 2/3. <|im_start|>user", "2/3"),  # "... is <value>."
     ("So, the ordered pair $(x, y)$ that solves the system is $(7, 6)$.", "(7, 6)"),
     ("Therefore, there are 12 such sequences. I hope it is correct.", "12"),  # Minerva's closing sentence skipped
