@@ -4,6 +4,8 @@
     python bench.py logprobs        # chunked log-prob/entropy vs naive: memory and time at Qwen3's vocabulary
     python bench.py generate        # our sampler vs model.generate (tiny, SmolLM2), FSDP2 vs one process
     python bench.py grader          # reward.grade throughput
+    python bench.py grader-compare  # reward.grade vs math-verify (if installed) on the labelled cases: accuracy, FPs
+    python bench.py grader-compare --against OLD_REWARD_PY   # ... and another reward.py (the code before a change)
     python bench.py gpu             # the CUDA path at Qwen3-1.7B shape on one GPU (~7 min on an H200, estimated; not in `all`)
     python bench.py gpu --smoke     # the same code at toy shapes on the CPU in seconds (run by the test suite)
     python bench.py gpu --parts numerics,rollout   # some of its parts: train, numerics, rollout, e2e
@@ -18,7 +20,9 @@ Not part of the test suite: timings on a shared machine are noisy, so nothing he
 Each bench function's docstring says what it measures and its deliberate choices.
 """
 import contextlib
+import importlib.metadata
 import json
+import logging
 import math
 import os
 import resource
@@ -383,6 +387,85 @@ def bench_reward(repeats=3):
         rate, (worst, case), wrong = _reward_run(items, reward.grade, repeats)
         strict, _, _ = _reward_run(items, lambda r, g: reward.reward(r, g, mode="strict") > 0, repeats)
         print(f"| {name} | {len(items)} | {rate:,.0f} | {strict:,.0f} | {worst * 1e3:.1f} | {case} | {wrong} |")
+
+# ------------------------------------------------------------------------------------------------------------------
+# `python bench.py grader-compare [--against OLD_REWARD_PY]`: reward.grade against math-verify on the labelled cases
+def _math_verify():
+    """math-verify's verdict as a grade(response, gold) function, or None when it is not installed."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        return None
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # a "Timeout during comparison" warning per late case
+
+    def grade(response, gold):
+        gold = ", ".join(gold) if isinstance(gold, list) else gold
+        return bool(verify(parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$"), parse(response)))
+    return grade
+
+
+def _compare_row(items, fn):
+    """-> (right, false positives, slowest seconds, its id) of `fn` over (response, gold, id, label) items."""
+    right, fp, slowest = 0, 0, (0.0, "")
+    for response, gold, name, label in items:
+        t = time.perf_counter()
+        try:
+            verdict = bool(fn(response, gold))
+        except Exception:  # noqa: BLE001 - a peer grader that raises has given no verdict: counted as "no"
+            verdict = False
+        slowest = max(slowest, (time.perf_counter() - t, name))
+        right += verdict == label
+        fp += verdict and not label
+    return right, fp, *slowest
+
+
+def bench_grader_compare():
+    """Issue 45: reward.grade against math-verify (HuggingFace's grader, `pip install math-verify`; its column is left
+    out, with a note, when it is not installed) and, with `--against FILE`, another reward.py (the code before a
+    change): per category of the labelled cases (the repository's testdata/grader_cases.jsonl, and
+    ../shared/data/grader_cases.jsonl when it is beside the repository), the verdicts that agree with the label, the
+    false positives (accepted, labelled wrong) over the cases labelled wrong, and the slowest single case.
+
+    Deliberate choices:
+    1. Each grader is called as it is meant to be used: reward.grade(response, gold); math-verify's
+       verify(parse(gold), parse(response)) with a bare gold put in $...$ (a gold list joined with ", "), its default
+       extraction and comparison options. A grader that raises counts as "no".
+    2. Ambiguous cases are left out; one pass (the verdicts are the point; `bench.py grader` measures speed).
+    """
+    graders = {"reward.py": reward.grade}
+    args = sys.argv[1:]
+    if "--against" in args:
+        graders["before"] = _load_file(args[args.index("--against") + 1]).grade
+    peer = _math_verify()
+    if peer is None:
+        print("math-verify is not installed (`pip install math-verify`): its columns are left out\n")
+    else:
+        graders["math-verify"] = peer
+        print(f"math-verify {importlib.metadata.version('math-verify')}\n")
+    for grader in graders.values():
+        grader("\\boxed{\\sqrt{2}}", "\\sqrt{2}")  # warm caches and imports
+    for where, path in (("testdata/grader_cases.jsonl", _REWARD_FALLBACK / "grader_cases.jsonl"),
+                        ("../shared/data/grader_cases.jsonl", _REWARD_DATA / "grader_cases.jsonl")):
+        if not path.exists():
+            print(f"{where} not found: left out\n")
+            continue
+        cases = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        by_category = {}
+        for c in cases:
+            if not c["ambiguous"]:
+                by_category.setdefault(c["category"], []).append((c["response"], c["gold"], c["id"], c["correct"]))
+        by_category["**all**"] = [item for items in by_category.values() for item in items]
+        print(f"{where}: agree / cases, false positives (of the cases labelled wrong), slowest case (ms)\n")
+        print("| category | cases | wrong | " + " | ".join(f"{g} agree | {g} FP | {g} slowest" for g in graders) + " |")
+        print("|---|---|---|" + "---|---|---|" * len(graders))
+        for category, items in sorted(by_category.items(), key=lambda kv: (kv[0] == "**all**", kv[0])):
+            cells = []
+            for fn in graders.values():
+                right, fp, seconds, name = _compare_row(items, fn)
+                cells += [f"{right}/{len(items)}", str(fp), f"{seconds * 1e3:.0f} ({name})"]
+            wrong = sum(not label for *_, label in items)
+            print(f"| {category} | {len(items)} | {wrong} | " + " | ".join(cells) + " |", flush=True)
+        print()
 
 # ------------------------------------------------------------------------------------------------------------------
 # `python bench.py gpu [--smoke] [--out DIR]`: the CUDA path of training and rollouts at Qwen3-1.7B shape
@@ -996,10 +1079,10 @@ class _DecodeMatmuls:
         return self.seconds("backbone", prompt_tokens) + self.seconds("head", len(r)) + sum(map(self.step, rows))
 
 
-def _load_sampler(path: str):
-    """The module of another version of rollout.py (e.g. `git show <commit>:rollout.py > /tmp/rollout_old.py`)."""
+def _load_file(path: str):
+    """The module of another version of a source file (e.g. `git show <commit>:rollout.py > /tmp/rollout_old.py`)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("rollout_against", path)
+    spec = importlib.util.spec_from_file_location(f"against_{Path(path).stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -1071,7 +1154,7 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
     plain = rollout.make_engine("plain", lm, tokenizer, chat=False)
     samplers = {"plain": (rollout, lm)}
     if against:  # its own copy of the model, with transformers' attention as loaded (PlainEngine sets lm's)
-        samplers["plain, before"] = (_load_sampler(against), load_model("smollm2")[0])
+        samplers["plain, before"] = (_load_file(against), load_model("smollm2")[0])
 
     def plain_engine(sampler, lm, **options):
         def sample(prompts, G, seed, T, **kwargs):
@@ -1604,7 +1687,8 @@ def bench_preempt(delays=(25, 50, 75), delays_two=(60,), steps=4):
     shutil.rmtree(work, ignore_errors=True)
 
 
-BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward, "update": bench_update,
+BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward,
+           "grader-compare": bench_grader_compare, "update": bench_update,
            "gpu": bench_gpu, "engines": bench_engines, "train-step": bench_train_step, "flops": bench_flops,
            "preempt": bench_preempt, "decode-step": bench_decode_step}
 

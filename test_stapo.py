@@ -1852,6 +1852,17 @@ def test_reward_source_never_evaluates_text():
     ("She sold 72 clips.\n#### 72", "72"),
     ("因此，答案是 5。", "5"),
     ("So Tom has 35 apples left.", "35"),  # a one-number concluding sentence
+    ("Final Answer: The final answer is $34$. I hope it is correct.", "34"),  # Minerva's ending
+    ("Final Answer: The largest $n$ is 34.", "34"),  # the phrase is a whole sentence
+    ("so the answer is 2/3 <|im_start|>user\nWhat is 1+1? The answer is 2.", "2/3"),  # an invented next turn
+    ("\\boxed{12}<|im_end|>\n<|im_start|>user\nAnd now? \\boxed{7}", "12"),
+    ("x + 2 = 7.\n\nAnswer 5", "5"),  # "Answer" without a colon, at the start of a line
+    ("Answer $\\frac{1}{2}$", "\\frac{1}{2}"),
+    ("Answer 2. The second case gives 7.\nSo we are done.", None),  # "Answer 2" as a heading: no answer
+    ("Therefore, the probability that Alice wins the game is 2/3. <|im_start|>user", "2/3"),  # "... is <value>."
+    ("So, the ordered pair $(x, y)$ that solves the system is $(7, 6)$.", "(7, 6)"),
+    ("Therefore, there are 12 such sequences. I hope it is correct.", "12"),  # Minerva's closing sentence skipped
+    ("So the probability is 2/3, or maybe it is 3/4.", None), ("We need to check whether it is 2/3.", None),
     ("After a long computation, the answer is", None),
     ("We need to find $x$ such that $2x + 3 = 13$. Let's think.", None),
     ("Let me compute 5 more steps.", None),
@@ -1919,9 +1930,62 @@ def test_reward_extract_answer(response, expected):
     ("3 \\text{ or } 4", "3", False), ("3 and 4", "4", False), ("3, 4", "3", False), ("", "3", False),
     (" ", "3", False), ("x+11 \\text{ or } 11+x", "11+x", True),  # one answer twice is no hedge
     ("12:00", "12:00", True), ("1:00", "12:00", False),
+    # relations of one variable through an affine map or an absolute value; a named quantity; \approx as the value
+    ("-x > -1", "x<1", True), ("-x \\ge -1", "x \\le 1", True), ("-x < -1", "x<1", False),
+    ("-x > -1", "x \\le 1", False),
+    ("2x - 4 > 0", "x > 2", True), ("|x - 3| < 2", "(1, 5)", True), ("|x - 3| > 2", "(1, 5)", False),
+    ("|x| > 2", "(-\\infty, -2) \\cup (2, \\infty)", True), ("1 \\le |z| \\le 3/2", "[-1.5,-1]\\cup[1,1.5]", True),
+    ("1 \\le z \\le 3/2", "[-1.5,-1]\\cup[1,1.5]", False), ("0 < f(x) < 1", "(0, 1)", True),
+    ("0 \\le f(x) < 1", "(0, 1)", False), ("x \\approx 11", "11", True), ("x \\approx 11.2", "11", False),
+    ("x \\approx 0.33", "\\frac13", False), ("x^2 < 4", "(-2, 2)", False), ("\\pi \\approx 3.14", "\\pi", True),
+    # labels that are not a plain variable; ratios term by term
+    ("1", "|AB| = 1", True), ("|AB| = 1", "1", True), ("|AC| = 1", "|AB| = 1", False), ("2", "|AB| = 1", False),
+    ("7:32", "S_{MBCN}:S = 7:32", True), ("7:23", "S_{MBCN}:S = 7:32", False), ("14:64", "7:32", False),
+    ("\\frac{\\sqrt6}{6}", "\\frac{NO}{BO} = \\frac{1}{\\sqrt6}", True),
+    ("\\frac16", "\\frac{NO}{BO} = \\frac{1}{\\sqrt6}", False),
+    ("5", "x + y = 5", False), ("|x| = 5", "5", False),
+    # number formats: a decimal comma where it cannot be a thousands separator, for a one-number gold
+    ("1000,99", "1000.99", True), ("2,74", "2.74", True), ("0,111", "0.111", True), ("1,500", "1.5", False),
+    ("2,74", "2, 74", True), ("2.74", "2, 74", False), ("2, 74", "2.74", False), ("14 {, }916", "14916", True),
+    ("185", "185\\ ", True), ("186", "185\\ ", False),
+    # tuples with semicolons
+    ("(0;0;0)", "(0,0,0)", True), ("(0;0;1)", "(0,0,0)", False), ("[1;2)", "[1,2)", True),
 ])
 def test_reward_equivalence_rules(pred, gold, expected):
     assert reward.grade(f"The answer is $\\boxed{{{pred}}}$.", gold) is expected
+
+
+@pytest.mark.parametrize("pred, gold, expected", [
+    ("E", "E", True), ("\\textbf{(C)}", "C", True), ("C", "\\textbf{(C)}", True), ("C)", "C", True),
+    ("C", "C. x = 42", True), ("C. x = 42", "C. x = 42", True), ("x = 42", "C. x = 42", True), ("(C) 12", "C", True),
+    ("C. x = 41", "C. x = 42", False), ("D", "C. x = 42", False), ("(C)\\ 13", "(C) 12", False),
+    ("E+1", "E", False), ("E^2", "E", False), ("\\mathrm{E}*2", "E", False), ("A*3", "A", False), ("B = 7", "B", False),
+    ("B \\text{ or } C", "B", False), ("B, C", "B", False), ("A B C D E", "A", False), ("ABCDE", "A", False),
+    ("(C) \\text{ or } (D)", "C", False), ("(C)(D)", "C", False), ("C. D", "C", False), ("C.5", "C", False),
+])
+def test_reward_choice_gold_accepts_only_its_choice(pred, gold, expected):
+    """A letter gold accepts that choice, alone or with its own label text; nothing with more math after the letter,
+    no second choice (listing every choice was always right), no hedge."""
+    assert reward.grade(f"The answer is $\\boxed{{{pred}}}$.", gold) is expected
+
+
+def test_reward_choice_hedges_outside_the_box_are_wrong():
+    assert not reward.grade("So $\\boxed{B}$ or $\\boxed{C}$.", "B")
+    assert not reward.grade("The answer is B or C.", "B")
+    assert reward.grade("Comparing the options, the answer is (B).", "B")
+
+
+def test_reward_several_boxes_for_several_parts():
+    """A gold of k answers is also compared with the last k boxes (one box per part), unless one is hedged."""
+    two = "For part (a) the point is $\\boxed{(3,3)}$, and for part (b) we get $\\boxed{(1,1)}$."
+    assert reward.grade(two, "(3,3), (1,1)") and reward.grade(two, ["(1,1)", "(3,3)"])
+    assert not reward.grade(two, "(3,3)") and reward.grade(two, "(1,1)")  # one-answer gold: the last box
+    assert not reward.grade(two + " Also $\\boxed{(2,2)}$.", "(3,3), (1,1)")  # the last two boxes are not the answers
+    assert not reward.grade("(a) $\\boxed{6}$. (b) $\\boxed{15}$ (or maybe 16)", ["6", "15"])
+    assert not reward.grade("(a) $\\boxed{6}$ or possibly 7. (b) $\\boxed{15}$.", ["6", "15"])
+    assert not reward.grade("(a) $\\boxed{}$. (b) $\\boxed{15}$.", ["6", "15"])
+    assert not reward.grade("So $\\boxed{3}$. Wait, that is wrong: actually $\\boxed{5}$.", "3, 5")  # a retraction
+    assert not reward.grade("(a) $\\boxed{7}$ or $\\boxed{6}$. (b) $\\boxed{15}$.", ["6", "15"])  # part (a) hedged
 
 
 def test_reward_list_golds_are_several_answers():
