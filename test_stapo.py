@@ -4557,15 +4557,20 @@ def test_entropy_change_against_a_hand_computation():
 # ==================================================================================================================
 def test_bench_gpu_smoke(tmp_path):
     """`python bench.py gpu --smoke` runs every part of the GPU check (so it cannot rot between GPU runs): the sharded
-    fp32 forward equals an fp32 copy of the same weights, the chunked head the fp64 naive one, the sampler makes
-    exactly its tokens, and train.py makes its two steps with an update each."""
+    fp32 forward equals an fp32 copy of the same weights, the chunked head the fp64 naive one, each sampler (the
+    model's forward, the written-out step, the captured step's CPU stand-in, model.generate) makes exactly its
+    tokens, the captured step's body gives the same tokens however it runs, and train.py makes its two steps with an
+    update each."""
     import bench
 
     with _one_thread():
         bench.bench_gpu(smoke=True, out=tmp_path)
     rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
-    assert [r["part"] for r in rows] == ["train"] * 3 + ["numerics"] * 2 + ["head"] * 2 + ["rollout"] * 3 + ["e2e"] * 2
-    assert [r["sampler"] for r in rows if r["part"] == "rollout"] == ["rollout.generate"] * 2 + ["model.generate"]
+    assert [r["part"] for r in rows] == ["train"] * 3 + ["numerics"] * 2 + ["head"] * 2 + ["rollout"] * 5 + [
+        "captured_check"] + ["e2e"] * 2
+    assert [(r["sampler"], r["batch"]) for r in rows if r["part"] == "rollout"] == [
+        ("model forward, eager", 4), ("DecodeStep, eager", 4), ("CapturedStep", 2), ("CapturedStep", 4),
+        ("model.generate", 2)]
     for r in rows:
         if r["part"] == "train":
             assert r["updates"] == 1 and math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["mfu"] > 0
@@ -4574,7 +4579,11 @@ def test_bench_gpu_smoke(tmp_path):
         elif r["part"] == "head":
             assert r["logprob_max_abs_diff"] < 1e-4 and r["entropy_max_abs_diff"] < 1e-4
         elif r["part"] == "rollout":
-            assert r["new_tokens"] == 8 and r["step_ms"] > 0 and r["bound_ms"] > 0
+            assert r["new_tokens"] == 8 and r["step_ms"] > 0 and r["roofline_ms"] > 0
+            assert (r["speedup"] is not None) == (r["batch"] == 4) and (r["graphs"] is None) != r["sampler"].startswith(
+                "CapturedStep")
+        elif r["part"] == "captured_check":
+            assert r["same_tokens"] and r["logprob_max_abs_diff"] == 0
         else:
             assert r["updates"] == 1 and 1 <= r["response/len_mean"] <= 8  # --max-response-len 8
     table = (tmp_path / "gpu.md").read_text()
