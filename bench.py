@@ -621,7 +621,6 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
         weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())  # gathered: the compute dtype
         kv_token_bytes = model.kv_cache_bytes(lm.config, 1, 1, next(lm.parameters()).element_size())
         step = rollout.DecodeStep(lm, V_)
-        captured = rollout.CapturedStep(step, largest, P + n_new)
 
         def ours(written_out):
             return lambda batch, n: generate(
@@ -631,34 +630,35 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
         hf = lambda batch, n: lm.generate(ids.expand(batch, -1), attention_mask=torch.ones_like(ids).expand(batch, -1),
                                           do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=n,
                                           min_new_tokens=n, pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:]
-        runs = [("warm-up", ours(False), largest, 16), ("model forward, eager", ours(False), largest, n_new),
-                ("warm-up", ours(step), largest, 16), ("DecodeStep, eager", ours(step), largest, n_new)]
-        for batch in sizes.decode_batches:
-            runs += [("capture", ours(captured), batch, n_new), ("CapturedStep", ours(captured), batch, n_new)]
-        runs += [("warm-up", hf, sizes.decode_batches[0], 16), ("model.generate", hf, sizes.decode_batches[0], n_new)]
-        eager, first = {}, None
-        for name, fn, batch, n in runs:
+
+        def measure(name, fn, batch, n, eager=None, first=(None, None)):
+            """Seconds of fn(batch, n); a row of the table unless `name` is None (a warm-up or a capturing call)."""
             _reset_peak(device)
-            graphs = len(captured.graphs)
             seconds, response = _dev_timed(lambda: fn(batch, n), device)
             assert response.shape == (batch, n), response.shape
-            if name == "capture":
-                first = seconds, len(captured.graphs) - graphs  # the call that captures this batch's graphs
-            if name in ("warm-up", "capture"):
-                continue
-            if name == "model forward, eager":
-                eager[batch] = seconds
-            roofline = (weight_bytes + batch * (P + n / 2) * kv_token_bytes) / bandwidth  # s a step
-            out.append({"part": "rollout", "sampler": name, "batch": batch, "new_tokens": n, "seconds": seconds,
-                        "tokens_per_s": batch * n / seconds, "step_ms": 1e3 * seconds / n,
-                        "roofline_ms": 1e3 * roofline, "weight_gb": weight_bytes / 2**30,
-                        "speedup": eager[batch] / seconds if batch in eager else None, "peak_gb": _peak_gb(device),
-                        "first_call_s": first[0] if name == "CapturedStep" else None,
-                        "graphs": first[1] if name == "CapturedStep" else None})
-            r = out[-1]
-            print(f"{name} batch {batch}: {r['tokens_per_s']:,.0f} tokens/s, {r['step_ms']:.2f} ms/step (roofline "
-                  f"{r['roofline_ms']:.2f} ms)" + (f", first call {first[0]:.1f} s" if r["first_call_s"] else ""),
-                  flush=True)
+            if name is not None:
+                roofline = (weight_bytes + batch * (P + n / 2) * kv_token_bytes) / bandwidth  # s a step
+                out.append({"part": "rollout", "sampler": name, "batch": batch, "new_tokens": n, "seconds": seconds,
+                            "tokens_per_s": batch * n / seconds, "step_ms": 1e3 * seconds / n,
+                            "roofline_ms": 1e3 * roofline, "weight_gb": weight_bytes / 2**30,
+                            "speedup": eager / seconds if eager else None, "peak_gb": _peak_gb(device),
+                            "first_call_s": first[0], "graphs": first[1]})
+                print(f"{name} batch {batch}: {batch * n / seconds:,.0f} tokens/s, {1e3 * seconds / n:.2f} ms/step "
+                      f"(roofline {1e3 * roofline:.2f} ms)", flush=True)
+            return seconds
+
+        measure(None, ours(False), largest, 16)
+        eager = measure("model forward, eager", ours(False), largest, n_new)
+        measure(None, ours(step), largest, 16)
+        measure("DecodeStep, eager", ours(step), largest, n_new, eager)
+        captured = rollout.CapturedStep(step, largest, P + n_new)  # one static cache for every batch, as in a phase
+        for batch in sizes.decode_batches:
+            graphs = len(captured.graphs)
+            seconds = measure(None, ours(captured), batch, n_new)  # the call that captures this batch's graphs
+            measure("CapturedStep", ours(captured), batch, n_new, eager if batch == largest else None,
+                    (seconds, len(captured.graphs) - graphs))
+        measure(None, hf, sizes.decode_batches[0], 16)
+        measure("model.generate", hf, sizes.decode_batches[0], n_new)
         # the graphs' replay against the same body run eagerly (capture=False) on the same seeds: the same tokens
         batch, n = sizes.decode_batches[0], min(64, n_new)
         kwargs = dict(eos_token_id=V_, pad_token_id=tokenizer.pad_token_id, vocab_size=V_)

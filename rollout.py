@@ -497,7 +497,8 @@ class CapturedStep:
         self.kv = InPlaceCache(config, rows, max_len, [  # (rows, KV, max_len, hd) keys and values per layer
             tuple(zeros(rows, a.k_proj.out_features // a.head_dim, max_len, a.head_dim, dtype=dtype) for _ in "kv")
             for a in (layer.self_attn for layer in step.decoder.layers)])
-        self.mask = zeros(rows, max_len, dtype=torch.long)  # (rows, max_len) 1: a prompt or response position
+        # (rows, max_len) 0 at padding; ones at first, so rows never used (past the running ones) stay finite
+        self.mask = torch.ones(rows, max_len, dtype=torch.long, device=device)
         self.token = zeros(rows, dtype=torch.long)  # (rows,)
         self.position = zeros(rows, 1, dtype=torch.long)  # (rows, 1) rotary positions
         self.column = zeros(1, dtype=torch.long)  # (1,) the cache position written by this step
