@@ -394,20 +394,22 @@ def _grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 
 class DecodeStep:
-    """One decode step of a Llama / Qwen2 / Qwen3 decoder (`WRITTEN_OUT`) on the CPU, written out layer by layer
-    (difference 9): token (R,) -> the last hidden state (R, 1, D) after the final norm, as `decoder(input_ids=token[:,
-    None], position_ids=..., attention_mask=..., past_key_values=cache)` returns it. Per layer, the equations of the
-    model's own forward:
+    """One decode step of a Llama / Qwen2 / Qwen3 decoder (`WRITTEN_OUT`) on the CPU or CUDA (there through
+    `CapturedStep`: difference 10), written out layer by layer (difference 9): token (R,) -> the last hidden state
+    (R, 1, D) after the final norm, as `decoder(input_ids=token[:, None], position_ids=..., attention_mask=...,
+    past_key_values=cache)` returns it. Per layer, the equations of the model's own forward:
         x = RMSNorm(h);  q, k, v = x [W_q; W_k; W_v]^T (+ b)     one matmul (Qwen3: q, k <- per-head RMSNorm)
         q, k = RoPE(q, k, position);  K, V = cache + (k, v)      x cos + rotate_half(x) sin; the in-place write
-        h = h + softmax(q K^T / sqrt(hd) + mask) V W_o^T         SDPA over grouped heads, padding masked
+        h = h + softmax(q K^T / sqrt(hd) + mask) V W_o^T         SDPA over grouped heads, padding masked (captured:
+                                                                 `_grouped_attention`, unfilled positions masked)
         x = RMSNorm(h);  g, u = x [W_gate; W_up]^T               one matmul
         h = h + (act(g) * u) W_down^T
     The norms, rotary angles and activation are the model's own modules; q and k, adjacent heads of one matmul's
     output, are rotated as one tensor, and the padding mask is made additive once for all layers. The weights (and
     the LM head's real rows, `head`) are stacked and reordered for oneDNN when the step is built (the only copy of
-    them meanwhile: the prefill then runs F.linear): once per rollout phase in `PlainEngine.ready`, once per call in
-    a bare `generate`. A step holds copies, so it is valid only until the weights change."""
+    them meanwhile: the prefill then runs F.linear; on CUDA they are stacked, not reordered, and a single
+    projection's weight is the model's own): once per rollout phase in `PlainEngine.ready`, once per call in a bare
+    `generate`. A step holds copies, so it is valid only until the weights change."""
 
     def __init__(self, model, vocab_size: int | None = None):
         self.decoder, self.layers, self.vocab_size = model.get_decoder(), [], vocab_size
