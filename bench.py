@@ -659,11 +659,12 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
                     (seconds, len(captured.graphs) - graphs))
         measure(None, hf, sizes.decode_batches[0], 16)
         measure("model.generate", hf, sizes.decode_batches[0], n_new)
-        # the graphs' replay against the same body run eagerly (capture=False) on the same seeds: the same tokens
+        # the graphs' replay against the same body run eagerly (capture=False) on the same seeds, at the same bucket
+        # and length blocks (the same cache length): the same tokens
         batch, n = sizes.decode_batches[0], min(64, n_new)
         kwargs = dict(eos_token_id=V_, pad_token_id=tokenizer.pad_token_id, vocab_size=V_)
         a, b = (generate(lm, [prompt] * batch, n, generator=torch.Generator(device).manual_seed(1), written_out=w,
-                         **kwargs) for w in (captured, rollout.CapturedStep(step, batch, P + n, capture=False)))
+                         **kwargs) for w in (captured, rollout.CapturedStep(step, batch, P + n_new, capture=False)))
         out.append({"part": "captured_check", "batch": batch, "new_tokens": n,
                     "same_tokens": torch.equal(a.response_ids, b.response_ids),
                     "logprob_max_abs_diff": (a.logprobs - b.logprobs).abs().max().item()})
