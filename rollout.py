@@ -56,7 +56,8 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    its inputs copied into static buffers, as nano-vllm and gpt-fast do: one launch per step instead of some fifty
    kernels per layer from Python. Its KV cache is allocated once per rollout phase for the phase's rows and the
    run's longest prompt + response; attention reads it up to the filled length rounded up to the block, with the
-   unfilled positions masked, as two batched matmuls (`_grouped_attention`). Sampling (the seeded generator,
+   unfilled positions masked, through SDPA with each key head's query heads as its query positions
+   (`_grouped_attention`). Sampling (the seeded generator,
    temperature, top-p) runs after the graph, eagerly, as it does here: the same tokens as the eager step. On the CPU
    the same class, without capture, calls the step eagerly on the same buffers (the tests' stand-in); the CPU's
    sampler stays as above.
@@ -382,15 +383,17 @@ def _packed_cat(linears: list[torch.nn.Linear]):
 
 def _grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                        scaling: float) -> torch.Tensor:
-    """Attention of one query position over grouped heads as two batched matmuls, for the captured step (difference
-    10): query (R, H, 1, hd), keys / values (R, KV, L, hd), additive mask (R, 1, 1, L) -> (R, 1, H, hd). Query head h
-    reads key head h // (H / KV), as transformers' repeat_kv arranges them, without a copy of the cache per group
-    (CUDA's fused SDPA kernels take no grouped heads with a mask, and its math kernel repeats them):
-        o = softmax(q K^T * scaling + mask) V        softmax in fp32, as transformers' eager attention"""
+    """Attention of one query position over grouped heads, for the captured step (difference 10): query (R, H, 1, hd),
+    keys / values (R, KV, L, hd), additive mask (R, 1, 1, L) -> (R, 1, H, hd). The H / KV query heads that read key
+    head j (h // (H / KV) = j, as transformers' repeat_kv arranges them) are taken as that many query positions of
+    head j under the same mask, so SDPA's fused kernels, which take no grouped heads with a mask, read each key and
+    value head once (its math kernel would copy the cache per group):
+        o = softmax(q K^T * scaling + mask) V"""
     R, H, _, hd = query.shape
     KV = keys.shape[1]
-    scores = query.reshape(R, KV, H // KV, hd) @ keys.transpose(2, 3) * scaling + mask  # (R, KV, H / KV, L)
-    return (scores.float().softmax(dim=-1).to(values.dtype) @ values).reshape(R, 1, H, hd)  # (R, 1, H, hd)
+    o = torch.nn.functional.scaled_dot_product_attention(query.reshape(R, KV, H // KV, hd), keys, values,
+                                                         attn_mask=mask, scale=scaling)  # (R, KV, H / KV, hd)
+    return o.reshape(R, 1, H, hd)
 
 
 class DecodeStep:

@@ -1346,7 +1346,8 @@ def test_rollout_captured_step_same_tokens_as_eager(monkeypatch, temperature, to
 
 
 def test_rollout_captured_step_contract(monkeypatch):
-    """The captured step's contract: its static buffers (KV cache, mask, inputs, logits) are allocated once and never
+    """The captured step's contract: its attention equals SDPA over the key/value heads repeated per head group; its
+    static buffers (KV cache, mask, inputs, logits) are allocated once and never
     again over the generate calls of a phase (the prefill writes into them too); each step copies the running rows'
     inputs in, runs the body on views of the static buffers only, and hands back a view of the static logits. With
     capture on (a recording stand-in for the CUDA graph, replaying the body eagerly) each (bucket, length) is
@@ -1354,6 +1355,13 @@ def test_rollout_captured_step_contract(monkeypatch):
     static cache is refused."""
     assert rollout.batch_buckets(1) == [1] and rollout.batch_buckets(16) == [1, 2, 4, 8, 16]
     assert rollout.batch_buckets(24) == [1, 2, 4, 8, 16, 24]
+    g = torch.Generator().manual_seed(0)  # its attention: SDPA over the key/value heads repeated per head group
+    q, k, v = (torch.randn(5, heads, length, 16, generator=g) for heads, length in ((8, 1), (2, 37), (2, 37)))
+    mask = torch.zeros(5, 1, 1, 37).index_fill_(3, torch.arange(30, 37), float("-inf"))  # unfilled positions
+    mask[1, ..., :5] = float("-inf")  # padding
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
+                                                           attn_mask=mask, scale=0.3).transpose(1, 2)  # (R, 1, H, hd)
+    torch.testing.assert_close(rollout._grouped_attention(q, k, v, mask, 0.3), ref, atol=1e-6, rtol=1e-5)
     lm, prompts = _eos_biased_model(105), _prompts()
     kwargs = dict(max_new_tokens=30, eos_token_id=2, pad_token_id=0, vocab_size=_REAL_VOCAB)
     P = rollout._left_pad(prompts, 0)[0].shape[1]
