@@ -1347,12 +1347,11 @@ def test_rollout_captured_step_same_tokens_as_eager(monkeypatch, temperature, to
 
 def test_rollout_captured_step_contract(monkeypatch):
     """The captured step's contract: its attention equals SDPA over the key/value heads repeated per head group; its
-    static buffers (KV cache, mask, inputs, logits) are allocated once and never
-    again over the generate calls of a phase (the prefill writes into them too); each step copies the running rows'
-    inputs in, runs the body on views of the static buffers only, and hands back a view of the static logits. With
-    capture on (a recording stand-in for the CUDA graph, replaying the body eagerly) each (bucket, length) is
-    captured once, at its first step, and replayed at every step, with the stand-in's tokens. A call larger than the
-    static cache is refused."""
+    static buffers (KV cache, mask, inputs, logits) are allocated once and never again over the generate calls of a
+    phase (the prefill writes into them too); each step copies the running rows' inputs in, runs the body on views of
+    the static buffers only, and hands back a view of the static logits. With capture on (a recording stand-in for
+    the CUDA graph, replaying the body eagerly) each (bucket, length) is captured once, at its first step, and
+    replayed at every step, with the stand-in's tokens. A call larger than the static cache is refused."""
     assert rollout.batch_buckets(1) == [1] and rollout.batch_buckets(16) == [1, 2, 4, 8, 16]
     assert rollout.batch_buckets(24) == [1, 2, 4, 8, 16, 24]
     g = torch.Generator().manual_seed(0)  # its attention: SDPA over the key/value heads repeated per head group
