@@ -1351,7 +1351,8 @@ def test_rollout_captured_step_contract(monkeypatch):
     phase (the prefill writes into them too); each step copies the running rows' inputs in, runs the body on views of
     the static buffers only, and hands back a view of the static logits. With capture on (a recording stand-in for
     the CUDA graph, replaying the body eagerly) each (bucket, length) is captured once, at its first step, and
-    replayed at every step, with the stand-in's tokens. A call larger than the static cache is refused."""
+    replayed at every step, with the stand-in's tokens. A call larger than the static cache, or for another model,
+    is refused."""
     assert rollout.batch_buckets(1) == [1] and rollout.batch_buckets(16) == [1, 2, 4, 8, 16]
     assert rollout.batch_buckets(24) == [1, 2, 4, 8, 16, 24]
     g = torch.Generator().manual_seed(0)  # its attention: SDPA over the key/value heads repeated per head group
@@ -1408,6 +1409,8 @@ def test_rollout_captured_step_contract(monkeypatch):
     for rows, tokens in ((9, 30), (8, 31)):
         with pytest.raises(ValueError, match="exceeds the phase's static cache"):
             generate(lm, (prompts * 3)[:rows], written_out=captured, **dict(kwargs, max_new_tokens=tokens))
+    with pytest.raises(ValueError, match="DecodeStep of another model"):
+        generate(tiny_model(), prompts, written_out=captured, **kwargs)
 
 
 def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
