@@ -57,10 +57,9 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    kernels per layer from Python. Its KV cache is allocated once per rollout phase for the phase's rows and the
    run's longest prompt + response; attention reads it up to the filled length rounded up to the block, with the
    unfilled positions masked, through SDPA with each key head's query heads as its query positions
-   (`_grouped_attention`). Sampling (the seeded generator,
-   temperature, top-p) runs after the graph, eagerly, as it does here: the same tokens as the eager step. On the CPU
-   the same class, without capture, calls the step eagerly on the same buffers (the tests' stand-in); the CPU's
-   sampler stays as above.
+   (`_grouped_attention`). Sampling (the seeded generator, temperature, top-p) runs after the graph, eagerly, as it
+   does here: the same tokens as the eager step. On the CPU the same class, without capture, calls the step eagerly
+   on the same buffers (the tests' stand-in); the CPU's sampler stays as above.
 """
 import gc
 import math
@@ -372,8 +371,8 @@ def _packed_cat(linears: list[torch.nn.Linear]):
     """x -> x @ [W_1; W_2; ...]^T + [b_1; b_2; ...] through oneDNN (F.linear where `_packs` does not hold, e.g. on
     CUDA): several projections of the same input as one matmul over their stacked weights (difference 9); a single
     projection's weight is not copied unless reordered. x (..., in) -> (..., sum of out)."""
-    weight = torch.cat([m.weight.detach() for m in linears]) if len(linears) > 1 else linears[0].weight.detach()
-    biases = [m.bias for m in linears]  # weight: (sum of out, in)
+    weights, biases = [m.weight.detach() for m in linears], [m.bias for m in linears]
+    weight = torch.cat(weights) if len(weights) > 1 else weights[0]  # (sum of out, in)
     bias = None if all(b is None for b in biases) else torch.cat(
         [weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in linears])
     if not _packs(weight):
