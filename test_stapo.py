@@ -1406,6 +1406,136 @@ def test_plain_engine_takes_the_weights_once_per_phase(monkeypatch):
                      vocab_size=other["vocab_size"], written_out=step)
 
 
+def _captured(lm, rows: int, max_len: int, vocab_size=_REAL_VOCAB, **kwargs) -> rollout.CapturedStep:
+    """The captured step of `lm` (its CPU stand-in unless kwargs say otherwise), length blocks of 16 positions."""
+    return rollout.CapturedStep(rollout.DecodeStep(lm, vocab_size), rows, max_len, **{"block": 16, **kwargs})
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0, 1.0), (1.0, 1.0), (0.8, 0.9)])
+def test_rollout_captured_step_same_tokens_as_eager(monkeypatch, temperature, top_p):
+    """The captured step (here its CPU stand-in: the same body, run eagerly on the static buffers) samples what the
+    eager sampler samples for the same generator: tokens equal, log-probs to 1e-5, greedy and sampled, on left-padded
+    prompts whose rows stop at very different lengths. Each step runs at the smallest batch bucket (powers of two,
+    and the phase's 24 rows) that holds the running rows, which shrink as rows finish (compaction), and reads the
+    cache up to the written position rounded up to the length block."""
+    lm = _eos_biased_model(73)
+    prompts = _prompts() * 6  # 24 rows
+    kwargs = dict(max_new_tokens=40, temperature=temperature, top_p=top_p, eos_token_id=2, pad_token_id=0,
+                  vocab_size=_REAL_VOCAB if temperature else None)  # greedy: all rows, lengths 9..40
+    ref = generate(lm, prompts, **kwargs, generator=torch.Generator().manual_seed(3))
+    P = ref.prompt_ids.shape[1]
+    captured = _captured(lm, 24, P + 40, kwargs["vocab_size"])
+    assert captured.buckets == [1, 2, 4, 8, 16, 24]
+    seen = []
+    monkeypatch.setattr(rollout.CapturedStep, "_body", lambda self, b, L, body=rollout.CapturedStep._body:
+                        seen.append((b, L, self.kv.get_seq_length())) or body(self, b, L))
+    r = generate(lm, prompts, **kwargs, generator=torch.Generator().manual_seed(3), written_out=captured)
+    assert torch.equal(r.response_ids, ref.response_ids) and torch.equal(r.response_mask, ref.response_mask)
+    assert torch.equal(r.truncated, ref.truncated)
+    torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    lengths = ref.response_mask.sum(1)
+    assert lengths.min() <= 12 and ref.truncated.any() and len(set(lengths.tolist())) >= 4  # very different
+    assert r.prompt_mask.min() == 0  # left padding
+    # step t writes token t's keys at position P + t, for the rows still running (those longer than t + 1 tokens)
+    running = [int((lengths > t + 1).sum()) for t in range(int(lengths.max()) - 1)]
+    assert seen == [(next(b for b in (1, 2, 4, 8, 16, 24) if b >= R), min(P + 40, (P + t) // 16 * 16 + 16), P + t)
+                    for t, R in enumerate(running)]
+    assert len({L for _, L, _ in seen}) >= 3 and len({b for b, _, _ in seen}) >= (1 if temperature == 1 else 2)
+
+
+def test_rollout_captured_step_contract(monkeypatch):
+    """The captured step's contract: its attention equals SDPA over the key/value heads repeated per head group; its
+    static buffers (KV cache, mask, inputs, logits) are allocated once and never again over the generate calls of a
+    phase (the prefill writes into them too); each step copies the running rows' inputs in, runs the body on views of
+    the static buffers only, and hands back a view of the static logits. With capture on (a recording stand-in for
+    the CUDA graph, replaying the body eagerly) each (bucket, length) is captured once, at its first step, and
+    replayed at every step, with the stand-in's tokens. A call larger than the static cache, or for another model,
+    is refused."""
+    assert rollout.batch_buckets(1) == [1] and rollout.batch_buckets(16) == [1, 2, 4, 8, 16]
+    assert rollout.batch_buckets(24) == [1, 2, 4, 8, 16, 24]
+    g = torch.Generator().manual_seed(0)  # its attention: SDPA over the key/value heads repeated per head group
+    q, k, v = (torch.randn(5, heads, length, 16, generator=g) for heads, length in ((8, 1), (2, 37), (2, 37)))
+    mask = torch.zeros(5, 1, 1, 37).index_fill_(3, torch.arange(30, 37), float("-inf"))  # unfilled positions
+    mask[1, ..., :5] = float("-inf")  # padding
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
+                                                           attn_mask=mask, scale=0.3).transpose(1, 2)  # (R, 1, H, hd)
+    torch.testing.assert_close(rollout._grouped_attention(q, k, v, mask, 0.3), ref, atol=1e-6, rtol=1e-5)
+    lm, prompts = _eos_biased_model(105), _prompts()
+    kwargs = dict(max_new_tokens=30, eos_token_id=2, pad_token_id=0, vocab_size=_REAL_VOCAB)
+    P = rollout._left_pad(prompts, 0)[0].shape[1]
+    captured = _captured(lm, 8, P + 30)
+    static = [captured.mask, captured.token, captured.position, captured.column, captured.logits] + [
+        t for layer in captured.kv.layers for t in (layer.key_buffer, layer.value_buffer)]
+    pointers = [t.data_ptr() for t in static]
+    inputs, outputs = [], []
+    step_call = rollout.DecodeStep.__call__
+    monkeypatch.setattr(rollout.DecodeStep, "__call__", lambda self, token, position, mask, cache, column=None:
+                        inputs.append((token, position, mask, cache, column)) or step_call(
+                            self, token, position, mask, cache, column))
+    call = rollout.CapturedStep.__call__
+    monkeypatch.setattr(rollout.CapturedStep, "__call__", lambda self, *args: outputs.append(call(self, *args))
+                        or outputs[-1])
+    first = [generate(lm, prompts * 2, generator=torch.Generator().manual_seed(s), written_out=captured, **kwargs)
+             for s in (0, 1)]  # two calls of one phase
+    assert [t.data_ptr() for t in static] == pointers  # nothing reallocated
+    assert captured.kv.layers[0].keys.data_ptr() == pointers[5]  # the prefill wrote into the static buffer
+    for token, position, mask, cache, column in inputs:
+        assert token.data_ptr() == captured.token.data_ptr() and position.data_ptr() == captured.position.data_ptr()
+        assert mask.shape[0] == len(token) and cache is captured.kv and column is captured.column
+    assert all(o.data_ptr() == captured.logits.data_ptr() for o in outputs) and len(outputs) == len(inputs) > 20
+    # with capture: once per (bucket, length), replayed at every step
+    captures, replays = [], []
+
+    class Graph:
+        def __init__(self, step, key):
+            self.step, self.key = step, key
+
+        def replay(self):
+            replays.append(self.key)
+            self.step._body(*self.key)
+    monkeypatch.setattr(rollout.CapturedStep, "_capture", lambda self, b, L: captures.append((b, L)) or
+                        Graph(self, (b, L)))
+    graphs = _captured(lm, 8, P + 30, capture=True)
+    inputs.clear()
+    again = [generate(lm, prompts * 2, generator=torch.Generator().manual_seed(s), written_out=graphs, **kwargs)
+             for s in (0, 1)]
+    keys = [(len(token), mask.shape[1]) for token, _, mask, _, _ in inputs]
+    assert replays == keys and captures == list(dict.fromkeys(keys)) and len(captures) < len(keys)
+    assert sorted(graphs.graphs) == sorted(captures)
+    for a, b in zip(first, again):
+        assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
+    for rows, tokens in ((9, 30), (8, 31)):
+        with pytest.raises(ValueError, match="exceeds the phase's static cache"):
+            generate(lm, (prompts * 3)[:rows], written_out=captured, **dict(kwargs, max_new_tokens=tokens))
+    with pytest.raises(ValueError, match="DecodeStep of another model"):
+        generate(tiny_model(), prompts, written_out=captured, **kwargs)
+
+
+def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
+    """`PlainEngine` with `captured` (the default on CUDA; the CPU stand-in here) makes one `CapturedStep` per rollout
+    phase at its first sample call, for its largest generate call's rows and the run's longest prompt + response
+    (`max_len`, which make_engine takes from max_model_len), uses it for every generate call of the phase, samples
+    what the eager engine samples, and drops it with the phase; a later call of the phase that needs more rows makes
+    a larger one."""
+    lm, prompts = _eos_biased_model(105), _prompts()
+    tok = tiny_tokenizer()
+    engine = rollout.make_engine("plain", lm, tok, True, max_model_len=200)
+    assert engine.max_len == 200 and not engine.captured  # the CPU's default: the eager step
+    eager = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)
+    engine.captured, built = True, []
+    monkeypatch.setattr(rollout.CapturedStep, "__init__", lambda self, *a, init=rollout.CapturedStep.__init__:
+                        built.append(a[1:]) or init(self, *a))
+    with engine.ready(lm):
+        r = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)  # four generate calls of 2 rows
+        held = engine.static
+        assert built == [(2, 200)] and isinstance(held, rollout.CapturedStep)
+        engine.sample(prompts[:2], 2, [7], 2, 24, 1.0, 1.0)  # 4 rows: a larger cache
+        assert built == [(2, 200), (4, 200)] and engine.static is not held
+    assert engine.static is None and engine.step is True
+    assert torch.equal(r.response_ids, eager.response_ids)
+    torch.testing.assert_close(r.logprobs, eager.logprobs, atol=1e-5, rtol=0)
+
+
 def test_rollout_grouped_sdpa_no_repeated_cache(monkeypatch):
     """`model.grouped_sdpa` (on CPU, when a mask is given, under model.PACKED_SDPA, which PlainEngine and Policy
     give the model) equals SDPA over the key/value heads repeated per head group; the sampler then samples
@@ -4867,15 +4997,20 @@ def test_collapse_table_and_figure_from_run_folders(tmp_path):
 # ==================================================================================================================
 def test_bench_gpu_smoke(tmp_path):
     """`python bench.py gpu --smoke` runs every part of the GPU check (so it cannot rot between GPU runs): the sharded
-    fp32 forward equals an fp32 copy of the same weights, the chunked head the fp64 naive one, the sampler makes
-    exactly its tokens, and train.py makes its two steps with an update each."""
+    fp32 forward equals an fp32 copy of the same weights, the chunked head the fp64 naive one, each sampler (the
+    model's forward, the written-out step, the captured step's CPU stand-in, model.generate) makes exactly its
+    tokens, the captured step's body gives the same tokens however it runs, and train.py makes its two steps with an
+    update each."""
     import bench
 
     with _one_thread():
         bench.bench_gpu(smoke=True, out=tmp_path)
     rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
-    assert [r["part"] for r in rows] == ["train"] * 3 + ["numerics"] * 2 + ["head"] * 2 + ["rollout"] * 3 + ["e2e"] * 2
-    assert [r["sampler"] for r in rows if r["part"] == "rollout"] == ["rollout.generate"] * 2 + ["model.generate"]
+    assert [r["part"] for r in rows] == ["train"] * 3 + ["numerics"] * 2 + ["head"] * 2 + ["rollout"] * 5 + [
+        "captured_check"] + ["e2e"] * 2
+    assert [(r["sampler"], r["batch"]) for r in rows if r["part"] == "rollout"] == [
+        ("model forward, eager", 4), ("DecodeStep, eager", 4), ("CapturedStep", 2), ("CapturedStep", 4),
+        ("model.generate", 2)]
     for r in rows:
         if r["part"] == "train":
             assert r["updates"] == 1 and math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["mfu"] > 0
@@ -4884,7 +5019,11 @@ def test_bench_gpu_smoke(tmp_path):
         elif r["part"] == "head":
             assert r["logprob_max_abs_diff"] < 1e-4 and r["entropy_max_abs_diff"] < 1e-4
         elif r["part"] == "rollout":
-            assert r["new_tokens"] == 8 and r["step_ms"] > 0 and r["bound_ms"] > 0
+            assert r["new_tokens"] == 8 and r["step_ms"] > 0 and r["roofline_ms"] > 0
+            assert (r["speedup"] is not None) == (r["batch"] == 4 and r["sampler"] != "model forward, eager")
+            assert (r["graphs"] is None) != (r["sampler"] == "CapturedStep")
+        elif r["part"] == "captured_check":
+            assert r["same_tokens"] and r["logprob_max_abs_diff"] == 0
         else:
             assert r["updates"] == 1 and 1 <= r["response/len_mean"] <= 8  # --max-response-len 8
     table = (tmp_path / "gpu.md").read_text()
