@@ -763,8 +763,8 @@ def _gpu_e2e(sizes, model_dir, data, device, work, out):
 
     flags = dict(sizes.e2e, model=model_dir, data=data, prompt_key="prompt", answer_key="answer", instruction="",
                  preset="paper", out_dir=str(work / "e2e"), save_every=0, warmup_steps=0)
-    argv = ["--no-chat", "--no-export-hf", "--no-plots", "--grad-checkpointing"] + (
-        ["--fsdp"] if device.type == "cpu" else [])
+    argv = ["--no-chat", "--no-export-hf", "--no-plots", "--grad-checkpointing", "--cuda-graphs"] + (
+        ["--fsdp"] if device.type == "cpu" else [])  # --cuda-graphs: the captured sampler's first run inside train.py
     for key, value in flags.items():
         argv += ["--" + key.replace("_", "-"), str(value)]
     parity = lambda response, gold, mode="dapo": 1.0 if len(response) % 2 else -1.0

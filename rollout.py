@@ -50,7 +50,8 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    model's forward for the three families, with a padding mask. The step is not compiled: `torch.compile` of the
    backbone took minutes to compile on CPU for a gain within the noise, and inductor cannot take reordered weights
    that are not constants (docs/rollouts.md).
-10. On CUDA `PlainEngine` decodes through `CapturedStep`: the same written-out step (F.linear over the stacked
+10. On CUDA, asked for (`captured`, train.py's `--cuda-graphs`; off by default until a GPU run of `python bench.py
+   gpu` has checked it: docs/gpu.md), `PlainEngine` decodes through `CapturedStep`: the same written-out step (F.linear over the stacked
    weights) with static shapes, captured in a CUDA graph per batch bucket (powers of two up to the phase's rows:
    finished rows compact into a smaller one) and per length block of the cache (`LENGTH_BLOCK`), and replayed with
    its inputs copied into static buffers, as nano-vllm and gpt-fast do: one launch per step instead of some fifty
@@ -590,7 +591,8 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
     decoder = model.get_decoder()
     captured = written_out if isinstance(written_out, CapturedStep) else None  # difference 10
     step = captured.step if captured else written_out if isinstance(written_out, DecodeStep) else \
-        DecodeStep(model, vocab_size) if written_out and DecodeStep.supports(model) else None  # difference 9
+        DecodeStep(model, vocab_size) if written_out and DecodeStep.supports(model) and not \
+        next(model.parameters()).is_cuda else None  # difference 9 (a bare call on CUDA: the model's forward)
     if step is not None and (step.decoder is not decoder or step.vocab_size != vocab_size):
         raise ValueError(f"generate got the DecodeStep of another model or vocab_size ({step.vocab_size}, not "
                          f"{vocab_size})")
@@ -694,13 +696,13 @@ class PlainEngine:
     name = "plain"
 
     def __init__(self, lm, eos_token_id, pad_token_id: int, vocab_size: int | None,
-                 stop: Callable[[], bool] | None = None, max_len: int | None = None, captured: bool | None = None):
+                 stop: Callable[[], bool] | None = None, max_len: int | None = None, captured: bool = False):
         """max_len: the run's longest prompt + response (train.py and eval.py give it), the length of a phase's
-        static cache; captured: decode through a `CapturedStep` (difference 10; default: on CUDA)."""
+        static cache; captured: decode through a `CapturedStep` (difference 10; train.py's --cuda-graphs)."""
         self.lm, self.eos, self.pad, self.vocab_size, self.stop = lm, eos_token_id, pad_token_id, vocab_size, stop
         self.step = True  # generate's `written_out`: a DecodeStep during a rollout phase
         self.max_len = max_len
-        self.captured = next(lm.parameters()).is_cuda if captured is None else captured
+        self.captured = captured
         self.static = None  # the phase's CapturedStep, made at its first sample call
         lm.set_attn_implementation(PACKED_SDPA)  # as model.Policy does: model.grouped_sdpa under a mask
 
@@ -710,7 +712,9 @@ class PlainEngine:
         the decode step's weights are stacked and reordered here, once for every generate call of the phase; with
         `captured`, its static cache and graphs are made at the phase's first sample call."""
         with gathered(policy):
-            self.step = DecodeStep(self.lm, self.vocab_size) if DecodeStep.supports(self.lm) else True
+            cuda = next(self.lm.parameters()).is_cuda  # CUDA: the written-out step only to be captured (difference 10)
+            self.step = DecodeStep(self.lm, self.vocab_size) if DecodeStep.supports(self.lm) and (
+                self.captured or not cuda) else True
             try:
                 yield self
             finally:
@@ -918,13 +922,15 @@ class VLLMEngine:
         self.dir.cleanup()
 
 
-def make_engine(name: str, lm, tokenizer, chat: bool, stop: Callable[[], bool] | None = None, **vllm_kwargs):
+def make_engine(name: str, lm, tokenizer, chat: bool, stop: Callable[[], bool] | None = None, captured: bool = False,
+                **vllm_kwargs):
     """The rollout engine `name` ('plain' or 'vllm') for the HF model `lm`; vLLM is imported only for 'vllm'.
-    stop: the plain sampler's early end (a vLLM generate call always finishes); vllm_kwargs: VLLMEngine's
-    max_model_len (also the plain engine's static cache length), kv_cache_memory_bytes, dtype, seed."""
+    stop: the plain sampler's early end (a vLLM generate call always finishes); captured: the plain engine decodes
+    through CUDA graphs (difference 10); vllm_kwargs: VLLMEngine's max_model_len (also the plain engine's static
+    cache length), kv_cache_memory_bytes, dtype, seed."""
     args = (lm, eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, lm_vocab_size(tokenizer))
     if name == "plain":
-        return PlainEngine(*args, stop=stop, max_len=vllm_kwargs.get("max_model_len"))
+        return PlainEngine(*args, stop=stop, max_len=vllm_kwargs.get("max_model_len"), captured=captured)
     if name == "vllm":
         return VLLMEngine(*args, **vllm_kwargs)
     raise ValueError(f"unknown rollout engine {name!r}; valid: plain, vllm")

@@ -1512,7 +1512,7 @@ def test_rollout_captured_step_contract(monkeypatch):
 
 
 def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
-    """`PlainEngine` with `captured` (the default on CUDA; the CPU stand-in here) makes one `CapturedStep` per rollout
+    """`PlainEngine` with `captured` (train.py's --cuda-graphs on CUDA; the CPU stand-in here) makes one `CapturedStep` per rollout
     phase at its first sample call, for its largest generate call's rows and the run's longest prompt + response
     (`max_len`, which make_engine takes from max_model_len), uses it for every generate call of the phase, samples
     what the eager engine samples, and drops it with the phase; a later call of the phase that needs more rows makes
@@ -1520,7 +1520,8 @@ def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
     lm, prompts = _eos_biased_model(105), _prompts()
     tok = tiny_tokenizer()
     engine = rollout.make_engine("plain", lm, tok, True, max_model_len=200)
-    assert engine.max_len == 200 and not engine.captured  # the CPU's default: the eager step
+    assert engine.max_len == 200 and not engine.captured  # the default: the eager step
+    assert rollout.make_engine("plain", lm, tok, True, captured=True).captured
     eager = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)
     engine.captured, built = True, []
     monkeypatch.setattr(rollout.CapturedStep, "__init__", lambda self, *a, init=rollout.CapturedStep.__init__:

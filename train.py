@@ -736,8 +736,8 @@ def rollout_engine(cfg: Config, lm, tokenizer, prompts: list[list[int]], rank: i
                 f"{chunk} prompts x G {G} per generate call, KV cache at most {kv_call / 1e9:.2f} GB")
         print(f"rollout ({cfg.rollout}): {what} per rank (--kv-cache-gb {cfg.kv_cache_gb:g})", flush=True)
     longest = max(map(len, prompts)) + cfg.max_response_len  # train and held-out prompts
-    return rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, stop, max_model_len=longest,
-                               kv_cache_memory_bytes=kv_vllm, dtype=dtype, seed=cfg.seed)
+    return rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, stop, cfg.cuda_graphs and device.type == "cuda",
+                               max_model_len=longest, kv_cache_memory_bytes=kv_vllm, dtype=dtype, seed=cfg.seed)
 
 
 
@@ -982,6 +982,9 @@ class Config:
     rollout_chunk: int = 0
     """prompts per generate call on each rank (0 = the most that fit --kv-cache-gb); 1 makes rollouts independent of
     the number of ranks"""
+    cuda_graphs: bool = False
+    """--rollout plain on CUDA: decode through one CUDA graph per batch bucket (rollout.CapturedStep); off until a GPU
+    run of `python bench.py gpu` has checked it (docs/gpu.md)"""
     collective_timeout_min: float = 60.0
     """minutes a rank waits in a collective for the others before the run fails (ranks whose rollouts are longer
     finish later; NCCL's default is 10)"""
