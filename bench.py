@@ -6,7 +6,7 @@
     python bench.py grader          # reward.grade throughput
     python bench.py grader-compare  # reward.grade vs math-verify (if installed) on the labelled cases: accuracy, FPs
     python bench.py grader-compare --against OLD_REWARD_PY   # ... and another reward.py (the code before a change)
-    python bench.py gpu             # the CUDA path at Qwen3-1.7B shape on one GPU (~7 min on an H200, estimated; not in `all`)
+    python bench.py gpu             # the CUDA path at Qwen3-1.7B shape on one GPU (~7 min on an H200; not in `all`)
     python bench.py gpu --smoke     # the same code at toy shapes on the CPU in seconds (run by the test suite)
     python bench.py gpu --parts numerics,rollout   # some of its parts: train, numerics, rollout, e2e
     python bench.py update          # token-budget vs sequence-count micro-batches; peak memory vs length vs estimate
@@ -140,14 +140,15 @@ def _same_process_times(N=1024, repeats=2):
 
 
 def bench_model(sizes=(1024, 4096, 16384), max_gb=12.0):
-    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §2, needs log pi(y_t) and the full-vocabulary entropy H_t of every response
+    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §2, needs log pi(y_t) and the full-vocabulary entropy H_t of
+    every response
     token; this measures what computing them costs at Qwen3's vocabulary (V = 151,936) and Qwen3-1.7B's hidden size
     (D = 2048), fp32 on CPU, forward + backward of sum_t log pi(y_t), for N = 1024, 4096, 16384 tokens.
 
     Deliberate choices:
     1. Each (implementation, N) runs in its own process and reports its peak resident memory (VmHWM) minus the
-       resident memory once the inputs (hidden, weight) exist, so the numbers do not mix. The weight gradient (V x D fp32,
-       1.24 GB) is part of both.
+       resident memory once the inputs (hidden, weight) exist, so the numbers do not mix. The weight gradient (V x D
+       fp32, 1.24 GB) is part of both.
     2. A naive run is only started where its predicted peak fits the memory limit (`max_gb`); otherwise the table shows
        the prediction: the naive extra memory is linear in N, so it is extrapolated from the measured N = 1024 run.
     3. Time ratios chunked/naive are measured in one process at N = 1024 (alternating, best of 2), because timings
@@ -366,7 +367,8 @@ def _reward_run(items, fn, repeats):
 
 
 def bench_reward(repeats=3):
-    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §6, grades 256 x 8 = 2,048 responses per rollout batch, so the grader must not be
+    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §6, grades 256 x 8 = 2,048 responses per rollout batch, so the
+    grader must not be
     the bottleneck. Corpora: the responses of shared/data/grader_cases.jsonl (real answer forms, several parse paths),
     the golds of AIME, AMC, MATH-500 and OlympiadBench boxed in a response (mostly the string fast path), and hostile
     inputs (refused by the size guards, or cut by the deadline). Without ../shared/data it falls back to the
@@ -710,9 +712,11 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
                 lm, [prompt] * batch, n, eos_token_id=V_, pad_token_id=tokenizer.pad_token_id, vocab_size=V_,
                 generator=torch.Generator(device).manual_seed(0), written_out=written_out).response_ids  # EOS id V_
         ids = torch.tensor([prompt], device=device)
-        hf = lambda batch, n: lm.generate(ids.expand(batch, -1), attention_mask=torch.ones_like(ids).expand(batch, -1),
-                                          do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=n,
-                                          min_new_tokens=n, pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:]
+
+        def hf(batch, n):
+            return lm.generate(ids.expand(batch, -1), attention_mask=torch.ones_like(ids).expand(batch, -1),
+                               do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=n,
+                               min_new_tokens=n, pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:]
 
         def measure(name, fn, batch, n, eager=None, first=(None, None)):
             """Seconds of fn(batch, n); a row of the table unless `name` is None (a warm-up or a capturing call)."""
@@ -767,7 +771,9 @@ def _gpu_e2e(sizes, model_dir, data, device, work, out):
         ["--fsdp"] if device.type == "cpu" else [])  # --cuda-graphs: the captured sampler's first run inside train.py
     for key, value in flags.items():
         argv += ["--" + key.replace("_", "-"), str(value)]
-    parity = lambda response, gold, mode="dapo": 1.0 if len(response) % 2 else -1.0
+    def parity(response, gold, mode="dapo"):
+        return 1.0 if len(response) % 2 else -1.0
+
     with mock.patch.object(reward, "reward", parity):
         seconds, code = _dev_timed(lambda: train.main(argv), device)
     assert code == 0, f"train.main exited with {code}"
@@ -823,7 +829,8 @@ GPU_PARTS = ("train", "numerics", "rollout", "e2e")  # `--parts` chooses among t
 
 
 def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
-    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §6, trains Qwen3-1.7B/8B with FSDP, responses up to 15,360 tokens. One
+    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §6, trains Qwen3-1.7B/8B with FSDP, responses up to 15,360
+    tokens. One
     prepared run on one CUDA GPU, no network: a random model of Qwen3-1.7B's exact shape (QWEN3_1_7B) and a
     word-level tokenizer of its full vocabulary, saved to a temporary folder and loaded by train.setup (FSDP2 via
     model.shard_policy, bf16 compute / fp32 master weights, activation checkpointing, AdamW); then
@@ -998,7 +1005,8 @@ def _update_pass(policy, batch, micro, cfg):
 
 
 def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
-    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §6, trains on responses up to 15,360 tokens (veRL, dynamic batch size of 32,768
+    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §6, trains on responses up to 15,360 tokens (veRL, dynamic batch
+    size of 32,768
     tokens per GPU). (1) A rollout batch of 64 rows with a realistic length mix (lognormal, median ~245 response tokens,
     a tail to the cap of 1920 = 15360 / 8) through the update's forward + backward, split into 8-sequence micro-batches
     in rollout order (a fixed sequence count) or by token budget (`Rollout.micro_batches`): attention's padding,

@@ -31,7 +31,8 @@ two proportions, from Wilson intervals: honest when all K draws agree, where the
 reward reads, reward.graded_chars) and the text after it, which the reward cannot see by construction.
 
 The command regenerates one training step of a run exactly (the policy that made its decisions, its rollout, the
-mask of every mini-batch, its updates replayed), draws the tokens the algorithm silenced, the candidates it kept (A > 0, p < tau_p,
+mask of every mini-batch, its updates replayed), draws the tokens the algorithm silenced, the candidates it kept (A >
+0, p < tau_p,
 not silenced) and a random sample of other tokens of correct responses, estimates their effects with the run's
 rollout engine and reward, writes RUN/counterfactual.jsonl (one line per token), prints a summary per kind and,
 with --plot, draws RUN/counterfactual.png (plots.plot_counterfactual). Cost: docs/experiments.md.
@@ -136,7 +137,8 @@ def token_effects(sample: Callable, grade: Callable, prompts: list[list[int]], r
             outcomes[p.token, p.side] = [float(grade(tokens[p.token][0], p.response) > 0)] * k
     calls = []  # the redraws without y_t in calls of their own; longest budget first (choice 4)
     for redraw in (False, True):
-        todo = sorted((p for p in prefixes if p.budget > 0 and (p.side == "exclude") == redraw), key=lambda p: -p.budget)
+        todo = sorted((p for p in prefixes if p.budget > 0 and (p.side == "exclude") == redraw),
+                      key=lambda p: -p.budget)
         calls += [todo[i:i + prefixes_per_call] for i in range(0, len(todo), prefixes_per_call)]
     for c, part in enumerate(calls):
         exclude = [responses[tokens[p.token][0]][tokens[p.token][1]] for p in part] if part[0].side == "exclude" \
@@ -321,7 +323,8 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
     return Step(cfg, run.tokenizer, run.policy, run.engine,
                 [ids[m.bool()].tolist() for ids, m in zip(batch.prompt_ids, batch.prompt_mask)],
                 [ids[m.bool()].tolist() for ids, m in zip(batch.response_ids, batch.response_mask)],
-                [run.rows[mine[i // G]]["answer"] for i in range(len(batch))], [mine[i // G] for i in range(len(batch))],
+                [run.rows[mine[i // G]]["answer"] for i in range(len(batch))],
+                [mine[i // G] for i in range(len(batch))],
                 [j for j, n in zip(k, sizes) for _ in range(n)], score, rewards, stapo.group_advantages(rewards, G),
                 *(torch.cat(x) for x in (logprobs, entropy, mask)), *(torch.cat(x).bool() for x in
                                                                         (silenced, candidates, rule)), matches)
@@ -388,9 +391,10 @@ HEAD = ("tokens (responses) | mean effect (95% CI) | mean contrast (95% CI) | ne
 
 def summary(lines: list[dict]) -> str:
     """The table printed at the end: one row per kind and part of the response (`summary_row`)."""
+    rows = [(kind, part, [x for x in lines if (x["kind"], x["part"]) == (kind, part)])
+            for kind in KINDS for part in PARTS]
     return "\n".join(["| kind | " + HEAD, "|---" * (HEAD.count("|") + 1) + "|",
-                      *(f"| {kind}, {part} | {summary_row([x for x in lines if x['kind'] == kind and x['part'] == part])}"
-                        for kind in KINDS for part in PARTS)])
+                      *(f"| {kind}, {part} | {summary_row(group)}" for kind, part, group in rows)])
 
 
 def summary_row(lines: list[dict]) -> str:

