@@ -408,7 +408,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
             values = {**values, **dict(zip(("temperature", "top_p"), PRESETS[given["preset"]])),
                       **{k: given[k] for k in ("temperature", "top_p") if k in given}}
     if "benchmarks" not in given:
-        has_heldout = run and (not run["data"] or run["heldout"] > 0)
+        has_heldout = run and (not run["data"] or run["heldout"] != 0)  # null: the default share (data.py)
         values["benchmarks"] = [] if given.get("data") else ["heldout"] if has_heldout else list(PAPER_BENCHMARKS)
     preset_t, preset_p = PRESETS[values.get("preset", "train-aligned")]
     if values.get("temperature") is None:

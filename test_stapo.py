@@ -2412,6 +2412,26 @@ def test_eval_uses_the_training_runs_prompt_and_sampling(tmp_path, monkeypatch, 
     assert heldout["k"] == 2 and calls[0]["k"] == 2  # the run's --eval-samples
 
 
+def test_eval_run_on_your_own_data_with_the_default_heldout(tmp_path, monkeypatch):
+    """A run on your own --data records the default `"heldout": null` (a tenth of the rows); eval.py --run scores
+    that run's held-out rows, and --models RUN/hf --data FILE your file. (Both ended in "TypeError: '>' not
+    supported between instances of 'NoneType' and 'int'".)"""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
+                            for a in range(6) for b in range(5)))  # 30 rows: 3 held out
+    run = _tiny_run(tmp_path / "run", data=str(data), prompt_key="prompt", answer_key="answer", chat=False,
+                    max_response_len=2, eval_samples=2)
+    assert json.loads((run / "config.json").read_text())["heldout"] is None
+    with _one_thread():
+        results = ev.main(["--run", str(run)])
+        heldout = results["models"][str(run / "hf")]["benchmarks"]["heldout"]
+        expected = load_rows(SimpleNamespace(**json.loads((run / "config.json").read_text())))[1]
+        assert [p["problem"] for p in heldout["problems"]] == [r["problem"] for r in expected] and len(expected) == 3
+        results = ev.main(["--models", str(run / "hf"), "--data", str(data), "--limit", "2", "--out",
+                           str(tmp_path / "own")])
+    assert list(results["models"][str(run / "hf")]["benchmarks"]) == ["rows"]
+
+
 def test_eval_own_jsonl_with_named_fields(tmp_path):
     """--data FILE (NAME=FILE) with --prompt-key/--answer-key: train.py's field rules (dotted paths, answer lists,
     chat message lists); each file is a column of the table, never part of Avg; every sample graded by reward.grade."""
