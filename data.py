@@ -55,6 +55,13 @@ def heldout_count(n_rows: int, heldout: int | None) -> int:
     return min(HELDOUT_MAX, n_rows // 10) if heldout is None else heldout
 
 
+def problem_seed(seed: int, index: int) -> int:
+    """The sampling seed of the generate call that starts at problem `index` (0-based) of an evaluated set (train.py's
+    held-out evaluation: one call per problem; eval.py): a function of the problem, never of the rank that samples
+    it, so an evaluation on any number of processes samples the same (as training seeds by the global prompt index)."""
+    return hash((seed, index)) % 2**62
+
+
 def load_rows(cfg) -> tuple[list[dict], list[dict], int]:
     """(train, held-out) lists of {"problem", "answer"} of a train.py config (its data, prompt_key, answer_key, split,
     heldout and seed), and the number of repeated rows dropped: the rows of --data, shuffled by the seed, the first

@@ -20,16 +20,16 @@ Deliberate differences from the paper's evaluation:
 1. Rule-based grading only (reward.py); the paper adds an LLM verifier where the rules fail, so a response the
    rules cannot parse counts as wrong here.
 2. Pure data parallelism: with torchrun every rank holds a full copy of the model and samples its share of the
-   problems (round-robin); no tensor parallelism. `--rollout vllm` samples with a colocated vLLM engine per rank
+   problems (calls of consecutive problems, dealt in turn); no tensor parallelism. `--rollout vllm` samples with a colocated vLLM engine per rank
    (rollout.VLLMEngine; with torchrun, one model per run: closing an engine tears down the process group).
 3. Besides avg@k we report the unbiased pass@k (Chen et al. 2021, k = samples per problem), the mean response
    length in tokens and the truncation rate, which explain most avg@k differences between short and long budgets.
 4. "Avg" is the mean avg@k over the six paper benchmarks **that were evaluated**; GSM8K (not in the paper) is
    shown but never averaged in.
-5. Generate call c of a set (problems from position `start` of the rank's share) is seeded seed + rank +
-   1_000_003 * start (the first call: seed + rank), so samples (not the expectation) change with the number of ranks
-   and the batch size. A run's `heldout` set is one call per rank seeded with the run's seed + 1 by default: what
-   train.py's evaluation sampled, so `--run` reproduces its eval.jsonl numbers.
+5. A set is sampled in calls of consecutive problems (--batch-size), dealt to the ranks in turn; the call that
+   starts at problem i is seeded data.problem_seed(seed, i), so samples do not change with the number of ranks (they
+   do with the batch size). A run's `heldout` set is one call per problem seeded with the run's seed + 1 by default:
+   what train.py's evaluation sampled, so `--run` reproduces its eval.jsonl numbers on any number of processes.
 6. Beyond the paper: `--run` takes prompt format, sampling, seed and reward from a train.py run's config.json (flag >
    run > default), `heldout` is the run's held-out set and `--data` reads your own files with train.py's field
    logic.
@@ -50,7 +50,7 @@ from typing import Callable, Literal
 
 import cli
 import reward
-from data import answer_value, check_utf8, describe, load_rows, read_jsonl, read_rows, repeated_note
+from data import answer_value, check_utf8, describe, load_rows, problem_seed, read_jsonl, read_rows, repeated_note
 
 PAPER_BENCHMARKS = ("aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench")
 TITLES = {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "MATH500", "minerva": "Minerva",
@@ -317,10 +317,10 @@ class Config:
     """evaluate only the first LIMIT problems of each benchmark"""
     batch_size: int | None = None
     """sequences per generate call on each rank (problems per call = max(1, batch_size // k)); default 64, and for
-    heldout all of a rank's problems in one call, as train.py's held-out evaluation samples them"""
+    heldout one problem per call, as train.py's held-out evaluation samples them"""
     seed: int | None = None
-    """sampling seed (rank r's first generate call uses seed + r); default: the run's --seed + 1 with --run, as
-    train.py's held-out evaluation, else 0"""
+    """sampling seed (the call that starts at problem i uses data.problem_seed(seed, i), on any number of ranks);
+    default: the run's --seed + 1 with --run, as train.py's held-out evaluation, else 0"""
     reward: str = "dapo"
     """what counts as correct, a positive reward (reward.correct): dapo or binary (reward.grade), strict (last-box
     string match) or your own FILE.py:FUNCTION / MODULE:FUNCTION; default: the run's --reward with --run"""
@@ -498,7 +498,7 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, de
     # --kv-cache-gb, but at least one problem's k rows (the plain sampler holds them at once; vLLM queues what does
     # not fit its KV cache of at most --kv-cache-gb)
     row_bytes, budget = model_lib.kv_cache_bytes(lm.config, 1, longest, lm.dtype.itemsize), int(cfg.kv_cache_gb * 1e9)
-    per_call = {b: len(s["rows"]) if b == "heldout" and cfg.batch_size is None else  # as train.evaluate: one call
+    per_call = {b: 1 if b == "heldout" and cfg.batch_size is None else  # as train.evaluate: a call per problem
                 max(1, min(cfg.batch_size or BATCH_SIZE, budget // row_bytes) // s["k"]) for b, s in sets.items()}
     need = max(per_call[b] * s["k"] for b, s in sets.items()) * row_bytes  # the largest call, every row at its longest
     if rank == 0:
@@ -522,20 +522,20 @@ def evaluate_model(engine, lm, tokenizer, per_call: dict[str, int], name: str, c
 
     import rollout
 
-    bar = tqdm(total=sum(len(s["rows"][rank::world]) for s in sets.values()), desc=f"{name} (rank 0 of {world})",
+    calls = {b: [range(start, min(start + per_call[b], len(s["rows"])))  # this rank's calls: every world-th one
+                 for start in range(0, len(s["rows"]), per_call[b])][rank::world] for b, s in sets.items()}
+    bar = tqdm(total=sum(len(idx) for b in calls for idx in calls[b]), desc=f"{name} (rank 0 of {world})",
                disable=rank != 0)
     try:
         with engine.ready(lm):  # vllm: the weights are pushed once, for every set
             for b, s in sets.items():
                 k, rows = s["k"], s["rows"]
-                mine = list(range(rank, len(rows), world))  # round-robin split of the problems over the ranks
                 problems = []
-                for start in range(0, len(mine), per_call[b]):
-                    idx = mine[start: start + per_call[b]]
+                for idx in calls[b]:
                     prompts = [rollout.format_prompt(tokenizer, rows[i]["problem"], cfg.chat, cfg.instruction)
                                for i in idx]
                     with torch.no_grad():  # rows j*k .. j*k+k-1 answer problem idx[j] (difference 5: the seed)
-                        ro = engine.sample(prompts, k, [cfg.seed + rank + 1_000_003 * start], len(prompts),
+                        ro = engine.sample(prompts, k, [problem_seed(cfg.seed, idx[0])], len(prompts),
                                            cfg.max_new_tokens, cfg.temperature, cfg.top_p)
                     texts = ro.texts(tokenizer)
                     lengths = ro.response_mask.sum(-1).tolist()  # (B,) tokens including EOS

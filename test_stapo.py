@@ -2328,7 +2328,8 @@ def test_eval_kv_cache_budget_bounds_every_call(tmp_path, monkeypatch, capsys):
 
 
 def test_eval_torchrun_two_ranks_gather_in_order(tmp_path):
-    """2 processes (gloo): the problems are split round-robin and gathered to rank 0 in the original order, and the
+    """2 processes (gloo): the problems are dealt to the ranks, gathered to rank 0 in the original order and sampled
+    as 1 process samples them (with --batch-size 2: calls [0] on rank 0, [1] on rank 1, [2] on rank 0), and the
     process group is really torn down (its gloo threads once outlived destroy_process_group, because torch's FSDP
     was first imported after init_process_group, and aborted a rank at exit now and then)."""
     runner = tmp_path / "runner.py"
@@ -2341,7 +2342,7 @@ assert not any("gloo" in t for t in threads), threads
 """)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(runner),
            "--models", "tiny", "--benchmarks", "amc23", "--data-dir", str(DATA), "--limit", "3", "--k", "2",
-           "--max-new-tokens", "4", "--out", str(tmp_path)]
+           "--max-new-tokens", "4", "--batch-size", "2", "--out", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -2349,6 +2350,10 @@ assert not any("gloo" in t for t in threads), threads
     assert [p["index"] for p in bench["problems"]] == [0, 1, 2]
     assert [p["gold"] for p in bench["problems"]] == ["55.0", "24.0", "12.0"]
     assert all(len(p["samples"]) == 2 for p in bench["problems"])
+    with _one_thread():  # the same samples on 1 process (each call seeded by its first problem, not by the rank)
+        one = ev.main(cmd[cmd.index("--models"):-1] + [str(tmp_path / "one")])["models"]["tiny"]["benchmarks"]["amc23"]
+    assert [[s["text"] for s in p["samples"]] for p in one["problems"]] == \
+        [[s["text"] for s in p["samples"]] for p in bench["problems"]]
 
 def _tiny_run(folder: Path, **config) -> Path:
     """A train.py output folder: config.json (train.Config + `config`) and an hf/ export of the tiny model."""
@@ -3392,21 +3397,28 @@ def test_train_stop_signal_to_one_rank_stops_both_then_resume_on_other_world_siz
     """2 -> 1: SIGUSR1 to rank 1 only, in step 2's rollout: both ranks stop at the same point (rank 0 learns it through
     the process group), the checkpoint of step 1 stays; 1 process resumes it. 1 -> 2: a 1-process run stopped after
     step 1 resumes on 2 processes. Both finish equal to an uninterrupted 1-process run (--rollout-chunk 1; FSDP2 vs
-    one process: float rounding). (A 1-process run resumed on 2 failed: rank 1 found no rank1.pt.)"""
+    one process: float rounding), their held-out evaluations (eval.jsonl, the held-out samples.jsonl lines)
+    included. (A 1-process run resumed on 2 failed: rank 1 found no rank1.pt; 3 held-out problems scored
+    differently on 2 processes: each rank's call was seeded by its rank.)"""
     data = _toy_data(tmp_path)
-    _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3, heldout=2))
-    two_one = _toy_args(data, tmp_path / "two_one", steps=3, heldout=2, resume="auto")
+    _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3, heldout=3))
+    two_one = _toy_args(data, tmp_path / "two_one", steps=3, heldout=3, resume="auto")
     proc = _run(tmp_path, two_one, nproc=2, hook=("_hook_signal_at", "rollout.PlainEngine", "sample", 3, "1", "SIGUSR1"),
                 expect=None)
     assert proc.returncode != 0 and ("stopped by SIGUSR1 (to another rank) in step 2's rollout (the step is dropped), 1 "
                                       "step of 3 done") in proc.stdout, proc.stderr
     assert json.loads((tmp_path / "two_one" / "stopped.json").read_text())["steps_done"] == 1
     _run(tmp_path, two_one)
-    one_two = _toy_args(data, tmp_path / "one_two", steps=3, heldout=2, resume="auto")
+    one_two = _toy_args(data, tmp_path / "one_two", steps=3, heldout=3, resume="auto")
     _run(tmp_path, one_two, hook=("_hook_signal_at", "rollout.PlainEngine", "sample", 3), expect=run_folder.STOPPED)
     _run(tmp_path, one_two, nproc=2)
     for run in ("two_one", "one_two"):
         _same_run(tmp_path / run, tmp_path / "full", keys=_ANY_WORLD, atol=1e-5)
+        logs = {name: [[json.loads(x) for x in (tmp_path / r / name).read_text().splitlines()] for r in (run, "full")]
+                for name in ("eval.jsonl", "samples.jsonl")}
+        assert logs["eval.jsonl"][0] == logs["eval.jsonl"][1]  # sums of counts: exact on any number of ranks
+        held_out = [[s for s in lines if s["split"] == "heldout"] for lines in logs["samples.jsonl"]]
+        assert held_out[0] == held_out[1] and len(held_out[0]) == 2 * 3
 
 
 def test_train_one_writer_per_folder(tmp_path, monkeypatch, capsys):
@@ -4312,7 +4324,7 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
 
 def test_eval_run_reproduces_train_heldout_evaluation(tmp_path, monkeypatch, capsys):
     """eval.py --run on a finished run, with default flags, samples the held-out problems as train.py's evaluation
-    did (seed + 1, all problems in one generate call, even past --batch-size's 64 rows), so it reports the same
+    did (seed + 1, one generate call per problem, seeded by the problem), so it reports the same
     accuracy and mean length as the run's last eval.jsonl line; it writes into RUN/eval and refuses to replace an
     earlier evaluation there without --overwrite. (It printed 11.25 for a run whose eval.jsonl said 8.75, unless
     given --seed 1 --batch-size 80, and wrote every evaluation into the same out/eval.)"""

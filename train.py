@@ -20,7 +20,8 @@ Deliberate differences from the paper's veRL setup:
    distance is `rollout/logprob_diff`). On policy (one mini-batch per step, JustRL or GRPO, no TIS: `on_policy`)
    the update's own forward gives them, detached, instead of a separate pass (TRL's num_iterations=1).
 3. Sampling noise is seeded per generate call from (seed, step, global index of its first prompt): rollouts are
-   reproducible on resume, and with `--rollout-chunk 1` independent of the number of ranks.
+   reproducible on resume, and with `--rollout-chunk 1` independent of the number of ranks. The held-out
+   evaluation samples each problem in a call of its own, seeded by the problem: independent of the ranks always.
 4. Mini-batch k is the same set of prompts for any number of ranks (rank r holds the r-th slice of each); the
    S2T threshold, the denominator and the metrics are reduced over all ranks.
 5. FSDP2 averages gradients over ranks; each rank backpropagates world_size * (its sum / global denominator).
@@ -61,7 +62,7 @@ import rollout  # noqa: E402
 import run_folder  # noqa: E402
 import s2t  # noqa: E402
 import stapo  # noqa: E402
-from data import load_rows, repeated_note  # noqa: E402
+from data import load_rows, problem_seed, repeated_note  # noqa: E402
 from model import (Policy, TokenStats, from_rank0, init_distributed, kv_cache_bytes, lm_vocab_size,  # noqa: E402
                    load_model, memory_estimate, memory_line, shard_policy)
 
@@ -517,16 +518,19 @@ def run_eval(run: Run, done: int) -> bool:
 
 
 def evaluate(run: Run, done: int) -> tuple[dict | None, list[dict]]:
-    """Mean accuracy over --eval-samples samples per held-out problem (problems split round-robin over ranks) after
-    `done` steps, and this rank's samples.jsonl records; (None, []) when a stop signal came during it."""
+    """Mean accuracy over --eval-samples samples per held-out problem after `done` steps, and this rank's
+    samples.jsonl records; (None, []) when a stop signal came during it. Each problem is one generate call seeded by
+    the problem (data.problem_seed of --seed + 1 and its index) and the ranks hold consecutive shares, so the
+    results and the records (gathered in rank order) are the same on any number of processes."""
     cfg, prompts = run.cfg, run.test_prompts
-    rank_rows = list(range(run.rank, len(prompts), run.world))  # this rank's held-out rows
+    rank_rows = list(range(len(prompts) * run.rank // run.world, len(prompts) * (run.rank + 1) // run.world))
     correct = total = length = 0.0
     samples = []
     run.policy.eval()
     with run.engine.ready(run.policy):  # a collective: every rank enters, also one without held-out problems
-        out = run.engine.sample([prompts[i] for i in rank_rows], cfg.eval_samples, [cfg.seed + 1 + run.rank], len(rank_rows),
-                                cfg.max_response_len, cfg.temperature, cfg.top_p) if rank_rows else None
+        out = run.engine.sample([prompts[i] for i in rank_rows], cfg.eval_samples,
+                                [problem_seed(cfg.seed + 1, i) for i in rank_rows], 1, cfg.max_response_len,
+                                cfg.temperature, cfg.top_p) if rank_rows else None
     if run.preemption.agreed():  # a stop signal came during it
         return None, []
     if rank_rows:
