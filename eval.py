@@ -20,8 +20,9 @@ Deliberate differences from the paper's evaluation:
 1. Rule-based grading only (reward.py); the paper adds an LLM verifier where the rules fail, so a response the
    rules cannot parse counts as wrong here.
 2. Pure data parallelism: with torchrun every rank holds a full copy of the model and samples its share of the
-   problems (calls of consecutive problems, dealt in turn); no tensor parallelism. `--rollout vllm` samples with a colocated vLLM engine per rank
-   (rollout.VLLMEngine; with torchrun, one model per run: closing an engine tears down the process group).
+   problems (calls of consecutive problems, dealt in turn); no tensor parallelism. `--rollout vllm` samples with a
+   colocated vLLM engine per rank (rollout.VLLMEngine; with torchrun, one model per run: closing an engine tears
+   down the process group).
 3. Besides avg@k we report the unbiased pass@k (Chen et al. 2021, k = samples per problem), the mean response
    length in tokens and the truncation rate, which explain most avg@k differences between short and long budgets.
 4. "Avg" is the mean avg@k over the six paper benchmarks **that were evaluated**; GSM8K (not in the paper) is
