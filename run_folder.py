@@ -520,6 +520,7 @@ class Preemption:
     def __enter__(self) -> Preemption:
         for s in self.SIGNALS:
             self.previous[s] = signal.signal(s, self._on_signal)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)  # one that came during startup (train.py) is kept
         return self
 
     def __exit__(self, *exc) -> None:

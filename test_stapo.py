@@ -3393,6 +3393,38 @@ def test_train_stop_signal_checkpoints_and_resume_auto_finishes_exactly(tmp_path
     _same_run(tmp_path / "cut", tmp_path / "full")
 
 
+def test_train_stop_signal_during_startup_exits_stopped_and_the_same_command_continues(tmp_path):
+    """`python train.py` sent SIGTERM while its modules load (here: at `import torch`, the first heavy one): the
+    signal waits for the stop handler, the run stops before its model loads, writes stopped.json and exits with
+    run_folder.STOPPED; the same command line then trains. (It died at once: exit 143, no stopped.json, and a
+    requeue script waiting for 75 dropped the job.)"""
+    out = tmp_path / "run"
+    args = ["--model", "tiny", "--data", "", "--no-chat", "--preset", "cpu", "--steps", "1", "--prompts-per-step", "2",
+            "--mini-batch-prompts", "2", "--group-size", "2", "--max-response-len", "2", "--eval-samples", "0",
+            "--no-plots", "--no-export-hf", "--out-dir", str(out), "--resume", "auto"]
+    kill_at_torch = (  # SIGTERM to itself when train.py imports torch, then train.py as `python train.py` runs it
+        "import os, runpy, signal, sys\n"
+        "class Kill:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            sys.meta_path.remove(self)\n"
+        "            os.kill(os.getpid(), signal.SIGTERM)\n"
+        "sys.meta_path.insert(0, Kill())\n"
+        "sys.argv = ['train.py', *sys.argv[1:]]\n"
+        "runpy.run_path('train.py', run_name='__main__')\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", kill_at_torch, *args], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=ROOT)
+    assert proc.returncode == run_folder.STOPPED, (proc.returncode, proc.stderr[-2000:])
+    assert json.loads((out / "stopped.json").read_text()) == {"signal": "SIGTERM", "steps_done": 0, "checkpoint": None}
+    assert "stopped by SIGTERM during startup, 0 steps of 1 done" in proc.stdout, proc.stdout
+    assert not (out / "checkpoint").exists() and not (out / "metrics.jsonl").exists()
+    proc = subprocess.run([sys.executable, "train.py", *args], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [m["step"] for m in _metrics(out)] == [1] and not (out / "stopped.json").exists()
+
+
 def test_train_stop_signal_to_one_rank_stops_both_then_resume_on_other_world_sizes(tmp_path):
     """2 -> 1: SIGUSR1 to rank 1 only, in step 2's rollout: both ranks stop at the same point (rank 0 learns it through
     the process group), the checkpoint of step 1 stays; 1 process resumes it. 1 -> 2: a 1-process run stopped after

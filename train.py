@@ -38,6 +38,7 @@ import importlib.util
 import math
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -45,6 +46,11 @@ import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple
+
+# A stop signal that comes while the modules below load (seconds on a busy machine) waits, blocked, until main's
+# run_folder.Preemption takes it over; without this it killed the run (exit 143, no stopped.json).
+if __name__ == "__main__":
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
 
 # MKL's conditional numerical reproducibility, set before torch loads MKL: without it MKL may pick, per call, a
 # summation order that depends on memory alignment. With the deterministic kernels of `setup`, two runs of one
@@ -554,17 +560,26 @@ def checkpoint(run: Run, done: int) -> int:
 
 def stop(run: Run, done: int, saved: int, where: str) -> int:
     """A stop signal ended the run after `done` steps: the checkpoint (unless the last one is of `done` steps),
-    OUT/stopped.json, one line; returns run_folder.STOPPED."""
+    then `stopped`; returns run_folder.STOPPED."""
     if saved != done:  # stopped in a rollout after a step without a checkpoint
         saved = checkpoint(run, done)
-    if run.rank == 0:
-        run_folder.write_stopped(Path(run.cfg.out_dir), run.preemption.signal, saved or None)
-        if run.logger:
-            run.logger.close()
+    if run.rank == 0 and run.logger:
+        run.logger.close()
+    return stopped(run.cfg, run.rank, run.preemption, saved, where, done)
+
+
+def stopped(cfg: Config, rank: int, preemption: run_folder.Preemption, saved: int, where: str,
+            done: int | None = None) -> int:
+    """OUT/stopped.json and the one line of a run stopped by a signal after `done` steps (default: `saved`), with the
+    checkpoint of `saved` steps (0: none); returns run_folder.STOPPED."""
+    done = saved if done is None else done
+    if rank == 0:
+        run_folder.write_stopped(Path(cfg.out_dir), preemption.signal, saved or None)
     kept = (f"checkpoint/step_{saved} is kept; the same command with --resume auto (or python train.py --resume "
-            f"{run.cfg.out_dir}) continues the run" if saved else "nothing to keep; the same command starts it again")
-    say(run, f"stopped by {run.preemption.signal} {where}, {plural(done, 'step')} of {run.cfg.steps} done, "
-        f"{time.monotonic() - run.preemption.received:.1f} s after the signal: {kept}")
+            f"{cfg.out_dir}) continues the run" if saved else
+            "nothing to keep; the same command with --resume auto (or --overwrite) starts it again")
+    run_folder.say(f"stopped by {preemption.signal} {where}, {plural(done, 'step')} of {cfg.steps} done, "
+                   f"{time.monotonic() - preemption.received:.1f} s after the signal: {kept}", rank)
     return run_folder.STOPPED
 
 
@@ -1122,6 +1137,8 @@ def main(argv: list[str] | None = None) -> int:
                     " and its export is up to date" if cfg.export_hf else "") + ": nothing to do", rank)
                 return 0
             start, checkpoint_path, lock = opened
+            if preemption.agreed():  # a stop signal during startup: stop before the model loads
+                return stopped(cfg, rank, preemption, start, "during startup")
             run = setup(cfg, rows, rank, world, device, checkpoint_path, preemption)
             return train(run)
         except BAD_INPUT as e:
