@@ -259,6 +259,7 @@ def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, config: 
     seconds it took. A failure on any rank (a full disk) raises RunError on every rank, with the new folder removed
     and the previous checkpoints untouched."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     t0 = time.time()
@@ -277,8 +278,9 @@ def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, config: 
                         "torch_rng": torch.get_rng_state(),
                         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
                        path / "state.pt")
-    except Exception as e:  # noqa: BLE001 - OSError, or torch's "[enforce fail at inline_container.cc]", on any rank
-        failed = e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - OSError, torch's "[enforce fail at ...]"
+        # DCP wraps each rank's error (a full disk in a shard) in a CheckpointException, a BaseException: its first
+        failed = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
     failed = agreed_failure(failed)
     if failed is None:  # every file written: their sizes and checksums, then the manifest, then `latest`
         names = [sorted(p.name for p in path.iterdir()) if rank == 0 else None]

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -3146,6 +3147,51 @@ def test_train_full_disk_in_a_checkpoint_keeps_the_last_one(tmp_path, monkeypatc
         monkeypatch.setattr(train.torch, "save", save)
         assert train.main(["--resume", str(tmp_path / "cut")]) == 0
     _same_steps(_metrics(tmp_path / "cut"), _metrics(tmp_path / "full"))
+
+
+def test_train_full_disk_in_a_checkpoint_shard_is_one_line_even_in_a_stop(tmp_path, monkeypatch, capsys):
+    """A full disk inside the DCP shard write of step_2 (DCP raises a CheckpointException, a BaseException): one line
+    naming the folder, the disk error and the kept checkpoint, exit 2, no step_2/ left. The same during a stop (a
+    SIGTERM in step 2's update): a warning, stopped.json naming step_1, exit run_folder.STOPPED, and the same command
+    line continues. (A 20-line traceback, exit 1, a half-written step_2/; during a stop also no stopped.json.)"""
+    import torch.distributed.checkpoint.filesystem as dcp_files
+    _patch(monkeypatch, _EVEN)
+    data, write_item = _toy_data(tmp_path), dcp_files._write_item
+
+    def full_disk(transforms, stream, *args, **kwargs):
+        if "step_2" in str(getattr(stream, "name", "")):
+            stream.write(b"\0" * 100)  # the part that fit
+            raise OSError(28, "No space left on device")
+        return write_item(transforms, stream, *args, **kwargs)
+
+    monkeypatch.setattr(dcp_files, "_write_item", full_disk)
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "cut", steps=3, save_every=1, export_hf=False)) == 2
+        _one_line_error(capsys, f"train.py: error: could not write {tmp_path / 'cut' / 'checkpoint' / 'step_2'} (a "
+                                f"full disk?): No space left on device; checkpoint/step_1 is kept: python train.py "
+                                f"--resume auto --out-dir {tmp_path / 'cut'} continues")
+        assert sorted(p.name for p in (tmp_path / "cut" / "checkpoint").iterdir()) == ["latest", "step_1"]
+        step_log, made = train.StepLog, []
+
+        def signal_in_step_2(*args):
+            made.append(1)
+            if len(made) == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return step_log(*args)
+
+        monkeypatch.setattr(train, "StepLog", signal_in_step_2)
+        args = _toy_args(data, tmp_path / "stop", steps=3, save_every=1, export_hf=False, resume="auto")
+        assert train.main(args) == run_folder.STOPPED
+        out, err = capsys.readouterr()
+        assert f"train.py: warning: could not write {tmp_path / 'stop' / 'checkpoint' / 'step_2'} (a full disk?): " \
+               f"No space left on device; checkpoint/step_1 is kept" in err and "Traceback" not in err, err
+        assert "stopped by SIGTERM in step 2 (its updates finished), 2 steps of 3 done" in out, out
+        assert json.loads((tmp_path / "stop" / "stopped.json").read_text())["checkpoint"] == "checkpoint/step_1"
+        assert sorted(p.name for p in (tmp_path / "stop" / "checkpoint").iterdir()) == ["latest", "step_1"]
+        monkeypatch.setattr(dcp_files, "_write_item", write_item)
+        monkeypatch.setattr(train, "StepLog", step_log)
+        assert train.main(args) == 0
+    assert [m["step"] for m in _metrics(tmp_path / "stop")] == [1, 2, 3]
 
 
 def test_train_torn_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path, monkeypatch, capsys):

@@ -462,8 +462,8 @@ def train(run: Run) -> int:
             stopped, where = run.preemption.agreed(), f"in step {step} (its updates finished)"  # one all-reduce
             if not stopped and eval_due(run, step) and not run_eval(run, step):
                 stopped, where = True, f"in the evaluation after {plural(step, 'step')} (it runs again on resume)"
-            if step == cfg.steps or stopped or (cfg.save_every and step % cfg.save_every == 0):
-                saved = checkpoint(run, step)
+            if not stopped and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)):
+                saved = checkpoint(run, step)  # a stop writes its own (`stop`)
     if stopped:
         return stop(run, done, saved, where)
     finish(run)
@@ -559,10 +559,14 @@ def checkpoint(run: Run, done: int) -> int:
 
 
 def stop(run: Run, done: int, saved: int, where: str) -> int:
-    """A stop signal ended the run after `done` steps: the checkpoint (unless the last one is of `done` steps),
-    then `stopped`; returns run_folder.STOPPED."""
-    if saved != done:  # stopped in a rollout after a step without a checkpoint
-        saved = checkpoint(run, done)
+    """A stop signal ended the run after `done` steps: the checkpoint (unless the last one is of `done` steps; one
+    that cannot be written, a full disk, is a warning: the previous one stays), then `stopped`; returns
+    run_folder.STOPPED."""
+    if saved != done:
+        try:
+            saved = checkpoint(run, done)
+        except run_folder.RunError as e:
+            run_folder.say(str(e), run.rank, warning=True)
     if run.rank == 0 and run.logger:
         run.logger.close()
     return stopped(run.cfg, run.rank, run.preemption, saved, where, done)
