@@ -217,6 +217,13 @@ def resumable(out: Path) -> str:
     return f"checkpoint/step_{steps[0]} is kept: python train.py --resume auto --out-dir {out} continues"
 
 
+def again(out: Path) -> str:
+    """How to start anew the run of OUT that stopped before its first checkpoint: with its recipe (config.json)."""
+    if (out / "config.json").is_file():
+        return f"python train.py --config {out / 'config.json'} --resume auto"
+    return f"its flags and --resume auto (or --out-dir {out} --resume auto)"
+
+
 def _crc32(path: Path) -> str:
     crc = 0
     with open(path, "rb") as f:
@@ -479,6 +486,9 @@ def _on_rank0(rank: int, work) -> None:
 def _start(out: Path, config: dict) -> None:
     """Rank 0, a new run: refuse or clear a folder that holds a run, then write config.json."""
     found = [name for name in RUN_FILES if (out / name).exists()]
+    if found and not config["overwrite"] and config["resume"] != "auto" and not complete_steps(out):
+        raise RunError(f"--out-dir {out} holds a run that stopped before its first checkpoint ({', '.join(found)}): "
+                       f"start it again with {again(out)}, choose another --out-dir, or replace it with --overwrite")
     if found and not config["overwrite"] and config["resume"] != "auto":
         raise RunError(f"--out-dir {out} holds a run ({', '.join(found)}): continue it with --resume {out} (or "
                        f"--resume auto), choose another --out-dir, or replace it with --overwrite")

@@ -2976,6 +2976,31 @@ def _same_steps(a: list[dict], b: list[dict]) -> None:
             {k: v for k, v in y.items() if k not in drop}, rel=1e-6, abs=1e-9)
 
 
+def test_train_a_run_failed_before_its_first_checkpoint_names_the_next_step(tmp_path, monkeypatch, capsys):
+    """A first run that fails before its first checkpoint: rerunning its command, or --resume, says how to start it
+    again (its config.json with --resume auto, or --overwrite), and that command trains. (Rerunning said "continue
+    it with --resume", and --resume then "has no checkpoint to resume from" with no next step.)"""
+    _patch(monkeypatch, _EVEN)
+    data, run = _toy_data(tmp_path), tmp_path / "run"
+    setup = train.setup
+    monkeypatch.setattr(train, "setup", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    args = _toy_args(data, run, steps=1, export_hf=False)
+    assert train.main(args) == 2 and (run / "config.json").is_file() and not (run / "checkpoint").exists()
+    capsys.readouterr()
+    monkeypatch.setattr(train, "setup", setup)
+    again = f"python train.py --config {run / 'config.json'} --resume auto"
+    assert train.main(args) == 2
+    _one_line_error(capsys, f"--out-dir {run} holds a run that stopped before its first checkpoint (config.json): "
+                            f"start it again with {again}, choose another --out-dir, or replace it with --overwrite")
+    assert train.main(["--resume", str(run)]) == 2
+    _one_line_error(capsys, f"{run} has no checkpoint to resume from: the run stopped before its first one (written "
+                            f"every --save-every steps, at a stop by signal and at the last step); start it again with "
+                            f"{again} (or replace it with --overwrite)")
+    with _one_thread():
+        assert train.main(again.split()[2:]) == 0
+    assert [m["step"] for m in _metrics(run)] == [1]
+
+
 def test_train_refuses_a_folder_that_holds_a_run(tmp_path, monkeypatch, capsys):
     """A new run in a folder that holds one is refused in one line (every file of the old run unchanged) unless
     --overwrite, which replaces it. (A 2-step run into a 4-step run's folder cut metrics.jsonl to 2 lines and deleted

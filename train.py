@@ -1045,7 +1045,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
         recorded = cli.check_values(Config, run_folder.recorded_config(out), str(out / "config.json"))  # hand edits too
         if not run_folder.complete_steps(out):
             raise FileNotFoundError(f"{out} has no checkpoint to resume from: the run stopped before its first one "
-                                    f"(written every --save-every steps, at a stop by signal and at the last step)")
+                                    f"(written every --save-every steps, at a stop by signal and at the last step); "
+                                    f"start it again with {run_folder.again(out)} (or replace it with --overwrite)")
     cfg = Config(**({**recorded, **given} if recorded else {**defaults, **given, "preset": preset}))
     reward.load_reward(cfg.reward)  # an unknown mode or a broken FILE.py:FUNCTION: one line now, not in step 1
     if cfg.algo not in stapo.ALGORITHMS:
