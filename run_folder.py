@@ -337,10 +337,15 @@ def broadcast_failure(failed: Exception | None, rank: int) -> str | None:
 def verified_checkpoint(out: Path, rank: int, world: int) -> tuple[int, Path]:
     """Every rank: (steps done, folder) of the newest checkpoint of OUT whose every file has its manifest's size and
     CRC-32 (each rank checks a share of the files). A newer checkpoint that fails, or a `latest` that names a missing
-    one, is reported with a warning, and the run goes on from an older one (the newer ones are removed); with none
-    left, RunError. A collective: rank 0 reads the folder, every rank reads its share of the files."""
-    plan, latest = [None], out / "checkpoint" / "latest"
-    named = latest.read_text().strip() if rank == 0 and latest.is_file() else None
+    one or cannot be read, is reported with a warning, and the run goes on from an older one (the newer ones are
+    removed); with none left, RunError. A collective: rank 0 reads the folder, every rank reads its share of the files."""
+    plan, latest, named = [None], out / "checkpoint" / "latest", None
+    if rank == 0 and latest.is_file():
+        try:
+            named = latest.read_bytes().decode("utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:  # a flipped bit, a foreign file: the manifests decide
+            say(f"{latest} cannot be read ({getattr(e, 'strerror', None) or 'not UTF-8'}): it names no checkpoint",
+                warning=True)
     if rank == 0:
         if named is not None and not (out / "checkpoint" / named / "manifest.json").is_file():
             say(f"{latest} names {named}, which is missing or incomplete", warning=True)

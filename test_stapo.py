@@ -3590,8 +3590,9 @@ def test_train_torn_log_lines_and_a_full_disk_in_a_log_write(tmp_path, monkeypat
 def test_train_checkpoints_are_verified_and_fall_back(tmp_path, monkeypatch, capsys):
     """4 KB of zeros in a shard of the newest checkpoint: the resume names the damaged file, falls back to the older
     kept checkpoint and finishes equal to the uninterrupted run. `latest` naming a missing step: a warning and the
-    newest complete one. No checkpoint passing its checks: one line, exit 2. (A zeroed shard resumed silently with
-    1,023 zero weights; a `latest` naming step_99 gave '--steps 6 is less than the 99 steps'.)"""
+    newest complete one; a `latest` that is not UTF-8: a warning naming it and the newest complete one. No checkpoint
+    passing its checks: one line, exit 2. (A zeroed shard resumed silently with 1,023 zero weights; a `latest` naming
+    step_99 gave '--steps 6 is less than the 99 steps'; a non-UTF-8 one a line naming no file, no fallback.)"""
     _patch(monkeypatch, _EVEN)
     data, run = _toy_data(tmp_path), tmp_path / "run"
     with _one_thread():
@@ -3611,6 +3612,11 @@ def test_train_checkpoints_are_verified_and_fall_back(tmp_path, monkeypatch, cap
         (run / "checkpoint" / "latest").write_text("step_99")
         assert train.main(["--resume", str(run), "--steps", "3", "--no-export-hf"]) == 0
         assert "latest names step_99, which is missing or incomplete" in capsys.readouterr().err
+        (run / "checkpoint" / "latest").write_bytes(b"step_\xff3")  # a flipped bit: named, then the manifests decide
+        assert train.main(["--resume", str(run), "--steps", "3", "--no-export-hf"]) == 0
+        err = capsys.readouterr().err
+        assert f"{run / 'checkpoint' / 'latest'} cannot be read (not UTF-8): it names no checkpoint" in err, err
+        assert "resuming from step_3, the newest" in err and (run / "checkpoint" / "latest").read_text() == "step_3"
         (run / "checkpoint" / "step_3" / ".metadata").write_bytes(b"")  # the only checkpoint left (keep 2: 2 and 3)
         shutil.rmtree(run / "checkpoint" / "step_2")
         assert train.main(["--resume", str(run), "--steps", "4"]) == 2
