@@ -584,12 +584,17 @@ def main(argv: list[str] | None = None) -> dict | None:
     try:  # every input is checked before a model loads: one line, exit status 2, nothing written
         cfg = parse_config(argv)
         if cfg.regrade:  # graded and tabled in full before anything is rewritten
+            cli.check_writable("--regrade", Path(cfg.regrade).parent)
             results = regrade(read_results(cfg.regrade))
             text = table(results)
         else:
             if (Path(cfg.out) / "results.json").exists() and not cfg.overwrite:
                 raise ValueError(f"--out {cfg.out} holds the results of an earlier evaluation (results.json): choose "
                                  f"another --out, or replace them with --overwrite")
+            try:  # before any sampling: a read-only run folder, say
+                cli.check_writable("--out", cfg.out)
+            except OSError as e:
+                raise OSError(f"{e}; write the results elsewhere with --out DIR") from None
             sets = load_sets(cfg)
             import model
             for spec in cfg.models:

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cli import one_line
+from cli import check_writable, one_line
 
 # The logs: one JSON object per line, each with the step it belongs to.
 LOGS = ("metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl", "tokens.jsonl", "resumes.jsonl")
@@ -446,6 +446,8 @@ def open_run(config: dict, recorded: dict | None, rank: int, world: int
     Returns (steps done, the checkpoint folder or None, the lock on rank 0), or None when a resume has nothing left
     to do (every step done, not stopped, the export up to date): then nothing in OUT is touched."""
     out = Path(config["out_dir"])
+    if recorded is not None and finished_read_only(out, config):
+        return None  # nothing to lock, verify or repair
     lock, failed = None, None
     if rank == 0:
         try:
@@ -462,8 +464,7 @@ def open_run(config: dict, recorded: dict | None, rank: int, world: int
         done, path = verified_checkpoint(out, rank, world)
         if config["steps"] < done:
             raise RunError(f"--steps {config['steps']} is less than the {done} steps {out} has done")
-        if done == config["steps"] and not (out / "stopped.json").exists() and (
-                not config["export_hf"] or export_step(out / "hf") == done):
+        if finished(out, config, done):
             if lock is not None:
                 lock.release()
             return None
@@ -473,6 +474,26 @@ def open_run(config: dict, recorded: dict | None, rank: int, world: int
         if lock is not None:
             lock.release()
         raise
+
+
+def finished(out: Path, config: dict, done: int | None) -> bool:
+    """Whether a resume of the run in OUT, with a checkpoint of `done` steps, has nothing to do: every step of
+    `config` done, not stopped by a signal, its export (if any) up to date."""
+    return done == config["steps"] and not (out / "stopped.json").exists() and (
+        not config["export_hf"] or export_step(out / "hf") == done)
+
+
+def finished_read_only(out: Path, config: dict) -> bool:
+    """A finished run (`finished`, by its newest complete checkpoint, unverified) in a folder this process cannot
+    write (a read-only mount): a resume has nothing to do, and cannot lock, verify or repair it."""
+    steps = complete_steps(out)
+    if not steps or not finished(out, config, steps[0]):
+        return False
+    try:
+        check_writable("--out-dir", out)
+    except OSError:
+        return True
+    return False
 
 
 def _on_rank0(rank: int, work) -> None:

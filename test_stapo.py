@@ -3001,6 +3001,40 @@ def test_train_a_run_failed_before_its_first_checkpoint_names_the_next_step(tmp_
     assert [m["step"] for m in _metrics(run)] == [1]
 
 
+def test_read_only_run_folder(tmp_path, monkeypatch, capsys):
+    """A finished run on a read-only mount: --resume has nothing to do (exit 0); eval.py --run and --plot refuse in
+    one line before they sample or draw anything. (eval.py sampled, then lost its results in a traceback writing
+    RUN/eval; --plot the same; --resume said exit 2.)"""
+    _patch(monkeypatch, _EVEN)
+    run = tmp_path / "run"
+    with _one_thread():
+        assert train.main(_toy_args(_toy_data(tmp_path), run, steps=1, plots=False)) == 0
+    probe = tempfile.TemporaryFile
+
+    def read_only(*args, dir=None, **kwargs):  # as a read-only mount answers (root writes into a chmod 555 folder)
+        if dir is not None and Path(dir).is_relative_to(run):
+            raise OSError(30, "Read-only file system")
+        return probe(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    capsys.readouterr()
+    assert train.main(["--resume", str(run)]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"{run} has done its 1 step and its export is up to date: nothing "
+                                                    f"to do")
+    monkeypatch.setattr(model, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--run", str(run)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"eval.py: error: --out {run / 'eval'} cannot be written: Read-only file "
+                                         f"system; write the results elsewhere with --out DIR"], err
+    with pytest.raises(SystemExit) as e:
+        train.main(["--plot", str(run)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"train.py: error: --plot {run} cannot be written: Read-only file system; "
+                                         f"write the figures elsewhere with --out PNG"], err
+    assert not (run / "metrics.png").exists() and not (run / "eval").exists()
+
+
 def test_train_refuses_a_folder_that_holds_a_run(tmp_path, monkeypatch, capsys):
     """A new run in a folder that holds one is refused in one line (every file of the old run unchanged) unless
     --overwrite, which replaces it. (A 2-step run into a 4-step run's folder cut metrics.jsonl to 2 lines and deleted
@@ -3130,7 +3164,7 @@ def test_train_bad_out_dir_and_float_flags_are_one_line_errors(tmp_path, monkeyp
 
     def read_only(*args, **kwargs):
         raise PermissionError(13, "Read-only file system")
-    monkeypatch.setattr(train.tempfile, "TemporaryFile", read_only)  # root ignores chmod: a read-only mount
+    monkeypatch.setattr(cli.tempfile, "TemporaryFile", read_only)  # root ignores chmod: a read-only mount
     assert train.main(_toy_args(data, tmp_path / "run")) == 2
     _one_line_error(capsys, f"--out-dir {tmp_path / 'run'} cannot be written: Read-only file system")
     assert not (tmp_path / "run").exists()

@@ -40,7 +40,6 @@ import os
 import random
 import signal
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields, replace
@@ -1076,13 +1075,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
     cfg, notes = in_effect(cfg, given, cuda, int(os.environ.get("WORLD_SIZE", 1)))
     if recorded:
         run_folder.resume_changes(recorded, asdict(cfg))  # raises for a change of recipe
-    existing = next(p for p in (out, *out.parents) if p.exists())  # out, or the folder it would be made in
-    if not existing.is_dir():
-        raise OSError(f"--out-dir {out} cannot be made: {existing} is a file")
-    try:  # writable? (rank 0 writes into it; every rank writes its checkpoint shards) Nothing is made here.
-        tempfile.TemporaryFile(dir=existing).close()
-    except OSError as e:
-        raise OSError(f"--out-dir {out} cannot be written: {e.strerror or e}") from None
+    try:  # rank 0 writes into it; every rank writes its checkpoint shards
+        cli.check_writable("--out-dir", out)
+    except OSError:
+        if not (recorded and run_folder.finished_read_only(out, asdict(cfg))):
+            raise
     return cfg, recorded, notes
 
 
