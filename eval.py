@@ -565,10 +565,16 @@ BAD_INPUT = (FileNotFoundError, ValueError, KeyError, ImportError, OSError)  # w
 
 
 def check_weights(name: str) -> None:
-    """Raise ValueError when a .safetensors file of the model folder `name` cannot be read (truncated by an
-    interrupted copy or export): its header must describe the whole file. Other names pass."""
+    """Raise ValueError when a file of the model folder `name` differs from the checksums of its export.json (a
+    train.py export: run_folder.export_damage) or a .safetensors file cannot be read (truncated by an interrupted
+    copy or export): its header must describe the whole file. Other names pass."""
     if not os.path.isdir(name):
         return
+    import run_folder
+    damage = run_folder.export_damage(Path(name))
+    if damage:
+        raise ValueError(f"{name}: {damage} differs from its export.json checksums; copy or export it again "
+                         f"(python train.py --resume RUN --export-hf)")
     from safetensors import SafetensorError, safe_open
     for path in sorted(Path(name).glob("*.safetensors")):
         try:

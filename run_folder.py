@@ -18,8 +18,9 @@ What this file promises, each kept by one mechanism below:
    number of ranks; everything else (step, scheduler, RNG states) is one `state.pt`, the same for every rank.
 5. Preemption: SIGTERM or SIGUSR1 on any rank makes every rank stop at the same point, write a checkpoint and exit
    with status STOPPED (`Preemption`); the same command line with `--resume auto` continues the run.
-6. Exports are atomic and dated: `hf/` is replaced by renaming a complete folder over it, and `hf/export.json`
-   names the step it holds (`export`, `export_step`).
+6. Exports are atomic, dated and verified: `hf/` is replaced by renaming a complete folder over it, and
+   `hf/export.json` names the step it holds and every file's size and CRC-32 (`export`, `export_step`,
+   `export_damage`: eval.py checks them before it loads the model).
 
 Deliberate differences from verl / TRL / torchtitan checkpointing:
 1. One complete, verified checkpoint is what `latest` names; verl and torchtitan trust the newest folder (a torn
@@ -604,7 +605,8 @@ def write_stopped(out: Path, signal_name: str, saved: int | None) -> None:
 # --------------------------------------------------------------------------------------------------- export
 def export(policy, tokenizer, out: Path, step: int, dtype: torch.dtype, rank: int) -> None:
     """Every rank: the model after `step` steps as a Hugging Face folder OUT/hf, written into OUT/hf.partial (with
-    `export.json` naming the step, last) and renamed over OUT/hf; the previous export stays whole until then. A
+    `export.json` naming the step and each file's size and CRC-32, last) and renamed over OUT/hf; the previous export
+    stays whole until then. A
     failure (a full disk, an unwritable folder) removes the partial folder and raises RunError on every rank."""
     from model import save_hf
 
@@ -615,7 +617,8 @@ def export(policy, tokenizer, out: Path, step: int, dtype: torch.dtype, rank: in
             shutil.rmtree(partial, ignore_errors=True)
         save_hf(policy, tokenizer, str(partial), dtype=dtype)
         if rank == 0:
-            write_atomic(partial / "export.json", json.dumps({"step": step}).encode())
+            files = {p.name: [p.stat().st_size, _crc32(p)] for p in sorted(partial.iterdir()) if p.is_file()}
+            write_atomic(partial / "export.json", json.dumps({"step": step, "files": files}).encode())
             if final.exists():
                 os.replace(final, old)
             os.replace(partial, final)
@@ -642,6 +645,23 @@ def recover_export(out: Path) -> None:
         if (candidate / "export.json").is_file():
             os.replace(candidate, final)
             return
+
+
+def export_damage(folder: Path) -> str | None:
+    """The first file of an exported model folder whose size or CRC-32 differs from its export.json (a flipped bit,
+    a cut copy), as 'NAME (damaged)' or 'NAME (missing)'; None when every file matches or no export.json lists
+    them (a folder not exported by train.py)."""
+    try:
+        files = json.loads((Path(folder) / "export.json").read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    for name, expected in files.items():
+        path = Path(folder) / name
+        if not path.is_file():
+            return f"{name} (missing)"
+        if [path.stat().st_size, _crc32(path)] != expected:
+            return f"{name} (damaged)"
+    return None
 
 
 def export_step(folder: Path) -> int | None:

@@ -3660,8 +3660,9 @@ def test_train_checkpoints_are_verified_and_fall_back(tmp_path, monkeypatch, cap
 def test_train_export_is_atomic_dated_and_eval_warns_when_stale(tmp_path, monkeypatch, capsys):
     """A failing export (a full disk) leaves the previous hf/ whole and says so in one line; `--resume auto` with
     every step done exports again (and, with the export up to date, does nothing, touching nothing); hf/export.json
-    names the step it holds, and eval.py --run warns when the run's checkpoint is newer. (A full disk left hf/ with
-    only its config files, or the old export beside a newer checkpoint without a word.)"""
+    names the step it holds and its files' checksums, and eval.py --run warns when the run's checkpoint is newer and
+    refuses a flipped bit in one line. (A full disk left hf/ with only its config files, or the old export beside a
+    newer checkpoint without a word; a flipped bit was evaluated silently.)"""
     _patch(monkeypatch, _EVEN)
     data, run = _toy_data(tmp_path), tmp_path / "run"
     save = model.save_hf
@@ -3673,7 +3674,7 @@ def test_train_export_is_atomic_dated_and_eval_warns_when_stale(tmp_path, monkey
     with _one_thread():
         assert train.main(_toy_args(data, run, steps=1)) == 0
         first = _md5s(run / "hf")
-        assert json.loads((run / "hf" / "export.json").read_text()) == {"step": 1}
+        assert json.loads((run / "hf" / "export.json").read_text())["step"] == 1
         monkeypatch.setattr(model, "save_hf", full_disk)
         assert train.main(["--resume", str(run), "--steps", "2"]) == 2
         _one_line_error(capsys, f"could not export the model to {run / 'hf'} (No space left on device); the "
@@ -3682,7 +3683,7 @@ def test_train_export_is_atomic_dated_and_eval_warns_when_stale(tmp_path, monkey
         monkeypatch.setattr(model, "save_hf", save)
         argv = _toy_args(data, run, steps=2, resume="auto")
         assert train.main(argv) == 0  # nothing to train: the export
-        assert json.loads((run / "hf" / "export.json").read_text()) == {"step": 2}
+        assert json.loads((run / "hf" / "export.json").read_text())["step"] == 2
         before = _md5s(run)
         capsys.readouterr()
         assert train.main(argv) == 0
@@ -3695,6 +3696,20 @@ def test_train_export_is_atomic_dated_and_eval_warns_when_stale(tmp_path, monkey
     assert cfg.run == str(run)
     assert ev.stale_export(run) == (f"{run / 'hf'} holds the model after 2 steps, but the run's newest checkpoint is "
                                     f"after 3 (python train.py --resume {run} --export-hf exports it)")
+    files = json.loads((run / "hf" / "export.json").read_text())["files"]  # each file's size and CRC-32
+    assert set(files) == {p.name for p in (run / "hf").iterdir()} - {"export.json"}
+    with open(run / "hf" / "model.safetensors", "r+b") as f:  # a flipped bit past the header: a loadable model
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 1]))
+    monkeypatch.setattr(model, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--models", str(run / "hf"), "--data", data, "--prompt-key", "prompt", "--out", str(tmp_path / "e")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"eval.py: error: {run / 'hf'}: model.safetensors (damaged) differs from its "
+                                         f"export.json checksums; copy or export it again (python train.py --resume "
+                                         f"RUN --export-hf)"], err
 
 
 def test_checkpoint_stores_a_tied_weight_once_and_restores_it(tmp_path):
