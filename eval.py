@@ -423,6 +423,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
         values["seed"] = run["seed"] + 1 if run else 0
     if values.get("out") is None:
         values["out"] = str(Path(values["run"]) / "eval") if run else "out/eval"
+    if not values["out"].strip():  # Path("") is the working directory
+        raise ValueError("--out '' names no folder: give one, e.g. --out out/eval")
     cfg = Config(**values)
     reward.load_reward(cfg.reward)  # an unknown mode or a broken FILE.py:FUNCTION: one line, before any model
     for b in cfg.benchmarks:

@@ -3150,13 +3150,17 @@ def test_train_and_eval_unreadable_data_are_one_line_errors(tmp_path, capsys):
 
 
 def test_train_bad_out_dir_and_float_flags_are_one_line_errors(tmp_path, monkeypatch, capsys):
-    """An --out-dir that cannot be made (under a file) or written, and a float flag that overflows float32 (--lr 1e39:
-    an OverflowError inside AdamW), are refused before anything loads."""
+    """An --out-dir that cannot be made (under a file) or written, is empty or holds a newline, and a float flag that
+    overflows float32 (--lr 1e39: an OverflowError inside AdamW), are refused before anything loads."""
     data = _toy_data(tmp_path)
     (tmp_path / "file").write_text("x")
     monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     assert train.main(_toy_args(data, tmp_path / "file" / "run")) == 2
     _one_line_error(capsys, f"--out-dir {tmp_path / 'file' / 'run'} cannot be made: {tmp_path / 'file'} is a file")
+    assert train.main(_toy_args(data, tmp_path / "run", out_dir="")) == 2  # it wrote into the working directory
+    _one_line_error(capsys, "--out-dir '' names no folder: give one, e.g. --out-dir out/run")
+    assert train.main(_toy_args(data, tmp_path / "run", out_dir=f"{tmp_path}/a\nb")) == 2  # it split the stop line
+    _one_line_error(capsys, f"--out-dir '{tmp_path}/a\\nb' holds a control character: name the folder without one")
     for flags, expected in (({"lr": 1e39}, "--lr 1e+39 is not a finite float32"),
                             ({"weight_decay": float("nan")}, "--weight-decay nan is not a finite float32")):
         assert train.main(_toy_args(data, tmp_path / "run", **flags)) == 2

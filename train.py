@@ -1038,7 +1038,12 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
         if "out_dir" in given and Path(given["out_dir"]) != Path(resume):
             raise ValueError(f"--resume continues the run in its own folder {resume}; --out-dir cannot move it")
         given["out_dir"] = resume
-    out = Path(given.get("out_dir", defaults.get("out_dir", Config.out_dir)))
+    out = given.get("out_dir", defaults.get("out_dir", Config.out_dir))
+    if not out.strip():  # Path("") is the working directory
+        raise ValueError("--out-dir '' names no folder: give one, e.g. --out-dir out/run")
+    if any(ord(c) < 32 or ord(c) == 127 for c in out):  # a newline would split every console line that names it
+        raise ValueError(f"--out-dir {out!r} holds a control character: name the folder without one")
+    out = Path(out)
     recorded = None  # --resume RUN, or --resume auto in a folder with a complete checkpoint: the run's recipe
     if resume and (resume != "auto" or run_folder.complete_steps(out)):
         recorded = cli.check_values(Config, run_folder.recorded_config(out), str(out / "config.json"))  # hand edits too
