@@ -2493,6 +2493,10 @@ def test_eval_bad_inputs_one_line_error_before_any_model(tmp_path, monkeypatch, 
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("eval.py: error:") and expected in err[0], (
             expected, err)
         assert not out.exists()
+    with pytest.raises(SystemExit) as e:  # it wrote into the working directory
+        ev.main(["--data", str(data), "--prompt-key", "q.text", "--answer-key", "sol", "--out", ""])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
+        "eval.py: error: --out '' names no folder: give one, e.g. --out out/eval"]
     proc = subprocess.run([sys.executable, "eval.py", *cases["--data-dir"], "--out", str(out)], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
