@@ -1,7 +1,7 @@
 """Evaluate checkpoints the way the paper does (docs/paper.md §7): k sampled answers per problem on AIME24, AIME25,
 AMC23 (avg@32) and MATH500, Minerva, OlympiadBench (avg@4), graded by rule, one table row per checkpoint.
 
-    python eval.py --models smollm2 --benchmarks gsm8k math500 --data-dir ../shared/data/benchmarks --limit 30 \
+    python eval.py --models smollm2 --benchmarks gsm8k math500 --data-dir testdata/benchmarks --limit 30 \
         --k 4 --max-new-tokens 512                                   # CPU, minutes
     python eval.py --models Qwen/Qwen3-1.7B-Base stapo=runs/stapo/hf --no-chat   # 1 GPU, the six from the Hub
     torchrun --standalone --nproc_per_node=8 eval.py --models runs/stapo/hf --preset justrl   # 8 GPUs
@@ -101,7 +101,7 @@ class Source:
 
 @dataclass(frozen=True)
 class Benchmark:
-    file: str                 # <data_dir>/<file>, laid out like shared/data/benchmarks
+    file: str                 # <data_dir>/<file>, laid out like testdata/benchmarks
     local: Source
     hub_id: str               # datasets.load_dataset(hub_id, hub_config, split=hub_split)
     hub: Source
@@ -295,7 +295,8 @@ class Config:
     split: str = "test"
     """split of --data Hub ids"""
     data_dir: str | None = None
-    """folder with one .jsonl per benchmark laid out like shared/data/benchmarks; default None = the HF Hub"""
+    """folder with one .jsonl per benchmark, named and laid out like the repository's testdata/benchmarks (3 rows of
+    each); default None = the HF Hub"""
     preset: Literal["train-aligned", "justrl"] = "train-aligned"
     """decoding when neither --temperature/--top-p nor a run set it: train-aligned = temperature 1.0, top-p 1.0;
     justrl = temperature 0.7, top-p 0.9"""
@@ -508,8 +509,9 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, de
         calls = ", ".join(f"{b} {per_call[b]} x {s['k']}" for b, s in sets.items())
         kv = min(need, budget) if cfg.rollout == "vllm" else need
         over = "; one problem's k rows exceed it" if need > budget else ""
-        print(f"eval.py: {name}: problems x samples per generate call: {calls}; KV cache at most {kv / 1e9:.2f} GB "
-              f"per rank (--kv-cache-gb {cfg.kv_cache_gb:g}{over})", flush=True)
+        print(f"eval.py: {name}: problems x samples per generate call: {calls}; KV cache at most {kv / 2**30:.2f} GiB "
+              f"per rank (--kv-cache-gb {cfg.kv_cache_gb:g} = {cfg.kv_cache_gb * 1e9 / 2**30:.2f} GiB{over})",
+              flush=True)
     engine = rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest, dtype=lm.dtype,
                                  kv_cache_memory_bytes=max(min(need, budget), row_bytes))
     return engine, lm, tokenizer, per_call

@@ -1885,8 +1885,10 @@ def test_reward_your_own_function_is_loaded_checked_and_named_in_its_errors(tmp_
     assert reward.correct("4", "4", spec("flag")) is True and reward.reward("5", "4", spec("flag")) == 0.0
     assert reward.load_reward(spec("half")) is reward.load_reward(spec("half"))  # imported once
     assert reward.load_reward("os.path:join") is os.path.join  # an importable module
-    for name, expected in (("boom", "raised ZeroDivisionError: division by zero"), ("nan", "returned nan, not a "
-                           "finite number"), ("text", "returned '1.0', not a finite number")):
+    line = next(n for n, x in enumerate((tmp_path / "mine.py").read_text().splitlines(), 1) if "1 / 0" in x)
+    for name, expected in (("boom", f"raised ZeroDivisionError at {tmp_path / 'mine.py'}:{line}: division by zero"),
+                           ("nan", "returned nan, not a finite number"),
+                           ("text", "returned '1.0', not a finite number")):
         with pytest.raises(reward.RewardError) as e:
             reward.reward("4", "4", spec(name))
         assert str(e.value) == f"reward function {spec(name)} {expected}"
@@ -1945,12 +1947,14 @@ def test_train_and_eval_use_your_own_reward_function(tmp_path, monkeypatch, caps
     monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=_TOY_VOCAB), tiny_tokenizer()))
     with _one_thread():
         assert train.main(_toy_args(data, tmp_path / "boom", reward=boom)) == 2
-    _one_line_error(capsys, f"train.py: error: reward function {boom} raised KeyError: 'no verifier for this row'")
+    at = f"{tmp_path / 'rewards.py'}:6"  # the line that raised (its file:line: it had none)
+    _one_line_error(capsys, f"train.py: error: reward function {boom} raised KeyError at {at}: 'no verifier for this "
+                            f"row'")
     with pytest.raises(SystemExit) as e:
         ev.main(["--run", str(tmp_path / "run"), "--reward", boom, "--out", str(tmp_path / "e")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and [x for x in err.splitlines() if "error" in x] == [
-        f"eval.py: error: reward function {boom} raised KeyError: 'no verifier for this row'"]
+        f"eval.py: error: reward function {boom} raised KeyError at {at}: 'no verifier for this row'"]
     assert "Traceback" not in err
 
 
@@ -3037,6 +3041,30 @@ def test_read_only_run_folder(tmp_path, monkeypatch, capsys):
     assert e.value.code == 2 and err == [f"train.py: error: --plot {run} cannot be written: Read-only file system; "
                                          f"write the figures elsewhere with --out PNG"], err
     assert not (run / "metrics.png").exists() and not (run / "eval").exists()
+
+
+def test_train_console_units_and_the_final_bar_once(tmp_path, monkeypatch, capsys):
+    """What the console says, in one unit each: KV caches in GiB (the GB of --kv-cache-gb converted), the memory
+    estimate named an upper bound, the held-out accuracy as a fraction and as eval.py's percentage, the bar's
+    silenced tokens as a count; the final progress bar on one line, not redrawn under the closing lines; --help
+    names the cpu preset beside the paper's recipe, eval.py's --data-dir a folder the repository has. (GB beside
+    GiB, 0.087 beside eval.py's 8.75, silenced=3.4e-03 beside counts, the final bar 2-3 times.)"""
+    _patch(monkeypatch, _EVEN)
+    with _one_thread():
+        assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", steps=2, heldout=2, export_hf=False)) == 0
+    out, err = capsys.readouterr()
+    assert "KV cache at most 0.00 GiB per rank (--kv-cache-gb 40 = 37.25 GiB)" in out, out
+    assert "estimated peak memory per rank, every row at its longest (an upper bound): " in out
+    acc = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[0])["eval/acc"]
+    assert f"held-out accuracy before training: {acc:.4f} = {100 * acc:.2f}% as eval.py reports it (8 samples)" in out
+    finals = [line for line in err.split("\n") if "2/2 [" in line]  # a terminal line: \r redraws in place
+    assert len(finals) == 1 and finals[0].split("silenced=")[-1].split("]")[0].isdigit(), err[-3000:]
+    with pytest.raises(SystemExit) as e:
+        train.main(["--help"])
+    assert e.value.code == 0 and "without CUDA the cpu preset" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        ev.main(["--help"])
+    assert "like the repository's testdata/benchmarks" in " ".join(capsys.readouterr().out.split())
 
 
 def test_train_refuses_a_folder_that_holds_a_run(tmp_path, monkeypatch, capsys):

@@ -453,10 +453,12 @@ def train(run: Run) -> int:
                         "samples.jsonl": gather(result.samples)[:cfg.samples_per_step],
                         "tokens.jsonl": ranks_joined(gather([result.tokens])),
                         "metrics.jsonl": [result.metrics]})
-            bar.update()
-            bar.set_postfix({"train_acc": f"{result.metrics['reward/acc']:.2f}",
+            bar.set_postfix({"train_acc": f"{result.metrics['reward/acc']:.2f}",  # silenced: tokens, as at the end
                              "H": f"{result.metrics['entropy/mean']:.2f}",
-                             "silenced": f"{result.metrics['s2t/silenced_frac']:.1e}"})
+                             "silenced": int(result.metrics["s2t/silenced"])}, refresh=False)
+            bar.update()
+            if step == cfg.steps:
+                bar.close()  # the final bar once, above the closing lines
             warn_if_no_gradient(run, result.metrics)
             stopped, where = run.preemption.agreed(), f"in step {step} (its updates finished)"  # one all-reduce
             if not stopped and eval_due(run, step) and not run_eval(run, step):
@@ -518,7 +520,8 @@ def run_eval(run: Run, done: int) -> bool:
     write(run, {"eval.jsonl": [{"step": done, **result}],
                 "samples.jsonl": gather(samples)[:run.cfg.samples_per_step]})
     when = f"after {plural(done, 'step')}" if done else "before training"
-    say(run, f"held-out accuracy {when}: {result['eval/acc']:.3f} ({int(result['eval/n'])} samples)")
+    say(run, f"held-out accuracy {when}: {result['eval/acc']:.4f} = {100 * result['eval/acc']:.2f}% as eval.py "
+        f"reports it ({int(result['eval/n'])} samples)")
     return True
 
 
@@ -695,9 +698,10 @@ def rollout_engine(cfg: Config, lm, tokenizer, prompts: list[list[int]], rank: i
     kv_call = kv_cache_bytes(lm.config, chunk * G, tokens, dtype.itemsize)
     kv_vllm = min(kv_cache_bytes(lm.config, n * G, tokens, dtype.itemsize), int(cfg.kv_cache_gb * 1e9))
     if rank == 0:
-        what = (f"vLLM KV cache {kv_vllm / 1e9:.2f} GB" if cfg.rollout == "vllm" else
-                f"{chunk} prompts x G {G} per generate call, KV cache at most {kv_call / 1e9:.2f} GB")
-        print(f"rollout ({cfg.rollout}): {what} per rank (--kv-cache-gb {cfg.kv_cache_gb:g})", flush=True)
+        what = (f"vLLM KV cache {kv_vllm / 2**30:.2f} GiB" if cfg.rollout == "vllm" else
+                f"{chunk} prompts x G {G} per generate call, KV cache at most {kv_call / 2**30:.2f} GiB")
+        print(f"rollout ({cfg.rollout}): {what} per rank (--kv-cache-gb {cfg.kv_cache_gb:g} = "
+              f"{cfg.kv_cache_gb * 1e9 / 2**30:.2f} GiB)", flush=True)
     longest = max(map(len, prompts)) + cfg.max_response_len  # train and held-out prompts
     return rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, stop, max_model_len=longest,
                                kv_cache_memory_bytes=kv_vllm, dtype=dtype, seed=cfg.seed)
@@ -867,7 +871,8 @@ def agree(work, *args):
 # ---------------------------------------------------------------------------------- configuration and CLI
 @dataclass
 class Config:
-    """RL-train a causal LM with STAPO or a baseline (defaults: the paper's recipe, docs/paper.md §6). Or, instead
+    """RL-train a causal LM with STAPO or a baseline (defaults: with CUDA the paper's recipe, docs/paper.md §6;
+    without CUDA the cpu preset, whose values the flags below name). Or, instead
     of training: `python train.py --plot RUN [RUN ...] [--out PNG]` redraws the figures of finished runs, overlaid
     (RUN/metrics.png and RUN/s2t.png for one run, FIRST_RUN/compare.png and compare_s2t.png for several; --out
     X.png: X.png and X_s2t.png)."""
