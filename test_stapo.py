@@ -3112,19 +3112,25 @@ def test_train_resume_keeps_the_recipe_and_records_what_changed(tmp_path, monkey
 
 
 def test_train_heldout_prompts_longer_than_max_prompt_len_are_dropped_and_counted(tmp_path, monkeypatch, capsys):
-    """Both splits are held to --max-prompt-len, and the console says how many prompts each lost. (A 100k-character
-    held-out prompt reached the sampler: an attempt to allocate 250 GB after 43 s.)"""
+    """Both splits are held to --max-prompt-len, and the console says how many prompts each lost; a problem with more
+    characters than 50 tokens can spell is dropped before it is tokenized. (A 100k-character held-out prompt reached
+    the sampler: an attempt to allocate 250 GB after 43 s; a 20 MB row took 11 GB and 74 s to tokenize.)"""
     _patch(monkeypatch, _EVEN)
     rows = [{"prompt": f"{a}{b}", "answer": str(a + b)} for a in range(10) for b in range(10 - a)]
     rows[7]["prompt"] = "1" * 100_000  # the data's order is shuffled with --seed: find where row 7 goes
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
     heldout = order.index(7) + 1  # row 7 is the last held-out row
+    rows[order[heldout]]["prompt"] = "2" * 1_000_000  # a training row
     path = tmp_path / "long.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenized, format_prompt = [], rollout.format_prompt
+    monkeypatch.setattr(rollout, "format_prompt", lambda tok, problem, *a: tokenized.append(len(problem)) or
+                        format_prompt(tok, problem, *a))
     with _one_thread():
         assert train.main(_toy_args(str(path), tmp_path / "run", heldout=heldout, max_prompt_len=50,
                                     export_hf=False)) == 0
-    assert (f"train.py: dropped 0 of {len(rows) - heldout} training prompts and 1 of {heldout} held-out prompts "
+    assert max(tokenized) <= 50 * len("<|endoftext|>")  # the tiny tokenizer's longest token
+    assert (f"train.py: dropped 1 of {len(rows) - heldout} training prompts and 1 of {heldout} held-out prompts "
             f"longer than --max-prompt-len 50 tokens") in capsys.readouterr().err
     evals = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [e["eval/n"] for e in evals] == [4 * (heldout - 1)] * 2
