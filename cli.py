@@ -136,11 +136,15 @@ def read_config(cls, path: str) -> dict:
             values = yaml.load(text, Loader=Loader)
         except yaml.YAMLError as e:
             raise ValueError(f"--config {path}: not YAML ({' '.join(str(e).split())})") from None
+        except RecursionError:
+            raise ValueError(f"--config {path}: nested too deeply to read (about 1,000 levels at most)") from None
     else:
         try:
             values = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"--config {path}: not JSON ({e}); a .yaml or .yml file is read as YAML") from None
+        except RecursionError:
+            raise ValueError(f"--config {path}: nested too deeply to read (about 1,000 levels at most)") from None
     if not isinstance(values, dict):
         raise ValueError(f"--config {path}: not a mapping of flag names to values but {describe(values)}")
     return check_values(cls, values, path)

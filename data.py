@@ -197,6 +197,8 @@ def read_jsonl(path: str) -> list[tuple[str, dict]]:
                 row = json.loads(text)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path} line {n}: not JSON ({e.msg} at character {e.pos + 1})") from None
+            except RecursionError:
+                raise ValueError(f"{path} line {n}: nested too deeply to read (about 1,000 levels at most)") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path} line {n}: not a JSON object")
             rows.append((f"line {n}", row))

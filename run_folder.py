@@ -415,8 +415,8 @@ def recorded_config(out: Path) -> dict:
         raise FileNotFoundError(f"no run to resume: {path} does not exist")
     try:
         values = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not a JSON object ({e})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{path} is not a JSON object ({one_line(e)})") from None
     if not isinstance(values, dict):
         raise ValueError(f"{path} is not a JSON object")
     return values

@@ -2173,6 +2173,8 @@ def test_cli_config_file_is_the_base_layer_under_the_flags(tmp_path, capsys):
              "list.json": ('[1]', "not a mapping of flag names to values but a list"),
              "broken.json": ('{"seed": }', "not JSON (Expecting value: line 1 column 10 (char 9))"),
              "broken.yaml": ("seed: [1", "not YAML"),
+             "deep.json": ('{"seed": ' + "[" * 200_000 + "]" * 200_000 + "}", "nested too deeply to read"),
+             "deep.yaml": ("seed: " + "[" * 5_000 + "]" * 5_000, "nested too deeply to read"),  # it printed 2,999 lines
              "missing.json": (None, "cannot be read (No such file or directory)")}
     for name, (text, expected) in cases.items():
         if text is not None:
@@ -3170,11 +3172,12 @@ def test_train_and_eval_unreadable_data_are_one_line_errors(tmp_path, capsys):
     eval.py --data. (They were 27-line tracebacks from inside datasets, or named neither file nor row.)"""
     files = {"empty.jsonl": b"", "empty.json": b"", "bad.jsonl": b'{"prompt": "12", "answer": "3"}\n{"prompt": \n',
              "latin1.jsonl": b'{"prompt": "12", "answer": "3"}\n{"prompt": "caf\xe9", "answer": "3"}\n',
-             "list.jsonl": b"[1, 2]\n", "bad.json": b"{not json"}
+             "list.jsonl": b"[1, 2]\n", "bad.json": b"{not json", "deep.jsonl": b"[" * 200_000 + b"]" * 200_000}
     expected = {"empty.jsonl": "empty.jsonl: no rows", "empty.json": "empty.json: not a readable json file",
                 "bad.jsonl": "bad.jsonl line 2: not JSON (Expecting value at character 13)",
                 "latin1.jsonl": "latin1.jsonl line 2: not UTF-8 (invalid continuation byte at byte 15)",
-                "list.jsonl": "list.jsonl line 1: not a JSON object", "bad.json": "bad.json: not a readable json file"}
+                "list.jsonl": "list.jsonl line 1: not a JSON object", "bad.json": "bad.json: not a readable json file",
+                "deep.jsonl": "deep.jsonl line 1: nested too deeply to read"}  # it was a RecursionError traceback
     for name, content in files.items():
         (tmp_path / name).write_bytes(content)
         assert train.main(_toy_args(str(tmp_path / name), tmp_path / "o")) == 2
