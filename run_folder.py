@@ -41,6 +41,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -60,7 +61,8 @@ RUN_FILES = ("config.json", *LOGS, "checkpoint", "hf", "stopped.json", "metrics.
 # generate call, and with them the sampling seeds).
 RESUMABLE = ("steps", "eval_every", "eval_samples", "samples_per_step", "spurious_per_step", "token_sample",
              "entropy_change", "save_every", "keep_checkpoints", "save_optimizer", "export_hf", "plots", "logger",
-             "collective_timeout_min", "max_tokens_per_micro_batch", "chunk_size", "grad_checkpointing", "kv_cache_gb")
+             "collective_timeout_min", "max_tokens_per_micro_batch", "chunk_size", "grad_checkpointing", "kv_cache_gb",
+             "stop_deadline_s")
 STOPPED = 75  # exit status after a stop by signal, with a checkpoint written: run the same command again
 #               (sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry")
 
@@ -547,7 +549,12 @@ class Preemption:
     Any rank may receive the signal: `requested()` (polled by the sampler at every decode step, so a long rollout
     ends early) posts it in the process group's store and reads the other ranks' posts from it, at most once a
     second; `agreed()` is an all-reduce at the points where every rank stops together. Installed for the duration of
-    a `with` block (the previous handlers come back after it)."""
+    a `with` block (the previous handlers come back after it).
+
+    The stop deadline (`arm`): a rank whose stop has not ended the run `deadline_s` seconds after its signal (a frozen
+    rank holds every other one in a collective, up to --collective-timeout-min) calls `on_deadline`, which leaves
+    without waiting. A watchdog thread sees the signal through `signal.set_wakeup_fd`, which the C-level handler
+    writes even while the main thread is blocked in a collective (where the Python handler cannot run)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
     KEY = "stapo/stop"
@@ -555,16 +562,44 @@ class Preemption:
 
     def __init__(self):
         self.signal, self.received, self.posted, self.polled, self.previous = None, None, False, 0.0, {}
+        self.deadline_s, self.on_deadline, self.armed, self.done = None, None, threading.Event(), threading.Event()
 
     def __enter__(self) -> Preemption:
         for s in self.SIGNALS:
             self.previous[s] = signal.signal(s, self._on_signal)
+        read, self.wakeup = os.pipe()
+        os.set_blocking(self.wakeup, False)
+        self.previous_wakeup = signal.set_wakeup_fd(self.wakeup)
+        threading.Thread(target=self._watch, args=(read,), daemon=True, name="stop-deadline").start()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)  # one that came during startup (train.py) is kept
         return self
 
     def __exit__(self, *exc) -> None:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+        self.done.set()
+        self.armed.set()
+        signal.set_wakeup_fd(self.previous_wakeup)
+        os.close(self.wakeup)  # the watchdog reads the end of the pipe and ends
+
+    def arm(self, deadline_s: float, on_deadline) -> None:
+        """From now on, on_deadline() runs (in the watchdog thread) when a stop signal has not ended the `with` block
+        within deadline_s seconds."""
+        self.deadline_s, self.on_deadline = deadline_s, on_deadline
+        self.armed.set()
+
+    def _watch(self, read: int) -> None:
+        """The watchdog thread: waits for a stop signal's byte on the wakeup pipe, then for `arm` and the deadline."""
+        try:
+            while (byte := os.read(read, 1)) and not self.done.is_set():
+                if byte[0] in self.SIGNALS:
+                    started = time.monotonic()
+                    self.armed.wait()
+                    if not self.done.wait(max(0.0, started + (self.deadline_s or 0.0) - time.monotonic())):
+                        self.on_deadline()
+                    return
+        finally:
+            os.close(read)
 
     def _on_signal(self, signum, frame) -> None:
         if self.signal is None:

@@ -3575,6 +3575,40 @@ def test_train_stop_signal_during_startup_exits_stopped_and_the_same_command_con
     assert [m["step"] for m in _metrics(out)] == [1] and not (out / "stopped.json").exists()
 
 
+def _hook_signal_then_hang(nth: int) -> None:
+    """(testdata/train_run.py) SIGTERM at the nth rollout, and then the rollout never returns, as a rank waits in a
+    collective for a frozen one (SIGSTOP, a dead network)."""
+    import signal
+
+    sample, calls = rollout.PlainEngine.sample, []
+
+    def hangs(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == nth:
+            os.kill(os.getpid(), signal.SIGTERM)
+            threading.Event().wait()
+        return sample(*args, **kwargs)
+    rollout.PlainEngine.sample = hangs
+
+
+def test_train_stop_deadline_leaves_a_run_held_by_a_frozen_rank(tmp_path):
+    """A stop signal whose stop cannot finish (the rank waits for a frozen one): --stop-deadline-s after the signal
+    the rank leaves with a warning, stopped.json naming the last complete checkpoint and exit run_folder.STOPPED; the
+    same command then finishes equal to an uninterrupted run. (Every rank waited for the collective timeout, 60
+    minutes: no checkpoint, and the job's grace period ran out first.)"""
+    data = _toy_data(tmp_path)
+    _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3))
+    args = _toy_args(data, tmp_path / "cut", steps=3, save_every=1, resume="auto", stop_deadline_s=1)
+    proc = _run(tmp_path, args, hook=("_hook_signal_then_hang", 2), expect=run_folder.STOPPED)
+    assert ("train.py: warning: rank 0: SIGTERM came 1 s ago (--stop-deadline-s) and the ranks have not stopped "
+            "together (a rank frozen, or its network down?): leaving without a checkpoint of this stop; "
+            "checkpoint/step_1 is kept") in proc.stderr, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "cut" / "stopped.json").read_text()) == {
+        "signal": "SIGTERM", "steps_done": 1, "checkpoint": "checkpoint/step_1"}
+    _run(tmp_path, args)
+    _same_run(tmp_path / "cut", tmp_path / "full")
+
+
 def test_train_stop_signal_to_one_rank_stops_both_then_resume_on_other_world_sizes(tmp_path):
     """2 -> 1: SIGUSR1 to rank 1 only, in step 2's rollout: both ranks stop at the same point (rank 0 learns it through
     the process group), the checkpoint of step 1 stays; 1 process resumes it. 1 -> 2: a 1-process run stopped after

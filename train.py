@@ -590,6 +590,22 @@ def stopped(cfg: Config, rank: int, preemption: run_folder.Preemption, saved: in
     return run_folder.STOPPED
 
 
+def leave_at_deadline(cfg: Config, rank: int, preemption: run_folder.Preemption) -> None:
+    """--stop-deadline-s passed since a stop signal and the ranks have not stopped together: leave now (the watchdog
+    thread of run_folder.Preemption), with stopped.json (rank 0) naming the newest complete checkpoint, one line on
+    every rank (the frozen one may be rank 0), exit status run_folder.STOPPED."""
+    out, kept = Path(cfg.out_dir), run_folder.complete_steps(Path(cfg.out_dir))
+    if rank == 0:
+        run_folder.write_stopped(out, preemption.signal or "a stop signal", kept[0] if kept else None)
+    then = (f"checkpoint/step_{kept[0]} is kept; the same command with --resume auto continues from it" if kept else
+            "no checkpoint was kept; the same command with --resume auto starts the run again")
+    print(f"train.py: warning: rank {rank}: {preemption.signal or 'a stop signal'} came {cfg.stop_deadline_s:g} s ago "
+          f"(--stop-deadline-s) and the ranks have not stopped together (a rank frozen, or its network down?): leaving "
+          f"without a checkpoint of this stop; {then}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(run_folder.STOPPED)
+
+
 def finish(run: Run) -> None:
     """After the last step: the export (unless up to date), the figures, and the closing lines (what the mask
     silenced, RQ1's correlations, a divergence, what the run wrote)."""
@@ -957,6 +973,10 @@ class Config:
     collective_timeout_min: float = 60.0
     """minutes a rank waits in a collective for the others before the run fails (ranks whose rollouts are longer
     finish later; NCCL's default is 10)"""
+    stop_deadline_s: float = 240.0
+    """seconds from a stop signal after which a rank that has not stopped (a frozen rank holds the others) leaves with
+    exit status 75, keeping the last complete checkpoint; under the job's grace period (SLURM
+    --signal=USR1@300: 300), above a checkpoint write; 0 = wait for every rank"""
     tis_cap: float | None = None
     """truncated importance sampling: weight tokens by min(pi_old / pi_sampler, cap) (e.g. 2 with --rollout vllm);
     default off"""
@@ -1153,6 +1173,8 @@ def main(argv: list[str] | None = None) -> int:
                     " and its export is up to date" if cfg.export_hf else "") + ": nothing to do", rank)
                 return 0
             start, checkpoint_path, lock = opened
+            if cfg.stop_deadline_s:
+                preemption.arm(cfg.stop_deadline_s, lambda: leave_at_deadline(cfg, rank, preemption))
             if preemption.agreed():  # a stop signal during startup: stop before the model loads
                 return stopped(cfg, rank, preemption, start, "during startup")
             run = setup(cfg, rows, rank, world, device, checkpoint_path, preemption)
