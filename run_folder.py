@@ -37,6 +37,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -86,8 +87,9 @@ class Lock:
 
     Shared filesystems: NFSv4 (and NFSv3 with lockd) carry flock across nodes as a whole-file lock; a crashed
     client's lock lasts until the server's lease expires (90 s by default). Lustre does so only when mounted with
-    `-o flock` (with `localflock` the lock holds within one node). Where the filesystem has no locks at all, the run
-    warns and goes on unlocked."""
+    `-o flock`. With NFS's local_lock=flock (or =all) or Lustre's localflock the lock holds within one node: the run
+    says so in one line (`node_local_flock`). Where the filesystem has no locks at all, the run warns and goes on
+    unlocked."""
 
     def __init__(self, out: Path):
         out.mkdir(parents=True, exist_ok=True)
@@ -101,6 +103,14 @@ class Lock:
                            f" wait for it, stop it, or choose another --out-dir") from None
         except OSError as e:  # ENOLCK, EOPNOTSUPP, ENOSYS: a filesystem without locks
             say(f"{out} cannot be locked ({e.strerror}): a second run into it would not be detected", warning=True)
+        try:
+            local = node_local_flock(out, MOUNTS.read_text())
+        except OSError:  # no /proc (not Linux)
+            local = None
+        if local:
+            say(f"{out} is on {local}: its lock holds within this node only, so a run on another node would not be "
+                f"detected; remount without it (NFS: local_lock=none; Lustre: -o flock) or start one job per folder",
+                warning=True)
         os.ftruncate(self.fd, 0)
         os.write(self.fd, f"host {socket.gethostname()} pid {os.getpid()} since "
                           f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
@@ -116,6 +126,28 @@ class Lock:
 
     def release(self) -> None:
         os.close(self.fd)
+
+
+MOUNTS = Path("/proc/self/mounts")  # device, mount point, type, options: one mount per line (Linux)
+
+
+def node_local_flock(path: Path, mounts: str) -> str | None:
+    """The mount that makes flock local to one node on the filesystem holding `path` (its deepest mount point in
+    `mounts`, the text of /proc/self/mounts): 'nfs4 with local_lock=flock' (or =all), 'lustre with localflock'; None
+    for any other. There flock succeeds on every node, so two nodes can both hold the one-writer lock."""
+    path, found = path.resolve(), None
+    for line in mounts.splitlines():
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        point = Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), parts[1]))  # a space is written \040
+        if path.is_relative_to(point) and (found is None or len(point.parts) > len(found[0].parts)):
+            found = (point, parts[2], parts[3].split(","))
+    if found is None:
+        return None
+    _, kind, options = found
+    local = [o for o in options if o in ("local_lock=flock", "local_lock=all", "localflock")]
+    return f"{kind} with {local[0]}" if local and (kind.startswith("nfs") or kind == "lustre") else None
 
 
 # --------------------------------------------------------------------------------------------------- logs
