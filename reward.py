@@ -115,6 +115,19 @@ def correct(response, gold, mode="dapo"):
     return reward(response, gold, mode) > 0
 
 
+def graded_chars(response, mode="dapo"):
+    """How many leading characters of `response` the reward reads, up to and including the answer (the rest is
+    text after the graded answer, which the reward cannot see): for the built-in modes, the end of the last
+    occurrence of the extracted answer (the whole response when there is none); for your own reward function, the
+    `graded_chars(response)` its module defines (tasks/chain_sums.py), else the whole response."""
+    if ":" in mode:
+        own = getattr(load_reward(mode), "__globals__", {}).get("graded_chars")
+        return int(own(response)) if callable(own) else len(response)
+    answer = extract_answer(response)
+    at = response.rfind(answer) if answer else -1
+    return len(response) if at < 0 else at + len(answer)
+
+
 # ------------------------------------------------------------------------------------------------ your own reward
 # Any verifier can be the reward (code that runs tests, a format check, another grader), as TRL's reward functions
 # are: --reward FILE.py:FUNCTION or MODULE:FUNCTION names a Python function

@@ -766,7 +766,7 @@ class Logger:
             self.writer = wandb.init(project="stapo", name=out.name, dir=str(out), config=config)
 
     def log(self, record: dict) -> None:
-        values = {k: v for k, v in record.items() if k != "step"}
+        values = {k: v for k, v in record.items() if k != "step" and not isinstance(v, list)}  # scalars only
         if hasattr(self.writer, "add_scalar"):  # tensorboard
             for key, value in values.items():
                 self.writer.add_scalar(key, value, record["step"])

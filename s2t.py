@@ -20,6 +20,10 @@ Deliberate differences / choices the paper leaves open:
 4. `spurious_mask` takes the mini-batch's p and H at once (train.py computes them for all of a rank's rows before
    splitting them into micro-batches) and a `gather` over ranks, so tau_h never depends on how rows are split.
 5. No candidates in the mini-batch: nothing is silenced (threshold None).
+6. The paper's controls (stapo.ALGORITHMS `randmask`, `highmask`): `random_subset` silences as many candidates as
+   S2T would, chosen by random keys that depend only on (the run's seed, step, mini-batch, the token's row in the
+   whole mini-batch, its column), never on how rows are split over ranks or micro-batches; `highmask` silences the
+   candidates S2T keeps (H >= tau_h).
 """
 from __future__ import annotations
 
@@ -69,6 +73,28 @@ def spurious_mask(logprobs: torch.Tensor, entropy: torch.Tensor, advantages: tor
     if tau_h is None:  # no candidates anywhere: nothing is silenced (choice 5)
         return torch.zeros_like(cand), None
     return cand & (entropy.detach() < tau_h), tau_h  # condition 3, strict (choice 1)
+
+
+def random_keys(seed: int, rows: range, length: int) -> torch.Tensor:
+    """(len(rows), length) uniform keys in [0, 1) for `random_subset`: row r's keys come from a generator seeded by
+    (seed, r) alone, r the row's index in the whole mini-batch, so a token's key does not depend on which rank or
+    micro-batch holds it. length: the run's longest response (a fixed value, so that rows padded to different
+    lengths on different ranks read the same keys; cut the result to the rows' T)."""
+    keys = torch.empty(len(rows), length)
+    for i, r in enumerate(rows):
+        keys[i] = torch.rand(length, generator=torch.Generator().manual_seed(hash((seed, r)) % 2**62))
+    return keys  # (b, length)
+
+
+def random_subset(cand: torch.Tensor, n: int, keys: torch.Tensor, gather=None) -> torch.Tensor:
+    """bool (B, T): the n candidates of the whole mini-batch with the smallest keys (RandMask: S2T's count, random
+    positions). cand (B, T) bool; keys (B, T) from `random_keys`; gather as in `spurious_mask`."""
+    values = keys.to(cand.device)[cand]  # (n_local,) keys of this rank's candidates
+    every = values if gather is None else gather(values)  # (n_all,) every candidate's key, any order
+    if n == 0 or every.numel() == 0:
+        return torch.zeros_like(cand)
+    kth = every.sort().values[min(n, every.numel()) - 1]  # the n-th smallest key (keys are distinct almost surely)
+    return cand & (keys.to(cand.device) <= kth)  # (B, T)
 
 
 def grad_norm_logits(w: torch.Tensor, logprobs: torch.Tensor, collision: torch.Tensor) -> torch.Tensor:
@@ -139,6 +165,27 @@ def entropy_change(entropy_before: torch.Tensor, entropy_after: torch.Tensor, re
         out[f"entropy_change/{kind}_sum"] = delta[sel].sum().item()
         out[f"entropy_change/{kind}_n"] = float(sel.sum().item())
     return out
+
+
+TOKEN_KINDS = ("candidate", "low_p", "high_p_pos", "high_p_rest")  # by p < tau_p and the sign of A
+PARTS = ("graded", "after")  # up to and including the answer the reward reads, and the text after it
+
+
+def token_cells(logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+                graded: torch.Tensor, tau_p: float = 0.002) -> dict[str, torch.Tensor]:
+    """bool (B, T) masks that split the response tokens into kind x part, e.g. "candidate_after":
+        candidate      A > 0, p < tau_p (what S2T can silence)
+        low_p          p < tau_p, A <= 0 (other low-probability tokens)
+        high_p_pos     p >= tau_p, A > 0 (reinforced tokens S2T never sees)
+        high_p_rest    p >= tau_p, A <= 0
+    graded (B, T) bool: the tokens up to and including the answer the reward reads (train.graded_tokens)."""
+    mask = response_mask > 0  # (B, T)
+    low = logprobs.detach() < math.log(tau_p)  # (B, T)
+    pos = (advantages > 0).expand_as(mask)  # (B, T)
+    kinds = {"candidate": mask & low & pos, "low_p": mask & low & ~pos, "high_p_pos": mask & ~low & pos,
+             "high_p_rest": mask & ~low & ~pos}
+    return {f"{kind}_{part}": sel & (graded if part == "graded" else ~graded)
+            for kind, sel in kinds.items() for part in PARTS}
 
 
 def token_sample(stats: TokenStats, advantages: torch.Tensor, response_mask: torch.Tensor, silenced: torch.Tensor,

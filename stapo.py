@@ -12,6 +12,10 @@ only in the token weights and the denominator:
     grpo        1 / |y_i| (per-sequence mean)              number of sequences         0.2, 0.2   (+ beta k3 KL)
     20-entropy  1 if H_it >= 0.8-quantile of all H else 0  number of response tokens   0.2, 0.28
     fullmask    0 if A_i > 0 and p_it < tau_p else 1       number of kept tokens       0.2, 0.28
+    randmask    0 on a random subset of the candidates     number of kept tokens       0.2, 0.28
+                of S2T's size, else 1 (control)
+    highmask    0 on the candidates S2T keeps (H >= tau_h)  number of kept tokens      0.2, 0.28
+                else 1 (control: high-entropy masking)
 
 `token_weights` computes one mini-batch's weights from `ALGORITHMS` (the table above, as data); its entropy
 thresholds (S2T's tau_h, 20-Entropy's) are taken over the whole mini-batch through a `gather` over ranks, and it
@@ -46,7 +50,8 @@ class Algorithm:
     """One row of the table above."""
     clip: tuple[float, float]  # (eps_low, eps_high) of the ratio clip
     silence: str | None  # weight 0 for: "s2t" (the S2T mask), "candidates" (FullMask: every A > 0, p < tau_p token),
-    #                      "low_entropy" (20-Entropy: H below the 0.8-quantile of the mini-batch), None (nothing)
+    #                      "low_entropy" (20-Entropy: H below the 0.8-quantile of the mini-batch), "random" (as many
+    #                      candidates as S2T silences, at random), "high_entropy" (the candidates S2T keeps), None
     denominator: str  # N = "kept" tokens, "response" tokens, or "sequences" (GRPO: weights 1/|y_i|)
 
 
@@ -56,6 +61,8 @@ ALGORITHMS = {
     "grpo": Algorithm((0.2, 0.2), None, "sequences"),
     "20-entropy": Algorithm((0.2, 0.28), "low_entropy", "response"),
     "fullmask": Algorithm((0.2, 0.28), "candidates", "kept"),
+    "randmask": Algorithm((0.2, 0.28), "random", "kept"),  # the paper's random-masking control
+    "highmask": Algorithm((0.2, 0.28), "high_entropy", "kept"),  # the paper's high-entropy-masking control
 }
 ENTROPY_TOP_FRACTION = 0.2  # 20-Entropy keeps the top 20% highest-entropy response tokens of the mini-batch
 LOG_RATIO_CLAMP = 20.0
@@ -187,19 +194,29 @@ class TokenWeights(NamedTuple):
 
 def token_weights(algo: str, logprobs: torch.Tensor | None, entropy: torch.Tensor | None, advantages: torch.Tensor,
                   response_mask: torch.Tensor, tau_p: float = 0.002, quantile: float = 0.75,
-                  gather=None) -> TokenWeights:
+                  gather=None, keys: torch.Tensor | None = None) -> TokenWeights:
     """The token weights of one mini-batch (this rank's rows of it) and its share of the denominator N.
 
     logprobs, entropy (B, T) of the current policy (None for an algorithm that silences nothing: JustRL, GRPO);
     advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1.
     gather: concatenates a 1-D tensor over ranks (train.all_gather_cat), so entropy thresholds are over the whole
     mini-batch; None: this process holds the whole mini-batch.
+    keys (B, T): randmask's random keys (s2t.random_keys of the rows' places in the whole mini-batch); other
+    algorithms ignore them.
     """
     a = algorithm(algo)
     mask = response_mask > 0  # (B, T)
     silenced, threshold = torch.zeros_like(mask), None
-    if a.silence == "s2t":
+    if a.silence in ("s2t", "random", "high_entropy"):
         silenced, threshold = s2t.spurious_mask(logprobs, entropy, advantages, response_mask, tau_p, quantile, gather)
+    if a.silence == "random":  # S2T's count over the whole mini-batch, silenced at random candidates
+        if keys is None:
+            raise ValueError("randmask needs the random keys of the rows (s2t.random_keys)")
+        count = silenced.sum().float().reshape(1)  # (1,) this rank's S2T count
+        n = int((count if gather is None else gather(count)).sum().item())
+        silenced = s2t.random_subset(s2t.candidates(logprobs, advantages, response_mask, tau_p), n, keys, gather)
+    elif a.silence == "high_entropy":  # the candidates S2T keeps: H >= tau_h
+        silenced = s2t.candidates(logprobs, advantages, response_mask, tau_p) & ~silenced
     elif a.silence == "candidates":
         silenced = s2t.candidates(logprobs, advantages, response_mask, tau_p)  # every candidate, no entropy test
     elif a.silence == "low_entropy":

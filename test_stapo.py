@@ -366,16 +366,27 @@ def _at(values, threshold):
     return torch.tensor([threshold])
 
 
-def _ranks(algo, batch, chunks):
-    """stapo.token_weights on each chunk of rows as on a rank of its own, with an all-gather of the entropy values
-    simulated in two passes (record every chunk's values, then hand all of them to every chunk)."""
+def _keys(chunk, seed=5):
+    """randmask's keys of these rows of the batch (their places in the whole mini-batch), T = 8."""
+    return s2t.random_keys(seed, range(int(chunk[0]), int(chunk[-1]) + 1), 8)
+
+
+def _ranks(algo, batch, chunks, seed=5):
+    """stapo.token_weights on each chunk of rows as on a rank of its own, with its all-gathers simulated: a pass
+    records each chunk's j-th gathered values, the next hands every chunk all chunks' j-th values of the pass
+    before, until nothing changes (the values of a later gather may depend on an earlier one: randmask's count)."""
     logprobs, entropy, old, ref, adv, mask = batch
-    seen = []
-    for c in chunks:
-        stapo.token_weights(algo, logprobs[c], entropy[c], adv[c], mask[c], TAU_P, 0.75, lambda v: seen.append(v) or v)
-    every = torch.cat(seen) if seen else None
-    return [stapo.token_weights(algo, logprobs[c], entropy[c], adv[c], mask[c], TAU_P, 0.75, lambda v: every)
-            for c in chunks]
+    every = None
+    for _ in range(4):  # token_weights gathers at most 3 times: entropies, randmask's count, randmask's keys
+        seen = [[] for _ in chunks]
+
+        def gather(values, i):
+            seen[i].append(values)
+            return values if every is None else every[len(seen[i]) - 1]
+        parts = [stapo.token_weights(algo, logprobs[c], entropy[c], adv[c], mask[c], TAU_P, 0.75,
+                                     lambda v, i=i: gather(v, i), _keys(c, seed)) for i, c in enumerate(chunks)]
+        every = [torch.cat(values) for values in zip(*seen)]
+    return parts
 
 
 def _update(algo, batch, sizes, beta=0.04):
@@ -447,6 +458,92 @@ def test_algo_fullmask_silences_all_candidates():
     weights, silenced, tau, den = stapo.token_weights("fullmask", logprobs, entropy, adv, mask, TAU_P)
     assert torch.equal(silenced, s2t.candidates(logprobs, adv, mask, TAU_P)) and tau is None
     assert den.item() == mask.sum().item() - silenced.sum().item()
+
+
+def test_algo_randmask_silences_s2t_count_at_random():
+    """RandMask silences exactly as many candidates as S2T, at positions its seed decides; the same positions for
+    any split of the mini-batch's rows over ranks."""
+    batch = _batch()
+    logprobs, entropy, old, ref, adv, mask = batch
+    cand = s2t.candidates(logprobs, adv, mask, TAU_P)
+    n = s2t.spurious_mask(logprobs, entropy, adv, mask, TAU_P, 0.75)[0].sum().item()
+    assert 0 < n < cand.sum().item()
+    chosen = []
+    for seed in range(40):
+        weights, silenced, tau, den = stapo.token_weights("randmask", logprobs, entropy, adv, mask, TAU_P, 0.75,
+                                                          keys=s2t.random_keys(seed, range(6), 8))
+        assert silenced.sum().item() == n and not (silenced & ~cand).any()  # S2T's count, candidates only
+        assert den.item() == mask.sum().item() - n and torch.equal(weights, (mask > 0).float() * ~silenced)
+        for sizes in ([1, 2, 3], [3, 3]):  # the same tokens when the rows are split over ranks
+            parts = _ranks("randmask", batch, torch.arange(6).split(sizes), seed)
+            assert torch.equal(torch.cat([p.silenced for p in parts]), silenced)
+        chosen.append(silenced)
+    assert len({tuple(c.flatten().tolist()) for c in chosen}) > 1  # another seed, other tokens
+    assert (torch.stack(chosen).sum(0)[cand] > 0).all()  # every candidate is chosen under some seed
+    with pytest.raises(ValueError, match="random keys"):
+        stapo.token_weights("randmask", logprobs, entropy, adv, mask, TAU_P, 0.75)
+
+
+def test_algo_randmask_keys_do_not_depend_on_the_ranks():
+    """train.random_keys: rank r of W holds rows r*b..r*b+b-1 of the mini-batch (train.rank_slice); its keys are those
+    rows' keys of one process, whatever T its rows were padded to."""
+    cfg = train.Config(seed=3, max_response_len=8)
+    whole = train.random_keys(SimpleNamespace(cfg=cfg, rank=0), 2, 1, _keys_mb(6, 8))  # (6, 8)
+    for world in (2, 3):
+        b = 6 // world
+        for rank in range(world):
+            T = 8 - rank  # ranks pad their rows to different lengths
+            got = train.random_keys(SimpleNamespace(cfg=cfg, rank=rank), 2, 1, _keys_mb(b, T))
+            assert torch.equal(got, whole[rank * b:(rank + 1) * b, :T])
+    assert not torch.equal(whole, train.random_keys(SimpleNamespace(cfg=cfg, rank=0), 2, 0, _keys_mb(6, 8)))
+    assert not torch.equal(whole, train.random_keys(SimpleNamespace(cfg=cfg, rank=0), 3, 1, _keys_mb(6, 8)))
+
+
+def _keys_mb(b, T):
+    return SimpleNamespace(rollout=SimpleNamespace(response_ids=torch.zeros(b, T, dtype=torch.long)))
+
+
+_PERM = [0, 3, 4, 1, 2, 5]  # _batch's rows reordered: lengths 8, 8, 6 on rank 0, then 5, 3, 2 on rank 1
+
+
+def _randmask_worker(rank: int, init_file: str, out_dir: str):
+    """One of 2 gloo ranks: randmask, highmask and S2T on its half of the mini-batch, its rows padded to its own T,
+    gathers through train's."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    rows = _PERM[3 * rank:3 * rank + 3]
+    logprobs, entropy, old, ref, adv, mask = (x[rows] for x in _batch())
+    T = int(mask.sum(1).max())  # 8 on rank 0, 5 on rank 1
+    out = {}
+    for algo in ("randmask", "highmask", "stapo"):
+        w = stapo.token_weights(algo, logprobs[:, :T], entropy[:, :T], adv[:, :T], mask[:, :T], TAU_P, 0.75,
+                                train.all_gather_cat, s2t.random_keys(5, range(3 * rank, 3 * rank + 3), 8)[:, :T])
+        out[algo] = torch.nn.functional.pad(w.silenced, (0, 8 - T))
+    torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_algo_controls_two_processes_equal_one():
+    """randmask and highmask on 2 gloo processes (each half of the rows, padded to its own length) = 1 process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _two_processes(_randmask_worker, tmp, "2-process token_weights hung")
+        parts = [torch.load(os.path.join(tmp, f"{rank}.pt")) for rank in range(2)]
+    logprobs, entropy, old, ref, adv, mask = (x[_PERM] for x in _batch())
+    for algo in ("randmask", "highmask", "stapo"):
+        one = stapo.token_weights(algo, logprobs, entropy, adv, mask, TAU_P, 0.75, keys=s2t.random_keys(5, range(6), 8))
+        assert one.silenced.any(), algo
+        assert torch.equal(torch.cat([p[algo] for p in parts]), one.silenced), algo
+
+
+def test_algo_highmask_silences_the_candidates_s2t_keeps():
+    logprobs, entropy, old, ref, adv, mask = _batch()
+    cand = s2t.candidates(logprobs, adv, mask, TAU_P)
+    s2t_silenced, tau_h = s2t.spurious_mask(logprobs, entropy, adv, mask, TAU_P, 0.75)
+    weights, silenced, tau, den = stapo.token_weights("highmask", logprobs, entropy, adv, mask, TAU_P, 0.75)
+    assert torch.equal(silenced, cand & ~s2t_silenced) and silenced.any() and tau == tau_h
+    assert (entropy[silenced] >= tau_h).all()  # the high-entropy candidates
+    assert den.item() == mask.sum().item() - silenced.sum().item()
+    assert not (silenced & s2t_silenced).any() and torch.equal(silenced | s2t_silenced, cand)  # the complement
 
 
 def test_algo_20_entropy_keeps_top_fifth_and_full_denominator():
@@ -766,7 +863,8 @@ def test_train_packed_rows_match_each_row_alone(algo):
     old = (logprobs.detach() + 0.15 * torch.randn(mask.shape, generator=g)) * mask  # ratios away from 1: clipping
     ref = (logprobs.detach() + 0.1 * torch.randn(mask.shape, generator=g)) * mask if algo == "grpo" else None
     adv = stapo.group_advantages(torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, -1.0]), 3)[:, None].expand_as(mask)
-    weights, _, _, den = stapo.token_weights(algo, logprobs.detach(), entropy, adv, mask, cfg.tau_p, cfg.quantile)
+    weights, _, _, den = stapo.token_weights(algo, logprobs.detach(), entropy, adv, mask, cfg.tau_p, cfg.quantile,
+                                             keys=s2t.random_keys(0, range(len(mask)), mask.shape[1]))
     clip = train.clip_range(cfg)
     want, _ = stapo.policy_loss(logprobs, old, adv, weights, *clip, cfg.dual_clip, den)
     if ref is not None:
@@ -1934,6 +2032,7 @@ def test_train_and_eval_use_your_own_reward_function(tmp_path, monkeypatch, caps
     for m in _metrics(tmp_path / "run"):
         assert m["reward/mean"] == pytest.approx(0.5 * m["reward/acc"] - 0.5 * (1 - m["reward/acc"]))
     last = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[-1])
+    assert len(last["eval/correct"]) == 4 and sum(last["eval/correct"]) == last["eval/acc"] * last["eval/n"]
     monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)
     results = ev.main(["--run", str(tmp_path / "run")])
     assert results["config"]["reward"] == even
@@ -2645,6 +2744,7 @@ def test_train_torchrun_two_processes_match_one(tmp_path):
     one, two = _metrics(tmp_path / "one")[0], _metrics(tmp_path / "two")[0]
     evals = [json.loads(line) for line in (tmp_path / "two" / "eval.jsonl").read_text().splitlines()]
     assert [e["eval/n"] for e in evals] == [4, 4]  # before and after, 1 problem x --eval-samples 4
+    assert all(e["eval/correct"] == [round(e["eval/acc"] * 4)] for e in evals)  # correct samples per problem
     assert one["updates"] == 2
     for key in ("reward/mean", "response/len_mean", "loss/policy", "grad_norm", "entropy/mean", "clip/frac_high"):
         assert one[key] == pytest.approx(two[key], rel=1e-4, abs=1e-6), key
@@ -3884,6 +3984,12 @@ def test_train_entropy_change_per_kind_of_token(tmp_path, monkeypatch):
     assert all(m[k] == 0.0 for m in still for k in keys), still
     assert any(m["entropy_change/other"] != 0.0 for m in moved)
     assert not any(k in _metrics(tmp_path / "off")[0] for k in keys)
+    for m in still + moved:  # the kind x part split: shares of the gradient norm, tokens, entropy change
+        tokens = m["response/len_mean"] * 16  # 4 prompts x G 4, each in one mini-batch
+        assert sum(m[f"shares/n_{cell}"] for cell in train.CELLS) == pytest.approx(tokens)
+        assert sum(m[f"shares/grad_{cell}"] for cell in train.CELLS) == pytest.approx(1.0)
+    assert all(m[f"shares/dH_{cell}"] == 0.0 for m in still for cell in train.CELLS)
+    assert any(m[f"shares/dH_{cell}"] != 0.0 for m in moved for cell in train.CELLS)
 
 
 def test_train_sets_mkl_reproducibility_before_torch_loads():
@@ -4455,7 +4561,8 @@ def test_train_logger_gets_the_metrics_keys(tmp_path, monkeypatch, name):
         assert train.main(_toy_args(_toy_data(tmp_path), out, steps=2, heldout=4, logger=name,
                                     export_hf=False)) == 0
     lines = _metrics(out) + [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
-    expected = {key for line in lines for key in line if key != "step"}
+    expected = {key for line in lines for key in line if key != "step" and not isinstance(line[key], list)}
+    assert "eval/correct" not in expected  # the per-problem counts stay in eval.jsonl
     if name == "tensorboard":
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -4591,6 +4698,7 @@ def test_eval_run_reproduces_train_heldout_evaluation(tmp_path, monkeypatch, cap
     with _one_thread():
         assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", heldout=17, steps=2)) == 0
     last = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[-1])
+    assert len(last["eval/correct"]) == 4 and sum(last["eval/correct"]) == last["eval/acc"] * last["eval/n"]
     monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)  # as train.py's was in this run
     results = ev.main(["--run", str(tmp_path / "run")])
     bench = results["models"][str(tmp_path / "run" / "hf")]["benchmarks"]["heldout"]
@@ -4841,6 +4949,95 @@ def test_entropy_change_against_a_hand_computation():
         assert got[f"entropy_change/{kind}_n"] == len(where)
         assert got[f"entropy_change/{kind}_sum"] == pytest.approx(sum(h1[w] - h0[w] for w in where), abs=1e-4)
     assert abs(got["entropy_change/silenced_sum"]) > 1e-3  # the update moved the entropy
+
+
+def test_token_cells_split_the_response_by_kind_and_part():
+    """s2t.token_cells on a hand-built case: every response token in exactly one kind x part."""
+    lp = torch.log(torch.tensor([[0.001, 0.5, 0.001, 0.9], [0.001, 0.3, 0.9, 0.5]]))
+    adv = torch.tensor([[1.0], [-1.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    graded = torch.tensor([[True, True, False, False], [True, False, False, False]])
+    cells = s2t.token_cells(lp, adv, mask, graded, TAU_P)
+    want = {"candidate_graded": [(0, 0)], "candidate_after": [(0, 2)], "high_p_pos_graded": [(0, 1)],
+            "high_p_pos_after": [(0, 3)], "low_p_graded": [(1, 0)], "high_p_rest_after": [(1, 1), (1, 2)]}
+    for cell, sel in cells.items():
+        assert sel.nonzero().tolist() == [list(w) for w in want.get(cell, [])], cell
+    assert torch.equal(sum(sel.int() for sel in cells.values()), mask)  # a partition of the response tokens
+
+
+def test_graded_chars_and_tokens():
+    """reward.graded_chars: the built-in modes end at the extracted answer, tasks/chain_sums at the first blank line,
+    a reward module without the hook grades everything; train.graded_tokens = the fewest tokens holding them (checked
+    against a linear scan)."""
+    text = "3 + 4 = 7. The answer is 7.\n\nQ: 1 + 1 = ?\nA: 2"
+    assert reward.graded_chars(text, "tasks.chain_sums:reward") == len("3 + 4 = 7. The answer is 7.")
+    assert reward.graded_chars("so \\boxed{12} and then 5 more", "dapo") == len("so \\boxed{12")
+    assert reward.graded_chars("no answer here", "dapo") == len("no answer here")
+    assert reward.graded_chars(text, "examples/reward_last_line.py:last_line") == len(text)
+    tok, text = tiny_tokenizer(), "3 + 4 = 7, so \\boxed{7}. Then 12 more words"
+    ids = torch.tensor([tok.encode(text) + [2, 0, 0]])  # EOS, padding
+    mask = torch.tensor([[1] * (ids.shape[1] - 2) + [0, 0]])
+    batch = Rollout(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long), ids, mask,
+                    torch.zeros(ids.shape), torch.zeros(1, dtype=torch.bool))
+    graded = train.graded_tokens(batch, tok, "dapo")
+    chars = reward.graded_chars(text, "dapo")
+    linear = next(m for m in range(ids.shape[1]) if len(tok.decode(ids[0, :m].tolist(), skip_special_tokens=True))
+                  >= chars)
+    assert graded[0].sum().item() == linear == len("3 + 4 = 7, so \\boxed{7") and graded[0, :linear].all()
+
+
+def test_collapse_outcomes_by_hand():
+    """collapse.py's pre-registered outcomes on hand-made curves."""
+    import collapse
+    assert collapse.collapse_step([.2, .6, .5, .4, .2, .1, .3]) == 5  # 0.2 and 0.1 below 0.6 / 2, steps 5 and 6
+    assert collapse.collapse_step([.2, .6, .5, .25, .2, .4]) == 4
+    assert collapse.collapse_step([.2, .6, .5, .25, .4, .2]) is None  # one step below half the peak is not one
+    assert collapse.collapse_step([.6, .1, .1, .5, .5]) is None  # before step 4 does not count
+    assert collapse.entropy_rise([.6, .4, .3, .4, .38]) == pytest.approx(0.1)
+    assert collapse.entropy_rise([.6, .5, .4]) == pytest.approx(-0.1)  # only falls
+    assert collapse.sign_test([1, 2, 1, 1, 3, 1]) == (6, 0, 2 / 64)
+    assert collapse.sign_test([1, 1, 1, 1, 1, -1]) == (5, 1, pytest.approx(14 / 64))
+    assert collapse.sign_test([0, 0, 1]) == (1, 0, 1.0)  # ties dropped
+
+
+def test_collapse_bootstrap_resamples_seeds_and_problems():
+    """A constant difference has a zero-width interval; a difference carried by one problem of four shows the
+    problem clustering: resampling problems widens the interval beyond resampling seeds alone."""
+    import collapse
+    assert collapse.bootstrap_mean_diff([[1.0, 1.0]] * 3, [[0.5, 0.5]] * 3, n=500) == pytest.approx((0.5, 0.5, 0.5))
+    a, b = [[1.0, 0.0, 0.0, 0.0]] * 6, [[0.0] * 4] * 6
+    mean, lo, hi = collapse.bootstrap_mean_diff(a, b, n=2000)
+    assert mean == 0.25 and lo == 0.0 and hi >= 0.5  # every seed agrees; the problems do not
+    seeds_only = collapse.bootstrap_mean_diff([[x] for x in (0.25,) * 6], [[0.0]] * 6, n=2000)
+    assert seeds_only[1] == seeds_only[2] == 0.25
+
+
+def test_collapse_table_and_figure_from_run_folders(tmp_path):
+    """collapse.py RUNS: the table pairs arms by seed (JustRL collapsing where STAPO does not), and draws the figure."""
+    import collapse
+    curves = {"justrl": [.2, .6, .5, .2, .1, .1, .1, .1, .1, .1, .1, .1],
+              "stapo": [.2, .6, .6, .7, .7, .7, .8, .8, .8, .8, .8, .8]}
+    for algo, acc in curves.items():
+        for seed in range(3):
+            folder = tmp_path / f"{algo}-{seed}"
+            folder.mkdir()
+            (folder / "config.json").write_text(json.dumps({"algo": algo, "seed": seed}))
+            (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": t + 1, "reward/acc": a,
+                                                                      "entropy/mean": 0.5 + (1 - a)}) + "\n"
+                                                          for t, a in enumerate(acc)))
+            (folder / "eval.jsonl").write_text("".join(json.dumps({"step": t, "eval/acc": acc[max(t - 1, 0)],
+                                                                   "eval/n": 8, "eval/correct": [round(acc[max(t - 1, 0)] * 4)] * 2})
+                                                       + "\n" for t in (0, 4, 8, 12)))
+    arms = collapse.read_runs(tmp_path)
+    assert [r["collapse"] for r in arms["justrl"].values()] == [4, 4, 4]
+    assert all(r["collapse"] is None for r in arms["stapo"].values())
+    rows = {r["outcome"]: r for r in collapse.compare(arms, "stapo", "justrl")}
+    assert rows["collapsed"]["diffs"] == [-1.0] * 3 and rows["collapsed"]["p"] == 0.25  # 3 of 3: 2 / 8
+    assert rows["held-out acc @12"]["mean_diff"] == pytest.approx(0.75)
+    text = collapse.table(arms)
+    assert "| stapo - justrl | collapsed | 3 |" in text
+    assert collapse.main([str(tmp_path), "--out", str(tmp_path / "c.png")]) == 0 and (tmp_path / "c.png").stat().st_size
+    assert collapse.main([str(tmp_path / "stapo-0")]) == 2  # no complete run below it
 
 
 # ==================================================================================================================

@@ -143,8 +143,9 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
             current = None if old is None else old.rows(rows)
         # The algorithm's token weights I_it (S2T: the mask, tau_h over the whole mini-batch) and the global N.
         p, H = (None, None) if current is None else (current.logprobs, current.entropy)  # None: not needed
+        keys = random_keys(run, step, k, mb) if stapo.ALGORITHMS[cfg.algo].silence == "random" else None  # (b, T)
         weights = stapo.token_weights(cfg.algo, p, H, mb.advantages, mb.mask, cfg.tau_p, cfg.quantile,
-                                      gather=all_gather_cat)
+                                      gather=all_gather_cat, keys=keys)
         denominator, nonzero = all_sum(weights.denominator, ((mb.advantages != 0) & (weights.weights > 0)).sum())
         loss_weights = weights.weights  # (b, T)
         if cfg.tis_cap is not None:  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
@@ -173,10 +174,19 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
         run.scheduler.step()
         log.updated(grad_norm, update)
         if cfg.entropy_change:  # what the update did to the entropy of the mini-batch's positions, per kind
-            log.entropy_change(mb, current, token_stats(policy, mb.rollout, cfg, device).entropy, weights)
+            log.entropy_change(k, mb, current, token_stats(policy, mb.rollout, cfg, device).entropy, weights)
     run.optimizer.zero_grad(set_to_none=True)
     log.pi_old(batch, old)
     return log.close(time.time() - t0)
+
+
+def random_keys(run: Run, step: int, k: int, mb: MiniBatch) -> torch.Tensor:
+    """(b, T) randmask's keys for this rank's rows of mini-batch k of step `step`: seeded from (seed, step, k) and
+    each row's place in the whole mini-batch (rank_slice: rank r holds rows r*b .. r*b+b-1), so the silenced
+    positions are the same on every number of ranks."""
+    b, T = mb.rollout.response_ids.shape
+    rows = range(run.rank * b, (run.rank + 1) * b)
+    return s2t.random_keys(hash((run.cfg.seed, step, k)) % 2**62, rows, run.cfg.max_response_len)[:, :T]
 
 
 def on_policy(cfg: Config) -> bool:
@@ -296,6 +306,22 @@ def token_stats(policy, batch: rollout.Rollout, cfg: Config, device) -> TokenSta
 
 
 ENTROPY_KINDS = ("silenced", "candidate", "other")  # s2t.entropy_change's kinds of token
+CELLS = tuple(f"{kind}_{part}" for kind in s2t.TOKEN_KINDS for part in s2t.PARTS)  # s2t.token_cells' keys
+
+
+def graded_tokens(batch: rollout.Rollout, tokenizer, mode: str) -> torch.Tensor:
+    """(B, T) bool: each response's tokens up to and including the last one that holds a character the reward reads
+    (reward.graded_chars), found by bisection on the decoded length of the response's prefixes."""
+    graded = torch.zeros(batch.response_ids.shape, dtype=torch.bool)
+    for i, (ids, mask) in enumerate(zip(batch.response_ids, batch.response_mask)):
+        ids = ids[mask.bool()].tolist()
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        chars, lo, hi = reward.graded_chars(text, mode), 0, len(ids)
+        while lo < hi:  # the fewest tokens whose text holds the first `chars` characters
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= chars else (mid + 1, hi)
+        graded[i, :lo] = True
+    return graded
 
 
 class StepLog:
@@ -317,6 +343,11 @@ class StepLog:
                                    0.0)
         self.counts = {"updates": 0, "skipped/zero_adv": 0, "skipped/nonfinite": 0}  # equal on every rank
         self.grad_norm_sum = 0.0
+        self.graded = None  # --entropy-change: (B, T) bool, the graded part of each response (graded_tokens)
+        if run.cfg.entropy_change:
+            self.graded = graded_tokens(batch, run.tokenizer, run.cfg.reward)
+            self.sums |= dict.fromkeys([f"shares/{x}_{cell}" for x in ("grad", "n", "dH", "dHn") for cell in CELLS],
+                                       0.0)
         self.spurious, self.samples, self.tokens = [], [], []
 
     def s2t(self, k: int, mb: MiniBatch, current: TokenStats, weights: stapo.TokenWeights) -> None:
@@ -327,6 +358,11 @@ class StepLog:
         old = current.logprobs if mb.old_logprobs is None else mb.old_logprobs
         w = stapo.surrogate_weight(current.logprobs, old, mb.advantages, *clip_range(cfg), cfg.dual_clip)  # (b, T)
         diag = s2t.diagnostics(current, mb.advantages, mb.mask, weights.silenced, cfg.tau_p, w=w)
+        if self.graded is not None:  # the closed-form logit-gradient norm per kind of token and part of the response
+            g = s2t.grad_norm_logits(w, current.logprobs, current.collision)  # (b, T)
+            for cell, sel in self.cells(k, mb, current).items():
+                self.sums[f"shares/grad_{cell}"] += g[sel].sum().item()
+                self.sums[f"shares/n_{cell}"] += sel.sum().item()
         n_sil, n_kept = diag["s2t/silenced"], mb.mask.sum().item() - diag["s2t/silenced"]
         for key, value in [("s2t/candidates", diag["s2t/candidates"]), ("s2t/silenced", n_sil), ("kept", n_kept),
                            ("silenced_p", n_sil * diag["s2t/silenced_p_mean"]),
@@ -358,13 +394,24 @@ class StepLog:
         self.sums["loss/policy"] += update.loss
         self.sums["loss/kl"] += update.kl
 
-    def entropy_change(self, mb: MiniBatch, before: TokenStats, after: torch.Tensor,
+    def entropy_change(self, k: int, mb: MiniBatch, before: TokenStats, after: torch.Tensor,
                        weights: stapo.TokenWeights) -> None:
-        """--entropy-change: the entropy at the mini-batch's positions before its update (with the p that makes
-        the candidates) and after it (b, T), summed per kind of token (s2t.entropy_change)."""
+        """--entropy-change: the entropy at mini-batch k's positions before its update (with the p that makes
+        the candidates) and after it (b, T), summed per kind of token (s2t.entropy_change) and per kind x part
+        (s2t.token_cells)."""
         candidates = s2t.candidates(before.logprobs, mb.advantages, mb.mask, self.run.cfg.tau_p)  # (b, T)
         for key, value in s2t.entropy_change(before.entropy, after, mb.mask, weights.silenced, candidates).items():
             self.sums[key] += value
+        delta = (after - before.entropy).float()  # (b, T) dH
+        for cell, sel in self.cells(k, mb, before).items():
+            self.sums[f"shares/dH_{cell}"] += delta[sel].sum().item()
+            self.sums[f"shares/dHn_{cell}"] += sel.sum().item()
+
+    def cells(self, k: int, mb: MiniBatch, current: TokenStats) -> dict[str, torch.Tensor]:
+        """Mini-batch k's response tokens split into kind x part (s2t.token_cells), each (b, T) bool."""
+        b = len(mb.rollout)
+        graded = self.graded[k * b:(k + 1) * b].to(mb.mask.device)  # (b, T)
+        return s2t.token_cells(current.logprobs, mb.advantages, mb.mask, graded, self.run.cfg.tau_p)
 
     def pi_old(self, batch: rollout.Rollout, old: TokenStats) -> None:
         """pi_old's entropy and its distance from the sampler's log-probs, over the step's tokens (each (B, T))."""
@@ -405,6 +452,11 @@ class StepLog:
         if self.run.cfg.entropy_change:  # mean H_after - H_before over the step's updates, per kind of token
             metrics |= {f"entropy_change/{kind}": mean(f"entropy_change/{kind}_sum", tot[f"entropy_change/{kind}_n"])
                         for kind in ENTROPY_KINDS}
+            g_all = sum(tot[f"shares/grad_{cell}"] for cell in CELLS)
+            for cell in CELLS:  # share of the summed logit-gradient norm, tokens, mean entropy change per update
+                metrics[f"shares/grad_{cell}"] = tot[f"shares/grad_{cell}"] / g_all if g_all else 0.0
+                metrics[f"shares/n_{cell}"] = tot[f"shares/n_{cell}"]
+                metrics[f"shares/dH_{cell}"] = mean(f"shares/dH_{cell}", tot[f"shares/dHn_{cell}"])
         return StepResult(metrics, self.spurious, self.samples, self.tokens)
 
 
@@ -548,8 +600,11 @@ def evaluate(run: Run, done: int) -> tuple[dict | None, list[dict]]:
                     for j, t in enumerate(texts)]
         correct, total, length = sum(verdicts), len(texts), float(out.response_mask.sum())
         samples = completions(run, done, "heldout", texts, verdicts, rank_rows, cfg.eval_samples)
+    S = cfg.eval_samples
+    per_problem = [(row, int(sum(verdicts[j * S:(j + 1) * S]))) for j, row in enumerate(rank_rows)] if rank_rows else []
     correct, total, length = all_sum(correct, total, length)
-    return {"eval/acc": correct / max(total, 1), "eval/len_mean": length / max(total, 1), "eval/n": total}, samples
+    return {"eval/acc": correct / max(total, 1), "eval/len_mean": length / max(total, 1), "eval/n": total,
+            "eval/correct": [n for _, n in sorted(gather(per_problem))]}, samples  # correct samples per problem
 
 
 def checkpoint(run: Run, done: int) -> int:
@@ -916,7 +971,7 @@ class Config:
     chat: bool = True
     """format prompts with the tokenizer's chat template (--no-chat: raw text, e.g. for tiny models)"""
     algo: str = "stapo"
-    """stapo | justrl | grpo | 20-entropy | fullmask"""
+    """stapo | justrl | grpo | 20-entropy | fullmask | randmask | highmask (stapo.ALGORITHMS)"""
     steps: int = 500
     """rollout steps (each makes prompts_per_step / mini_batch_prompts optimizer steps)"""
     prompts_per_step: int = 256
@@ -997,7 +1052,8 @@ class Config:
     """samples per held-out problem (at --temperature); 0 = no held-out evaluation"""
     entropy_change: bool = False
     """after each optimizer step, a no-grad forward over the same mini-batch: log the mean entropy change at silenced
-    tokens, kept candidates and other tokens (entropy_change/* in metrics.jsonl; one more forward per update)"""
+    tokens, kept candidates and other tokens (entropy_change/* in metrics.jsonl; one more forward per update), and
+    the logit-gradient norm, tokens and entropy change per kind of token and part of the response (shares/*)"""
     spurious_per_step: int = 20
     """silenced tokens written to OUT/spurious.jsonl per step"""
     samples_per_step: int = 4

@@ -49,6 +49,11 @@ def reward(response: str, answer: str) -> float:
     return 1.0 if grader.grade(response.split("\n\n")[0], answer) else -1.0
 
 
+def graded_chars(response: str) -> int:
+    """The characters `reward` reads: the text before the first blank line (reward.graded_chars)."""
+    return len(response.split("\n\n")[0])
+
+
 def main(out: Path = Path(__file__).with_suffix(".jsonl")) -> None:
     """Every sum of three digits 1-9 but the examples', shuffled (seed 0), one JSONL row each, into `out`."""
     triples = [(a, b, c) for a in range(1, 10) for b in range(1, 10) for c in range(1, 10) if (a, b, c) not in SHOTS]

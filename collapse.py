@@ -1,0 +1,203 @@
+"""Does S2T stop a collapse? The outcomes, paired statistics and figure of the pre-registered experiment
+(docs/experiments.md, "Does S2T stop a collapse?"; docs/paper.md §4 and §8 RQ3).
+
+    python collapse.py RUNS                      # RUNS/ALGO-SEED run folders: the table of outcomes and tests
+    python collapse.py RUNS --out docs/collapse.png
+
+The paper's central claim: JustRL's training collapses (accuracy falls, entropy rebounds) where STAPO, JustRL with
+the S2T mask, stays stable. Every arm runs the same recipe with one --algo; runs of one seed share their first
+rollout (the same policy, the same sampling seed), so arms are compared seed by seed. The outcomes, fixed before
+the runs:
+
+    collapse step   the first step t >= 4 with a_t < m_t / 2 and a_(t+1) < m_(t+1) / 2, where a_t is the training
+                    accuracy of step t's rollout and m_t = max_(s <= t) a_s its running peak (None: no collapse)
+    entropy rise    max_t (H_t - min_(s < t) H_s), H_t the mean entropy of step t's rollout (entropy/mean)
+    held-out acc    eval/acc after 4, 8 and 12 steps (64 problems x 4 samples)
+
+and the statistics: per-seed paired differences against JustRL (and STAPO against its controls), an exact two-sided
+sign test on the non-zero differences, and a 95% percentile bootstrap interval of the mean difference, resampling
+seeds (and, for held-out accuracy, problems: both at once, crossed, since every seed evaluates the same problems).
+
+Deliberate choices:
+1. The sign test drops ties (equal outcomes of a pair); with 6 pairs it reaches p < 0.05 only when all 6 agree
+   (p = 2 / 64 = 0.031); 5 of 6 gives 0.22. The table says so beside each test.
+2. A collapse needs two consecutive steps below half the peak so that one unlucky rollout of 32 samples is not one.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+COLLAPSE_AFTER = 3  # a collapse can start at step 4 at the earliest
+EVAL_STEPS = (4, 8, 12)  # held-out accuracy after these many steps
+
+
+def collapse_step(acc: list[float], after: int = COLLAPSE_AFTER) -> int | None:
+    """acc[t - 1] = a_t, the training accuracy of step t (t from 1) -> the first step t > after with a_t < m_t / 2 and
+    a_(t+1) < m_(t+1) / 2 (m: the running peak), or None."""
+    peak = [max(acc[:t + 1]) for t in range(len(acc))]  # m_t, 0-based
+    for t in range(after, len(acc) - 1):  # 0-based t = step t + 1
+        if acc[t] < peak[t] / 2 and acc[t + 1] < peak[t + 1] / 2:
+            return t + 1
+    return None
+
+
+def entropy_rise(entropy: list[float]) -> float:
+    """max over t of H_t - min over s < t of H_s (negative when the entropy only falls); needs >= 2 steps."""
+    return max(entropy[t] - min(entropy[:t]) for t in range(1, len(entropy)))
+
+
+def sign_test(diffs: list[float]) -> tuple[int, int, float]:
+    """(positive, negative, exact two-sided p) of the sign test on the non-zero differences (ties dropped)."""
+    pos, neg = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+    n, k = pos + neg, min(pos, neg)
+    if n == 0:
+        return 0, 0, 1.0
+    p = 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n  # P(|#pos - n/2| >= observed) under p = 1/2
+    return pos, neg, min(p, 1.0)
+
+
+def bootstrap_mean_diff(a: list[list[float]], b: list[list[float]], n: int = 10_000, seed: int = 0,
+                        level: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): the mean of a - b and its percentile bootstrap interval. a, b: [seed][problem] values of
+    two arms, paired by seed and problem (one problem for a per-seed outcome); each replicate draws seeds and
+    problems with replacement, independently (crossed clusters)."""
+    diff = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)  # (seeds, problems)
+    seeds, problems = diff.shape
+    rng = np.random.default_rng(seed)
+    s = rng.integers(seeds, size=(n, seeds))  # (n, seeds) the seeds each replicate draws
+    p = rng.integers(problems, size=(n, 1, problems)).repeat(seeds, axis=1)  # (n, seeds, problems)
+    stats = np.take_along_axis(diff[s], p, axis=2).mean(axis=(1, 2))  # (n,) the replicates' mean differences
+    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
+    return float(diff.mean()), float(lo), float(hi)
+
+
+def read_run(folder: Path) -> dict:
+    """A run folder's outcomes: training accuracy and entropy per step, held-out accuracy and per-problem correct
+    counts per evaluation step."""
+    metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [json.loads(line) for line in (folder / "eval.jsonl").read_text().splitlines() if line.strip()] \
+        if (folder / "eval.jsonl").exists() else []
+    config = json.loads((folder / "config.json").read_text())
+    acc = [m["reward/acc"] for m in metrics]
+    entropy = [m["entropy/mean"] for m in metrics]
+    return {"algo": config["algo"], "seed": config["seed"], "acc": acc, "entropy": entropy,
+            "collapse": collapse_step(acc), "rise": entropy_rise(entropy) if len(entropy) > 1 else float("nan"),
+            "eval": {e["step"]: e["eval/acc"] for e in evals},
+            "eval_correct": {e["step"]: [c / e["eval/n"] * len(e["eval/correct"]) for c in e["eval/correct"]]
+                             for e in evals if "eval/correct" in e}}
+
+
+def read_runs(root: Path, steps: int = 12) -> dict[str, dict[int, dict]]:
+    """{algo: {seed: outcomes}} of the complete runs (`steps` steps) in root's sub-folders."""
+    arms: dict[str, dict[int, dict]] = {}
+    for folder in sorted(p for p in root.iterdir() if (p / "metrics.jsonl").exists() and (p / "config.json").exists()):
+        run = read_run(folder)
+        if len(run["acc"]) >= steps and steps in run["eval"]:
+            arms.setdefault(run["algo"], {})[run["seed"]] = run
+    return arms
+
+
+def compare(arms: dict, a: str, b: str) -> list[dict]:
+    """The paired comparisons of arm a against arm b over their common seeds: one dict per outcome."""
+    seeds = sorted(set(arms.get(a, {})) & set(arms.get(b, {})))
+    if not seeds:
+        return []
+    A, B = [arms[a][s] for s in seeds], [arms[b][s] for s in seeds]
+    never = 13  # a run without a collapse counts as collapsing after the last step, for the sign of the difference
+    rows = [("collapsed", [float(x["collapse"] is not None) for x in A], [float(x["collapse"] is not None) for x in B],
+             None, None),
+            ("collapse step", [x["collapse"] or never for x in A], [x["collapse"] or never for x in B], None, None),
+            ("entropy rise", [x["rise"] for x in A], [x["rise"] for x in B], None, None)]
+    for step in EVAL_STEPS:
+        if all(step in x["eval_correct"] for x in A + B):
+            rows.append((f"held-out acc @{step}", [x["eval"][step] for x in A], [x["eval"][step] for x in B],
+                         [x["eval_correct"][step] for x in A], [x["eval_correct"][step] for x in B]))
+    out = []
+    for name, xa, xb, pa, pb in rows:
+        diffs = [u - v for u, v in zip(xa, xb)]
+        pos, neg, p = sign_test(diffs)
+        mean, lo, hi = bootstrap_mean_diff(pa or [[u] for u in xa], pb or [[v] for v in xb])
+        out.append({"outcome": name, "a": a, "b": b, "seeds": len(seeds), "a_mean": sum(xa) / len(xa),
+                    "b_mean": sum(xb) / len(xb), "diffs": diffs, "mean_diff": mean, "ci": (lo, hi), "pos": pos,
+                    "neg": neg, "p": p})
+    return out
+
+
+def table(arms: dict) -> str:
+    """Markdown: each arm's per-seed outcomes, then the paired tests (every arm against JustRL, STAPO against its
+    controls)."""
+    lines = ["| arm | seeds | collapsed | collapse steps | entropy rise (mean) | held-out acc @0 / 4 / 8 / 12 |",
+             "|---|---|---|---|---|---|"]
+    for algo, runs in arms.items():
+        xs = list(runs.values())
+        held = " / ".join(f"{sum(x['eval'].get(s, float('nan')) for x in xs) / len(xs):.3f}" for s in (0, *EVAL_STEPS))
+        lines.append(f"| {algo} | {len(xs)} | {sum(x['collapse'] is not None for x in xs)} | "
+                     f"{', '.join(str(x['collapse'] or '-') for x in xs)} | "
+                     f"{sum(x['rise'] for x in xs) / len(xs):+.3f} | {held} |")
+    lines += ["", "| comparison | outcome | seeds | means | paired differences | mean diff (95% bootstrap) | "
+                  "sign test (+/-, p) |", "|---|---|---|---|---|---|---|"]
+    pairs = [(a, "justrl") for a in arms if a != "justrl"] + [("stapo", c) for c in ("randmask", "highmask",
+                                                                                      "fullmask") if c in arms]
+    for a, b in pairs:
+        for r in compare(arms, a, b):
+            lines.append(f"| {a} - {b} | {r['outcome']} | {r['seeds']} | {r['a_mean']:.3f} / {r['b_mean']:.3f} | "
+                         f"{', '.join(f'{d:+.3g}' for d in r['diffs'])} | {r['mean_diff']:+.3f} "
+                         f"({r['ci'][0]:+.3f}, {r['ci'][1]:+.3f}) | {r['pos']}/{r['neg']}, {r['p']:.3f} |")
+    return "\n".join(lines)
+
+
+def figure(arms: dict, out: Path) -> None:
+    """Training accuracy (top row) and rollout entropy (bottom row) per step, one column per arm, each seed a thin
+    line (collapse steps marked)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(arms)
+    fig, axes = plt.subplots(2, len(names), figsize=(3.2 * len(names), 5.2), sharex=True, sharey="row",
+                             squeeze=False)
+    for j, algo in enumerate(names):
+        for seed, run in sorted(arms[algo].items()):
+            steps = range(1, len(run["acc"]) + 1)
+            line, = axes[0][j].plot(steps, run["acc"], lw=0.9, alpha=0.8, label=f"seed {seed}")
+            axes[1][j].plot(steps, run["entropy"], lw=0.9, alpha=0.8, color=line.get_color())
+            if run["collapse"]:
+                axes[0][j].plot(run["collapse"], run["acc"][run["collapse"] - 1], "x", color=line.get_color())
+        collapsed = sum(r["collapse"] is not None for r in arms[algo].values())
+        axes[0][j].set_title(f"{algo}: {collapsed} of {len(arms[algo])} collapsed", fontsize=9)
+        axes[1][j].set_xlabel("step")
+    axes[0][0].set_ylabel("training accuracy")
+    axes[1][0].set_ylabel("rollout entropy (nats)")
+    axes[0][-1].legend(fontsize=6, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-"):
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        return 2
+    root, out = Path(argv[0]), Path(argv[argv.index("--out") + 1]) if "--out" in argv else None
+    if not root.is_dir():
+        print(f"collapse.py: error: {root} is not a folder of run folders", file=sys.stderr)
+        return 2
+    arms = read_runs(root)
+    if not arms:
+        print(f"collapse.py: error: no complete run (12 steps, evaluated after 12) in {root}", file=sys.stderr)
+        return 2
+    print(table(arms))
+    if out:
+        figure(arms, out)
+        print(f"figure: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
