@@ -3608,6 +3608,9 @@ def _same_run(a: Path, b: Path, keys: tuple[str, ...] | None = None, atol: float
         assert [r["step"] for r in x] == [r["step"] for r in y], name
         for r, q in zip(x, y):
             r, q = ({k: v for k, v in d.items() if (k in keys if keys else k not in _TIMES)} for d in (r, q))
+            lists = [{k: v for k, v in d.items() if isinstance(v, list)} for d in (r, q)]  # eval/correct: counts
+            assert lists[0] == lists[1], name
+            r, q = ({k: v for k, v in d.items() if k not in lists[0]} for d in (r, q))
             assert r == pytest.approx(q, rel=1e-4 if keys else 1e-6, abs=1e-6 if keys else 1e-9), name
     _close(load_file(a / "hf" / "model.safetensors"), load_file(b / "hf" / "model.safetensors"), atol=atol)
 
