@@ -4,6 +4,8 @@
     python bench.py logprobs        # chunked log-prob/entropy vs naive: memory and time at Qwen3's vocabulary
     python bench.py generate        # our sampler vs model.generate (tiny, SmolLM2), FSDP2 vs one process
     python bench.py grader          # reward.grade throughput
+    python bench.py grader-compare  # reward.grade vs math-verify (if installed) on the labelled cases: accuracy, FPs
+    python bench.py grader-compare --against OLD_REWARD_PY   # ... and another reward.py (the code before a change)
     python bench.py gpu             # the CUDA path at Qwen3-1.7B shape on one GPU (~7 min on an H200, estimated; not in `all`)
     python bench.py gpu --smoke     # the same code at toy shapes on the CPU in seconds (run by the test suite)
     python bench.py gpu --parts numerics,rollout   # some of its parts: train, numerics, rollout, e2e
@@ -18,7 +20,9 @@ Not part of the test suite: timings on a shared machine are noisy, so nothing he
 Each bench function's docstring says what it measures and its deliberate choices.
 """
 import contextlib
+import importlib.metadata
 import json
+import logging
 import math
 import os
 import resource
@@ -385,6 +389,85 @@ def bench_reward(repeats=3):
         print(f"| {name} | {len(items)} | {rate:,.0f} | {strict:,.0f} | {worst * 1e3:.1f} | {case} | {wrong} |")
 
 # ------------------------------------------------------------------------------------------------------------------
+# `python bench.py grader-compare [--against OLD_REWARD_PY]`: reward.grade against math-verify on the labelled cases
+def _math_verify():
+    """math-verify's verdict as a grade(response, gold) function, or None when it is not installed."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        return None
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # a "Timeout during comparison" warning per late case
+
+    def grade(response, gold):
+        gold = ", ".join(gold) if isinstance(gold, list) else gold
+        return bool(verify(parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$"), parse(response)))
+    return grade
+
+
+def _compare_row(items, fn):
+    """-> (right, false positives, slowest seconds, its id) of `fn` over (response, gold, id, label) items."""
+    right, fp, slowest = 0, 0, (0.0, "")
+    for response, gold, name, label in items:
+        t = time.perf_counter()
+        try:
+            verdict = bool(fn(response, gold))
+        except Exception:  # noqa: BLE001 - a peer grader that raises has given no verdict: counted as "no"
+            verdict = False
+        slowest = max(slowest, (time.perf_counter() - t, name))
+        right += verdict == label
+        fp += verdict and not label
+    return right, fp, *slowest
+
+
+def bench_grader_compare():
+    """Issue 45: reward.grade against math-verify (HuggingFace's grader, `pip install math-verify`; its column is left
+    out, with a note, when it is not installed) and, with `--against FILE`, another reward.py (the code before a
+    change): per category of the labelled cases (the repository's testdata/grader_cases.jsonl, and
+    ../shared/data/grader_cases.jsonl when it is beside the repository), the verdicts that agree with the label, the
+    false positives (accepted, labelled wrong) over the cases labelled wrong, and the slowest single case.
+
+    Deliberate choices:
+    1. Each grader is called as it is meant to be used: reward.grade(response, gold); math-verify's
+       verify(parse(gold), parse(response)) with a bare gold put in $...$ (a gold list joined with ", "), its default
+       extraction and comparison options. A grader that raises counts as "no".
+    2. Ambiguous cases are left out; one pass (the verdicts are the point; `bench.py grader` measures speed).
+    """
+    graders = {"reward.py": reward.grade}
+    args = sys.argv[1:]
+    if "--against" in args:
+        graders["before"] = _load_file(args[args.index("--against") + 1]).grade
+    peer = _math_verify()
+    if peer is None:
+        print("math-verify is not installed (`pip install math-verify`): its columns are left out\n")
+    else:
+        graders["math-verify"] = peer
+        print(f"math-verify {importlib.metadata.version('math-verify')}\n")
+    for grader in graders.values():
+        grader("\\boxed{\\sqrt{2}}", "\\sqrt{2}")  # warm caches and imports
+    for where, path in (("testdata/grader_cases.jsonl", _REWARD_FALLBACK / "grader_cases.jsonl"),
+                        ("../shared/data/grader_cases.jsonl", _REWARD_DATA / "grader_cases.jsonl")):
+        if not path.exists():
+            print(f"{where} not found: left out\n")
+            continue
+        cases = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        by_category = {}
+        for c in cases:
+            if not c["ambiguous"]:
+                by_category.setdefault(c["category"], []).append((c["response"], c["gold"], c["id"], c["correct"]))
+        by_category["**all**"] = [item for items in by_category.values() for item in items]
+        print(f"{where}: agree / cases, false positives (of the cases labelled wrong), slowest case (ms)\n")
+        print("| category | cases | wrong | " + " | ".join(f"{g} agree | {g} FP | {g} slowest" for g in graders) + " |")
+        print("|---|---|---|" + "---|---|---|" * len(graders))
+        for category, items in sorted(by_category.items(), key=lambda kv: (kv[0] == "**all**", kv[0])):
+            cells = []
+            for fn in graders.values():
+                right, fp, seconds, name = _compare_row(items, fn)
+                cells += [f"{right}/{len(items)}", str(fp), f"{seconds * 1e3:.0f} ({name})"]
+            wrong = sum(not label for *_, label in items)
+            print(f"| {category} | {len(items)} | {wrong} | " + " | ".join(cells) + " |", flush=True)
+        print()
+
+# ------------------------------------------------------------------------------------------------------------------
 # `python bench.py gpu [--smoke] [--out DIR]`: the CUDA path of training and rollouts at Qwen3-1.7B shape
 # The Qwen3 base models' shapes, as in their Hub config.json files. Qwen3-1.7B's: the keras-hub conversion's model card
 # (huggingface.co/keras/qwen3_1.7b_en: vocabulary 151936, 28 layers, 16 query / 8 KV heads, hidden 2048, head_dim 128,
@@ -409,7 +492,7 @@ class GpuSizes:
     train: tuple  # (response length T, prompts, G, --max-tokens-per-micro-batch) of each one-mini-batch update
     numerics: tuple  # (sequences, response length) of the bf16-vs-fp32 forward
     head_tokens: int  # N of the chunked-vs-naive LM-head comparison
-    decode_batches: tuple  # batch sizes of the sampler measurement (the first also with `model.generate`)
+    decode_batches: tuple  # batch sizes of the captured sampler (the first also `model.generate`, the largest eager)
     decode_tokens: int  # new tokens per sampled row (EOS never sampled: fixed work)
     e2e: dict  # train.py flags of the end-to-end run
 
@@ -605,40 +688,72 @@ def _gpu_numerics(sizes, cfg, state, device, out):
 
 
 def _gpu_rollouts(sizes, state, device, bandwidth, out):
-    """rollout.generate inside rollout.gathered (the training path): batch x decode_tokens new tokens, EOS never
-    sampled; per-step time against the weight-streaming bound (weight bytes / copy bandwidth). The first batch size
-    also through transformers' `model.generate` (sampling at T = 1, no top-k / top-p, EOS masked for the same fixed
-    work): the reference that the sampler's per-step cost is read against."""
+    """rollout.generate inside rollout.gathered (the training path), EOS never sampled (fixed work), three ways:
+    through the model's forward (`written_out=False`: the eager sampler of docs/gpu.md's first runs) and through the
+    written-out step eagerly (`DecodeStep`) at the largest batch, and through the captured step (`CapturedStep`, one
+    static cache for every batch size, as in a rollout phase; its graphs are captured in a first call of the same size,
+    timed apart) at every batch size; and transformers' `model.generate` at the first (sampling at T = 1, no top-k /
+    top-p, EOS masked). A step against the roofline: (weight bytes + the KV-cache bytes a step reads, its filled
+    length averaged over the call's steps) / the measured copy bandwidth."""
     policy, tokenizer = state.policy, state.tokenizer
     prompt = state.prompts[0]
-    V_ = len(tokenizer)
+    V_, P, n_new, largest = len(tokenizer), len(state.prompts[0]), sizes.decode_tokens, max(sizes.decode_batches)
     policy.eval()
     with gathered(policy):
         lm = policy.lm
         weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())  # gathered: the compute dtype
-        ours = lambda batch, n: generate(lm, [prompt] * batch, n, eos_token_id=V_, pad_token_id=tokenizer.pad_token_id,
-                                         vocab_size=V_, generator=torch.Generator(device).manual_seed(0)
-                                         ).response_ids  # EOS id V_: never sampled
+        kv_token_bytes = model.kv_cache_bytes(lm.config, 1, 1, next(lm.parameters()).element_size())
+        step = rollout.DecodeStep(lm, V_)
+
+        def ours(written_out):
+            return lambda batch, n: generate(
+                lm, [prompt] * batch, n, eos_token_id=V_, pad_token_id=tokenizer.pad_token_id, vocab_size=V_,
+                generator=torch.Generator(device).manual_seed(0), written_out=written_out).response_ids  # EOS id V_
         ids = torch.tensor([prompt], device=device)
         hf = lambda batch, n: lm.generate(ids.expand(batch, -1), attention_mask=torch.ones_like(ids).expand(batch, -1),
                                           do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=n,
                                           min_new_tokens=n, pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:]
-        runs = [("warm-up", ours, sizes.decode_batches[0], 16)] + [
-            ("rollout.generate", ours, b, sizes.decode_tokens) for b in sizes.decode_batches] + [
-            ("warm-up", hf, sizes.decode_batches[0], 16), ("model.generate", hf, sizes.decode_batches[0],
-                                                           sizes.decode_tokens)]
-        for name, fn, batch, n_new in runs:
+
+        def measure(name, fn, batch, n, eager=None, first=(None, None)):
+            """Seconds of fn(batch, n); a row of the table unless `name` is None (a warm-up or a capturing call)."""
             _reset_peak(device)
-            seconds, response = _dev_timed(lambda: fn(batch, n_new), device)
-            assert response.shape == (batch, n_new), response.shape
-            if name != "warm-up":
-                out.append({"part": "rollout", "sampler": name, "batch": batch, "new_tokens": n_new,
-                            "seconds": seconds, "tokens_per_s": batch * n_new / seconds, "step_ms": 1e3 * seconds / n_new,
-                            "bound_ms": 1e3 * weight_bytes / bandwidth, "peak_gb": _peak_gb(device),
-                            "weight_gb": weight_bytes / 2**30})
-                r = out[-1]
-                print(f"{name} batch {batch}: {r['tokens_per_s']:,.0f} tokens/s, {r['step_ms']:.1f} ms/step "
-                      f"(bound {r['bound_ms']:.2f} ms)", flush=True)
+            seconds, response = _dev_timed(lambda: fn(batch, n), device)
+            assert response.shape == (batch, n), response.shape
+            if name is not None:
+                roofline = (weight_bytes + batch * (P + n / 2) * kv_token_bytes) / bandwidth  # s a step
+                out.append({"part": "rollout", "sampler": name, "batch": batch, "new_tokens": n, "seconds": seconds,
+                            "tokens_per_s": batch * n / seconds, "step_ms": 1e3 * seconds / n,
+                            "roofline_ms": 1e3 * roofline, "weight_gb": weight_bytes / 2**30,
+                            "speedup": eager / seconds if eager else None, "peak_gb": _peak_gb(device),
+                            "first_call_s": first[0], "graphs": first[1]})
+                print(f"{name} batch {batch}: {batch * n / seconds:,.0f} tokens/s, {1e3 * seconds / n:.2f} ms/step "
+                      f"(roofline {1e3 * roofline:.2f} ms)", flush=True)
+            return seconds
+
+        measure(None, ours(False), largest, 16)
+        eager = measure("model forward, eager", ours(False), largest, n_new)
+        measure(None, ours(step), largest, 16)
+        measure("DecodeStep, eager", ours(step), largest, n_new, eager)
+        captured = rollout.CapturedStep(step, largest, P + n_new)  # one static cache for every batch, as in a phase
+        for batch in sizes.decode_batches:
+            graphs = len(captured.graphs)
+            seconds = measure(None, ours(captured), batch, n_new)  # the call that captures this batch's graphs
+            measure("CapturedStep", ours(captured), batch, n_new, eager if batch == largest else None,
+                    (seconds, len(captured.graphs) - graphs))
+        measure(None, hf, sizes.decode_batches[0], 16)
+        measure("model.generate", hf, sizes.decode_batches[0], n_new)
+        # the graphs' replay against the same body run eagerly (capture=False) on the same seeds, at the same bucket
+        # and length blocks (the same cache length): the same tokens
+        batch, n = sizes.decode_batches[0], min(64, n_new)
+        kwargs = dict(eos_token_id=V_, pad_token_id=tokenizer.pad_token_id, vocab_size=V_)
+        a, b = (generate(lm, [prompt] * batch, n, generator=torch.Generator(device).manual_seed(1), written_out=w,
+                         **kwargs) for w in (captured, rollout.CapturedStep(step, batch, P + n_new, capture=False)))
+        out.append({"part": "captured_check", "batch": batch, "new_tokens": n,
+                    "same_tokens": torch.equal(a.response_ids, b.response_ids),
+                    "logprob_max_abs_diff": (a.logprobs - b.logprobs).abs().max().item()})
+        print(f"CapturedStep replayed vs its body run eagerly, {batch} x {n}: same tokens {out[-1]['same_tokens']}, "
+              f"log-prob max diff {out[-1]['logprob_max_abs_diff']:.2e}", flush=True)
+        del captured, step
 
 
 def _gpu_e2e(sizes, model_dir, data, device, work, out):
@@ -648,8 +763,8 @@ def _gpu_e2e(sizes, model_dir, data, device, work, out):
 
     flags = dict(sizes.e2e, model=model_dir, data=data, prompt_key="prompt", answer_key="answer", instruction="",
                  preset="paper", out_dir=str(work / "e2e"), save_every=0, warmup_steps=0)
-    argv = ["--no-chat", "--no-export-hf", "--no-plots", "--grad-checkpointing"] + (
-        ["--fsdp"] if device.type == "cpu" else [])
+    argv = ["--no-chat", "--no-export-hf", "--no-plots", "--grad-checkpointing", "--cuda-graphs"] + (
+        ["--fsdp"] if device.type == "cpu" else [])  # --cuda-graphs: the captured sampler's first run inside train.py
     for key, value in flags.items():
         argv += ["--" + key.replace("_", "-"), str(value)]
     parity = lambda response, gold, mode="dapo": 1.0 if len(response) % 2 else -1.0
@@ -681,11 +796,18 @@ def _gpu_table(rows, header):
                  lambda r: f"| {r['impl']}, N = {r['N']} | {r['dtype']} | {r['seconds']:.3f} | "
                            f"{r['peak_extra_gb']:.2f} | {r['logprob_max_abs_diff']:.2e} | "
                            f"{r['entropy_max_abs_diff']:.2e} |"),
-        "rollout": ("| sampler (EOS never sampled) | rows x new tokens | tokens/s | per step | weight-streaming bound | "
-                    "of bound | peak GiB |\n|---|---|---|---|---|---|---|",
-                    lambda r: f"| `{r['sampler']}` | {r['batch']} x {r['new_tokens']} | {r['tokens_per_s']:,.0f} | "
-                              f"{r['step_ms']:.2f} ms | {r['bound_ms']:.2f} ms | "
-                              f"{r['bound_ms'] / r['step_ms']:.0%} | {r['peak_gb']:.1f} |"),
+        "rollout": ("| sampler (EOS never sampled) | rows x new tokens | tokens/s | per step | roofline | of roofline "
+                    "| x eager | first call s (captures) | peak GiB |\n|---|---|---|---|---|---|---|---|---|",
+                    lambda r: f"| {r['sampler']} | {r['batch']} x {r['new_tokens']} | {r['tokens_per_s']:,.0f} | "
+                              f"{r['step_ms']:.2f} ms | {r['roofline_ms']:.2f} ms | "
+                              f"{r['roofline_ms'] / r['step_ms']:.0%} | "
+                              + (f"{r['speedup']:.1f}x" if r["speedup"] else "") + " | "
+                              + (f"{r['first_call_s']:.1f} ({r['graphs']} graphs)" if r["first_call_s"] else "")
+                              + f" | {r['peak_gb']:.1f} |"),
+        "captured_check": ("| CapturedStep replayed vs its body run eagerly (same seeds) | rows x new tokens | same "
+                           "tokens | log-prob max abs diff |\n|---|---|---|---|",
+                           lambda r: f"| graphs vs eager | {r['batch']} x {r['new_tokens']} | {r['same_tokens']} | "
+                                     f"{r['logprob_max_abs_diff']:.2e} |"),
         "e2e": ("| train.py step | reward/mean | response/len_mean | loss/policy | grad_norm | updates | rollout s | "
                 "update s | tokens/s |\n|---|---|---|---|---|---|---|---|---|",
                 lambda r: f"| {r['step']} | {r['reward/mean']:.3f} | {r['response/len_mean']:.0f} | "
@@ -708,12 +830,15 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
     (1) `train`: one train.train_step per response length 1k / 4k / 16k on synthetic rollouts: tokens/s, MFU against
     the bf16 matmul rate measured here, peak memory; (2) `numerics`: log-probs and entropy of that policy against an
     fp32 copy of the same weights, and the chunked LM head against the naive one (fp32 and bf16, fp64 reference);
-    (3) `rollout`: rollout.generate inside rollout.gathered at batch 64 and 256 x 512 new tokens, and
-    transformers' `model.generate` at batch 64, per step against the weight-streaming bound (bf16 weight bytes /
-    copy bandwidth measured here); (4) `e2e`: train.main for 2 steps of a scaled-down paper preset (4 prompts x G = 8,
-    512-token responses). `parts` (`--parts train,rollout`) runs some of them. Prints each number as it is measured
-    and one markdown table at the end, and writes the table with the raw numbers to OUT/gpu.md and OUT/gpu.json
-    (`--out`, default out/bench-gpu) after every part, so a run cut short keeps what it measured.
+    (3) `rollout`: rollout.generate inside rollout.gathered x 512 new tokens through the model's forward and the
+    written-out step eagerly at batch 256, through the captured step (rollout.CapturedStep: CUDA graphs) at batch 64
+    and 256, and transformers' `model.generate` at batch 64, per step against the roofline ((bf16 weight bytes + the
+    KV-cache bytes a step reads) / copy bandwidth measured here), and the captured step's graphs against its body
+    run eagerly (the same tokens for the same seeds); (4) `e2e`: train.main for 2 steps of a scaled-down paper
+    preset (4 prompts x G = 8, 512-token responses). `parts` (`--parts train,rollout`) runs some of them. Prints
+    each number as it is measured and one markdown table at the end, and writes the table with the raw numbers to
+    OUT/gpu.md and OUT/gpu.json (`--out`, default out/bench-gpu) after every part, so a run cut short keeps what it
+    measured.
 
     Deliberate choices:
     1. The rollout engine is replaced by a synthetic one in (1) (uniform random tokens, the last one \boxed{1} or
@@ -996,10 +1121,10 @@ class _DecodeMatmuls:
         return self.seconds("backbone", prompt_tokens) + self.seconds("head", len(r)) + sum(map(self.step, rows))
 
 
-def _load_sampler(path: str):
-    """The module of another version of rollout.py (e.g. `git show <commit>:rollout.py > /tmp/rollout_old.py`)."""
+def _load_file(path: str):
+    """The module of another version of a source file (e.g. `git show <commit>:rollout.py > /tmp/rollout_old.py`)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("rollout_against", path)
+    spec = importlib.util.spec_from_file_location(f"against_{Path(path).stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -1071,7 +1196,7 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
     plain = rollout.make_engine("plain", lm, tokenizer, chat=False)
     samplers = {"plain": (rollout, lm)}
     if against:  # its own copy of the model, with transformers' attention as loaded (PlainEngine sets lm's)
-        samplers["plain, before"] = (_load_sampler(against), load_model("smollm2")[0])
+        samplers["plain, before"] = (_load_file(against), load_model("smollm2")[0])
 
     def plain_engine(sampler, lm, **options):
         def sample(prompts, G, seed, T, **kwargs):
@@ -1604,7 +1729,8 @@ def bench_preempt(delays=(25, 50, 75), delays_two=(60,), steps=4):
     shutil.rmtree(work, ignore_errors=True)
 
 
-BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward, "update": bench_update,
+BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward,
+           "grader-compare": bench_grader_compare, "update": bench_update,
            "gpu": bench_gpu, "engines": bench_engines, "train-step": bench_train_step, "flops": bench_flops,
            "preempt": bench_preempt, "decode-step": bench_decode_step}
 

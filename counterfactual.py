@@ -12,12 +12,23 @@ contribution. For a token y_t of a graded response y to prompt x, under the poli
     effect(y_t) = P(success | x, y_<=t) - P(success | x, y_<t)
 
 the success rate of the response once y_t is written, minus the rate when the policy redraws position t (it may
-draw y_t again): y_t's advantage in success units, Q(y_<t, y_t) - V(y_<t). A token that decides the answer has a
-large effect, one that cannot change it has 0; the paper's "spurious" is an effect near zero (or below it) in a
-correct response. The estimator (`token_effects`) samples K continuations of each prefix and grades them:
+draw y_t again): y_t's advantage in success units, Q(y_<t, y_t) - V(y_<t). Since the redraw returns y_t itself
+with its probability p, the advantage is shrunk toward 0 for likely tokens:
 
-    effect = mean_k S(x, y_<=t, c_k) - mean_k S(x, y_<t, c'_k)          S = 1 if the reward is > 0 else 0
-    stderr = sqrt(s_keep^2 / K + s_resample^2 / K)                       s^2: unbiased variance of the K outcomes
+    Q(a) - V = Q(a) - (p Q(a) + (1 - p) Q(not a)) = (1 - p) (Q(a) - Q(not a))
+
+so it is near the *contrast* Q(a) - Q(not a) for candidates (p < 0.002) and near 0 for the high-p tokens they are
+compared with, whatever those tokens do. The contrast, a redraw that never returns y_t, compares kinds on one
+scale; both are estimated (`token_effects`), from K graded continuations per side:
+
+    effect   = mean_k S(x, y_<=t, c_k) - mean_k S(x, y_<t, c'_k)          S = 1 if the reward is > 0 else 0
+    contrast = mean_k S(x, y_<=t, c_k) - mean_k S(x, y_<t, z_k, c''_k)     z_k ~ pi(. | x, y_<t) without y_t
+    stderr   = sqrt(s_keep^2 / K + s_resample^2 / K)                       s^2: unbiased variance of the K outcomes
+
+A token is *negligible* when the 95% interval of its contrast (Newcombe's hybrid score interval for a difference of
+two proportions, from Wilson intervals: honest when all K draws agree, where the plug-in stderr is 0) lies inside
+(-delta, delta). Tokens are also split into the graded part of their response (up to and including the answer the
+reward reads, reward.graded_chars) and the text after it, which the reward cannot see by construction.
 
 The command regenerates one training step of a run exactly (the policy that made its decisions, its rollout, the
 mask of every mini-batch, its updates replayed), draws the tokens the algorithm silenced, the candidates it kept (A > 0, p < tau_p,
@@ -36,8 +47,9 @@ Deliberate choices:
 4. Prefixes are sampled `prefixes_per_call` at a time, sorted by budget; a call asks for its longest budget and cuts
    each continuation to its own (a sample cut at m tokens is a sample limited to m tokens): batched, same
    distribution. Call c is seeded from (seed, c), so a result is reproducible for the same tokens and arguments.
-5. The standard error is the plug-in one of two independent proportions: 0 when both sides are unanimous, which
-   says "no difference seen in K draws", not "exactly known" (the smallest rate K can see is 1/K).
+5. The plug-in standard error of the effect is 0 when both sides are unanimous ("no difference seen in K draws", not
+   "exactly known"); negligibility is therefore an equivalence test on the contrast's Newcombe interval, and summary
+   intervals resample whole responses (tokens of one response are one cluster), not tokens.
 6. Every mini-batch of the step is analysed, with the mask the run gave it: the step's updates are replayed
    (`train.train_step`), so mini-batch k's p, H and mask are those of the policy after k updates, as in the run.
    The continuations come from pi_old, the policy that sampled the rollout (the checkpoint's): the effect is the
@@ -63,6 +75,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 
 import cli
@@ -81,11 +94,14 @@ class Effect(NamedTuple):
     resample: float  # success rate of K continuations of x, y_<t (the policy redraws position t)
     effect: float  # keep - resample
     stderr: float  # sqrt(s_keep^2 / K + s_resample^2 / K)
+    exclude: float  # success rate of K continuations of x, y_<t, z (z: the policy's redraw, never y_t)
+    contrast: float  # keep - exclude: Q(y_t) - Q(not y_t)
+    contrast_ci: tuple[float, float]  # Newcombe's 95% interval of the contrast
 
 
 class _Prefix(NamedTuple):
     token: int  # index into `tokens`
-    side: str  # "keep" (x, y_<=t) or "resample" (x, y_<t)
+    side: str  # "keep" (x, y_<=t), "resample" (x, y_<t) or "exclude" (x, y_<t, never y_t next)
     response: list[int]  # the response tokens in the prefix
     budget: int  # new tokens it may still get (0: the prefix is the whole response)
 
@@ -95,9 +111,11 @@ def token_effects(sample: Callable, grade: Callable, prompts: list[list[int]], r
                   prefixes_per_call: int = 16) -> list[Effect]:
     """The effect of each token (row, t) of `tokens` on the success of its response, in the order of `tokens`.
 
-    sample(prefixes, k, max_new_tokens, seed) -> list of k * len(prefixes) continuations (token id lists, prefix i's
-        at [i k, (i + 1) k), each ending at EOS (included) or after max_new_tokens): the policy that sampled the
-        responses, continuing each prefix (a prompt followed by response tokens) k times.
+    sample(prefixes, k, max_new_tokens, seed, exclude=None) -> list of k * len(prefixes) continuations (token id
+        lists, prefix i's at [i k, (i + 1) k), each ending at EOS (included) or after max_new_tokens): the policy
+        that sampled the responses, continuing each prefix (a prompt followed by response tokens) k times; with
+        exclude (one token id per prefix), no continuation of prefix i starts with exclude[i] (the policy's next-token
+        distribution without it, renormalized).
     grade(row, response) -> float: the reward of a whole response (token ids) to prompt `row`; > 0 is a success.
     prompts[row], responses[row]: token ids (a response: its generated tokens, EOS included, no padding).
     """
@@ -110,25 +128,31 @@ def token_effects(sample: Callable, grade: Callable, prompts: list[list[int]], r
             raise ValueError(f"token {t} of row {row} is outside its {len(y)}-token response")
         ends = t + 1 == len(y)  # y_t is the response's EOS or its last token at the budget (choice 3)
         prefixes += [_Prefix(j, "keep", y[:t + 1], 0 if ends else max_response_len - (t + 1)),
-                     _Prefix(j, "resample", y[:t], max_response_len - t)]
+                     _Prefix(j, "resample", y[:t], max_response_len - t),
+                     _Prefix(j, "exclude", y[:t], max_response_len - t)]
     outcomes = {}  # (token, side) -> K successes (0/1)
     for p in prefixes:
         if p.budget == 0:  # the response itself, K times
             outcomes[p.token, p.side] = [float(grade(tokens[p.token][0], p.response) > 0)] * k
-    todo = sorted((p for p in prefixes if p.budget > 0), key=lambda p: -p.budget)  # longest budget first (choice 4)
-    for c, start in enumerate(range(0, len(todo), prefixes_per_call)):
-        part = todo[start:start + prefixes_per_call]
+    calls = []  # the redraws without y_t in calls of their own; longest budget first (choice 4)
+    for redraw in (False, True):
+        todo = sorted((p for p in prefixes if p.budget > 0 and (p.side == "exclude") == redraw), key=lambda p: -p.budget)
+        calls += [todo[i:i + prefixes_per_call] for i in range(0, len(todo), prefixes_per_call)]
+    for c, part in enumerate(calls):
+        exclude = [responses[tokens[p.token][0]][tokens[p.token][1]] for p in part] if part[0].side == "exclude" \
+            else None
         continuations = sample([prompts[tokens[p.token][0]] + p.response for p in part], k, part[0].budget,
-                               hash((seed, c)) % 2**62)
+                               hash((seed, c)) % 2**62, exclude)
         for i, p in enumerate(part):
             row = tokens[p.token][0]
             outcomes[p.token, p.side] = [float(grade(row, p.response + list(cont[:p.budget])) > 0)
                                          for cont in continuations[i * k:(i + 1) * k]]
     effects = []
     for j, (row, t) in enumerate(tokens):
-        keep, resample = outcomes[j, "keep"], outcomes[j, "resample"]
+        keep, resample, exclude = outcomes[j, "keep"], outcomes[j, "resample"], outcomes[j, "exclude"]
         effects.append(Effect(row, t, k, _mean(keep), _mean(resample), _mean(keep) - _mean(resample),
-                              math.sqrt(_variance(keep) / k + _variance(resample) / k)))
+                              math.sqrt(_variance(keep) / k + _variance(resample) / k), _mean(exclude),
+                              _mean(keep) - _mean(exclude), newcombe(int(sum(keep)), int(sum(exclude)), k)))
     return effects
 
 
@@ -142,13 +166,56 @@ def _variance(xs: list[float]) -> float:
     return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
 
 
+def newcombe(keep: int, exclude: int, k: int, z: float = 1.96) -> tuple[float, float]:
+    """Newcombe's hybrid score interval (1998, method 10) of p1 - p2 for p1 = keep / k, p2 = exclude / k, from the
+    two Wilson intervals (l_i, u_i): (d - sqrt((p1 - l1)^2 + (u2 - p2)^2), d + sqrt((u1 - p1)^2 + (p2 - l2)^2))."""
+    p1, p2 = keep / k, exclude / k
+    (l1, u1), (l2, u2) = wilson(keep, k, z), wilson(exclude, k, z)
+    d = p1 - p2
+    return d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2), d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)
+
+
 def engine_sampler(engine, temperature: float, top_p: float) -> Callable:
     """`token_effects`'s sample() from a rollout engine (rollout.PlainEngine or VLLMEngine, inside its `ready`): the
-    prefixes are prompts, one generate call for all of them (the K rows of a prefix share its prefill)."""
-    def sample(prefixes: list[list[int]], k: int, max_new_tokens: int, seed: int) -> list[list[int]]:
+    prefixes are prompts, one generate call for all of them (the K rows of a prefix share its prefill). With
+    `exclude`, the first token of each continuation comes from `redraw_without` (the plain engine's model), the rest
+    from the engine."""
+    def sample(prefixes: list[list[int]], k: int, max_new_tokens: int, seed: int,
+               exclude: list[int] | None = None) -> list[list[int]]:
+        if exclude is not None:
+            if not hasattr(engine, "lm"):
+                raise ValueError("the contrast (a redraw without the token) needs the plain rollout engine")
+            firsts = redraw_without(engine.lm, prefixes, exclude, k, temperature, top_p, engine.vocab_size, seed)
+            heads = [[z] for row in firsts for z in row]  # (n k) first tokens, prefix i's at [i k, (i + 1) k)
+            go = [j for j, h in enumerate(heads) if h[0] != engine.eos and max_new_tokens > 1]  # to be continued
+            rest = sample([prefixes[j // k] + heads[j] for j in go], 1, max_new_tokens - 1, seed + 1) if go else []
+            for j, tail in zip(go, rest):
+                heads[j] += tail
+            return heads
         out = engine.sample(prefixes, k, [seed], len(prefixes), max_new_tokens, temperature, top_p)
         return [ids[mask.bool()].tolist() for ids, mask in zip(out.response_ids, out.response_mask)]
     return sample
+
+
+def redraw_without(lm, prefixes: list[list[int]], exclude: list[int], k: int, temperature: float, top_p: float,
+                   vocab_size: int | None, seed: int) -> list[list[int]]:
+    """k draws of the token after each prefix from the sampler's distribution (logits / temperature, then the
+    top-p nucleus, rollout._sample's rule) with exclude[i] removed and the rest renormalized (the whole tempered
+    softmax without it when the nucleus held nothing else). Never returns exclude[i]."""
+    device, g, out = next(lm.parameters()).device, torch.Generator().manual_seed(seed), []
+    for prefix, token in zip(prefixes, exclude):
+        ids = torch.tensor([prefix], device=device)  # (1, L)
+        with torch.no_grad():
+            z = lm(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, -1, :vocab_size].float().cpu()
+        probs = torch.softmax(z / temperature, dim=-1)  # (V,)
+        if top_p < 1.0:  # the nucleus: most likely tokens until the mass before a token reaches top_p
+            sorted_p, order = probs.sort(descending=True)
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_p * (sorted_p.cumsum(0) - sorted_p < top_p))
+        probs[token] = 0.0
+        if probs.sum() <= 0:  # the nucleus was the token alone
+            probs = torch.softmax(z / temperature, dim=-1).index_fill(0, torch.tensor([token]), 0.0)
+        out.append(torch.multinomial(probs / probs.sum(), k, replacement=True, generator=g).tolist())
+    return out
 
 
 # ------------------------------------------------------------------------------------------- the tokens
@@ -276,8 +343,12 @@ def _matches_run(run_dir: Path, step: int, rewards, batch, texts: list[str], G: 
             and samples == texts[::G][:min(n_samples, len(samples))])
 
 
-def analyse_step(st: Step, step: int, k: int, n_tokens: int, seed: int, prefixes_per_call: int) -> list[dict]:
-    """counterfactual.jsonl lines of `n_tokens` tokens of each kind of one regenerated step."""
+def analyse_step(st: Step, step: int, k: int, n_tokens: int, seed: int, prefixes_per_call: int,
+                 delta: float) -> list[dict]:
+    """counterfactual.jsonl lines of `n_tokens` tokens of each kind of one regenerated step; a token is negligible
+    when its contrast's interval lies inside (-delta, delta)."""
+    import train
+
     cfg, tok = st.cfg, st.tokenizer
     gen = torch.Generator().manual_seed(hash((seed, step)) % 2**62)
     picked = pick_tokens(st.silenced, st.candidates, st.response_mask, st.rewards > 0, n_tokens, gen)
@@ -290,12 +361,17 @@ def analyse_step(st: Step, step: int, k: int, n_tokens: int, seed: int, prefixes
         effects = token_effects(sample, grade, st.prompts, st.responses, [(r, t) for _, r, t in picked], k,
                                 cfg.max_response_len, hash((seed, step, 1)) % 2**62,
                                 prefixes_per_call)
-    lines = []
+    lines, graded = [], {}
     for (kind, row, t), e in zip(picked, effects):
         y = st.responses[row]
+        if row not in graded:
+            graded[row] = train.graded_count(tok, y, cfg.reward)
         lines.append({
             "algo": cfg.algo, "seed": cfg.seed, "step": step, "kind": kind, "effect": e.effect, "stderr": e.stderr,
-            "k": e.k, "keep": e.keep, "resample": e.resample, "row": row, "t": t, "token": tok.decode([y[t]]),
+            "k": e.k, "keep": e.keep, "resample": e.resample, "exclude": e.exclude, "contrast": e.contrast,
+            "contrast_ci": list(e.contrast_ci), "negligible": -delta < e.contrast_ci[0] and e.contrast_ci[1] < delta,
+            "delta": delta, "part": "graded" if t < graded[row] else "after", "row": row, "t": t,
+            "token": tok.decode([y[t]]),
             "context": tok.decode(y[max(0, t - 12):t]), "after": tok.decode(y[t + 1:t + 13]),
             "p": math.exp(float(st.logprobs[row, t])), "H": float(st.entropy[row, t]),
             "candidate": bool(st.candidates[row, t]), "s2t_rule": bool(st.s2t_rule[row, t]),
@@ -305,35 +381,57 @@ def analyse_step(st: Step, step: int, k: int, n_tokens: int, seed: int, prefixes
 
 
 # ------------------------------------------------------------------------------------------- the summary
-HEAD = ("tokens | mean effect (95% CI) | indistinguishable from 0 (95% CI) | effect <= 0 | outcome settled | "
-        "success kept / redrawn |")
+PARTS = ("graded", "after")  # the token sits in the graded part of its response, or in the text after the answer
+HEAD = ("tokens (responses) | mean effect (95% CI) | mean contrast (95% CI) | negligible (95% CI) | effect <= 0 | "
+        "outcome settled | success kept / redrawn / without |")
 
 
 def summary(lines: list[dict]) -> str:
-    """The table printed at the end: one row per kind (`summary_row`)."""
+    """The table printed at the end: one row per kind and part of the response (`summary_row`)."""
     return "\n".join(["| kind | " + HEAD, "|---" * (HEAD.count("|") + 1) + "|",
-                      *(f"| {kind} | {summary_row([x for x in lines if x['kind'] == kind])}" for kind in KINDS)])
+                      *(f"| {kind}, {part} | {summary_row([x for x in lines if x['kind'] == kind and x['part'] == part])}"
+                        for kind in KINDS for part in PARTS)])
 
 
 def summary_row(lines: list[dict]) -> str:
-    """The cells of one group of tokens: its count, the mean effect with its 95% interval over the tokens, the share
-    whose effect is within 1.96 standard errors of 0 (the paper's "negligible contribution": the S2T rule's
-    precision when the group is what it silenced) with its 95% Wilson interval, the share <= 0, the share whose
+    """The cells of one group of tokens: its count (and its responses'), the mean effect and the mean contrast with
+    95% intervals that resample whole responses (`cluster_interval`), the share negligible by the equivalence test
+    (the contrast's Newcombe interval inside +-delta; the paper's "negligible contribution", the S2T rule's precision
+    when the group is what it silenced) with its clustered interval, the share of effects <= 0, the share whose
     outcome was settled before the token (all 2K continuations agree: the answer was already written, or already
-    missed), and the mean success rates with the token kept and redrawn."""
+    missed), and the mean success rates with the token kept, redrawn, and redrawn without it."""
     n = len(lines)
     if not n:
-        return "0 | - | - | - | - | - |"
-    effects = [x["effect"] for x in lines]
-    mean = _mean(effects)
-    half = 1.96 * math.sqrt(_variance(effects) / n) if n > 1 else None
-    ci = f" ({mean - half:+.3f}, {mean + half:+.3f})" if half is not None else ""
-    zero = sum(abs(x["effect"]) <= 1.96 * x["stderr"] for x in lines)
-    low, high = wilson(zero, n)
-    settled = sum(x["keep"] == x["resample"] and x["keep"] in (0.0, 1.0) for x in lines)
-    return (f"{n} | {mean:+.3f}{ci} | {zero / n:.0%} ({low:.0%}-{high:.0%}) | {sum(e <= 0 for e in effects) / n:.0%} | "
-            f"{settled / n:.0%} | {_mean([x['keep'] for x in lines]):.2f} / "
-            f"{_mean([x['resample'] for x in lines]):.2f} |")
+        return "0 | - | - | - | - | - | - |"
+    clusters = [(x.get("algo"), x.get("seed"), x.get("step"), x.get("row")) for x in lines]
+
+    def cell(values, fmt):
+        lo, hi = cluster_interval(values, clusters)
+        return f"{fmt.format(_mean(values))} ({fmt.format(lo)}, {fmt.format(hi)})"
+
+    settled = sum(x["keep"] == x["resample"] == x["exclude"] and x["keep"] in (0.0, 1.0) for x in lines)
+    return (f"{n} ({len(set(clusters))}) | {cell([x['effect'] for x in lines], '{:+.3f}')} | "
+            f"{cell([x['contrast'] for x in lines], '{:+.3f}')} | "
+            f"{cell([float(x['negligible']) for x in lines], '{:.0%}')} (delta {lines[0]['delta']:g}) | "
+            f"{sum(x['effect'] <= 0 for x in lines) / n:.0%} | {settled / n:.0%} | "
+            f"{_mean([x['keep'] for x in lines]):.2f} / {_mean([x['resample'] for x in lines]):.2f} / "
+            f"{_mean([x['exclude'] for x in lines]):.2f} |")
+
+
+def cluster_interval(values: list[float], clusters: list, n: int = 2000, seed: int = 0,
+                     level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of `values` resampling whole clusters (the tokens of one response)
+    with replacement: the mean of a replicate is over all tokens of its drawn clusters. One cluster: (mean, mean)."""
+    keys = list(dict.fromkeys(clusters))
+    index = {key: i for i, key in enumerate(keys)}
+    sums, counts = np.zeros(len(keys)), np.zeros(len(keys))
+    for v, c in zip(values, clusters):
+        sums[index[c]] += v
+        counts[index[c]] += 1
+    draw = np.random.default_rng(seed).integers(len(keys), size=(n, len(keys)))  # (n, clusters)
+    stats = sums[draw].sum(1) / counts[draw].sum(1)  # (n,)
+    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
 
 
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -352,7 +450,8 @@ def pooled_groups(lines: list[dict]) -> dict[str, dict[str, list[dict]]]:
     for algo in dict.fromkeys(x["algo"] for x in lines):
         mine = [x for x in lines if x["algo"] == algo]
         name = f"{algo} ({len({x['seed'] for x in mine})} seeds, steps {_spans(sorted({x['step'] for x in mine}))})"
-        out[name] = {kind: [x for x in mine if x["kind"] == kind] for kind in KINDS}
+        out[name] = {f"{kind}, {part}": [x for x in mine if x["kind"] == kind and x["part"] == part]
+                     for kind in KINDS for part in PARTS}
         out[name] |= {f"candidates the S2T rule {verb}": [x for x in mine if x["candidate"] and x["s2t_rule"] == rule]
                       for verb, rule in (("silences", True), ("keeps", False))}
     return out
@@ -393,6 +492,9 @@ class Config:
     """seed of the token draw and the continuations"""
     prefixes_per_call: int = 16
     """prefixes sampled per generate call (x K rows)"""
+    delta: float = 0.2
+    """equivalence margin: a token is negligible when the 95% interval of its contrast lies inside (-delta, delta);
+    with K draws a side the interval is at least +-(1 - Wilson's lower bound at K of K) wide (K 16: 0.19, 32: 0.11)"""
     plot: bool = False
     """also draw RUN/counterfactual.png (needs matplotlib)"""
 
@@ -418,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"--rollout-chunk 1): the same policy's rollout is analysed, not the run's tokens",
                       file=sys.stderr)
             t0 = time.time()
-            new = analyse_step(st, step, cfg.k, cfg.tokens, cfg.seed, cfg.prefixes_per_call)
+            new = analyse_step(st, step, cfg.k, cfg.tokens, cfg.seed, cfg.prefixes_per_call, cfg.delta)
             print(f"step {step}: {len(new)} tokens in {time.time() - t0:.0f} s "
                   f"({(time.time() - t0) / max(len(new), 1):.1f} s per token, K = {cfg.k})", flush=True)
             lines += new
@@ -450,7 +552,7 @@ def table(argv: list[str]) -> int:
     print(pooled_summary(lines))
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-    if out and plots.plot_counterfactual_groups(pooled_groups(lines), out):
+    if out and plots.plot_counterfactual_groups(pooled_groups(lines), out, cluster_interval):
         print(out)
     return 0
 

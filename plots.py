@@ -558,34 +558,38 @@ def plot_counterfactual(lines: list[dict], out_png: str) -> bool:
     return True
 
 
-def plot_counterfactual_groups(panels: dict[str, dict[str, list[dict]]], out_png: str) -> bool:
+def plot_counterfactual_groups(panels: dict[str, dict[str, list[dict]]], out_png: str, interval) -> bool:
     """Many runs' counterfactual.jsonl lines (`python counterfactual.py --table RUN ... --out PNG`), one panel per
-    algorithm ({algorithm: {group of tokens: lines}}, counterfactual.pooled_groups): each group's effects side by
-    side, its mean with the 95% interval, and the share indistinguishable from 0 under it; True if written."""
+    algorithm ({algorithm: {group of tokens: lines}}, counterfactual.pooled_groups): each group's contrasts
+    Q(a) - Q(not a) side by side, its mean with the 95% interval over responses (interval(values, clusters) ->
+    (low, high): counterfactual.cluster_interval), and under it the group's size and share negligible (the
+    equivalence test); True if written."""
     panels = {name: {g: xs for g, xs in groups.items() if xs} for name, groups in panels.items()}
     plt = _pyplot() if any(panels.values()) else None
     if plt is None:
         return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.6), sharey=True, squeeze=False)
     for ax, (name, groups) in zip(axes[0], panels.items()):
-        for j, (group, xs) in enumerate(groups.items()):
-            effects = [x["effect"] for x in xs]
-            style = KIND_STYLES.get(group, dict(color="tab:purple" if "silences" in group else "tab:green", marker="+"))
-            ax.scatter([j + 0.5 * ((i * 0.618) % 1 - 0.5) for i in range(len(xs))], effects, s=10, alpha=0.45,
-                       **style)  # deterministic jitter
-            mean = sum(effects) / len(effects)
-            half = 1.96 * math.sqrt(sum((e - mean) ** 2 for e in effects) / (len(effects) - 1) / len(effects)) \
-                if len(effects) > 1 else 0.0
-            ax.errorbar([j], [mean], yerr=[half], color="k", capsize=6, linewidth=2, marker="_", markersize=18)
-        ax.axhline(0, color="k", linewidth=0.6, linestyle="--")
-        # under each group, below the axis (where no point can hide it): its size and share indistinguishable from 0
         labels = []
-        for group, xs in groups.items():
-            zero = sum(abs(x["effect"]) <= 1.96 * x["stderr"] for x in xs) / len(xs)
-            labels.append(group.replace("candidates the S2T rule ", "cand., S2T\n") + f"\nn = {len(xs)}\n{zero:.0%} ~ 0")
-        ax.set_xticks(range(len(groups)), labels, fontsize=7)
+        for j, (group, xs) in enumerate(groups.items()):
+            contrasts = [x["contrast"] for x in xs]
+            style = KIND_STYLES.get(group.split(",")[0],
+                                    dict(color="tab:purple" if "silences" in group else "tab:green", marker="+"))
+            ax.scatter([j + 0.5 * ((i * 0.618) % 1 - 0.5) for i in range(len(xs))], contrasts, s=10, alpha=0.45,
+                       **style)  # deterministic jitter
+            mean = sum(contrasts) / len(contrasts)
+            lo, hi = interval(contrasts, [(x.get("seed"), x.get("step"), x.get("row")) for x in xs])
+            ax.errorbar([j], [mean], yerr=[[mean - lo], [hi - mean]], color="k", capsize=6, linewidth=2, marker="_",
+                        markersize=18)
+            # under each group, below the axis (where no point can hide it): its size and share negligible
+            negligible = sum(x["negligible"] for x in xs) / len(xs)
+            labels.append(group.replace("candidates the S2T rule ", "cand., S2T\n").replace(", ", "\n")
+                          + f"\nn = {len(xs)}\n{negligible:.0%} negl.")
+        ax.axhline(0, color="k", linewidth=0.6, linestyle="--")
+        ax.set_xticks(range(len(groups)), labels, fontsize=6)
         ax.set_title(name, fontsize=9)
-    axes[0][0].set_ylabel("effect: success kept - success redrawn\n(black: mean, 95% interval; ~ 0: within 1.96 se)")
+    axes[0][0].set_ylabel("contrast: success kept - success without the token\n(black: mean, 95% interval over "
+                          "responses;\nnegl.: interval inside +-delta)")
     fig.tight_layout()
     fig.savefig(out_png, dpi=80)
     plt.close(fig)

@@ -2,10 +2,10 @@
 \\boxed{}; §7: rule-based grading of the benchmarks).
 
 `grade(response, gold)` takes the final answer of a response (the last \\boxed{...}, else an explicit "the answer
-is ..." phrase or a one-number concluding sentence; never "the last number in the text") and decides whether it
-equals the gold. Answers are read by a small hand-written tokenizer + recursive-descent parser for the
-LaTeX/arithmetic language of math answers that builds sympy objects directly: model output never reaches eval, exec,
-sympify or parse_expr.
+is ..." phrase or a concluding sentence that states one value; never "the last number in the text"; nothing after a
+chat-template token such as <|im_end|>) and decides whether it equals the gold. Answers are read by a small
+hand-written tokenizer + recursive-descent parser for the LaTeX/arithmetic language of math answers that builds sympy
+objects directly: model output never reaches eval, exec, sympify or parse_expr.
 
 Deliberate differences from the paper and from common graders (verl, Math-Verify, Qwen2.5-Math):
 1. The paper compares normalized strings (`mode="strict"` keeps that); the default compares values, because a string
@@ -15,7 +15,10 @@ Deliberate differences from the paper and from common graders (verl, Math-Verify
    significant digits) accepts a prediction in exact, non-decimal form (a fraction, radical, pi, ...) whose value
    lies strictly within half a unit of the gold's last digit. A decimal prediction must equal a decimal gold exactly.
 3. Hedged answers ("3 or 4", "3 and 4", "\\boxed{3} or \\boxed{4}") are lists of two answers and are wrong for a
-   one-answer gold; an empty or unterminated last box is wrong; a retracted answer is its last box.
+   one-answer gold; an empty or unterminated last box is wrong; a retracted answer is its last box. Several boxes are
+   one answer per part only for a gold of as many answers, with no hedge or retraction among them. A multiple-choice
+   gold accepts only its own letter, alone or with its own label text: an answer that only starts with the letter
+   ("E+1", "B = 7") or lists other choices ("B, C", "A B C D E") is wrong, or listing every choice would always pay.
 4. Every grade is bounded without signals (so it works in threads and worker processes): the response tail, the
    answer length, token count, nesting depth, digits, exponents, factorials and trig arguments are capped and one
    deadline, started when grade() is called, is checked while extracting boxes, in the parser and between
@@ -82,10 +85,13 @@ def grade(response, gold, timeout=TIMEOUT_S):
     `timeout` seconds (the deadline starts here; measured: at most ~0.15 s later on hostile inputs, docs/grader.md)."""
     deadline = time.monotonic() + timeout
     try:
-        answer = _extract(response, deadline)[0] if isinstance(response, str) else None
+        answer, text, boxes = _extract(response, deadline) if isinstance(response, str) else (None, "", [])
     except Refused:
         return False
-    return bool(answer and answer.strip()) and _equivalent(answer, _golds(gold), deadline)
+    if not (answer and answer.strip()):
+        return False
+    golds = _golds(gold)
+    return _equivalent(answer, golds, deadline) or _parts(text, boxes, golds, deadline)
 
 
 def reward(response, gold, mode="dapo"):
@@ -97,7 +103,8 @@ def reward(response, gold, mode="dapo"):
     if mode == "strict":
         deadline = time.monotonic() + TIMEOUT_S
         try:
-            box = _extract(response, deadline)[1] if isinstance(response, str) else None
+            boxes = _extract(response, deadline)[2] if isinstance(response, str) else []
+            box = boxes[-1][2] if boxes else None
             pred = _clean(box, deadline)[0] if box else ""
             golds = ", ".join(_clean(g, deadline)[0] for g in _golds(gold))
         except Refused:
@@ -212,10 +219,17 @@ _JOINED = re.compile(r"(?:,|;|&|/|and|or)?(?:maybe|possibly|perhaps)?(?:[a-zA-Z]
 _HEDGE = re.compile(r"[\s$.,;:)\]}*]*\(?\s*(?:or|maybe|possibly|perhaps|alternatively),?\s+(?:maybe\s+|possibly\s+|"
                     r"perhaps\s+|it (?:could|might) be\s+)?[$\\(]*\s*-?\.?\d", re.I)
 _PHRASE = re.compile(r"(?:(?:final\s+)?answer(?:\s*\*\*)?\s*(?:is\b|:|=|(?:should|would|must|will) be\b)|"
-                     r"final\s+answer\b|####|答案\s*(?:是|为|:|：))[\s*:]*", re.I)
+                     r"final\s+answer\b|(?P<bare>(?:^|(?<=\n))[ \t*#]*answer\**[ \t]+(?=[-$\\(\d]))|"  # "Answer 5"
+                     r"####|答案\s*(?:是|为|:|：))[\s*:]*", re.I)
+_SENTENCE = re.compile(r"the\s.{0,80}?\s(?:is|are)\s+(.+)", re.I | re.DOTALL)  # Minerva's "The largest $n$ is 34."
+# the end of the model's turn: what follows a chat-template token (an invented next turn) is not its answer
+_RETRACT = re.compile(r"\b(?:wait|actually|instead|mistake|wrong|incorrect|error|re-?check|correction|oops)\b", re.I)
+_TURN_END = re.compile(r"<\|[a-z_]{2,30}\|>|<(?:start|end)_of_turn>|</s>")
 _CUT = re.compile(r"\.(?=\s|$)|。|\n|,?\s+(?:since|because|as|which|where|so)\b|,\s*(?:since|because|which|so)\b|"
                   r"\s\((?:i\.e\.|e\.g\.|that is|approx|about|rounded)")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_HOPE = re.compile(r"\s*I hope it is correct\.?$", re.I)  # Minerva's closing sentence
+_STATED = re.compile(r"\s(?:is|are|equals|=)\s+(\$[^$]{1,200}\$|-?\d+(?:\.\d+)?/\d+)[.!]$")  # "... is 2/3."
 _PLAN = re.compile(r"(?:let|first|next|then|to|we (?:need|want|must)|find|compute|calculate|determine|suppose|given|"
                    r"if|consider|or|maybe|perhaps|possibly|alternatively)\b", re.I)
 
@@ -279,50 +293,80 @@ def _from_boxes(text, boxes, deadline):
     return sep.join(run)
 
 
+def _parts(text, boxes, golds, deadline):
+    """A gold of k > 1 answers against the last k boxes, one per part ("(a) \\boxed{6} ... (b) \\boxed{15}"), when
+    none of them is unterminated, empty or hedged and no retraction stands between them."""
+    try:
+        k = len(golds) if len(golds) > 1 else len(_parse(_clean(golds[0], deadline)[0], deadline))
+    except Exception:  # Refused, or anything sympy raises: a gold that cannot be counted has no parts
+        return False
+    last = boxes[-k:]
+    if not 1 < k <= len(boxes) or any(not (c and c.strip()) or _HEDGE.match(text[e : e + 100]) for _, e, c in last):
+        return False
+    if _RETRACT.search(text[last[0][1] : last[-1][0]]):
+        return False  # \boxed{3} ... wait, actually \boxed{5}: the second replaces the first
+    joined = text[boxes[-k - 1][1] : last[0][0]] if len(boxes) > k and boxes[-k - 1][1] else ""
+    if len(joined) <= 40 and re.search(r"\b(?:or|maybe|possibly|perhaps)\b", joined, re.I):
+        return False  # (a) \boxed{7} or \boxed{6}: the first part is a hedge
+    return _equivalent(", ".join(c for _, _, c in last), golds, deadline)
+
+
 def _from_phrase(text):
-    """Without a box: the text after the last "the answer is" / "Answer:" / "####", to the end of its sentence."""
+    """Without a box: the text after the last "the answer is" / "Answer:" / "####", to the end of its sentence; a bare
+    "Answer 5" (no colon) only on the last line, not as a heading ("Answer 2. The value is 7.\n...")."""
     phrases = list(_PHRASE.finditer(text))
-    if not phrases:
+    if not phrases or phrases[-1].group("bare") and "\n" in text[phrases[-1].end() :].strip():
         return None
     rest = text[phrases[-1].end() :].lstrip(" *")
     rest = rest.lstrip("\n") if rest.startswith(("\n\\[", "\n$$")) else rest
     for a in ("\\[", "\\]", "\\(", "\\)", "$"):
         rest = rest.replace(a, "")
     answer, *after = _CUT.split(rest.strip(), 1)
-    return "" if after and _HEDGE.match(after[0]) else answer.strip(" *")  # "3. Or maybe 4." is a hedge: no answer
+    if after and _HEDGE.match(after[0]):
+        return ""  # "3. Or maybe 4." is a hedge: no answer
+    sentence = _SENTENCE.fullmatch(answer)
+    return (sentence.group(1) if sentence else answer).strip(" *")
 
 
 def _from_conclusion(text):
-    """Without a box or phrase: a complete final sentence stating exactly one number ("So Tom has 35 apples left.").
-    Not "the last number in the text": truncated, hedged, multi-number or planning ("Let ...") endings give None."""
-    last = text.strip().rsplit("\n", 1)[-1].strip()
+    """Without a box or phrase: a complete final sentence stating exactly one number ("So Tom has 35 apples left.") or
+    ending "is <value>." with one fraction or $...$ value ("... the probability that Alice wins is 2/3."); Minerva's
+    closing "I hope it is correct." is skipped. Not "the last number in the text": truncated, hedged, multi-number or
+    planning ("Let ...") endings give None."""
+    last = _HOPE.sub("", text.strip()).rsplit("\n", 1)[-1].strip()
     sentence = re.split(r"(?<=[.!?])\s+", last)[-1]
+    if _PLAN.match(sentence) or re.search(r"\b(?:or|maybe|possibly|perhaps)\b", sentence, re.I):
+        return None
+    stated = _STATED.search(sentence[-300:])
+    if stated:
+        return stated.group(1).strip("$ ")
     numbers = _NUMBER.findall(sentence)
     complete = sentence.endswith((".", "!")) and len(sentence.split()) <= 20
-    return numbers[0].rstrip(",") if complete and len(numbers) == 1 and not _PLAN.match(sentence) else None
+    return numbers[0].rstrip(",") if complete and len(numbers) == 1 else None
 
 
 def _extract(response, deadline):
-    """-> (answer or None, the last box's content or None). The part after </think> is searched first."""
-    text = response[-TAIL_CHARS:]
+    """-> (answer or None, the text it was found in, the boxes of that text as _boxes gives them). The part after
+    </think> is searched first."""
+    text = next((t for t in _TURN_END.split(response[-TAIL_CHARS:]) if t.strip()), "")
     parts = text.rsplit("</think>", 1)
     for part in [parts[1], text] if len(parts) == 2 else [text]:
         boxes = _boxes(part, deadline)
         if boxes:
-            return _from_boxes(part, boxes, deadline), boxes[-1][2]
+            return _from_boxes(part, boxes, deadline), part, boxes
         tags = re.findall(r"<answer>(.*?)</answer>", part[-5000:], re.DOTALL)
         answer = tags[-1].strip() if tags else _from_phrase(part[-5000:])
         if answer is None and not ("<think>" in part and "</think>" not in part):  # not inside unfinished thinking
             answer = _from_conclusion(part[-2000:])
         if answer is not None:
-            return answer or None, None
-    return None, None
+            return answer or None, part, []
+    return None, "", []
 
 
 # ------------------------------------------------------------------------------------------------ normalization
 _REPLACE = [("\\\\", " \\rowsep "), ("**", "^"), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\cfrac", "\\frac"),
             ("\\displaystyle", ""), ("\\textstyle", ""), ("\\!", ""), ("\\,", " "), ("\\;", " "), ("\\:", " "),
-            ("\\ ", " "), ("~", " "), ("\\qquad", " "), ("\\quad", " "), ("{,}", ","), ("\\$", ""), ("$", " "),
+            ("~", " "), ("\\qquad", " "), ("\\quad", " "), ("\\$", ""), ("$", " "),
             ("\\(", ""), ("\\)", ""), ("€", ""), ("£", ""), ("¥", ""), ("\\varnothing", "\\emptyset"), ("−", "-"),
             ("×", "\\times "), ("÷", "\\div "), ("≤", "\\le "), ("≥", "\\ge "), ("≠", "\\ne "), ("≈", "\\approx "),
             ("∞", "\\infty "), ("π", "\\pi "), ("√", "\\sqrt "), ("°", ""), ("\\degree", ""), ("\\mbox", "\\text"),
@@ -375,14 +419,14 @@ def _unwrap(s, deadline, limit=20):
 
 def _clean(s, deadline):
     """String-level normalization of one answer -> (text, had a percent sign)."""
-    s = s.strip()
+    s = re.sub(r"(?<!\\)\\(?=\s|$)", " ", s).strip()  # "\ " (a space), also at the end: 185\
     if "####" in s:  # a GSM8K solution as gold
         s = s.rsplit("####", 1)[1]
     if "\\boxed" in s or "\\fbox" in s:  # a full solution as gold: its last box
         s = next((c for _, _, c in reversed(_boxes(s, deadline)) if c), s)
     if len(s) > 10 * MAX_ANSWER_CHARS:
         return s, False  # not a final answer: left as it is
-    s = re.sub(r",\s*\\!\s*", ",", s)  # 111, \! 111: a thousands separator
+    s = re.sub(r",\s*\\!\s*|\s*\{\s*,\s*\}\s*", ",", s)  # 111,\!111 and 14 {, }916: a thousands separator
     for a, b in _REPLACE:
         s = s.replace(a, b)
     s = _DROP.sub("", s)
@@ -404,7 +448,7 @@ def _clean(s, deadline):
     s = re.sub(r"(?<![\d.}^_a-zA-Z\\])(\d+)\s*\\frac\s*\{(\d+)\}\s*\{(\d+)\}", r"(\1+\2/\3)", s)  # 2\frac13
     s = re.sub(r"^(\d+) (\d+)/(\d+)$", r"(\1+\2/\3)", s)  # 2 1/3
     s = re.sub(r"(\d)\s*[x*]\s*10\^", r"\1\\times 10^", s)  # 3.2 x 10^5
-    if re.fullmatch(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?|[+-]?\d{1,3}(?: \d{3})+(?:\.\d+)?", s):  # 1,234 / 1 234
+    if re.fullmatch(r"[+-]?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?|[+-]?[1-9]\d{0,2}(?: \d{3})+(?:\.\d+)?", s):  # 1,234
         s = s.replace(",", "").replace(" ", "")
     return s, percent
 
@@ -437,7 +481,7 @@ Eqn = namedtuple("Eqn", "lhs rhs named")  # named: the left side is a name (x, A
 Rel = namedtuple("Rel", "expr strict")  # expr > 0 (strict) or expr >= 0, for relations that are not an interval
 
 _TOKEN = re.compile(r"\s*(\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?|\\[a-zA-Z]+|\\[{}|]|[a-zA-Z]+|"
-                    r"<=|>=|!=|[-+*/^_()\[\]{}=<>!|,;&])")
+                    r"<=|>=|!=|[-+*/^_()\[\]{}=<>!|,;:&])")
 _FUNCS = {"sin": sp.sin, "cos": sp.cos, "tan": sp.tan, "cot": sp.cot, "sec": sp.sec, "csc": sp.csc,
           "arcsin": sp.asin, "arccos": sp.acos, "arctan": sp.atan, "sinh": sp.sinh, "cosh": sp.cosh,
           "tanh": sp.tanh, "exp": sp.exp, "ln": sp.log, "log": sp.log}
@@ -450,7 +494,9 @@ _RELOPS = {"=": "=", "\\approx": "~", "<": "<", "\\lt": "<", ">": ">", "\\gt": "
            "\\leq": "<=", "\\leqslant": "<=", ">=": ">=", "\\ge": ">=", "\\geq": ">=", "\\geqslant": ">=",
            "\\in": "in", "\\ne": "!=", "\\neq": "!=", "!=": "!="}
 _SEPARATORS = {",", ";", "and", "or"}
-_NAME = re.compile(r"(?:[a-zA-Z]|\\[a-zA-Z]+)+(?:_(?:\{[^{}]*\}|\w))?(?:\([^()+\-*/^]*\))?")
+_LETTERS = r"(?:[a-zA-Z]|\\[a-zA-Z]+)+(?:_(?:\{[^{}]*\}|\w))?"  # x, AB, y_1, \theta, S_{MBCN}
+# a name as the left side of an answer (x, f(x), a length |AB|, \frac{NO}{BO}): x = 5 also means 5
+_NAME = re.compile(rf"{_LETTERS}(?:\([^()+\-*/^]*\))?|\|[A-Z]{{2,}}\||\\frac\{{{_LETTERS}\}}\{{{_LETTERS}\}}")
 
 
 def _tokenize(s):
@@ -461,7 +507,7 @@ def _tokenize(s):
             raise Refused(f"unexpected character {s[i]!r}")
         tok, i = m.group(1), m.end()
         if tok[0].isalpha() and tok not in _WORDS:
-            if len(tok) > 3:
+            if len(tok) > 3 and tokens[-2:] != ["_", "{"]:  # S_{MBCN} is a name
                 raise Refused(f"word {tok!r}")  # text, not math: compared as a string only
             tokens.extend(tok)  # xy = x*y
         else:
@@ -543,12 +589,18 @@ class _Parser:
 
     def relation(self):
         start = self.i
-        sides, ops = [self.setexpr()], []
-        lhs_end = self.i
+        sides, ops = [self.ratio()], []
+        spans = [(start, self.i)]  # the tokens of each side
         while self.peek() in _RELOPS:
             ops.append(_RELOPS[self.take()])
-            sides.append(self.setexpr())
-        if "~" in ops:  # x = 5\sqrt{2} \approx 7.07: what comes after the first \approx is only an approximation
+            start = self.i
+            sides.append(self.ratio())
+            spans.append((start, self.i))
+        named = [bool(_NAME.fullmatch("".join(self.toks[a:b]))) for a, b in spans]
+        if ops[:1] == ["~"] and named[0] and isinstance(sides[0], sp.Expr) and sides[0].free_symbols:
+            # x \approx 11: the value stated, as x = 11 (\pi \approx 3.14 stays \pi)
+            sides, ops = sides[:2], ["="]
+        elif "~" in ops:  # x = 5\sqrt{2} \approx 7.07: what comes after the first \approx is only an approximation
             sides, ops = sides[: ops.index("~") + 1], ops[: ops.index("~")]
         if not ops:
             return sides[0]
@@ -557,15 +609,22 @@ class _Parser:
         if set(ops) == {"="}:
             lhs, rhs = sides[0], sides[-1]
             if len(sides) > 2 or not isinstance(rhs, sp.Expr) or not (lhs.free_symbols or rhs.free_symbols):
-                return rhs  # x = 2 + 3 = 5, 6/8 = 3/4, (a, b) = (1, 2): the last side is the answer
-            return Eqn(lhs, rhs, bool(_NAME.fullmatch("".join(self.toks[start:lhs_end]))))
+                return rhs  # x = 2 + 3 = 5, 6/8 = 3/4, (a, b) = (1, 2), S_1:S = 7:32: the last side is the answer
+            return Eqn(lhs, rhs, named[0])
         try:
-            return _interval(sides, ops)
+            return _interval(sides, ops, named)
         except Refused:
             if len(ops) != 1 or ops[0] not in ("<", "<=", ">", ">="):
                 raise
             big, small = sides if ops[0][0] == ">" else sides[::-1]
             return Rel(big - small, len(ops[0]) == 1)
+
+    def ratio(self):
+        """a : b : c (7:32, 12:00), compared term by term."""
+        items = [self.setexpr()]
+        while self.skip(":"):
+            items.append(self.setexpr())
+        return items[0] if len(items) == 1 else Seq(":", tuple(items))
 
     def setexpr(self):
         value = self.sum()
@@ -656,7 +715,7 @@ class _Parser:
         if (len(tok) == 1 and tok.isalpha()) or name in _GREEK:
             return self.symbol(name)
         if tok in ("(", "["):
-            items = self.items(separators={","})
+            items = self.items(separators={",", ";"})  # (0;0;0): a tuple
             close = self.take()
             if close not in (")", "]"):
                 raise Refused("bracket")
@@ -733,24 +792,62 @@ def _as_set(v):
     raise Refused("not a set")
 
 
-def _interval(sides, ops):
-    """0 < x <= 5, x >= 3, 5 > x, x != 1: the set of the one variable (its name is dropped, like x = 5 -> 5)."""
-    var = next((s for s in sides if isinstance(s, sp.Symbol)), None)
-    if ops == ["!="] and var is not None and isinstance(sides[sides.index(var) - 1], sp.Expr):
-        return sp.Complement(sp.Reals, sp.FiniteSet(sides[sides.index(var) - 1]))
-    if var is None or {"=", "in", "!="} & set(ops):
+def _interval(sides, ops, named):
+    """0 < x <= 5, x >= 3, 5 > x, x != 1, -x > -1, |x - 3| < 2, 0 < f(x) < 1: the set of the one variable (its name
+    is dropped, like x = 5 -> 5). The varying side is a symbol, a name of several letters (f(x), |AB|: the set of its
+    values) or an expression of one symbol for _preimage (the set of that symbol)."""
+    varying = [k for k, side in enumerate(sides) if not isinstance(side, sp.Expr) or side.free_symbols]
+    if len(varying) != 1 or not isinstance(sides[varying[0]], sp.Expr) or {"=", "in"} & set(ops):
+        raise Refused("relation")
+    k = varying[0]
+    var = sides[k]
+    if ops == ["!="] and isinstance(var, sp.Symbol):
+        return sp.Complement(sp.Reals, sp.FiniteSet(sides[1 - k]))
+    if "!=" in ops or any(j not in (k - 1, k) for j in range(len(ops))):  # 1 < 2 < x: a side without the variable
         raise Refused("relation")
     lo, hi, lo_open, hi_open = -sp.oo, sp.oo, True, True
-    for left, op, right in zip(sides, ops, sides[1:]):
-        if right == var:  # a < x  ->  x > a
-            left, right, op = right, left, {"<": ">", ">": "<", "<=": ">=", ">=": "<="}[op]
-        if left != var or not isinstance(right, sp.Expr) or right.free_symbols:
-            raise Refused("relation")
+    for j, op in enumerate(ops):
+        bound = sides[j] if j == k - 1 else sides[j + 1]
+        if j == k - 1:  # a < x  ->  x > a
+            op = {"<": ">", ">": "<", "<=": ">=", ">=": "<="}[op]
         if op in ("<", "<="):
-            hi, hi_open = right, op == "<"
+            hi, hi_open = bound, op == "<"
         else:
-            lo, lo_open = right, op == ">"
-    return sp.Interval(lo, hi, lo_open, hi_open)
+            lo, lo_open = bound, op == ">"
+    values = sp.Interval(lo, hi, lo_open, hi_open)
+    if isinstance(var, sp.Symbol) or named[k] and len(var.free_symbols) > 1:
+        return values
+    return _preimage(var, values)
+
+
+def _preimage(expr, values):
+    """The set of the one symbol x of `expr` where `expr` takes `values` (an interval or a union of intervals), for
+    `expr` affine in x or in one |u| with u of the same kind: -x > -1 -> x < 1, 1 <= |z| <= 3/2 -> [-3/2,-1] U [1,3/2].
+    Anything else is refused."""
+    if len(expr.free_symbols) != 1:
+        raise Refused("relation")
+    (x,) = expr.free_symbols
+    for _ in range(MAX_DEPTH):
+        absolutes = expr.atoms(sp.Abs)
+        inner = absolutes.pop() if len(absolutes) == 1 else x
+        t = sp.Dummy()
+        affine = expr.subs(inner, t)
+        a, b = affine.diff(t), affine.subs(t, 0)
+        if absolutes or a.free_symbols or b.free_symbols or not (a.is_real and a.is_nonzero):
+            raise Refused("relation")
+        pieces = []  # {(y - b) / a : y in values}
+        for v in values.args if isinstance(values, sp.Union) else [values]:
+            ends = ((v.start - b) / a, (v.end - b) / a, v.left_open, v.right_open)
+            pieces.append(sp.Interval(*ends) if a.is_positive else sp.Interval(ends[1], ends[0], ends[3], ends[2]))
+        values = sp.Union(*pieces)
+        if inner == x:
+            return values
+        values = sp.Intersection(values, sp.Interval(0, sp.oo))  # |u| in values  <->  u in values or -values
+        values = sp.Union(values, sp.Union(*[sp.Interval(-v.end, -v.start, v.right_open, v.left_open)
+                                             for v in (values.args if isinstance(values, sp.Union) else [values])
+                                             if isinstance(v, sp.Interval)]))
+        expr = inner.args[0]
+    raise Refused("relation")
 
 
 def _parse(text, deadline):
@@ -886,6 +983,29 @@ def _shape(items, other, deadline):
     return items
 
 
+# a multiple-choice answer: the letter alone ("C", "(C)", "C)") or with its label text ("(C) 12", "C. x = 42")
+_CHOICE = re.compile(r"\(?([A-E])\)?|(?:\(([A-E])\)|([A-E])[.:)](?=\s))\s*([^\s=+\-*/^<>!_,;].*)")
+_OTHER_CHOICE = re.compile(r"(?<![\w\\])[A-E](?!\w)|\b(?:or|and)\b")  # in label text: a hedge or a second choice
+
+
+def _choice(s):
+    """(letter, label text or "") of a multiple-choice answer, else None."""
+    m = _CHOICE.fullmatch(s)
+    return (m.group(1) or m.group(2) or m.group(3), (m.group(4) or "").strip()) if m else None
+
+
+def _same_choice(pred, gold, deadline):
+    """A choice gold accepts its letter, alone or with its own label text (any label text for a bare-letter gold), or
+    that label text alone; never more math after the letter ("E+1", "B = 7") or a second choice ("B, C", "B or C")."""
+    letter, text = gold
+    choice = _choice(pred)
+    if choice is None:  # the gold's label text alone: "x = 42" for "C. x = 42"
+        return bool(text) and not _OTHER_CHOICE.search(text) and _equivalent(pred, [text], deadline)
+    if choice[0] != letter or _OTHER_CHOICE.search(choice[1]):
+        return False
+    return not (choice[1] and text) or _equivalent(choice[1], [text], deadline)
+
+
 def _equivalent(pred, golds, deadline):
     if len(pred) > 10 * MAX_ANSWER_CHARS:
         return False  # not a final answer
@@ -894,11 +1014,13 @@ def _equivalent(pred, golds, deadline):
         g = ", ".join(c for c, _ in cleaned)
         if not p:
             return False
+        if "," not in g and re.fullmatch(r"-?\d+,\d+", p):  # 2,74 for a one-number gold (_clean made 1,500 1500)
+            p = p.replace(",", ".")  # a decimal comma
         if _squash(p) == _squash(g):
             return True
-        letter = re.fullmatch(r"\(?([A-E])\)?", g)  # multiple choice: (C), \textbf{(C) } 12
-        if letter:
-            return bool(re.match(r"\(?" + letter.group(1) + r"(?![A-Za-z])\)?", p))
+        choice = _choice(g)
+        if choice:
+            return _same_choice(p, choice, deadline)
         p_items, g_items = _parse(p, deadline), _parse(g, deadline)
         p_items, g_items = _shape(p_items, g_items, deadline), _shape(g_items, p_items, deadline)
         if len(p_items) > len(g_items):  # the same answer twice ("x+11 or 11+x") is not a hedge

@@ -50,6 +50,17 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    model's forward for the three families, with a padding mask. The step is not compiled: `torch.compile` of the
    backbone took minutes to compile on CPU for a gain within the noise, and inductor cannot take reordered weights
    that are not constants (docs/rollouts.md).
+10. On CUDA, asked for (`captured`, train.py's `--cuda-graphs`; off by default until a GPU run of `python bench.py
+   gpu` has checked it: docs/gpu.md), `PlainEngine` decodes through `CapturedStep`: the same written-out step (F.linear over the stacked
+   weights) with static shapes, captured in a CUDA graph per batch bucket (powers of two up to the phase's rows:
+   finished rows compact into a smaller one) and per length block of the cache (`LENGTH_BLOCK`), and replayed with
+   its inputs copied into static buffers, as nano-vllm and gpt-fast do: one launch per step instead of some fifty
+   kernels per layer from Python. Its KV cache is allocated once per rollout phase for the phase's rows and the
+   run's longest prompt + response; attention reads it up to the filled length rounded up to the block, with the
+   unfilled positions masked, through SDPA with each key head's query heads as its query positions
+   (`_grouped_attention`). Sampling (the seeded generator, temperature, top-p) runs after the graph, eagerly, as it
+   does here: the same tokens as the eager step. On the CPU the same class, without capture, calls the step eagerly
+   on the same buffers (the tests' stand-in); the CPU's sampler stays as above.
 """
 import gc
 import math
@@ -237,9 +248,12 @@ class InPlaceLayer(DynamicLayer):
     keys and values to attend over, `get_seq_length` / `get_mask_sizes` (inherited) give the length; pinned by
     test_stapo.py::test_rollout_in_place_cache_equals_dynamic_cache."""
 
-    def __init__(self, rows: int, max_len: int):
+    def __init__(self, rows: int, max_len: int, buffers: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         self.capacity, self.length = (rows, max_len), 0
+        if buffers is not None:  # a `CapturedStep`'s static buffers, allocated once per rollout phase
+            self.key_buffer, self.value_buffer = buffers
+            self.dtype, self.device, self.is_initialized = self.key_buffer.dtype, self.key_buffer.device, True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         rows, max_len = self.capacity
@@ -259,6 +273,18 @@ class InPlaceLayer(DynamicLayer):
         self.select_rows(rows)
         return self.keys, self.values
 
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, column: torch.Tensor, length: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured step's write (difference 10): the new (R, kv_heads, 1, head_dim) states at position `column`
+        (a (1,) tensor, no host value: a CUDA graph replays it); returns the R rows' first `length` positions
+        (R, kv_heads, length, head_dim), unfilled ones included. The caller advances the length
+        (`InPlaceCache.written`)."""
+        R = key_states.shape[0]
+        keys, values = self.key_buffer[:R, :, :length], self.value_buffer[:R, :, :length]
+        keys.index_copy_(2, column, key_states)
+        values.index_copy_(2, column, value_states)
+        return keys, values
+
     def select_rows(self, rows: int) -> None:
         """Make the first `rows` rows the running ones (views, no copy)."""
         self.keys = self.key_buffer[:rows, :, :self.length]  # (R, kv_heads, length, head_dim)
@@ -269,13 +295,20 @@ class InPlaceLayer(DynamicLayer):
 
 
 class InPlaceCache(Cache):
-    """The KV cache of `generate`: an `InPlaceLayer` per decoder layer (full attention only)."""
+    """The KV cache of `generate`: an `InPlaceLayer` per decoder layer (full attention only), over `buffers` (one
+    (keys, values) pair per layer, each (rows, kv_heads, max_len, head_dim)) when given."""
 
-    def __init__(self, config, rows: int, max_len: int):
+    def __init__(self, config, rows: int, max_len: int, buffers: list | None = None):
         kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
         if kinds != {"full_attention"}:
             raise NotImplementedError(f"generate's KV cache takes full attention layers only, not {sorted(kinds)}")
-        super().__init__(layers=[InPlaceLayer(rows, max_len) for _ in range(config.num_hidden_layers)])
+        super().__init__(layers=[InPlaceLayer(rows, max_len, buffers[i] if buffers else None)
+                                 for i in range(config.num_hidden_layers)])
+
+    def written(self) -> None:
+        """One more position filled in every layer by the captured step (its writes do not pass through `update`)."""
+        for layer in self.layers:
+            layer.length += 1
 
     def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, rows: int) -> None:
         """Rows `src` of every layer's cache into rows `dst` (the filled length only); then the first `rows` rows
@@ -336,30 +369,50 @@ def _onednn_linears(module: torch.nn.Module):
 
 
 def _packed_cat(linears: list[torch.nn.Linear]):
-    """x -> x @ [W_1; W_2; ...]^T + [b_1; b_2; ...] through oneDNN: several projections of the same input as one
-    matmul over their stacked weights (difference 9). x (..., in) -> (..., sum of out)."""
-    weight = torch.cat([m.weight.detach() for m in linears])  # (sum of out, in)
-    biases = [m.bias for m in linears]
+    """x -> x @ [W_1; W_2; ...]^T + [b_1; b_2; ...] through oneDNN (F.linear where `_packs` does not hold, e.g. on
+    CUDA): several projections of the same input as one matmul over their stacked weights (difference 9); a single
+    projection's weight is not copied unless reordered. x (..., in) -> (..., sum of out)."""
+    weights, biases = [m.weight.detach() for m in linears], [m.bias for m in linears]
+    weight = torch.cat(weights) if len(weights) > 1 else weights[0]  # (sum of out, in)
     bias = None if all(b is None for b in biases) else torch.cat(
         [weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in linears])
+    if not _packs(weight):
+        return partial(torch.nn.functional.linear, weight=weight, bias=bias)
     return partial(_onednn_linear, torch.ops.mkldnn._reorder_linear_weight(weight), bias)
 
 
+def _grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                       scaling: float) -> torch.Tensor:
+    """Attention of one query position over grouped heads, for the captured step (difference 10): query (R, H, 1, hd),
+    keys / values (R, KV, L, hd), additive mask (R, 1, 1, L) -> (R, 1, H, hd). The H / KV query heads that read key
+    head j (h // (H / KV) = j, as transformers' repeat_kv arranges them) are taken as that many query positions of
+    head j under the same mask, so SDPA's fused kernels, which take no grouped heads with a mask, read each key and
+    value head once (its math kernel would copy the cache per group):
+        o = softmax(q K^T * scaling + mask) V"""
+    R, H, _, hd = query.shape
+    KV = keys.shape[1]
+    o = torch.nn.functional.scaled_dot_product_attention(query.reshape(R, KV, H // KV, hd), keys, values,
+                                                         attn_mask=mask, scale=scaling)  # (R, KV, H / KV, hd)
+    return o.reshape(R, 1, H, hd)
+
+
 class DecodeStep:
-    """One decode step of a Llama / Qwen2 / Qwen3 decoder (`WRITTEN_OUT`) on the CPU, written out layer by layer
-    (difference 9): token (R,) -> the last hidden state (R, 1, D) after the final norm, as `decoder(input_ids=token[:,
-    None], position_ids=..., attention_mask=..., past_key_values=cache)` returns it. Per layer, the equations of the
-    model's own forward:
+    """One decode step of a Llama / Qwen2 / Qwen3 decoder (`WRITTEN_OUT`) on the CPU or CUDA (there through
+    `CapturedStep`: difference 10), written out layer by layer (difference 9): token (R,) -> the last hidden state
+    (R, 1, D) after the final norm, as `decoder(input_ids=token[:, None], position_ids=..., attention_mask=...,
+    past_key_values=cache)` returns it. Per layer, the equations of the model's own forward:
         x = RMSNorm(h);  q, k, v = x [W_q; W_k; W_v]^T (+ b)     one matmul (Qwen3: q, k <- per-head RMSNorm)
         q, k = RoPE(q, k, position);  K, V = cache + (k, v)      x cos + rotate_half(x) sin; the in-place write
-        h = h + softmax(q K^T / sqrt(hd) + mask) V W_o^T         SDPA over grouped heads, padding masked
+        h = h + softmax(q K^T / sqrt(hd) + mask) V W_o^T         SDPA over grouped heads, padding masked (captured:
+                                                                 `_grouped_attention`, unfilled positions masked)
         x = RMSNorm(h);  g, u = x [W_gate; W_up]^T               one matmul
         h = h + (act(g) * u) W_down^T
     The norms, rotary angles and activation are the model's own modules; q and k, adjacent heads of one matmul's
     output, are rotated as one tensor, and the padding mask is made additive once for all layers. The weights (and
     the LM head's real rows, `head`) are stacked and reordered for oneDNN when the step is built (the only copy of
-    them meanwhile: the prefill then runs F.linear): once per rollout phase in `PlainEngine.ready`, once per call in
-    a bare `generate`. A step holds copies, so it is valid only until the weights change."""
+    them meanwhile: the prefill then runs F.linear; on CUDA they are stacked, not reordered, and a single
+    projection's weight is the model's own): once per rollout phase in `PlainEngine.ready`, once per call in a bare
+    `generate`. A step holds copies, so it is valid only until the weights change."""
 
     def __init__(self, model, vocab_size: int | None = None):
         self.decoder, self.layers, self.vocab_size = model.get_decoder(), [], vocab_size
@@ -368,16 +421,21 @@ class DecodeStep:
             self.layers.append((layer, _packed_cat([attention.q_proj, attention.k_proj, attention.v_proj]),
                                 _packed_cat([attention.o_proj]), _packed_cat([mlp.gate_proj, mlp.up_proj]),
                                 _packed_cat([mlp.down_proj])))
-        self.head = _packed(model.get_output_embeddings().weight[:vocab_size])  # (R, D) -> (R, V') real rows only
+        head = model.get_output_embeddings().weight[:vocab_size]  # (V', D) real rows only
+        self.head, self.head_rows = _packed(head), head.shape[0]  # (R, D) -> (R, V')
 
     @staticmethod
     def supports(model) -> bool:
-        """A decoder of a family in `WRITTEN_OUT` whose weights all `_packs` (a CPU model in fp32 or bf16)."""
-        return (model.config.model_type in WRITTEN_OUT
-                and all(_packs(p) for p in model.get_decoder().layers.parameters()))
+        """A decoder of a family in `WRITTEN_OUT` whose weights all `_packs` (a CPU model in fp32 or bf16) or are
+        plain CUDA tensors (difference 10)."""
+        return (model.config.model_type in WRITTEN_OUT and all(
+            _packs(p) or (p.is_cuda and type(p.data) is torch.Tensor) for p in model.get_decoder().layers.parameters()))
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, attention_mask: torch.Tensor | None,
-                 cache: InPlaceCache) -> torch.Tensor:
+                 cache: InPlaceCache, column: torch.Tensor | None = None) -> torch.Tensor:
+        """column None: the cache grows by `update` and attention reads its filled views (the eager step); a (1,)
+        tensor: the captured step's static shapes (difference 10), the new keys and values written at `column` and
+        attention over the first attention_mask.shape[1] positions, the unfilled ones masked by `attention_mask`."""
         h = self.decoder.embed_tokens(token[:, None])  # (R, 1, D)
         R = h.shape[0]
         cos, sin = (x[:, :, None] for x in self.decoder.rotary_emb(h, position))  # (R, 1, 1, hd) each
@@ -392,8 +450,12 @@ class DecodeStep:
             if hasattr(attention, "q_norm"):  # Qwen3
                 qk = torch.cat([attention.q_norm(qk[:, :, :H]), attention.k_norm(qk[:, :, H:])], dim=2)
             qk = (qk * cos + rotate_half(qk) * sin).transpose(1, 2)  # RoPE of q and k at once: (R, H + KV, 1, hd)
-            keys, values = layer_cache.update(qk[:, H:], x[:, :, H + KV:].transpose(1, 2))  # (R, KV, L, hd)
-            o = grouped_sdpa(qk[:, :H], keys, values, mask, attention.scaling)  # (R, 1, H, hd)
+            if column is None:
+                keys, values = layer_cache.update(qk[:, H:], x[:, :, H + KV:].transpose(1, 2))  # (R, KV, L, hd)
+                o = grouped_sdpa(qk[:, :H], keys, values, mask, attention.scaling)  # (R, 1, H, hd)
+            else:
+                keys, values = layer_cache.write(qk[:, H:], x[:, :, H + KV:].transpose(1, 2), column, mask.shape[-1])
+                o = _grouped_attention(qk[:, :H], keys, values, mask, attention.scaling)  # (R, 1, H, hd)
             h += out(o.reshape(R, 1, -1))
             gate, up = gate_up(layer.post_attention_layernorm(h)).chunk(2, dim=-1)  # (R, 1, I) each
             h += down(mlp.act_fn(gate) * up)
@@ -405,6 +467,97 @@ class DecodeStep:
 WRITTEN_OUT = ("llama", "qwen2", "qwen3")
 
 
+# The captured step's attention reads the cache up to the filled length rounded up to this many positions: a graph
+# per length block that a phase reaches (difference 10), at most this many unfilled positions read per row.
+LENGTH_BLOCK = 256
+
+
+def batch_buckets(rows: int) -> list[int]:
+    """The batch sizes the captured step runs at for a phase of `rows` rows: the powers of two below it, and it."""
+    return [1 << i for i in range(rows.bit_length()) if 1 << i < rows] + [rows]
+
+
+class CapturedStep:
+    """The decode step (`DecodeStep`) and the LM head with static shapes for one rollout phase (difference 10). The KV
+    cache (rows x max_len tokens per layer), the attention mask and the step's inputs and logits are allocated once;
+    generate calls `cache(B, P + T)` once per call (the prefill writes into the same buffers), then once per step:
+        copy in:  token[:R], position[:R], mask[:R] <- the R running rows';  column <- the filled length P + t
+        replay:   for b = the smallest bucket >= R, L = column rounded up to LENGTH_BLOCK (at most max_len):
+                  logits[:b] = head(step(token[:b], position[:b], mask[:b, :L] * (positions <= column), column))
+        copy out: logits[:R], a view valid until the next call
+    The rows b - R past the running ones compute on stale inputs and are never read. On CUDA (`capture`) each (b, L)
+    is captured in a CUDA graph the first time it runs: a warm-up on a side stream, then `torch.cuda.graph`, every
+    graph in one memory pool (as nano-vllm captures per batch size; the body writes the same cache entries whenever
+    it runs, so the warm-up before a capture changes nothing); later calls replay it. Without `capture` (the CPU
+    stand-in) the same body runs eagerly on the same buffers. Valid until the step's weights change."""
+
+    def __init__(self, step: DecodeStep, rows: int, max_len: int, capture: bool | None = None,
+                 block: int = LENGTH_BLOCK):
+        weight = step.decoder.embed_tokens.weight
+        device, dtype, config = weight.device, weight.dtype, step.decoder.config
+        self.step, self.rows, self.max_len, self.block = step, rows, max_len, block
+        self.capture = device.type == "cuda" if capture is None else capture
+        self.buckets = batch_buckets(rows)
+        zeros = partial(torch.zeros, device=device)
+        self.kv = InPlaceCache(config, rows, max_len, [  # (rows, KV, max_len, hd) keys and values per layer
+            tuple(zeros(rows, a.k_proj.out_features // a.head_dim, max_len, a.head_dim, dtype=dtype) for _ in "kv")
+            for a in (layer.self_attn for layer in step.decoder.layers)])
+        # (rows, max_len) 0 at padding; ones at first, so rows never used (past the running ones) stay finite
+        self.mask = torch.ones(rows, max_len, dtype=torch.long, device=device)
+        self.token = zeros(rows, dtype=torch.long)  # (rows,)
+        self.position = zeros(rows, 1, dtype=torch.long)  # (rows, 1) rotary positions
+        self.column = zeros(1, dtype=torch.long)  # (1,) the cache position written by this step
+        self.positions = torch.arange(max_len, device=device)  # (max_len,)
+        self.logits = zeros(rows, step.head_rows, dtype=dtype)  # (rows, V')
+        self.graphs, self.pool = {}, None
+
+    def cache(self, rows: int, length: int) -> InPlaceCache:
+        """The static cache emptied for a generate call of `rows` rows and prompt + new tokens `length`."""
+        if rows > self.rows or length > self.max_len:
+            raise ValueError(f"a generate call of {rows} rows x {length} tokens exceeds the phase's static cache of "
+                             f"{self.rows} x {self.max_len}")
+        for layer in self.kv.layers:
+            layer.length = 0
+        return self.kv
+
+    def __call__(self, token: torch.Tensor, position: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """token (R,), position (R, 1), attention_mask (R, P+T) of the running rows -> logits (R, V')."""
+        R, column = len(token), self.kv.get_seq_length()
+        b = next(b for b in self.buckets if b >= R)
+        L = min(self.max_len, (column // self.block + 1) * self.block)
+        self.token[:R].copy_(token)
+        self.position[:R].copy_(position)
+        self.mask[:R, :attention_mask.shape[1]].copy_(attention_mask)
+        self.column.fill_(column)
+        if self.capture and (b, L) not in self.graphs:
+            self.graphs[b, L] = self._capture(b, L)
+        if (b, L) in self.graphs:
+            self.graphs[b, L].replay()
+        else:
+            self._body(b, L)  # the CPU stand-in
+        self.kv.written()
+        return self.logits[:R]
+
+    def _body(self, b: int, L: int) -> None:
+        """One decode step of b rows over cache positions [0, L): reads and writes only the static buffers."""
+        visible = self.mask[:b, :L] * (self.positions[:L] <= self.column)  # (b, L) prompt and written positions
+        hidden = self.step(self.token[:b], self.position[:b], visible, self.kv, self.column)  # (b, 1, D)
+        self.logits[:b] = self.step.head(hidden[:, -1])  # (b, V')
+
+    def _capture(self, b: int, L: int) -> "torch.cuda.CUDAGraph":
+        main = torch.cuda.current_stream(self.logits.device)
+        side = torch.cuda.Stream(self.logits.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):  # warm-up outside the capture: lazy initializations, cuBLAS workspaces
+            self._body(b, L)
+        main.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._body(b, L)
+        self.pool = graph.pool()
+        return graph
+
+
 # Finished rows leave the running batch once they are this share of it (difference 4). A drop copies only the caches
 # of the rows moved into the freed slots; bench.py compares cadences.
 COMPACT_FRACTION = 0.0
@@ -414,7 +567,7 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
              eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
              generator: torch.Generator | None = None, vocab_size: int | None = None,
              compact: float | None = COMPACT_FRACTION, stop: Callable[[], bool] | None = None,
-             written_out: "bool | DecodeStep" = True) -> Rollout:
+             written_out: "bool | DecodeStep | CapturedStep" = True) -> Rollout:
     """Sample one response per prompt from the HF causal LM `model` (under FSDP2: `policy.lm` inside `gathered`).
 
     eos_token_id/pad_token_id default to the model config's. vocab_size = number of real token ids (rows >= it are
@@ -424,7 +577,8 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
     call early (the trainer's stop signal, run_folder.Preemption): that rollout is incomplete, the caller drops it.
     `written_out`: decode through `DecodeStep` where it supports the model (difference 9), built for this call; a
     `DecodeStep` of this model built since its weights last changed (`PlainEngine` builds one per rollout phase):
-    through that one; False: through the model's own forward at every step (the same tokens up to fp32 rounding).
+    through that one; a `CapturedStep` of such a step: through its static cache and graphs (difference 10); False:
+    through the model's own forward at every step (the same tokens up to rounding).
     The KV cache goes in as `past_key_values` (transformers 5.17-5.19; later 5.x also call it `cache`).
     """
     device = next(model.parameters()).device
@@ -435,8 +589,10 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
     prompt, prompt_mask = (x.to(device) for x in _left_pad(prompt_ids, pad))  # (B, P)
     P = prompt.shape[1]
     decoder = model.get_decoder()
-    step = written_out if isinstance(written_out, DecodeStep) else \
-        DecodeStep(model, vocab_size) if written_out and DecodeStep.supports(model) else None  # difference 9
+    captured = written_out if isinstance(written_out, CapturedStep) else None  # difference 10
+    step = captured.step if captured else written_out if isinstance(written_out, DecodeStep) else \
+        DecodeStep(model, vocab_size) if written_out and DecodeStep.supports(model) and not \
+        next(model.parameters()).is_cuda else None  # difference 9 (a bare call on CUDA: the model's forward)
     if step is not None and (step.decoder is not decoder or step.vocab_size != vocab_size):
         raise ValueError(f"generate got the DecodeStep of another model or vocab_size ({step.vocab_size}, not "
                          f"{vocab_size})")
@@ -459,7 +615,7 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
         # forward compute the same distribution (up to the matmul kernel on CPU: difference 8), and the head only
         # sees the last position.
         head = step.head if step else _packed(model.get_output_embeddings().weight[:vocab_size])  # (R, D) -> (R, V')
-        cache = InPlaceCache(model.config, B, P + T)
+        cache = captured.cache(B, P + T) if captured else InPlaceCache(model.config, B, P + T)
         # Prefill each distinct prompt once (the G rows of a group share it), then give every row its prompt's cache.
         first = first_with_same_prompt(prompt, prompt_mask)  # (B,)
         unique = first.unique()  # (U,) rows that bring a prompt
@@ -470,8 +626,8 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
             slot = torch.searchsorted(unique, first)  # (B,) each row's prompt among the U
             cache.copy_rows(rows, slot, B)
             hidden = hidden[slot]  # (B, P, D)
+        logits = head(hidden[:, -1])  # (R, V') real vocabulary rows only (difference 2)
         for t in range(T):
-            logits = head(hidden[:, -1])  # (R, V') real vocabulary rows only (difference 2)
             u = None if temperature == 0 else torch.rand(B, generator=generator, device=device)[rows]  # (R,)
             token, logprob = _sample(logits, temperature, top_p, u)  # (R,), (R,)
             response_ids[rows, t], logprobs[rows, t] = token, logprob
@@ -487,10 +643,14 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
                     order = _drop_finished(running, cache)  # (R',) difference 4
                     rows, token = rows[order], token[order]
                     attention_mask, positions = attention_mask[order], positions[order]
+            if captured:
+                logits = captured(token, positions[:, t:t + 1], attention_mask)  # (R, V')
+                continue
             mask = attention_mask[:, :P + t + 1] if padded else None  # (R, P+t+1)
             hidden = step(token, positions[:, t:t + 1], mask, cache) if step else decoder(
                 input_ids=token[:, None], attention_mask=mask, position_ids=positions[:, t:t + 1], past_key_values=cache,
                 use_cache=True).last_hidden_state  # (R, 1, D)
+            logits = head(hidden[:, -1])  # (R, V')
 
     # Rows sample on after their EOS until they are dropped (difference 4); mask and blank that afterwards. A call ended
     # early (every row finished, or `stop`) made t + 1 tokens.
@@ -536,32 +696,48 @@ class PlainEngine:
     name = "plain"
 
     def __init__(self, lm, eos_token_id, pad_token_id: int, vocab_size: int | None,
-                 stop: Callable[[], bool] | None = None):
+                 stop: Callable[[], bool] | None = None, max_len: int | None = None, captured: bool = False):
+        """max_len: the run's longest prompt + response (train.py and eval.py give it), the length of a phase's
+        static cache; captured: decode through a `CapturedStep` (difference 10; train.py's --cuda-graphs)."""
         self.lm, self.eos, self.pad, self.vocab_size, self.stop = lm, eos_token_id, pad_token_id, vocab_size, stop
         self.step = True  # generate's `written_out`: a DecodeStep during a rollout phase
+        self.max_len = max_len
+        self.captured = captured
+        self.static = None  # the phase's CapturedStep, made at its first sample call
         lm.set_attn_implementation(PACKED_SDPA)  # as model.Policy does: model.grouped_sdpa under a mask
 
     @contextmanager
     def ready(self, policy):
         """The rollout phase: under FSDP2 the parameters stay gathered (`gathered`); every rank must enter. On CPU
-        the decode step's weights are stacked and reordered here, once for every generate call of the phase."""
+        the decode step's weights are stacked and reordered here, once for every generate call of the phase; with
+        `captured`, its static cache and graphs are made at the phase's first sample call."""
         with gathered(policy):
-            self.step = DecodeStep(self.lm, self.vocab_size) if DecodeStep.supports(self.lm) else True
+            cuda = next(self.lm.parameters()).is_cuda  # CUDA: the written-out step only to be captured (difference 10)
+            self.step = DecodeStep(self.lm, self.vocab_size) if DecodeStep.supports(self.lm) and (
+                self.captured or not cuda) else True
             try:
                 yield self
             finally:
-                self.step = True  # the copies go; the weights change before the next phase
+                self.step, self.static = True, None  # the copies go; the weights change before the next phase
 
     def sample(self, prompts: list[list[int]], group_size: int, seeds: list[int], chunk: int, max_new_tokens: int,
                temperature: float, top_p: float) -> Rollout:
         """`group_size` responses per prompt, `chunk` prompts per generate call, call c seeded with seeds[c]; cut
-        short (incomplete) when `stop()` turns true."""
-        device, parts = next(self.lm.parameters()).device, []
+        short (incomplete) when `stop()` turns true. With `captured` in a phase, the phase's static cache holds the
+        largest call's rows x the longest prompt + response, and is made anew only if a later call needs more."""
+        device, parts, step = next(self.lm.parameters()).device, [], self.step
+        if self.captured and isinstance(step, DecodeStep):  # difference 10
+            rows = min(chunk, len(prompts)) * group_size
+            length = max(self.max_len or 0, max(map(len, prompts)) + max_new_tokens)
+            if self.static is None or self.static.rows < rows or self.static.max_len < length:
+                self.static = None  # the smaller cache goes before the larger one is allocated
+                self.static = CapturedStep(step, rows, length)
+            step = self.static
         for c, seed in zip(range(0, len(prompts), chunk), seeds):
             parts.append(sample_groups(
                 self.lm, prompts[c:c + chunk], group_size, max_new_tokens=max_new_tokens, temperature=temperature,
                 top_p=top_p, eos_token_id=self.eos, pad_token_id=self.pad, vocab_size=self.vocab_size,
-                generator=torch.Generator(device).manual_seed(seed), stop=self.stop, written_out=self.step))
+                generator=torch.Generator(device).manual_seed(seed), stop=self.stop, written_out=step))
             if self.stop is not None and self.stop():
                 break
         return concat(parts, self.pad)
@@ -746,13 +922,15 @@ class VLLMEngine:
         self.dir.cleanup()
 
 
-def make_engine(name: str, lm, tokenizer, chat: bool, stop: Callable[[], bool] | None = None, **vllm_kwargs):
+def make_engine(name: str, lm, tokenizer, chat: bool, stop: Callable[[], bool] | None = None, captured: bool = False,
+                **vllm_kwargs):
     """The rollout engine `name` ('plain' or 'vllm') for the HF model `lm`; vLLM is imported only for 'vllm'.
-    stop: the plain sampler's early end (a vLLM generate call always finishes); vllm_kwargs: VLLMEngine's
-    max_model_len, kv_cache_memory_bytes, dtype, seed."""
+    stop: the plain sampler's early end (a vLLM generate call always finishes); captured: the plain engine decodes
+    through CUDA graphs (difference 10); vllm_kwargs: VLLMEngine's max_model_len (also the plain engine's static
+    cache length), kv_cache_memory_bytes, dtype, seed."""
     args = (lm, eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, lm_vocab_size(tokenizer))
     if name == "plain":
-        return PlainEngine(*args, stop=stop)
+        return PlainEngine(*args, stop=stop, max_len=vllm_kwargs.get("max_model_len"), captured=captured)
     if name == "vllm":
         return VLLMEngine(*args, **vllm_kwargs)
     raise ValueError(f"unknown rollout engine {name!r}; valid: plain, vllm")

@@ -1407,6 +1407,137 @@ def test_plain_engine_takes_the_weights_once_per_phase(monkeypatch):
                      vocab_size=other["vocab_size"], written_out=step)
 
 
+def _captured(lm, rows: int, max_len: int, vocab_size=_REAL_VOCAB, **kwargs) -> rollout.CapturedStep:
+    """The captured step of `lm` (its CPU stand-in unless kwargs say otherwise), length blocks of 16 positions."""
+    return rollout.CapturedStep(rollout.DecodeStep(lm, vocab_size), rows, max_len, **{"block": 16, **kwargs})
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0, 1.0), (1.0, 1.0), (0.8, 0.9)])
+def test_rollout_captured_step_same_tokens_as_eager(monkeypatch, temperature, top_p):
+    """The captured step (here its CPU stand-in: the same body, run eagerly on the static buffers) samples what the
+    eager sampler samples for the same generator: tokens equal, log-probs to 1e-5, greedy and sampled, on left-padded
+    prompts whose rows stop at very different lengths. Each step runs at the smallest batch bucket (powers of two,
+    and the phase's 24 rows) that holds the running rows, which shrink as rows finish (compaction), and reads the
+    cache up to the written position rounded up to the length block."""
+    lm = _eos_biased_model(73)
+    prompts = _prompts() * 6  # 24 rows
+    kwargs = dict(max_new_tokens=40, temperature=temperature, top_p=top_p, eos_token_id=2, pad_token_id=0,
+                  vocab_size=_REAL_VOCAB if temperature else None)  # greedy: all rows, lengths 9..40
+    ref = generate(lm, prompts, **kwargs, generator=torch.Generator().manual_seed(3))
+    P = ref.prompt_ids.shape[1]
+    captured = _captured(lm, 24, P + 40, kwargs["vocab_size"])
+    assert captured.buckets == [1, 2, 4, 8, 16, 24]
+    seen = []
+    monkeypatch.setattr(rollout.CapturedStep, "_body", lambda self, b, L, body=rollout.CapturedStep._body:
+                        seen.append((b, L, self.kv.get_seq_length())) or body(self, b, L))
+    r = generate(lm, prompts, **kwargs, generator=torch.Generator().manual_seed(3), written_out=captured)
+    assert torch.equal(r.response_ids, ref.response_ids) and torch.equal(r.response_mask, ref.response_mask)
+    assert torch.equal(r.truncated, ref.truncated)
+    torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    lengths = ref.response_mask.sum(1)
+    assert lengths.min() <= 12 and ref.truncated.any() and len(set(lengths.tolist())) >= 4  # very different
+    assert r.prompt_mask.min() == 0  # left padding
+    # step t writes token t's keys at position P + t, for the rows still running (those longer than t + 1 tokens)
+    running = [int((lengths > t + 1).sum()) for t in range(int(lengths.max()) - 1)]
+    assert seen == [(next(b for b in (1, 2, 4, 8, 16, 24) if b >= R), min(P + 40, (P + t) // 16 * 16 + 16), P + t)
+                    for t, R in enumerate(running)]
+    assert len({L for _, L, _ in seen}) >= 3 and len({b for b, _, _ in seen}) >= (1 if temperature == 1 else 2)
+
+
+def test_rollout_captured_step_contract(monkeypatch):
+    """The captured step's contract: its attention equals SDPA over the key/value heads repeated per head group; its
+    static buffers (KV cache, mask, inputs, logits) are allocated once and never again over the generate calls of a
+    phase (the prefill writes into them too); each step copies the running rows' inputs in, runs the body on views of
+    the static buffers only, and hands back a view of the static logits. With capture on (a recording stand-in for
+    the CUDA graph, replaying the body eagerly) each (bucket, length) is captured once, at its first step, and
+    replayed at every step, with the stand-in's tokens. A call larger than the static cache, or for another model,
+    is refused."""
+    assert rollout.batch_buckets(1) == [1] and rollout.batch_buckets(16) == [1, 2, 4, 8, 16]
+    assert rollout.batch_buckets(24) == [1, 2, 4, 8, 16, 24]
+    g = torch.Generator().manual_seed(0)  # its attention: SDPA over the key/value heads repeated per head group
+    q, k, v = (torch.randn(5, heads, length, 16, generator=g) for heads, length in ((8, 1), (2, 37), (2, 37)))
+    mask = torch.zeros(5, 1, 1, 37).index_fill_(3, torch.arange(30, 37), float("-inf"))  # unfilled positions
+    mask[1, ..., :5] = float("-inf")  # padding
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
+                                                           attn_mask=mask, scale=0.3).transpose(1, 2)  # (R, 1, H, hd)
+    torch.testing.assert_close(rollout._grouped_attention(q, k, v, mask, 0.3), ref, atol=1e-6, rtol=1e-5)
+    lm, prompts = _eos_biased_model(105), _prompts()
+    kwargs = dict(max_new_tokens=30, eos_token_id=2, pad_token_id=0, vocab_size=_REAL_VOCAB)
+    P = rollout._left_pad(prompts, 0)[0].shape[1]
+    captured = _captured(lm, 8, P + 30)
+    static = [captured.mask, captured.token, captured.position, captured.column, captured.logits] + [
+        t for layer in captured.kv.layers for t in (layer.key_buffer, layer.value_buffer)]
+    pointers = [t.data_ptr() for t in static]
+    inputs, outputs = [], []
+    step_call = rollout.DecodeStep.__call__
+    monkeypatch.setattr(rollout.DecodeStep, "__call__", lambda self, token, position, mask, cache, column=None:
+                        inputs.append((token, position, mask, cache, column)) or step_call(
+                            self, token, position, mask, cache, column))
+    call = rollout.CapturedStep.__call__
+    monkeypatch.setattr(rollout.CapturedStep, "__call__", lambda self, *args: outputs.append(call(self, *args))
+                        or outputs[-1])
+    first = [generate(lm, prompts * 2, generator=torch.Generator().manual_seed(s), written_out=captured, **kwargs)
+             for s in (0, 1)]  # two calls of one phase
+    assert [t.data_ptr() for t in static] == pointers  # nothing reallocated
+    assert captured.kv.layers[0].keys.data_ptr() == pointers[5]  # the prefill wrote into the static buffer
+    for token, position, mask, cache, column in inputs:
+        assert token.data_ptr() == captured.token.data_ptr() and position.data_ptr() == captured.position.data_ptr()
+        assert mask.shape[0] == len(token) and cache is captured.kv and column is captured.column
+    assert all(o.data_ptr() == captured.logits.data_ptr() for o in outputs) and len(outputs) == len(inputs) > 20
+    # with capture: once per (bucket, length), replayed at every step
+    captures, replays = [], []
+
+    class Graph:
+        def __init__(self, step, key):
+            self.step, self.key = step, key
+
+        def replay(self):
+            replays.append(self.key)
+            self.step._body(*self.key)
+    monkeypatch.setattr(rollout.CapturedStep, "_capture", lambda self, b, L: captures.append((b, L)) or
+                        Graph(self, (b, L)))
+    graphs = _captured(lm, 8, P + 30, capture=True)
+    inputs.clear()
+    again = [generate(lm, prompts * 2, generator=torch.Generator().manual_seed(s), written_out=graphs, **kwargs)
+             for s in (0, 1)]
+    keys = [(len(token), mask.shape[1]) for token, _, mask, _, _ in inputs]
+    assert replays == keys and captures == list(dict.fromkeys(keys)) and len(captures) < len(keys)
+    assert sorted(graphs.graphs) == sorted(captures)
+    for a, b in zip(first, again):
+        assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
+    for rows, tokens in ((9, 30), (8, 31)):
+        with pytest.raises(ValueError, match="exceeds the phase's static cache"):
+            generate(lm, (prompts * 3)[:rows], written_out=captured, **dict(kwargs, max_new_tokens=tokens))
+    with pytest.raises(ValueError, match="DecodeStep of another model"):
+        generate(tiny_model(), prompts, written_out=captured, **kwargs)
+
+
+def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
+    """`PlainEngine` with `captured` (train.py's --cuda-graphs on CUDA; the CPU stand-in here) makes one `CapturedStep` per rollout
+    phase at its first sample call, for its largest generate call's rows and the run's longest prompt + response
+    (`max_len`, which make_engine takes from max_model_len), uses it for every generate call of the phase, samples
+    what the eager engine samples, and drops it with the phase; a later call of the phase that needs more rows makes
+    a larger one."""
+    lm, prompts = _eos_biased_model(105), _prompts()
+    tok = tiny_tokenizer()
+    engine = rollout.make_engine("plain", lm, tok, True, max_model_len=200)
+    assert engine.max_len == 200 and not engine.captured  # the default: the eager step
+    assert rollout.make_engine("plain", lm, tok, True, captured=True).captured
+    eager = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)
+    engine.captured, built = True, []
+    monkeypatch.setattr(rollout.CapturedStep, "__init__", lambda self, *a, init=rollout.CapturedStep.__init__:
+                        built.append(a[1:]) or init(self, *a))
+    with engine.ready(lm):
+        r = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)  # four generate calls of 2 rows
+        held = engine.static
+        assert built == [(2, 200)] and isinstance(held, rollout.CapturedStep)
+        engine.sample(prompts[:2], 2, [7], 2, 24, 1.0, 1.0)  # 4 rows: a larger cache
+        assert built == [(2, 200), (4, 200)] and engine.static is not held
+    assert engine.static is None and engine.step is True
+    assert torch.equal(r.response_ids, eager.response_ids)
+    torch.testing.assert_close(r.logprobs, eager.logprobs, atol=1e-5, rtol=0)
+
+
 def test_rollout_grouped_sdpa_no_repeated_cache(monkeypatch):
     """`model.grouped_sdpa` (on CPU, when a mask is given, under model.PACKED_SDPA, which PlainEngine and Policy
     give the model) equals SDPA over the key/value heads repeated per head group; the sampler then samples
@@ -1853,6 +1984,17 @@ def test_reward_source_never_evaluates_text():
     ("She sold 72 clips.\n#### 72", "72"),
     ("因此，答案是 5。", "5"),
     ("So Tom has 35 apples left.", "35"),  # a one-number concluding sentence
+    ("Final Answer: The final answer is $34$. I hope it is correct.", "34"),  # Minerva's ending
+    ("Final Answer: The largest $n$ is 34.", "34"),  # the phrase is a whole sentence
+    ("so the answer is 2/3 <|im_start|>user\nWhat is 1+1? The answer is 2.", "2/3"),  # an invented next turn
+    ("\\boxed{12}<|im_end|>\n<|im_start|>user\nAnd now? \\boxed{7}", "12"),
+    ("x + 2 = 7.\n\nAnswer 5", "5"),  # "Answer" without a colon, at the start of a line
+    ("Answer $\\frac{1}{2}$", "\\frac{1}{2}"),
+    ("Answer 2. The second case gives 7.\nSo we are done.", None),  # "Answer 2" as a heading: no answer
+    ("Therefore, the probability that Alice wins the game is 2/3. <|im_start|>user", "2/3"),  # "... is <value>."
+    ("So, the ordered pair $(x, y)$ that solves the system is $(7, 6)$.", "(7, 6)"),
+    ("Therefore, there are 12 such sequences. I hope it is correct.", "12"),  # Minerva's closing sentence skipped
+    ("So the probability is 2/3, or maybe it is 3/4.", None), ("We need to check whether it is 2/3.", None),
     ("After a long computation, the answer is", None),
     ("We need to find $x$ such that $2x + 3 = 13$. Let's think.", None),
     ("Let me compute 5 more steps.", None),
@@ -1920,9 +2062,62 @@ def test_reward_extract_answer(response, expected):
     ("3 \\text{ or } 4", "3", False), ("3 and 4", "4", False), ("3, 4", "3", False), ("", "3", False),
     (" ", "3", False), ("x+11 \\text{ or } 11+x", "11+x", True),  # one answer twice is no hedge
     ("12:00", "12:00", True), ("1:00", "12:00", False),
+    # relations of one variable through an affine map or an absolute value; a named quantity; \approx as the value
+    ("-x > -1", "x<1", True), ("-x \\ge -1", "x \\le 1", True), ("-x < -1", "x<1", False),
+    ("-x > -1", "x \\le 1", False),
+    ("2x - 4 > 0", "x > 2", True), ("|x - 3| < 2", "(1, 5)", True), ("|x - 3| > 2", "(1, 5)", False),
+    ("|x| > 2", "(-\\infty, -2) \\cup (2, \\infty)", True), ("1 \\le |z| \\le 3/2", "[-1.5,-1]\\cup[1,1.5]", True),
+    ("1 \\le z \\le 3/2", "[-1.5,-1]\\cup[1,1.5]", False), ("0 < f(x) < 1", "(0, 1)", True),
+    ("0 \\le f(x) < 1", "(0, 1)", False), ("x \\approx 11", "11", True), ("x \\approx 11.2", "11", False),
+    ("x \\approx 0.33", "\\frac13", False), ("x^2 < 4", "(-2, 2)", False), ("\\pi \\approx 3.14", "\\pi", True),
+    # labels that are not a plain variable; ratios term by term
+    ("1", "|AB| = 1", True), ("|AB| = 1", "1", True), ("|AC| = 1", "|AB| = 1", False), ("2", "|AB| = 1", False),
+    ("7:32", "S_{MBCN}:S = 7:32", True), ("7:23", "S_{MBCN}:S = 7:32", False), ("14:64", "7:32", False),
+    ("\\frac{\\sqrt6}{6}", "\\frac{NO}{BO} = \\frac{1}{\\sqrt6}", True),
+    ("\\frac16", "\\frac{NO}{BO} = \\frac{1}{\\sqrt6}", False),
+    ("5", "x + y = 5", False), ("|x| = 5", "5", False),
+    # number formats: a decimal comma where it cannot be a thousands separator, for a one-number gold
+    ("1000,99", "1000.99", True), ("2,74", "2.74", True), ("0,111", "0.111", True), ("1,500", "1.5", False),
+    ("2,74", "2, 74", True), ("2.74", "2, 74", False), ("2, 74", "2.74", False), ("14 {, }916", "14916", True),
+    ("185", "185\\ ", True), ("186", "185\\ ", False),
+    # tuples with semicolons
+    ("(0;0;0)", "(0,0,0)", True), ("(0;0;1)", "(0,0,0)", False), ("[1;2)", "[1,2)", True),
 ])
 def test_reward_equivalence_rules(pred, gold, expected):
     assert reward.grade(f"The answer is $\\boxed{{{pred}}}$.", gold) is expected
+
+
+@pytest.mark.parametrize("pred, gold, expected", [
+    ("E", "E", True), ("\\textbf{(C)}", "C", True), ("C", "\\textbf{(C)}", True), ("C)", "C", True),
+    ("C", "C. x = 42", True), ("C. x = 42", "C. x = 42", True), ("x = 42", "C. x = 42", True), ("(C) 12", "C", True),
+    ("C. x = 41", "C. x = 42", False), ("D", "C. x = 42", False), ("(C)\\ 13", "(C) 12", False),
+    ("E+1", "E", False), ("E^2", "E", False), ("\\mathrm{E}*2", "E", False), ("A*3", "A", False), ("B = 7", "B", False),
+    ("B \\text{ or } C", "B", False), ("B, C", "B", False), ("A B C D E", "A", False), ("ABCDE", "A", False),
+    ("(C) \\text{ or } (D)", "C", False), ("(C)(D)", "C", False), ("C. D", "C", False), ("C.5", "C", False),
+])
+def test_reward_choice_gold_accepts_only_its_choice(pred, gold, expected):
+    """A letter gold accepts that choice, alone or with its own label text; nothing with more math after the letter,
+    no second choice (listing every choice was always right), no hedge."""
+    assert reward.grade(f"The answer is $\\boxed{{{pred}}}$.", gold) is expected
+
+
+def test_reward_choice_hedges_outside_the_box_are_wrong():
+    assert not reward.grade("So $\\boxed{B}$ or $\\boxed{C}$.", "B")
+    assert not reward.grade("The answer is B or C.", "B")
+    assert reward.grade("Comparing the options, the answer is (B).", "B")
+
+
+def test_reward_several_boxes_for_several_parts():
+    """A gold of k answers is also compared with the last k boxes (one box per part), unless one is hedged."""
+    two = "For part (a) the point is $\\boxed{(3,3)}$, and for part (b) we get $\\boxed{(1,1)}$."
+    assert reward.grade(two, "(3,3), (1,1)") and reward.grade(two, ["(1,1)", "(3,3)"])
+    assert not reward.grade(two, "(3,3)") and reward.grade(two, "(1,1)")  # one-answer gold: the last box
+    assert not reward.grade(two + " Also $\\boxed{(2,2)}$.", "(3,3), (1,1)")  # the last two boxes are not the answers
+    assert not reward.grade("(a) $\\boxed{6}$. (b) $\\boxed{15}$ (or maybe 16)", ["6", "15"])
+    assert not reward.grade("(a) $\\boxed{6}$ or possibly 7. (b) $\\boxed{15}$.", ["6", "15"])
+    assert not reward.grade("(a) $\\boxed{}$. (b) $\\boxed{15}$.", ["6", "15"])
+    assert not reward.grade("So $\\boxed{3}$. Wait, that is wrong: actually $\\boxed{5}$.", "3, 5")  # a retraction
+    assert not reward.grade("(a) $\\boxed{7}$ or $\\boxed{6}$. (b) $\\boxed{15}$.", ["6", "15"])  # part (a) hedged
 
 
 def test_reward_list_golds_are_several_answers():
@@ -4734,10 +4929,10 @@ _CF_LEN = 6  # max_response_len: hint, answer, 4 fillers
 def _tabular_sampler(calls: list):
     import random
 
-    def sample(prefixes, k, max_new_tokens, seed):
+    def sample(prefixes, k, max_new_tokens, seed, exclude=None):
         calls.append((len(prefixes), max_new_tokens, seed))
         rng, out = random.Random(seed), []
-        for prefix in prefixes:
+        for i, prefix in enumerate(prefixes):
             gold, response = prefix[0], prefix[1:]
             for _ in range(k):
                 cont = []
@@ -4750,7 +4945,8 @@ def _tabular_sampler(calls: list):
                         token = gold if rng.random() < _P_RIGHT[hint] else rng.choice([d for d in range(10) if d != gold])
                     else:
                         token = _FILL
-                    cont.append(token)
+                    if cont or exclude is None or token != exclude[i]:  # the redraw without the token: reject it
+                        cont.append(token)
                 out.append(cont)
         return out
     return sample
@@ -4776,9 +4972,13 @@ def test_counterfactual_estimator_on_a_known_policy():
     calls = []
     effects = counterfactual.token_effects(_tabular_sampler(calls), _tabular_grade(prompts), prompts, responses,
                                            list(exact), k=2000, max_response_len=_CF_LEN, seed=3, prefixes_per_call=4)
+    contrast = {(0, 0): 0.9 - 0.2, (0, 1): 1.0, (0, 3): 0.0, (0, 5): 0.0, (1, 0): 0.2 - 0.9, (1, 1): 1.0,
+                (2, 1): 0 - 0.2}  # Q(a) - Q(not a): effect = (1 - p) contrast, p = 0.5 (hints), 0.9 / 0.2 (answers)
     for e in effects:
         truth = exact[e.row, e.t]
         assert e.k == 2000 and abs(e.effect - truth) <= 3 * e.stderr + 1e-12, (e, truth)
+        assert e.contrast_ci[0] <= contrast[e.row, e.t] <= e.contrast_ci[1], (e, contrast[e.row, e.t])
+        assert e.contrast == pytest.approx(e.keep - e.exclude)
         assert e.effect == pytest.approx(e.keep - e.resample) and e.stderr < 0.03
         if truth == 0:
             assert e.effect == 0 and e.stderr == 0  # nothing after the answer can change it
@@ -4786,9 +4986,10 @@ def test_counterfactual_estimator_on_a_known_policy():
         if (e.row, e.t) in ((0, 0), (1, 0)):  # the response's reward is not the success with y_t kept
             assert abs(reward_of_response - e.resample - truth) > 3 * e.stderr + 0.05
     # one call per group of <= 4 prefixes (the last token's kept prefix is the response itself: no call), longest
-    # budget first, each call seeded differently
-    assert [n for n, _, _ in calls] == [4, 4, 4, 1] and [m for _, m, _ in calls] == sorted(
-        (m for _, m, _ in calls), reverse=True) and len({s for _, _, s in calls}) == 4
+    # budget first, each call seeded differently; then the redraws without the token, in calls of their own
+    assert [n for n, _, _ in calls] == [4, 4, 4, 1, 4, 3] and len({s for _, _, s in calls}) == 6
+    assert all([m for _, m, _ in part] == sorted((m for _, m, _ in part), reverse=True)
+               for part in (calls[:4], calls[4:]))
     again = counterfactual.token_effects(_tabular_sampler([]), _tabular_grade(prompts), prompts, responses,
                                          list(exact), k=2000, max_response_len=_CF_LEN, seed=3, prefixes_per_call=4)
     assert again == effects  # seeded: reproducible
@@ -4805,13 +5006,18 @@ def test_counterfactual_pick_tokens_and_summary():
     kinds = {k: [(r, t) for kk, r, t in picked if kk == k] for k in counterfactual.KINDS}
     assert kinds["silenced"] == [(0, 1), (0, 2)] and kinds["candidate"] == [(0, 0), (1, 1)]
     assert len(kinds["other"]) == 2 and set(kinds["other"]) <= {(0, 3), (1, 0), (1, 2)}  # row 2 is wrong
-    lines = [{"kind": "silenced", "effect": 0.0, "stderr": 0.0, "keep": 1.0, "resample": 1.0},
-             {"kind": "silenced", "effect": -0.5, "stderr": 0.1, "keep": 0.5, "resample": 1.0},
-             {"kind": "other", "effect": 0.25, "stderr": 0.2, "keep": 1.0, "resample": 0.75}]
+    def line(kind, row, keep, resample, exclude, negligible, part="graded"):
+        return {"kind": kind, "row": row, "part": part, "keep": keep, "resample": resample, "exclude": exclude,
+                "effect": keep - resample, "contrast": keep - exclude, "negligible": negligible, "delta": 0.2}
+
+    lines = [line("silenced", 0, 1.0, 1.0, 1.0, True), line("silenced", 1, 0.5, 1.0, 1.0, False),
+             line("other", 0, 1.0, 0.75, 0.5, False, "after")]
     table = counterfactual.summary(lines)
-    # 1 of 2 within 1.96 se of 0 (Wilson 95%: 9%-91%), both <= 0, 1 of 2 settled (keep = redrawn = 1)
-    assert "| silenced | 2 | -0.250 (" in table and "| 50% (9%-91%) | 100% | 50% | 0.75 / 1.00 |" in table
-    assert "| candidate | 0 |" in table and "| other | 1 | +0.250 | 100% (21%-100%) | 0% | 0% |" in table
+    # two responses: the intervals resample them; 1 of 2 negligible, both effects <= 0, 1 of 2 settled
+    assert "| silenced, graded | 2 (2) | -0.250 (-0.500, +0.000) | -0.250 (-0.500, +0.000) | 50% (0%, 100%) " \
+           "(delta 0.2) | 100% | 50% | 0.75 / 1.00 / 1.00 |" in table
+    assert "| candidate, graded | 0 |" in table and "| silenced, after | 0 |" in table
+    assert "| other, after | 1 (1) | +0.250 (+0.250, +0.250) | +0.500 (+0.500, +0.500) | 0% (0%, 0%)" in table
     assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines())
 
 
@@ -4821,34 +5027,69 @@ def test_counterfactual_wilson_interval_and_pooled_groups(tmp_path, monkeypatch)
     assert counterfactual.wilson(81, 263) == pytest.approx((0.2553, 0.3662), abs=1e-4)
     assert counterfactual.wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
 
-    def line(algo, seed, step, kind, candidate, rule, effect=0.0):
-        return {"algo": algo, "seed": seed, "step": step, "kind": kind, "candidate": candidate, "s2t_rule": rule,
-                "effect": effect, "stderr": 0.1, "keep": 0.5, "resample": 0.5 - effect}
+    def line(algo, seed, step, kind, candidate, rule, effect=0.0, part="graded"):
+        return {"algo": algo, "seed": seed, "step": step, "row": step, "kind": kind, "part": part,
+                "candidate": candidate, "s2t_rule": rule, "effect": effect, "stderr": 0.1, "keep": 0.5,
+                "resample": 0.5 - effect, "exclude": 0.5 - effect, "contrast": effect, "negligible": effect == 0,
+                "delta": 0.2}
 
     lines = [line("justrl", 0, 1, "candidate", True, True), line("justrl", 0, 2, "candidate", True, False, 0.5),
-             line("justrl", 1, 3, "other", False, False), line("fullmask", 0, 1, "silenced", True, False, 0.5),
-             line("fullmask", 0, 1, "silenced", True, True)]
+             line("justrl", 1, 3, "other", False, False, part="after"),
+             line("fullmask", 0, 1, "silenced", True, False, 0.5), line("fullmask", 0, 1, "silenced", True, True)]
     groups = counterfactual.pooled_groups(lines)
     assert list(groups) == ["justrl (2 seeds, steps 1-3)", "fullmask (1 seeds, steps 1)"]
     justrl, fullmask = groups.values()
-    assert [len(justrl[k]) for k in counterfactual.KINDS] == [0, 2, 1]
+    assert [len(justrl[f"{k}, {p}"]) for k in counterfactual.KINDS for p in counterfactual.PARTS] == [0, 0, 2, 0, 0, 1]
     assert [x["step"] for x in justrl["candidates the S2T rule silences"]] == [1]
     assert [x["step"] for x in justrl["candidates the S2T rule keeps"]] == [2]
     assert [x["effect"] for x in fullmask["candidates the S2T rule keeps"]] == [0.5]
     table = counterfactual.pooled_summary(lines).splitlines()
-    assert len(table) == 2 + 2 * 5 and table[2].startswith("| justrl (2 seeds, steps 1-3) | silenced | 0 |")
-    assert table[6].startswith("|  | candidates the S2T rule keeps | 1 | +0.500 | 0% (0%-79%) |")
+    assert len(table) == 2 + 2 * 8 and table[2].startswith("| justrl (2 seeds, steps 1-3) | silenced, graded | 0 |")
+    assert table[9].startswith("|  | candidates the S2T rule keeps | 1 (1) | +0.500 (+0.500, +0.500) | "
+                               "+0.500 (+0.500, +0.500) | 0% (0%, 0%)")
     # the figure: each group's size and share under its tick label, nothing written inside the axes over the points
     import matplotlib.pyplot as plt
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)
-    assert plots.plot_counterfactual_groups(groups, str(tmp_path / "groups.png"))
+    assert plots.plot_counterfactual_groups(groups, str(tmp_path / "groups.png"), counterfactual.cluster_interval)
     monkeypatch.undo()
     axes = figures[0].axes
     assert [t.get_text() for t in axes[1].get_xticklabels()] == [
-        "silenced\nn = 2\n50% ~ 0", "cand., S2T\nsilences\nn = 1\n100% ~ 0", "cand., S2T\nkeeps\nn = 1\n0% ~ 0"]
+        "silenced\ngraded\nn = 2\n50% negl.", "cand., S2T\nsilences\nn = 1\n100% negl.",
+        "cand., S2T\nkeeps\nn = 1\n0% negl."]
     assert all(not ax.texts for ax in axes)
     plt.close(figures[0])
+
+
+def test_counterfactual_contrast_redraw_and_equivalence():
+    """The redraw without the token never returns it, even where the policy puts almost all its mass on it; the
+    equivalence test: Newcombe's interval against the published example (56/70 - 48/80: 0.0524 to 0.3339, method 10)
+    and "negligible" only when the interval lies inside +-delta (all K draws agreeing at K = 8 is not enough)."""
+    torch.manual_seed(0)
+    lm = tiny_model(vocab_size=32)
+    with torch.no_grad():
+        lm.get_output_embeddings().weight[7] *= 0  # then make token 7 dominant at every position
+        lm.get_output_embeddings().bias = None
+    prefix = [5, 6, 9]
+    with torch.no_grad():
+        logits = lm(input_ids=torch.tensor([prefix])).logits[0, -1]
+    top = int(logits.argmax())
+    for top_p in (1.0, 0.5):
+        draws = counterfactual.redraw_without(lm, [prefix, prefix], [top, 3], 400, 1.0, top_p, 32, seed=1)
+        assert top not in draws[0] and 3 not in draws[1] and len(draws[0]) == 400
+        assert top in draws[1] or top_p == 1.0  # the other row may draw it
+    # the nucleus that holds the token alone: the rest of the softmax, renormalized
+    draws = counterfactual.redraw_without(lm, [prefix], [top], 50, 0.01, 0.5, 32, seed=1)
+    assert top not in draws[0]
+    p1, p2 = 56 / 70, 48 / 80  # Newcombe's example has unequal n: the formula with the two Wilson intervals
+    (l1, u1), (l2, u2) = counterfactual.wilson(56, 70), counterfactual.wilson(48, 80)
+    d = p1 - p2
+    assert (d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2), d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)) == \
+        pytest.approx((0.0524, 0.3339), abs=1e-4)
+    assert counterfactual.newcombe(8, 8, 8) == pytest.approx((-0.3244, 0.3244), abs=1e-4)  # unanimous: not 0 wide
+    assert counterfactual.newcombe(32, 32, 32)[1] == pytest.approx(0.1072, abs=1e-4)
+    lo, hi = counterfactual.newcombe(16, 14, 32)  # a large interval around a small difference: not negligible
+    assert lo < -0.2 < 0.0625 < 0.2 < hi
 
 
 def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
@@ -4873,7 +5114,10 @@ def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
     assert {x["step"] for x in lines} == {1, 2} and {x["kind"] for x in lines} == set(counterfactual.KINDS)
     for x in lines:
         assert {"kind", "effect", "stderr", "k", "step", "row", "t", "token", "p", "H", "A", "keep", "resample",
-                "reward", "context"} <= x.keys()
+                "reward", "context", "exclude", "contrast", "contrast_ci", "negligible", "part"} <= x.keys()
+        assert x["contrast"] == pytest.approx(x["keep"] - x["exclude"]) and x["part"] in ("graded", "after")
+        lo, hi = x["contrast_ci"]
+        assert x["negligible"] == (-0.2 < lo and hi < 0.2) and lo <= x["contrast"] <= hi
         assert x["k"] == 4 and x["rollout_matches_run"] is True and -1 <= x["effect"] <= 1
         assert x["mini_batch"] == x["row"] // 8  # 2 prompts x G 4 per mini-batch
         assert x["effect"] == pytest.approx(x["keep"] - x["resample"])
@@ -4884,15 +5128,15 @@ def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
                for kind in counterfactual.KINDS for step in (1, 2))
     assert {x["mini_batch"] for x in lines} == {0, 1}
     out = capsys.readouterr().out
-    assert "| kind | tokens | mean effect (95% CI)" in out and "| silenced |" in out
+    assert "| kind | tokens (responses) | mean effect (95% CI) | mean contrast" in out and "| silenced, " in out
     assert (run / "counterfactual.png").is_file() or importlib.util.find_spec("matplotlib") is None
     assert counterfactual.main([str(run), "--steps", "4"]) == 2  # no checkpoint of step 3 exists
     assert "step_3" in capsys.readouterr().err and (run / "counterfactual.jsonl").read_text() == first
     # --table: runs pooled per algorithm (a run given twice counts once)
     assert counterfactual.main(["--table", str(run), str(run), "--out", str(tmp_path / "new" / "pooled.png")]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[2].startswith(f"| stapo (1 seeds, steps 1-2) | silenced | "
-                                          f"{sum(x['kind'] == 'silenced' for x in lines)} |")
+    assert out.splitlines()[2].startswith(f"| stapo (1 seeds, steps 1-2) | silenced, graded | "
+                                          f"{sum(x['kind'] == 'silenced' and x['part'] == 'graded' for x in lines)} ")
     assert (tmp_path / "new" / "pooled.png").is_file() or importlib.util.find_spec("matplotlib") is None
     assert counterfactual.main(["--table", str(tmp_path)]) == 2
     assert "no counterfactual.jsonl in" in capsys.readouterr().err
@@ -5048,15 +5292,20 @@ def test_collapse_table_and_figure_from_run_folders(tmp_path):
 # ==================================================================================================================
 def test_bench_gpu_smoke(tmp_path):
     """`python bench.py gpu --smoke` runs every part of the GPU check (so it cannot rot between GPU runs): the sharded
-    fp32 forward equals an fp32 copy of the same weights, the chunked head the fp64 naive one, the sampler makes
-    exactly its tokens, and train.py makes its two steps with an update each."""
+    fp32 forward equals an fp32 copy of the same weights, the chunked head the fp64 naive one, each sampler (the
+    model's forward, the written-out step, the captured step's CPU stand-in, model.generate) makes exactly its
+    tokens, the captured step's body gives the same tokens however it runs, and train.py makes its two steps with an
+    update each."""
     import bench
 
     with _one_thread():
         bench.bench_gpu(smoke=True, out=tmp_path)
     rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
-    assert [r["part"] for r in rows] == ["train"] * 3 + ["numerics"] * 2 + ["head"] * 2 + ["rollout"] * 3 + ["e2e"] * 2
-    assert [r["sampler"] for r in rows if r["part"] == "rollout"] == ["rollout.generate"] * 2 + ["model.generate"]
+    assert [r["part"] for r in rows] == ["train"] * 3 + ["numerics"] * 2 + ["head"] * 2 + ["rollout"] * 5 + [
+        "captured_check"] + ["e2e"] * 2
+    assert [(r["sampler"], r["batch"]) for r in rows if r["part"] == "rollout"] == [
+        ("model forward, eager", 4), ("DecodeStep, eager", 4), ("CapturedStep", 2), ("CapturedStep", 4),
+        ("model.generate", 2)]
     for r in rows:
         if r["part"] == "train":
             assert r["updates"] == 1 and math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and r["mfu"] > 0
@@ -5065,7 +5314,11 @@ def test_bench_gpu_smoke(tmp_path):
         elif r["part"] == "head":
             assert r["logprob_max_abs_diff"] < 1e-4 and r["entropy_max_abs_diff"] < 1e-4
         elif r["part"] == "rollout":
-            assert r["new_tokens"] == 8 and r["step_ms"] > 0 and r["bound_ms"] > 0
+            assert r["new_tokens"] == 8 and r["step_ms"] > 0 and r["roofline_ms"] > 0
+            assert (r["speedup"] is not None) == (r["batch"] == 4 and r["sampler"] != "model forward, eager")
+            assert (r["graphs"] is None) != (r["sampler"] == "CapturedStep")
+        elif r["part"] == "captured_check":
+            assert r["same_tokens"] and r["logprob_max_abs_diff"] == 0
         else:
             assert r["updates"] == 1 and 1 <= r["response/len_mean"] <= 8  # --max-response-len 8
     table = (tmp_path / "gpu.md").read_text()

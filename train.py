@@ -310,18 +310,22 @@ CELLS = tuple(f"{kind}_{part}" for kind in s2t.TOKEN_KINDS for part in s2t.PARTS
 
 
 def graded_tokens(batch: rollout.Rollout, tokenizer, mode: str) -> torch.Tensor:
-    """(B, T) bool: each response's tokens up to and including the last one that holds a character the reward reads
-    (reward.graded_chars), found by bisection on the decoded length of the response's prefixes."""
+    """(B, T) bool: each response's graded part (`graded_count`), the rest of it being the text after the answer."""
     graded = torch.zeros(batch.response_ids.shape, dtype=torch.bool)
     for i, (ids, mask) in enumerate(zip(batch.response_ids, batch.response_mask)):
-        ids = ids[mask.bool()].tolist()
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        chars, lo, hi = reward.graded_chars(text, mode), 0, len(ids)
-        while lo < hi:  # the fewest tokens whose text holds the first `chars` characters
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= chars else (mid + 1, hi)
-        graded[i, :lo] = True
+        graded[i, :graded_count(tokenizer, ids[mask.bool()].tolist(), mode)] = True
     return graded
+
+
+def graded_count(tokenizer, ids: list[int], mode: str) -> int:
+    """How many leading tokens of a response (ids) hold the characters the reward reads (reward.graded_chars): the
+    fewest whose decoded text has them, by bisection on the decoded length of the response's prefixes."""
+    chars = reward.graded_chars(tokenizer.decode(ids, skip_special_tokens=True), mode)
+    lo, hi = 0, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= chars else (mid + 1, hi)
+    return lo
 
 
 class StepLog:
@@ -775,8 +779,8 @@ def rollout_engine(cfg: Config, lm, tokenizer, prompts: list[list[int]], rank: i
         print(f"rollout ({cfg.rollout}): {what} per rank (--kv-cache-gb {cfg.kv_cache_gb:g} = "
               f"{cfg.kv_cache_gb * 1e9 / 2**30:.2f} GiB)", flush=True)
     longest = max(map(len, prompts)) + cfg.max_response_len  # train and held-out prompts
-    return rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, stop, max_model_len=longest,
-                               kv_cache_memory_bytes=kv_vllm, dtype=dtype, seed=cfg.seed)
+    return rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, stop, cfg.cuda_graphs and device.type == "cuda",
+                               max_model_len=longest, kv_cache_memory_bytes=kv_vllm, dtype=dtype, seed=cfg.seed)
 
 
 
@@ -1025,6 +1029,9 @@ class Config:
     rollout_chunk: int = 0
     """prompts per generate call on each rank (0 = the most that fit --kv-cache-gb); 1 makes rollouts independent of
     the number of ranks"""
+    cuda_graphs: bool = False
+    """--rollout plain on CUDA: decode through one CUDA graph per batch bucket (rollout.CapturedStep); off until a GPU
+    run of `python bench.py gpu` has checked it (docs/gpu.md)"""
     collective_timeout_min: float = 60.0
     """minutes a rank waits in a collective for the others before the run fails (ranks whose rollouts are longer
     finish later; NCCL's default is 10)"""
