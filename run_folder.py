@@ -256,7 +256,7 @@ def again(out: Path) -> str:
     """How to start anew the run of OUT that stopped before its first checkpoint: with its recipe (config.json)."""
     if (out / "config.json").is_file():
         return f"python train.py --config {out / 'config.json'} --resume auto"
-    return f"its flags and --resume auto (or --out-dir {out} --resume auto)"
+    return f"the run's flags, --out-dir {out} and --resume auto"
 
 
 def _crc32(path: Path) -> str:
@@ -373,7 +373,8 @@ def verified_checkpoint(out: Path, rank: int, world: int) -> tuple[int, Path]:
     """Every rank: (steps done, folder) of the newest checkpoint of OUT whose every file has its manifest's size and
     CRC-32 (each rank checks a share of the files). A newer checkpoint that fails, or a `latest` that names a missing
     one or cannot be read, is reported with a warning, and the run goes on from an older one (the newer ones are
-    removed); with none left, RunError. A collective: rank 0 reads the folder, every rank reads its share of the files."""
+    removed); with none left, RunError. A collective: rank 0 reads the folder, every rank reads its share of the
+    files."""
     plan, latest, named = [None], out / "checkpoint" / "latest", None
     if rank == 0 and latest.is_file():
         try:
