@@ -583,7 +583,7 @@ def plot_counterfactual_groups(panels: dict[str, dict[str, list[dict]]], out_png
                         markersize=18)
             # under each group, below the axis (where no point can hide it): its size and share negligible
             negligible = sum(x["negligible"] for x in xs) / len(xs)
-            labels.append(group.replace("candidates the S2T rule ", "cand., S2T\n").replace(", ", "\n")
+            labels.append(group.replace(", ", "\n").replace("candidates the S2T rule ", "cand., S2T\n")
                           + f"\nn = {len(xs)}\n{negligible:.0%} negl.")
         ax.axhline(0, color="k", linewidth=0.6, linestyle="--")
         ax.set_xticks(range(len(groups)), labels, fontsize=6)

@@ -779,8 +779,9 @@ def rollout_engine(cfg: Config, lm, tokenizer, prompts: list[list[int]], rank: i
         print(f"rollout ({cfg.rollout}): {what} per rank (--kv-cache-gb {cfg.kv_cache_gb:g} = "
               f"{cfg.kv_cache_gb * 1e9 / 2**30:.2f} GiB)", flush=True)
     longest = max(map(len, prompts)) + cfg.max_response_len  # train and held-out prompts
-    return rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, stop, cfg.cuda_graphs and device.type == "cuda",
-                               max_model_len=longest, kv_cache_memory_bytes=kv_vllm, dtype=dtype, seed=cfg.seed)
+    return rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, stop, max_model_len=longest,
+                               kv_cache_memory_bytes=kv_vllm, dtype=dtype, seed=cfg.seed,
+                               captured=cfg.cuda_graphs and device.type == "cuda")
 
 
 
