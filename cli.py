@@ -21,6 +21,7 @@ import difflib
 import inspect
 import json
 import sys
+import tempfile
 import textwrap
 import types
 import typing
@@ -37,6 +38,20 @@ def one_line(e: BaseException) -> str:
         return e.strerror + (f": {e.filename}" if e.filename else "")
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def check_writable(flag: str, folder: str | Path) -> None:
+    """Raise OSError in one line (naming `flag`) when files cannot be made in `folder`, or where it does not exist yet
+    in the nearest folder above it (which would hold it): a read-only mount, no permission, a file in the way. A
+    probe file that leaves nothing behind."""
+    folder = Path(folder)
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise OSError(f"{flag} {folder} cannot be made: {existing} is a file")
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise OSError(f"{flag} {folder} cannot be written: {e.strerror or e}") from None
 
 
 def error(prog: str, e: BaseException | str, rank: int = 0) -> int:
@@ -121,11 +136,15 @@ def read_config(cls, path: str) -> dict:
             values = yaml.load(text, Loader=Loader)
         except yaml.YAMLError as e:
             raise ValueError(f"--config {path}: not YAML ({' '.join(str(e).split())})") from None
+        except RecursionError:
+            raise ValueError(f"--config {path}: nested too deeply to read (about 1,000 levels at most)") from None
     else:
         try:
             values = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"--config {path}: not JSON ({e}); a .yaml or .yml file is read as YAML") from None
+        except RecursionError:
+            raise ValueError(f"--config {path}: nested too deeply to read (about 1,000 levels at most)") from None
     if not isinstance(values, dict):
         raise ValueError(f"--config {path}: not a mapping of flag names to values but {describe(values)}")
     return check_values(cls, values, path)

@@ -55,6 +55,13 @@ def heldout_count(n_rows: int, heldout: int | None) -> int:
     return min(HELDOUT_MAX, n_rows // 10) if heldout is None else heldout
 
 
+def problem_seed(seed: int, index: int) -> int:
+    """The sampling seed of the generate call that starts at problem `index` (0-based) of an evaluated set (train.py's
+    held-out evaluation: one call per problem; eval.py): a function of the problem, never of the rank that samples
+    it, so an evaluation on any number of processes samples the same (as training seeds by the global prompt index)."""
+    return hash((seed, index)) % 2**62
+
+
 def load_rows(cfg) -> tuple[list[dict], list[dict], int]:
     """(train, held-out) lists of {"problem", "answer"} of a train.py config (its data, prompt_key, answer_key, split,
     heldout and seed), and the number of repeated rows dropped: the rows of --data, shuffled by the seed, the first
@@ -190,6 +197,8 @@ def read_jsonl(path: str) -> list[tuple[str, dict]]:
                 row = json.loads(text)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path} line {n}: not JSON ({e.msg} at character {e.pos + 1})") from None
+            except RecursionError:
+                raise ValueError(f"{path} line {n}: nested too deeply to read (about 1,000 levels at most)") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path} line {n}: not a JSON object")
             rows.append((f"line {n}", row))

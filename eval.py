@@ -1,7 +1,7 @@
 """Evaluate checkpoints the way the paper does (docs/paper.md §7): k sampled answers per problem on AIME24, AIME25,
 AMC23 (avg@32) and MATH500, Minerva, OlympiadBench (avg@4), graded by rule, one table row per checkpoint.
 
-    python eval.py --models smollm2 --benchmarks gsm8k math500 --data-dir ../shared/data/benchmarks --limit 30 \
+    python eval.py --models smollm2 --benchmarks gsm8k math500 --data-dir testdata/benchmarks --limit 30 \
         --k 4 --max-new-tokens 512                                   # CPU, minutes
     python eval.py --models Qwen/Qwen3-1.7B-Base stapo=runs/stapo/hf --no-chat   # 1 GPU, the six from the Hub
     torchrun --standalone --nproc_per_node=8 eval.py --models runs/stapo/hf --preset justrl   # 8 GPUs
@@ -20,16 +20,17 @@ Deliberate differences from the paper's evaluation:
 1. Rule-based grading only (reward.py); the paper adds an LLM verifier where the rules fail, so a response the
    rules cannot parse counts as wrong here.
 2. Pure data parallelism: with torchrun every rank holds a full copy of the model and samples its share of the
-   problems (round-robin); no tensor parallelism. `--rollout vllm` samples with a colocated vLLM engine per rank
-   (rollout.VLLMEngine; with torchrun, one model per run: closing an engine tears down the process group).
+   problems (calls of consecutive problems, dealt in turn); no tensor parallelism. `--rollout vllm` samples with a
+   colocated vLLM engine per rank (rollout.VLLMEngine; with torchrun, one model per run: closing an engine tears
+   down the process group).
 3. Besides avg@k we report the unbiased pass@k (Chen et al. 2021, k = samples per problem), the mean response
    length in tokens and the truncation rate, which explain most avg@k differences between short and long budgets.
 4. "Avg" is the mean avg@k over the six paper benchmarks **that were evaluated**; GSM8K (not in the paper) is
    shown but never averaged in.
-5. Generate call c of a set (problems from position `start` of the rank's share) is seeded seed + rank +
-   1_000_003 * start (the first call: seed + rank), so samples (not the expectation) change with the number of ranks
-   and the batch size. A run's `heldout` set is one call per rank seeded with the run's seed + 1 by default: what
-   train.py's evaluation sampled, so `--run` reproduces its eval.jsonl numbers.
+5. A set is sampled in calls of consecutive problems (--batch-size), dealt to the ranks in turn; the call that
+   starts at problem i is seeded data.problem_seed(seed, i), so samples do not change with the number of ranks (they
+   do with the batch size). A run's `heldout` set is one call per problem seeded with the run's seed + 1 by default:
+   what train.py's evaluation sampled, so `--run` reproduces its eval.jsonl numbers on any number of processes.
 6. Beyond the paper: `--run` takes prompt format, sampling, seed and reward from a train.py run's config.json (flag >
    run > default), `heldout` is the run's held-out set and `--data` reads your own files with train.py's field
    logic.
@@ -50,7 +51,7 @@ from typing import Callable, Literal
 
 import cli
 import reward
-from data import answer_value, check_utf8, describe, load_rows, read_jsonl, read_rows, repeated_note
+from data import answer_value, check_utf8, describe, load_rows, problem_seed, read_jsonl, read_rows, repeated_note
 
 PAPER_BENCHMARKS = ("aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench")
 TITLES = {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "MATH500", "minerva": "Minerva",
@@ -100,7 +101,7 @@ class Source:
 
 @dataclass(frozen=True)
 class Benchmark:
-    file: str                 # <data_dir>/<file>, laid out like shared/data/benchmarks
+    file: str                 # <data_dir>/<file>, laid out like testdata/benchmarks
     local: Source
     hub_id: str               # datasets.load_dataset(hub_id, hub_config, split=hub_split)
     hub: Source
@@ -294,7 +295,8 @@ class Config:
     split: str = "test"
     """split of --data Hub ids"""
     data_dir: str | None = None
-    """folder with one .jsonl per benchmark laid out like shared/data/benchmarks; default None = the HF Hub"""
+    """folder with one .jsonl per benchmark, named and laid out like the repository's testdata/benchmarks (3 rows of
+    each); default None = the HF Hub"""
     preset: Literal["train-aligned", "justrl"] = "train-aligned"
     """decoding when neither --temperature/--top-p nor a run set it: train-aligned = temperature 1.0, top-p 1.0;
     justrl = temperature 0.7, top-p 0.9"""
@@ -317,10 +319,10 @@ class Config:
     """evaluate only the first LIMIT problems of each benchmark"""
     batch_size: int | None = None
     """sequences per generate call on each rank (problems per call = max(1, batch_size // k)); default 64, and for
-    heldout all of a rank's problems in one call, as train.py's held-out evaluation samples them"""
+    heldout one problem per call, as train.py's held-out evaluation samples them"""
     seed: int | None = None
-    """sampling seed (rank r's first generate call uses seed + r); default: the run's --seed + 1 with --run, as
-    train.py's held-out evaluation, else 0"""
+    """sampling seed (the call that starts at problem i uses data.problem_seed(seed, i), on any number of ranks);
+    default: the run's --seed + 1 with --run, as train.py's held-out evaluation, else 0"""
     reward: str = "dapo"
     """what counts as correct, a positive reward (reward.correct): dapo or binary (reward.grade), strict (last-box
     string match) or your own FILE.py:FUNCTION / MODULE:FUNCTION; default: the run's --reward with --run"""
@@ -408,7 +410,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
             values = {**values, **dict(zip(("temperature", "top_p"), PRESETS[given["preset"]])),
                       **{k: given[k] for k in ("temperature", "top_p") if k in given}}
     if "benchmarks" not in given:
-        has_heldout = run and (not run["data"] or run["heldout"] > 0)
+        has_heldout = run and (not run["data"] or run["heldout"] != 0)  # null: the default share (data.py)
         values["benchmarks"] = [] if given.get("data") else ["heldout"] if has_heldout else list(PAPER_BENCHMARKS)
     preset_t, preset_p = PRESETS[values.get("preset", "train-aligned")]
     if values.get("temperature") is None:
@@ -422,6 +424,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
         values["seed"] = run["seed"] + 1 if run else 0
     if values.get("out") is None:
         values["out"] = str(Path(values["run"]) / "eval") if run else "out/eval"
+    if not values["out"].strip():  # Path("") is the working directory
+        raise ValueError("--out '' names no folder: give one, e.g. --out out/eval")
     cfg = Config(**values)
     reward.load_reward(cfg.reward)  # an unknown mode or a broken FILE.py:FUNCTION: one line, before any model
     for b in cfg.benchmarks:
@@ -498,15 +502,16 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, de
     # --kv-cache-gb, but at least one problem's k rows (the plain sampler holds them at once; vLLM queues what does
     # not fit its KV cache of at most --kv-cache-gb)
     row_bytes, budget = model_lib.kv_cache_bytes(lm.config, 1, longest, lm.dtype.itemsize), int(cfg.kv_cache_gb * 1e9)
-    per_call = {b: len(s["rows"]) if b == "heldout" and cfg.batch_size is None else  # as train.evaluate: one call
+    per_call = {b: 1 if b == "heldout" and cfg.batch_size is None else  # as train.evaluate: a call per problem
                 max(1, min(cfg.batch_size or BATCH_SIZE, budget // row_bytes) // s["k"]) for b, s in sets.items()}
     need = max(per_call[b] * s["k"] for b, s in sets.items()) * row_bytes  # the largest call, every row at its longest
     if rank == 0:
         calls = ", ".join(f"{b} {per_call[b]} x {s['k']}" for b, s in sets.items())
         kv = min(need, budget) if cfg.rollout == "vllm" else need
         over = "; one problem's k rows exceed it" if need > budget else ""
-        print(f"eval.py: {name}: problems x samples per generate call: {calls}; KV cache at most {kv / 1e9:.2f} GB "
-              f"per rank (--kv-cache-gb {cfg.kv_cache_gb:g}{over})", flush=True)
+        print(f"eval.py: {name}: problems x samples per generate call: {calls}; KV cache at most {kv / 2**30:.2f} GiB "
+              f"per rank (--kv-cache-gb {cfg.kv_cache_gb:g} = {cfg.kv_cache_gb * 1e9 / 2**30:.2f} GiB{over})",
+              flush=True)
     engine = rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest, dtype=lm.dtype,
                                  kv_cache_memory_bytes=max(min(need, budget), row_bytes))
     return engine, lm, tokenizer, per_call
@@ -522,20 +527,20 @@ def evaluate_model(engine, lm, tokenizer, per_call: dict[str, int], name: str, c
 
     import rollout
 
-    bar = tqdm(total=sum(len(s["rows"][rank::world]) for s in sets.values()), desc=f"{name} (rank 0 of {world})",
+    calls = {b: [range(start, min(start + per_call[b], len(s["rows"])))  # this rank's calls: every world-th one
+                 for start in range(0, len(s["rows"]), per_call[b])][rank::world] for b, s in sets.items()}
+    bar = tqdm(total=sum(len(idx) for b in calls for idx in calls[b]), desc=f"{name} (rank 0 of {world})",
                disable=rank != 0)
     try:
         with engine.ready(lm):  # vllm: the weights are pushed once, for every set
             for b, s in sets.items():
                 k, rows = s["k"], s["rows"]
-                mine = list(range(rank, len(rows), world))  # round-robin split of the problems over the ranks
                 problems = []
-                for start in range(0, len(mine), per_call[b]):
-                    idx = mine[start: start + per_call[b]]
+                for idx in calls[b]:
                     prompts = [rollout.format_prompt(tokenizer, rows[i]["problem"], cfg.chat, cfg.instruction)
                                for i in idx]
                     with torch.no_grad():  # rows j*k .. j*k+k-1 answer problem idx[j] (difference 5: the seed)
-                        ro = engine.sample(prompts, k, [cfg.seed + rank + 1_000_003 * start], len(prompts),
+                        ro = engine.sample(prompts, k, [problem_seed(cfg.seed, idx[0])], len(prompts),
                                            cfg.max_new_tokens, cfg.temperature, cfg.top_p)
                     texts = ro.texts(tokenizer)
                     lengths = ro.response_mask.sum(-1).tolist()  # (B,) tokens including EOS
@@ -564,10 +569,16 @@ BAD_INPUT = (FileNotFoundError, ValueError, KeyError, ImportError, OSError)  # w
 
 
 def check_weights(name: str) -> None:
-    """Raise ValueError when a .safetensors file of the model folder `name` cannot be read (truncated by an
-    interrupted copy or export): its header must describe the whole file. Other names pass."""
+    """Raise ValueError when a file of the model folder `name` differs from the checksums of its export.json (a
+    train.py export: run_folder.export_damage) or a .safetensors file cannot be read (truncated by an interrupted
+    copy or export): its header must describe the whole file. Other names pass."""
     if not os.path.isdir(name):
         return
+    import run_folder
+    damage = run_folder.export_damage(Path(name))
+    if damage:
+        raise ValueError(f"{name}: {damage} differs from its export.json checksums; copy or export it again "
+                         f"(python train.py --resume RUN --export-hf)")
     from safetensors import SafetensorError, safe_open
     for path in sorted(Path(name).glob("*.safetensors")):
         try:
@@ -583,12 +594,17 @@ def main(argv: list[str] | None = None) -> dict | None:
     try:  # every input is checked before a model loads: one line, exit status 2, nothing written
         cfg = parse_config(argv)
         if cfg.regrade:  # graded and tabled in full before anything is rewritten
+            cli.check_writable("--regrade", Path(cfg.regrade).parent)
             results = regrade(read_results(cfg.regrade))
             text = table(results)
         else:
             if (Path(cfg.out) / "results.json").exists() and not cfg.overwrite:
                 raise ValueError(f"--out {cfg.out} holds the results of an earlier evaluation (results.json): choose "
                                  f"another --out, or replace them with --overwrite")
+            try:  # before any sampling: a read-only run folder, say
+                cli.check_writable("--out", cfg.out)
+            except OSError as e:
+                raise OSError(f"{e}; write the results elsewhere with --out DIR") from None
             sets = load_sets(cfg)
             import model
             for spec in cfg.models:

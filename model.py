@@ -683,7 +683,8 @@ def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: 
 
 def memory_line(est: dict[str, float]) -> str:
     """One line for the start of a run: the estimated peak per rank and its largest terms."""
-    return (f"estimated peak memory per rank: {est['peak']:.1f} GiB (training {est['train_peak']:.1f}: "
+    return (f"estimated peak memory per rank, every row at its longest (an upper bound): {est['peak']:.1f} GiB "
+            f"(training {est['train_peak']:.1f}: "
             f"params + grads + AdamW {est['params'] + est['grads'] + est['adam']:.1f}, activations "
             f"{est['activations']:.1f}; rollout {est['rollout_peak']:.1f}: gathered copy "
             f"{est['rollout_gathered']:.1f}, KV cache {est['kv_cache']:.1f}; model.memory_estimate)")

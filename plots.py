@@ -625,16 +625,20 @@ def main(argv: list[str]) -> int:
     if missing:
         parser.error(f"no run folder with a metrics.jsonl at {', '.join(missing)}")
     first = Path(args.plot[0])
+    out = args.out or str(first / ("sensitivity.png" if args.sensitivity else "metrics.png" if len(args.plot) == 1
+                                   else "compare.png"))
+    try:  # before anything is drawn: a read-only run folder, say
+        cli.check_writable("--out" if args.out else "--plot", Path(out).parent)
+    except OSError as e:
+        parser.error(f"{e}" + ("" if args.out else "; write the figures elsewhere with --out PNG"))
     if args.out:  # a figure into a folder that does not exist yet: make it
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.sensitivity:
         print(summary_table(args.plot, by="thresholds"))
-        out = args.out or str(first / "sensitivity.png")
         if not plot_sensitivity(args.plot, out):
             return 1
         print(out)
         return 0
-    out = args.out or str(first / ("metrics.png" if len(args.plot) == 1 else "compare.png"))
     written = figures(args.plot, out)
     if args.table:
         print(summary_table(args.plot))

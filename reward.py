@@ -36,6 +36,7 @@ import numbers
 import os
 import re
 import time
+import traceback
 from collections import namedtuple
 
 import sympy as sp
@@ -191,11 +192,13 @@ def load_reward(spec):
 
 def _call(fn, spec, response, gold):
     """fn(response, gold) as a float; anything it raises, or a value that is not a finite number, is a RewardError
-    naming the function."""
+    naming the function (and, for an exception, the file:line that raised it)."""
     try:
         value = fn(response, gold)
-    except Exception as e:  # noqa: BLE001 - the user's code: any exception becomes one line naming it
-        raise RewardError(f"reward function {spec} raised {type(e).__name__}: {_first_line(e)}") from e
+    except Exception as e:  # noqa: BLE001 - the user's code: any exception becomes one line naming it and where
+        at = traceback.extract_tb(e.__traceback__)[-1]  # the innermost frame: where it was raised
+        raise RewardError(f"reward function {spec} raised {type(e).__name__} at {at.filename}:{at.lineno}: "
+                          f"{_first_line(e)}") from e
     if not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise RewardError(f"reward function {spec} returned {value!r:.60}, not a finite number")
     return float(value)

@@ -18,8 +18,9 @@ What this file promises, each kept by one mechanism below:
    number of ranks; everything else (step, scheduler, RNG states) is one `state.pt`, the same for every rank.
 5. Preemption: SIGTERM or SIGUSR1 on any rank makes every rank stop at the same point, write a checkpoint and exit
    with status STOPPED (`Preemption`); the same command line with `--resume auto` continues the run.
-6. Exports are atomic and dated: `hf/` is replaced by renaming a complete folder over it, and `hf/export.json`
-   names the step it holds (`export`, `export_step`).
+6. Exports are atomic, dated and verified: `hf/` is replaced by renaming a complete folder over it, and
+   `hf/export.json` names the step it holds and every file's size and CRC-32 (`export`, `export_step`,
+   `export_damage`: eval.py checks them before it loads the model).
 
 Deliberate differences from verl / TRL / torchtitan checkpointing:
 1. One complete, verified checkpoint is what `latest` names; verl and torchtitan trust the newest folder (a torn
@@ -36,10 +37,12 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -47,7 +50,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cli import one_line
+from cli import check_writable, one_line
 
 # The logs: one JSON object per line, each with the step it belongs to.
 LOGS = ("metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl", "tokens.jsonl", "resumes.jsonl")
@@ -59,7 +62,8 @@ RUN_FILES = ("config.json", *LOGS, "checkpoint", "hf", "stopped.json", "metrics.
 # generate call, and with them the sampling seeds).
 RESUMABLE = ("steps", "eval_every", "eval_samples", "samples_per_step", "spurious_per_step", "token_sample",
              "entropy_change", "save_every", "keep_checkpoints", "save_optimizer", "export_hf", "plots", "logger",
-             "collective_timeout_min", "max_tokens_per_micro_batch", "chunk_size", "grad_checkpointing", "kv_cache_gb")
+             "collective_timeout_min", "max_tokens_per_micro_batch", "chunk_size", "grad_checkpointing", "kv_cache_gb",
+             "stop_deadline_s")
 STOPPED = 75  # exit status after a stop by signal, with a checkpoint written: run the same command again
 #               (sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry")
 
@@ -83,8 +87,9 @@ class Lock:
 
     Shared filesystems: NFSv4 (and NFSv3 with lockd) carry flock across nodes as a whole-file lock; a crashed
     client's lock lasts until the server's lease expires (90 s by default). Lustre does so only when mounted with
-    `-o flock` (with `localflock` the lock holds within one node). Where the filesystem has no locks at all, the run
-    warns and goes on unlocked."""
+    `-o flock`. With NFS's local_lock=flock (or =all) or Lustre's localflock the lock holds within one node: the run
+    says so in one line (`node_local_flock`). Where the filesystem has no locks at all, the run warns and goes on
+    unlocked."""
 
     def __init__(self, out: Path):
         out.mkdir(parents=True, exist_ok=True)
@@ -98,6 +103,14 @@ class Lock:
                            f" wait for it, stop it, or choose another --out-dir") from None
         except OSError as e:  # ENOLCK, EOPNOTSUPP, ENOSYS: a filesystem without locks
             say(f"{out} cannot be locked ({e.strerror}): a second run into it would not be detected", warning=True)
+        try:
+            local = node_local_flock(out, MOUNTS.read_text())
+        except OSError:  # no /proc (not Linux)
+            local = None
+        if local:
+            say(f"{out} is on {local}: its lock holds within this node only, so a run on another node would not be "
+                f"detected; remount without it (NFS: local_lock=none; Lustre: -o flock) or start one job per folder",
+                warning=True)
         os.ftruncate(self.fd, 0)
         os.write(self.fd, f"host {socket.gethostname()} pid {os.getpid()} since "
                           f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
@@ -113,6 +126,28 @@ class Lock:
 
     def release(self) -> None:
         os.close(self.fd)
+
+
+MOUNTS = Path("/proc/self/mounts")  # device, mount point, type, options: one mount per line (Linux)
+
+
+def node_local_flock(path: Path, mounts: str) -> str | None:
+    """The mount that makes flock local to one node on the filesystem holding `path` (its deepest mount point in
+    `mounts`, the text of /proc/self/mounts): 'nfs4 with local_lock=flock' (or =all), 'lustre with localflock'; None
+    for any other. There flock succeeds on every node, so two nodes can both hold the one-writer lock."""
+    path, found = path.resolve(), None
+    for line in mounts.splitlines():
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        point = Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), parts[1]))  # a space is written \040
+        if path.is_relative_to(point) and (found is None or len(point.parts) > len(found[0].parts)):
+            found = (point, parts[2], parts[3].split(","))
+    if found is None:
+        return None
+    _, kind, options = found
+    local = [o for o in options if o in ("local_lock=flock", "local_lock=all", "localflock")]
+    return f"{kind} with {local[0]}" if local and (kind.startswith("nfs") or kind == "lustre") else None
 
 
 # --------------------------------------------------------------------------------------------------- logs
@@ -217,6 +252,13 @@ def resumable(out: Path) -> str:
     return f"checkpoint/step_{steps[0]} is kept: python train.py --resume auto --out-dir {out} continues"
 
 
+def again(out: Path) -> str:
+    """How to start anew the run of OUT that stopped before its first checkpoint: with its recipe (config.json)."""
+    if (out / "config.json").is_file():
+        return f"python train.py --config {out / 'config.json'} --resume auto"
+    return f"the run's flags, --out-dir {out} and --resume auto"
+
+
 def _crc32(path: Path) -> str:
     crc = 0
     with open(path, "rb") as f:
@@ -259,6 +301,7 @@ def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, config: 
     seconds it took. A failure on any rank (a full disk) raises RunError on every rank, with the new folder removed
     and the previous checkpoints untouched."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     t0 = time.time()
@@ -277,8 +320,9 @@ def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, config: 
                         "torch_rng": torch.get_rng_state(),
                         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
                        path / "state.pt")
-    except Exception as e:  # noqa: BLE001 - OSError, or torch's "[enforce fail at inline_container.cc]", on any rank
-        failed = e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - OSError, torch's "[enforce fail at ...]"
+        # DCP wraps each rank's error (a full disk in a shard) in a CheckpointException, a BaseException: its first
+        failed = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
     failed = agreed_failure(failed)
     if failed is None:  # every file written: their sizes and checksums, then the manifest, then `latest`
         names = [sorted(p.name for p in path.iterdir()) if rank == 0 else None]
@@ -328,10 +372,16 @@ def broadcast_failure(failed: Exception | None, rank: int) -> str | None:
 def verified_checkpoint(out: Path, rank: int, world: int) -> tuple[int, Path]:
     """Every rank: (steps done, folder) of the newest checkpoint of OUT whose every file has its manifest's size and
     CRC-32 (each rank checks a share of the files). A newer checkpoint that fails, or a `latest` that names a missing
-    one, is reported with a warning, and the run goes on from an older one (the newer ones are removed); with none
-    left, RunError. A collective: rank 0 reads the folder, every rank reads its share of the files."""
-    plan, latest = [None], out / "checkpoint" / "latest"
-    named = latest.read_text().strip() if rank == 0 and latest.is_file() else None
+    one or cannot be read, is reported with a warning, and the run goes on from an older one (the newer ones are
+    removed); with none left, RunError. A collective: rank 0 reads the folder, every rank reads its share of the
+    files."""
+    plan, latest, named = [None], out / "checkpoint" / "latest", None
+    if rank == 0 and latest.is_file():
+        try:
+            named = latest.read_bytes().decode("utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:  # a flipped bit, a foreign file: the manifests decide
+            say(f"{latest} cannot be read ({getattr(e, 'strerror', None) or 'not UTF-8'}): it names no checkpoint",
+                warning=True)
     if rank == 0:
         if named is not None and not (out / "checkpoint" / named / "manifest.json").is_file():
             say(f"{latest} names {named}, which is missing or incomplete", warning=True)
@@ -400,8 +450,8 @@ def recorded_config(out: Path) -> dict:
         raise FileNotFoundError(f"no run to resume: {path} does not exist")
     try:
         values = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not a JSON object ({e})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{path} is not a JSON object ({one_line(e)})") from None
     if not isinstance(values, dict):
         raise ValueError(f"{path} is not a JSON object")
     return values
@@ -432,6 +482,8 @@ def open_run(config: dict, recorded: dict | None, rank: int, world: int
     Returns (steps done, the checkpoint folder or None, the lock on rank 0), or None when a resume has nothing left
     to do (every step done, not stopped, the export up to date): then nothing in OUT is touched."""
     out = Path(config["out_dir"])
+    if recorded is not None and finished_read_only(out, config):
+        return None  # nothing to lock, verify or repair
     lock, failed = None, None
     if rank == 0:
         try:
@@ -448,8 +500,7 @@ def open_run(config: dict, recorded: dict | None, rank: int, world: int
         done, path = verified_checkpoint(out, rank, world)
         if config["steps"] < done:
             raise RunError(f"--steps {config['steps']} is less than the {done} steps {out} has done")
-        if done == config["steps"] and not (out / "stopped.json").exists() and (
-                not config["export_hf"] or export_step(out / "hf") == done):
+        if finished(out, config, done):
             if lock is not None:
                 lock.release()
             return None
@@ -459,6 +510,26 @@ def open_run(config: dict, recorded: dict | None, rank: int, world: int
         if lock is not None:
             lock.release()
         raise
+
+
+def finished(out: Path, config: dict, done: int | None) -> bool:
+    """Whether a resume of the run in OUT, with a checkpoint of `done` steps, has nothing to do: every step of
+    `config` done, not stopped by a signal, its export (if any) up to date."""
+    return done == config["steps"] and not (out / "stopped.json").exists() and (
+        not config["export_hf"] or export_step(out / "hf") == done)
+
+
+def finished_read_only(out: Path, config: dict) -> bool:
+    """A finished run (`finished`, by its newest complete checkpoint, unverified) in a folder this process cannot
+    write (a read-only mount): a resume has nothing to do, and cannot lock, verify or repair it."""
+    steps = complete_steps(out)
+    if not steps or not finished(out, config, steps[0]):
+        return False
+    try:
+        check_writable("--out-dir", out)
+    except OSError:
+        return True
+    return False
 
 
 def _on_rank0(rank: int, work) -> None:
@@ -477,6 +548,9 @@ def _on_rank0(rank: int, work) -> None:
 def _start(out: Path, config: dict) -> None:
     """Rank 0, a new run: refuse or clear a folder that holds a run, then write config.json."""
     found = [name for name in RUN_FILES if (out / name).exists()]
+    if found and not config["overwrite"] and config["resume"] != "auto" and not complete_steps(out):
+        raise RunError(f"--out-dir {out} holds a run that stopped before its first checkpoint ({', '.join(found)}): "
+                       f"start it again with {again(out)}, choose another --out-dir, or replace it with --overwrite")
     if found and not config["overwrite"] and config["resume"] != "auto":
         raise RunError(f"--out-dir {out} holds a run ({', '.join(found)}): continue it with --resume {out} (or "
                        f"--resume auto), choose another --out-dir, or replace it with --overwrite")
@@ -508,7 +582,12 @@ class Preemption:
     Any rank may receive the signal: `requested()` (polled by the sampler at every decode step, so a long rollout
     ends early) posts it in the process group's store and reads the other ranks' posts from it, at most once a
     second; `agreed()` is an all-reduce at the points where every rank stops together. Installed for the duration of
-    a `with` block (the previous handlers come back after it)."""
+    a `with` block (the previous handlers come back after it).
+
+    The stop deadline (`arm`): a rank whose stop has not ended the run `deadline_s` seconds after its signal (a frozen
+    rank holds every other one in a collective, up to --collective-timeout-min) calls `on_deadline`, which leaves
+    without waiting. A watchdog thread sees the signal through `signal.set_wakeup_fd`, which the C-level handler
+    writes even while the main thread is blocked in a collective (where the Python handler cannot run)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
     KEY = "stapo/stop"
@@ -516,15 +595,44 @@ class Preemption:
 
     def __init__(self):
         self.signal, self.received, self.posted, self.polled, self.previous = None, None, False, 0.0, {}
+        self.deadline_s, self.on_deadline, self.armed, self.done = None, None, threading.Event(), threading.Event()
 
     def __enter__(self) -> Preemption:
         for s in self.SIGNALS:
             self.previous[s] = signal.signal(s, self._on_signal)
+        read, self.wakeup = os.pipe()
+        os.set_blocking(self.wakeup, False)
+        self.previous_wakeup = signal.set_wakeup_fd(self.wakeup)
+        threading.Thread(target=self._watch, args=(read,), daemon=True, name="stop-deadline").start()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)  # one that came during startup (train.py) is kept
         return self
 
     def __exit__(self, *exc) -> None:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+        self.done.set()
+        self.armed.set()
+        signal.set_wakeup_fd(self.previous_wakeup)
+        os.close(self.wakeup)  # the watchdog reads the end of the pipe and ends
+
+    def arm(self, deadline_s: float, on_deadline) -> None:
+        """From now on, on_deadline() runs (in the watchdog thread) when a stop signal has not ended the `with` block
+        within deadline_s seconds."""
+        self.deadline_s, self.on_deadline = deadline_s, on_deadline
+        self.armed.set()
+
+    def _watch(self, read: int) -> None:
+        """The watchdog thread: waits for a stop signal's byte on the wakeup pipe, then for `arm` and the deadline."""
+        try:
+            while (byte := os.read(read, 1)) and not self.done.is_set():
+                if byte[0] in self.SIGNALS:
+                    started = time.monotonic()
+                    self.armed.wait()
+                    if not self.done.wait(max(0.0, started + (self.deadline_s or 0.0) - time.monotonic())):
+                        self.on_deadline()
+                    return
+        finally:
+            os.close(read)
 
     def _on_signal(self, signum, frame) -> None:
         if self.signal is None:
@@ -565,7 +673,8 @@ def write_stopped(out: Path, signal_name: str, saved: int | None) -> None:
 # --------------------------------------------------------------------------------------------------- export
 def export(policy, tokenizer, out: Path, step: int, dtype: torch.dtype, rank: int) -> None:
     """Every rank: the model after `step` steps as a Hugging Face folder OUT/hf, written into OUT/hf.partial (with
-    `export.json` naming the step, last) and renamed over OUT/hf; the previous export stays whole until then. A
+    `export.json` naming the step and each file's size and CRC-32, last) and renamed over OUT/hf; the previous export
+    stays whole until then. A
     failure (a full disk, an unwritable folder) removes the partial folder and raises RunError on every rank."""
     from model import save_hf
 
@@ -576,7 +685,8 @@ def export(policy, tokenizer, out: Path, step: int, dtype: torch.dtype, rank: in
             shutil.rmtree(partial, ignore_errors=True)
         save_hf(policy, tokenizer, str(partial), dtype=dtype)
         if rank == 0:
-            write_atomic(partial / "export.json", json.dumps({"step": step}).encode())
+            files = {p.name: [p.stat().st_size, _crc32(p)] for p in sorted(partial.iterdir()) if p.is_file()}
+            write_atomic(partial / "export.json", json.dumps({"step": step, "files": files}).encode())
             if final.exists():
                 os.replace(final, old)
             os.replace(partial, final)
@@ -603,6 +713,23 @@ def recover_export(out: Path) -> None:
         if (candidate / "export.json").is_file():
             os.replace(candidate, final)
             return
+
+
+def export_damage(folder: Path) -> str | None:
+    """The first file of an exported model folder whose size or CRC-32 differs from its export.json (a flipped bit,
+    a cut copy), as 'NAME (damaged)' or 'NAME (missing)'; None when every file matches or no export.json lists
+    them (a folder not exported by train.py)."""
+    try:
+        files = json.loads((Path(folder) / "export.json").read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    for name, expected in files.items():
+        path = Path(folder) / name
+        if not path.is_file():
+            return f"{name} (missing)"
+        if [path.stat().st_size, _crc32(path)] != expected:
+            return f"{name} (damaged)"
+    return None
 
 
 def export_step(folder: Path) -> int | None:

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -2182,8 +2183,10 @@ def test_reward_your_own_function_is_loaded_checked_and_named_in_its_errors(tmp_
     assert reward.correct("4", "4", spec("flag")) is True and reward.reward("5", "4", spec("flag")) == 0.0
     assert reward.load_reward(spec("half")) is reward.load_reward(spec("half"))  # imported once
     assert reward.load_reward("os.path:join") is os.path.join  # an importable module
-    for name, expected in (("boom", "raised ZeroDivisionError: division by zero"), ("nan", "returned nan, not a "
-                           "finite number"), ("text", "returned '1.0', not a finite number")):
+    line = next(n for n, x in enumerate((tmp_path / "mine.py").read_text().splitlines(), 1) if "1 / 0" in x)
+    for name, expected in (("boom", f"raised ZeroDivisionError at {tmp_path / 'mine.py'}:{line}: division by zero"),
+                           ("nan", "returned nan, not a finite number"),
+                           ("text", "returned '1.0', not a finite number")):
         with pytest.raises(reward.RewardError) as e:
             reward.reward("4", "4", spec(name))
         assert str(e.value) == f"reward function {spec(name)} {expected}"
@@ -2243,12 +2246,14 @@ def test_train_and_eval_use_your_own_reward_function(tmp_path, monkeypatch, caps
     monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=_TOY_VOCAB), tiny_tokenizer()))
     with _one_thread():
         assert train.main(_toy_args(data, tmp_path / "boom", reward=boom)) == 2
-    _one_line_error(capsys, f"train.py: error: reward function {boom} raised KeyError: 'no verifier for this row'")
+    at = f"{tmp_path / 'rewards.py'}:6"  # the line that raised (its file:line: it had none)
+    _one_line_error(capsys, f"train.py: error: reward function {boom} raised KeyError at {at}: 'no verifier for this "
+                            f"row'")
     with pytest.raises(SystemExit) as e:
         ev.main(["--run", str(tmp_path / "run"), "--reward", boom, "--out", str(tmp_path / "e")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and [x for x in err.splitlines() if "error" in x] == [
-        f"eval.py: error: reward function {boom} raised KeyError: 'no verifier for this row'"]
+        f"eval.py: error: reward function {boom} raised KeyError at {at}: 'no verifier for this row'"]
     assert "Traceback" not in err
 
 
@@ -2468,6 +2473,8 @@ def test_cli_config_file_is_the_base_layer_under_the_flags(tmp_path, capsys):
              "list.json": ('[1]', "not a mapping of flag names to values but a list"),
              "broken.json": ('{"seed": }', "not JSON (Expecting value: line 1 column 10 (char 9))"),
              "broken.yaml": ("seed: [1", "not YAML"),
+             "deep.json": ('{"seed": ' + "[" * 200_000 + "]" * 200_000 + "}", "nested too deeply to read"),
+             "deep.yaml": ("seed: " + "[" * 5_000 + "]" * 5_000, "nested too deeply to read"),  # it printed 2,999 lines
              "missing.json": (None, "cannot be read (No such file or directory)")}
     for name, (text, expected) in cases.items():
         if text is not None:
@@ -2628,7 +2635,8 @@ def test_eval_kv_cache_budget_bounds_every_call(tmp_path, monkeypatch, capsys):
 
 
 def test_eval_torchrun_two_ranks_gather_in_order(tmp_path):
-    """2 processes (gloo): the problems are split round-robin and gathered to rank 0 in the original order, and the
+    """2 processes (gloo): the problems are dealt to the ranks, gathered to rank 0 in the original order and sampled
+    as 1 process samples them (with --batch-size 2: calls [0] on rank 0, [1] on rank 1, [2] on rank 0), and the
     process group is really torn down (its gloo threads once outlived destroy_process_group, because torch's FSDP
     was first imported after init_process_group, and aborted a rank at exit now and then)."""
     runner = tmp_path / "runner.py"
@@ -2641,7 +2649,7 @@ assert not any("gloo" in t for t in threads), threads
 """)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(runner),
            "--models", "tiny", "--benchmarks", "amc23", "--data-dir", str(DATA), "--limit", "3", "--k", "2",
-           "--max-new-tokens", "4", "--out", str(tmp_path)]
+           "--max-new-tokens", "4", "--batch-size", "2", "--out", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -2649,6 +2657,10 @@ assert not any("gloo" in t for t in threads), threads
     assert [p["index"] for p in bench["problems"]] == [0, 1, 2]
     assert [p["gold"] for p in bench["problems"]] == ["55.0", "24.0", "12.0"]
     assert all(len(p["samples"]) == 2 for p in bench["problems"])
+    with _one_thread():  # the same samples on 1 process (each call seeded by its first problem, not by the rank)
+        one = ev.main(cmd[cmd.index("--models"):-1] + [str(tmp_path / "one")])["models"]["tiny"]["benchmarks"]["amc23"]
+    assert [[s["text"] for s in p["samples"]] for p in one["problems"]] == \
+        [[s["text"] for s in p["samples"]] for p in bench["problems"]]
 
 def _tiny_run(folder: Path, **config) -> Path:
     """A train.py output folder: config.json (train.Config + `config`) and an hf/ export of the tiny model."""
@@ -2712,6 +2724,26 @@ def test_eval_uses_the_training_runs_prompt_and_sampling(tmp_path, monkeypatch, 
     assert heldout["k"] == 2 and calls[0]["k"] == 2  # the run's --eval-samples
 
 
+def test_eval_run_on_your_own_data_with_the_default_heldout(tmp_path, monkeypatch):
+    """A run on your own --data records the default `"heldout": null` (a tenth of the rows); eval.py --run scores
+    that run's held-out rows, and --models RUN/hf --data FILE your file. (Both ended in "TypeError: '>' not
+    supported between instances of 'NoneType' and 'int'".)"""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
+                            for a in range(6) for b in range(5)))  # 30 rows: 3 held out
+    run = _tiny_run(tmp_path / "run", data=str(data), prompt_key="prompt", answer_key="answer", chat=False,
+                    max_response_len=2, eval_samples=2)
+    assert json.loads((run / "config.json").read_text())["heldout"] is None
+    with _one_thread():
+        results = ev.main(["--run", str(run)])
+        heldout = results["models"][str(run / "hf")]["benchmarks"]["heldout"]
+        expected = load_rows(SimpleNamespace(**json.loads((run / "config.json").read_text())))[1]
+        assert [p["problem"] for p in heldout["problems"]] == [r["problem"] for r in expected] and len(expected) == 3
+        results = ev.main(["--models", str(run / "hf"), "--data", str(data), "--limit", "2", "--out",
+                           str(tmp_path / "own")])
+    assert list(results["models"][str(run / "hf")]["benchmarks"]) == ["rows"]
+
+
 def test_eval_own_jsonl_with_named_fields(tmp_path):
     """--data FILE (NAME=FILE) with --prompt-key/--answer-key: train.py's field rules (dotted paths, answer lists,
     chat message lists); each file is a column of the table, never part of Avg; every sample graded by reward.grade."""
@@ -2767,6 +2799,10 @@ def test_eval_bad_inputs_one_line_error_before_any_model(tmp_path, monkeypatch, 
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("eval.py: error:") and expected in err[0], (
             expected, err)
         assert not out.exists()
+    with pytest.raises(SystemExit) as e:  # it wrote into the working directory
+        ev.main(["--data", str(data), "--prompt-key", "q.text", "--answer-key", "sol", "--out", ""])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().splitlines() == [
+        "eval.py: error: --out '' names no folder: give one, e.g. --out out/eval"]
     proc = subprocess.run([sys.executable, "eval.py", *cases["--data-dir"], "--out", str(out)], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
@@ -3251,6 +3287,89 @@ def _same_steps(a: list[dict], b: list[dict]) -> None:
             {k: v for k, v in y.items() if k not in drop}, rel=1e-6, abs=1e-9)
 
 
+def test_train_a_run_failed_before_its_first_checkpoint_names_the_next_step(tmp_path, monkeypatch, capsys):
+    """A first run that fails before its first checkpoint: rerunning its command, or --resume, says how to start it
+    again (its config.json with --resume auto, or --overwrite), and that command trains. (Rerunning said "continue
+    it with --resume", and --resume then "has no checkpoint to resume from" with no next step.)"""
+    _patch(monkeypatch, _EVEN)
+    data, run = _toy_data(tmp_path), tmp_path / "run"
+    setup = train.setup
+    monkeypatch.setattr(train, "setup", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    args = _toy_args(data, run, steps=1, export_hf=False)
+    assert train.main(args) == 2 and (run / "config.json").is_file() and not (run / "checkpoint").exists()
+    capsys.readouterr()
+    monkeypatch.setattr(train, "setup", setup)
+    again = f"python train.py --config {run / 'config.json'} --resume auto"
+    assert train.main(args) == 2
+    _one_line_error(capsys, f"--out-dir {run} holds a run that stopped before its first checkpoint (config.json): "
+                            f"start it again with {again}, choose another --out-dir, or replace it with --overwrite")
+    assert train.main(["--resume", str(run)]) == 2
+    _one_line_error(capsys, f"{run} has no checkpoint to resume from: the run stopped before its first one (written "
+                            f"every --save-every steps, at a stop by signal and at the last step); start it again with "
+                            f"{again} (or replace it with --overwrite)")
+    with _one_thread():
+        assert train.main(again.split()[2:]) == 0
+    assert [m["step"] for m in _metrics(run)] == [1]
+
+
+def test_read_only_run_folder(tmp_path, monkeypatch, capsys):
+    """A finished run on a read-only mount: --resume has nothing to do (exit 0); eval.py --run and --plot refuse in
+    one line before they sample or draw anything. (eval.py sampled, then lost its results in a traceback writing
+    RUN/eval; --plot the same; --resume said exit 2.)"""
+    _patch(monkeypatch, _EVEN)
+    run = tmp_path / "run"
+    with _one_thread():
+        assert train.main(_toy_args(_toy_data(tmp_path), run, steps=1, plots=False)) == 0
+    probe = tempfile.TemporaryFile
+
+    def read_only(*args, dir=None, **kwargs):  # as a read-only mount answers (root writes into a chmod 555 folder)
+        if dir is not None and Path(dir).is_relative_to(run):
+            raise OSError(30, "Read-only file system")
+        return probe(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    capsys.readouterr()
+    assert train.main(["--resume", str(run)]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"{run} has done its 1 step and its export is up to date: nothing "
+                                                    f"to do")
+    monkeypatch.setattr(model, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--run", str(run)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"eval.py: error: --out {run / 'eval'} cannot be written: Read-only file "
+                                         f"system; write the results elsewhere with --out DIR"], err
+    with pytest.raises(SystemExit) as e:
+        train.main(["--plot", str(run)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"train.py: error: --plot {run} cannot be written: Read-only file system; "
+                                         f"write the figures elsewhere with --out PNG"], err
+    assert not (run / "metrics.png").exists() and not (run / "eval").exists()
+
+
+def test_train_console_units_and_the_final_bar_once(tmp_path, monkeypatch, capsys):
+    """What the console says, in one unit each: KV caches in GiB (the GB of --kv-cache-gb converted), the memory
+    estimate named an upper bound, the held-out accuracy as a fraction and as eval.py's percentage, the bar's
+    silenced tokens as a count; the final progress bar on one line, not redrawn under the closing lines; --help
+    names the cpu preset beside the paper's recipe, eval.py's --data-dir a folder the repository has. (GB beside
+    GiB, 0.087 beside eval.py's 8.75, silenced=3.4e-03 beside counts, the final bar 2-3 times.)"""
+    _patch(monkeypatch, _EVEN)
+    with _one_thread():
+        assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", steps=2, heldout=2, export_hf=False)) == 0
+    out, err = capsys.readouterr()
+    assert "KV cache at most 0.00 GiB per rank (--kv-cache-gb 40 = 37.25 GiB)" in out, out
+    assert "estimated peak memory per rank, every row at its longest (an upper bound): " in out
+    acc = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[0])["eval/acc"]
+    assert f"held-out accuracy before training: {acc:.4f} = {100 * acc:.2f}% as eval.py reports it (8 samples)" in out
+    finals = [line for line in err.split("\n") if "2/2 [" in line]  # a terminal line: \r redraws in place
+    assert len(finals) == 1 and finals[0].split("silenced=")[-1].split("]")[0].isdigit(), err[-3000:]
+    with pytest.raises(SystemExit) as e:
+        train.main(["--help"])
+    assert e.value.code == 0 and "without CUDA the cpu preset" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        ev.main(["--help"])
+    assert "like the repository's testdata/benchmarks" in " ".join(capsys.readouterr().out.split())
+
+
 def test_train_refuses_a_folder_that_holds_a_run(tmp_path, monkeypatch, capsys):
     """A new run in a folder that holds one is refused in one line (every file of the old run unchanged) unless
     --overwrite, which replaces it. (A 2-step run into a 4-step run's folder cut metrics.jsonl to 2 lines and deleted
@@ -3296,19 +3415,25 @@ def test_train_resume_keeps_the_recipe_and_records_what_changed(tmp_path, monkey
 
 
 def test_train_heldout_prompts_longer_than_max_prompt_len_are_dropped_and_counted(tmp_path, monkeypatch, capsys):
-    """Both splits are held to --max-prompt-len, and the console says how many prompts each lost. (A 100k-character
-    held-out prompt reached the sampler: an attempt to allocate 250 GB after 43 s.)"""
+    """Both splits are held to --max-prompt-len, and the console says how many prompts each lost; a problem with more
+    characters than 50 tokens can spell is dropped before it is tokenized. (A 100k-character held-out prompt reached
+    the sampler: an attempt to allocate 250 GB after 43 s; a 20 MB row took 11 GB and 74 s to tokenize.)"""
     _patch(monkeypatch, _EVEN)
     rows = [{"prompt": f"{a}{b}", "answer": str(a + b)} for a in range(10) for b in range(10 - a)]
     rows[7]["prompt"] = "1" * 100_000  # the data's order is shuffled with --seed: find where row 7 goes
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
     heldout = order.index(7) + 1  # row 7 is the last held-out row
+    rows[order[heldout]]["prompt"] = "2" * 1_000_000  # a training row
     path = tmp_path / "long.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenized, format_prompt = [], rollout.format_prompt
+    monkeypatch.setattr(rollout, "format_prompt", lambda tok, problem, *a: tokenized.append(len(problem)) or
+                        format_prompt(tok, problem, *a))
     with _one_thread():
         assert train.main(_toy_args(str(path), tmp_path / "run", heldout=heldout, max_prompt_len=50,
                                     export_hf=False)) == 0
-    assert (f"train.py: dropped 0 of {len(rows) - heldout} training prompts and 1 of {heldout} held-out prompts "
+    assert max(tokenized) <= 50 * len("<|endoftext|>")  # the tiny tokenizer's longest token
+    assert (f"train.py: dropped 1 of {len(rows) - heldout} training prompts and 1 of {heldout} held-out prompts "
             f"longer than --max-prompt-len 50 tokens") in capsys.readouterr().err
     evals = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [e["eval/n"] for e in evals] == [4 * (heldout - 1)] * 2
@@ -3348,11 +3473,12 @@ def test_train_and_eval_unreadable_data_are_one_line_errors(tmp_path, capsys):
     eval.py --data. (They were 27-line tracebacks from inside datasets, or named neither file nor row.)"""
     files = {"empty.jsonl": b"", "empty.json": b"", "bad.jsonl": b'{"prompt": "12", "answer": "3"}\n{"prompt": \n',
              "latin1.jsonl": b'{"prompt": "12", "answer": "3"}\n{"prompt": "caf\xe9", "answer": "3"}\n',
-             "list.jsonl": b"[1, 2]\n", "bad.json": b"{not json"}
+             "list.jsonl": b"[1, 2]\n", "bad.json": b"{not json", "deep.jsonl": b"[" * 200_000 + b"]" * 200_000}
     expected = {"empty.jsonl": "empty.jsonl: no rows", "empty.json": "empty.json: not a readable json file",
                 "bad.jsonl": "bad.jsonl line 2: not JSON (Expecting value at character 13)",
                 "latin1.jsonl": "latin1.jsonl line 2: not UTF-8 (invalid continuation byte at byte 15)",
-                "list.jsonl": "list.jsonl line 1: not a JSON object", "bad.json": "bad.json: not a readable json file"}
+                "list.jsonl": "list.jsonl line 1: not a JSON object", "bad.json": "bad.json: not a readable json file",
+                "deep.jsonl": "deep.jsonl line 1: nested too deeply to read"}  # it was a RecursionError traceback
     for name, content in files.items():
         (tmp_path / name).write_bytes(content)
         assert train.main(_toy_args(str(tmp_path / name), tmp_path / "o")) == 2
@@ -3366,13 +3492,17 @@ def test_train_and_eval_unreadable_data_are_one_line_errors(tmp_path, capsys):
 
 
 def test_train_bad_out_dir_and_float_flags_are_one_line_errors(tmp_path, monkeypatch, capsys):
-    """An --out-dir that cannot be made (under a file) or written, and a float flag that overflows float32 (--lr 1e39:
-    an OverflowError inside AdamW), are refused before anything loads."""
+    """An --out-dir that cannot be made (under a file) or written, is empty or holds a newline, and a float flag that
+    overflows float32 (--lr 1e39: an OverflowError inside AdamW), are refused before anything loads."""
     data = _toy_data(tmp_path)
     (tmp_path / "file").write_text("x")
     monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     assert train.main(_toy_args(data, tmp_path / "file" / "run")) == 2
     _one_line_error(capsys, f"--out-dir {tmp_path / 'file' / 'run'} cannot be made: {tmp_path / 'file'} is a file")
+    assert train.main(_toy_args(data, tmp_path / "run", out_dir="")) == 2  # it wrote into the working directory
+    _one_line_error(capsys, "--out-dir '' names no folder: give one, e.g. --out-dir out/run")
+    assert train.main(_toy_args(data, tmp_path / "run", out_dir=f"{tmp_path}/a\nb")) == 2  # it split the stop line
+    _one_line_error(capsys, f"--out-dir '{tmp_path}/a\\nb' holds a control character: name the folder without one")
     for flags, expected in (({"lr": 1e39}, "--lr 1e+39 is not a finite float32"),
                             ({"weight_decay": float("nan")}, "--weight-decay nan is not a finite float32")):
         assert train.main(_toy_args(data, tmp_path / "run", **flags)) == 2
@@ -3380,7 +3510,7 @@ def test_train_bad_out_dir_and_float_flags_are_one_line_errors(tmp_path, monkeyp
 
     def read_only(*args, **kwargs):
         raise PermissionError(13, "Read-only file system")
-    monkeypatch.setattr(train.tempfile, "TemporaryFile", read_only)  # root ignores chmod: a read-only mount
+    monkeypatch.setattr(cli.tempfile, "TemporaryFile", read_only)  # root ignores chmod: a read-only mount
     assert train.main(_toy_args(data, tmp_path / "run")) == 2
     _one_line_error(capsys, f"--out-dir {tmp_path / 'run'} cannot be written: Read-only file system")
     assert not (tmp_path / "run").exists()
@@ -3422,6 +3552,51 @@ def test_train_full_disk_in_a_checkpoint_keeps_the_last_one(tmp_path, monkeypatc
         monkeypatch.setattr(train.torch, "save", save)
         assert train.main(["--resume", str(tmp_path / "cut")]) == 0
     _same_steps(_metrics(tmp_path / "cut"), _metrics(tmp_path / "full"))
+
+
+def test_train_full_disk_in_a_checkpoint_shard_is_one_line_even_in_a_stop(tmp_path, monkeypatch, capsys):
+    """A full disk inside the DCP shard write of step_2 (DCP raises a CheckpointException, a BaseException): one line
+    naming the folder, the disk error and the kept checkpoint, exit 2, no step_2/ left. The same during a stop (a
+    SIGTERM in step 2's update): a warning, stopped.json naming step_1, exit run_folder.STOPPED, and the same command
+    line continues. (A 20-line traceback, exit 1, a half-written step_2/; during a stop also no stopped.json.)"""
+    import torch.distributed.checkpoint.filesystem as dcp_files
+    _patch(monkeypatch, _EVEN)
+    data, write_item = _toy_data(tmp_path), dcp_files._write_item
+
+    def full_disk(transforms, stream, *args, **kwargs):
+        if "step_2" in str(getattr(stream, "name", "")):
+            stream.write(b"\0" * 100)  # the part that fit
+            raise OSError(28, "No space left on device")
+        return write_item(transforms, stream, *args, **kwargs)
+
+    monkeypatch.setattr(dcp_files, "_write_item", full_disk)
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "cut", steps=3, save_every=1, export_hf=False)) == 2
+        _one_line_error(capsys, f"train.py: error: could not write {tmp_path / 'cut' / 'checkpoint' / 'step_2'} (a "
+                                f"full disk?): No space left on device; checkpoint/step_1 is kept: python train.py "
+                                f"--resume auto --out-dir {tmp_path / 'cut'} continues")
+        assert sorted(p.name for p in (tmp_path / "cut" / "checkpoint").iterdir()) == ["latest", "step_1"]
+        step_log, made = train.StepLog, []
+
+        def signal_in_step_2(*args):
+            made.append(1)
+            if len(made) == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return step_log(*args)
+
+        monkeypatch.setattr(train, "StepLog", signal_in_step_2)
+        args = _toy_args(data, tmp_path / "stop", steps=3, save_every=1, export_hf=False, resume="auto")
+        assert train.main(args) == run_folder.STOPPED
+        out, err = capsys.readouterr()
+        assert f"train.py: warning: could not write {tmp_path / 'stop' / 'checkpoint' / 'step_2'} (a full disk?): " \
+               f"No space left on device; checkpoint/step_1 is kept" in err and "Traceback" not in err, err
+        assert "stopped by SIGTERM in step 2 (its updates finished), 2 steps of 3 done" in out, out
+        assert json.loads((tmp_path / "stop" / "stopped.json").read_text())["checkpoint"] == "checkpoint/step_1"
+        assert sorted(p.name for p in (tmp_path / "stop" / "checkpoint").iterdir()) == ["latest", "step_1"]
+        monkeypatch.setattr(dcp_files, "_write_item", write_item)
+        monkeypatch.setattr(train, "StepLog", step_log)
+        assert train.main(args) == 0
+    assert [m["step"] for m in _metrics(tmp_path / "stop")] == [1, 2, 3]
 
 
 def test_train_torn_latest_falls_back_to_the_newest_complete_checkpoint(tmp_path, monkeypatch, capsys):
@@ -3673,14 +3848,82 @@ def test_train_stop_signal_checkpoints_and_resume_auto_finishes_exactly(tmp_path
     _same_run(tmp_path / "cut", tmp_path / "full")
 
 
+def test_train_stop_signal_during_startup_exits_stopped_and_the_same_command_continues(tmp_path):
+    """`python train.py` sent SIGTERM while its modules load (here: at `import torch`, the first heavy one): the
+    signal waits for the stop handler, the run stops before its model loads, writes stopped.json and exits with
+    run_folder.STOPPED; the same command line then trains. (It died at once: exit 143, no stopped.json, and a
+    requeue script waiting for 75 dropped the job.)"""
+    out = tmp_path / "run"
+    args = ["--model", "tiny", "--data", "", "--no-chat", "--preset", "cpu", "--steps", "1", "--prompts-per-step", "2",
+            "--mini-batch-prompts", "2", "--group-size", "2", "--max-response-len", "2", "--eval-samples", "0",
+            "--no-plots", "--no-export-hf", "--out-dir", str(out), "--resume", "auto"]
+    kill_at_torch = (  # SIGTERM to itself when train.py imports torch, then train.py as `python train.py` runs it
+        "import os, runpy, signal, sys\n"
+        "class Kill:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch':\n"
+        "            sys.meta_path.remove(self)\n"
+        "            os.kill(os.getpid(), signal.SIGTERM)\n"
+        "sys.meta_path.insert(0, Kill())\n"
+        "sys.argv = ['train.py', *sys.argv[1:]]\n"
+        "runpy.run_path('train.py', run_name='__main__')\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", kill_at_torch, *args], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=ROOT)
+    assert proc.returncode == run_folder.STOPPED, (proc.returncode, proc.stderr[-2000:])
+    assert json.loads((out / "stopped.json").read_text()) == {"signal": "SIGTERM", "steps_done": 0, "checkpoint": None}
+    assert "stopped by SIGTERM during startup, 0 steps of 1 done" in proc.stdout, proc.stdout
+    assert not (out / "checkpoint").exists() and not (out / "metrics.jsonl").exists()
+    proc = subprocess.run([sys.executable, "train.py", *args], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [m["step"] for m in _metrics(out)] == [1] and not (out / "stopped.json").exists()
+
+
+def _hook_signal_then_hang(nth: int) -> None:
+    """(testdata/train_run.py) SIGTERM at the nth rollout, and then the rollout never returns, as a rank waits in a
+    collective for a frozen one (SIGSTOP, a dead network)."""
+    import signal
+
+    sample, calls = rollout.PlainEngine.sample, []
+
+    def hangs(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == nth:
+            os.kill(os.getpid(), signal.SIGTERM)
+            threading.Event().wait()
+        return sample(*args, **kwargs)
+    rollout.PlainEngine.sample = hangs
+
+
+def test_train_stop_deadline_leaves_a_run_held_by_a_frozen_rank(tmp_path):
+    """A stop signal whose stop cannot finish (the rank waits for a frozen one): --stop-deadline-s after the signal
+    the rank leaves with a warning, stopped.json naming the last complete checkpoint and exit run_folder.STOPPED; the
+    same command then finishes equal to an uninterrupted run. (Every rank waited for the collective timeout, 60
+    minutes: no checkpoint, and the job's grace period ran out first.)"""
+    data = _toy_data(tmp_path)
+    _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3))
+    args = _toy_args(data, tmp_path / "cut", steps=3, save_every=1, resume="auto", stop_deadline_s=1)
+    proc = _run(tmp_path, args, hook=("_hook_signal_then_hang", 2), expect=run_folder.STOPPED)
+    assert ("train.py: warning: rank 0: SIGTERM came 1 s ago (--stop-deadline-s) and the ranks have not stopped "
+            "together (a rank frozen, or its network down?): leaving without a checkpoint of this stop; "
+            "checkpoint/step_1 is kept") in proc.stderr, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "cut" / "stopped.json").read_text()) == {
+        "signal": "SIGTERM", "steps_done": 1, "checkpoint": "checkpoint/step_1"}
+    _run(tmp_path, args)
+    _same_run(tmp_path / "cut", tmp_path / "full")
+
+
 def test_train_stop_signal_to_one_rank_stops_both_then_resume_on_other_world_sizes(tmp_path):
     """2 -> 1: SIGUSR1 to rank 1 only, in step 2's rollout: both ranks stop at the same point (rank 0 learns it through
     the process group), the checkpoint of step 1 stays; 1 process resumes it. 1 -> 2: a 1-process run stopped after
     step 1 resumes on 2 processes. Both finish equal to an uninterrupted 1-process run (--rollout-chunk 1; FSDP2 vs
-    one process: float rounding). (A 1-process run resumed on 2 failed: rank 1 found no rank1.pt.)"""
+    one process: float rounding), their held-out evaluations (eval.jsonl, the held-out samples.jsonl lines)
+    included. (A 1-process run resumed on 2 failed: rank 1 found no rank1.pt; 3 held-out problems scored
+    differently on 2 processes: each rank's call was seeded by its rank.)"""
     data = _toy_data(tmp_path)
-    _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3, heldout=2))
-    two_one = _toy_args(data, tmp_path / "two_one", steps=3, heldout=2, resume="auto")
+    _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3, heldout=3))
+    two_one = _toy_args(data, tmp_path / "two_one", steps=3, heldout=3, resume="auto")
     proc = _run(tmp_path, two_one, nproc=2,
                 hook=("_hook_signal_at", "rollout.PlainEngine", "sample", 3, "1", "SIGUSR1"),
                 expect=None)
@@ -3688,11 +3931,38 @@ def test_train_stop_signal_to_one_rank_stops_both_then_resume_on_other_world_siz
                                       "dropped), 1 step of 3 done") in proc.stdout, proc.stderr
     assert json.loads((tmp_path / "two_one" / "stopped.json").read_text())["steps_done"] == 1
     _run(tmp_path, two_one)
-    one_two = _toy_args(data, tmp_path / "one_two", steps=3, heldout=2, resume="auto")
+    one_two = _toy_args(data, tmp_path / "one_two", steps=3, heldout=3, resume="auto")
     _run(tmp_path, one_two, hook=("_hook_signal_at", "rollout.PlainEngine", "sample", 3), expect=run_folder.STOPPED)
     _run(tmp_path, one_two, nproc=2)
     for run in ("two_one", "one_two"):
         _same_run(tmp_path / run, tmp_path / "full", keys=_ANY_WORLD, atol=1e-5)
+        logs = {name: [[json.loads(x) for x in (tmp_path / r / name).read_text().splitlines()] for r in (run, "full")]
+                for name in ("eval.jsonl", "samples.jsonl")}
+        assert logs["eval.jsonl"][0] == logs["eval.jsonl"][1]  # sums of counts: exact on any number of ranks
+        held_out = [[s for s in lines if s["split"] == "heldout"] for lines in logs["samples.jsonl"]]
+        assert held_out[0] == held_out[1] and len(held_out[0]) == 2 * 3
+
+
+def test_lock_on_a_node_local_flock_mount_says_so(tmp_path, monkeypatch, capsys):
+    """NFS mounted with local_lock=flock (or =all) and Lustre with localflock grant flock on every node: the lock
+    warns in one line naming the mount option and what to do. (Two nodes could both hold it without a word.)"""
+    mounts = (f"/dev/vda / ext4 rw,relatime 0 0\n"
+              f"server:/export {tmp_path} nfs4 rw,vers=4.2,local_lock=flock,addr=10.0.0.1 0 0\n"
+              f"mds@tcp:/fs {tmp_path / 'lustre'} lustre rw,localflock 0 0\n"
+              f"mds@tcp:/fs2 {tmp_path / 'lustre' / 'ok'} lustre rw,flock 0 0\n"
+              f"server:/b {tmp_path}/with\\040space nfs rw,local_lock=none 0 0\n")  # a space is written \040
+    local = run_folder.node_local_flock
+    assert local(tmp_path / "run", mounts) == "nfs4 with local_lock=flock"
+    assert local(tmp_path / "lustre" / "run", mounts) == "lustre with localflock"
+    assert local(tmp_path / "lustre" / "ok" / "run", mounts) is None and local(Path("/home"), mounts) is None
+    assert local(tmp_path / "with space" / "run", mounts) is None
+    (tmp_path / "mounts").write_text(mounts)
+    monkeypatch.setattr(run_folder, "MOUNTS", tmp_path / "mounts")
+    run_folder.Lock(tmp_path / "run").release()
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"train.py: warning: {tmp_path / 'run'} is on nfs4 with local_lock=flock: its lock holds within this node only,"
+        f" so a run on another node would not be detected; remount without it (NFS: local_lock=none; Lustre: -o "
+        f"flock) or start one job per folder"]
 
 
 def test_train_one_writer_per_folder(tmp_path, monkeypatch, capsys):
@@ -3761,8 +4031,9 @@ def test_train_torn_log_lines_and_a_full_disk_in_a_log_write(tmp_path, monkeypat
 def test_train_checkpoints_are_verified_and_fall_back(tmp_path, monkeypatch, capsys):
     """4 KB of zeros in a shard of the newest checkpoint: the resume names the damaged file, falls back to the older
     kept checkpoint and finishes equal to the uninterrupted run. `latest` naming a missing step: a warning and the
-    newest complete one. No checkpoint passing its checks: one line, exit 2. (A zeroed shard resumed silently with
-    1,023 zero weights; a `latest` naming step_99 gave '--steps 6 is less than the 99 steps'.)"""
+    newest complete one; a `latest` that is not UTF-8: a warning naming it and the newest complete one. No checkpoint
+    passing its checks: one line, exit 2. (A zeroed shard resumed silently with 1,023 zero weights; a `latest` naming
+    step_99 gave '--steps 6 is less than the 99 steps'; a non-UTF-8 one a line naming no file, no fallback.)"""
     _patch(monkeypatch, _EVEN)
     data, run = _toy_data(tmp_path), tmp_path / "run"
     with _one_thread():
@@ -3782,6 +4053,11 @@ def test_train_checkpoints_are_verified_and_fall_back(tmp_path, monkeypatch, cap
         (run / "checkpoint" / "latest").write_text("step_99")
         assert train.main(["--resume", str(run), "--steps", "3", "--no-export-hf"]) == 0
         assert "latest names step_99, which is missing or incomplete" in capsys.readouterr().err
+        (run / "checkpoint" / "latest").write_bytes(b"step_\xff3")  # a flipped bit: named, then the manifests decide
+        assert train.main(["--resume", str(run), "--steps", "3", "--no-export-hf"]) == 0
+        err = capsys.readouterr().err
+        assert f"{run / 'checkpoint' / 'latest'} cannot be read (not UTF-8): it names no checkpoint" in err, err
+        assert "resuming from step_3, the newest" in err and (run / "checkpoint" / "latest").read_text() == "step_3"
         (run / "checkpoint" / "step_3" / ".metadata").write_bytes(b"")  # the only checkpoint left (keep 2: 2 and 3)
         shutil.rmtree(run / "checkpoint" / "step_2")
         assert train.main(["--resume", str(run), "--steps", "4"]) == 2
@@ -3791,8 +4067,9 @@ def test_train_checkpoints_are_verified_and_fall_back(tmp_path, monkeypatch, cap
 def test_train_export_is_atomic_dated_and_eval_warns_when_stale(tmp_path, monkeypatch, capsys):
     """A failing export (a full disk) leaves the previous hf/ whole and says so in one line; `--resume auto` with
     every step done exports again (and, with the export up to date, does nothing, touching nothing); hf/export.json
-    names the step it holds, and eval.py --run warns when the run's checkpoint is newer. (A full disk left hf/ with
-    only its config files, or the old export beside a newer checkpoint without a word.)"""
+    names the step it holds and its files' checksums, and eval.py --run warns when the run's checkpoint is newer and
+    refuses a flipped bit in one line. (A full disk left hf/ with only its config files, or the old export beside a
+    newer checkpoint without a word; a flipped bit was evaluated silently.)"""
     _patch(monkeypatch, _EVEN)
     data, run = _toy_data(tmp_path), tmp_path / "run"
     save = model.save_hf
@@ -3804,7 +4081,7 @@ def test_train_export_is_atomic_dated_and_eval_warns_when_stale(tmp_path, monkey
     with _one_thread():
         assert train.main(_toy_args(data, run, steps=1)) == 0
         first = _md5s(run / "hf")
-        assert json.loads((run / "hf" / "export.json").read_text()) == {"step": 1}
+        assert json.loads((run / "hf" / "export.json").read_text())["step"] == 1
         monkeypatch.setattr(model, "save_hf", full_disk)
         assert train.main(["--resume", str(run), "--steps", "2"]) == 2
         _one_line_error(capsys, f"could not export the model to {run / 'hf'} (No space left on device); the "
@@ -3813,7 +4090,7 @@ def test_train_export_is_atomic_dated_and_eval_warns_when_stale(tmp_path, monkey
         monkeypatch.setattr(model, "save_hf", save)
         argv = _toy_args(data, run, steps=2, resume="auto")
         assert train.main(argv) == 0  # nothing to train: the export
-        assert json.loads((run / "hf" / "export.json").read_text()) == {"step": 2}
+        assert json.loads((run / "hf" / "export.json").read_text())["step"] == 2
         before = _md5s(run)
         capsys.readouterr()
         assert train.main(argv) == 0
@@ -3826,6 +4103,20 @@ def test_train_export_is_atomic_dated_and_eval_warns_when_stale(tmp_path, monkey
     assert cfg.run == str(run)
     assert ev.stale_export(run) == (f"{run / 'hf'} holds the model after 2 steps, but the run's newest checkpoint is "
                                     f"after 3 (python train.py --resume {run} --export-hf exports it)")
+    files = json.loads((run / "hf" / "export.json").read_text())["files"]  # each file's size and CRC-32
+    assert set(files) == {p.name for p in (run / "hf").iterdir()} - {"export.json"}
+    with open(run / "hf" / "model.safetensors", "r+b") as f:  # a flipped bit past the header: a loadable model
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 1]))
+    monkeypatch.setattr(model, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--models", str(run / "hf"), "--data", data, "--prompt-key", "prompt", "--out", str(tmp_path / "e")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"eval.py: error: {run / 'hf'}: model.safetensors (damaged) differs from its "
+                                         f"export.json checksums; copy or export it again (python train.py --resume "
+                                         f"RUN --export-hf)"], err
 
 
 def test_checkpoint_stores_a_tied_weight_once_and_restores_it(tmp_path):
@@ -4494,7 +4785,7 @@ def test_train_logger_gets_the_metrics_keys(tmp_path, monkeypatch, name):
     assert {key for data in got.values() for key in data} == expected
     for line in lines:
         for key, value in line.items():
-            if key != "step" and key != "eval/correct":
+            if key != "step" and not isinstance(value, list):
                 assert got[line["step"]][key] == pytest.approx(value, rel=1e-6), key
 
 
@@ -4606,7 +4897,7 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
 
 def test_eval_run_reproduces_train_heldout_evaluation(tmp_path, monkeypatch, capsys):
     """eval.py --run on a finished run, with default flags, samples the held-out problems as train.py's evaluation
-    did (seed + 1, all problems in one generate call, even past --batch-size's 64 rows), so it reports the same
+    did (seed + 1, one generate call per problem, seeded by the problem), so it reports the same
     accuracy and mean length as the run's last eval.jsonl line; it writes into RUN/eval and refuses to replace an
     earlier evaluation there without --overwrite. (It printed 11.25 for a run whose eval.jsonl said 8.75, unless
     given --seed 1 --batch-size 80, and wrote every evaluation into the same out/eval.)"""

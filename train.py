@@ -20,13 +20,15 @@ Deliberate differences from the paper's veRL setup:
    distance is `rollout/logprob_diff`). On policy (one mini-batch per step, JustRL or GRPO, no TIS: `on_policy`)
    the update's own forward gives them, detached, instead of a separate pass (TRL's num_iterations=1).
 3. Sampling noise is seeded per generate call from (seed, step, global index of its first prompt): rollouts are
-   reproducible on resume, and with `--rollout-chunk 1` independent of the number of ranks.
+   reproducible on resume, and with `--rollout-chunk 1` independent of the number of ranks. The held-out
+   evaluation samples each problem in a call of its own, seeded by the problem: independent of the ranks always.
 4. Mini-batch k is the same set of prompts for any number of ranks (rank r holds the r-th slice of each); the
    S2T threshold, the denominator and the metrics are reduced over all ranks.
 5. FSDP2 averages gradients over ranks; each rank backpropagates world_size * (its sum / global denominator).
 6. A mini-batch whose advantages are all zero is skipped (no optimizer step, no weight decay) unless GRPO's KL
    term still gives it a gradient; a non-finite gradient norm skips the step with a warning.
-7. Prompts longer than --max-prompt-len are dropped and counted (veRL filters them too).
+7. Prompts longer than --max-prompt-len are dropped and counted (veRL filters them too); one whose problem has more
+   characters than that many tokens can spell is dropped before it is tokenized.
 8. Sampling: rollout.generate (HF model + KV cache) by default, or a colocated vLLM engine per rank (--rollout
    vllm); the cpu preset uses a raw-text prompt ("...\\nThe answer is") at the paper's T = 1.0.
 9. Steps count from 1 in every file, on the console and in checkpoint/step_N.
@@ -37,13 +39,18 @@ import importlib.util
 import math
 import os
 import random
+import signal
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple
+
+# A stop signal that comes while the modules below load (seconds on a busy machine) waits, blocked, until main's
+# run_folder.Preemption takes it over; without this it killed the run (exit 143, no stopped.json).
+if __name__ == "__main__":
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
 
 # MKL's conditional numerical reproducibility, set before torch loads MKL: without it MKL may pick, per call, a
 # summation order that depends on memory alignment. With the deterministic kernels of `setup`, two runs of one
@@ -61,7 +68,7 @@ import rollout  # noqa: E402
 import run_folder  # noqa: E402
 import s2t  # noqa: E402
 import stapo  # noqa: E402
-from data import load_rows, repeated_note  # noqa: E402
+from data import load_rows, problem_seed, repeated_note  # noqa: E402
 from model import (Policy, TokenStats, from_rank0, init_distributed, kv_cache_bytes, lm_vocab_size,  # noqa: E402
                    load_model, memory_estimate, memory_line, shard_policy)
 
@@ -503,16 +510,18 @@ def train(run: Run) -> int:
                         "samples.jsonl": gather(result.samples)[:cfg.samples_per_step],
                         "tokens.jsonl": ranks_joined(gather([result.tokens])),
                         "metrics.jsonl": [result.metrics]})
-            bar.update()
-            bar.set_postfix({"train_acc": f"{result.metrics['reward/acc']:.2f}",
+            bar.set_postfix({"train_acc": f"{result.metrics['reward/acc']:.2f}",  # silenced: tokens, as at the end
                              "H": f"{result.metrics['entropy/mean']:.2f}",
-                             "silenced": f"{result.metrics['s2t/silenced_frac']:.1e}"})
+                             "silenced": int(result.metrics["s2t/silenced"])}, refresh=False)
+            bar.update()
+            if step == cfg.steps:
+                bar.close()  # the final bar once, above the closing lines
             warn_if_no_gradient(run, result.metrics)
             stopped, where = run.preemption.agreed(), f"in step {step} (its updates finished)"  # one all-reduce
             if not stopped and eval_due(run, step) and not run_eval(run, step):
                 stopped, where = True, f"in the evaluation after {plural(step, 'step')} (it runs again on resume)"
-            if step == cfg.steps or stopped or (cfg.save_every and step % cfg.save_every == 0):
-                saved = checkpoint(run, step)
+            if not stopped and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)):
+                saved = checkpoint(run, step)  # a stop writes its own (`stop`)
     if stopped:
         return stop(run, done, saved, where)
     finish(run)
@@ -568,21 +577,25 @@ def run_eval(run: Run, done: int) -> bool:
     write(run, {"eval.jsonl": [{"step": done, **result}],
                 "samples.jsonl": gather(samples)[:run.cfg.samples_per_step]})
     when = f"after {plural(done, 'step')}" if done else "before training"
-    say(run, f"held-out accuracy {when}: {result['eval/acc']:.3f} ({int(result['eval/n'])} samples)")
+    say(run, f"held-out accuracy {when}: {result['eval/acc']:.4f} = {100 * result['eval/acc']:.2f}% as eval.py "
+        f"reports it ({int(result['eval/n'])} samples)")
     return True
 
 
 def evaluate(run: Run, done: int) -> tuple[dict | None, list[dict]]:
-    """Mean accuracy over --eval-samples samples per held-out problem (problems split round-robin over ranks) after
-    `done` steps, and this rank's samples.jsonl records; (None, []) when a stop signal came during it."""
+    """Mean accuracy over --eval-samples samples per held-out problem after `done` steps, and this rank's
+    samples.jsonl records; (None, []) when a stop signal came during it. Each problem is one generate call seeded by
+    the problem (data.problem_seed of --seed + 1 and its index) and the ranks hold consecutive shares, so the
+    results and the records (gathered in rank order) are the same on any number of processes."""
     cfg, prompts = run.cfg, run.test_prompts
-    rank_rows = list(range(run.rank, len(prompts), run.world))  # this rank's held-out rows
+    rank_rows = list(range(len(prompts) * run.rank // run.world, len(prompts) * (run.rank + 1) // run.world))
     correct = total = length = 0.0
     samples = []
     run.policy.eval()
     with run.engine.ready(run.policy):  # a collective: every rank enters, also one without held-out problems
-        out = run.engine.sample([prompts[i] for i in rank_rows], cfg.eval_samples, [cfg.seed + 1 + run.rank], len(rank_rows),
-                                cfg.max_response_len, cfg.temperature, cfg.top_p) if rank_rows else None
+        out = run.engine.sample([prompts[i] for i in rank_rows], cfg.eval_samples,
+                                [problem_seed(cfg.seed + 1, i) for i in rank_rows], 1, cfg.max_response_len,
+                                cfg.temperature, cfg.top_p) if rank_rows else None
     if run.preemption.agreed():  # a stop signal came during it
         return None, []
     if rank_rows:
@@ -608,19 +621,48 @@ def checkpoint(run: Run, done: int) -> int:
 
 
 def stop(run: Run, done: int, saved: int, where: str) -> int:
-    """A stop signal ended the run after `done` steps: the checkpoint (unless the last one is of `done` steps),
-    OUT/stopped.json, one line; returns run_folder.STOPPED."""
-    if saved != done:  # stopped in a rollout after a step without a checkpoint
-        saved = checkpoint(run, done)
-    if run.rank == 0:
-        run_folder.write_stopped(Path(run.cfg.out_dir), run.preemption.signal, saved or None)
-        if run.logger:
-            run.logger.close()
+    """A stop signal ended the run after `done` steps: the checkpoint (unless the last one is of `done` steps; one
+    that cannot be written, a full disk, is a warning: the previous one stays), then `stopped`; returns
+    run_folder.STOPPED."""
+    if saved != done:
+        try:
+            saved = checkpoint(run, done)
+        except run_folder.RunError as e:
+            run_folder.say(str(e), run.rank, warning=True)
+    if run.rank == 0 and run.logger:
+        run.logger.close()
+    return stopped(run.cfg, run.rank, run.preemption, saved, where, done)
+
+
+def stopped(cfg: Config, rank: int, preemption: run_folder.Preemption, saved: int, where: str,
+            done: int | None = None) -> int:
+    """OUT/stopped.json and the one line of a run stopped by a signal after `done` steps (default: `saved`), with the
+    checkpoint of `saved` steps (0: none); returns run_folder.STOPPED."""
+    done = saved if done is None else done
+    if rank == 0:
+        run_folder.write_stopped(Path(cfg.out_dir), preemption.signal, saved or None)
     kept = (f"checkpoint/step_{saved} is kept; the same command with --resume auto (or python train.py --resume "
-            f"{run.cfg.out_dir}) continues the run" if saved else "nothing to keep; the same command starts it again")
-    say(run, f"stopped by {run.preemption.signal} {where}, {plural(done, 'step')} of {run.cfg.steps} done, "
-        f"{time.monotonic() - run.preemption.received:.1f} s after the signal: {kept}")
+            f"{cfg.out_dir}) continues the run" if saved else
+            "nothing to keep; the same command with --resume auto (or --overwrite) starts it again")
+    run_folder.say(f"stopped by {preemption.signal} {where}, {plural(done, 'step')} of {cfg.steps} done, "
+                   f"{time.monotonic() - preemption.received:.1f} s after the signal: {kept}", rank)
     return run_folder.STOPPED
+
+
+def leave_at_deadline(cfg: Config, rank: int, preemption: run_folder.Preemption) -> None:
+    """--stop-deadline-s passed since a stop signal and the ranks have not stopped together: leave now (the watchdog
+    thread of run_folder.Preemption), with stopped.json (rank 0) naming the newest complete checkpoint, one line on
+    every rank (the frozen one may be rank 0), exit status run_folder.STOPPED."""
+    out, kept = Path(cfg.out_dir), run_folder.complete_steps(Path(cfg.out_dir))
+    if rank == 0:
+        run_folder.write_stopped(out, preemption.signal or "a stop signal", kept[0] if kept else None)
+    then = (f"checkpoint/step_{kept[0]} is kept; the same command with --resume auto continues from it" if kept else
+            "no checkpoint was kept; the same command with --resume auto starts the run again")
+    print(f"train.py: warning: rank {rank}: {preemption.signal or 'a stop signal'} came {cfg.stop_deadline_s:g} s ago "
+          f"(--stop-deadline-s) and the ranks have not stopped together (a rank frozen, or its network down?): leaving "
+          f"without a checkpoint of this stop; {then}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(run_folder.STOPPED)
 
 
 def finish(run: Run) -> None:
@@ -732,9 +774,10 @@ def rollout_engine(cfg: Config, lm, tokenizer, prompts: list[list[int]], rank: i
     kv_call = kv_cache_bytes(lm.config, chunk * G, tokens, dtype.itemsize)
     kv_vllm = min(kv_cache_bytes(lm.config, n * G, tokens, dtype.itemsize), int(cfg.kv_cache_gb * 1e9))
     if rank == 0:
-        what = (f"vLLM KV cache {kv_vllm / 1e9:.2f} GB" if cfg.rollout == "vllm" else
-                f"{chunk} prompts x G {G} per generate call, KV cache at most {kv_call / 1e9:.2f} GB")
-        print(f"rollout ({cfg.rollout}): {what} per rank (--kv-cache-gb {cfg.kv_cache_gb:g})", flush=True)
+        what = (f"vLLM KV cache {kv_vllm / 2**30:.2f} GiB" if cfg.rollout == "vllm" else
+                f"{chunk} prompts x G {G} per generate call, KV cache at most {kv_call / 2**30:.2f} GiB")
+        print(f"rollout ({cfg.rollout}): {what} per rank (--kv-cache-gb {cfg.kv_cache_gb:g} = "
+              f"{cfg.kv_cache_gb * 1e9 / 2**30:.2f} GiB)", flush=True)
     longest = max(map(len, prompts)) + cfg.max_response_len  # train and held-out prompts
     return rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, stop, max_model_len=longest,
                                kv_cache_memory_bytes=kv_vllm, dtype=dtype, seed=cfg.seed,
@@ -781,15 +824,18 @@ def setup(cfg: Config, rows: tuple[list[dict], list[dict]], rank: int, world: in
     lm, tokenizer = load()
     if cfg.chat and not tokenizer.chat_template:
         raise ValueError(f"the tokenizer of {cfg.model!r} has no chat template; use --no-chat")
-    train_prompts, test_prompts = ([rollout.format_prompt(tokenizer, r["problem"], cfg.chat, cfg.instruction)
-                                    for r in rows] for rows in (train_rows, test_rows))
+    # A token spells at most `longest` characters, so a problem longer than max_prompt_len x longest characters has
+    # more tokens than max_prompt_len: dropped before it is tokenized (a 20 MB row took 11 GB and 74 s to tokenize).
+    longest = max(map(len, tokenizer.get_vocab()))
 
-    def fitting(rows, prompts):  # rows whose prompt fits --max-prompt-len, and how many did not (difference 7)
+    def fitting(rows):  # rows whose prompt fits --max-prompt-len, their prompts, how many did not (difference 7)
+        short = [r for r in rows if len(r["problem"]) <= cfg.max_prompt_len * longest]
+        prompts = [rollout.format_prompt(tokenizer, r["problem"], cfg.chat, cfg.instruction) for r in short]
         keep = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_len]
-        return [rows[i] for i in keep], [prompts[i] for i in keep], len(prompts) - len(keep)
+        return [short[i] for i in keep], [prompts[i] for i in keep], len(rows) - len(keep)
 
-    train_rows, train_prompts, dropped = fitting(train_rows, train_prompts)
-    test_rows, test_prompts, dropped_test = fitting(test_rows, test_prompts)
+    train_rows, train_prompts, dropped = fitting(train_rows)
+    test_rows, test_prompts, dropped_test = fitting(test_rows)
     if not train_prompts:
         raise ValueError(f"every prompt of {cfg.data or 'the built-in task'} is longer than --max-prompt-len")
     too_few(cfg, len(train_prompts))
@@ -905,7 +951,8 @@ def agree(work, *args):
 # ---------------------------------------------------------------------------------- configuration and CLI
 @dataclass
 class Config:
-    """RL-train a causal LM with STAPO or a baseline (defaults: the paper's recipe, docs/paper.md §6). Or, instead
+    """RL-train a causal LM with STAPO or a baseline (defaults: with CUDA the paper's recipe, docs/paper.md §6;
+    without CUDA the cpu preset, whose values the flags below name). Or, instead
     of training: `python train.py --plot RUN [RUN ...] [--out PNG]` redraws the figures of finished runs, overlaid
     (RUN/metrics.png and RUN/s2t.png for one run, FIRST_RUN/compare.png and compare_s2t.png for several; --out
     X.png: X.png and X_s2t.png)."""
@@ -989,6 +1036,10 @@ class Config:
     collective_timeout_min: float = 60.0
     """minutes a rank waits in a collective for the others before the run fails (ranks whose rollouts are longer
     finish later; NCCL's default is 10)"""
+    stop_deadline_s: float = 240.0
+    """seconds from a stop signal after which a rank that has not stopped (a frozen rank holds the others) leaves with
+    exit status 75, keeping the last complete checkpoint; under the job's grace period (SLURM
+    --signal=USR1@300: 300), above a checkpoint write; 0 = wait for every rank"""
     tis_cap: float | None = None
     """truncated importance sampling: weight tokens by min(pi_old / pi_sampler, cap) (e.g. 2 with --rollout vllm);
     default off"""
@@ -1080,13 +1131,19 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
         if "out_dir" in given and Path(given["out_dir"]) != Path(resume):
             raise ValueError(f"--resume continues the run in its own folder {resume}; --out-dir cannot move it")
         given["out_dir"] = resume
-    out = Path(given.get("out_dir", defaults.get("out_dir", Config.out_dir)))
+    out = given.get("out_dir", defaults.get("out_dir", Config.out_dir))
+    if not out.strip():  # Path("") is the working directory
+        raise ValueError("--out-dir '' names no folder: give one, e.g. --out-dir out/run")
+    if any(ord(c) < 32 or ord(c) == 127 for c in out):  # a newline would split every console line that names it
+        raise ValueError(f"--out-dir {out!r} holds a control character: name the folder without one")
+    out = Path(out)
     recorded = None  # --resume RUN, or --resume auto in a folder with a complete checkpoint: the run's recipe
     if resume and (resume != "auto" or run_folder.complete_steps(out)):
         recorded = cli.check_values(Config, run_folder.recorded_config(out), str(out / "config.json"))  # hand edits too
         if not run_folder.complete_steps(out):
             raise FileNotFoundError(f"{out} has no checkpoint to resume from: the run stopped before its first one "
-                                    f"(written every --save-every steps, at a stop by signal and at the last step)")
+                                    f"(written every --save-every steps, at a stop by signal and at the last step); "
+                                    f"start it again with {run_folder.again(out)} (or replace it with --overwrite)")
     cfg = Config(**({**recorded, **given} if recorded else {**defaults, **given, "preset": preset}))
     reward.load_reward(cfg.reward)  # an unknown mode or a broken FILE.py:FUNCTION: one line now, not in step 1
     if cfg.algo not in stapo.ALGORITHMS:
@@ -1116,13 +1173,11 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
     cfg, notes = in_effect(cfg, given, cuda, int(os.environ.get("WORLD_SIZE", 1)))
     if recorded:
         run_folder.resume_changes(recorded, asdict(cfg))  # raises for a change of recipe
-    existing = next(p for p in (out, *out.parents) if p.exists())  # out, or the folder it would be made in
-    if not existing.is_dir():
-        raise OSError(f"--out-dir {out} cannot be made: {existing} is a file")
-    try:  # writable? (rank 0 writes into it; every rank writes its checkpoint shards) Nothing is made here.
-        tempfile.TemporaryFile(dir=existing).close()
-    except OSError as e:
-        raise OSError(f"--out-dir {out} cannot be written: {e.strerror or e}") from None
+    try:  # rank 0 writes into it; every rank writes its checkpoint shards
+        cli.check_writable("--out-dir", out)
+    except OSError:
+        if not (recorded and run_folder.finished_read_only(out, asdict(cfg))):
+            raise
     return cfg, recorded, notes
 
 
@@ -1182,6 +1237,10 @@ def main(argv: list[str] | None = None) -> int:
                     " and its export is up to date" if cfg.export_hf else "") + ": nothing to do", rank)
                 return 0
             start, checkpoint_path, lock = opened
+            if cfg.stop_deadline_s:
+                preemption.arm(cfg.stop_deadline_s, lambda: leave_at_deadline(cfg, rank, preemption))
+            if preemption.agreed():  # a stop signal during startup: stop before the model loads
+                return stopped(cfg, rank, preemption, start, "during startup")
             run = setup(cfg, rows, rank, world, device, checkpoint_path, preemption)
             return train(run)
         except BAD_INPUT as e:
