@@ -23,8 +23,8 @@ import random
 
 
 # The built-in task: every one-digit sum "What is a + b?" (100 problems, 20 held out), deterministic. Chosen by
-# measuring SmolLM2-135M-Instruct (docs/training.md): with the raw-text prompt "...\nThe answer is" it is right on ~12% of
-# them at T = 1.0 (~20% at 0.7; ~2% for word problems or a chat prompt with the \boxed{} instruction), so many
+# measuring SmolLM2-135M-Instruct (docs/training.md): with the raw-text prompt "...\nThe answer is" it is right on
+# ~12% of them at T = 1.0 (~20% at 0.7; ~2% for word problems or a chat prompt with the \boxed{} instruction), so many
 # groups of 8 have mixed rewards.
 def builtin_task(split: str) -> list[dict]:
     """The built-in problems of `split` ('train': 80, 'test': 20), each {"problem", "answer"}."""

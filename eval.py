@@ -335,7 +335,8 @@ class Config:
     """path of an existing results.json: re-grade its samples with its --reward, rewrite it and table.md next to it,
     sample nothing"""
     rollout: Literal["plain", "vllm"] = "plain"
-    """plain | vllm: sampling engine (vllm: a vLLM engine in this process, fed with the loaded weights; docs/rollouts.md)"""
+    """plain | vllm: sampling engine (vllm: a vLLM engine in this process, fed with the loaded weights;
+    docs/rollouts.md)"""
     kv_cache_gb: float = 40.0
     """KV-cache budget per rank in GB (worst case: every row at the longest prompt + --max-new-tokens): bounds the
     problems per generate call below --batch-size, and is vLLM's KV cache"""
@@ -360,7 +361,8 @@ def train_run(folder: str | Path) -> dict | None:
 
 
 def stale_export(run: Path) -> str | None:
-    """The warning when a run's export RUN/hf holds fewer steps than its newest checkpoint (run_folder.py), else None."""
+    """The warning when a run's export RUN/hf holds fewer steps than its newest checkpoint (run_folder.py), else
+    None."""
     import run_folder
 
     exported, kept = run_folder.export_step(run / "hf"), run_folder.complete_steps(run)
@@ -440,7 +442,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
                        ("k", cfg.k is None or cfg.k >= 1), ("max_new_tokens", cfg.max_new_tokens >= 1),
                        ("limit", cfg.limit is None or cfg.limit >= 1),
                        ("batch_size", cfg.batch_size is None or cfg.batch_size >= 1),
-                       ("kv_cache_gb", cfg.kv_cache_gb > 0), ("collective_timeout_min", cfg.collective_timeout_min > 0)):
+                       ("kv_cache_gb", cfg.kv_cache_gb > 0),
+                       ("collective_timeout_min", cfg.collective_timeout_min > 0)):
         if not rule:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(cfg, name)} is out of range")
     if not cfg.benchmarks and not cfg.data:

@@ -467,8 +467,8 @@ def resume_changes(recorded: dict, config: dict) -> dict:
         k = refused[0]
         raise ValueError(f"--{k.replace('_', '-')} {config[k]!r} differs from the resumed run's {recorded.get(k)!r}: "
                          f"a resumed run keeps its recipe (on resume only "
-                         f"{', '.join('--' + r.replace('_', '-') for r in RESUMABLE)} may change); start a new run with "
-                         f"--out-dir to change it")
+                         f"{', '.join('--' + r.replace('_', '-') for r in RESUMABLE)} may change); start a new run "
+                         f"with --out-dir to change it")
     return changed
 
 

@@ -1022,8 +1022,8 @@ class Config:
     top_p: float = 1.0
     """nucleus sampling"""
     rollout: Literal["auto", "plain", "vllm"] = "auto"
-    """auto | plain | vllm: rollout engine (vllm: a colocated vLLM engine fed with the policy's weights; docs/rollouts.md);
-    auto = vllm on CUDA when vllm is installed, else plain (config.json records which)"""
+    """auto | plain | vllm: rollout engine (vllm: a colocated vLLM engine fed with the policy's weights;
+    docs/rollouts.md); auto = vllm on CUDA when vllm is installed, else plain (config.json records which)"""
     kv_cache_gb: float = 40.0
     """KV-cache budget per rank in GB (worst case: every row at max prompt + response length): bounds the plain
     sampler's prompts per generate call (--rollout-chunk 0) and is vLLM's KV cache (at most what the rollout needs)"""
