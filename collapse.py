@@ -171,6 +171,8 @@ def figure(arms: dict, out: Path) -> None:
         collapsed = sum(r["collapse"] is not None for r in arms[algo].values())
         axes[0][j].set_title(f"{algo}: {collapsed} of {len(arms[algo])} collapsed", fontsize=9)
         axes[1][j].set_xlabel("step")
+    for ax in axes.flat:
+        ax.xaxis.get_major_locator().set_params(integer=True)  # steps
     axes[0][0].set_ylabel("training accuracy")
     axes[1][0].set_ylabel("rollout entropy (nats)")
     axes[0][-1].legend(fontsize=6, loc="upper right")

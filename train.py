@@ -330,7 +330,7 @@ def graded_count(tokenizer, ids: list[int], mode: str) -> int:
 
 class StepLog:
     """The metric bookkeeping of one step: sums over this rank's sequences and tokens, reduced over ranks once, in
-    `close`, into the metrics.jsonl line (README.md, Metrics glossary), and the step's spurious.jsonl,
+    `close`, into the metrics.jsonl line (docs/outputs.md, Metrics glossary), and the step's spurious.jsonl,
     samples.jsonl and tokens.jsonl records."""
 
     def __init__(self, run: Run, step: int, batch: rollout.Rollout, rewards, advantages, t_rollout: float):
