@@ -41,6 +41,8 @@ from collections import namedtuple
 
 import sympy as sp
 
+from config import InputError
+
 # ------------------------------------------------------------------------------------------------ limits
 TIMEOUT_S = 1.0  # wall-clock budget of one grade() call
 TAIL_CHARS = 100_000  # only the end of a response is searched for its final answer
@@ -135,6 +137,18 @@ def graded_chars(response, mode="dapo"):
     return len(response) if at < 0 else at + len(answer)
 
 
+def graded_count(tokenizer, ids: list[int], mode: str) -> int:
+    """How many leading tokens of a response (ids; `tokenizer` decodes them) hold the characters the reward reads
+    (`graded_chars`): the fewest whose decoded text has them, by bisection on the decoded length of the response's
+    prefixes."""
+    chars = graded_chars(tokenizer.decode(ids, skip_special_tokens=True), mode)
+    lo, hi = 0, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= chars else (mid + 1, hi)
+    return lo
+
+
 # ------------------------------------------------------------------------------------------------ your own reward
 # Any verifier can be the reward (code that runs tests, a format check, another grader), as TRL's reward functions
 # are: --reward FILE.py:FUNCTION or MODULE:FUNCTION names a Python function
@@ -149,7 +163,7 @@ def graded_chars(response, mode="dapo"):
 BUILTIN = ("dapo", "binary", "strict")
 
 
-class RewardError(Exception):
+class RewardError(InputError):
     """Your reward function raised, or returned something other than a finite number."""
 
 

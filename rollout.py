@@ -76,10 +76,9 @@ from torch.distributed.fsdp import FSDPModule
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.models.llama.modeling_llama import rotate_half
 
+from data import INSTRUCTION
 from model import (PACKED_SDPA, attention_buckets, first_with_same_prompt, grouped_sdpa, kv_cache_bytes,
                    lm_vocab_size, position_ids_from_mask)
-
-INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 def format_prompt(tokenizer, problem: str, chat: bool = True, instruction: str = INSTRUCTION) -> list[int]:

@@ -64,7 +64,7 @@ def spurious_mask(logprobs: torch.Tensor, entropy: torch.Tensor, advantages: tor
     """The whole S2T rule on one mini-batch -> (silenced bool (B, T), tau_h or None if there are no candidates).
 
     logprobs, entropy (B, T) of the current policy; advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1.
-    gather: a function that concatenates a 1-D tensor over the data-parallel ranks (train.all_gather_cat), so that
+    gather: a function that concatenates a 1-D tensor over the data-parallel ranks (model.all_gather_cat), so that
     tau_h is the quantile over the whole mini-batch when each rank holds a share of its rows; None: one process.
     """
     cand = candidates(logprobs, advantages, response_mask, tau_p)  # (B, T): conditions 1 and 2
@@ -109,7 +109,7 @@ def grad_norm_logits(w: torch.Tensor, logprobs: torch.Tensor, collision: torch.T
 
 
 def diagnostics(stats: TokenStats, advantages: torch.Tensor, response_mask: torch.Tensor, silenced: torch.Tensor,
-                tau_p: float = 0.002, w: torch.Tensor | None = None) -> dict[str, float]:
+                tau_p: float = 0.002, grad_norm: torch.Tensor | None = None) -> dict[str, float]:
     """Metrics (python floats) of one mask on one mini-batch; call it once on the whole mini-batch. stats: p, H and
     collision of the current policy (model.TokenStats, each (B, T)).
 
@@ -120,14 +120,14 @@ def diagnostics(stats: TokenStats, advantages: torch.Tensor, response_mask: torc
     s2t/silenced_h_mean  mean entropy of silenced tokens
     s2t/grad_norm_silenced  mean |w| sqrt(1 - 2p + sum p^2) over silenced tokens
     s2t/grad_norm_kept      the same over kept response tokens
-    w (B, T) defaults to the advantages, i.e. ratio r = 1 (pi_theta = pi_old, the first mini-batch of a rollout).
+    grad_norm (B, T): `grad_norm_logits` of each token, by default with w = the advantages, i.e. ratio r = 1
+    (pi_theta = pi_old, the first mini-batch of a rollout).
     """
     logprobs, entropy, collision = stats
     mask = response_mask > 0  # (B, T)
     silenced = silenced & mask
     kept = mask & ~silenced
-    w = advantages.expand_as(logprobs) if w is None else w
-    g = grad_norm_logits(w, logprobs, collision)  # (B, T)
+    g = grad_norm_logits(advantages.expand_as(logprobs), logprobs, collision) if grad_norm is None else grad_norm
 
     def mean(x, sel):
         return (x.detach()[sel].float().mean().item()) if sel.any() else 0.0

@@ -9,7 +9,7 @@ Contents, one section per file (helpers sit at the top of the section that uses 
 2. model.py: chunked log-probs and entropy, Policy (packed rows), loading, FSDP2, saving.
 3. rollout.py: the KV-cache sampler (greedy = model.generate, sampled frequencies, dropping rows, stopping early).
 4. reward.py: answer extraction and grading, hostile inputs, your own reward function.
-5. eval.py and data.py: benchmarks, metrics, your own files, the command line (cli.py).
+5. eval.py and data.py: benchmarks, metrics, your own files, the command line (config.py).
 6. train.py: the training loop end to end (learning, 1 vs 2 processes, token budgets, on policy, resume, errors).
 7. run_folder.py: stop signals, --resume auto, other world sizes, one writer, torn logs, verified checkpoints,
    exports; then a second device simulated on the CPU.
@@ -49,8 +49,8 @@ from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import config
 import counterfactual
-import cli
 import eval as ev
 import model
 import plots
@@ -490,7 +490,7 @@ def test_algo_randmask_silences_s2t_count_at_random():
 def test_algo_randmask_keys_do_not_depend_on_the_ranks():
     """train.random_keys: rank r of W holds rows r*b..r*b+b-1 of the mini-batch (train.rank_slice); its keys are those
     rows' keys of one process, whatever T its rows were padded to."""
-    cfg = train.Config(seed=3, max_response_len=8)
+    cfg = config.Config(seed=3, max_response_len=8)
     whole = train.random_keys(SimpleNamespace(cfg=cfg, rank=0), 2, 1, _keys_mb(6, 8))  # (6, 8)
     for world in (2, 3):
         b = 6 // world
@@ -859,7 +859,7 @@ def test_train_packed_rows_match_each_row_alone(algo):
     torch.manual_seed(0)
     lm = tiny_model()
     policy, batch, T = Policy(lm), _packing_batch(), 0.8
-    cfg = train.Config(algo=algo, temperature=T, tau_p=0.2, kl_beta=0.04 if algo == "grpo" else 0.0)
+    cfg = config.Config(algo=algo, temperature=T, tau_p=0.2, kl_beta=0.04 if algo == "grpo" else 0.0)
     g = torch.Generator().manual_seed(1)
     mask = batch.response_mask.float()
     logprobs, entropy = _rows_one_by_one(lm, batch, T)
@@ -868,7 +868,7 @@ def test_train_packed_rows_match_each_row_alone(algo):
     adv = stapo.group_advantages(torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, -1.0]), 3)[:, None].expand_as(mask)
     weights, _, _, den = stapo.token_weights(algo, logprobs.detach(), entropy, adv, mask, cfg.tau_p, cfg.quantile,
                                              keys=s2t.random_keys(0, range(len(mask)), mask.shape[1]))
-    clip = train.clip_range(cfg)
+    clip = stapo.clip_range(cfg.algo, cfg.clip_low, cfg.clip_high)
     want, _ = stapo.policy_loss(logprobs, old, adv, weights, *clip, cfg.dual_clip, den)
     if ref is not None:
         want = want + cfg.kl_beta * (weights * stapo.kl_k3(logprobs, ref)).sum() / den
@@ -880,7 +880,8 @@ def test_train_packed_rows_match_each_row_alone(algo):
             run = SimpleNamespace(cfg=replace(cfg, max_tokens_per_micro_batch=budget), device=torch.device("cpu"),
                                   policy=policy, world=1)
             lm.zero_grad(set_to_none=True)
-            mb = train.MiniBatch(batch, adv, old, ref, torch.ones(len(batch), dtype=torch.bool))
+            mb = train.MiniBatch(batch, adv, model.TokenStats(old, None, None), ref,
+                                 torch.ones(len(batch), dtype=torch.bool))
             loss = train.accumulate_gradients(run, mb, weights, float(den)).loss
             assert loss == pytest.approx(want.item(), abs=1e-6), budget  # the KL term included
             for p_, w_ in zip(lm.parameters(), want_grads):
@@ -893,7 +894,8 @@ def test_model_packed_attention_flash_varlen_layout(monkeypatch):
     """The flash-attn branch of packed attention (CUDA + fp16/bf16 + flash-attn installed; none of them here): a
     stand-in flash_attn_varlen_func that runs SDPA on each sequence alone gives Policy the outputs of the SDPA
     branch, so the packed row, cu_seqlens and layouts handed to flash-attn are right."""
-    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False):  # (N, heads, hd) each
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):  # (N, heads, hd) each; kw: softmax_scale, causal
+        softmax_scale, causal = kw.get("softmax_scale"), kw.get("causal", False)
         assert causal and torch.equal(cu_q, cu_k) and max_q == max_k == int(cu_q.diff().max())
         out = [torch.nn.functional.scaled_dot_product_attention(
             *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=softmax_scale, enable_gqa=True)
@@ -2418,25 +2420,25 @@ def test_eval_cli_flags_and_help(capsys):
 
 
 def test_cli_one_builder_for_train_and_eval(capsys):
-    """train.py and eval.py build their CLI with the same cli.parse_flags: only the flags given come back, every
+    """train.py and eval.py build their CLI with the same config.parse_flags: only the flags given come back, every
     Config field is a --flag whose help is its docstring, and a bad flag is one line with exit status 2 in both."""
-    assert train.cli is ev.cli
-    assert cli.parse_flags(ev.Config, ["--k", "8", "--no-chat", "--data", "a.jsonl", "b=c.jsonl"], "eval.py") == {
-        "k": 8, "chat": False, "data": ["a.jsonl", "b=c.jsonl"]}
-    assert cli.parse_flags(train.Config, ["--clip-low", "none", "--lr", "1e-3", "--no-save-optimizer"], "train.py") == {
-        "clip_low": None, "lr": 1e-3, "save_optimizer": False}
-    for module, prog in ((train, "train.py"), (ev, "eval.py")):
+    assert train.config is ev.config
+    assert config.parse_flags(ev.Config, ["--k", "8", "--no-chat", "--data", "a.jsonl", "b=c.jsonl"],
+                              "eval.py") == {"k": 8, "chat": False, "data": ["a.jsonl", "b=c.jsonl"]}
+    assert config.parse_flags(config.Config, ["--clip-low", "none", "--lr", "1e-3", "--no-save-optimizer"],
+                              "train.py") == {"clip_low": None, "lr": 1e-3, "save_optimizer": False}
+    for cls, main, prog in ((config.Config, train.main, "train.py"), (ev.Config, ev.main, "eval.py")):
         with pytest.raises(SystemExit):
-            cli.parse_flags(module.Config, ["--help"], prog)
+            config.parse_flags(cls, ["--help"], prog)
         help_text = " ".join(capsys.readouterr().out.split())
-        for f in fields(module.Config):
+        for f in fields(cls):
             assert "--" + f.name.replace("_", "-") in help_text, (prog, f.name)
         with pytest.raises(SystemExit) as e:
-            module.main(["--steps" if module is train else "--k", "x"])
+            main(["--steps" if main is train.main else "--k", "x"])
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"{prog}: error: argument"), err
     with pytest.raises(SystemExit):
-        train.parse_config(["--help"])
+        config.parse_config(["--help"])
     assert "[default: 'Qwen/Qwen3-1.7B-Base' (cpu preset: 'smollm2')]" in " ".join(capsys.readouterr().out.split())
     # eval.py imports torch only after parsing, so `python eval.py --help` stays fast
     proc = subprocess.run([sys.executable, "-c", "import sys, eval; print('torch' in sys.modules)"], cwd=ROOT,
@@ -2449,20 +2451,20 @@ def test_cli_config_file_is_the_base_layer_under_the_flags(tmp_path, capsys):
     command line wins over them, in train.py and eval.py alike; an unknown key or a value of the wrong type is one
     line naming the file and the key, exit status 2. check_values is the validator (the lead's resume uses it)."""
     data = _toy_data(tmp_path)
-    recipe = train.parse_config(_toy_args(data, tmp_path / "x", lr=0.002, algo="justrl"))[0]
+    recipe = config.parse_config(_toy_args(data, tmp_path / "x", lr=0.002, algo="justrl"))[0]
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "config.json").write_text(json.dumps(run_folder.recipe(asdict(recipe))))
-    rerun = train.parse_config(["--config", str(tmp_path / "x" / "config.json"), "--seed", "1", "--out-dir",
+    rerun = config.parse_config(["--config", str(tmp_path / "x" / "config.json"), "--seed", "1", "--out-dir",
                                 str(tmp_path / "x-seed1")])[0]
     assert rerun == replace(recipe, seed=1, out_dir=str(tmp_path / "x-seed1"))  # python train.py --config ... reruns it
     (tmp_path / "r.yaml").write_text("model: tiny\ndata: " + data + "\nanswer_key: answer\nchat: false\nlr: 1e-4\n"
                                      "steps: 3\nclip_low: null\nout_dir: " + str(tmp_path / "y") + "\n")
-    cfg = train.parse_config(["--config", str(tmp_path / "r.yaml"), "--steps", "2"])[0]
+    cfg = config.parse_config(["--config", str(tmp_path / "r.yaml"), "--steps", "2"])[0]
     assert (cfg.model, cfg.lr, cfg.steps, cfg.chat, cfg.clip_low) == ("tiny", 1e-4, 2, False, None)
     (tmp_path / "e.json").write_text(json.dumps({"benchmarks": ["gsm8k"], "k": 8, "temperature": 0.7, "seed": 3}))
     cfg = ev.parse_config(["--config", str(tmp_path / "e.json"), "--k", "2"])
     assert (cfg.benchmarks, cfg.k, cfg.temperature, cfg.seed) == (["gsm8k"], 2, 0.7, 3)
-    assert cli.check_values(train.Config, {"lr": 1, "steps": 2, "clip_low": None}, "src") == {
+    assert config.check_values(config.Config, {"lr": 1, "steps": 2, "clip_low": None}, "src") == {
         "lr": 1.0, "steps": 2, "clip_low": None}
     cases = {"bad_str.json": ('{"temperature": "0.7"}', "'temperature' must be a number | not the text '0.7'"),
              "bad_bool.json": ('{"temperature": true}', "'temperature' must be a number | not a boolean"),
@@ -2479,7 +2481,7 @@ def test_cli_config_file_is_the_base_layer_under_the_flags(tmp_path, capsys):
     for name, (text, expected) in cases.items():
         if text is not None:
             (tmp_path / name).write_text(text)
-        for module, prog in ((train, "train.py"), (ev, "eval.py")):
+        for module, prog in ((config, "train.py"), (ev, "eval.py")):
             with pytest.raises(SystemExit) as e:
                 module.parse_config(["--config", str(tmp_path / name)])
             err = capsys.readouterr().err.strip().splitlines()
@@ -2487,13 +2489,13 @@ def test_cli_config_file_is_the_base_layer_under_the_flags(tmp_path, capsys):
                 str(tmp_path / name) in err[0] and all(part in err[0] for part in expected.split(" | ")), (name, err)
     (tmp_path / "bench.json").write_text('{"benchmarks": "gsm8k"}')
     with pytest.raises(ValueError, match="'benchmarks' must be a list of strings, not the text 'gsm8k'"):
-        cli.read_config(ev.Config, str(tmp_path / "bench.json"))
+        config.read_config(ev.Config, str(tmp_path / "bench.json"))
 
 
 def test_train_help_lists_plot_apart_from_plots(capsys):
     """train.py --help lists --plot among its options, apart from --plots and told apart from it."""
     with pytest.raises(SystemExit):
-        train.parse_config(["--help"])
+        config.parse_config(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "other modes: --plot RUN [RUN ...] redraw the figures of finished runs" in text
     assert "(not --plots, which draws this run's at its end)" in text and "--config FILE" in text
@@ -2662,10 +2664,10 @@ assert not any("gloo" in t for t in threads), threads
     assert [[s["text"] for s in p["samples"]] for p in one["problems"]] == \
         [[s["text"] for s in p["samples"]] for p in bench["problems"]]
 
-def _tiny_run(folder: Path, **config) -> Path:
-    """A train.py output folder: config.json (train.Config + `config`) and an hf/ export of the tiny model."""
+def _tiny_run(folder: Path, **values) -> Path:
+    """A train.py output folder: config.json (config.Config + `values`) and an hf/ export of the tiny model."""
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(asdict(train.Config(**config))))
+    (folder / "config.json").write_text(json.dumps(asdict(config.Config(**values))))
     lm, tokenizer = model.load_model("tiny")
     lm.save_pretrained(folder / "hf")
     tokenizer.save_pretrained(folder / "hf")
@@ -3510,7 +3512,7 @@ def test_train_bad_out_dir_and_float_flags_are_one_line_errors(tmp_path, monkeyp
 
     def read_only(*args, **kwargs):
         raise PermissionError(13, "Read-only file system")
-    monkeypatch.setattr(cli.tempfile, "TemporaryFile", read_only)  # root ignores chmod: a read-only mount
+    monkeypatch.setattr(config.tempfile, "TemporaryFile", read_only)  # root ignores chmod: a read-only mount
     assert train.main(_toy_args(data, tmp_path / "run")) == 2
     _one_line_error(capsys, f"--out-dir {tmp_path / 'run'} cannot be written: Read-only file system")
     assert not (tmp_path / "run").exists()
@@ -3680,7 +3682,7 @@ def test_train_weights_only_checkpoint(tmp_path, monkeypatch, capsys):
 
 def test_train_hf_export_reproduces_logprobs(tmp_path, monkeypatch):
     _patch(monkeypatch, _EVEN)
-    cfg, _, _ = train.parse_config(_toy_args(_toy_data(tmp_path), tmp_path / "run", steps=1))
+    cfg, _, _ = config.parse_config(_toy_args(_toy_data(tmp_path), tmp_path / "run", steps=1))
     rank, world, device = train.init_distributed()
     try:
         with _one_thread(), run_folder.Preemption() as preemption:  # main's steps, keeping the run's policy
@@ -3837,7 +3839,7 @@ def test_train_stop_signal_checkpoints_and_resume_auto_finishes_exactly(tmp_path
     proc = _run(tmp_path, args, hook=("_hook_signal_at", *target, nth), expect=run_folder.STOPPED)
     stopped = [x for x in proc.stdout.splitlines() if x.startswith("stopped by SIGTERM")]
     assert len(stopped) == 1
-    assert stopped[0].startswith(f"stopped by SIGTERM {where}, {train.plural(kept, 'step')} of 3 done, ")
+    assert stopped[0].startswith(f"stopped by SIGTERM {where}, {run_folder.plural(kept, 'step')} of 3 done, ")
     assert f"s after the signal: checkpoint/step_{kept} is kept" in stopped[0], proc.stdout[-2000:]
     assert json.loads((tmp_path / "cut" / "stopped.json").read_text()) == {
         "signal": "SIGTERM", "steps_done": kept, "checkpoint": f"checkpoint/step_{kept}"}
@@ -4135,7 +4137,8 @@ def test_checkpoint_stores_a_tied_weight_once_and_restores_it(tmp_path):
     saved = {k: v.clone() for k, v in policy.state_dict().items()}
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        run_folder.save_checkpoint(tmp_path, 1, policy, optimizer, scheduler, {}, True, 1, 0, 1)
+        run_folder.save_checkpoint(tmp_path, 1, policy, optimizer, scheduler, {"save_optimizer": True,
+                                                                              "keep_checkpoints": 1}, 0, 1)
         import torch.distributed.checkpoint as dcp
         names = dcp.FileSystemReader(str(tmp_path / "checkpoint" / "step_1")).read_metadata().state_dict_metadata
         assert "model.lm.model.embed_tokens.weight" in names and "model.lm.lm_head.weight" not in names, list(names)
@@ -4414,7 +4417,7 @@ def test_train_s2t_figure_and_tokens_file(tmp_path, monkeypatch, capsys):
     with _one_thread():
         assert train.main(_toy_args(_toy_data(tmp_path), out, steps=2, tau_p=0.5, token_sample=1000, heldout=4,
                                     plots=True, export_hf=False)) == 0
-    lines, metrics = plots.read_log(out / "tokens.jsonl"), _metrics(out)
+    lines, metrics = run_folder.read_log(out / "tokens.jsonl"), _metrics(out)
     silenced = [int(m["s2t/silenced"]) for m in metrics]
     assert min(silenced) > 0 and (f"stapo silenced {sum(silenced)} tokens in 2 of 2 steps; S2T candidates (A > 0, "
                                   f"p < tau_p): {sum(int(m['s2t/candidates']) for m in metrics)} (metrics.jsonl "
@@ -4846,15 +4849,15 @@ def test_train_rollout_auto_is_vllm_on_cuda_when_installed(monkeypatch, capsys):
     without vLLM (one note line); config.json records the engine chosen."""
     from importlib.util import find_spec
 
-    cfg = train.Config()
-    assert cfg.rollout == "auto" and train.in_effect(cfg, {}, cuda=False, world=1) == (replace(
+    cfg = config.Config()
+    assert cfg.rollout == "auto" and config.in_effect(cfg, {}, cuda=False, world=1) == (replace(
         cfg, rollout="plain", fsdp=False, mixed_precision=False), [])
-    assert train.in_effect(cfg, {}, cuda=True, world=1)[0].rollout == ("vllm" if find_spec("vllm") else "plain")
+    assert config.in_effect(cfg, {}, cuda=True, world=1)[0].rollout == ("vllm" if find_spec("vllm") else "plain")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "vllm" else find_spec(name))
-    chosen, notes = train.in_effect(cfg, {}, cuda=True, world=1)
+    chosen, notes = config.in_effect(cfg, {}, cuda=True, world=1)
     assert chosen.rollout == "plain" and len(notes) == 1, notes
     assert notes[0].startswith("note: --rollout auto samples with the plain sampler")
-    assert train.in_effect(train.replace(cfg, rollout="plain"), {}, cuda=True, world=1) == (replace(
+    assert config.in_effect(replace(cfg, rollout="plain"), {}, cuda=True, world=1) == (replace(
         cfg, rollout="plain", fsdp=True), [])
 
 
@@ -4884,10 +4887,10 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
     assert out[-2].startswith("logit-gradient norm vs p: Spearman ")  # RQ1's correlations (plots.correlation_line)
     steps = [{"s2t/silenced": 3.0, "s2t/candidates": 5.0}, {"s2t/silenced": 0.0, "s2t/candidates": 1.0},
              {"s2t/silenced": 2.0, "s2t/candidates": 2.0}]
-    assert train.silenced_summary("stapo", steps, ["spurious.jsonl", "s2t.png"]) == (
+    assert plots.silenced_summary("stapo", steps, ["spurious.jsonl", "s2t.png"]) == (
         "stapo silenced 5 tokens in 2 of 3 steps; S2T candidates (A > 0, p < tau_p): 8 (metrics.jsonl s2t/*; see "
         "spurious.jsonl, s2t.png)")
-    assert train.silenced_summary("justrl", [], []) == (
+    assert plots.silenced_summary("justrl", [], []) == (
         "justrl silenced 0 tokens in 0 of 0 steps; S2T candidates (A > 0, p < tau_p): 0 (metrics.jsonl s2t/*)")
     logs = [n for n in ("config.json", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl",
                         "tokens.jsonl") if (tmp_path / "run" / n).exists()]  # a log without lines is never made
@@ -4983,8 +4986,9 @@ def test_counterfactual_estimator_on_a_known_policy():
     exact = {(0, 0): 0.9 - v, (0, 1): 1 - 0.9, (0, 3): 0.0, (0, 5): 0.0, (1, 0): 0.2 - v, (1, 1): 1 - 0.2,
              (2, 1): 0 - 0.2}
     calls = []
-    effects = counterfactual.token_effects(_tabular_sampler(calls), _tabular_grade(prompts), prompts, responses,
-                                           list(exact), k=2000, max_response_len=_CF_LEN, seed=3, prefixes_per_call=4)
+    effects = counterfactual.token_effects(_tabular_sampler(calls), _tabular_grade(prompts),
+                                           list(zip(prompts, responses)), list(exact), k=2000,
+                                           max_response_len=_CF_LEN, seed=3, prefixes_per_call=4)
     contrast = {(0, 0): 0.9 - 0.2, (0, 1): 1.0, (0, 3): 0.0, (0, 5): 0.0, (1, 0): 0.2 - 0.9, (1, 1): 1.0,
                 (2, 1): 0 - 0.2}  # Q(a) - Q(not a): effect = (1 - p) contrast, p = 0.5 (hints), 0.9 / 0.2 (answers)
     for e in effects:
@@ -5003,8 +5007,9 @@ def test_counterfactual_estimator_on_a_known_policy():
     assert [n for n, _, _ in calls] == [4, 4, 4, 1, 4, 3] and len({s for _, _, s in calls}) == 6
     assert all([m for _, m, _ in part] == sorted((m for _, m, _ in part), reverse=True)
                for part in (calls[:4], calls[4:]))
-    again = counterfactual.token_effects(_tabular_sampler([]), _tabular_grade(prompts), prompts, responses,
-                                         list(exact), k=2000, max_response_len=_CF_LEN, seed=3, prefixes_per_call=4)
+    again = counterfactual.token_effects(_tabular_sampler([]), _tabular_grade(prompts),
+                                         list(zip(prompts, responses)), list(exact), k=2000,
+                                         max_response_len=_CF_LEN, seed=3, prefixes_per_call=4)
     assert again == effects  # seeded: reproducible
 
 
