@@ -1,5 +1,6 @@
-"""The problem sets: the built-in task, your own files and Hub datasets, as rows {"problem", "answer"}
-(docs/paper.md §6: the training data; docs/training.md#your-own-data).
+"""The problem sets: the built-in task, your own files and Hub datasets, as rows {"problem", "answer"}, the paper's
+instruction appended to each (`INSTRUCTION`), and the order in which train.py takes them (docs/paper.md §6: the
+training data; docs/training.md#your-own-data).
 
     train_rows, heldout_rows, repeated = load_rows(cfg)          # train.py --data (and eval.py --run's heldout)
     rows = prompt_indices(step - 1, len(train_rows), cfg)        # the training rows of a step, every epoch shuffled

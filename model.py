@@ -1,5 +1,7 @@
 """The policy model: loading a causal LM, tiny random models for tests, FSDP2 sharding, memory-efficient per-token
-log-probs / entropy / collision probability, and saving a Hugging Face checkpoint.
+log-probs / entropy / collision probability, and saving a Hugging Face checkpoint; the process group and the
+collectives train.py reduces with (`init_distributed`, `all_sum`, `all_max`, `all_gather_cat`, `gather`), and on the
+CPU freed memory kept in the process (`keep_freed_memory`).
 
 Paper: STAPO (arXiv:2602.15620), Sec. 2 (p_it = pi_theta(y_it | x, y_i<t), full-vocabulary entropy H_it) and the
 S2T analysis (collision probability sum_v p_v^2 in the logit-gradient norm). Everything here is model plumbing the

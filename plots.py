@@ -16,8 +16,10 @@
   rate against its probability, silenced vs kept candidates vs other tokens (counterfactual.jsonl).
 
 One concept, pictures of run folders: a file of its own so that train.py stays the story of one step and runs can
-be redrawn and overlaid after the fact from their files alone (no torch, no model). matplotlib is optional: without
-it every function prints one line on stderr and draws nothing.
+be redrawn and overlaid after the fact from their files alone (no model). The console lines that sum up a run's
+metrics are here too: a step without a policy gradient (`zero_gradient`), and at the end what the mask silenced
+(`silenced_summary`) and a divergence (`divergence`). matplotlib is optional: without it every function prints one
+line on stderr and draws nothing.
 
 Choices:
 1. x is `step` as each file writes it: the N-th step (from 1) for metrics.jsonl, the number of completed steps for
@@ -445,6 +447,19 @@ def divergence(steps: list[dict]) -> str:
     where = ("steps " if len(bad) > 1 else "step ") + step_spans(bad)
     return (f"the run diverged: the gradient norm was not finite in {plural(len(bad), 'step')} of {len(steps)} "
             f"({where}), {len(no_update)} of them made no update at all")
+
+
+def zero_gradient(metrics: dict, group_size: int) -> str:
+    """'' or the sentence that says why a step's policy gradient was zero (every group of `group_size` responses had
+    equal rewards: its metrics.jsonl line) and what helps."""
+    if metrics["adv/zero_frac"] != 1.0:
+        return ""
+    acc, step = metrics["reward/acc"], metrics["step"]
+    no_update = " and no update was made" if metrics["updates"] == 0 else ""
+    return (f"step {step}: every response was right, so the policy gradient is zero{no_update}; use harder data"
+            if acc == 1 else f"step {step}: in every group the {group_size} responses had equal rewards (train_acc "
+            f"{acc:.2f}), so the policy gradient is zero{no_update}; use easier data, a larger --group-size or a "
+            f"higher --temperature")
 
 
 def step_spans(steps: list[int]) -> str:

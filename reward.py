@@ -5,7 +5,8 @@
 is ..." phrase or a concluding sentence that states one value; never "the last number in the text"; nothing after a
 chat-template token such as <|im_end|>) and decides whether it equals the gold. Answers are read by a small
 hand-written tokenizer + recursive-descent parser for the LaTeX/arithmetic language of math answers that builds sympy
-objects directly: model output never reaches eval, exec, sympify or parse_expr.
+objects directly: model output never reaches eval, exec, sympify or parse_expr. `graded_chars` (and, for token ids,
+`graded_count`) says how much of a response the reward reads: up to and including its answer.
 
 Deliberate differences from the paper and from common graders (verl, Math-Verify, Qwen2.5-Math):
 1. The paper compares normalized strings (`mode="strict"` keeps that); the default compares values, because a string

@@ -21,6 +21,7 @@ What this file promises, each kept by one mechanism below:
 6. Exports are atomic, dated and verified: `hf/` is replaced by renaming a complete folder over it, and
    `hf/export.json` names the step it holds and every file's size and CRC-32 (`export`, `export_step`,
    `export_damage`: eval.py checks them before it loads the model).
+Every console line of a run goes through `say` (rank 0, above the progress bar; warnings on stderr).
 
 Deliberate differences from verl / TRL / torchtitan checkpointing:
 1. One complete, verified checkpoint is what `latest` names; verl and torchtitan trust the newest folder (a torn
@@ -187,8 +188,9 @@ def append(out: Path, name: str, records: list[dict]) -> None:
         raise RunError(f"could not write {out / name} ({e.strerror or e}); {resumable(out)}") from None
 
 
-def write_logs(out: Path, records: dict[str, list[dict]], rank: int) -> None:
-    """Every rank: rank 0 appends each log's records (`append`); a failure there raises RunError on every rank."""
+def write_logs(out: Path, records: dict[str, list[dict]], rank: int, logger: Logger | None = None) -> None:
+    """Every rank: rank 0 appends each log's records ({file name: lines}; `append`); a failure there raises RunError
+    on every rank. Then the metrics.jsonl and eval.jsonl lines go to `logger` (--logger, rank 0) when given."""
     failed = None
     if rank == 0:
         try:
@@ -199,6 +201,9 @@ def write_logs(out: Path, records: dict[str, list[dict]], rank: int) -> None:
     failed = broadcast_failure(failed, rank)
     if failed:
         raise RunError(failed)
+    for name in ("eval.jsonl", "metrics.jsonl"):
+        for record in records.get(name, []) if logger else []:
+            logger.log(record)
 
 
 def read_log(path: Path, torn: list[int] | None = None) -> list[dict]:

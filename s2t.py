@@ -8,7 +8,8 @@ A response token is spurious (silenced, I_it = 0) iff all three hold:
 The gradient of a token's objective w.r.t. its logits has norm |w| sqrt(1 - 2p + sum_v p_v^2), w = r A
 (`grad_norm_logits`): low p and low H (large sum p^2) give the largest, spurious updates.
 A low-probability token with A > 0 also raises its position's entropy when it is reinforced; `entropy_change`
-measures what one update did to the entropy at silenced, kept-candidate and other positions.
+measures what one update did to the entropy at silenced, kept-candidate and other positions. `token_sample` draws
+the tokens of the (p, H) picture of what S2T saw, `token_record` makes them a line of tokens.jsonl.
 
 Deliberate differences / choices the paper leaves open:
 1. Condition 3 is strict (H < tau_h) and tau_h uses torch.quantile's linear interpolation, so a lone candidate is
@@ -218,3 +219,20 @@ def token_sample(stats: TokenStats, advantages: torch.Tensor, response_mask: tor
             "grad_norm": grad_norm_logits(w, logprobs, collision)[row, col].float(),
             "candidate": candidates(logprobs, advantages, mask, tau_p)[row, col], "silenced": silenced[row, col],
             "weight": weight[row, col]}
+
+
+def token_record(step: int, k: int, threshold: float | None, sampled: dict, correct: torch.Tensor) -> dict:
+    """One line of tokens.jsonl: the tokens `token_sample` drew from mini-batch k of step `step`, as columns
+    (floats to 4 significant digits); `correct` (b,) bool per response of the mini-batch."""
+    rows = sampled["row"]
+    return {"step": step, "mini_batch": k, "tau_h": threshold,
+            **{key: [float(f"{v:.4g}") for v in sampled[key].tolist()] for key in ("p", "H", "A", "grad_norm",
+                                                                                 "weight")},
+            "correct": correct.cpu()[rows].int().tolist(), "candidate": sampled["candidate"].int().tolist(),
+            "silenced": sampled["silenced"].int().tolist()}
+
+
+def ranks_joined(parts: list[list[dict]]) -> list[dict]:
+    """tokens.jsonl: one line per mini-batch, the columns of every rank's record of it concatenated."""
+    return [{key: sum((r[key] for r in same), []) if isinstance(same[0][key], list) else value
+             for key, value in same[0].items()} for same in zip(*parts)]

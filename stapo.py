@@ -21,7 +21,8 @@ only in the token weights and the denominator:
 thresholds (S2T's tau_h, 20-Entropy's) are taken over the whole mini-batch through a `gather` over ranks, and it
 returns this rank's share of the denominator, which the caller (train.py) sums over ranks. `policy_loss(...,
 weights, denominator=N)` per micro-batch then sums to the mini-batch loss however the rows are split (over ranks:
-the sum of the gradients, i.e. all-reduce SUM, or AVG times world size).
+the sum of the gradients, i.e. all-reduce SUM, or AVG times world size). `algorithm` names the row of an --algo,
+`clip_range` a run's (eps_low, eps_high).
 
 Deliberate differences / choices:
 1. The token mean runs over the whole mini-batch (all micro-batches and ranks), not per micro-batch.

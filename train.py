@@ -9,13 +9,14 @@ Algorithm 1; the recipe of §6), on 1 CPU, 1 GPU or many GPU nodes with the same
     python train.py --plot runs/stapo runs/justrl      # the runs' curves overlaid (plots.py)
 
 Reading order: `train_step` (one RL step, numbered 1-4) and the functions it calls, in the order it calls them;
-`StepLog`, its metrics; `train`, the loop; then the data positions and the rollout engine, `setup`, the
-distributed helpers, and `Config` with the command line (`parse_config`, `main`). The data come from data.py,
-the run folder (checkpoints, logs, resume, stop signals) is run_folder.py.
+`StepLog`, its metrics; `train`, the loop (held-out evaluations, checkpoints, stops, the closing lines); then the
+rollout engine, `setup` and `main`. What a run is told (`Config`, the presets, the flags) is config.py; the data and
+their order come from data.py; the run folder (checkpoints, logs, resume, stop signals) is run_folder.py; the
+distributed helpers (`all_sum`, `gather`, ...) are model.py's.
 
 Deliberate differences from the paper's veRL setup:
 1. Presets: `--preset auto` is `paper` (§6) on CUDA and `cpu` (SmolLM2-135M on built-in sums, minutes)
-   otherwise; a flag given on the command line always wins; each value lives once, in `Config` or `CPU_PRESET`.
+   otherwise; a flag given on the command line always wins (config.py).
 2. pi_old log-probs are recomputed by the training forward (as veRL does), not taken from the sampler (their
    distance is `rollout/logprob_diff`). On policy (one mini-batch per step, JustRL or GRPO, no TIS: `on_policy`)
    the update's own forward gives them, detached, instead of a separate pass (TRL's num_iterations=1).
@@ -246,8 +247,7 @@ def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor, denomin
         sums["computed_tokens"] += computed
         sums["attention_cells"] += cells
     sums["real_tokens"] += mb.rollout.lengths().sum().item()
-    forward = None if mb.old is not None else TokenStats(*(torch.zeros_like(mb.rollout.logprobs)
-                                                                     for _ in range(3)))
+    forward = None if mb.old is not None else TokenStats(*(torch.zeros_like(mb.rollout.logprobs) for _ in range(3)))
     loss_sum = kl_sum = 0.0
     for rows in micro:
         new = policy_forward(run.policy, mb.rollout.select(rows), cfg, device)  # TokenStats, each (b', T')
@@ -377,7 +377,7 @@ class StepLog:
             gen = torch.Generator().manual_seed(hash((cfg.seed, self.step - 1, k, self.run.rank)) % 2**62)
             sampled = s2t.token_sample(current, mb.advantages, mb.mask, weights.silenced, cfg.token_sample, gen,
                                      cfg.tau_p, w)
-            self.tokens.append(token_record(self.step, k, weights.threshold, sampled, mb.correct))
+            self.tokens.append(s2t.token_record(self.step, k, weights.threshold, sampled, mb.correct))
 
     def add(self, sums: dict) -> None:
         """Token counts and clip statistics of a mini-batch's forward (accumulate_gradients)."""
@@ -469,17 +469,6 @@ def completions(run: Run, step: int, split: str, texts: list[str], rewards: list
             for j, r in enumerate(prompt_rows[:run.cfg.samples_per_step])]
 
 
-def token_record(step: int, k: int, threshold: float | None, sampled: dict, correct: torch.Tensor) -> dict:
-    """One line of tokens.jsonl: the tokens `s2t.token_sample` drew from mini-batch k of step `step`, as columns
-    (floats to 4 significant digits); `correct` (b,) bool per response of the mini-batch."""
-    rows = sampled["row"]
-    return {"step": step, "mini_batch": k, "tau_h": threshold,
-            **{key: [float(f"{v:.4g}") for v in sampled[key].tolist()] for key in ("p", "H", "A", "grad_norm",
-                                                                                 "weight")},
-            "correct": correct.cpu()[rows].int().tolist(), "candidate": sampled["candidate"].int().tolist(),
-            "silenced": sampled["silenced"].int().tolist()}
-
-
 # ------------------------------------------------------------------------------------------------- the loop
 def train(run: Run) -> int:
     """The training loop: steps, their logs, evaluations, checkpoints, the export. Returns the exit status: 0, or
@@ -500,17 +489,18 @@ def train(run: Run) -> int:
                 stopped, where = True, f"in step {step}'s rollout (the step is dropped)"
                 break
             done = step
-            write(run, {"spurious.jsonl": gather(result.spurious)[:cfg.spurious_per_step],
-                        "samples.jsonl": gather(result.samples)[:cfg.samples_per_step],
-                        "tokens.jsonl": ranks_joined(gather([result.tokens])),
-                        "metrics.jsonl": [result.metrics]})
+            records = {"spurious.jsonl": gather(result.spurious)[:cfg.spurious_per_step],
+                       "samples.jsonl": gather(result.samples)[:cfg.samples_per_step],
+                       "tokens.jsonl": s2t.ranks_joined(gather([result.tokens])), "metrics.jsonl": [result.metrics]}
+            run_folder.write_logs(Path(cfg.out_dir), records, run.rank, run.logger)  # and to --logger
             bar.set_postfix({"train_acc": f"{result.metrics['reward/acc']:.2f}",  # silenced: tokens, as at the end
                              "H": f"{result.metrics['entropy/mean']:.2f}",
                              "silenced": int(result.metrics["s2t/silenced"])}, refresh=False)
             bar.update()
             if step == cfg.steps:
                 bar.close()  # the final bar once, above the closing lines
-            warn_if_no_gradient(run, result.metrics)
+            if zero := plots.zero_gradient(result.metrics, cfg.group_size):  # every group had equal rewards
+                say(zero, run.rank, warning=True)
             stopped, where = run.preemption.agreed(), f"in step {step} (its updates finished)"  # one all-reduce
             if not stopped and eval_due(run, step) and not run_eval(run, step):
                 stopped, where = True, f"in the evaluation after {plural(step, 'step')} (it runs again on resume)"
@@ -520,32 +510,6 @@ def train(run: Run) -> int:
         return stop(run, done, saved, where)
     finish(run)
     return 0
-
-
-def write(run: Run, records: dict[str, list[dict]]) -> None:
-    """Append records to the run folder's logs ({file name: lines}; rank 0 writes, a full disk stops every rank)
-    and pass metrics.jsonl and eval.jsonl lines to --logger."""
-    run_folder.write_logs(Path(run.cfg.out_dir), records, run.rank)
-    for name in ("eval.jsonl", "metrics.jsonl"):
-        for record in records.get(name, []) if run.logger else []:
-            run.logger.log(record)
-
-
-def ranks_joined(parts: list[list[dict]]) -> list[dict]:
-    """tokens.jsonl: one line per mini-batch, the columns of every rank's record of it concatenated."""
-    return [{key: sum((r[key] for r in same), []) if isinstance(same[0][key], list) else value
-             for key, value in same[0].items()} for same in zip(*parts)]
-
-
-def warn_if_no_gradient(run: Run, metrics: dict) -> None:
-    """Every group of the step had equal rewards: the policy gradient was zero; say why and what helps."""
-    if metrics["adv/zero_frac"] == 1.0:
-        acc, step = metrics["reward/acc"], metrics["step"]
-        no_update = " and no update was made" if metrics["updates"] == 0 else ""
-        say(f"step {step}: every response was right, so the policy gradient is zero{no_update}; use harder "
-            f"data" if acc == 1 else f"step {step}: in every group the {run.cfg.group_size} responses had equal "
-            f"rewards (train_acc {acc:.2f}), so the policy gradient is zero{no_update}; use easier data, a larger "
-            f"--group-size or a higher --temperature", run.rank, warning=True)
 
 
 def eval_due(run: Run, done: int) -> bool:
@@ -562,8 +526,9 @@ def run_eval(run: Run, done: int) -> bool:
     result, samples = evaluate(run, done)
     if result is None:
         return False
-    write(run, {"eval.jsonl": [{"step": done, **result}],
-                "samples.jsonl": gather(samples)[:run.cfg.samples_per_step]})
+    run_folder.write_logs(Path(run.cfg.out_dir), {"eval.jsonl": [{"step": done, **result}],
+                                                  "samples.jsonl": gather(samples)[:run.cfg.samples_per_step]},
+                          run.rank, run.logger)
     when = f"after {plural(done, 'step')}" if done else "before training"
     say(f"held-out accuracy {when}: {result['eval/acc']:.4f} = {100 * result['eval/acc']:.2f}% as eval.py "
         f"reports it ({int(result['eval/n'])} samples)", run.rank)
@@ -652,7 +617,7 @@ def finish(run: Run) -> None:
         + f"continue with python train.py --resume {out} --steps N", run.rank)
 
 
-# ------------------------------------------------ data positions and the rollout engine
+# ------------------------------------------------------------------------------------------- the rollout engine
 def prompts_per_call(cfg: config.Config, n: int, lm_config, dtype_bytes: int) -> int:
     """Prompts per generate call for n prompts on a rank: --rollout-chunk, or the most whose worst-case KV cache
     (G rows x (max prompt + response) tokens each) fits --kv-cache-gb."""
@@ -683,7 +648,6 @@ def rollout_engine(cfg: config.Config, lm, tokenizer, prompts: list[list[int]], 
     return rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, stop, max_model_len=longest,
                                kv_cache_memory_bytes=kv_vllm, dtype=dtype, seed=cfg.seed,
                                captured=cfg.cuda_graphs and device.type == "cuda")
-
 
 
 # ------------------------------------------------------------------------------------------------- setup
@@ -725,18 +689,11 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
     lm, tokenizer = load()
     if cfg.chat and not tokenizer.chat_template:
         raise ValueError(f"the tokenizer of {cfg.model!r} has no chat template; use --no-chat")
-    # A token spells at most `longest` characters, so a problem longer than max_prompt_len x longest characters has
-    # more tokens than max_prompt_len: dropped before it is tokenized (a 20 MB row took 11 GB and 74 s to tokenize).
-    longest = max(map(len, tokenizer.get_vocab()))
-
-    def fitting(rows):  # rows whose prompt fits --max-prompt-len, their prompts, how many did not (difference 7)
-        short = [r for r in rows if len(r["problem"]) <= cfg.max_prompt_len * longest]
-        prompts = [rollout.format_prompt(tokenizer, r["problem"], cfg.chat, cfg.instruction) for r in short]
-        keep = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_len]
-        return [short[i] for i in keep], [prompts[i] for i in keep], len(rows) - len(keep)
-
-    train_rows, train_prompts, dropped = fitting(train_rows)
-    test_rows, test_prompts, dropped_test = fitting(test_rows)
+    # the rows whose prompt fits --max-prompt-len, their prompts, how many did not (difference 7)
+    train_rows, train_prompts, dropped = rollout.fitting_prompts(tokenizer, train_rows, cfg.chat, cfg.instruction,
+                                                                 cfg.max_prompt_len)
+    test_rows, test_prompts, dropped_test = rollout.fitting_prompts(tokenizer, test_rows, cfg.chat, cfg.instruction,
+                                                                    cfg.max_prompt_len)
     if not train_prompts:
         raise ValueError(f"every prompt of {cfg.data or 'the built-in task'} is longer than --max-prompt-len")
     too_few(cfg, len(train_prompts))
@@ -787,9 +744,6 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
                train_prompts, test_rows, test_prompts, preemption, logger, start)
 
 
-
-
-
 def main(argv: list[str] | None = None) -> int:
     """`python train.py [flags]`: exit status 0 (trained, or nothing left to do), 2 (a bad input or a full disk:
     one line), run_folder.STOPPED (a stop signal: a checkpoint was written, run the same command again)."""
@@ -827,7 +781,6 @@ def main(argv: list[str] | None = None) -> int:
                 lock.release()
             if dist.is_initialized():
                 dist.destroy_process_group()
-
 
 
 if __name__ == "__main__":
