@@ -17,8 +17,9 @@ Deliberate choices:
 5. config.json records the values in effect (`in_effect`): a flag that has no effect on this machine or with these
    settings is stored as in effect, with a warning.
 
-No torch at import (parse_config imports the trainer's modules when it runs), so that `--help` answers at once; the
-trainer is never imported: tools that need a Config import this file.
+No torch at import (parse_config imports torch and the files whose rules it checks, stapo.py, reward.py,
+run_folder.py, when it runs), so that `eval.py --help` answers at once; train.py is never imported: tools that need
+a Config import this file.
 """
 from __future__ import annotations
 
@@ -385,7 +386,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
     Each field is a --flag (`parse_flags`: underscores -> dashes, the string under it is its --help). Values: the
     flags given, else (resuming) the run's config.json, else the preset's (CPU_PRESET or Config). Every value is
     checked here; the run folder is only read (its config.json and which checkpoints it holds)."""
-    import plots  # the trainer's modules (torch) load here, not with this file
+    import plots  # these load torch: here, not with this file
     import reward
     import run_folder
     import stapo

@@ -21,7 +21,7 @@ What this file promises, each kept by one mechanism below:
 6. Exports are atomic, dated and verified: `hf/` is replaced by renaming a complete folder over it, and
    `hf/export.json` names the step it holds and every file's size and CRC-32 (`export`, `export_step`,
    `export_damage`: eval.py checks them before it loads the model).
-Every console line of a run goes through `say` (rank 0, above the progress bar; warnings on stderr).
+`say` writes a line of rank 0 to the console, above train.py's progress bar (warnings on stderr).
 
 Deliberate differences from verl / TRL / torchtitan checkpointing:
 1. One complete, verified checkpoint is what `latest` names; verl and torchtitan trust the newest folder (a torn
