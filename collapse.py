@@ -3,6 +3,7 @@
 
     python collapse.py RUNS                      # RUNS/ALGO-SEED run folders: the table of outcomes and tests
     python collapse.py RUNS --out docs/collapse.png
+    python collapse.py RUNS --why                # also: what carries JustRL's updates before its collapse
 
 The paper's central claim: JustRL's training collapses (accuracy falls, entropy rebounds) where STAPO, JustRL with
 the S2T mask, stays stable. Every arm runs the same recipe with one --algo; runs of one seed share their first
@@ -22,6 +23,10 @@ Deliberate choices:
 1. The sign test drops ties (equal outcomes of a pair); with 6 pairs it reaches p < 0.05 only when all 6 agree
    (p = 2 / 64 = 0.031); 5 of 6 gives 0.22. The table says so beside each test.
 2. A collapse needs two consecutive steps below half the peak so that one unlucky rollout of 32 samples is not one.
+3. `--why` (the plan's question 3) reads `shares/*` (train.py --entropy-change) on an arm's steps before its
+   collapse (all its steps when it has none, marked so): per kind of token x part of the response, the share of
+   the step's summed logit-gradient norm and the tokens, averaged over those steps; the entropy change per token
+   over all those steps' tokens of the cell, and summed over a step's tokens; then the mean over seeds (and range).
 """
 from __future__ import annotations
 
@@ -128,6 +133,53 @@ def compare(arms: dict, a: str, b: str) -> list[dict]:
     return out
 
 
+KINDS = ("candidate", "low_p", "high_p_pos", "high_p_rest")  # s2t.TOKEN_KINDS (no torch here)
+PARTS = ("graded", "after")  # s2t.PARTS
+CELL_NAMES = {"candidate": "candidates (A > 0, p < tau_p)", "low_p": "other p < tau_p (A <= 0)",
+              "high_p_pos": "p >= tau_p, A > 0", "high_p_rest": "p >= tau_p, A <= 0"}
+
+
+def shares_before_collapse(folder: Path, collapse: int | None) -> dict[str, list[float]] | None:
+    """{cell: [grad share, tokens, mean dH per token, summed dH]} averaged over a run's steps before its collapse
+    (all steps without one), from its metrics.jsonl's shares/*; None for a run without them."""
+    metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [m for m in metrics if collapse is None or m["step"] < collapse]
+    if not steps or "shares/grad_candidate_graded" not in steps[0]:
+        return None
+    out = {}
+    for cell in (f"{k}_{p}" for k in KINDS for p in PARTS):
+        rows = [(m[f"shares/grad_{cell}"], m[f"shares/n_{cell}"], m[f"shares/dH_{cell}"]) for m in steps]
+        tokens, summed = sum(n for _, n, _ in rows), sum(n * d for _, n, d in rows)  # dH: a mean over n tokens
+        out[cell] = [sum(g for g, _, _ in rows) / len(rows), tokens / len(rows), summed / tokens if tokens else 0.0,
+                     summed / len(rows)]
+    return out
+
+
+def why_table(root: Path, arms: dict, algo: str = "justrl") -> str:
+    """Markdown: what carries `algo`'s updates on its steps before the collapse, per kind x part (averaged over its
+    seeds, the range over seeds in brackets)."""
+    per_seed = {seed: shares_before_collapse(root / f"{algo}-{seed}", run["collapse"])
+                for seed, run in sorted(arms.get(algo, {}).items())}
+    per_seed = {s: v for s, v in per_seed.items() if v}
+    if not per_seed:
+        return f"(no {algo} run with shares/*)"
+    seeds = ", ".join(f"{s} (steps 1-{(arms[algo][s]['collapse'] or 13) - 1}"
+                      f"{'' if arms[algo][s]['collapse'] else ', no collapse'})" for s in per_seed)
+    lines = [f"{algo}, seeds {seeds}: per step, mean over steps then seeds [range over seeds]", "",
+             "| tokens | part | share of the logit-gradient norm | tokens a step | entropy change a token | "
+             "entropy change summed a step |", "|---|---|---|---|---|---|"]
+    for kind in KINDS:
+        for part in PARTS:
+            vals = list(zip(*(v[f"{kind}_{part}"] for v in per_seed.values())))  # 4 tuples over seeds
+
+            def cell(xs, fmt):
+                return f"{fmt(sum(xs) / len(xs))} [{fmt(min(xs))}, {fmt(max(xs))}]"
+            lines.append(f"| {CELL_NAMES[kind]} | {part} | {cell(vals[0], lambda x: f'{x:.1%}')} | "
+                         f"{cell(vals[1], lambda x: f'{x:.1f}')} | {cell(vals[2], lambda x: f'{x:+.4f}')} | "
+                         f"{cell(vals[3], lambda x: f'{x:+.2f}')} |")
+    return "\n".join(lines)
+
+
 def table(arms: dict) -> str:
     """Markdown: each arm's per-seed outcomes, then the paired tests (every arm against JustRL, STAPO against its
     controls)."""
@@ -195,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"collapse.py: error: no complete run (12 steps, evaluated after 12) in {root}", file=sys.stderr)
         return 2
     print(table(arms))
+    if "--why" in argv:
+        for algo in arms:
+            print("\n" + why_table(root, arms, algo))
     if out:
         figure(arms, out)
         print(f"figure: {out}")

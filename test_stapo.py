@@ -5306,6 +5306,33 @@ def test_collapse_table_and_figure_from_run_folders(tmp_path):
     assert collapse.main([str(tmp_path / "stapo-0")]) == 2  # no complete run below it
 
 
+def test_collapse_why_reads_the_shares_of_the_steps_before_the_collapse(tmp_path):
+    """collapse.py --why: per kind x part, the gradient share and tokens averaged over the steps before the collapse
+    only (step 4 on are left out), the entropy change per token pooled over those steps' tokens, summed per step."""
+    import collapse
+    folder = tmp_path / "justrl-0"
+    folder.mkdir()
+    cells = [f"{k}_{p}" for k in collapse.KINDS for p in collapse.PARTS]
+    lines = []
+    for step in range(1, 7):
+        m = {"step": step}
+        for cell in cells:
+            m |= {f"shares/grad_{cell}": 0.0, f"shares/n_{cell}": 0.0, f"shares/dH_{cell}": 0.0}
+        m |= {"shares/grad_candidate_after": 0.1 * step, "shares/n_candidate_after": float(step),  # steps 1-3: 1, 2, 3
+              "shares/dH_candidate_after": 0.01 * step, "shares/grad_high_p_pos_after": 1 - 0.1 * step,
+              "shares/n_high_p_pos_after": 10.0, "shares/dH_high_p_pos_after": -0.02}
+        lines.append(json.dumps(m) + "\n")
+    (folder / "metrics.jsonl").write_text("".join(lines))
+    got = collapse.shares_before_collapse(folder, collapse=4)
+    assert got["candidate_after"] == pytest.approx([0.2, 2.0, (0.01 + 0.04 + 0.09) / 6, (0.01 + 0.04 + 0.09) / 3])
+    assert got["high_p_pos_after"] == pytest.approx([0.8, 10.0, -0.02, -0.2])
+    assert got["low_p_graded"] == [0.0, 0.0, 0.0, 0.0]  # no tokens: 0, not a division by zero
+    assert collapse.shares_before_collapse(folder, None)["candidate_after"][1] == pytest.approx(3.5)  # all 6 steps
+    arms = {"justrl": {0: {"collapse": 4}}}
+    text = collapse.why_table(tmp_path, arms)
+    assert "seeds 0 (steps 1-3)" in text and "| candidates (A > 0, p < tau_p) | after | 20.0% [20.0%, 20.0%] |" in text
+
+
 # ==================================================================================================================
 # bench.py gpu: the prepared GPU check, at toy shapes on the CPU
 # ==================================================================================================================
