@@ -321,7 +321,7 @@ _REWARD_FALLBACK = Path(__file__).parent / "testdata"  # the few rows kept in th
 
 
 def _reward_hostile():
-    """Hostile inputs: size guards, regex bait, and six nesting constructs 10,000 deep (a subset of test_stapo's)."""
+    """Hostile inputs: size guards, regex bait, and six nesting constructs 10,000 deep (a subset of test_reward's)."""
     hostile = {"power tower": "\\boxed{9^{9^{9^{9}}}}", "100000!": "\\boxed{100000!}",
                "1 MB response": "x = 1 + 1. " * 100_000 + "\\boxed{5}", "unclosed boxes": "\\boxed{" * 50_000,
                "regex bait": "a" * 100_000 + "!",

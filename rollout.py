@@ -30,7 +30,7 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    done here.
 5. Sampling draws one uniform per row of the FULL batch every step and uses those of the running rows, then searches
    the CDF (exact; torch.multinomial does the same, slower on CPU). Row i therefore gets the same uniforms whether or
-   not finished rows were dropped: compaction changes no token (test_stapo.py checks it token for token).
+   not finished rows were dropped: compaction changes no token (tests/test_rollout.py checks it token for token).
 6. Under FSDP2, `gathered(policy)` unshards every FSDP module once for the whole rollout phase (memory: one full
    copy of the parameters per rank, in the FSDP param dtype, for the duration) and detaches FSDP's forward hooks,
    instead of all-gathering each layer again for every generated token. Inside the decode loop there is then no
@@ -259,7 +259,7 @@ class InPlaceLayer(DynamicLayer):
     are the first R rows of the buffers; `keys` / `values` are views (R, kv_heads, length, head_dim) of what is
     filled, which attention reads. Relies on transformers' cache-layer interface (5.17-5.19): `update` returns the
     keys and values to attend over, `get_seq_length` / `get_mask_sizes` (inherited) give the length; pinned by
-    test_stapo.py::test_rollout_in_place_cache_equals_dynamic_cache."""
+    tests/test_rollout.py::test_rollout_in_place_cache_equals_dynamic_cache."""
 
     def __init__(self, rows: int, max_len: int, buffers: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
