@@ -111,16 +111,16 @@ def grad_norm_logits(w: torch.Tensor, logprobs: torch.Tensor, collision: torch.T
 
 def diagnostics(stats: TokenStats, advantages: torch.Tensor, response_mask: torch.Tensor, silenced: torch.Tensor,
                 tau_p: float = 0.002, grad_norm: torch.Tensor | None = None) -> dict[str, float]:
-    """Metrics (python floats) of one mask on one mini-batch; call it once on the whole mini-batch. stats: p, H and
-    collision of the current policy (model.TokenStats, each (B, T)).
+    """Sums and counts (python floats) of one mask on one mini-batch, to be added over mini-batches and ranks and
+    divided once (train.StepLog): call it once on the whole mini-batch. stats: p, H and collision of the current
+    policy (model.TokenStats, each (B, T)).
 
-    s2t/candidates       number of candidates (A > 0, p < tau_p)
-    s2t/silenced         number of silenced tokens
-    s2t/silenced_frac    silenced / response tokens
-    s2t/silenced_p_mean  mean p of silenced tokens          (0 if none; also for the three below)
-    s2t/silenced_h_mean  mean entropy of silenced tokens
-    s2t/grad_norm_silenced  mean |w| sqrt(1 - 2p + sum p^2) over silenced tokens
-    s2t/grad_norm_kept      the same over kept response tokens
+    candidates       number of candidates (A > 0, p < tau_p)
+    silenced, kept   number of silenced and of kept response tokens
+    silenced_p       sum of p over silenced tokens                  (the metric s2t/silenced_p_mean = / silenced)
+    silenced_h       sum of the entropy over silenced tokens
+    gn_silenced      sum of |w| sqrt(1 - 2p + sum p^2) over silenced tokens
+    gn_kept          the same over kept response tokens             (s2t/grad_norm_kept = / kept)
     grad_norm (B, T): `grad_norm_logits` of each token, by default with w = the advantages, i.e. ratio r = 1
     (pi_theta = pi_old, the first mini-batch of a rollout).
     """
@@ -130,17 +130,17 @@ def diagnostics(stats: TokenStats, advantages: torch.Tensor, response_mask: torc
     kept = mask & ~silenced
     g = grad_norm_logits(advantages.expand_as(logprobs), logprobs, collision) if grad_norm is None else grad_norm
 
-    def mean(x, sel):
-        return (x.detach()[sel].float().mean().item()) if sel.any() else 0.0
+    def total(x, sel):  # sum over the selected tokens, in float64
+        return x.detach()[sel].double().sum().item()
 
     return {
-        "s2t/candidates": float(candidates(logprobs, advantages, response_mask, tau_p).sum().item()),
-        "s2t/silenced": float(silenced.sum().item()),
-        "s2t/silenced_frac": silenced.sum().item() / max(mask.sum().item(), 1),
-        "s2t/silenced_p_mean": mean(logprobs.exp(), silenced),
-        "s2t/silenced_h_mean": mean(entropy, silenced),
-        "s2t/grad_norm_silenced": mean(g, silenced),
-        "s2t/grad_norm_kept": mean(g, kept),
+        "candidates": float(candidates(logprobs, advantages, response_mask, tau_p).sum().item()),
+        "silenced": float(silenced.sum().item()),
+        "kept": float(kept.sum().item()),
+        "silenced_p": total(logprobs.exp(), silenced),
+        "silenced_h": total(entropy, silenced),
+        "gn_silenced": total(g, silenced),
+        "gn_kept": total(g, kept),
     }
 
 

@@ -280,15 +280,16 @@ def test_s2t_diagnostics():
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     silenced = torch.tensor([[True, False, False, True]])  # the last one is padding: ignored
     d = s2t.diagnostics(model.TokenStats(lp, ent, col), adv, mask, silenced, tau_p=TAU_P)
-    assert d["s2t/candidates"] == 2 and d["s2t/silenced"] == 1
-    assert d["s2t/silenced_frac"] == pytest.approx(1 / 3)
-    assert d["s2t/silenced_p_mean"] == pytest.approx(0.001, rel=1e-5)
-    assert d["s2t/silenced_h_mean"] == pytest.approx(0.2)
+    assert d["candidates"] == 2 and d["silenced"] == 1 and d["kept"] == 2  # sums and counts, not means
+    assert d["silenced_p"] == pytest.approx(0.001, rel=1e-5)
+    assert d["silenced_h"] == pytest.approx(0.2)
     # w = A = 1: sqrt(1 - 2p + sum p^2)
-    assert d["s2t/grad_norm_silenced"] == pytest.approx(math.sqrt(1 - 0.002 + 0.9), rel=1e-5)
-    kept = (math.sqrt(1 - 0.002 + 0.5) + math.sqrt(1 - 1.0 + 0.3)) / 2
-    assert d["s2t/grad_norm_kept"] == pytest.approx(kept, rel=1e-5)
+    assert d["gn_silenced"] == pytest.approx(math.sqrt(1 - 0.002 + 0.9), rel=1e-5)
+    kept = math.sqrt(1 - 0.002 + 0.5) + math.sqrt(1 - 1.0 + 0.3)
+    assert d["gn_kept"] == pytest.approx(kept, rel=1e-5)
     assert all(isinstance(v, float) for v in d.values())
+    none = s2t.diagnostics(model.TokenStats(lp, ent, col), adv, mask, torch.zeros_like(silenced), tau_p=TAU_P)
+    assert none["silenced"] == 0 and none["silenced_p"] == 0.0 and none["kept"] == 3
 
 
 def test_s2t_token_sample():

@@ -327,7 +327,7 @@ class StepLog:
         self.sums = {"reward": rewards.sum(), "correct": (rewards > 0).sum(),  # a positive reward is correct
                      "seqs": len(batch), "tokens": mask.sum(), "truncated": batch.truncated.sum(),
                      "zero_adv": (advantages == 0).sum()}
-        self.sums |= dict.fromkeys(["entropy", "logprob_diff", "s2t/candidates", "s2t/silenced", "kept",
+        self.sums |= dict.fromkeys(["entropy", "logprob_diff", "candidates", "silenced", "kept",
                                     "silenced_p", "silenced_h", "gn_silenced", "gn_kept", "loss/policy", "loss/kl",
                                     "loss_tokens", *stapo.CLIP_STATS, "computed_tokens", "attention_cells",
                                     "real_tokens"], 0.0)
@@ -360,12 +360,7 @@ class StepLog:
             for cell, sel in self.cells(k, mb, current).items():
                 self.sums[f"shares/grad_{cell}"] += g[sel].sum().item()
                 self.sums[f"shares/n_{cell}"] += sel.sum().item()
-        n_sil, n_kept = diag["s2t/silenced"], mb.mask.sum().item() - diag["s2t/silenced"]
-        for key, value in [("s2t/candidates", diag["s2t/candidates"]), ("s2t/silenced", n_sil), ("kept", n_kept),
-                           ("silenced_p", n_sil * diag["s2t/silenced_p_mean"]),
-                           ("silenced_h", n_sil * diag["s2t/silenced_h_mean"]),
-                           ("gn_silenced", n_sil * diag["s2t/grad_norm_silenced"]),
-                           ("gn_kept", n_kept * diag["s2t/grad_norm_kept"])]:
+        for key, value in diag.items():  # sums and counts, divided in `close`
             self.sums[key] += value
         left = max(cfg.spurious_per_step - len(self.spurious), 0)
         self.spurious += [{"step": self.step, "mini_batch": k, "token": tokenizer.decode([int(ids[i, t])]),
@@ -426,14 +421,14 @@ class StepLog:
             return tot[key] / max(n, 1)
 
         n_seq, n_tok, n_loss = tot["seqs"], tot["tokens"], tot["loss_tokens"]
-        n_sil, n_kept, t_rollout = tot["s2t/silenced"], tot["kept"], self.t_rollout
+        n_sil, n_kept, t_rollout = tot["silenced"], tot["kept"], self.t_rollout
         metrics = {
             "step": self.step, "reward/mean": mean("reward", n_seq), "reward/acc": mean("correct", n_seq),
             "response/len_mean": mean("tokens", n_seq), "response/truncated_frac": mean("truncated", n_seq),
             "entropy/mean": mean("entropy", n_tok), "rollout/logprob_diff": mean("logprob_diff", n_tok),
             "adv/zero_frac": mean("zero_adv", n_seq),
-            "s2t/candidates": tot["s2t/candidates"], "s2t/silenced": n_sil,
-            "s2t/silenced_frac": mean("s2t/silenced", n_sil + n_kept),
+            "s2t/candidates": tot["candidates"], "s2t/silenced": n_sil,
+            "s2t/silenced_frac": mean("silenced", n_sil + n_kept),
             "s2t/silenced_p_mean": mean("silenced_p", n_sil), "s2t/silenced_h_mean": mean("silenced_h", n_sil),
             "s2t/grad_norm_silenced": mean("gn_silenced", n_sil), "s2t/grad_norm_kept": mean("gn_kept", n_kept),
             "loss/policy": mean("loss/policy", updates), "loss/kl": mean("loss/kl", updates),
