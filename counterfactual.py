@@ -72,15 +72,17 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
 
-import cli
+import config
 import plots
+import reward
+import run_folder
 import s2t
 import stapo
 
@@ -107,7 +109,7 @@ class _Prefix(NamedTuple):
     budget: int  # new tokens it may still get (0: the prefix is the whole response)
 
 
-def token_effects(sample: Callable, grade: Callable, prompts: list[list[int]], responses: list[list[int]],
+def token_effects(sample: Callable, grade: Callable, rows: list[tuple[list[int], list[int]]],
                   tokens: list[tuple[int, int]], k: int, max_response_len: int, seed: int = 0,
                   prefixes_per_call: int = 16) -> list[Effect]:
     """The effect of each token (row, t) of `tokens` on the success of its response, in the order of `tokens`.
@@ -118,13 +120,13 @@ def token_effects(sample: Callable, grade: Callable, prompts: list[list[int]], r
         exclude (one token id per prefix), no continuation of prefix i starts with exclude[i] (the policy's next-token
         distribution without it, renormalized).
     grade(row, response) -> float: the reward of a whole response (token ids) to prompt `row`; > 0 is a success.
-    prompts[row], responses[row]: token ids (a response: its generated tokens, EOS included, no padding).
+    rows[row] = (prompt, response): token ids (a response: its generated tokens, EOS included, no padding).
     """
     if k < 2:
         raise ValueError(f"k must be >= 2 (a standard error needs two outcomes), got {k}")
     prefixes = []
     for j, (row, t) in enumerate(tokens):
-        y = responses[row]
+        y = rows[row][1]
         if not 0 <= t < len(y):
             raise ValueError(f"token {t} of row {row} is outside its {len(y)}-token response")
         ends = t + 1 == len(y)  # y_t is the response's EOS or its last token at the budget (choice 3)
@@ -141,9 +143,9 @@ def token_effects(sample: Callable, grade: Callable, prompts: list[list[int]], r
                       key=lambda p: -p.budget)
         calls += [todo[i:i + prefixes_per_call] for i in range(0, len(todo), prefixes_per_call)]
     for c, part in enumerate(calls):
-        exclude = [responses[tokens[p.token][0]][tokens[p.token][1]] for p in part] if part[0].side == "exclude" \
+        exclude = [rows[tokens[p.token][0]][1][tokens[p.token][1]] for p in part] if part[0].side == "exclude" \
             else None
-        continuations = sample([prompts[tokens[p.token][0]] + p.response for p in part], k, part[0].budget,
+        continuations = sample([rows[tokens[p.token][0]][0] + p.response for p in part], k, part[0].budget,
                                hash((seed, c)) % 2**62, exclude)
         for i, p in enumerate(part):
             row = tokens[p.token][0]
@@ -245,7 +247,7 @@ def pick_tokens(silenced: torch.Tensor, candidates: torch.Tensor, response_mask:
 @dataclass
 class Step:
     """What the policy of a run saw and decided in one step, every mini-batch (`regenerate_step`); B = its rows."""
-    cfg: object  # the run's train.Config
+    cfg: object  # the run's config.Config
     tokenizer: object
     policy: object  # pi_old of the step (model.Policy): the policy that sampled the rollout
     engine: object  # the run's rollout engine
@@ -269,19 +271,17 @@ class Step:
 def regenerate_step(run_dir: Path, step: int) -> Step:
     """Step `step` (from 1) of the train.py run in `run_dir`, every mini-batch, as the run made it.
 
-    The one function of this file that reaches into train.py's internals (the run's Config, `setup`, the checkpoint
-    layout, `sample`, `train_step`, the reward call), so that a change of them is adapted here only. It rebuilds
-    the run in this process (one process, the run's recipe and rollout engine), loads the policy that made the
-    step's decisions (the model, optimizer and scheduler of checkpoint/step_<step - 1>, or the initial ones for
-    step 1), regenerates the step's rollout (seeded per generate call from (seed, step, prompt index)), then
+    The one function of this file that reaches into train.py's internals (`setup`, the checkpoint layout, `sample`,
+    `train_step`, the reward call; the run's Config is config.py's), so that a change of them is adapted here only.
+    It rebuilds the run in this process (one process, the run's recipe and rollout engine), loads the policy that
+    made the step's decisions (the model, optimizer and scheduler of checkpoint/step_<step - 1>, or the initial ones
+    for step 1), regenerates the step's rollout (seeded per generate call from (seed, step, prompt index)), then
     replays the step's updates with `train.train_step` to see each mini-batch's p, H and mask as the run computed
     them (mini-batch k after k updates), and puts the policy back to pi_old, which samples the continuations."""
-    import reward
-    import run_folder
     import train
 
-    recorded = train.Config(**cli.check_values(train.Config, run_folder.recorded_config(run_dir), str(run_dir)))
-    cfg = train.replace(recorded, entropy_change=False)  # the replay needs the masks only (the flag moves nothing)
+    recorded = config.Config(**config.check_values(config.Config, run_folder.recorded_config(run_dir), str(run_dir)))
+    cfg = replace(recorded, entropy_change=False)  # the replay needs the masks only (the flag moves nothing)
     if step > 1 and step - 1 not in run_folder.complete_steps(run_dir):
         kept = sorted(run_folder.complete_steps(run_dir))
         raise FileNotFoundError(f"step {step} needs the policy after step {step - 1}, checkpoint/step_{step - 1}, "
@@ -318,8 +318,8 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
     train.train_step(run, step, on_mask=keep)  # the same rollout again (seeded), then the step's updates
     run.policy.load_state_dict(pi_old)
     k, sizes, logprobs, entropy, mask, silenced, candidates, rule = zip(*seen)
-    matches = _matches_run(run_dir, step, rewards, batch, texts, G, cfg.samples_per_step,
-                           sum(int(x.sum()) for x in candidates), sum(int(x.sum()) for x in silenced))
+    matches = _matches_run(run_dir, step, cfg, rewards, batch, texts, sum(int(x.sum()) for x in candidates),
+                           sum(int(x.sum()) for x in silenced))
     return Step(cfg, run.tokenizer, run.policy, run.engine,
                 [ids[m.bool()].tolist() for ids, m in zip(batch.prompt_ids, batch.prompt_mask)],
                 [ids[m.bool()].tolist() for ids, m in zip(batch.response_ids, batch.response_mask)],
@@ -330,15 +330,16 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
                                                                         (silenced, candidates, rule)), matches)
 
 
-def _matches_run(run_dir: Path, step: int, rewards, batch, texts: list[str], G: int, n_samples: int,
-                 candidates: int, silenced: int) -> bool | None:
-    """Whether a regenerated step is the run's: its mean reward, length and S2T candidate and silenced counts
-    against the step's metrics.jsonl line, and the first response of its first prompts against samples.jsonl
+def _matches_run(run_dir: Path, step: int, cfg, rewards, batch, texts: list[str], candidates: int,
+                 silenced: int) -> bool | None:
+    """Whether a regenerated step is the run's (config `cfg`): its mean reward, length and S2T candidate and silenced
+    counts against the step's metrics.jsonl line, and the first response of its first prompts against samples.jsonl
     (None: the run never made the step)."""
-    line = next((m for m in plots.read_log(run_dir / "metrics.jsonl") if m["step"] == step), None)
+    G, n_samples = cfg.group_size, cfg.samples_per_step
+    line = next((m for m in run_folder.read_log(run_dir / "metrics.jsonl") if m["step"] == step), None)
     if line is None:
         return None
-    samples = [s["response"] for s in plots.read_log(run_dir / "samples.jsonl")
+    samples = [s["response"] for s in run_folder.read_log(run_dir / "samples.jsonl")
                if s["step"] == step and s["split"] == "train"]
     return (math.isclose(line["reward/mean"], rewards.mean().item(), abs_tol=1e-6)
             and math.isclose(line["response/len_mean"], batch.response_mask.sum(1).float().mean().item(), abs_tol=1e-4)
@@ -350,8 +351,6 @@ def analyse_step(st: Step, step: int, k: int, n_tokens: int, seed: int, prefixes
                  delta: float) -> list[dict]:
     """counterfactual.jsonl lines of `n_tokens` tokens of each kind of one regenerated step; a token is negligible
     when its contrast's interval lies inside (-delta, delta)."""
-    import train
-
     cfg, tok = st.cfg, st.tokenizer
     gen = torch.Generator().manual_seed(hash((seed, step)) % 2**62)
     picked = pick_tokens(st.silenced, st.candidates, st.response_mask, st.rewards > 0, n_tokens, gen)
@@ -361,14 +360,13 @@ def analyse_step(st: Step, step: int, k: int, n_tokens: int, seed: int, prefixes
         return st.score(tok.decode(response, skip_special_tokens=True), st.answers[row])
 
     with st.engine.ready(st.policy):
-        effects = token_effects(sample, grade, st.prompts, st.responses, [(r, t) for _, r, t in picked], k,
-                                cfg.max_response_len, hash((seed, step, 1)) % 2**62,
-                                prefixes_per_call)
+        effects = token_effects(sample, grade, list(zip(st.prompts, st.responses)), [(r, t) for _, r, t in picked], k,
+                                cfg.max_response_len, hash((seed, step, 1)) % 2**62, prefixes_per_call)
     lines, graded = [], {}
     for (kind, row, t), e in zip(picked, effects):
         y = st.responses[row]
         if row not in graded:
-            graded[row] = train.graded_count(tok, y, cfg.reward)
+            graded[row] = reward.graded_count(tok, y, cfg.reward)
         lines.append({
             "algo": cfg.algo, "seed": cfg.seed, "step": step, "kind": kind, "effect": e.effect, "stderr": e.stderr,
             "k": e.k, "keep": e.keep, "resample": e.resample, "exclude": e.exclude, "contrast": e.contrast,
@@ -453,7 +451,8 @@ def pooled_groups(lines: list[dict]) -> dict[str, dict[str, list[dict]]]:
     out = {}
     for algo in dict.fromkeys(x["algo"] for x in lines):
         mine = [x for x in lines if x["algo"] == algo]
-        name = f"{algo} ({len({x['seed'] for x in mine})} seeds, steps {_spans(sorted({x['step'] for x in mine}))})"
+        steps = plots.step_spans(sorted({x["step"] for x in mine}))
+        name = f"{algo} ({len({x['seed'] for x in mine})} seeds, steps {steps})"
         out[name] = {f"{kind}, {part}": [x for x in mine if x["kind"] == kind and x["part"] == part]
                      for kind in KINDS for part in PARTS}
         out[name] |= {f"candidates the S2T rule {verb}": [x for x in mine if x["candidate"] and x["s2t_rule"] == rule]
@@ -466,17 +465,6 @@ def pooled_summary(lines: list[dict]) -> str:
     rows = [f"| {name if i == 0 else ''} | {group} | {summary_row(g)}"
             for name, groups in pooled_groups(lines).items() for i, (group, g) in enumerate(groups.items())]
     return "\n".join(["| algorithm | which tokens | " + HEAD, "|---" * (HEAD.count("|") + 2) + "|", *rows])
-
-
-def _spans(steps: list[int]) -> str:
-    """[1, 2, 3, 5] -> '1-3, 5'."""
-    spans = []
-    for s in steps:
-        if spans and s == spans[-1][1] + 1:
-            spans[-1][1] = s
-        else:
-            spans.append([s, s])
-    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
 # ------------------------------------------------------------------------------------------- command line
@@ -509,11 +497,12 @@ def main(argv: list[str] | None = None) -> int:
         return table(argv[1:])
     if not argv or argv[0].startswith("-"):
         if "-h" in argv or "--help" in argv:
-            cli.parse_flags(Config, argv, "counterfactual.py RUN")
-        return cli.error("counterfactual.py", "give a train.py run folder first: python counterfactual.py RUN [flags]")
-    run_dir, cfg = Path(argv[0]), Config(**cli.parse_flags(Config, argv[1:], "counterfactual.py RUN"))
+            config.parse_flags(Config, argv, "counterfactual.py RUN")
+        return config.error("counterfactual.py",
+                            "give a train.py run folder first: python counterfactual.py RUN [flags]")
+    run_dir, cfg = Path(argv[0]), Config(**config.parse_flags(Config, argv[1:], "counterfactual.py RUN"))
     if not (run_dir / "config.json").is_file():
-        return cli.error("counterfactual.py", f"{run_dir} is not a train.py run folder (no config.json)")
+        return config.error("counterfactual.py", f"{run_dir} is not a train.py run folder (no config.json)")
     lines, owned = [], not torch.distributed.is_initialized()
     try:
         for step in cfg.steps:
@@ -530,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
             lines += new
             st.engine.close()
     except (FileNotFoundError, ValueError) as e:
-        return cli.error("counterfactual.py", e)
+        return config.error("counterfactual.py", e)
     finally:
         if owned and torch.distributed.is_initialized():  # the 1-process group regenerate_step made
             torch.distributed.destroy_process_group()
@@ -550,9 +539,9 @@ def table(argv: list[str]) -> int:
     missing = [r for r in runs if not (Path(r) / "counterfactual.jsonl").is_file()]
     if not runs or missing or any(r.startswith("-") for r in runs):
         why = f" (no counterfactual.jsonl in {', '.join(missing)})" if missing else ""
-        return cli.error("counterfactual.py", f"--table RUN [RUN ...] [--out PNG] needs runs analysed by "
+        return config.error("counterfactual.py", f"--table RUN [RUN ...] [--out PNG] needs runs analysed by "
                                               f"counterfactual.py{why}")
-    lines = [x for run in runs for x in plots.read_log(Path(run) / "counterfactual.jsonl")]
+    lines = [x for run in runs for x in run_folder.read_log(Path(run) / "counterfactual.jsonl")]
     print(pooled_summary(lines))
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

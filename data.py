@@ -1,7 +1,9 @@
-"""The problem sets: the built-in task, your own files and Hub datasets, as rows {"problem", "answer"}
-(docs/paper.md §6: the training data; docs/training.md#your-own-data).
+"""The problem sets: the built-in task, your own files and Hub datasets, as rows {"problem", "answer"}, the paper's
+instruction appended to each (`INSTRUCTION`), and the order in which train.py takes them (docs/paper.md §6: the
+training data; docs/training.md#your-own-data).
 
     train_rows, heldout_rows, repeated = load_rows(cfg)          # train.py --data (and eval.py --run's heldout)
+    rows = prompt_indices(step - 1, len(train_rows), cfg)        # the training rows of a step, every epoch shuffled
     rows, repeated = read_rows("my.jsonl", "question", "gold")   # eval.py --data
 
 Deliberate differences from the paper's veRL setup:
@@ -45,6 +47,8 @@ def _at_path(row: dict, key: str):
 _DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the form "
                 "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
 _DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+# The paper's instruction, appended to every problem (rollout.format_prompt; train.py's and eval.py's default).
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 HELDOUT_MAX = 20  # --heldout's default: a tenth of the rows of --data, at most this many (none below 10 rows)
@@ -77,6 +81,28 @@ def load_rows(cfg) -> tuple[list[dict], list[dict], int]:
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     rows = [rows[i] for i in order]
     return rows[heldout:], rows[:heldout], repeated
+
+
+def prompt_indices(position: int, n_rows: int, cfg) -> list[int]:
+    """Training rows of the --prompts-per-step prompts of the step after `position` steps (all ranks; a train.py
+    config's prompts_per_step and seed): a fresh permutation of the rows every epoch."""
+    import torch
+
+    perms, out = {}, []
+    for pos in range(position * cfg.prompts_per_step, (position + 1) * cfg.prompts_per_step):
+        epoch, i = divmod(pos, n_rows)
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(n_rows, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
+        out.append(int(perms[epoch][i]))
+    return out
+
+
+def rank_slice(n: int, cfg, rank: int, world: int) -> list[int]:
+    """Positions (0..n-1 in the step's prompt list) this rank handles: the rank-th slice of every mini-batch of
+    --mini-batch-prompts, so a mini-batch is the same set of prompts for any number of ranks (train.py, difference
+    4)."""
+    m = cfg.mini_batch_prompts // world
+    return [k * cfg.mini_batch_prompts + rank * m + j for k in range(n // cfg.mini_batch_prompts) for j in range(m)]
 
 
 def read_rows(data: str, prompt_key: str, answer_key: str, split: str = "train") -> tuple[list[dict], int]:

@@ -36,7 +36,7 @@ Deliberate differences from the paper's evaluation:
    logic.
 
 Every input (names, paths, files, numbers) is checked before a model loads; an error is one line, exit status 2
-(cli.py). Nothing here imports train.py.
+(config.py). Nothing here imports train.py.
 """
 from __future__ import annotations
 
@@ -47,9 +47,9 @@ import sys
 import types
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, Literal, NamedTuple
 
-import cli
+import config
 import reward
 from data import answer_value, check_utf8, describe, load_rows, problem_seed, read_jsonl, read_rows, repeated_note
 
@@ -356,8 +356,8 @@ def train_run(folder: str | Path) -> dict | None:
     path = Path(folder) / "config.json"
     if not path.is_file():
         return None
-    config = json.loads(path.read_text())
-    return config if isinstance(config, dict) and "max_response_len" in config else None
+    values = json.loads(path.read_text())
+    return values if isinstance(values, dict) and "max_response_len" in values else None
 
 
 def stale_export(run: Path) -> str | None:
@@ -381,7 +381,7 @@ def _label_name(spec: str) -> tuple[str, str]:
 def parse_config(argv: list[str] | None = None) -> Config:
     """argv -> Config. Each value: the flag given, else the training run's (--run, or the run folder an --models HF
     directory sits in), else the default. Checks names and paths; loads no data and no model."""
-    given = cli.parse_flags(Config, argv, "eval.py")
+    given = config.parse_flags(Config, argv, "eval.py")
     if given.get("regrade"):
         if not os.path.isfile(given["regrade"]):
             raise FileNotFoundError(f"--regrade: no such file: {given['regrade']}")
@@ -487,9 +487,17 @@ def _joined(answer: str | list[str]) -> str:
 
 
 # --------------------------------------------------------------------------------------------------- evaluation
-def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, device=None):
-    """(engine, lm, tokenizer, problems per generate call of each set) for the checkpoint `name`: the model loaded,
-    its KV-cache budget applied, its rollout engine made (raises on a checkpoint that cannot load or sample here)."""
+class Opened(NamedTuple):
+    """A checkpoint ready to sample (`open_engine`)."""
+    engine: object  # its rollout engine (rollout.make_engine)
+    lm: object  # the model
+    tokenizer: object
+    per_call: dict[str, int]  # problems per generate call of each set
+
+
+def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, device=None) -> Opened:
+    """The checkpoint `name` ready to sample: the model loaded, its KV-cache budget applied, its rollout engine made
+    (raises on a checkpoint that cannot load or sample here)."""
     import torch
 
     import model as model_lib
@@ -517,19 +525,19 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, de
               flush=True)
     engine = rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest, dtype=lm.dtype,
                                  kv_cache_memory_bytes=max(min(need, budget), row_bytes))
-    return engine, lm, tokenizer, per_call
+    return Opened(engine, lm, tokenizer, per_call)
 
 
-def evaluate_model(engine, lm, tokenizer, per_call: dict[str, int], name: str, cfg: Config, sets: dict[str, dict],
-                   rank: int = 0, world: int = 1):
-    """Sample k answers per problem on this rank's share of every set, grade them, gather to rank 0; closes the
-    engine at the end. Yields (set name, {"k", "temperature", "top_p", "metrics", "problems": [...]}) after each
-    set on rank 0 (None on the other ranks)."""
+def evaluate_model(opened: Opened, name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, world: int = 1):
+    """Sample k answers per problem on this rank's share of every set with the checkpoint `name` (`open_engine`),
+    grade them, gather to rank 0; closes the engine at the end. Yields (set name, {"k", "temperature", "top_p",
+    "metrics", "problems": [...]}) after each set on rank 0 (None on the other ranks)."""
     import torch
     from tqdm import tqdm
 
     import rollout
 
+    engine, lm, tokenizer, per_call = opened
     calls = {b: [range(start, min(start + per_call[b], len(s["rows"])))  # this rank's calls: every world-th one
                  for start in range(0, len(s["rows"]), per_call[b])][rank::world] for b, s in sets.items()}
     bar = tqdm(total=sum(len(idx) for b in calls for idx in calls[b]), desc=f"{name} (rank 0 of {world})",
@@ -568,9 +576,6 @@ def evaluate_model(engine, lm, tokenizer, per_call: dict[str, int], name: str, c
     engine.close()
 
 
-BAD_INPUT = (FileNotFoundError, ValueError, KeyError, ImportError, OSError)  # what bad inputs raise
-
-
 def check_weights(name: str) -> None:
     """Raise ValueError when a file of the model folder `name` differs from the checksums of its export.json (a
     train.py export: run_folder.export_damage) or a .safetensors file cannot be read (truncated by an interrupted
@@ -597,7 +602,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     try:  # every input is checked before a model loads: one line, exit status 2, nothing written
         cfg = parse_config(argv)
         if cfg.regrade:  # graded and tabled in full before anything is rewritten
-            cli.check_writable("--regrade", Path(cfg.regrade).parent)
+            config.check_writable("--regrade", Path(cfg.regrade).parent)
             results = regrade(read_results(cfg.regrade))
             text = table(results)
         else:
@@ -605,7 +610,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 raise ValueError(f"--out {cfg.out} holds the results of an earlier evaluation (results.json): choose "
                                  f"another --out, or replace them with --overwrite")
             try:  # before any sampling: a read-only run folder, say
-                cli.check_writable("--out", cfg.out)
+                config.check_writable("--out", cfg.out)
             except OSError as e:
                 raise OSError(f"{e}; write the results elsewhere with --out DIR") from None
             sets = load_sets(cfg)
@@ -613,8 +618,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             for spec in cfg.models:
                 model.check_model_name(_label_name(spec)[1])
                 check_weights(_label_name(spec)[1])
-    except (*BAD_INPUT, reward.RewardError) as e:
-        raise SystemExit(cli.error("eval.py", e, rank))
+    except config.BAD_INPUT as e:
+        raise SystemExit(config.error("eval.py", e, rank))
     if cfg.regrade:
         write_outputs(results, Path(cfg.regrade).parent)
         print(text)
@@ -638,15 +643,15 @@ def main(argv: list[str] | None = None) -> dict | None:
         results["models"][label] = {"name": name, "benchmarks": {}}
         try:  # a checkpoint without weights or config, or one vLLM refuses: one line too
             opened = open_engine(name, cfg, sets, rank, device)
-        except BAD_INPUT as e:
-            raise SystemExit(cli.error("eval.py", e, rank))
+        except config.BAD_INPUT as e:
+            raise SystemExit(config.error("eval.py", e, rank))
         try:  # your --reward function raising: one line naming it
-            for b, got in evaluate_model(*opened, name, cfg, sets, rank, world):
+            for b, got in evaluate_model(opened, name, cfg, sets, rank, world):
                 if rank == 0:
                     results["models"][label]["benchmarks"][b] = got
                     write_outputs(results, cfg.out)  # after every benchmark, so a long run keeps what it has
         except reward.RewardError as e:
-            raise SystemExit(cli.error("eval.py", e, rank))
+            raise SystemExit(config.error("eval.py", e, rank))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if world > 1 and dist.is_initialized():  # closing a vLLM engine already tore the group down

@@ -1,5 +1,7 @@
 """The policy model: loading a causal LM, tiny random models for tests, FSDP2 sharding, memory-efficient per-token
-log-probs / entropy / collision probability, and saving a Hugging Face checkpoint.
+log-probs / entropy / collision probability, and saving a Hugging Face checkpoint; the process group and the
+collectives train.py reduces with (`init_distributed`, `all_sum`, `all_max`, `all_gather_cat`, `gather`), and on the
+CPU freed memory kept in the process (`keep_freed_memory`).
 
 Paper: STAPO (arXiv:2602.15620), Sec. 2 (p_it = pi_theta(y_it | x, y_i<t), full-vocabulary entropy H_it) and the
 S2T analysis (collision probability sum_v p_v^2 in the logit-gradient norm). Everything here is model plumbing the
@@ -404,6 +406,54 @@ def init_distributed(timeout_min: float = 60.0, always: bool = True) -> tuple[in
     if cuda:
         torch.cuda.set_device(device)
     return (dist.get_rank(), dist.get_world_size(), device) if dist.is_initialized() else (0, 1, device)
+
+
+def keep_freed_memory() -> None:
+    """Training on the CPU: keep freed memory in the process. glibc's malloc returns every freed block over 32 MB
+    to the OS, so each micro-batch's activations and (V, D) gradients fault their pages in again (zeroed by the
+    kernel): ~25-35% of the CPU default's update (docs/performance.md). No mmap'd blocks and no trimming keep them
+    for reuse, as the jemalloc / tcmalloc setups recommended for PyTorch on CPUs do; the resident memory then stays
+    at the run's peak. A no-op without glibc."""
+    import ctypes
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
+    mallopt(M_MMAP_MAX, 0)  # every block from the heap, none mmap'd (and unmapped at its free)
+    mallopt(M_TRIM_THRESHOLD, -1)  # (size_t) -1: never give the heap's free top back
+
+
+def all_sum(*values: float) -> list[float]:
+    """Sum python floats over ranks (one all-reduce)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_max(value: int) -> int:
+    """The largest of one integer over ranks (the micro-batch count every rank makes)."""
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+def all_gather_cat(values: torch.Tensor) -> torch.Tensor:
+    """Concatenate 1-D tensors of different lengths from all ranks (pad to the longest, all-gather, trim)."""
+    world, values = dist.get_world_size(), values.detach().float().cpu()
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([values.numel()]))
+    longest = int(max(sizes))
+    parts = [torch.zeros(longest) for _ in range(world)]
+    dist.all_gather(parts, torch.nn.functional.pad(values, (0, longest - values.numel())))
+    return torch.cat([p[:int(s)] for p, s in zip(parts, sizes)])
+
+
+def gather(records: list) -> list:
+    """Every rank's list, concatenated in rank order (on every rank)."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, records)
+    return [x for part in parts for x in part]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -16,8 +16,10 @@
   rate against its probability, silenced vs kept candidates vs other tokens (counterfactual.jsonl).
 
 One concept, pictures of run folders: a file of its own so that train.py stays the story of one step and runs can
-be redrawn and overlaid after the fact from their files alone (no torch, no model). matplotlib is optional: without
-it every function prints one line on stderr and draws nothing.
+be redrawn and overlaid after the fact from their files alone (no model). The console lines that sum up a run's
+metrics are here too: a step without a policy gradient (`zero_gradient`), and at the end what the mask silenced
+(`silenced_summary`) and a divergence (`divergence`). matplotlib is optional: without it every function prints one
+line on stderr and draws nothing.
 
 Choices:
 1. x is `step` as each file writes it: the N-th step (from 1) for metrics.jsonl, the number of completed steps for
@@ -46,7 +48,8 @@ import math
 import sys
 from pathlib import Path
 
-import cli
+from config import OneLineParser, check_writable
+from run_folder import plural, read_log
 
 METRIC_PANELS = (("metrics.jsonl", "reward/mean", "reward (+-1 mean)"), ("metrics.jsonl", "entropy/mean", "entropy"),
                  ("metrics.jsonl", "s2t/silenced_frac", "silenced fraction"),
@@ -67,12 +70,6 @@ USAGE = ("python train.py --plot RUN [RUN ...] [--out PNG] [--table | --sensitiv
          "FIRST_RUN/compare.png, compare_s2t.png and compare_gradient.png for several; --out PNG: PNG and PNG's stem "
          "+ _s2t.png, _gradient.png), and print RQ1's correlations; --table: the runs side by side; --sensitivity: "
          "the (tau_p, quantile) grid")
-
-
-def read_log(path: Path) -> list[dict]:
-    """The records of a .jsonl file ([] if it does not exist)."""
-    path = Path(path)
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
 
 
 def _pyplot():
@@ -432,6 +429,50 @@ def run_summary(run: str) -> dict:
                for kind in ("silenced", "candidate", "other")}}
 
 
+def silenced_summary(algo: str, steps: list[dict], files: list[str]) -> str:
+    """The console line that counts what the mask silenced over a run (its metrics.jsonl lines)."""
+    silenced = [int(m.get("s2t/silenced", 0)) for m in steps]
+    candidates = sum(int(m.get("s2t/candidates", 0)) for m in steps)
+    return (f"{algo} silenced {sum(silenced)} tokens in {sum(n > 0 for n in silenced)} of {len(steps)} steps; S2T "
+            f"candidates (A > 0, p < tau_p): {candidates} (metrics.jsonl s2t/*{'; see ' if files else ''}"
+            f"{', '.join(files)})")
+
+
+def divergence(steps: list[dict]) -> str:
+    """'' or the sentence that says which steps (metrics.jsonl lines) skipped an update for a non-finite gradient."""
+    bad = [m["step"] for m in steps if m.get("skipped/nonfinite", 0) > 0]
+    if not bad:
+        return ""
+    no_update = [m["step"] for m in steps if m.get("skipped/nonfinite", 0) > 0 and m.get("updates", 0) == 0]
+    where = ("steps " if len(bad) > 1 else "step ") + step_spans(bad)
+    return (f"the run diverged: the gradient norm was not finite in {plural(len(bad), 'step')} of {len(steps)} "
+            f"({where}), {len(no_update)} of them made no update at all")
+
+
+def zero_gradient(metrics: dict, group_size: int) -> str:
+    """'' or the sentence that says why a step's policy gradient was zero (every group of `group_size` responses had
+    equal rewards: its metrics.jsonl line) and what helps."""
+    if metrics["adv/zero_frac"] != 1.0:
+        return ""
+    acc, step = metrics["reward/acc"], metrics["step"]
+    no_update = " and no update was made" if metrics["updates"] == 0 else ""
+    return (f"step {step}: every response was right, so the policy gradient is zero{no_update}; use harder data"
+            if acc == 1 else f"step {step}: in every group the {group_size} responses had equal rewards (train_acc "
+            f"{acc:.2f}), so the policy gradient is zero{no_update}; use easier data, a larger --group-size or a "
+            f"higher --temperature")
+
+
+def step_spans(steps: list[int]) -> str:
+    """[1, 2, 3, 5] -> '1-3, 5'."""
+    spans = []
+    for s in steps:
+        if spans and s == spans[-1][1] + 1:
+            spans[-1][1] = s
+        else:
+            spans.append([s, s])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
 def _mean_or_none(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -613,7 +654,7 @@ def figures(run_dirs: list[str], out_png: str) -> list[str]:
 
 def main(argv: list[str]) -> int:
     """`train.py --plot RUN [RUN ...] [--out PNG]` in any order; a missing run folder is a one-line error."""
-    parser = cli.OneLineParser(prog="train.py", description=USAGE)  # errors: "train.py: error: ..."
+    parser = OneLineParser(prog="train.py", description=USAGE)  # errors: "train.py: error: ..."
     parser.add_argument("--plot", nargs="+", required=True, metavar="RUN", help="run folders (train.py --out-dir)")
     parser.add_argument("--out", help="PNG of the metrics figure (the S2T figure goes beside it)")
     parser.add_argument("--table", action="store_true", help="also print the runs' summary table, one row per "
@@ -628,7 +669,7 @@ def main(argv: list[str]) -> int:
     out = args.out or str(first / ("sensitivity.png" if args.sensitivity else "metrics.png" if len(args.plot) == 1
                                    else "compare.png"))
     try:  # before anything is drawn: a read-only run folder, say
-        cli.check_writable("--out" if args.out else "--plot", Path(out).parent)
+        check_writable("--out" if args.out else "--plot", Path(out).parent)
     except OSError as e:
         parser.error(f"{e}" + ("" if args.out else "; write the figures elsewhere with --out PNG"))
     if args.out:  # a figure into a folder that does not exist yet: make it

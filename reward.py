@@ -5,7 +5,8 @@
 is ..." phrase or a concluding sentence that states one value; never "the last number in the text"; nothing after a
 chat-template token such as <|im_end|>) and decides whether it equals the gold. Answers are read by a small
 hand-written tokenizer + recursive-descent parser for the LaTeX/arithmetic language of math answers that builds sympy
-objects directly: model output never reaches eval, exec, sympify or parse_expr.
+objects directly: model output never reaches eval, exec, sympify or parse_expr. `graded_chars` (and, for token ids,
+`graded_count`) says how much of a response the reward reads: up to and including its answer.
 
 Deliberate differences from the paper and from common graders (verl, Math-Verify, Qwen2.5-Math):
 1. The paper compares normalized strings (`mode="strict"` keeps that); the default compares values, because a string
@@ -40,6 +41,8 @@ import traceback
 from collections import namedtuple
 
 import sympy as sp
+
+from config import InputError
 
 # ------------------------------------------------------------------------------------------------ limits
 TIMEOUT_S = 1.0  # wall-clock budget of one grade() call
@@ -135,6 +138,18 @@ def graded_chars(response, mode="dapo"):
     return len(response) if at < 0 else at + len(answer)
 
 
+def graded_count(tokenizer, ids: list[int], mode: str) -> int:
+    """How many leading tokens of a response (ids; `tokenizer` decodes them) hold the characters the reward reads
+    (`graded_chars`): the fewest whose decoded text has them, by bisection on the decoded length of the response's
+    prefixes."""
+    chars = graded_chars(tokenizer.decode(ids, skip_special_tokens=True), mode)
+    lo, hi = 0, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= chars else (mid + 1, hi)
+    return lo
+
+
 # ------------------------------------------------------------------------------------------------ your own reward
 # Any verifier can be the reward (code that runs tests, a format check, another grader), as TRL's reward functions
 # are: --reward FILE.py:FUNCTION or MODULE:FUNCTION names a Python function
@@ -149,7 +164,7 @@ def graded_chars(response, mode="dapo"):
 BUILTIN = ("dapo", "binary", "strict")
 
 
-class RewardError(Exception):
+class RewardError(InputError):
     """Your reward function raised, or returned something other than a finite number."""
 
 

@@ -1,4 +1,5 @@
-"""Rollouts: prompt formatting and a hand-written batched sampler with a KV cache (docs/paper.md §1 and §6: G responses
+"""Rollouts: prompt formatting (the paper's instruction is data.INSTRUCTION; `fitting_prompts`: the prompts that fit
+--max-prompt-len) and a hand-written batched sampler with a KV cache (docs/paper.md §1 and §6: G responses
 per prompt from the rollout policy pi_old, temperature 1.0 / top-p 1.0 in training, 0.7 / 0.9 in one eval setting),
 and the optional vLLM engine (`VLLMEngine`, imported only when chosen) behind the same `sample` call and `Rollout`.
 
@@ -29,7 +30,7 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    done here.
 5. Sampling draws one uniform per row of the FULL batch every step and uses those of the running rows, then searches
    the CDF (exact; torch.multinomial does the same, slower on CPU). Row i therefore gets the same uniforms whether or
-   not finished rows were dropped: compaction changes no token (test_stapo.py checks it token for token).
+   not finished rows were dropped: compaction changes no token (tests/test_rollout.py checks it token for token).
 6. Under FSDP2, `gathered(policy)` unshards every FSDP module once for the whole rollout phase (memory: one full
    copy of the parameters per rank, in the FSDP param dtype, for the duration) and detaches FSDP's forward hooks,
    instead of all-gathering each layer again for every generated token. Inside the decode loop there is then no
@@ -76,10 +77,9 @@ from torch.distributed.fsdp import FSDPModule
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.models.llama.modeling_llama import rotate_half
 
+from data import INSTRUCTION
 from model import (PACKED_SDPA, attention_buckets, first_with_same_prompt, grouped_sdpa, kv_cache_bytes,
                    lm_vocab_size, position_ids_from_mask)
-
-INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
 def format_prompt(tokenizer, problem: str, chat: bool = True, instruction: str = INSTRUCTION) -> list[int]:
@@ -92,6 +92,18 @@ def format_prompt(tokenizer, problem: str, chat: bool = True, instruction: str =
                                          add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
 
+
+def fitting_prompts(tokenizer, rows: list[dict], chat: bool, instruction: str,
+                    max_len: int) -> tuple[list[dict], list[list[int]], int]:
+    """(the rows {"problem", ...} whose prompt (`format_prompt`) has at most `max_len` tokens, their prompts, how
+    many rows were dropped). A token spells at most `longest` characters, so a problem longer than max_len x
+    longest characters has more tokens than max_len: it is dropped before it is tokenized (a 20 MB row took 11 GB
+    and 74 s to tokenize)."""
+    longest = max(map(len, tokenizer.get_vocab()))
+    short = [r for r in rows if len(r["problem"]) <= max_len * longest]
+    prompts = [format_prompt(tokenizer, r["problem"], chat, instruction) for r in short]
+    keep = [i for i, p in enumerate(prompts) if len(p) <= max_len]
+    return [short[i] for i in keep], [prompts[i] for i in keep], len(rows) - len(keep)
 
 def eos_ids(lm, tokenizer, chat: bool) -> list[int]:
     """Token ids that end a response: the tokenizer's EOS, the generation config's and, with chat prompts, the
@@ -247,7 +259,7 @@ class InPlaceLayer(DynamicLayer):
     are the first R rows of the buffers; `keys` / `values` are views (R, kv_heads, length, head_dim) of what is
     filled, which attention reads. Relies on transformers' cache-layer interface (5.17-5.19): `update` returns the
     keys and values to attend over, `get_seq_length` / `get_mask_sizes` (inherited) give the length; pinned by
-    test_stapo.py::test_rollout_in_place_cache_equals_dynamic_cache."""
+    tests/test_rollout.py::test_rollout_in_place_cache_equals_dynamic_cache."""
 
     def __init__(self, rows: int, max_len: int, buffers: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__()

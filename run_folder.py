@@ -21,6 +21,7 @@ What this file promises, each kept by one mechanism below:
 6. Exports are atomic, dated and verified: `hf/` is replaced by renaming a complete folder over it, and
    `hf/export.json` names the step it holds and every file's size and CRC-32 (`export`, `export_step`,
    `export_damage`: eval.py checks them before it loads the model).
+`say` writes a line of rank 0 to the console, above train.py's progress bar (warnings on stderr).
 
 Deliberate differences from verl / TRL / torchtitan checkpointing:
 1. One complete, verified checkpoint is what `latest` names; verl and torchtitan trust the newest folder (a torn
@@ -50,7 +51,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cli import check_writable, one_line
+from tqdm import tqdm
+
+from config import BAD_INPUT, InputError, check_writable, one_line
 
 # The logs: one JSON object per line, each with the step it belongs to.
 LOGS = ("metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl", "tokens.jsonl", "resumes.jsonl")
@@ -68,15 +71,21 @@ STOPPED = 75  # exit status after a stop by signal, with a checkpoint written: r
 #               (sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry")
 
 
-class RunError(Exception):
+class RunError(InputError):
     """A failure the user can act on (a full disk, a folder in use, no usable checkpoint): one line, exit 2."""
 
 
 def say(message: str, rank: int = 0, warning: bool = False) -> None:
-    """A line on rank 0's console (stderr for warnings)."""
+    """A line on rank 0's console (stderr for warnings), above train.py's progress bar."""
     if rank == 0:
-        print(f"train.py: warning: {message}" if warning else message, file=sys.stderr if warning else sys.stdout,
-              flush=True)
+        out = sys.stderr if warning else sys.stdout
+        tqdm.write(f"train.py: warning: {message}" if warning else message, file=out)
+        out.flush()
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 step', '3 steps'."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 # ---------------------------------------------------------------------------------------------- one writer
@@ -179,8 +188,9 @@ def append(out: Path, name: str, records: list[dict]) -> None:
         raise RunError(f"could not write {out / name} ({e.strerror or e}); {resumable(out)}") from None
 
 
-def write_logs(out: Path, records: dict[str, list[dict]], rank: int) -> None:
-    """Every rank: rank 0 appends each log's records (`append`); a failure there raises RunError on every rank."""
+def write_logs(out: Path, records: dict[str, list[dict]], rank: int, logger: Logger | None = None) -> None:
+    """Every rank: rank 0 appends each log's records ({file name: lines}; `append`); a failure there raises RunError
+    on every rank. Then the metrics.jsonl and eval.jsonl lines go to `logger` (--logger, rank 0) when given."""
     failed = None
     if rank == 0:
         try:
@@ -191,12 +201,16 @@ def write_logs(out: Path, records: dict[str, list[dict]], rank: int) -> None:
     failed = broadcast_failure(failed, rank)
     if failed:
         raise RunError(failed)
+    for name in ("eval.jsonl", "metrics.jsonl"):
+        for record in records.get(name, []) if logger else []:
+            logger.log(record)
 
 
-def read_log(path: Path) -> tuple[list[dict], list[int]]:
-    """(the records of a log, the 1-based numbers of its lines that are not whole JSON objects: torn writes)."""
-    records, torn = [], []
-    if path.exists():
+def read_log(path: Path, torn: list[int] | None = None) -> list[dict]:
+    """The records of a log ([] if it does not exist): its lines that are whole JSON objects. The 1-based numbers of
+    the others (torn writes: a last line without its newline, a damaged line) are appended to `torn` when given."""
+    path, records, torn = Path(path), [], [] if torn is None else torn
+    if path.is_file():
         with open(path, "rb") as f:
             for n, raw in enumerate(f, 1):
                 try:
@@ -207,7 +221,7 @@ def read_log(path: Path) -> tuple[list[dict], list[int]]:
                     records.append(record)
                 else:
                     torn.append(n)
-    return records, torn
+    return records
 
 
 def cut_logs(out: Path, done: int) -> None:
@@ -216,7 +230,8 @@ def cut_logs(out: Path, done: int) -> None:
     (`write_atomic`), so a kill during the resume leaves it as it was or as it should be."""
     for name in LOGS:
         path = out / name
-        records, torn = read_log(path)
+        torn = []
+        records = read_log(path, torn)
         keep = [r for r in records if r.get("step", 0) <= done]
         for n in torn:
             say(f"{path} line {n} is torn (an interrupted write): dropped", warning=True)
@@ -293,18 +308,18 @@ def _unique_names(state_dict: dict) -> dict:
     return unique
 
 
-def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, config: dict, save_optimizer: bool,
-                    keep: int, rank: int, world: int) -> float:
+def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, config: dict, rank: int, world: int) -> float:
     """Every rank: the checkpoint after `done` steps in OUT/checkpoint/step_<done>: DCP shards of the model (and of
-    AdamW unless weights-only), `state.pt` (step, scheduler, RNG states, config), then `manifest.json` (every file's
-    size and CRC-32), then `latest` names it; the oldest complete checkpoints beyond `keep` are deleted. Returns the
-    seconds it took. A failure on any rank (a full disk) raises RunError on every rank, with the new folder removed
-    and the previous checkpoints untouched."""
+    AdamW unless weights-only: config["save_optimizer"]), `state.pt` (step, scheduler, RNG states, config: the run's
+    config.json values), then `manifest.json` (every file's size and CRC-32), then `latest` names it; the oldest
+    complete checkpoints beyond config["keep_checkpoints"] are deleted. Returns the seconds it took. A failure on any
+    rank (a full disk) raises RunError on every rank, with the new folder removed and the previous checkpoints
+    untouched."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    t0 = time.time()
+    t0, save_optimizer, keep = time.time(), config["save_optimizer"], config["keep_checkpoints"]
     path, latest = out / "checkpoint" / f"step_{done}", out / "checkpoint" / "latest"
     if rank == 0:  # left by a failed write, or past a damaged checkpoint that a resume skipped
         shutil.rmtree(path, ignore_errors=True)
@@ -360,6 +375,19 @@ def agreed_failure(failed: Exception | None) -> str | None:
     if not bad:
         return None
     return bad[0][1] if len(bad) == len(parts) else f"rank {bad[0][0]}: {bad[0][1]}"
+
+
+def agree(work, *args):
+    """work(*args) on every rank; a bad input on any rank raises on every rank (naming the rank unless all
+    failed), so that rank 0 prints it once and no rank waits in a collective for one that failed."""
+    try:
+        result, failed = work(*args), None
+    except BAD_INPUT as e:
+        result, failed = None, e
+    failed = agreed_failure(failed)
+    if failed:
+        raise ValueError(failed)
+    return result
 
 
 def broadcast_failure(failed: Exception | None, rank: int) -> str | None:
@@ -668,6 +696,37 @@ def write_stopped(out: Path, signal_name: str, saved: int | None) -> None:
     its workers' status; `python train.py` exits with STOPPED)."""
     write_atomic(out / "stopped.json", json.dumps({"signal": signal_name, "steps_done": saved or 0, "checkpoint":
                                                    f"checkpoint/step_{saved}" if saved else None}).encode())
+
+
+def stopped(out_dir: str, steps: int, rank: int, preemption: Preemption, saved: int, where: str,
+            done: int | None = None) -> int:
+    """OUT/stopped.json and the one line of a run of `steps` steps in `out_dir` stopped by a signal after `done` steps
+    (default: `saved`), with the checkpoint of `saved` steps (0: none); returns STOPPED."""
+    done = saved if done is None else done
+    if rank == 0:
+        write_stopped(Path(out_dir), preemption.signal, saved or None)
+    kept = (f"checkpoint/step_{saved} is kept; the same command with --resume auto (or python train.py --resume "
+            f"{out_dir}) continues the run" if saved else
+            "nothing to keep; the same command with --resume auto (or --overwrite) starts it again")
+    say(f"stopped by {preemption.signal} {where}, {plural(done, 'step')} of {steps} done, "
+        f"{time.monotonic() - preemption.received:.1f} s after the signal: {kept}", rank)
+    return STOPPED
+
+
+def leave_at_deadline(out_dir: str, deadline_s: float, rank: int, preemption: Preemption) -> None:
+    """--stop-deadline-s (deadline_s) passed since a stop signal and the ranks have not stopped together: leave now
+    (the watchdog thread of `Preemption`), with stopped.json (rank 0) naming the newest complete checkpoint, one line
+    on every rank (the frozen one may be rank 0), exit status STOPPED."""
+    out, kept = Path(out_dir), complete_steps(Path(out_dir))
+    if rank == 0:
+        write_stopped(out, preemption.signal or "a stop signal", kept[0] if kept else None)
+    then = (f"checkpoint/step_{kept[0]} is kept; the same command with --resume auto continues from it" if kept else
+            "no checkpoint was kept; the same command with --resume auto starts the run again")
+    print(f"train.py: warning: rank {rank}: {preemption.signal or 'a stop signal'} came {deadline_s:g} s ago "
+          f"(--stop-deadline-s) and the ranks have not stopped together (a rank frozen, or its network down?): leaving "
+          f"without a checkpoint of this stop; {then}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(STOPPED)
 
 
 # --------------------------------------------------------------------------------------------------- export

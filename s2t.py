@@ -8,7 +8,8 @@ A response token is spurious (silenced, I_it = 0) iff all three hold:
 The gradient of a token's objective w.r.t. its logits has norm |w| sqrt(1 - 2p + sum_v p_v^2), w = r A
 (`grad_norm_logits`): low p and low H (large sum p^2) give the largest, spurious updates.
 A low-probability token with A > 0 also raises its position's entropy when it is reinforced; `entropy_change`
-measures what one update did to the entropy at silenced, kept-candidate and other positions.
+measures what one update did to the entropy at silenced, kept-candidate and other positions. `token_sample` draws
+the tokens of the (p, H) picture of what S2T saw, `token_record` makes them a line of tokens.jsonl.
 
 Deliberate differences / choices the paper leaves open:
 1. Condition 3 is strict (H < tau_h) and tau_h uses torch.quantile's linear interpolation, so a lone candidate is
@@ -64,7 +65,7 @@ def spurious_mask(logprobs: torch.Tensor, entropy: torch.Tensor, advantages: tor
     """The whole S2T rule on one mini-batch -> (silenced bool (B, T), tau_h or None if there are no candidates).
 
     logprobs, entropy (B, T) of the current policy; advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1.
-    gather: a function that concatenates a 1-D tensor over the data-parallel ranks (train.all_gather_cat), so that
+    gather: a function that concatenates a 1-D tensor over the data-parallel ranks (model.all_gather_cat), so that
     tau_h is the quantile over the whole mini-batch when each rank holds a share of its rows; None: one process.
     """
     cand = candidates(logprobs, advantages, response_mask, tau_p)  # (B, T): conditions 1 and 2
@@ -109,37 +110,37 @@ def grad_norm_logits(w: torch.Tensor, logprobs: torch.Tensor, collision: torch.T
 
 
 def diagnostics(stats: TokenStats, advantages: torch.Tensor, response_mask: torch.Tensor, silenced: torch.Tensor,
-                tau_p: float = 0.002, w: torch.Tensor | None = None) -> dict[str, float]:
-    """Metrics (python floats) of one mask on one mini-batch; call it once on the whole mini-batch. stats: p, H and
-    collision of the current policy (model.TokenStats, each (B, T)).
+                tau_p: float = 0.002, grad_norm: torch.Tensor | None = None) -> dict[str, float]:
+    """Sums and counts (python floats) of one mask on one mini-batch, to be added over mini-batches and ranks and
+    divided once (train.StepLog): call it once on the whole mini-batch. stats: p, H and collision of the current
+    policy (model.TokenStats, each (B, T)).
 
-    s2t/candidates       number of candidates (A > 0, p < tau_p)
-    s2t/silenced         number of silenced tokens
-    s2t/silenced_frac    silenced / response tokens
-    s2t/silenced_p_mean  mean p of silenced tokens          (0 if none; also for the three below)
-    s2t/silenced_h_mean  mean entropy of silenced tokens
-    s2t/grad_norm_silenced  mean |w| sqrt(1 - 2p + sum p^2) over silenced tokens
-    s2t/grad_norm_kept      the same over kept response tokens
-    w (B, T) defaults to the advantages, i.e. ratio r = 1 (pi_theta = pi_old, the first mini-batch of a rollout).
+    candidates       number of candidates (A > 0, p < tau_p)
+    silenced, kept   number of silenced and of kept response tokens
+    silenced_p       sum of p over silenced tokens                  (the metric s2t/silenced_p_mean = / silenced)
+    silenced_h       sum of the entropy over silenced tokens
+    gn_silenced      sum of |w| sqrt(1 - 2p + sum p^2) over silenced tokens
+    gn_kept          the same over kept response tokens             (s2t/grad_norm_kept = / kept)
+    grad_norm (B, T): `grad_norm_logits` of each token, by default with w = the advantages, i.e. ratio r = 1
+    (pi_theta = pi_old, the first mini-batch of a rollout).
     """
     logprobs, entropy, collision = stats
     mask = response_mask > 0  # (B, T)
     silenced = silenced & mask
     kept = mask & ~silenced
-    w = advantages.expand_as(logprobs) if w is None else w
-    g = grad_norm_logits(w, logprobs, collision)  # (B, T)
+    g = grad_norm_logits(advantages.expand_as(logprobs), logprobs, collision) if grad_norm is None else grad_norm
 
-    def mean(x, sel):
-        return (x.detach()[sel].float().mean().item()) if sel.any() else 0.0
+    def total(x, sel):  # sum over the selected tokens, in float64
+        return x.detach()[sel].double().sum().item()
 
     return {
-        "s2t/candidates": float(candidates(logprobs, advantages, response_mask, tau_p).sum().item()),
-        "s2t/silenced": float(silenced.sum().item()),
-        "s2t/silenced_frac": silenced.sum().item() / max(mask.sum().item(), 1),
-        "s2t/silenced_p_mean": mean(logprobs.exp(), silenced),
-        "s2t/silenced_h_mean": mean(entropy, silenced),
-        "s2t/grad_norm_silenced": mean(g, silenced),
-        "s2t/grad_norm_kept": mean(g, kept),
+        "candidates": float(candidates(logprobs, advantages, response_mask, tau_p).sum().item()),
+        "silenced": float(silenced.sum().item()),
+        "kept": float(kept.sum().item()),
+        "silenced_p": total(logprobs.exp(), silenced),
+        "silenced_h": total(entropy, silenced),
+        "gn_silenced": total(g, silenced),
+        "gn_kept": total(g, kept),
     }
 
 
@@ -218,3 +219,20 @@ def token_sample(stats: TokenStats, advantages: torch.Tensor, response_mask: tor
             "grad_norm": grad_norm_logits(w, logprobs, collision)[row, col].float(),
             "candidate": candidates(logprobs, advantages, mask, tau_p)[row, col], "silenced": silenced[row, col],
             "weight": weight[row, col]}
+
+
+def token_record(step: int, k: int, threshold: float | None, sampled: dict, correct: torch.Tensor) -> dict:
+    """One line of tokens.jsonl: the tokens `token_sample` drew from mini-batch k of step `step`, as columns
+    (floats to 4 significant digits); `correct` (b,) bool per response of the mini-batch."""
+    rows = sampled["row"]
+    return {"step": step, "mini_batch": k, "tau_h": threshold,
+            **{key: [float(f"{v:.4g}") for v in sampled[key].tolist()] for key in ("p", "H", "A", "grad_norm",
+                                                                                 "weight")},
+            "correct": correct.cpu()[rows].int().tolist(), "candidate": sampled["candidate"].int().tolist(),
+            "silenced": sampled["silenced"].int().tolist()}
+
+
+def ranks_joined(parts: list[list[dict]]) -> list[dict]:
+    """tokens.jsonl: one line per mini-batch, the columns of every rank's record of it concatenated."""
+    return [{key: sum((r[key] for r in same), []) if isinstance(same[0][key], list) else value
+             for key, value in same[0].items()} for same in zip(*parts)]

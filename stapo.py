@@ -21,14 +21,15 @@ only in the token weights and the denominator:
 thresholds (S2T's tau_h, 20-Entropy's) are taken over the whole mini-batch through a `gather` over ranks, and it
 returns this rank's share of the denominator, which the caller (train.py) sums over ranks. `policy_loss(...,
 weights, denominator=N)` per micro-batch then sums to the mini-batch loss however the rows are split (over ranks:
-the sum of the gradients, i.e. all-reduce SUM, or AVG times world size).
+the sum of the gradients, i.e. all-reduce SUM, or AVG times world size). `algorithm` names the row of an --algo,
+`clip_range` a run's (eps_low, eps_high).
 
 Deliberate differences / choices:
 1. The token mean runs over the whole mini-batch (all micro-batches and ranks), not per micro-batch.
 2. The log-ratio is clamped to [-20, 20] before exp() so that r never overflows (r <= 4.9e8); inside that range
    (always, in practice) the loss is exact.
 3. Optional dual clip for A < 0 (verl's clip_ratio_c): per-token loss bounded by -dual_clip * A; off here by
-   default, on with c = 10 in train.py's presets, as in the paper's veRL runs.
+   default, on with c = 10 in train.py's presets (config.py), as in the paper's veRL runs.
 4. 20-Entropy keeps the top 20% by `H >= tau` (ties at the threshold kept) and divides by all response tokens
    (the formula of Wang et al. and TRL's `top_entropy_quantile`), not by the kept tokens.
 5. GRPO's KL is not inside `policy_loss`: the caller adds `beta * sum(weights * kl_k3) / denominator`.
@@ -69,10 +70,17 @@ LOG_RATIO_CLAMP = 20.0
 
 
 def algorithm(name: str) -> Algorithm:
-    """ALGORITHMS[name], or a ValueError naming the valid ones."""
+    """ALGORITHMS[name] (--algo NAME), or a ValueError naming the valid ones."""
     if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; valid: {', '.join(ALGORITHMS)}")
+        raise ValueError(f"unknown --algo {name!r}; valid: {', '.join(ALGORITHMS)}")
     return ALGORITHMS[name]
+
+
+def clip_range(algo: str, clip_low: float | None = None, clip_high: float | None = None) -> tuple[float, float]:
+    """(eps_low, eps_high) of the ratio clip: clip_low / clip_high (--clip-low, --clip-high), or where None the
+    algorithm's (ALGORITHMS)."""
+    low, high = algorithm(algo).clip
+    return low if clip_low is None else clip_low, high if clip_high is None else clip_high
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -165,6 +173,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     return loss, stats
 
 
+CLIP_STATS = ("clip/frac_low", "clip/frac_high", "clip/frac_dual", "ratio/mean", "kl/approx")  # policy_loss's means
+
+
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """(B, T) k3 estimate of KL(pi_theta || pi_ref) (DeepSeekMath): exp(ref - logp) - (ref - logp) - 1 >= 0.
 
@@ -199,7 +210,7 @@ def token_weights(algo: str, logprobs: torch.Tensor | None, entropy: torch.Tenso
 
     logprobs, entropy (B, T) of the current policy (None for an algorithm that silences nothing: JustRL, GRPO);
     advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1.
-    gather: concatenates a 1-D tensor over ranks (train.all_gather_cat), so entropy thresholds are over the whole
+    gather: concatenates a 1-D tensor over ranks (model.all_gather_cat), so entropy thresholds are over the whole
     mini-batch; None: this process holds the whole mini-batch.
     keys (B, T): randmask's random keys (s2t.random_keys of the rows' places in the whole mini-batch); other
     algorithms ignore them.

@@ -9,13 +9,14 @@ Algorithm 1; the recipe of §6), on 1 CPU, 1 GPU or many GPU nodes with the same
     python train.py --plot runs/stapo runs/justrl      # the runs' curves overlaid (plots.py)
 
 Reading order: `train_step` (one RL step, numbered 1-4) and the functions it calls, in the order it calls them;
-`StepLog`, its metrics; `train`, the loop; then the data positions and the rollout engine, `setup`, the
-distributed helpers, and `Config` with the command line (`parse_config`, `main`). The data come from data.py,
-the run folder (checkpoints, logs, resume, stop signals) is run_folder.py.
+`StepLog`, its metrics; `train`, the loop (held-out evaluations, checkpoints, stops, the closing lines); then the
+rollout engine, `setup` and `main`. What a run is told (`Config`, the presets, the flags) is config.py; the data and
+their order come from data.py; the run folder (checkpoints, logs, resume, stop signals) is run_folder.py; the
+distributed helpers (`all_sum`, `gather`, ...) are model.py's.
 
 Deliberate differences from the paper's veRL setup:
 1. Presets: `--preset auto` is `paper` (§6) on CUDA and `cpu` (SmolLM2-135M on built-in sums, minutes)
-   otherwise; a flag given on the command line always wins; each value lives once, in `Config` or `CPU_PRESET`.
+   otherwise; a flag given on the command line always wins (config.py).
 2. pi_old log-probs are recomputed by the training forward (as veRL does), not taken from the sampler (their
    distance is `rollout/logprob_diff`). On policy (one mini-batch per step, JustRL or GRPO, no TIS: `on_policy`)
    the update's own forward gives them, detached, instead of a separate pass (TRL's num_iterations=1).
@@ -35,7 +36,6 @@ Deliberate differences from the paper's veRL setup:
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import random
@@ -43,9 +43,9 @@ import signal
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Literal, NamedTuple
+from typing import Callable, NamedTuple
 
 # A stop signal that comes while the modules below load (seconds on a busy machine) waits, blocked, until main's
 # run_folder.Preemption takes it over; without this it killed the run (exit 143, no stopped.json).
@@ -61,23 +61,25 @@ import torch  # noqa: E402 - after MKL_CBWR
 import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-import cli  # noqa: E402
+import config  # noqa: E402
 import plots  # noqa: E402
 import reward  # noqa: E402
 import rollout  # noqa: E402
 import run_folder  # noqa: E402
 import s2t  # noqa: E402
 import stapo  # noqa: E402
-from data import load_rows, problem_seed, repeated_note  # noqa: E402
-from model import (Policy, TokenStats, from_rank0, init_distributed, kv_cache_bytes, lm_vocab_size,  # noqa: E402
-                   load_model, memory_estimate, memory_line, shard_policy)
+from data import load_rows, problem_seed, prompt_indices, rank_slice, repeated_note  # noqa: E402
+from model import (Policy, TokenStats, all_gather_cat, all_max, all_sum, from_rank0, gather,  # noqa: E402
+                   init_distributed, keep_freed_memory, kv_cache_bytes, lm_vocab_size, load_model, memory_estimate,
+                   memory_line, shard_policy)
+from run_folder import plural, read_log, say  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------- the step
 @dataclass
 class Run:
     """A run's state between steps (`setup` makes it): the configuration, the process, the models, the data."""
-    cfg: Config
+    cfg: config.Config
     rank: int
     world: int
     device: torch.device
@@ -122,11 +124,11 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
     advantages = stapo.group_advantages(rewards, G).to(device)  # (B,)
     adv = advantages[:, None].expand_as(batch.logprobs)  # (B, T): every token of y_i gets A_i
     # 3. pi_old: log-probs, entropy and collision of the policy before the step's updates (difference 2): one
-    #    no-grad pass, or None on policy, where the first update's own forward returns them.
+    #    no-grad pass, or None on policy, where each mini-batch's update gives them (`pi_old`).
     old = None if on_policy(cfg) else token_stats(policy, batch, cfg, device)  # TokenStats of (B, T) each
     ref_logprobs = token_stats(run.ref_policy, batch, cfg, device).logprobs if run.ref_policy else None
-    log = StepLog(run, step, batch, rewards, advantages, time.time() - t0)
-    log.samples = completions(run, step, "train", texts, rewards.tolist(), prompt_rows, G)
+    log = StepLog(run, step, batch, rewards, advantages, time.time() - t0,
+                  completions(run, step, "train", texts, rewards.tolist(), prompt_rows, G))
 
     # 4. Mini-batch updates, each with the token weights of its own p and H (paper Algorithm 1).
     t0 = time.time()
@@ -134,33 +136,30 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
     rows_per_mb = cfg.mini_batch_prompts // run.world * G  # this rank's rows of one mini-batch
     for k, first in enumerate(range(0, len(batch), rows_per_mb)):
         rows = slice(first, first + rows_per_mb)
-        mb = MiniBatch(batch.select(rows), adv[rows], None if old is None else old.logprobs[rows],
+        mb = MiniBatch(batch.select(rows), adv[rows], None if old is None else old.rows(rows),
                        None if ref_logprobs is None else ref_logprobs[rows], rewards[rows] > 0)
-        # p, H (and collision) of the current policy: pi_old's before the first update (on policy: not yet known)
-        if k > 0:
-            current = token_stats(policy, mb.rollout, cfg, device)
-        else:
-            current = None if old is None else old.rows(rows)
+        # p, H (and collision) of the current policy: pi_old's before the first update (on policy: not needed for
+        # the weights, and known from the update's own forward)
+        before = mb.old if k == 0 else token_stats(policy, mb.rollout, cfg, device)
         # The algorithm's token weights I_it (S2T: the mask, tau_h over the whole mini-batch) and the global N.
-        p, H = (None, None) if current is None else (current.logprobs, current.entropy)  # None: not needed
+        p, H = (None, None) if before is None else (before.logprobs, before.entropy)  # None: not needed
         keys = random_keys(run, step, k, mb) if stapo.ALGORITHMS[cfg.algo].silence == "random" else None  # (b, T)
         weights = stapo.token_weights(cfg.algo, p, H, mb.advantages, mb.mask, cfg.tau_p, cfg.quantile,
                                       gather=all_gather_cat, keys=keys)
         denominator, nonzero = all_sum(weights.denominator, ((mb.advantages != 0) & (weights.weights > 0)).sum())
         loss_weights = weights.weights  # (b, T)
         if cfg.tis_cap is not None:  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
-            loss_weights = loss_weights * stapo.tis_weight(mb.old_logprobs, mb.rollout.logprobs, cfg.tis_cap)
+            loss_weights = loss_weights * stapo.tis_weight(mb.old.logprobs, mb.rollout.logprobs, cfg.tis_cap)
         skip = nonzero == 0 and run.ref_policy is None  # all-zero advantages, no KL term: no update (diff. 6)
         run.optimizer.zero_grad(set_to_none=True)
         update = None if skip else accumulate_gradients(run, mb, loss_weights, denominator)
-        if current is None:  # on policy: pi_old is the update's own forward, detached (a pass if it made none)
-            current = update.forward if update else token_stats(policy, mb.rollout, cfg, device)
-            old = current
-        log.s2t(k, mb, current, weights)
+        old_rows = pi_old(run, mb, update)  # (b, T) each
+        current = old_rows if before is None else before  # what the mask saw (on policy: pi_old)
+        log.s2t(k, mb, current, old_rows, weights)
         if on_mask:
             on_mask(k, mb, current, weights)
         if skip:
-            log.counts["skipped/zero_adv"] += 1
+            log.skipped("zero_adv")
             continue
         log.add(update.sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
@@ -168,7 +167,7 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
         if not math.isfinite(grad_norm):  # the norm is global, so every rank skips together
             warnings.warn(f"step {step} mini-batch {k}: non-finite gradient norm, update skipped")
             run.optimizer.zero_grad(set_to_none=True)
-            log.counts["skipped/nonfinite"] += 1
+            log.skipped("nonfinite")
             continue
         run.optimizer.step()
         run.scheduler.step()
@@ -176,7 +175,6 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
         if cfg.entropy_change:  # what the update did to the entropy of the mini-batch's positions, per kind
             log.entropy_change(k, mb, current, token_stats(policy, mb.rollout, cfg, device).entropy, weights)
     run.optimizer.zero_grad(set_to_none=True)
-    log.pi_old(batch, old)
     return log.close(time.time() - t0)
 
 
@@ -189,7 +187,7 @@ def random_keys(run: Run, step: int, k: int, mb: MiniBatch) -> torch.Tensor:
     return s2t.random_keys(hash((run.cfg.seed, step, k)) % 2**62, rows, run.cfg.max_response_len)[:, :T]
 
 
-def on_policy(cfg: Config) -> bool:
+def on_policy(cfg: config.Config) -> bool:
     """Whether the update's own forward stands in for the pi_old pass: one mini-batch per step (the policy has
     not moved when that forward runs, so pi_old = its log-probs, detached: ratio 1), weights that need no p or H
     before it (JustRL, GRPO) and no TIS (which weighs by pi_old before the loss)."""
@@ -219,7 +217,7 @@ class MiniBatch:
     """This rank's rows of one mini-batch and what their update reads."""
     rollout: rollout.Rollout
     advantages: torch.Tensor  # (b, T): A_i on every token of y_i
-    old_logprobs: torch.Tensor | None  # (b, T) pi_old; None on policy (the update's own forward gives it)
+    old: TokenStats | None  # pi_old's p, H and collision, (b, T) each; None on policy (the update's forward: `pi_old`)
     ref_logprobs: torch.Tensor | None  # (b, T) GRPO's reference model with --kl-beta > 0, else None
     correct: torch.Tensor  # (b,) bool: a positive reward
 
@@ -240,16 +238,16 @@ def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor, denomin
     """The gradient of one mini-batch's objective J (paper Eq. 3, stapo.policy_loss) accumulated over token-budget
     micro-batches, no optimizer step: sum_micro sum_ranks (world * loss_part) / world = J's gradient, however the
     rows are grouped. weights (b, T): the token weights I_it; denominator: the global N."""
-    cfg, device = run.cfg, run.device
-    sums = dict.fromkeys(("computed_tokens", "attention_cells", "real_tokens", "loss_tokens", *CLIP_STATS), 0.0)
+    cfg, device, clip = run.cfg, run.device, stapo.clip_range(run.cfg.algo, run.cfg.clip_low, run.cfg.clip_high)
+    sums = dict.fromkeys(("computed_tokens", "attention_cells", "real_tokens", "loss_tokens", *stapo.CLIP_STATS),
+                         0.0)
     micro = mb.rollout.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max)  # same count on every rank
     for rows in micro:  # tokens the backbone runs (a shared prompt once), cells attention lays out
         computed, cells = mb.rollout.select(rows).packed_sizes()
         sums["computed_tokens"] += computed
         sums["attention_cells"] += cells
     sums["real_tokens"] += mb.rollout.lengths().sum().item()
-    forward = None if mb.old_logprobs is not None else TokenStats(*(torch.zeros_like(mb.rollout.logprobs)
-                                                                     for _ in range(3)))
+    forward = None if mb.old is not None else TokenStats(*(torch.zeros_like(mb.rollout.logprobs) for _ in range(3)))
     loss_sum = kl_sum = 0.0
     for rows in micro:
         new = policy_forward(run.policy, mb.rollout.select(rows), cfg, device)  # TokenStats, each (b', T')
@@ -257,9 +255,9 @@ def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor, denomin
         if forward is not None:  # on policy: pi_old is this forward's log-probs, detached (ratio 1)
             for whole, piece in zip(forward, new):
                 whole[cut] = piece.detach()
-        old = mb.old_logprobs if forward is None else forward.logprobs
+        old = mb.old.logprobs if forward is None else forward.logprobs
         loss, stats = stapo.policy_loss(new.logprobs, old[cut].to(device), mb.advantages[cut].to(device),
-                                        weights[cut].to(device), *clip_range(cfg), cfg.dual_clip, denominator)
+                                        weights[cut].to(device), *clip, cfg.dual_clip, denominator)
         if mb.ref_logprobs is not None:  # GRPO with --kl-beta > 0: + beta * sum(I * k3) / N
             kl = (weights[cut].to(device) * stapo.kl_k3(new.logprobs, mb.ref_logprobs[cut].to(device))).sum()
             kl = kl / max(denominator, 1.0)
@@ -269,21 +267,20 @@ def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor, denomin
         loss_sum += loss.item()
         tokens = stats["loss/tokens"].item()
         sums["loss_tokens"] += tokens
-        for key in CLIP_STATS:
+        for key in stapo.CLIP_STATS:
             sums[key] += stats[key].item() * tokens if key in stats else 0.0  # token-weighted means
     return Update(loss_sum, kl_sum, sums, forward)
 
 
-CLIP_STATS = ("clip/frac_low", "clip/frac_high", "clip/frac_dual", "ratio/mean", "kl/approx")  # policy_loss's
+def pi_old(run: Run, mb: MiniBatch, update: Update | None) -> TokenStats:
+    """pi_old's p, H and collision on the mini-batch's rows, (b, T) each (difference 2): the step's pass before its
+    updates (`mb.old`), or on policy the update's own forward, detached (a pass of its own where it made none)."""
+    if mb.old is not None:
+        return mb.old
+    return update.forward if update else token_stats(run.policy, mb.rollout, run.cfg, run.device)
 
 
-def clip_range(cfg: Config) -> tuple[float, float]:
-    """(eps_low, eps_high): --clip-low / --clip-high, or the algorithm's (stapo.ALGORITHMS)."""
-    low, high = stapo.ALGORITHMS[cfg.algo].clip
-    return low if cfg.clip_low is None else cfg.clip_low, high if cfg.clip_high is None else cfg.clip_high
-
-
-def policy_forward(policy, rows: rollout.Rollout, cfg: Config, device) -> TokenStats:
+def policy_forward(policy, rows: rollout.Rollout, cfg: config.Config, device) -> TokenStats:
     """p, H and collision of `policy` on `rows`, each (B, T') with T' <= T: all-padding prompt columns (left) and
     response columns (right) are dropped first."""
     P = rows.prompt_ids.shape[1]
@@ -294,7 +291,7 @@ def policy_forward(policy, rows: rollout.Rollout, cfg: Config, device) -> TokenS
                   chunk_size=cfg.chunk_size)
 
 
-def token_stats(policy, batch: rollout.Rollout, cfg: Config, device) -> TokenStats:
+def token_stats(policy, batch: rollout.Rollout, cfg: config.Config, device) -> TokenStats:
     """p, H and collision of the current policy, each (B, T) of the rollout's T on `device`, micro-batch by
     micro-batch without gradients."""
     whole = TokenStats(*(torch.zeros(batch.response_ids.shape, device=device) for _ in range(3)))
@@ -310,22 +307,12 @@ CELLS = tuple(f"{kind}_{part}" for kind in s2t.TOKEN_KINDS for part in s2t.PARTS
 
 
 def graded_tokens(batch: rollout.Rollout, tokenizer, mode: str) -> torch.Tensor:
-    """(B, T) bool: each response's graded part (`graded_count`), the rest of it being the text after the answer."""
+    """(B, T) bool: each response's graded part (reward.graded_count), the rest of it being the text after the
+    answer."""
     graded = torch.zeros(batch.response_ids.shape, dtype=torch.bool)
     for i, (ids, mask) in enumerate(zip(batch.response_ids, batch.response_mask)):
-        graded[i, :graded_count(tokenizer, ids[mask.bool()].tolist(), mode)] = True
+        graded[i, :reward.graded_count(tokenizer, ids[mask.bool()].tolist(), mode)] = True
     return graded
-
-
-def graded_count(tokenizer, ids: list[int], mode: str) -> int:
-    """How many leading tokens of a response (ids) hold the characters the reward reads (reward.graded_chars): the
-    fewest whose decoded text has them, by bisection on the decoded length of the response's prefixes."""
-    chars = reward.graded_chars(tokenizer.decode(ids, skip_special_tokens=True), mode)
-    lo, hi = 0, len(ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= chars else (mid + 1, hi)
-    return lo
 
 
 class StepLog:
@@ -333,15 +320,16 @@ class StepLog:
     `close`, into the metrics.jsonl line (docs/outputs.md, Metrics glossary), and the step's spurious.jsonl,
     samples.jsonl and tokens.jsonl records."""
 
-    def __init__(self, run: Run, step: int, batch: rollout.Rollout, rewards, advantages, t_rollout: float):
-        self.run, self.step, self.t_rollout = run, step, t_rollout
+    def __init__(self, run: Run, step: int, batch: rollout.Rollout, rewards, advantages, t_rollout: float,
+                 samples: list[dict]):
+        self.run, self.step, self.batch, self.t_rollout = run, step, batch, t_rollout
         mask = batch.response_mask.float()  # (B, T)
         self.sums = {"reward": rewards.sum(), "correct": (rewards > 0).sum(),  # a positive reward is correct
                      "seqs": len(batch), "tokens": mask.sum(), "truncated": batch.truncated.sum(),
                      "zero_adv": (advantages == 0).sum()}
-        self.sums |= dict.fromkeys(["entropy", "logprob_diff", "s2t/candidates", "s2t/silenced", "kept",
+        self.sums |= dict.fromkeys(["entropy", "logprob_diff", "candidates", "silenced", "kept",
                                     "silenced_p", "silenced_h", "gn_silenced", "gn_kept", "loss/policy", "loss/kl",
-                                    "loss_tokens", *CLIP_STATS, "computed_tokens", "attention_cells",
+                                    "loss_tokens", *stapo.CLIP_STATS, "computed_tokens", "attention_cells",
                                     "real_tokens"], 0.0)
         self.sums |= dict.fromkeys([f"entropy_change/{kind}_{x}" for kind in ENTROPY_KINDS for x in ("sum", "n")],
                                    0.0)
@@ -352,27 +340,27 @@ class StepLog:
             self.graded = graded_tokens(batch, run.tokenizer, run.cfg.reward)
             self.sums |= dict.fromkeys([f"shares/{x}_{cell}" for x in ("grad", "n", "dH", "dHn") for cell in CELLS],
                                        0.0)
-        self.spurious, self.samples, self.tokens = [], [], []
+        self.old_logprobs, self.old_entropy = torch.zeros_like(batch.logprobs), torch.zeros_like(batch.logprobs)
+        self.spurious, self.samples, self.tokens = [], samples, []  # samples: samples.jsonl records (`completions`)
 
-    def s2t(self, k: int, mb: MiniBatch, current: TokenStats, weights: stapo.TokenWeights) -> None:
-        """What the mask did in mini-batch k, from p, H and pi_old before its update: counts, p, H and closed-form
-        logit-gradient norms (w = r A, 0 where clipped) of silenced vs kept tokens, up to --spurious-per-step
-        spurious.jsonl lines and a tokens.jsonl record."""
+    def s2t(self, k: int, mb: MiniBatch, current: TokenStats, old: TokenStats, weights: stapo.TokenWeights) -> None:
+        """What the mask did in mini-batch k, from p, H of the policy it saw (current) and pi_old (old, `pi_old`):
+        counts, p, H and closed-form logit-gradient norms (w = r A, 0 where clipped) of silenced vs kept tokens, up
+        to --spurious-per-step spurious.jsonl lines and a tokens.jsonl record; pi_old's entropy and its distance
+        from the sampler over the rows (summed in `close`)."""
         cfg, tokenizer, ids = self.run.cfg, self.run.tokenizer, mb.rollout.response_ids
-        old = current.logprobs if mb.old_logprobs is None else mb.old_logprobs
-        w = stapo.surrogate_weight(current.logprobs, old, mb.advantages, *clip_range(cfg), cfg.dual_clip)  # (b, T)
-        diag = s2t.diagnostics(current, mb.advantages, mb.mask, weights.silenced, cfg.tau_p, w=w)
+        first = k * len(mb.rollout)  # the rows of mini-batch k in the step's batch
+        self.old_logprobs[first:first + len(mb.rollout)] = old.logprobs
+        self.old_entropy[first:first + len(mb.rollout)] = old.entropy
+        w = stapo.surrogate_weight(current.logprobs, old.logprobs, mb.advantages,  # (b, T)
+                                   *stapo.clip_range(cfg.algo, cfg.clip_low, cfg.clip_high), cfg.dual_clip)
+        g = s2t.grad_norm_logits(w, current.logprobs, current.collision)  # (b, T)
+        diag = s2t.diagnostics(current, mb.advantages, mb.mask, weights.silenced, cfg.tau_p, grad_norm=g)
         if self.graded is not None:  # the closed-form logit-gradient norm per kind of token and part of the response
-            g = s2t.grad_norm_logits(w, current.logprobs, current.collision)  # (b, T)
             for cell, sel in self.cells(k, mb, current).items():
                 self.sums[f"shares/grad_{cell}"] += g[sel].sum().item()
                 self.sums[f"shares/n_{cell}"] += sel.sum().item()
-        n_sil, n_kept = diag["s2t/silenced"], mb.mask.sum().item() - diag["s2t/silenced"]
-        for key, value in [("s2t/candidates", diag["s2t/candidates"]), ("s2t/silenced", n_sil), ("kept", n_kept),
-                           ("silenced_p", n_sil * diag["s2t/silenced_p_mean"]),
-                           ("silenced_h", n_sil * diag["s2t/silenced_h_mean"]),
-                           ("gn_silenced", n_sil * diag["s2t/grad_norm_silenced"]),
-                           ("gn_kept", n_kept * diag["s2t/grad_norm_kept"])]:
+        for key, value in diag.items():  # sums and counts, divided in `close`
             self.sums[key] += value
         left = max(cfg.spurious_per_step - len(self.spurious), 0)
         self.spurious += [{"step": self.step, "mini_batch": k, "token": tokenizer.decode([int(ids[i, t])]),
@@ -384,12 +372,16 @@ class StepLog:
             gen = torch.Generator().manual_seed(hash((cfg.seed, self.step - 1, k, self.run.rank)) % 2**62)
             sampled = s2t.token_sample(current, mb.advantages, mb.mask, weights.silenced, cfg.token_sample, gen,
                                      cfg.tau_p, w)
-            self.tokens.append(token_record(self.step, k, weights.threshold, sampled, mb.correct))
+            self.tokens.append(s2t.token_record(self.step, k, weights.threshold, sampled, mb.correct))
 
     def add(self, sums: dict) -> None:
         """Token counts and clip statistics of a mini-batch's forward (accumulate_gradients)."""
         for key, value in sums.items():
             self.sums[key] += value
+
+    def skipped(self, why: str) -> None:
+        """A mini-batch made no optimizer step: why is "zero_adv" or "nonfinite" (skipped/* in metrics.jsonl)."""
+        self.counts[f"skipped/{why}"] += 1
 
     def updated(self, grad_norm: float, update: Update) -> None:
         """An optimizer step was made: its gradient norm and this rank's losses."""
@@ -417,14 +409,11 @@ class StepLog:
         graded = self.graded[k * b:(k + 1) * b].to(mb.mask.device)  # (b, T)
         return s2t.token_cells(current.logprobs, mb.advantages, mb.mask, graded, self.run.cfg.tau_p)
 
-    def pi_old(self, batch: rollout.Rollout, old: TokenStats) -> None:
-        """pi_old's entropy and its distance from the sampler's log-probs, over the step's tokens (each (B, T))."""
-        mask = batch.response_mask.float()  # (B, T)
-        self.sums["entropy"] += (old.entropy * mask).sum()
-        self.sums["logprob_diff"] += ((old.logprobs - batch.logprobs).abs() * mask).sum()
-
     def close(self, t_update: float) -> StepResult:
         """The step's metrics.jsonl line from the sums of all ranks, and its other records."""
+        mask = self.batch.response_mask.float()  # (B, T) pi_old's entropy and distance from the sampler, all rows
+        self.sums["entropy"] += (self.old_entropy * mask).sum()
+        self.sums["logprob_diff"] += ((self.old_logprobs - self.batch.logprobs).abs() * mask).sum()
         tot = dict(zip(self.sums, all_sum(*self.sums.values())))
         counts, updates = self.counts, self.counts["updates"]
 
@@ -432,14 +421,14 @@ class StepLog:
             return tot[key] / max(n, 1)
 
         n_seq, n_tok, n_loss = tot["seqs"], tot["tokens"], tot["loss_tokens"]
-        n_sil, n_kept, t_rollout = tot["s2t/silenced"], tot["kept"], self.t_rollout
+        n_sil, n_kept, t_rollout = tot["silenced"], tot["kept"], self.t_rollout
         metrics = {
             "step": self.step, "reward/mean": mean("reward", n_seq), "reward/acc": mean("correct", n_seq),
             "response/len_mean": mean("tokens", n_seq), "response/truncated_frac": mean("truncated", n_seq),
             "entropy/mean": mean("entropy", n_tok), "rollout/logprob_diff": mean("logprob_diff", n_tok),
             "adv/zero_frac": mean("zero_adv", n_seq),
-            "s2t/candidates": tot["s2t/candidates"], "s2t/silenced": n_sil,
-            "s2t/silenced_frac": mean("s2t/silenced", n_sil + n_kept),
+            "s2t/candidates": tot["candidates"], "s2t/silenced": n_sil,
+            "s2t/silenced_frac": mean("silenced", n_sil + n_kept),
             "s2t/silenced_p_mean": mean("silenced_p", n_sil), "s2t/silenced_h_mean": mean("silenced_h", n_sil),
             "s2t/grad_norm_silenced": mean("gn_silenced", n_sil), "s2t/grad_norm_kept": mean("gn_kept", n_kept),
             "loss/policy": mean("loss/policy", updates), "loss/kl": mean("loss/kl", updates),
@@ -475,24 +464,13 @@ def completions(run: Run, step: int, split: str, texts: list[str], rewards: list
             for j, r in enumerate(prompt_rows[:run.cfg.samples_per_step])]
 
 
-def token_record(step: int, k: int, threshold: float | None, sampled: dict, correct: torch.Tensor) -> dict:
-    """One line of tokens.jsonl: the tokens `s2t.token_sample` drew from mini-batch k of step `step`, as columns
-    (floats to 4 significant digits); `correct` (b,) bool per response of the mini-batch."""
-    rows = sampled["row"]
-    return {"step": step, "mini_batch": k, "tau_h": threshold,
-            **{key: [float(f"{v:.4g}") for v in sampled[key].tolist()] for key in ("p", "H", "A", "grad_norm",
-                                                                                 "weight")},
-            "correct": correct.cpu()[rows].int().tolist(), "candidate": sampled["candidate"].int().tolist(),
-            "silenced": sampled["silenced"].int().tolist()}
-
-
 # ------------------------------------------------------------------------------------------------- the loop
 def train(run: Run) -> int:
     """The training loop: steps, their logs, evaluations, checkpoints, the export. Returns the exit status: 0, or
     run_folder.STOPPED when a stop signal ended the run early (with a checkpoint). Step N (from 1) is the same N
     in the console, every log (eval.jsonl: evaluated after N steps, 0 = before training) and checkpoint/step_N."""
     cfg, start = run.cfg, run.start
-    evaluated = {r["step"] for r in run_folder.read_log(Path(cfg.out_dir) / "eval.jsonl")[0]}
+    evaluated = {r["step"] for r in read_log(Path(cfg.out_dir) / "eval.jsonl")}
     stopped = eval_due(run, start) and start not in evaluated and not run_eval(run, start)  # a resume's due one
     where = f"in the evaluation after {plural(start, 'step')} (it runs again on resume)"  # where a stop came
     saved = done = start  # the steps of the last checkpoint (a new run has none: 0), the steps done
@@ -506,17 +484,18 @@ def train(run: Run) -> int:
                 stopped, where = True, f"in step {step}'s rollout (the step is dropped)"
                 break
             done = step
-            write(run, {"spurious.jsonl": gather(result.spurious)[:cfg.spurious_per_step],
-                        "samples.jsonl": gather(result.samples)[:cfg.samples_per_step],
-                        "tokens.jsonl": ranks_joined(gather([result.tokens])),
-                        "metrics.jsonl": [result.metrics]})
+            records = {"spurious.jsonl": gather(result.spurious)[:cfg.spurious_per_step],
+                       "samples.jsonl": gather(result.samples)[:cfg.samples_per_step],
+                       "tokens.jsonl": s2t.ranks_joined(gather([result.tokens])), "metrics.jsonl": [result.metrics]}
+            run_folder.write_logs(Path(cfg.out_dir), records, run.rank, run.logger)  # and to --logger
             bar.set_postfix({"train_acc": f"{result.metrics['reward/acc']:.2f}",  # silenced: tokens, as at the end
                              "H": f"{result.metrics['entropy/mean']:.2f}",
                              "silenced": int(result.metrics["s2t/silenced"])}, refresh=False)
             bar.update()
             if step == cfg.steps:
                 bar.close()  # the final bar once, above the closing lines
-            warn_if_no_gradient(run, result.metrics)
+            if zero := plots.zero_gradient(result.metrics, cfg.group_size):  # every group had equal rewards
+                say(zero, run.rank, warning=True)
             stopped, where = run.preemption.agreed(), f"in step {step} (its updates finished)"  # one all-reduce
             if not stopped and eval_due(run, step) and not run_eval(run, step):
                 stopped, where = True, f"in the evaluation after {plural(step, 'step')} (it runs again on resume)"
@@ -526,38 +505,6 @@ def train(run: Run) -> int:
         return stop(run, done, saved, where)
     finish(run)
     return 0
-
-
-def write(run: Run, records: dict[str, list[dict]]) -> None:
-    """Append records to the run folder's logs ({file name: lines}; rank 0 writes, a full disk stops every rank)
-    and pass metrics.jsonl and eval.jsonl lines to --logger."""
-    run_folder.write_logs(Path(run.cfg.out_dir), records, run.rank)
-    for name in ("eval.jsonl", "metrics.jsonl"):
-        for record in records.get(name, []) if run.logger else []:
-            run.logger.log(record)
-
-
-def ranks_joined(parts: list[list[dict]]) -> list[dict]:
-    """tokens.jsonl: one line per mini-batch, the columns of every rank's record of it concatenated."""
-    return [{key: sum((r[key] for r in same), []) if isinstance(same[0][key], list) else value
-             for key, value in same[0].items()} for same in zip(*parts)]
-
-
-def say(run: Run, message: str, warning: bool = False) -> None:
-    """A line on rank 0's console, above the progress bar (warnings on stderr)."""
-    if run.rank == 0:
-        tqdm.write(f"train.py: warning: {message}" if warning else message, file=sys.stderr if warning else None)
-
-
-def warn_if_no_gradient(run: Run, metrics: dict) -> None:
-    """Every group of the step had equal rewards: the policy gradient was zero; say why and what helps."""
-    if metrics["adv/zero_frac"] == 1.0:
-        acc, step = metrics["reward/acc"], metrics["step"]
-        no_update = " and no update was made" if metrics["updates"] == 0 else ""
-        say(run, f"step {step}: every response was right, so the policy gradient is zero{no_update}; use harder "
-            f"data" if acc == 1 else f"step {step}: in every group the {run.cfg.group_size} responses had equal "
-            f"rewards (train_acc {acc:.2f}), so the policy gradient is zero{no_update}; use easier data, a larger "
-            f"--group-size or a higher --temperature", warning=True)
 
 
 def eval_due(run: Run, done: int) -> bool:
@@ -574,11 +521,12 @@ def run_eval(run: Run, done: int) -> bool:
     result, samples = evaluate(run, done)
     if result is None:
         return False
-    write(run, {"eval.jsonl": [{"step": done, **result}],
-                "samples.jsonl": gather(samples)[:run.cfg.samples_per_step]})
+    run_folder.write_logs(Path(run.cfg.out_dir), {"eval.jsonl": [{"step": done, **result}],
+                                                  "samples.jsonl": gather(samples)[:run.cfg.samples_per_step]},
+                          run.rank, run.logger)
     when = f"after {plural(done, 'step')}" if done else "before training"
-    say(run, f"held-out accuracy {when}: {result['eval/acc']:.4f} = {100 * result['eval/acc']:.2f}% as eval.py "
-        f"reports it ({int(result['eval/n'])} samples)")
+    say(f"held-out accuracy {when}: {result['eval/acc']:.4f} = {100 * result['eval/acc']:.2f}% as eval.py "
+        f"reports it ({int(result['eval/n'])} samples)", run.rank)
     return True
 
 
@@ -615,8 +563,7 @@ def checkpoint(run: Run, done: int) -> int:
     """Write the checkpoint after `done` steps (every rank; run_folder.save_checkpoint); returns `done`."""
     cfg = run.cfg
     run_folder.save_checkpoint(Path(cfg.out_dir), done, run.policy, run.optimizer, run.scheduler,
-                               run_folder.recipe(asdict(cfg)), cfg.save_optimizer, cfg.keep_checkpoints, run.rank,
-                               run.world)
+                               run_folder.recipe(asdict(cfg)), run.rank, run.world)
     return done
 
 
@@ -628,41 +575,10 @@ def stop(run: Run, done: int, saved: int, where: str) -> int:
         try:
             saved = checkpoint(run, done)
         except run_folder.RunError as e:
-            run_folder.say(str(e), run.rank, warning=True)
+            say(str(e), run.rank, warning=True)
     if run.rank == 0 and run.logger:
         run.logger.close()
-    return stopped(run.cfg, run.rank, run.preemption, saved, where, done)
-
-
-def stopped(cfg: Config, rank: int, preemption: run_folder.Preemption, saved: int, where: str,
-            done: int | None = None) -> int:
-    """OUT/stopped.json and the one line of a run stopped by a signal after `done` steps (default: `saved`), with the
-    checkpoint of `saved` steps (0: none); returns run_folder.STOPPED."""
-    done = saved if done is None else done
-    if rank == 0:
-        run_folder.write_stopped(Path(cfg.out_dir), preemption.signal, saved or None)
-    kept = (f"checkpoint/step_{saved} is kept; the same command with --resume auto (or python train.py --resume "
-            f"{cfg.out_dir}) continues the run" if saved else
-            "nothing to keep; the same command with --resume auto (or --overwrite) starts it again")
-    run_folder.say(f"stopped by {preemption.signal} {where}, {plural(done, 'step')} of {cfg.steps} done, "
-                   f"{time.monotonic() - preemption.received:.1f} s after the signal: {kept}", rank)
-    return run_folder.STOPPED
-
-
-def leave_at_deadline(cfg: Config, rank: int, preemption: run_folder.Preemption) -> None:
-    """--stop-deadline-s passed since a stop signal and the ranks have not stopped together: leave now (the watchdog
-    thread of run_folder.Preemption), with stopped.json (rank 0) naming the newest complete checkpoint, one line on
-    every rank (the frozen one may be rank 0), exit status run_folder.STOPPED."""
-    out, kept = Path(cfg.out_dir), run_folder.complete_steps(Path(cfg.out_dir))
-    if rank == 0:
-        run_folder.write_stopped(out, preemption.signal or "a stop signal", kept[0] if kept else None)
-    then = (f"checkpoint/step_{kept[0]} is kept; the same command with --resume auto continues from it" if kept else
-            "no checkpoint was kept; the same command with --resume auto starts the run again")
-    print(f"train.py: warning: rank {rank}: {preemption.signal or 'a stop signal'} came {cfg.stop_deadline_s:g} s ago "
-          f"(--stop-deadline-s) and the ranks have not stopped together (a rank frozen, or its network down?): leaving "
-          f"without a checkpoint of this stop; {then}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(run_folder.STOPPED)
+    return run_folder.stopped(run.cfg.out_dir, run.cfg.steps, run.rank, run.preemption, saved, where, done)
 
 
 def finish(run: Run) -> None:
@@ -678,94 +594,39 @@ def finish(run: Run) -> None:
     if cfg.plots:
         plots.figures([str(out)], str(out / "metrics.png"))
     shown = [n for n in ("spurious.jsonl", "s2t.png", "gradient.png") if (out / n).exists()]
-    steps = plots.read_log(out / "metrics.jsonl")  # resumed steps included
-    say(run, silenced_summary(cfg.algo, steps, shown))
+    steps = read_log(out / "metrics.jsonl")  # resumed steps included
+    say(plots.silenced_summary(cfg.algo, steps, shown), run.rank)
     if plots.correlation_line(str(out)):  # RQ1: the gradient norm against p and H (gradient.png)
-        say(run, plots.correlation_line(str(out)))
-    diverged = divergence(steps)
+        say(plots.correlation_line(str(out)), run.rank)
+    diverged = plots.divergence(steps)
     if diverged:
-        say(run, diverged + "; lower --lr (or raise --warmup-steps)", warning=True)
+        say(diverged + "; lower --lr (or raise --warmup-steps)", run.rank, warning=True)
     made = [name for name in run_folder.RUN_FILES if (out / name).is_file() and name != "stopped.json"]
-    if not plots.read_log(out / "eval.jsonl"):  # no accuracy before and after: say why and how to get it
-        say(run, "no held-out evaluation: " + ("--eval-samples 0" if not cfg.eval_samples else
-            f"no held-out rows (--heldout N keeps N rows of {cfg.data} out of training)"))
+    if not read_log(out / "eval.jsonl"):  # no accuracy before and after: say why and how to get it
+        say("no held-out evaluation: " + ("--eval-samples 0" if not cfg.eval_samples else
+            f"no held-out rows (--heldout N keeps N rows of {cfg.data} out of training)"), run.rank)
     kept = run_folder.complete_steps(out)
     made += [f"checkpoint/step_{kept[0]}"] if kept else []
     made += [f"hf/ (python eval.py --run {out})"] if cfg.export_hf else []
-    say(run, f"outputs in {out}/: {', '.join(made)}; " + (f"{diverged}; " if diverged else "")
-        + f"continue with python train.py --resume {out} --steps N")
+    say(f"outputs in {out}/: {', '.join(made)}; " + (f"{diverged}; " if diverged else "")
+        + f"continue with python train.py --resume {out} --steps N", run.rank)
 
 
-def silenced_summary(algo: str, steps: list[dict], files: list[str]) -> str:
-    """The console line that counts what the mask silenced over a run (its metrics.jsonl lines)."""
-    silenced = [int(m.get("s2t/silenced", 0)) for m in steps]
-    candidates = sum(int(m.get("s2t/candidates", 0)) for m in steps)
-    return (f"{algo} silenced {sum(silenced)} tokens in {sum(n > 0 for n in silenced)} of {len(steps)} steps; S2T "
-            f"candidates (A > 0, p < tau_p): {candidates} (metrics.jsonl s2t/*{'; see ' if files else ''}"
-            f"{', '.join(files)})")
-
-
-def divergence(steps: list[dict]) -> str:
-    """'' or the sentence that says which steps (metrics.jsonl lines) skipped an update for a non-finite gradient."""
-    bad = [m["step"] for m in steps if m.get("skipped/nonfinite", 0) > 0]
-    if not bad:
-        return ""
-    no_update = [m["step"] for m in steps if m.get("skipped/nonfinite", 0) > 0 and m.get("updates", 0) == 0]
-    return (f"the run diverged: the gradient norm was not finite in {plural(len(bad), 'step')} of {len(steps)} "
-            f"({_step_list(bad)}), {len(no_update)} of them made no update at all")
-
-
-def _step_list(numbers: list[int]) -> str:
-    """[2, 3, 4, 7] -> 'steps 2-4, 7'."""
-    runs, start = [], None
-    for i, n in enumerate(numbers):
-        start = n if start is None else start
-        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
-            runs.append(f"{start}-{n}" if n > start else f"{n}")
-            start = None
-    return ("steps " if len(numbers) > 1 else "step ") + ", ".join(runs)
-
-
-def plural(n: int, noun: str) -> str:
-    """'1 step', '3 steps'."""
-    return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
-
-# ------------------------------------------------ data positions and the rollout engine
-def prompt_indices(position: int, n_rows: int, cfg: Config) -> list[int]:
-    """Training rows of the --prompts-per-step prompts of the step after `position` steps (all ranks): a fresh
-    permutation of the rows every epoch."""
-    perms, out = {}, []
-    for pos in range(position * cfg.prompts_per_step, (position + 1) * cfg.prompts_per_step):
-        epoch, i = divmod(pos, n_rows)
-        if epoch not in perms:
-            perms[epoch] = torch.randperm(n_rows, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
-        out.append(int(perms[epoch][i]))
-    return out
-
-
-def rank_slice(n: int, cfg: Config, rank: int, world: int) -> list[int]:
-    """Positions (0..n-1 in the step's prompt list) this rank handles: the rank-th slice of every mini-batch, so a
-    mini-batch is the same set of prompts for any number of ranks (difference 4)."""
-    m = cfg.mini_batch_prompts // world
-    return [k * cfg.mini_batch_prompts + rank * m + j for k in range(n // cfg.mini_batch_prompts) for j in range(m)]
-
-
-def prompts_per_call(cfg: Config, n: int, lm_config, dtype_bytes: int) -> int:
+# ------------------------------------------------------------------------------------------- the rollout engine
+def prompts_per_call(cfg: config.Config, n: int, lm_config, dtype_bytes: int) -> int:
     """Prompts per generate call for n prompts on a rank: --rollout-chunk, or the most whose worst-case KV cache
     (G rows x (max prompt + response) tokens each) fits --kv-cache-gb."""
     per_prompt = kv_cache_bytes(lm_config, cfg.group_size, cfg.max_prompt_len + cfg.max_response_len, dtype_bytes)
     return min(n, cfg.rollout_chunk or max(1, int(cfg.kv_cache_gb * 1e9 // per_prompt)))
 
 
-def compute_dtype(cfg: Config, device) -> torch.dtype:
+def compute_dtype(cfg: config.Config, device) -> torch.dtype:
     """FSDP2's compute dtype (bf16 with mixed precision on CUDA, else fp32): the sampler's weights and KV cache, and
     the exported model's."""
     return torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision else torch.float32
 
 
-def rollout_engine(cfg: Config, lm, tokenizer, prompts: list[list[int]], rank: int, world: int, device,
+def rollout_engine(cfg: config.Config, lm, tokenizer, prompts: list[list[int]], rank: int, world: int, device,
                    stop=None):
     """The --rollout engine (rollout.make_engine), made once (vllm: on every rank at the same time), sized for the
     longest of `prompts`; prints its KV-cache budget. stop: the plain sampler's early end (a stop signal)."""
@@ -784,9 +645,8 @@ def rollout_engine(cfg: Config, lm, tokenizer, prompts: list[list[int]], rank: i
                                captured=cfg.cuda_graphs and device.type == "cuda")
 
 
-
 # ------------------------------------------------------------------------------------------------- setup
-def read_inputs(cfg: Config, world: int) -> tuple[list[dict], list[dict]]:
+def read_inputs(cfg: config.Config, world: int) -> tuple[list[dict], list[dict]]:
     """The checks that need neither the model nor the run folder, made first (every rank): the number of processes,
     the logger, the data -> (training rows, held-out rows) of data.load_rows."""
     if cfg.prompts_per_step % world or cfg.mini_batch_prompts % world:
@@ -800,14 +660,14 @@ def read_inputs(cfg: Config, world: int) -> tuple[list[dict], list[dict]]:
     return train_rows, test_rows
 
 
-def too_few(cfg: Config, n_rows: int) -> None:
+def too_few(cfg: config.Config, n_rows: int) -> None:
     """A step takes each training problem at most once: refuse --prompts-per-step above the problems there are."""
     if cfg.prompts_per_step > n_rows:
         raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is more than the {n_rows} training problems of "
                          f"{cfg.data or 'the built-in task'} (a step takes each at most once): lower it")
 
 
-def setup(cfg: Config, rows: tuple[list[dict], list[dict]], rank: int, world: int, device,
+def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, world: int, device,
           checkpoint: Path | None, preemption: run_folder.Preemption) -> Run:
     """The model, its sharding, the optimizer, the rollout engine, and the checkpoint a resume continues from."""
     if device.type == "cpu":
@@ -824,18 +684,11 @@ def setup(cfg: Config, rows: tuple[list[dict], list[dict]], rank: int, world: in
     lm, tokenizer = load()
     if cfg.chat and not tokenizer.chat_template:
         raise ValueError(f"the tokenizer of {cfg.model!r} has no chat template; use --no-chat")
-    # A token spells at most `longest` characters, so a problem longer than max_prompt_len x longest characters has
-    # more tokens than max_prompt_len: dropped before it is tokenized (a 20 MB row took 11 GB and 74 s to tokenize).
-    longest = max(map(len, tokenizer.get_vocab()))
-
-    def fitting(rows):  # rows whose prompt fits --max-prompt-len, their prompts, how many did not (difference 7)
-        short = [r for r in rows if len(r["problem"]) <= cfg.max_prompt_len * longest]
-        prompts = [rollout.format_prompt(tokenizer, r["problem"], cfg.chat, cfg.instruction) for r in short]
-        keep = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_len]
-        return [short[i] for i in keep], [prompts[i] for i in keep], len(rows) - len(keep)
-
-    train_rows, train_prompts, dropped = fitting(train_rows)
-    test_rows, test_prompts, dropped_test = fitting(test_rows)
+    # the rows whose prompt fits --max-prompt-len, their prompts, how many did not (difference 7)
+    train_rows, train_prompts, dropped = rollout.fitting_prompts(tokenizer, train_rows, cfg.chat, cfg.instruction,
+                                                                 cfg.max_prompt_len)
+    test_rows, test_prompts, dropped_test = rollout.fitting_prompts(tokenizer, test_rows, cfg.chat, cfg.instruction,
+                                                                    cfg.max_prompt_len)
     if not train_prompts:
         raise ValueError(f"every prompt of {cfg.data or 'the built-in task'} is longer than --max-prompt-len")
     too_few(cfg, len(train_prompts))
@@ -875,345 +728,15 @@ def setup(cfg: Config, rows: tuple[list[dict], list[dict]], rank: int, world: in
     if checkpoint is not None:  # any number of ranks: DCP reshards (run_folder.load_checkpoint)
         state = run_folder.load_checkpoint(checkpoint, policy, optimizer, scheduler)
         start = state["step"]
-        run_folder.say(f"resuming from {checkpoint} at step {start + 1} ({plural(start, 'step')} done)", rank)
+        say(f"resuming from {checkpoint} at step {start + 1} ({plural(start, 'step')} done)", rank)
         if not state["optimizer"]:
-            run_folder.say(f"{checkpoint} holds weights only (--no-save-optimizer): AdamW restarts from zero moments, "
-                           f"so the resumed run differs from an uninterrupted one", rank, warning=True)
+            say(f"{checkpoint} holds weights only (--no-save-optimizer): AdamW restarts from zero moments, "
+                f"so the resumed run differs from an uninterrupted one", rank, warning=True)
     engine = rollout_engine(cfg, lm, tokenizer, train_prompts + test_prompts, rank, world, device,
                             preemption.requested)  # the plain sampler stops at a signal
     logger = run_folder.open_logger(cfg.logger, Path(cfg.out_dir), asdict(cfg)) if rank == 0 else None
     return Run(cfg, rank, world, device, policy, ref_policy, tokenizer, optimizer, scheduler, engine, train_rows,
                train_prompts, test_rows, test_prompts, preemption, logger, start)
-
-
-def keep_freed_memory() -> None:
-    """Training on the CPU: keep freed memory in the process. glibc's malloc returns every freed block over 32 MB
-    to the OS, so each micro-batch's activations and (V, D) gradients fault their pages in again (zeroed by the
-    kernel): ~25-35% of the CPU default's update (docs/performance.md). No mmap'd blocks and no trimming keep them
-    for reuse, as the jemalloc / tcmalloc setups recommended for PyTorch on CPUs do; the resident memory then stays
-    at the run's peak. A no-op without glibc."""
-    import ctypes
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
-    mallopt(M_MMAP_MAX, 0)  # every block from the heap, none mmap'd (and unmapped at its free)
-    mallopt(M_TRIM_THRESHOLD, -1)  # (size_t) -1: never give the heap's free top back
-
-
-# ------------------------------------------------------------------------------------------- distributed
-def all_sum(*values: float) -> list[float]:
-    """Sum python floats over ranks (one all-reduce)."""
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-def all_max(value: int) -> int:
-    """The largest of one integer over ranks (the micro-batch count every rank makes)."""
-    t = torch.tensor([value], dtype=torch.long)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t)
-
-
-def all_gather_cat(values: torch.Tensor) -> torch.Tensor:
-    """Concatenate 1-D tensors of different lengths from all ranks (pad to the longest, all-gather, trim)."""
-    world, values = dist.get_world_size(), values.detach().float().cpu()
-    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([values.numel()]))
-    longest = int(max(sizes))
-    parts = [torch.zeros(longest) for _ in range(world)]
-    dist.all_gather(parts, torch.nn.functional.pad(values, (0, longest - values.numel())))
-    return torch.cat([p[:int(s)] for p, s in zip(parts, sizes)])
-
-
-def gather(records: list) -> list:
-    """Every rank's list, concatenated in rank order (on every rank)."""
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, records)
-    return [x for part in parts for x in part]
-
-
-def agree(work, *args):
-    """work(*args) on every rank; a bad input on any rank raises on every rank (naming the rank unless all
-    failed), so that rank 0 prints it once and no rank waits in a collective for one that failed."""
-    try:
-        result, failed = work(*args), None
-    except BAD_INPUT as e:
-        result, failed = None, e
-    failed = run_folder.agreed_failure(failed)
-    if failed:
-        raise ValueError(failed)
-    return result
-
-
-# ---------------------------------------------------------------------------------- configuration and CLI
-@dataclass
-class Config:
-    """RL-train a causal LM with STAPO or a baseline (defaults: with CUDA the paper's recipe, docs/paper.md §6;
-    without CUDA the cpu preset, whose values the flags below name). Or, instead
-    of training: `python train.py --plot RUN [RUN ...] [--out PNG]` redraws the figures of finished runs, overlaid
-    (RUN/metrics.png and RUN/s2t.png for one run, FIRST_RUN/compare.png and compare_s2t.png for several; --out
-    X.png: X.png and X_s2t.png)."""
-    preset: str = "auto"
-    """auto | paper | cpu: auto = paper with CUDA, cpu without; flags given on the command line override it"""
-    model: str = "Qwen/Qwen3-1.7B-Base"
-    """Hub id, local HF dir, .gguf file, 'smollm2' (packaged SmolLM2-135M-Instruct), 'tiny'/'tiny64' (random, tests)"""
-    data: str = "BytedTsinghua-SIA/DAPO-Math-17k"
-    """Hub dataset id or local .jsonl/.json/.parquet file; '' = the built-in arithmetic task"""
-    split: str = "train"
-    """dataset split (Hub ids)"""
-    prompt_key: str = "prompt"
-    """field of the problem text (a dotted path for nested fields; a chat message list uses its last user turn)"""
-    answer_key: str = "reward_model.ground_truth"
-    """field of the gold answer (dotted path); a string or a list of strings"""
-    heldout: int | None = None
-    """rows of --data kept out of training and evaluated before and after it; default (none): a tenth of the rows,
-    at most 20, none below 10 rows (data.heldout_count); 0 = none. The built-in task has its own 20"""
-    instruction: str = rollout.INSTRUCTION
-    """text appended to every problem (default: the paper's \\boxed{} instruction, rollout.INSTRUCTION)"""
-    chat: bool = True
-    """format prompts with the tokenizer's chat template (--no-chat: raw text, e.g. for tiny models)"""
-    algo: str = "stapo"
-    """stapo | justrl | grpo | 20-entropy | fullmask | randmask | highmask (stapo.ALGORITHMS)"""
-    steps: int = 500
-    """rollout steps (each makes prompts_per_step / mini_batch_prompts optimizer steps)"""
-    prompts_per_step: int = 256
-    """prompts per rollout batch, over all ranks"""
-    group_size: int = 8
-    """G: responses sampled per prompt"""
-    mini_batch_prompts: int = 64
-    """prompts per optimizer step, over all ranks"""
-    max_tokens_per_micro_batch: int = 32768
-    """tokens per forward/backward on each rank, counted as its rows' prompt + response tokens (no padding, as
-    verl's dynamic batch size): the rows of a prompt together, a longer row alone, 1 = one row at a time (gradient
-    accumulation: changes memory, not the update)"""
-    lr: float = 1e-6
-    """AdamW learning rate, constant after the warm-up"""
-    warmup_steps: int = 10
-    """optimizer steps of linear learning-rate warm-up"""
-    weight_decay: float = 0.1
-    """AdamW weight decay"""
-    grad_clip: float = 1.0
-    """max global gradient norm"""
-    clip_low: float | None = None
-    """eps_low of the ratio clip; default: the algorithm's (stapo.ALGORITHMS, 0.2)"""
-    clip_high: float | None = None
-    """eps_high of the ratio clip; default: the algorithm's (0.28; GRPO 0.2)"""
-    dual_clip: float | None = 10.0
-    """dual clip constant c > 1 for A < 0 (veRL's clip_ratio_c, 10 in the paper's JustRL scripts); none = off"""
-    tau_p: float = 0.002
-    """S2T probability threshold"""
-    quantile: float = 0.75
-    """S2T entropy quantile q over the candidates of the mini-batch"""
-    kl_beta: float = 0.0
-    """GRPO only: weight of the k3 KL to the initial model (0 = no reference model)"""
-    reward: str = "dapo"
-    """dapo (+1/-1 by reward.grade), binary (1/0), strict (normalized last-box string match), or your own function
-    FILE.py:FUNCTION or MODULE:FUNCTION, called as FUNCTION(response, answer) -> a finite number (reward.py, "your own
-    reward"; examples/reward_last_line.py); a positive reward counts as correct (reward/acc, held-out accuracy)"""
-    max_prompt_len: int = 1024
-    """prompts longer than this (tokens) are dropped"""
-    max_response_len: int = 15360
-    """max new tokens per response"""
-    temperature: float = 1.0
-    """sampling temperature (also divides the logits of the training forward)"""
-    top_p: float = 1.0
-    """nucleus sampling"""
-    rollout: Literal["auto", "plain", "vllm"] = "auto"
-    """auto | plain | vllm: rollout engine (vllm: a colocated vLLM engine fed with the policy's weights;
-    docs/rollouts.md); auto = vllm on CUDA when vllm is installed, else plain (config.json records which)"""
-    kv_cache_gb: float = 40.0
-    """KV-cache budget per rank in GB (worst case: every row at max prompt + response length): bounds the plain
-    sampler's prompts per generate call (--rollout-chunk 0) and is vLLM's KV cache (at most what the rollout needs)"""
-    rollout_chunk: int = 0
-    """prompts per generate call on each rank (0 = the most that fit --kv-cache-gb); 1 makes rollouts independent of
-    the number of ranks"""
-    cuda_graphs: bool = False
-    """--rollout plain on CUDA: decode through one CUDA graph per batch bucket (rollout.CapturedStep); off until a GPU
-    run of `python bench.py gpu` has checked it (docs/gpu.md)"""
-    collective_timeout_min: float = 60.0
-    """minutes a rank waits in a collective for the others before the run fails (ranks whose rollouts are longer
-    finish later; NCCL's default is 10)"""
-    stop_deadline_s: float = 240.0
-    """seconds from a stop signal after which a rank that has not stopped (a frozen rank holds the others) leaves with
-    exit status 75, keeping the last complete checkpoint; under the job's grace period (SLURM
-    --signal=USR1@300: 300), above a checkpoint write; 0 = wait for every rank"""
-    tis_cap: float | None = None
-    """truncated importance sampling: weight tokens by min(pi_old / pi_sampler, cap) (e.g. 2 with --rollout vllm);
-    default off"""
-    chunk_size: int = 1024
-    """tokens per LM-head chunk in the log-prob/entropy pass"""
-    fsdp: bool = False
-    """shard with FSDP2 also on one CPU process (always on with several processes or on CUDA; config.json records
-    whether the model was sharded)"""
-    mixed_precision: bool = True
-    """bf16 compute with fp32 master weights and gradient reduction (CUDA only; config.json records false without
-    CUDA)"""
-    grad_checkpointing: bool = True
-    """recompute each decoder layer's activations in the backward: per token it keeps each layer's input instead of
-    all its activations (Qwen3-1.7B: 13x less activation memory), for ~1/3 more update compute"""
-    eval_every: int = 0
-    """evaluate the held-out problems every N steps (0 = before and after training only, when there are any)"""
-    eval_samples: int = 4
-    """samples per held-out problem (at --temperature); 0 = no held-out evaluation"""
-    entropy_change: bool = False
-    """after each optimizer step, a no-grad forward over the same mini-batch: log the mean entropy change at silenced
-    tokens, kept candidates and other tokens (entropy_change/* in metrics.jsonl; one more forward per update), and
-    the logit-gradient norm, tokens and entropy change per kind of token and part of the response (shares/*)"""
-    spurious_per_step: int = 20
-    """silenced tokens written to OUT/spurious.jsonl per step"""
-    samples_per_step: int = 4
-    """completions (prompt, response, reward) written to OUT/samples.jsonl per step and per held-out evaluation"""
-    token_sample: int = 128
-    """response tokens per mini-batch and rank drawn into OUT/tokens.jsonl for the S2T figure: every candidate and
-    silenced token (at most this many) plus this many others at random (0 = none)"""
-    seed: int = 0
-    """seed of data order, sampling and initialization"""
-    out_dir: str = "out/train"
-    """output folder: config.json, metrics.jsonl, eval.jsonl, samples.jsonl, spurious.jsonl, tokens.jsonl,
-    checkpoint/, hf/, metrics.png, s2t.png"""
-    save_every: int = 50
-    """also write a sharded checkpoint every N steps (0 = only at the last step, which always writes one, so every
-    finished run can be resumed)"""
-    keep_checkpoints: int = 2
-    """complete checkpoints kept (the newest; 2 leaves one to fall back to if the newest is found damaged)"""
-    save_optimizer: bool = True
-    """keep AdamW's moments in checkpoints (--no-save-optimizer: weights only, ~1/3 of the size; a resume then
-    restarts AdamW from zero moments, with a warning)"""
-    resume: str = ""
-    """RUN: continue the run in the folder RUN from its newest verified checkpoint, with its config (only the flags of
-    run_folder.RESUMABLE may change; a change is recorded in RUN/resumes.jsonl); auto: continue the run in --out-dir
-    if it holds a checkpoint, else start it there with the flags given (the same command line for the first attempt
-    and every requeue or restart)"""
-    overwrite: bool = False
-    """replace the run already in --out-dir: its logs, checkpoints and export are deleted when training starts
-    (without it, a folder that holds a run is refused)"""
-    export_hf: bool = True
-    """write a Hugging Face-format model to OUT/hf at the end"""
-    plots: bool = True
-    """write this run's figures OUT/metrics.png, s2t.png and gradient.png at its end (needs matplotlib; --plot RUN
-    [RUN ...], not this flag, redraws and overlays finished runs)"""
-    logger: str = ""
-    """live curves of the metrics.jsonl and eval.jsonl keys: '' (none), tensorboard (OUT/tensorboard; pip install
-    tensorboard) or wandb (pip install wandb; WANDB_MODE=offline works without network)"""
-
-
-# The embedded default for machines without a GPU (`--preset cpu`): SmolLM2-135M-Instruct on builtin_task, sized so
-# `python train.py` (8 min) and `torchrun --standalone --nproc_per_node=2 train.py` (9.5 min) finish in < 15
-# minutes on 2 idle cores, and S2T silences tokens in most steps (docs/training.md).
-CPU_PRESET = dict(
-    model="smollm2", data="", chat=False, instruction="The answer is", temperature=1.0, max_response_len=24,
-    steps=10, prompts_per_step=16, mini_batch_prompts=8, lr=3.5e-6, warmup_steps=0, grad_checkpointing=False,
-    rollout_chunk=0, save_every=0, keep_checkpoints=1, eval_samples=4, out_dir="out/train-cpu",
-)
-
-
-def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, list[str]]:
-    """argv -> (Config, the resumed run's recorded config or None for a new run, warnings for rank 0 to print).
-    Each field is a --flag (cli.parse_flags: underscores -> dashes, the string under it is its --help). Values: the
-    flags given, else (resuming) the run's config.json, else the preset's (CPU_PRESET or Config). Every value is
-    checked here; the run folder is only read (its config.json and which checkpoints it holds)."""
-    given = cli.parse_flags(Config, argv, "train.py", notes={k: f"cpu preset: {v!r}" for k, v in CPU_PRESET.items()},
-                        modes={"plot": plots.PLOT_HELP})  # --plot: main hands over to plots.main before this
-    cuda = torch.cuda.is_available()
-    preset = given.get("preset", "auto")
-    if preset == "auto":
-        preset = "paper" if cuda else "cpu"
-    if preset not in ("paper", "cpu"):
-        raise ValueError(f"unknown --preset {preset!r}; valid: auto, paper, cpu")
-    defaults = CPU_PRESET if preset == "cpu" else {}
-    resume = given.get("resume", "")
-    if resume and given.get("overwrite"):
-        raise ValueError("--overwrite starts a new run in --out-dir; it cannot be combined with --resume")
-    if resume not in ("", "auto"):  # --resume RUN: the run in its own folder
-        if "out_dir" in given and Path(given["out_dir"]) != Path(resume):
-            raise ValueError(f"--resume continues the run in its own folder {resume}; --out-dir cannot move it")
-        given["out_dir"] = resume
-    out = given.get("out_dir", defaults.get("out_dir", Config.out_dir))
-    if not out.strip():  # Path("") is the working directory
-        raise ValueError("--out-dir '' names no folder: give one, e.g. --out-dir out/run")
-    if any(ord(c) < 32 or ord(c) == 127 for c in out):  # a newline would split every console line that names it
-        raise ValueError(f"--out-dir {out!r} holds a control character: name the folder without one")
-    out = Path(out)
-    recorded = None  # --resume RUN, or --resume auto in a folder with a complete checkpoint: the run's recipe
-    if resume and (resume != "auto" or run_folder.complete_steps(out)):
-        recorded = cli.check_values(Config, run_folder.recorded_config(out), str(out / "config.json"))  # hand edits too
-        if not run_folder.complete_steps(out):
-            raise FileNotFoundError(f"{out} has no checkpoint to resume from: the run stopped before its first one "
-                                    f"(written every --save-every steps, at a stop by signal and at the last step); "
-                                    f"start it again with {run_folder.again(out)} (or replace it with --overwrite)")
-    cfg = Config(**({**recorded, **given} if recorded else {**defaults, **given, "preset": preset}))
-    reward.load_reward(cfg.reward)  # an unknown mode or a broken FILE.py:FUNCTION: one line now, not in step 1
-    if cfg.algo not in stapo.ALGORITHMS:
-        raise ValueError(f"unknown --algo {cfg.algo!r}; valid: {', '.join(stapo.ALGORITHMS)}")
-    for name, low in _AT_LEAST.items():
-        if getattr(cfg, name) < low:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(cfg, name)})")
-    if cfg.temperature <= 0:
-        raise ValueError("--temperature must be > 0 (the training forward divides the logits by it)")
-    for name, ok, rule in (("top_p", 0 < cfg.top_p <= 1, "in (0, 1]"), ("tau_p", 0 < cfg.tau_p <= 1, "in (0, 1]"),
-                           ("quantile", 0 <= cfg.quantile <= 1, "in [0, 1]"), ("grad_clip", cfg.grad_clip > 0, "> 0"),
-                           ("dual_clip", cfg.dual_clip is None or cfg.dual_clip > 1, "> 1"),
-                           ("kv_cache_gb", cfg.kv_cache_gb > 0, "> 0"),
-                           ("heldout", cfg.heldout is None or cfg.heldout >= 0, ">= 0"),
-                           ("collective_timeout_min", cfg.collective_timeout_min > 0, "> 0"),
-                           ("tis_cap", cfg.tis_cap is None or cfg.tis_cap > 0, "> 0")):
-        if not ok:
-            raise ValueError(f"--{name.replace('_', '-')} must be {rule} (got {getattr(cfg, name)})")
-    if cfg.prompts_per_step % cfg.mini_batch_prompts:
-        raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is not a multiple of --mini-batch-prompts "
-                         f"{cfg.mini_batch_prompts}")
-    for f in fields(Config):  # a float flag must be a finite float32 (AdamW computes in float32: --lr 1e39 overflows)
-        value = getattr(cfg, f.name)
-        if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= torch.finfo(torch.float32).max):
-            raise ValueError(f"--{f.name.replace('_', '-')} {value} is not a finite float32")
-    # torchrun's env:// contract: WORLD_SIZE is set before the process group exists
-    cfg, notes = in_effect(cfg, given, cuda, int(os.environ.get("WORLD_SIZE", 1)))
-    if recorded:
-        run_folder.resume_changes(recorded, asdict(cfg))  # raises for a change of recipe
-    try:  # rank 0 writes into it; every rank writes its checkpoint shards
-        cli.check_writable("--out-dir", out)
-    except OSError:
-        if not (recorded and run_folder.finished_read_only(out, asdict(cfg))):
-            raise
-    return cfg, recorded, notes
-
-
-# Lower bounds of the integer (and a few float) flags, checked before anything loads.
-_AT_LEAST = dict(steps=1, prompts_per_step=1, group_size=2, mini_batch_prompts=1, max_tokens_per_micro_batch=1,
-                 lr=0, warmup_steps=0, weight_decay=0, kl_beta=0, max_prompt_len=1, max_response_len=1, rollout_chunk=0,
-                 chunk_size=1, eval_every=0, eval_samples=0, spurious_per_step=0, samples_per_step=0,
-                 save_every=0, keep_checkpoints=1)
-
-
-def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> tuple[Config, list[str]]:
-    """The config the run actually uses, which config.json records, and the lines for rank 0 to print: a warning for
-    each flag given on the command line that has no effect on this machine or with these settings (stored as in
-    effect), a note where --rollout auto could not choose vLLM on CUDA."""
-    notes, rollout_engine = [], cfg.rollout
-    if cfg.rollout == "auto":  # vLLM where it pays (CUDA) and is installed
-        rollout_engine = "vllm" if cuda and importlib.util.find_spec("vllm") is not None else "plain"
-        if cuda and rollout_engine == "plain":
-            notes.append("note: --rollout auto samples with the plain sampler, since vllm is not installed (pip "
-                         "install vllm==0.32.0: far faster at the paper's lengths; docs/rollouts.md)")
-    effective = {"rollout": rollout_engine,
-                 "fsdp": cfg.fsdp or world > 1 or cuda, "mixed_precision": cfg.mixed_precision and cuda,
-                 "kl_beta": cfg.kl_beta if cfg.algo == "grpo" else 0.0, "heldout": cfg.heldout if cfg.data else 0,
-                 "eval_every": cfg.eval_every if (not cfg.data or cfg.heldout != 0) and cfg.eval_samples else 0}
-    why = {"mixed_precision": "without CUDA (compute is fp32)", "kl_beta": f"with --algo {cfg.algo} (GRPO only)",
-           "heldout": "with the built-in task (it has its own 20 held-out problems)",
-           "eval_every": "without a held-out evaluation (--heldout 0 or --eval-samples 0)"}
-    for name, reason in why.items():
-        if name in given and given[name] != effective[name]:
-            notes.append(f"warning: --{name.replace('_', '-')} {given[name]} has no effect {reason}; config.json "
-                         f"records {name} = {effective[name]!r}")
-    return replace(cfg, **effective), notes
-
-
-# one line and exit status 2: bad inputs, a full disk, a folder in use, an error raised by your --reward function
-BAD_INPUT = (FileNotFoundError, ValueError, KeyError, ImportError, OSError, run_folder.RunError, reward.RewardError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1226,25 +749,26 @@ def main(argv: list[str] | None = None) -> int:
     run = lock = None
     with run_folder.Preemption() as preemption:  # from here on, SIGTERM / SIGUSR1 stop the run with a checkpoint
         try:
-            cfg, recorded, notes = parse_config(argv)
+            cfg, recorded, notes = config.parse_config(argv)
             rank, world, device = init_distributed(cfg.collective_timeout_min)
             for note in notes if rank == 0 else ():
                 print(f"train.py: {note}", file=sys.stderr, flush=True)
-            rows = agree(read_inputs, cfg, world)  # the inputs before the folder
+            rows = run_folder.agree(read_inputs, cfg, world)  # the inputs before the folder
             opened = run_folder.open_run(asdict(cfg), recorded, rank, world)
             if opened is None:
-                run_folder.say(f"{cfg.out_dir} has done its {plural(cfg.steps, 'step')}" + (
+                say(f"{cfg.out_dir} has done its {plural(cfg.steps, 'step')}" + (
                     " and its export is up to date" if cfg.export_hf else "") + ": nothing to do", rank)
                 return 0
             start, checkpoint_path, lock = opened
             if cfg.stop_deadline_s:
-                preemption.arm(cfg.stop_deadline_s, lambda: leave_at_deadline(cfg, rank, preemption))
+                preemption.arm(cfg.stop_deadline_s, lambda: run_folder.leave_at_deadline(
+                    cfg.out_dir, cfg.stop_deadline_s, rank, preemption))
             if preemption.agreed():  # a stop signal during startup: stop before the model loads
-                return stopped(cfg, rank, preemption, start, "during startup")
+                return run_folder.stopped(cfg.out_dir, cfg.steps, rank, preemption, start, "during startup")
             run = setup(cfg, rows, rank, world, device, checkpoint_path, preemption)
             return train(run)
-        except BAD_INPUT as e:
-            return cli.error("train.py", e, rank)
+        except config.BAD_INPUT as e:
+            return config.error("train.py", e, rank)
         finally:
             if run is not None:
                 run.engine.close()  # the rollout engine; deleting a vLLM engine may already tear down the group
@@ -1252,7 +776,6 @@ def main(argv: list[str] | None = None) -> int:
                 lock.release()
             if dist.is_initialized():
                 dist.destroy_process_group()
-
 
 
 if __name__ == "__main__":

@@ -1,15 +1,15 @@
-"""train.py in a fresh process, as test_stapo.py's multi-process and signal tests run it (`_run`).
+"""train.py in a fresh process, as the multi-process and signal tests run it (conftest.py's `_run`).
 
     python testdata/train_run.py [train.py flags]      # one train.main, on the toy task
     python testdata/train_run.py --runs FILE           # one train.main per argument list of the JSON file FILE,
                                                        # in this process and on one process group
     torchrun --standalone --nproc_per_node=2 testdata/train_run.py [flags]
 
-The toy task (test_stapo.py's `_patch`, here for another process): a tiny random model whose 14-row vocabulary is
+The toy task (conftest.py's `_patch`, here for another process): a tiny random model whose 14-row vocabulary is
 the 4 special tokens and the 10 digits, with a reward on the first character of the response. Environment:
 TOY_REWARD = even (an even digit: about half right, groups of mixed rewards) | answer (the sum) | real (no toy
 task: the model and reward the flags name); TOY_HEAD_DIM = 16 (vLLM's CPU attention needs 64); TOY_HOOK = a JSON
-[name, [args]] of a function of test_stapo.py called before training (a stop signal at a chosen call, a kill
+[name, [args]] of a function of conftest.py called before training (a stop signal at a chosen call, a kill
 inside a checkpoint write, a log of the micro-batch counts).
 """
 import json
@@ -36,10 +36,10 @@ if task != "real":
         train.load_model = lambda name, **kw: (model.tiny_model(vocab_size=VOCAB, head_dim=head_dim),
                                                model.tiny_tokenizer())
 if os.environ.get("TOY_HOOK"):
-    import test_stapo
+    import conftest
 
     name, args = json.loads(os.environ["TOY_HOOK"])
-    getattr(test_stapo, name)(*args)
+    getattr(conftest, name)(*args)
 runs = json.loads(Path(sys.argv[2]).read_text()) if sys.argv[1:2] == ["--runs"] else [sys.argv[1:]]
 if len(runs) > 1:  # one process group for every run: destroying and re-creating it between runs can hang gloo
     group = train.init_distributed()

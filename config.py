@@ -1,0 +1,490 @@
+"""What a run is told: train.py's configuration and the command line of train.py, eval.py and counterfactual.py
+(docs/paper.md §6, the recipe; docs/training.md). Each script has one `@dataclass Config` whose fields (with the
+string under each as its --help) become the flags; `--config FILE` is a base layer; every bad input is one line.
+
+    cfg, recorded, notes = parse_config(argv)      # train.py: flags, preset, a resumed run's config.json, checked
+    given = parse_flags(Config, argv, "train.py")   # {field: value} of the flags given (and of --config FILE)
+    values = check_values(Config, recorded, "runs/x/config.json")   # a file's values checked against the fields
+
+Deliberate choices:
+1. Presets: train.py's `--preset auto` is `paper` (§6) on CUDA and `cpu` (SmolLM2-135M on built-in sums, minutes)
+   otherwise; a flag given on the command line always wins; each value lives once, in `Config` or `CPU_PRESET`.
+2. Only the flags given are returned (`parse_flags`): each script layers them over its own defaults (a preset, a
+   run's config.json), so "a flag given always wins" has one meaning.
+3. A value from a file converts nothing: "0.001" is not a number and true is not an integer (verl's and TRL's
+   YAML recipes are read the same way, with YAML 1.2's numbers).
+4. Every bad input is one line `PROG: error: ...` and exit status 2 (`BAD_INPUT`, `error`), never a traceback.
+5. config.json records the values in effect (`in_effect`): a flag that has no effect on this machine or with these
+   settings is stored as in effect, with a warning.
+
+No torch at import (parse_config imports torch and the files whose rules it checks, stapo.py, reward.py,
+run_folder.py, when it runs), so that `eval.py --help` answers at once; train.py is never imported: tools that need
+a Config import this file.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import sys
+import tempfile
+import textwrap
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Callable, Literal
+
+from data import INSTRUCTION, describe
+
+
+class InputError(Exception):
+    """A failure the user can act on, told in one line with exit status 2 (`BAD_INPUT`): run_folder.RunError (a full
+    disk, a folder in use, no usable checkpoint), reward.RewardError (an error raised by your --reward function)."""
+
+
+# What bad inputs raise: one line `PROG: error: ...` and exit status 2 (`error`); also a full disk, a folder in use.
+BAD_INPUT = (FileNotFoundError, ValueError, KeyError, ImportError, OSError, InputError)
+
+
+def one_line(e: BaseException) -> str:
+    """An error as one line: its message's first line (an OSError's reason without "[Errno N]"), or its type."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror + (f": {e.filename}" if e.filename else "")
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def check_writable(flag: str, folder: str | Path) -> None:
+    """Raise OSError in one line (naming `flag`) when files cannot be made in `folder`, or where it does not exist yet
+    in the nearest folder above it (which would hold it): a read-only mount, no permission, a file in the way. A
+    probe file that leaves nothing behind."""
+    folder = Path(folder)
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise OSError(f"{flag} {folder} cannot be made: {existing} is a file")
+    try:
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise OSError(f"{flag} {folder} cannot be written: {e.strerror or e}") from None
+
+
+def error(prog: str, e: BaseException | str, rank: int = 0) -> int:
+    """A bad input: one line `PROG: error: ...` on stderr (rank 0 only); returns the exit status 2."""
+    if rank == 0:
+        print(f"{prog}: error: {e if isinstance(e, str) else one_line(e)}", file=sys.stderr, flush=True)
+    return 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of the usage block
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_flags(cls, argv: list[str] | None, prog: str, notes: dict[str, str] | None = None,
+                modes: dict[str, str] | None = None) -> dict:
+    """The flags given in argv, as {field: value}, for the dataclass `cls` (absent flags are absent: the caller
+    layers them over its defaults, a preset or a training run's config.json).
+
+    One --flag per field (underscores -> dashes); its --help is the string literal under the field, its default
+    and `notes[field]`. bool -> --flag/--no-flag, list[X] -> one or more X, Literal -> choices, X | None -> X or
+    'none'. `--config FILE` (JSON or YAML, e.g. a run's config.json) gives values as if they were flags, under the
+    flags on the command line (`read_config`). `modes` ({name: help}) lists options the caller handles before
+    parsing (train.py's --plot) in --help. A bad flag or config file prints one line `PROG: error: ...` and exits
+    with status 2."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)}
+    hints = typing.get_type_hints(cls)
+    parser = OneLineParser(prog=prog, description=(cls.__doc__ or "").strip(), argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", metavar="FILE", help="a JSON or YAML file of flag values, each key a flag's name "
+                        "with underscores (--top-p: top_p), e.g. a run's config.json: the base layer under the flags "
+                        "given here, which win")
+    for f in fields(cls):
+        tp = hints[f.name]
+        default = f.default_factory() if f.default is MISSING else f.default
+        note = f" ({notes[f.name]})" if notes and f.name in notes else ""
+        kw = {"help": f"{docs[f.name]} [default: {default!r}{note}]".replace("%", "%%")}
+        optional = isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
+        if optional:  # X | None -> X
+            tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        if tp is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(tp) is list:
+            kw.update(nargs="+", type=typing.get_args(tp)[0])
+        elif typing.get_origin(tp) is Literal:
+            kw.update(choices=typing.get_args(tp), type=str)
+        else:
+            kw["type"] = _or_none(tp) if optional else tp
+        parser.add_argument("--" + f.name.replace("_", "-"), **kw)
+    if modes:
+        group = parser.add_argument_group("other modes")
+        for name, text in modes.items():
+            group.add_argument("--" + name, nargs="+", metavar="RUN", help=text.replace("%", "%%"))
+    given = vars(parser.parse_args(argv))
+    if "config" in given:
+        try:
+            given = {**read_config(cls, given.pop("config")), **given}
+        except ValueError as e:
+            parser.error(str(e))
+    return given
+
+
+def read_config(cls, path: str) -> dict:
+    """The values of a --config FILE for the dataclass `cls`: a JSON object, or a YAML mapping for .yaml / .yml
+    (numbers such as 1e-6 are read as numbers, as JSON and YAML 1.2 read them), checked by `check_values`. A file
+    that is missing or does not parse raises ValueError in one line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--config {path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    if path.endswith((".yaml", ".yml")):
+        import re
+
+        import yaml
+
+        class Loader(yaml.SafeLoader):  # YAML 1.1 reads 1e-6 as text (it wants 1.0e-6); JSON and YAML 1.2 do not
+            pass
+        Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                                     list("-+0123456789."))
+        try:
+            values = yaml.load(text, Loader=Loader)
+        except yaml.YAMLError as e:
+            raise ValueError(f"--config {path}: not YAML ({' '.join(str(e).split())})") from None
+        except RecursionError:
+            raise ValueError(f"--config {path}: nested too deeply to read (about 1,000 levels at most)") from None
+    else:
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config {path}: not JSON ({e}); a .yaml or .yml file is read as YAML") from None
+        except RecursionError:
+            raise ValueError(f"--config {path}: nested too deeply to read (about 1,000 levels at most)") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path}: not a mapping of flag names to values but {describe(values)}")
+    return check_values(cls, values, path)
+
+
+def check_values(cls, values: dict, source: str) -> dict:
+    """`values` ({field name: value}, e.g. a config file's or a run's config.json) checked against the fields of the
+    dataclass `cls`: every key is a field and every value has the field's type (a float field takes an integer, a
+    field of X | None takes null, nothing else converts: "0.001" is not a float, true is not a number). Returns
+    them with integers of float fields as floats; the first wrong key raises ValueError naming `source` and it."""
+    hints, checked = typing.get_type_hints(cls), {}
+    for key, value in values.items():
+        if key not in hints:
+            close = difflib.get_close_matches(str(key), hints, n=1)
+            raise ValueError(f"{source}: unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                             + "; the keys are the flags' names with underscores")
+        ok, wanted, value = _typed(hints[key], value)
+        if not ok:
+            raise ValueError(f"{source}: {key!r} must be {wanted}, not {describe(values[key])}")
+        checked[key] = value
+    return checked
+
+
+def _typed(tp, value) -> tuple[bool, str, object]:
+    """(whether `value` has the type `tp`, the type in words, the value as the field keeps it)."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:  # X | None
+        inner = next(a for a in typing.get_args(tp) if a is not type(None))
+        ok, wanted, value = (True, "", None) if value is None else _typed(inner, value)
+        return ok, f"{wanted} or null", value
+    if typing.get_origin(tp) is Literal:
+        choices = typing.get_args(tp)
+        return value in choices, "one of " + ", ".join(map(repr, choices)), value
+    if typing.get_origin(tp) is list:
+        parts = [_typed(typing.get_args(tp)[0], v) for v in value] if isinstance(value, list) else [(False, "", 0)]
+        wanted = f"a list of {_typed(typing.get_args(tp)[0], None)[1].removeprefix('a ').removeprefix('an ')}s"
+        return all(ok for ok, _, _ in parts), wanted, [v for _, _, v in parts]
+    if tp is bool:
+        return isinstance(value, bool), "true or false", value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), "an integer", value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, "a number", float(value) if ok else value
+    return isinstance(value, tp), "a string" if tp is str else f"a {tp.__name__}", value
+
+
+def _or_none(tp: type) -> Callable[[str], object]:
+    def convert(text: str):
+        return None if text.lower() == "none" else tp(text)
+
+    convert.__name__ = tp.__name__  # argparse names it in "invalid float value: 'x'"
+    return convert
+
+
+# ----------------------------------------------------------------------------------- train.py's configuration
+@dataclass
+class Config:
+    """RL-train a causal LM with STAPO or a baseline (defaults: with CUDA the paper's recipe, docs/paper.md §6;
+    without CUDA the cpu preset, whose values the flags below name). Or, instead
+    of training: `python train.py --plot RUN [RUN ...] [--out PNG]` redraws the figures of finished runs, overlaid
+    (RUN/metrics.png and RUN/s2t.png for one run, FIRST_RUN/compare.png and compare_s2t.png for several; --out
+    X.png: X.png and X_s2t.png)."""
+    preset: str = "auto"
+    """auto | paper | cpu: auto = paper with CUDA, cpu without; flags given on the command line override it"""
+    model: str = "Qwen/Qwen3-1.7B-Base"
+    """Hub id, local HF dir, .gguf file, 'smollm2' (packaged SmolLM2-135M-Instruct), 'tiny'/'tiny64' (random, tests)"""
+    data: str = "BytedTsinghua-SIA/DAPO-Math-17k"
+    """Hub dataset id or local .jsonl/.json/.parquet file; '' = the built-in arithmetic task"""
+    split: str = "train"
+    """dataset split (Hub ids)"""
+    prompt_key: str = "prompt"
+    """field of the problem text (a dotted path for nested fields; a chat message list uses its last user turn)"""
+    answer_key: str = "reward_model.ground_truth"
+    """field of the gold answer (dotted path); a string or a list of strings"""
+    heldout: int | None = None
+    """rows of --data kept out of training and evaluated before and after it; default (none): a tenth of the rows,
+    at most 20, none below 10 rows (data.heldout_count); 0 = none. The built-in task has its own 20"""
+    instruction: str = INSTRUCTION
+    """text appended to every problem (default: the paper's \\boxed{} instruction, rollout.INSTRUCTION)"""
+    chat: bool = True
+    """format prompts with the tokenizer's chat template (--no-chat: raw text, e.g. for tiny models)"""
+    algo: str = "stapo"
+    """stapo | justrl | grpo | 20-entropy | fullmask | randmask | highmask (stapo.ALGORITHMS)"""
+    steps: int = 500
+    """rollout steps (each makes prompts_per_step / mini_batch_prompts optimizer steps)"""
+    prompts_per_step: int = 256
+    """prompts per rollout batch, over all ranks"""
+    group_size: int = 8
+    """G: responses sampled per prompt"""
+    mini_batch_prompts: int = 64
+    """prompts per optimizer step, over all ranks"""
+    max_tokens_per_micro_batch: int = 32768
+    """tokens per forward/backward on each rank, counted as its rows' prompt + response tokens (no padding, as
+    verl's dynamic batch size): the rows of a prompt together, a longer row alone, 1 = one row at a time (gradient
+    accumulation: changes memory, not the update)"""
+    lr: float = 1e-6
+    """AdamW learning rate, constant after the warm-up"""
+    warmup_steps: int = 10
+    """optimizer steps of linear learning-rate warm-up"""
+    weight_decay: float = 0.1
+    """AdamW weight decay"""
+    grad_clip: float = 1.0
+    """max global gradient norm"""
+    clip_low: float | None = None
+    """eps_low of the ratio clip; default: the algorithm's (stapo.ALGORITHMS, 0.2)"""
+    clip_high: float | None = None
+    """eps_high of the ratio clip; default: the algorithm's (0.28; GRPO 0.2)"""
+    dual_clip: float | None = 10.0
+    """dual clip constant c > 1 for A < 0 (veRL's clip_ratio_c, 10 in the paper's JustRL scripts); none = off"""
+    tau_p: float = 0.002
+    """S2T probability threshold"""
+    quantile: float = 0.75
+    """S2T entropy quantile q over the candidates of the mini-batch"""
+    kl_beta: float = 0.0
+    """GRPO only: weight of the k3 KL to the initial model (0 = no reference model)"""
+    reward: str = "dapo"
+    """dapo (+1/-1 by reward.grade), binary (1/0), strict (normalized last-box string match), or your own function
+    FILE.py:FUNCTION or MODULE:FUNCTION, called as FUNCTION(response, answer) -> a finite number (reward.py, "your own
+    reward"; examples/reward_last_line.py); a positive reward counts as correct (reward/acc, held-out accuracy)"""
+    max_prompt_len: int = 1024
+    """prompts longer than this (tokens) are dropped"""
+    max_response_len: int = 15360
+    """max new tokens per response"""
+    temperature: float = 1.0
+    """sampling temperature (also divides the logits of the training forward)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    rollout: Literal["auto", "plain", "vllm"] = "auto"
+    """auto | plain | vllm: rollout engine (vllm: a colocated vLLM engine fed with the policy's weights;
+    docs/rollouts.md); auto = vllm on CUDA when vllm is installed, else plain (config.json records which)"""
+    kv_cache_gb: float = 40.0
+    """KV-cache budget per rank in GB (worst case: every row at max prompt + response length): bounds the plain
+    sampler's prompts per generate call (--rollout-chunk 0) and is vLLM's KV cache (at most what the rollout needs)"""
+    rollout_chunk: int = 0
+    """prompts per generate call on each rank (0 = the most that fit --kv-cache-gb); 1 makes rollouts independent of
+    the number of ranks"""
+    cuda_graphs: bool = False
+    """--rollout plain on CUDA: decode through one CUDA graph per batch bucket (rollout.CapturedStep); off until a GPU
+    run of `python bench.py gpu` has checked it (docs/gpu.md)"""
+    collective_timeout_min: float = 60.0
+    """minutes a rank waits in a collective for the others before the run fails (ranks whose rollouts are longer
+    finish later; NCCL's default is 10)"""
+    stop_deadline_s: float = 240.0
+    """seconds from a stop signal after which a rank that has not stopped (a frozen rank holds the others) leaves with
+    exit status 75, keeping the last complete checkpoint; under the job's grace period (SLURM
+    --signal=USR1@300: 300), above a checkpoint write; 0 = wait for every rank"""
+    tis_cap: float | None = None
+    """truncated importance sampling: weight tokens by min(pi_old / pi_sampler, cap) (e.g. 2 with --rollout vllm);
+    default off"""
+    chunk_size: int = 1024
+    """tokens per LM-head chunk in the log-prob/entropy pass"""
+    fsdp: bool = False
+    """shard with FSDP2 also on one CPU process (always on with several processes or on CUDA; config.json records
+    whether the model was sharded)"""
+    mixed_precision: bool = True
+    """bf16 compute with fp32 master weights and gradient reduction (CUDA only; config.json records false without
+    CUDA)"""
+    grad_checkpointing: bool = True
+    """recompute each decoder layer's activations in the backward: per token it keeps each layer's input instead of
+    all its activations (Qwen3-1.7B: 13x less activation memory), for ~1/3 more update compute"""
+    eval_every: int = 0
+    """evaluate the held-out problems every N steps (0 = before and after training only, when there are any)"""
+    eval_samples: int = 4
+    """samples per held-out problem (at --temperature); 0 = no held-out evaluation"""
+    entropy_change: bool = False
+    """after each optimizer step, a no-grad forward over the same mini-batch: log the mean entropy change at silenced
+    tokens, kept candidates and other tokens (entropy_change/* in metrics.jsonl; one more forward per update), and
+    the logit-gradient norm, tokens and entropy change per kind of token and part of the response (shares/*)"""
+    spurious_per_step: int = 20
+    """silenced tokens written to OUT/spurious.jsonl per step"""
+    samples_per_step: int = 4
+    """completions (prompt, response, reward) written to OUT/samples.jsonl per step and per held-out evaluation"""
+    token_sample: int = 128
+    """response tokens per mini-batch and rank drawn into OUT/tokens.jsonl for the S2T figure: every candidate and
+    silenced token (at most this many) plus this many others at random (0 = none)"""
+    seed: int = 0
+    """seed of data order, sampling and initialization"""
+    out_dir: str = "out/train"
+    """output folder: config.json, metrics.jsonl, eval.jsonl, samples.jsonl, spurious.jsonl, tokens.jsonl,
+    checkpoint/, hf/, metrics.png, s2t.png"""
+    save_every: int = 50
+    """also write a sharded checkpoint every N steps (0 = only at the last step, which always writes one, so every
+    finished run can be resumed)"""
+    keep_checkpoints: int = 2
+    """complete checkpoints kept (the newest; 2 leaves one to fall back to if the newest is found damaged)"""
+    save_optimizer: bool = True
+    """keep AdamW's moments in checkpoints (--no-save-optimizer: weights only, ~1/3 of the size; a resume then
+    restarts AdamW from zero moments, with a warning)"""
+    resume: str = ""
+    """RUN: continue the run in the folder RUN from its newest verified checkpoint, with its config (only the flags of
+    run_folder.RESUMABLE may change; a change is recorded in RUN/resumes.jsonl); auto: continue the run in --out-dir
+    if it holds a checkpoint, else start it there with the flags given (the same command line for the first attempt
+    and every requeue or restart)"""
+    overwrite: bool = False
+    """replace the run already in --out-dir: its logs, checkpoints and export are deleted when training starts
+    (without it, a folder that holds a run is refused)"""
+    export_hf: bool = True
+    """write a Hugging Face-format model to OUT/hf at the end"""
+    plots: bool = True
+    """write this run's figures OUT/metrics.png, s2t.png and gradient.png at its end (needs matplotlib; --plot RUN
+    [RUN ...], not this flag, redraws and overlays finished runs)"""
+    logger: str = ""
+    """live curves of the metrics.jsonl and eval.jsonl keys: '' (none), tensorboard (OUT/tensorboard; pip install
+    tensorboard) or wandb (pip install wandb; WANDB_MODE=offline works without network)"""
+
+
+# The embedded default for machines without a GPU (`--preset cpu`): SmolLM2-135M-Instruct on builtin_task, sized so
+# `python train.py` (2.5 min) and `torchrun --standalone --nproc_per_node=2 train.py` (6 min) finish in < 15
+# minutes on 2 idle cores, and S2T silences tokens in most steps (docs/training.md, Time).
+CPU_PRESET = dict(
+    model="smollm2", data="", chat=False, instruction="The answer is", temperature=1.0, max_response_len=24,
+    steps=10, prompts_per_step=16, mini_batch_prompts=8, lr=3.5e-6, warmup_steps=0, grad_checkpointing=False,
+    rollout_chunk=0, save_every=0, keep_checkpoints=1, eval_samples=4, out_dir="out/train-cpu",
+)
+
+
+def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, list[str]]:
+    """argv -> (Config, the resumed run's recorded config or None for a new run, warnings for rank 0 to print).
+    Each field is a --flag (`parse_flags`: underscores -> dashes, the string under it is its --help). Values: the
+    flags given, else (resuming) the run's config.json, else the preset's (CPU_PRESET or Config). Every value is
+    checked here; the run folder is only read (its config.json and which checkpoints it holds)."""
+    import plots  # these load torch: here, not with this file
+    import reward
+    import run_folder
+    import stapo
+    import torch
+
+    given = parse_flags(Config, argv, "train.py", notes={k: f"cpu preset: {v!r}" for k, v in CPU_PRESET.items()},
+                        modes={"plot": plots.PLOT_HELP})  # --plot: main hands over to plots.main before this
+    cuda = torch.cuda.is_available()
+    preset = given.get("preset", "auto")
+    if preset == "auto":
+        preset = "paper" if cuda else "cpu"
+    if preset not in ("paper", "cpu"):
+        raise ValueError(f"unknown --preset {preset!r}; valid: auto, paper, cpu")
+    defaults = CPU_PRESET if preset == "cpu" else {}
+    resume = given.get("resume", "")
+    if resume and given.get("overwrite"):
+        raise ValueError("--overwrite starts a new run in --out-dir; it cannot be combined with --resume")
+    if resume not in ("", "auto"):  # --resume RUN: the run in its own folder
+        if "out_dir" in given and Path(given["out_dir"]) != Path(resume):
+            raise ValueError(f"--resume continues the run in its own folder {resume}; --out-dir cannot move it")
+        given["out_dir"] = resume
+    out = given.get("out_dir", defaults.get("out_dir", Config.out_dir))
+    if not out.strip():  # Path("") is the working directory
+        raise ValueError("--out-dir '' names no folder: give one, e.g. --out-dir out/run")
+    if any(ord(c) < 32 or ord(c) == 127 for c in out):  # a newline would split every console line that names it
+        raise ValueError(f"--out-dir {out!r} holds a control character: name the folder without one")
+    out = Path(out)
+    recorded = None  # --resume RUN, or --resume auto in a folder with a complete checkpoint: the run's recipe
+    if resume and (resume != "auto" or run_folder.complete_steps(out)):
+        recorded = check_values(Config, run_folder.recorded_config(out), str(out / "config.json"))  # hand edits too
+        if not run_folder.complete_steps(out):
+            raise FileNotFoundError(f"{out} has no checkpoint to resume from: the run stopped before its first one "
+                                    f"(written every --save-every steps, at a stop by signal and at the last step); "
+                                    f"start it again with {run_folder.again(out)} (or replace it with --overwrite)")
+    cfg = Config(**({**recorded, **given} if recorded else {**defaults, **given, "preset": preset}))
+    reward.load_reward(cfg.reward)  # an unknown mode or a broken FILE.py:FUNCTION: one line now, not in step 1
+    stapo.algorithm(cfg.algo)  # an unknown --algo: one line naming the valid ones
+    for name, low in _AT_LEAST.items():
+        if getattr(cfg, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low} (got {getattr(cfg, name)})")
+    if cfg.temperature <= 0:
+        raise ValueError("--temperature must be > 0 (the training forward divides the logits by it)")
+    for name, ok, rule in (("top_p", 0 < cfg.top_p <= 1, "in (0, 1]"), ("tau_p", 0 < cfg.tau_p <= 1, "in (0, 1]"),
+                           ("quantile", 0 <= cfg.quantile <= 1, "in [0, 1]"), ("grad_clip", cfg.grad_clip > 0, "> 0"),
+                           ("dual_clip", cfg.dual_clip is None or cfg.dual_clip > 1, "> 1"),
+                           ("kv_cache_gb", cfg.kv_cache_gb > 0, "> 0"),
+                           ("heldout", cfg.heldout is None or cfg.heldout >= 0, ">= 0"),
+                           ("collective_timeout_min", cfg.collective_timeout_min > 0, "> 0"),
+                           ("tis_cap", cfg.tis_cap is None or cfg.tis_cap > 0, "> 0")):
+        if not ok:
+            raise ValueError(f"--{name.replace('_', '-')} must be {rule} (got {getattr(cfg, name)})")
+    if cfg.prompts_per_step % cfg.mini_batch_prompts:
+        raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is not a multiple of --mini-batch-prompts "
+                         f"{cfg.mini_batch_prompts}")
+    for f in fields(Config):  # a float flag must be a finite float32 (AdamW computes in float32: --lr 1e39 overflows)
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= torch.finfo(torch.float32).max):
+            raise ValueError(f"--{f.name.replace('_', '-')} {value} is not a finite float32")
+    # torchrun's env:// contract: WORLD_SIZE is set before the process group exists
+    cfg, notes = in_effect(cfg, given, cuda, int(os.environ.get("WORLD_SIZE", 1)))
+    if recorded:
+        run_folder.resume_changes(recorded, asdict(cfg))  # raises for a change of recipe
+    try:  # rank 0 writes into it; every rank writes its checkpoint shards
+        check_writable("--out-dir", out)
+    except OSError:
+        if not (recorded and run_folder.finished_read_only(out, asdict(cfg))):
+            raise
+    return cfg, recorded, notes
+
+
+# Lower bounds of the integer (and a few float) flags, checked before anything loads.
+_AT_LEAST = dict(steps=1, prompts_per_step=1, group_size=2, mini_batch_prompts=1, max_tokens_per_micro_batch=1,
+                 lr=0, warmup_steps=0, weight_decay=0, kl_beta=0, max_prompt_len=1, max_response_len=1, rollout_chunk=0,
+                 chunk_size=1, eval_every=0, eval_samples=0, spurious_per_step=0, samples_per_step=0,
+                 save_every=0, keep_checkpoints=1)
+
+
+def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> tuple[Config, list[str]]:
+    """The config the run actually uses, which config.json records, and the lines for rank 0 to print: a warning for
+    each flag given on the command line that has no effect on this machine or with these settings (stored as in
+    effect), a note where --rollout auto could not choose vLLM on CUDA."""
+    notes, rollout_engine = [], cfg.rollout
+    if cfg.rollout == "auto":  # vLLM where it pays (CUDA) and is installed
+        rollout_engine = "vllm" if cuda and importlib.util.find_spec("vllm") is not None else "plain"
+        if cuda and rollout_engine == "plain":
+            notes.append("note: --rollout auto samples with the plain sampler, since vllm is not installed (pip "
+                         "install vllm==0.32.0: far faster at the paper's lengths; docs/rollouts.md)")
+    effective = {"rollout": rollout_engine,
+                 "fsdp": cfg.fsdp or world > 1 or cuda, "mixed_precision": cfg.mixed_precision and cuda,
+                 "kl_beta": cfg.kl_beta if cfg.algo == "grpo" else 0.0, "heldout": cfg.heldout if cfg.data else 0,
+                 "eval_every": cfg.eval_every if (not cfg.data or cfg.heldout != 0) and cfg.eval_samples else 0}
+    why = {"mixed_precision": "without CUDA (compute is fp32)", "kl_beta": f"with --algo {cfg.algo} (GRPO only)",
+           "heldout": "with the built-in task (it has its own 20 held-out problems)",
+           "eval_every": "without a held-out evaluation (--heldout 0 or --eval-samples 0)"}
+    for name, reason in why.items():
+        if name in given and given[name] != effective[name]:
+            notes.append(f"warning: --{name.replace('_', '-')} {given[name]} has no effect {reason}; config.json "
+                         f"records {name} = {effective[name]!r}")
+    return replace(cfg, **effective), notes
+
+

@@ -1,0 +1,513 @@
+"""reward.py: answer extraction and grading, hostile inputs, your own reward function, the graded characters and
+tokens.
+"""
+import ast
+import json
+import os
+import textwrap
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import eval as ev
+import model
+import reward
+import train
+from model import tiny_model, tiny_tokenizer
+from rollout import Rollout
+
+from conftest import (ROOT, TESTDATA, _TOY_VOCAB, _metrics, _one_line_error, _one_thread, _reward_jsonl, _toy_args,
+                      _toy_data)
+
+
+# ==================================================================================================================
+# reward.py: answer extraction and grading
+# ==================================================================================================================
+def _reward_last_box(text):
+    """A deliberately separate brace matcher for the test's own gold mapping."""
+    i = text.rfind("\\boxed")
+    j, depth = text.index("{", i), 0
+    for k in range(j, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[k], 0)
+        if depth == 0:
+            return text[j + 1 : k]
+
+
+def test_reward_grader_cases_agreement():
+    """testdata/grader_cases.jsonl: the project's own cases, labelled by mathematical truth; every one must agree."""
+    per, wrong = defaultdict(lambda: [0, 0, 0]), []  # category -> [agree, total, false positives]
+    for row in _reward_jsonl(TESTDATA / "grader_cases.jsonl"):
+        if row["ambiguous"]:
+            continue
+        got = reward.grade(row["response"], row["gold"])
+        stats = per[row["category"]]
+        stats[0] += got == row["correct"]
+        stats[1] += 1
+        stats[2] += got and not row["correct"]
+        wrong += [] if got == row["correct"] else [row["id"]]
+    agree, total, fp = (sum(s[i] for s in per.values()) for i in range(3))
+    print("\n| category | agree | n | false positives |\n|---|---|---|---|")
+    for cat, (a, n, f) in sorted(per.items()):
+        print(f"| {cat} | {a / n:.0%} | {n} | {f} |")
+    print(f"| **all** | **{agree / total:.1%}** | {total} | {fp} |")
+    assert total >= 150 and len(per) >= 25 and not wrong, wrong
+
+
+def _reward_benchmark_golds():
+    """(benchmark, prediction, gold) for every row of every benchmark file, with a minimal local field mapping."""
+    bench = TESTDATA / "benchmarks"
+    for name in ("aime24", "aime25"):
+        for row in _reward_jsonl(bench / f"{name}.jsonl"):
+            yield name, row["answer"], row["answer"]
+            yield name, str(int(row["answer"])), row["answer"]  # 033 -> 33
+    for row in _reward_jsonl(bench / "amc23.jsonl"):
+        gold = str(row["answer"])
+        yield "amc23", gold, gold
+        if float(gold).is_integer():
+            yield "amc23", str(int(float(gold))), gold  # 27.0 -> 27
+    for row in _reward_jsonl(bench / "math500.jsonl"):
+        yield "math500", row["answer"], row["answer"]
+    for row in _reward_jsonl(bench / "minerva_math.jsonl"):
+        yield "minerva_math", _reward_last_box(row["solution"]), _reward_last_box(row["solution"])
+    for row in _reward_jsonl(bench / "olympiadbench.jsonl"):
+        yield "olympiadbench", ", ".join(row["final_answer"]), row["final_answer"]
+    for row in _reward_jsonl(bench / "gsm8k.jsonl"):
+        gold = row["answer"].split("####")[-1].strip()
+        yield "gsm8k", gold, gold
+        yield "gsm8k", gold.replace(",", ""), gold  # 1,234 -> 1234
+        yield "gsm8k", gold.replace(",", ""), row["answer"]  # the whole solution as gold
+
+
+def test_reward_benchmark_golds_grade_themselves():
+    rows, failed = defaultdict(int), defaultdict(list)
+    for name, pred, gold in _reward_benchmark_golds():
+        rows[name] += 1
+        if not reward.grade(f"So the answer is $\\boxed{{{pred}}}$.", gold):
+            failed[name].append((pred, gold))
+    print("\n" + ", ".join(f"{name}: {len(failed[name])}/{n} fail" for name, n in rows.items()))
+    assert len(rows) == 7 and not any(failed.values()), {k: v[:5] for k, v in failed.items() if v}
+
+
+_REWARD_HOSTILE = {
+    "code injection": "\\boxed{__import__('os').system('touch X')}",
+    "power tower": "\\boxed{9^{9^{9^{9}}}}",
+    "huge factorial": "\\boxed{100000!}",
+    "nested braces": "\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}",
+    "nested parentheses": "\\boxed{" + "(" * 10_000 + "1" + ")" * 10_000 + "}",
+    "1 MB response": "x = 1 + 1. " * 100_000 + "\\boxed{5}",
+    "unclosed boxes": "\\boxed{" * 50_000,
+    "regex backtracking": "a" * 100_000 + "!",
+    "unit-word backtracking": "\\boxed{1 " + "a" * 5_000 + "!}",
+    "huge exponent": "\\boxed{e^{e^{e^{e^{10}}}}}",
+    "huge trig argument": "\\boxed{\\sin(10^{10^{4}})}",
+    "symbolic tower": "\\boxed{x^{x^{x^{x}}}}",
+    "long sum": "\\boxed{" + "2^{60000}+" * 300 + "1}",
+    "many digits": "\\boxed{" + "9" * 100_000 + "}",
+    "nested wrappers": "\\boxed{" + "\\mathbf{" * 3_000 + "5" + "}" * 3_000 + "}",
+}
+
+
+@pytest.mark.parametrize("name", _REWARD_HOSTILE)
+def test_reward_hostile_input_is_fast_and_harmless(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    response = _REWARD_HOSTILE[name]
+    for gold in ("5", "0", "x", ["1", "2"]):
+        start = time.monotonic()
+        assert reward.grade(response, gold) is (name == "1 MB response" and gold == "5")
+        assert time.monotonic() - start < reward.TIMEOUT_S + _GRADE_MARGIN_S
+        assert reward.reward(response, gold, mode="strict") in (1.0, -1.0)
+    assert not (tmp_path / "X").exists()
+
+
+_GRADE_MARGIN_S = 1.5  # a bound with headroom for a busy machine, not a race: measured overshoot < 0.15 s
+# (open, close) of every nesting construct the grader reads; each is fed 10,000 deep, 5,000 wide and unclosed
+_REWARD_NESTING = {"box": ("\\boxed{", "}"), "fbox": ("\\fbox{", "}"), "brace": ("{", "}"),
+                   "frac": ("\\frac{1}{", "}"), "frac numerator": ("\\frac{", "}{3}"), "sqrt": ("\\sqrt{", "}"),
+                   "root": ("\\sqrt[3]{", "}"), "left": ("\\left(", "\\right)"), "paren": ("(", ")"),
+                   "bracket": ("[", "]"), "set": ("\\{", "\\}"), "abs": ("|", "|"), "text": ("\\text{", "}"),
+                   "mathbf": ("\\mathbf{", "}"), "power": ("2^{", "}"), "sin": ("\\sin(", ")"), "pmatrix": (
+                       "\\begin{pmatrix}", "\\end{pmatrix}")}
+
+
+def _nested(construct, shape):
+    """A hostile response: the construct nested 10,000 deep around 1, repeated 5,000 times, or opened 20,000 times."""
+    open_, close = _REWARD_NESTING[construct]
+    body = {"deep": open_ * 10_000 + "1" + close * 10_000, "wide": "+".join([open_ + "1" + close] * 5_000),
+            "unclosed": open_ * 20_000}[shape]
+    return body if construct in ("box", "fbox") else "\\boxed{" + body + "}"
+
+
+@pytest.mark.parametrize("shape", ["deep", "wide", "unclosed"])
+@pytest.mark.parametrize("construct", _REWARD_NESTING)
+def test_reward_grade_time_is_bounded_for_any_nesting(construct, shape):
+    """The whole of grade (extraction, normalization, parsing, comparison) ends within its timeout plus a margin,
+    whatever the nesting (10,000 nested boxes took 0.85-5 s with a 1 s timeout before the deadline covered
+    extraction and nested boxes stopped being joined); the verdict is a bool, never an exception."""
+    response, timeout = _nested(construct, shape), 0.5
+    for gold in ("2", ["1", "2"], "x"):  # none of them is the value of any of these responses
+        start = time.monotonic()
+        assert reward.grade(response, gold, timeout=timeout) is False
+        assert time.monotonic() - start < timeout + _GRADE_MARGIN_S, (construct, shape, gold)
+    assert reward.extract_answer(response) is None or isinstance(reward.extract_answer(response), str)
+
+
+def test_reward_long_flat_inputs_are_bounded():
+    """Long inputs without nesting: many boxes, many joined boxes, a long sum, long text, digits, phrases."""
+    responses = [", ".join(f"\\boxed{{{k}}}" for k in range(20_000)), "\\boxed{1} or " * 20_000,
+                 "\\boxed{" + "+".join(f"\\sqrt{{{k}+\\sqrt{{{k + 1}}}}}" for k in range(100)) + "}",
+                 "\\boxed{" + ", ".join(f"x<{k}" for k in range(240)) + "}", "The answer is " + "1+" * 100_000 + "1.",
+                 "<answer>" * 20_000, "answer is " * 20_000, "1" * 1_000_000, "\\boxed{" + "7" * 1_000_000 + "}"]
+    for response in responses:
+        for gold in ("0.33", "2", ["1", "2"]):
+            start = time.monotonic()
+            assert reward.grade(response, gold, timeout=0.5) is False
+            assert time.monotonic() - start < 0.5 + _GRADE_MARGIN_S, response[:40]
+
+
+def test_reward_nested_boxes():
+    """A box inside a box is part of its content (10,000 nested boxes were joined into a 100-MB answer); a box that
+    holds only a box is its inner box."""
+    deep = "\\boxed{" * 10_000 + "1" + "}" * 10_000
+    assert reward.extract_answer(deep) == "1" and reward.grade(deep, "1") and not reward.grade(deep, "2")
+    assert reward.extract_answer("\\boxed{\\boxed{5}+1}") == "\\boxed{5}+1"
+    assert reward.extract_answer("so \\boxed{3} and \\boxed{\\boxed{4}}") == "3, 4"
+    assert reward.extract_answer("\\boxed{ \\boxed{4} and \\boxed{5}}") == " \\boxed{4} and \\boxed{5}"
+
+
+def test_reward_grade_is_bounded_in_a_thread():
+    """No signals: grading works off the main thread and the deadline still holds."""
+    out = []
+    thread = threading.Thread(target=lambda: out.append(reward.grade(_REWARD_HOSTILE["power tower"], "5", timeout=0.5)))
+    start = time.monotonic()
+    thread.start()
+    thread.join(5)
+    assert out == [False] and time.monotonic() - start < 1.0
+    assert reward.grade("\\boxed{(x+1)^{100} + \\sin x}", "(x+1)^{100} + \\sin x + 1", timeout=0.0) is False
+
+
+def test_reward_source_never_evaluates_text():
+    """No call in reward.py evaluates text (eval, sympy.S/sympify/parse_expr run Python); no torch, no signals."""
+    for node in ast.walk(ast.parse(Path(reward.__file__).read_text())):
+        assert getattr(node, "id", None) not in {"eval", "exec", "compile", "__import__", "sympify", "parse_expr"}
+        assert getattr(node, "attr", None) not in {"sympify", "S", "parse_expr", "parse_latex"}
+        imported = {a.name.split(".")[0] for a in getattr(node, "names", [])} | {getattr(node, "module", None)}
+        assert not imported & {"torch", "signal"}
+
+
+@pytest.mark.parametrize("response, expected", [
+    ("So the answer is $\\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}"),
+    ("nested \\boxed{\\sqrt{\\frac{1}{2}}} ok", "\\sqrt{\\frac{1}{2}}"),
+    ("\\fbox{5}", "5"),
+    ("$\\boxed 5$", "5"),
+    ("\\boxed{5}. Wait, actually \\boxed{7}", "7"),  # retracted: last box
+    ("<think>\\boxed{10}</think> The total is $\\boxed{12}$.", "12"),
+    ("the roots are $\\boxed{3}$ and $\\boxed{5}$", "3, 5"),
+    ("it is $\\boxed{3}$ or $\\boxed{4}$", "3 or 4"),  # a hedge across boxes stays a hedge
+    ("\\boxed{3} (or maybe \\boxed{4})", "3 or 4"),
+    ("The answer is 3. Or maybe 4.", None),  # a hedge after the answer sentence
+    ("The answer is \\boxed{3}, or possibly 4.", ""),  # a hedge right after the box: no answer
+    ("So \\boxed{3}. Alternatively, we can solve it with Vieta: 1 + 2 = 3.", "3"),  # another method, not a hedge
+    ("step 1: $\\boxed{3}$. Step 2: the area is $\\boxed{12}$", "12"),
+    ("Hence the answer is $\\boxed{}$.", ""),
+    ("The final answer is $\\boxed{7", None),  # truncated inside the box
+    ("The answer is 2, since 2 + 2 = 4.", "2"),
+    ("Answer: $\\dfrac{1}{2}$", "\\dfrac{1}{2}"),
+    ("Final Answer: **73**", "73"),
+    ("**Final Answer**\n\\[ 12 \\]", "12"),
+    ("She sold 72 clips.\n#### 72", "72"),
+    ("因此，答案是 5。", "5"),
+    ("So Tom has 35 apples left.", "35"),  # a one-number concluding sentence
+    ("Final Answer: The final answer is $34$. I hope it is correct.", "34"),  # Minerva's ending
+    ("Final Answer: The largest $n$ is 34.", "34"),  # the phrase is a whole sentence
+    ("so the answer is 2/3 <|im_start|>user\nWhat is 1+1? The answer is 2.", "2/3"),  # an invented next turn
+    ("\\boxed{12}<|im_end|>\n<|im_start|>user\nAnd now? \\boxed{7}", "12"),
+    ("x + 2 = 7.\n\nAnswer 5", "5"),  # "Answer" without a colon, at the start of a line
+    ("Answer $\\frac{1}{2}$", "\\frac{1}{2}"),
+    ("Answer 2. The second case gives 7.\nSo we are done.", None),  # "Answer 2" as a heading: no answer
+    ("Therefore, the probability that Alice wins the game is 2/3. <|im_start|>user", "2/3"),  # "... is <value>."
+    ("So, the ordered pair $(x, y)$ that solves the system is $(7, 6)$.", "(7, 6)"),
+    ("Therefore, there are 12 such sequences. I hope it is correct.", "12"),  # Minerva's closing sentence skipped
+    ("So the probability is 2/3, or maybe it is 3/4.", None), ("We need to check whether it is 2/3.", None),
+    ("After a long computation, the answer is", None),
+    ("We need to find $x$ such that $2x + 3 = 13$. Let's think.", None),
+    ("Let me compute 5 more steps.", None),
+    ("", None),
+])
+def test_reward_extract_answer(response, expected):
+    assert reward.extract_answer(response) == expected
+
+
+@pytest.mark.parametrize("pred, gold, expected", [
+    # normalization rules
+    ("\\dfrac{3}{4}", "\\frac{3}{4}", True), ("\\tfrac34", "0.75", True), ("{3 \\over 4}", "\\frac34", True),
+    ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})", True), ("\\bigl(2\\bigr)", "2", True),
+    ("\\; 7 \\;", "7", True), ("\\sqrt{\\,2\\,}", "\\sqrt2", True), ("\\displaystyle \\frac{3}{4}", "0.75", True),
+    ("5\\text{ cm}^2", "5", True), ("10 \\, \\text{km}", "10", True), ("42 dollars", "42", True),
+    ("30^\\circ", "30", True), ("120°", "120", True), ("45 \\text{ degrees}", "45", True),
+    ("25\\%", "25", True), ("25 \\text{ percent}", "25\\%", True), ("50\\%", "\\frac12", True), ("1.5\\%", "15", False),
+    ("\\$1,\\!250", "1250", True), ("1{,}000", "1000", True), ("1\\;000", "1000", True), ("10,080", "10,\\!080", True),
+    ("x = 5", "5", True), ("5", "x=5", True), ("f(x) = x^2", "x^2", True), ("k=4", "4", True), ("x=-5", "x=5", False),
+    ("33", "033", True), ("7", "007", True), ("1011", "1011_2", True), ("213_{4}", "213_4", True),
+    ("\\text{Yes}", "\\text{yes}", True), ("\\text{yes}", "\\text{no}", False), ("\\textbf{(C) }12", "C", True),
+    ("\\text{(D)}", "D", True), ("(B)", "C", False), ("\\mathbf{5}", "5", True),
+    ("\\mathbf{\\frac{1}{2}}", "0.5", True), ("{100^\\circ}", "100", True),
+    ("{\\text{Tuesday}}", "\\text{Tuesday}", True),
+    # exact numbers
+    ("\\frac{6}{8}", "\\frac34", True), ("0.875", "\\frac{7}{8}", True), (".125", "\\frac18", True),
+    ("3.50", "3.5", True), ("64.00", "64", True), ("2\\frac{1}{3}", "\\frac73", True), ("1", "2\\frac12", False),
+    ("3.2 \\times 10^5", "320000", True), ("3.2e5", "3.2 \\times 10^5", True),
+    ("2 \\times 10^{6}", "2 \\times 10^{-6}", False), ("\\frac{1}{1000}", "\\frac{1}{999}", False),
+    ("10^{18}", "10^{18}+1", False), ("\\frac{1}{2006!}", "\\frac{1}{2004!}", False),
+    ("0.0011", "0.001", False), ("0.0000002", "0.0000001", False), ("12.5", "12", False), ("- 5", "-5", True),
+    ("\\frac{1}{-2}", "-\\frac12", True), ("(-2)", "-2", True), ("3!", "6", True), ("2^8", "256", True),
+    ("0.1\\overline{6}", "\\frac16", True),
+    # decimal golds: tolerance only for an exact-form prediction of a rounded gold
+    ("0.67", "\\frac23", False), ("0.333", "\\frac13", False), ("3.464", "2\\sqrt3", False),
+    ("1.5708", "\\frac{\\pi}{2}", False), ("\\frac{\\pi}{2}", "1.5708", True), ("\\frac13", "0.33", True),
+    ("\\frac13", "0.3", False), ("0.333", "0.33", False),
+    ("27", "27.0", True), ("27.04", "27.0", False),
+    # symbolic
+    ("\\sqrt{18}", "3\\sqrt2", True), ("\\frac{1}{2-\\sqrt3}", "2+\\sqrt3", True), ("2^{1/3}", "\\sqrt[3]{2}", True),
+    ("4\\sqrt(2)", "4", False), ("\\frac{4\\pi}{3}", "\\frac43\\pi", True), ("16-8\\pi", "8\\pi-16", False),
+    ("4i+3", "3+4i", True), ("3-4i", "3+4i", False), ("|3+4i|", "5", True), ("\\left| -3 \\right|", "3", True),
+    ("2\\sin x \\cos x", "\\sin 2x", True), ("(e^x)^2", "e^{2x}", True), ("\\frac{\\ln 3}{\\ln 2}", "\\log_2 3", True),
+    ("\\ln 2 + \\ln 3", "\\ln 6", True), ("-10-4(n-5)", "10-4n", True), ("q - p", "p - q", False),
+    ("x^2+2x-1", "x^2+2x+1", False), ("\\frac{9a + 11}{20}", "\\frac{11+9a}{20}", True),
+    # equations and relations
+    ("y = 3 + 2x", "y=2x+3", True), ("2x+4y-3=0", "y=-\\frac{1}{2}x+\\frac{3}{4}", True),
+    ("3x-y+13=0", "3x+4y+14=0", False), ("x = 2 + 3 = 5", "5", True), ("\\frac{6}{8} = \\frac{3}{4}", "0.75", True),
+    ("x = 5\\sqrt{2} \\approx 7.07", "5\\sqrt2", True), ("7.07", "5\\sqrt2", False),
+    ("5 > x", "x<5", True), ("a>2", "a \\geq 2", False), ("2x < y", "y > 2x", True),
+    # tuples, sets, intervals, matrices, several answers
+    ("(2,1)", "(1,2)", False), ("(4,5,6)", "(4, 5)", False), ("(0.5, 4)", "(\\frac{1}{2}, 4)", True),
+    ("\\{3,2,1\\}", "\\{1,2,3\\}", True), ("\\{1,2,3,4\\}", "\\{1,3\\} \\cup \\{2,4\\}", True),
+    ("\\{1,2,3,4\\}", "\\{1,2,3\\}", False), ("\\varnothing", "\\emptyset", True),
+    ("[3, \\infty)", "x \\ge 3", True), ("(2,5)", "[2,5)", False), ("(2,5]", "[2,5)", False),
+    ("x<3", "(-\\infty,3)", True),
+    ("(3,\\infty)\\cup(-\\infty,-2)", "(-\\infty,-2)\\cup(3,\\infty)", True), ("0 < x < 12.5", "(0, 12.5)", True),
+    ("m \\in [\\sqrt{2}, +\\infty)", "m \\geq \\sqrt{2}", True), ("x \\ne 1", "(-\\infty,1)\\cup(1,\\infty)", True),
+    ("x \\le -1 \\text{ or } x \\ge 2", "(-\\infty,-1]\\cup[2,\\infty)", True),
+    ("\\begin{bmatrix} 1 & 2 \\\\ 3 & 4 \\end{bmatrix}", "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", True),
+    ("\\begin{pmatrix} 1 & 3 \\\\ 2 & 4 \\end{pmatrix}", "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}", False),
+    ("4, -1", "-1, 4", True), ("x = -2 \\text{ or } x = 1", "-2, 1", True), ("0 \\text{ and } 1", "0, 1", True),
+    ("1, 2, 4", "1, 2, 4, 8", False), ("21, 36, and 82", "19, 46, \\text{ and } 82", False),
+    ("x=3, y=4", "(3, 4)", True), ("\\pm 3", "3, -3", True), ("3", "\\pm 3", False),
+    # hedges and empty answers
+    ("3 \\text{ or } 4", "3", False), ("3 and 4", "4", False), ("3, 4", "3", False), ("", "3", False),
+    (" ", "3", False), ("x+11 \\text{ or } 11+x", "11+x", True),  # one answer twice is no hedge
+    ("12:00", "12:00", True), ("1:00", "12:00", False),
+    # relations of one variable through an affine map or an absolute value; a named quantity; \approx as the value
+    ("-x > -1", "x<1", True), ("-x \\ge -1", "x \\le 1", True), ("-x < -1", "x<1", False),
+    ("-x > -1", "x \\le 1", False),
+    ("2x - 4 > 0", "x > 2", True), ("|x - 3| < 2", "(1, 5)", True), ("|x - 3| > 2", "(1, 5)", False),
+    ("|x| > 2", "(-\\infty, -2) \\cup (2, \\infty)", True), ("1 \\le |z| \\le 3/2", "[-1.5,-1]\\cup[1,1.5]", True),
+    ("1 \\le z \\le 3/2", "[-1.5,-1]\\cup[1,1.5]", False), ("0 < f(x) < 1", "(0, 1)", True),
+    ("0 \\le f(x) < 1", "(0, 1)", False), ("x \\approx 11", "11", True), ("x \\approx 11.2", "11", False),
+    ("x \\approx 0.33", "\\frac13", False), ("x^2 < 4", "(-2, 2)", False), ("\\pi \\approx 3.14", "\\pi", True),
+    # labels that are not a plain variable; ratios term by term
+    ("1", "|AB| = 1", True), ("|AB| = 1", "1", True), ("|AC| = 1", "|AB| = 1", False), ("2", "|AB| = 1", False),
+    ("7:32", "S_{MBCN}:S = 7:32", True), ("7:23", "S_{MBCN}:S = 7:32", False), ("14:64", "7:32", False),
+    ("\\frac{\\sqrt6}{6}", "\\frac{NO}{BO} = \\frac{1}{\\sqrt6}", True),
+    ("\\frac16", "\\frac{NO}{BO} = \\frac{1}{\\sqrt6}", False),
+    ("5", "x + y = 5", False), ("|x| = 5", "5", False),
+    # number formats: a decimal comma where it cannot be a thousands separator, for a one-number gold
+    ("1000,99", "1000.99", True), ("2,74", "2.74", True), ("0,111", "0.111", True), ("1,500", "1.5", False),
+    ("2,74", "2, 74", True), ("2.74", "2, 74", False), ("2, 74", "2.74", False), ("14 {, }916", "14916", True),
+    ("185", "185\\ ", True), ("186", "185\\ ", False),
+    # tuples with semicolons
+    ("(0;0;0)", "(0,0,0)", True), ("(0;0;1)", "(0,0,0)", False), ("[1;2)", "[1,2)", True),
+])
+def test_reward_equivalence_rules(pred, gold, expected):
+    assert reward.grade(f"The answer is $\\boxed{{{pred}}}$.", gold) is expected
+
+
+@pytest.mark.parametrize("pred, gold, expected", [
+    ("E", "E", True), ("\\textbf{(C)}", "C", True), ("C", "\\textbf{(C)}", True), ("C)", "C", True),
+    ("C", "C. x = 42", True), ("C. x = 42", "C. x = 42", True), ("x = 42", "C. x = 42", True), ("(C) 12", "C", True),
+    ("C. x = 41", "C. x = 42", False), ("D", "C. x = 42", False), ("(C)\\ 13", "(C) 12", False),
+    ("E+1", "E", False), ("E^2", "E", False), ("\\mathrm{E}*2", "E", False), ("A*3", "A", False), ("B = 7", "B", False),
+    ("B \\text{ or } C", "B", False), ("B, C", "B", False), ("A B C D E", "A", False), ("ABCDE", "A", False),
+    ("(C) \\text{ or } (D)", "C", False), ("(C)(D)", "C", False), ("C. D", "C", False), ("C.5", "C", False),
+])
+def test_reward_choice_gold_accepts_only_its_choice(pred, gold, expected):
+    """A letter gold accepts that choice, alone or with its own label text; nothing with more math after the letter,
+    no second choice (listing every choice was always right), no hedge."""
+    assert reward.grade(f"The answer is $\\boxed{{{pred}}}$.", gold) is expected
+
+
+def test_reward_choice_hedges_outside_the_box_are_wrong():
+    assert not reward.grade("So $\\boxed{B}$ or $\\boxed{C}$.", "B")
+    assert not reward.grade("The answer is B or C.", "B")
+    assert reward.grade("Comparing the options, the answer is (B).", "B")
+
+
+def test_reward_several_boxes_for_several_parts():
+    """A gold of k answers is also compared with the last k boxes (one box per part), unless one is hedged."""
+    two = "For part (a) the point is $\\boxed{(3,3)}$, and for part (b) we get $\\boxed{(1,1)}$."
+    assert reward.grade(two, "(3,3), (1,1)") and reward.grade(two, ["(1,1)", "(3,3)"])
+    assert not reward.grade(two, "(3,3)") and reward.grade(two, "(1,1)")  # one-answer gold: the last box
+    assert not reward.grade(two + " Also $\\boxed{(2,2)}$.", "(3,3), (1,1)")  # the last two boxes are not the answers
+    assert not reward.grade("(a) $\\boxed{6}$. (b) $\\boxed{15}$ (or maybe 16)", ["6", "15"])
+    assert not reward.grade("(a) $\\boxed{6}$ or possibly 7. (b) $\\boxed{15}$.", ["6", "15"])
+    assert not reward.grade("(a) $\\boxed{}$. (b) $\\boxed{15}$.", ["6", "15"])
+    assert not reward.grade("So $\\boxed{3}$. Wait, that is wrong: actually $\\boxed{5}$.", "3, 5")  # a retraction
+    assert not reward.grade("(a) $\\boxed{7}$ or $\\boxed{6}$. (b) $\\boxed{15}$.", ["6", "15"])  # part (a) hedged
+
+
+def test_reward_list_golds_are_several_answers():
+    assert reward.grade("\\boxed{84, 69}", ["$69$,$84$"])
+    assert reward.grade("\\boxed{69 \\text{ and } 84}", ["$69$", "$84$"])
+    assert not reward.grade("\\boxed{69}", ["$69$", "$84$"])
+    assert reward.grade("\\boxed{\\sqrt{8}}", ["$2 \\sqrt{2}$"])
+    assert reward.grade("\\boxed{x}", ["$f(x)=x$"])
+
+
+def test_reward_solution_as_gold():
+    assert reward.grade("\\boxed{72}", "Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72")
+    assert reward.grade("\\boxed{1.6}", "so the diameter is \\boxed{1.6} cm")  # Minerva: the last box of a solution
+
+
+def test_reward_modes():
+    right, wrong = "So $\\boxed{\\frac{2}{4}}$.", "So $\\boxed{3}$."
+    assert reward.reward(right, "0.5") == 1.0 and reward.reward(wrong, "0.5") == -1.0
+    assert reward.reward(right, "0.5", mode="binary") == 1.0 and reward.reward(wrong, "0.5", mode="binary") == 0.0
+    # strict: the paper's normalized string match of the last box only
+    assert reward.reward(right, "0.5", mode="strict") == -1.0
+    assert reward.reward("So $\\boxed{\\dfrac{1}{2}}$.", "\\frac{1}{2}", mode="strict") == 1.0
+    assert reward.reward("The answer is 0.5", "0.5", mode="strict") == -1.0  # no box
+    assert reward.reward("\\boxed{ }", "3", mode="strict") == -1.0
+    with pytest.raises(ValueError):
+        reward.reward(right, "0.5", mode="nope")
+    assert reward.grade(None, "1") is False and reward.extract_answer(None) is None
+    assert reward.grade("\\boxed{27}", 27.0) and reward.grade("\\boxed{27}", 27)  # a number as gold
+
+def test_reward_your_own_function_is_loaded_checked_and_named_in_its_errors(tmp_path, monkeypatch):
+    """--reward FILE.py:FUNCTION or MODULE:FUNCTION: the function is loaded once and called as (response, answer);
+    every way it can be wrong is one line naming it, and what it returns must be a finite number (positive =
+    correct). The example in examples/ grades a non-math task."""
+    example = "examples/reward_last_line.py:last_line"
+    monkeypatch.chdir(ROOT)
+    assert reward.reward("Let me think.\n\"Paris\".", "paris", example) == 1.0
+    assert reward.reward("Paris?\nLyon", ["Paris", "Lyon"], example) == 1.0
+    assert reward.reward("Paris, I think", "Paris", example) == -1.0 and reward.correct("", "Paris", example) is False
+    (tmp_path / "mine.py").write_text(textwrap.dedent("""
+        import math
+        def half(response, answer):
+            return 0.5 if response == answer else -0.5
+        def flag(response, answer):
+            return response == answer
+        def boom(response, answer):
+            return 1 / 0
+        def nan(response, answer):
+            return math.nan
+        def text(response, answer):
+            return "1.0"
+        def one(response):
+            return 1.0
+        not_a_function = 3
+        """))
+    (tmp_path / "broken.py").write_text("import no_such_module_here\n")
+    spec = lambda name: f"{tmp_path / 'mine.py'}:{name}"  # noqa: E731
+    assert reward.reward("4", "4", spec("half")) == 0.5 and reward.reward("5", "4", spec("half")) == -0.5
+    assert reward.correct("4", "4", spec("flag")) is True and reward.reward("5", "4", spec("flag")) == 0.0
+    assert reward.load_reward(spec("half")) is reward.load_reward(spec("half"))  # imported once
+    assert reward.load_reward("os.path:join") is os.path.join  # an importable module
+    line = next(n for n, x in enumerate((tmp_path / "mine.py").read_text().splitlines(), 1) if "1 / 0" in x)
+    for name, expected in (("boom", f"raised ZeroDivisionError at {tmp_path / 'mine.py'}:{line}: division by zero"),
+                           ("nan", "returned nan, not a finite number"),
+                           ("text", "returned '1.0', not a finite number")):
+        with pytest.raises(reward.RewardError) as e:
+            reward.reward("4", "4", spec(name))
+        assert str(e.value) == f"reward function {spec(name)} {expected}"
+    for bad, expected in ((spec("one"), "one must take two arguments, (response, answer)"),
+                          (spec("not_a_function"), "has no function not_a_function"),
+                          (spec("missing"), "has no function missing"),
+                          (f"{tmp_path / 'nope.py'}:f", f"no such file {tmp_path / 'nope.py'}"),
+                          (f"{tmp_path / 'broken.py'}:f", "raised ModuleNotFoundError: No module named "
+                                                         "'no_such_module_here'"),
+                          ("no_such_module_here:f", "importing no_such_module_here raised ModuleNotFoundError"),
+                          ("dapoo", "unknown reward 'dapoo'; valid: dapo, binary, strict, or your own as "
+                                    "FILE.py:FUNCTION or MODULE:FUNCTION")):
+        with pytest.raises(ValueError) as e:
+            reward.load_reward(bad)
+        assert expected in str(e.value) and "\n" not in str(e.value), (bad, str(e.value))
+    assert "torch" not in reward.__dict__ and "import torch" not in Path(reward.__file__).read_text()
+
+
+_HALF_REWARD = """
+def even(response, answer):  # the toy task's _EVEN check with rewards +-0.5
+    return 0.5 if response.strip()[:1] in ("0", "2", "4", "6", "8") and response.strip() else -0.5
+
+def boom(response, answer):
+    raise KeyError("no verifier for this row")
+"""
+
+
+def test_train_and_eval_use_your_own_reward_function(tmp_path, monkeypatch, capsys):
+    """train.py --reward FILE.py:FUNCTION trains on that function's rewards (samples.jsonl shows them) and counts a
+    positive reward as correct in reward/acc and the held-out accuracy; eval.py --run takes the run's reward and gives
+    the same held-out numbers; a bad spec is one line before the model loads, and an error inside the function while
+    training or evaluating is one line naming the function and the exception, exit status 2."""
+    monkeypatch.setattr(train, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)
+    monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=_TOY_VOCAB), tiny_tokenizer()))
+    (tmp_path / "rewards.py").write_text(_HALF_REWARD)
+    even, boom = f"{tmp_path / 'rewards.py'}:even", f"{tmp_path / 'rewards.py'}:boom"
+    data = _toy_data(tmp_path)
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "run", heldout=4, steps=2, reward=even)) == 0
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert {s["reward"] for s in samples if s["split"] == "train"} <= {0.5, -0.5}
+    assert {s["reward"] for s in samples if s["split"] == "heldout"} <= {1.0, 0.0}  # correct or not
+    for m in _metrics(tmp_path / "run"):
+        assert m["reward/mean"] == pytest.approx(0.5 * m["reward/acc"] - 0.5 * (1 - m["reward/acc"]))
+    last = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[-1])
+    assert len(last["eval/correct"]) == 4 and sum(last["eval/correct"]) == last["eval/acc"] * last["eval/n"]
+    monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)
+    results = ev.main(["--run", str(tmp_path / "run")])
+    assert results["config"]["reward"] == even
+    bench = results["models"][str(tmp_path / "run" / "hf")]["benchmarks"]["heldout"]
+    assert bench["metrics"]["avg@k"] == pytest.approx(100 * last["eval/acc"])
+    capsys.readouterr()
+    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    assert train.main(_toy_args(data, tmp_path / "bad", reward=f"{tmp_path / 'rewards.py'}:odd")) == 2
+    _one_line_error(capsys, f"train.py: error: reward {tmp_path / 'rewards.py'}:odd: {tmp_path / 'rewards.py'} has no "
+                            f"function odd")
+    monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=_TOY_VOCAB), tiny_tokenizer()))
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "boom", reward=boom)) == 2
+    at = f"{tmp_path / 'rewards.py'}:6"  # the line that raised (its file:line: it had none)
+    _one_line_error(capsys, f"train.py: error: reward function {boom} raised KeyError at {at}: 'no verifier for this "
+                            f"row'")
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--run", str(tmp_path / "run"), "--reward", boom, "--out", str(tmp_path / "e")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and [x for x in err.splitlines() if "error" in x] == [
+        f"eval.py: error: reward function {boom} raised KeyError at {at}: 'no verifier for this row'"]
+    assert "Traceback" not in err
+
+
+# ---------------------------------------------------------------- the graded characters and tokens
+
+def test_graded_chars_and_tokens():
+    """reward.graded_chars: the built-in modes end at the extracted answer, tasks/chain_sums at the first blank line,
+    a reward module without the hook grades everything; train.graded_tokens = the fewest tokens holding them (checked
+    against a linear scan)."""
+    text = "3 + 4 = 7. The answer is 7.\n\nQ: 1 + 1 = ?\nA: 2"
+    assert reward.graded_chars(text, "tasks.chain_sums:reward") == len("3 + 4 = 7. The answer is 7.")
+    assert reward.graded_chars("so \\boxed{12} and then 5 more", "dapo") == len("so \\boxed{12")
+    assert reward.graded_chars("no answer here", "dapo") == len("no answer here")
+    assert reward.graded_chars(text, "examples/reward_last_line.py:last_line") == len(text)
+    tok, text = tiny_tokenizer(), "3 + 4 = 7, so \\boxed{7}. Then 12 more words"
+    ids = torch.tensor([tok.encode(text) + [2, 0, 0]])  # EOS, padding
+    mask = torch.tensor([[1] * (ids.shape[1] - 2) + [0, 0]])
+    batch = Rollout(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long), ids, mask,
+                    torch.zeros(ids.shape), torch.zeros(1, dtype=torch.bool))
+    graded = train.graded_tokens(batch, tok, "dapo")
+    chars = reward.graded_chars(text, "dapo")
+    linear = next(m for m in range(ids.shape[1]) if len(tok.decode(ids[0, :m].tolist(), skip_special_tokens=True))
+                  >= chars)
+    assert graded[0].sum().item() == linear == len("3 + 4 = 7, so \\boxed{7") and graded[0, :linear].all()
