@@ -5,7 +5,7 @@ algorithms, the paper's worked examples); the other tests follow the files they 
 docstring says what it covers); conftest.py holds the helpers more than one file uses:
 - tests/test_bench.py              bench.py gpu
 - tests/test_collapse.py           collapse.py
-- tests/test_config.py             The command line and its configuration (cli.py / config.py)
+- tests/test_config.py             The command line and its configuration (config.py)
 - tests/test_counterfactual.py     counterfactual.py (RQ2)
 - tests/test_data.py               data.py and tasks/
 - tests/test_eval.py               eval.py

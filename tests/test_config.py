@@ -1,4 +1,4 @@
-"""The command line and its configuration (cli.py / config.py): one flag builder for train.py and eval.py, --config
+"""The command line and its configuration (config.py): one flag builder for train.py and eval.py, --config
 files, --help, flags without effect, numeric flags.
 """
 import importlib.util
