@@ -90,7 +90,7 @@ def read_run(folder: Path) -> dict:
     config = json.loads((folder / "config.json").read_text())
     acc = [m["reward/acc"] for m in metrics]
     entropy = [m["entropy/mean"] for m in metrics]
-    return {"algo": config["algo"], "seed": config["seed"], "acc": acc, "entropy": entropy,
+    return {"folder": folder, "algo": config["algo"], "seed": config["seed"], "acc": acc, "entropy": entropy,
             "collapse": collapse_step(acc), "rise": entropy_rise(entropy) if len(entropy) > 1 else float("nan"),
             "eval": {e["step"]: e["eval/acc"] for e in evals},
             "eval_correct": {e["step"]: [c / e["eval/n"] * len(e["eval/correct"]) for c in e["eval/correct"]]
@@ -155,10 +155,10 @@ def shares_before_collapse(folder: Path, collapse: int | None) -> dict[str, list
     return out
 
 
-def why_table(root: Path, arms: dict, algo: str = "justrl") -> str:
+def why_table(arms: dict, algo: str = "justrl") -> str:
     """Markdown: what carries `algo`'s updates on its steps before the collapse, per kind x part (averaged over its
     seeds, the range over seeds in brackets)."""
-    per_seed = {seed: shares_before_collapse(root / f"{algo}-{seed}", run["collapse"])
+    per_seed = {seed: shares_before_collapse(run["folder"], run["collapse"])
                 for seed, run in sorted(arms.get(algo, {}).items())}
     per_seed = {s: v for s, v in per_seed.items() if v}
     if not per_seed:
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(arms))
     if "--why" in argv:
         for algo in arms:
-            print("\n" + why_table(root, arms, algo))
+            print("\n" + why_table(arms, algo))
     if out:
         figure(arms, out)
         print(f"figure: {out}")

@@ -80,6 +80,6 @@ def test_collapse_why_reads_the_shares_of_the_steps_before_the_collapse(tmp_path
     assert got["high_p_pos_after"] == pytest.approx([0.8, 10.0, -0.02, -0.2])
     assert got["low_p_graded"] == [0.0, 0.0, 0.0, 0.0]  # no tokens: 0, not a division by zero
     assert collapse.shares_before_collapse(folder, None)["candidate_after"][1] == pytest.approx(3.5)  # all 6 steps
-    arms = {"justrl": {0: {"collapse": 4}}}
-    text = collapse.why_table(tmp_path, arms)
+    arms = {"justrl": {0: {"collapse": 4, "folder": folder}}}
+    text = collapse.why_table(arms)
     assert "seeds 0 (steps 1-3)" in text and "| candidates (A > 0, p < tau_p) | after | 20.0% [20.0%, 20.0%] |" in text
