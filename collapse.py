@@ -23,7 +23,9 @@ Deliberate choices:
 1. The sign test drops ties (equal outcomes of a pair); with 6 pairs it reaches p < 0.05 only when all 6 agree
    (p = 2 / 64 = 0.031); 5 of 6 gives 0.22. The table says so beside each test.
 2. A collapse needs two consecutive steps below half the peak so that one unlucky rollout of 32 samples is not one.
-3. `--why` (the plan's question 3) reads `shares/*` (train.py --entropy-change) on an arm's steps before its
+3. The last line applies the plan's reading rules (`reading`): which of its four sentences the runs support, once
+   JustRL, STAPO and RandMask are complete in all six seeds.
+4. `--why` (the plan's question 3) reads `shares/*` (train.py --entropy-change) on an arm's steps before its
    collapse (all its steps when it has none, marked so): per kind of token x part of the response, the share of
    the step's summed logit-gradient norm and the tokens, averaged over those steps; the entropy change per token
    over all those steps' tokens of the cell, and summed over a step's tokens; then the mean over seeds (and range).
@@ -203,6 +205,35 @@ def table(arms: dict) -> str:
     return "\n".join(lines)
 
 
+def reading(arms: dict, seeds: int = 6) -> str:
+    """The plan's one sentence, by its rules fixed before the runs (docs/experiments.md, "How each result will be
+    read"): supports, supports but not S2T's choice, refutes, or cannot tell at this scale. Needs JustRL, STAPO and
+    RandMask complete in all `seeds` seeds."""
+    common = set(range(seeds))
+    missing = [a for a in ("justrl", "stapo", "randmask") if not common <= set(arms.get(a, {}))]
+    if missing:
+        return f"not yet read: {', '.join(missing)} not complete in all {seeds} seeds"
+    rows = {(r["a"], r["outcome"]): r for a in ("stapo", "randmask") for r in compare(arms, a, "justrl")}
+    justrl = sum(arms["justrl"][s]["collapse"] is not None for s in common)
+    stapo, rand = rows["stapo", "collapsed"], rows["randmask", "collapsed"]
+    prevented = sum(arms["justrl"][s]["collapse"] is not None and arms["stapo"][s]["collapse"] is None for s in common)
+    rise_high = rows["stapo", "entropy rise"]["ci"][1]
+    said = (f"JustRL collapsed in {justrl} of {seeds} seeds, STAPO in {int(round(stapo['a_mean'] * seeds))} "
+            f"(sign test {stapo['pos']}/{stapo['neg']}, p = {stapo['p']:.3f}), RandMask in "
+            f"{int(round(rand['a_mean'] * seeds))} (p = {rand['p']:.3f}); STAPO prevented {prevented} of JustRL's "
+            f"collapses; entropy rise STAPO - JustRL {rows['stapo', 'entropy rise']['mean_diff']:+.3f} "
+            f"({rows['stapo', 'entropy rise']['ci'][0]:+.3f}, {rise_high:+.3f})")
+    if justrl < 4:
+        return f"cannot tell at this scale (JustRL collapsed in fewer than 4 seeds: the claim was not tested): {said}"
+    if stapo["neg"] > stapo["pos"] and stapo["p"] < 0.05:
+        if rand["neg"] > rand["pos"] and rand["p"] < 0.05:
+            return f"supports, but not S2T's choice of tokens (RandMask prevents the collapse as well): {said}"
+        return f"supports the claim at this scale: {said}"
+    if prevented <= 1 and rise_high >= 0:
+        return f"refutes the claim at this scale: {said}"
+    return f"cannot tell at this scale: {said}"
+
+
 def figure(arms: dict, out: Path) -> None:
     """Training accuracy (top row) and rollout entropy (bottom row) per step, one column per arm, each seed a thin
     line (collapse steps marked)."""
@@ -247,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"collapse.py: error: no complete run (12 steps, evaluated after 12) in {root}", file=sys.stderr)
         return 2
     print(table(arms))
+    print(f"\nreading (the plan's rules): {reading(arms)}")
     if "--why" in argv:
         for algo in arms:
             print("\n" + why_table(arms, algo))

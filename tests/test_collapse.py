@@ -83,3 +83,23 @@ def test_collapse_why_reads_the_shares_of_the_steps_before_the_collapse(tmp_path
     arms = {"justrl": {0: {"collapse": 4, "folder": folder}}}
     text = collapse.why_table(arms)
     assert "seeds 0 (steps 1-3)" in text and "| candidates (A > 0, p < tau_p) | after | 20.0% [20.0%, 20.0%] |" in text
+
+
+def test_collapse_reading_follows_the_plans_rules():
+    """collapse.reading: the pre-registered sentence from made-up outcomes of six seeds per arm, one case per rule."""
+    import collapse
+
+    def arms(justrl, stapo, randmask, rises=(0.3, 0.3)):  # collapse steps per seed (None: none); rise per arm
+        def arm(steps, rise):
+            return {s: {"collapse": c, "rise": rise + 0.01 * s, "eval": {}, "eval_correct": {}}
+                    for s, c in enumerate(steps)}
+        return {"justrl": arm(justrl, rises[1]), "stapo": arm(stapo, rises[0]), "randmask": arm(randmask, rises[1])}
+
+    six, none = [5] * 6, [None] * 6
+    assert collapse.reading(arms(six, none, six)).startswith("supports the claim")
+    assert collapse.reading(arms(six, none, none)).startswith("supports, but not S2T's choice")
+    assert collapse.reading(arms(six, [None] + [5] * 5, six)).startswith("refutes")  # prevents 1 of 6
+    assert collapse.reading(arms(six, [None] + [5] * 5, six, rises=(0.1, 0.3))).startswith("cannot tell")  # rise lower
+    assert collapse.reading(arms(six, [None] * 5 + [5], six)).startswith("cannot tell")  # 5 of 6: p = 0.22
+    assert "fewer than 4" in collapse.reading(arms([5] * 3 + [None] * 3, none, six))
+    assert collapse.reading({"justrl": arms(six, none, six)["justrl"]}).startswith("not yet read: stapo, randmask")
