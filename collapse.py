@@ -93,6 +93,8 @@ def read_run(folder: Path) -> dict:
     acc = [m["reward/acc"] for m in metrics]
     entropy = [m["entropy/mean"] for m in metrics]
     return {"folder": folder, "algo": config["algo"], "seed": config["seed"], "acc": acc, "entropy": entropy,
+            "silenced": [m.get("s2t/silenced", 0.0) for m in metrics],
+            "candidates": [m.get("s2t/candidates", 0.0) for m in metrics],
             "collapse": collapse_step(acc), "rise": entropy_rise(entropy) if len(entropy) > 1 else float("nan"),
             "eval": {e["step"]: e["eval/acc"] for e in evals},
             "eval_correct": {e["step"]: [c / e["eval/n"] * len(e["eval/correct"]) for c in e["eval/correct"]]
@@ -185,14 +187,16 @@ def why_table(arms: dict, algo: str = "justrl") -> str:
 def table(arms: dict) -> str:
     """Markdown: each arm's per-seed outcomes, then the paired tests (every arm against JustRL, STAPO against its
     controls)."""
-    lines = ["| arm | seeds | collapsed | collapse steps | entropy rise (mean) | held-out acc @0 / 4 / 8 / 12 |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| arm | seeds | collapsed | collapse steps | entropy rise (mean) | held-out acc @0 / 4 / 8 / 12 | "
+             "silenced / candidates a step |", "|---|---|---|---|---|---|---|"]
     for algo, runs in arms.items():
         xs = list(runs.values())
         held = " / ".join(f"{sum(x['eval'].get(s, float('nan')) for x in xs) / len(xs):.3f}" for s in (0, *EVAL_STEPS))
         lines.append(f"| {algo} | {len(xs)} | {sum(x['collapse'] is not None for x in xs)} | "
                      f"{', '.join(str(x['collapse'] or '-') for x in xs)} | "
-                     f"{sum(x['rise'] for x in xs) / len(xs):+.3f} | {held} |")
+                     f"{sum(x['rise'] for x in xs) / len(xs):+.3f} | {held} | "
+                     f"{np.mean([np.mean(x['silenced']) for x in xs]):.1f} / "
+                     f"{np.mean([np.mean(x['candidates']) for x in xs]):.1f} |")
     lines += ["", "| comparison | outcome | seeds | means | paired differences | mean diff (95% bootstrap) | "
                   "sign test (+/-, p) |", "|---|---|---|---|---|---|---|"]
     pairs = [(a, "justrl") for a in arms if a != "justrl"] + [("stapo", c) for c in ("randmask", "highmask",

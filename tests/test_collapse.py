@@ -41,7 +41,9 @@ def test_collapse_table_and_figure_from_run_folders(tmp_path):
             folder.mkdir()
             (folder / "config.json").write_text(json.dumps({"algo": algo, "seed": seed}))
             (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": t + 1, "reward/acc": a,
-                                                                      "entropy/mean": 0.5 + (1 - a)}) + "\n"
+                                                                      "entropy/mean": 0.5 + (1 - a),
+                                                                      "s2t/silenced": (algo == "stapo") * t % 2,
+                                                                      "s2t/candidates": 3}) + "\n"
                                                           for t, a in enumerate(acc)))
             evals = [{"step": t, "eval/acc": acc[max(t - 1, 0)], "eval/n": 8,
                       "eval/correct": [round(acc[max(t - 1, 0)] * 4)] * 2} for t in (0, 4, 8, 12)]
@@ -54,6 +56,7 @@ def test_collapse_table_and_figure_from_run_folders(tmp_path):
     assert rows["held-out acc @12"]["mean_diff"] == pytest.approx(0.75)
     text = collapse.table(arms)
     assert "| stapo - justrl | collapsed | 3 |" in text
+    assert "| 0.5 / 3.0 |" in text and "| 0.0 / 3.0 |" in text  # silenced / candidates a step, per arm
     assert collapse.main([str(tmp_path), "--out", str(tmp_path / "c.png")]) == 0 and (tmp_path / "c.png").stat().st_size
     assert collapse.main([str(tmp_path / "stapo-0")]) == 2  # no complete run below it
 
