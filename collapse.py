@@ -238,31 +238,38 @@ def reading(arms: dict, seeds: int = 6) -> str:
     return f"cannot tell at this scale: {said}"
 
 
+ARM_ORDER = ("justrl", "stapo", "randmask", "fullmask", "highmask")  # the plan's order; any other arm after them
+
+
 def figure(arms: dict, out: Path) -> None:
-    """Training accuracy (top row) and rollout entropy (bottom row) per step, one column per arm, each seed a thin
-    line (collapse steps marked)."""
+    """Training accuracy, held-out accuracy (after 0, 4, 8, 12 steps) and rollout entropy per step, one column per
+    arm, each seed a thin line of its own colour in every panel (collapse steps marked x)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(arms)
-    fig, axes = plt.subplots(2, len(names), figsize=(3.2 * len(names), 5.2), sharex=True, sharey="row",
+    names = sorted(arms, key=lambda a: (ARM_ORDER.index(a) if a in ARM_ORDER else len(ARM_ORDER), a))
+    fig, axes = plt.subplots(3, len(names), figsize=(3.2 * len(names), 7.4), sharex=True, sharey="row",
                              squeeze=False)
+    handles = {}  # seed -> its line, for one legend of every seed
     for j, algo in enumerate(names):
         for seed, run in sorted(arms[algo].items()):
-            steps = range(1, len(run["acc"]) + 1)
-            line, = axes[0][j].plot(steps, run["acc"], lw=0.9, alpha=0.8, label=f"seed {seed}")
-            axes[1][j].plot(steps, run["entropy"], lw=0.9, alpha=0.8, color=line.get_color())
+            steps, color = range(1, len(run["acc"]) + 1), f"C{seed % 10}"
+            handles[seed], = axes[0][j].plot(steps, run["acc"], lw=0.9, alpha=0.8, color=color, label=f"seed {seed}")
             if run["collapse"]:
-                axes[0][j].plot(run["collapse"], run["acc"][run["collapse"] - 1], "x", color=line.get_color())
+                axes[0][j].plot(run["collapse"], run["acc"][run["collapse"] - 1], "x", color=color)
+            held = sorted(run["eval"].items())
+            axes[1][j].plot([t for t, _ in held], [a for _, a in held], ".-", lw=0.9, alpha=0.8, color=color)
+            axes[2][j].plot(steps, run["entropy"], lw=0.9, alpha=0.8, color=color)
         collapsed = sum(r["collapse"] is not None for r in arms[algo].values())
         axes[0][j].set_title(f"{algo}: {collapsed} of {len(arms[algo])} collapsed", fontsize=9)
-        axes[1][j].set_xlabel("step")
+        axes[2][j].set_xlabel("step")
     for ax in axes.flat:
         ax.xaxis.get_major_locator().set_params(integer=True)  # steps
-    axes[0][0].set_ylabel("training accuracy")
-    axes[1][0].set_ylabel("rollout entropy (nats)")
-    axes[0][-1].legend(fontsize=6, loc="upper right")
+    axes[0][0].set_ylabel("training accuracy\n(32 samples of 4 prompts)")
+    axes[1][0].set_ylabel("held-out accuracy\n(64 problems x 4)")
+    axes[2][0].set_ylabel("rollout entropy (nats)")
+    axes[0][-1].legend(handles=[handles[s] for s in sorted(handles)], fontsize=6, loc="upper right")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
