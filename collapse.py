@@ -121,7 +121,11 @@ def compare(arms: dict, a: str, b: str) -> list[dict]:
     rows = [("collapsed", [float(x["collapse"] is not None) for x in A], [float(x["collapse"] is not None) for x in B],
              None, None),
             ("collapse step", [x["collapse"] or never for x in A], [x["collapse"] or never for x in B], None, None),
-            ("entropy rise", [x["rise"] for x in A], [x["rise"] for x in B], None, None)]
+            ("entropy rise", [x["rise"] for x in A], [x["rise"] for x in B], None, None),
+            # not pre-registered: the arms of a seed train on the same prompts in the same order, so this mean
+            # compares them on matched prompts, where a_t alone mostly follows the prompts' difficulty
+            ("training acc, mean of all steps (not pre-registered)", [float(np.mean(x["acc"])) for x in A],
+             [float(np.mean(x["acc"])) for x in B], None, None)]
     for step in EVAL_STEPS:
         if all(step in x["eval_correct"] for x in A + B):
             rows.append((f"held-out acc @{step}", [x["eval"][step] for x in A], [x["eval"][step] for x in B],

@@ -54,6 +54,8 @@ def test_collapse_table_and_figure_from_run_folders(tmp_path):
     rows = {r["outcome"]: r for r in collapse.compare(arms, "stapo", "justrl")}
     assert rows["collapsed"]["diffs"] == [-1.0] * 3 and rows["collapsed"]["p"] == 0.25  # 3 of 3: 2 / 8
     assert rows["held-out acc @12"]["mean_diff"] == pytest.approx(0.75)
+    matched = rows["training acc, mean of all steps (not pre-registered)"]  # the same prompts, step by step
+    assert matched["mean_diff"] == pytest.approx((sum(curves["stapo"]) - sum(curves["justrl"])) / 12)
     text = collapse.table(arms)
     assert "| stapo - justrl | collapsed | 3 |" in text
     assert "| 0.5 / 3.0 |" in text and "| 0.0 / 3.0 |" in text  # silenced / candidates a step, per arm
@@ -94,7 +96,7 @@ def test_collapse_reading_follows_the_plans_rules():
 
     def arms(justrl, stapo, randmask, rises=(0.3, 0.3)):  # collapse steps per seed (None: none); rise per arm
         def arm(steps, rise):
-            return {s: {"collapse": c, "rise": rise + 0.01 * s, "eval": {}, "eval_correct": {}}
+            return {s: {"collapse": c, "rise": rise + 0.01 * s, "acc": [0.5], "eval": {}, "eval_correct": {}}
                     for s, c in enumerate(steps)}
         return {"justrl": arm(justrl, rises[1]), "stapo": arm(stapo, rises[0]), "randmask": arm(randmask, rises[1])}
 
