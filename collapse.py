@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+ARM_ORDER = ("justrl", "stapo", "randmask", "fullmask", "highmask")  # the plan's order; any other arm after them
 COLLAPSE_AFTER = 3  # a collapse can start at step 4 at the earliest
 EVAL_STEPS = (4, 8, 12)  # held-out accuracy after these many steps
 
@@ -106,13 +107,14 @@ def read_run(folder: Path) -> dict:
 
 
 def read_runs(root: Path, steps: int = 12) -> dict[str, dict[int, dict]]:
-    """{algo: {seed: outcomes}} of the complete runs (`steps` steps) in root's sub-folders."""
+    """{algo: {seed: outcomes}} of the complete runs (`steps` steps) in root's sub-folders, arms in the plan's order."""
     arms: dict[str, dict[int, dict]] = {}
     for folder in sorted(p for p in root.iterdir() if (p / "metrics.jsonl").exists() and (p / "config.json").exists()):
         run = read_run(folder)
         if len(run["acc"]) >= steps and steps in run["eval"]:
             arms.setdefault(run["algo"], {})[run["seed"]] = run
-    return arms
+    return dict(sorted(arms.items(), key=lambda kv: (ARM_ORDER.index(kv[0]) if kv[0] in ARM_ORDER else len(ARM_ORDER),
+                                                   kv[0])))
 
 
 def compare(arms: dict, a: str, b: str) -> list[dict]:
@@ -246,9 +248,6 @@ def reading(arms: dict, seeds: int = 6) -> str:
     return f"cannot tell at this scale: {said}"
 
 
-ARM_ORDER = ("justrl", "stapo", "randmask", "fullmask", "highmask")  # the plan's order; any other arm after them
-
-
 def figure(arms: dict, out: Path) -> None:
     """Training accuracy, held-out accuracy (after 0, 4, 8, 12 steps) and rollout entropy per step, one column per
     arm, each seed a thin line of its own colour in every panel (collapse steps marked x)."""
@@ -256,7 +255,7 @@ def figure(arms: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = sorted(arms, key=lambda a: (ARM_ORDER.index(a) if a in ARM_ORDER else len(ARM_ORDER), a))
+    names = list(arms)  # read_runs's order
     fig, axes = plt.subplots(3, len(names), figsize=(3.2 * len(names), 7.4), sharex=True, sharey="row",
                              squeeze=False)
     handles = {}  # seed -> its line, for one legend of every seed
