@@ -21,7 +21,7 @@ seeds (and, for held-out accuracy, problems: both at once, crossed, since every 
 
 Deliberate choices:
 1. The sign test drops ties (equal outcomes of a pair); with 6 pairs it reaches p < 0.05 only when all 6 agree
-   (p = 2 / 64 = 0.031); 5 of 6 gives 0.22. The table says so beside each test.
+   (p = 2 / 64 = 0.031); 5 of 6 gives 0.22 (docs/experiments.md says so beside the table).
 2. A collapse needs two consecutive steps below half the peak so that one unlucky rollout of 32 samples is not one.
 3. One row per comparison is not pre-registered and says so: each run's mean training accuracy over its steps.
    The arms of a seed train on the same prompts in the same order, so a_t alone mostly follows the prompts'
@@ -228,15 +228,14 @@ def reading(arms: dict, seeds: int = 6) -> str:
     if missing:
         return f"not yet read: {', '.join(missing)} not complete in all {seeds} seeds"
     rows = {(r["a"], r["outcome"]): r for a in ("stapo", "randmask") for r in compare(arms, a, "justrl")}
-    justrl = sum(arms["justrl"][s]["collapse"] is not None for s in common)
-    stapo, rand = rows["stapo", "collapsed"], rows["randmask", "collapsed"]
-    prevented = sum(arms["justrl"][s]["collapse"] is not None and arms["stapo"][s]["collapse"] is None for s in common)
-    rise_high = rows["stapo", "entropy rise"]["ci"][1]
-    said = (f"JustRL collapsed in {justrl} of {seeds} seeds, STAPO in {int(round(stapo['a_mean'] * seeds))} "
+    collapsed = {a: {s for s in common if arms[a][s]["collapse"] is not None} for a in ("justrl", "stapo", "randmask")}
+    justrl, prevented = len(collapsed["justrl"]), len(collapsed["justrl"] - collapsed["stapo"])
+    stapo, rand, rise = rows["stapo", "collapsed"], rows["randmask", "collapsed"], rows["stapo", "entropy rise"]
+    rise_high = rise["ci"][1]
+    said = (f"JustRL collapsed in {justrl} of {seeds} seeds, STAPO in {len(collapsed['stapo'])} "
             f"(sign test {stapo['pos']}/{stapo['neg']}, p = {stapo['p']:.3f}), RandMask in "
-            f"{int(round(rand['a_mean'] * seeds))} (p = {rand['p']:.3f}); STAPO prevented {prevented} of JustRL's "
-            f"collapses; entropy rise STAPO - JustRL {rows['stapo', 'entropy rise']['mean_diff']:+.3f} "
-            f"({rows['stapo', 'entropy rise']['ci'][0]:+.3f}, {rise_high:+.3f})")
+            f"{len(collapsed['randmask'])} (p = {rand['p']:.3f}); STAPO prevented {prevented} of JustRL's "
+            f"collapses; entropy rise STAPO - JustRL {rise['mean_diff']:+.3f} ({rise['ci'][0]:+.3f}, {rise_high:+.3f})")
     if justrl < 4:
         return f"cannot tell at this scale (JustRL collapsed in fewer than 4 seeds: the claim was not tested): {said}"
     if stapo["neg"] > stapo["pos"] and stapo["p"] < 0.05:
