@@ -62,9 +62,9 @@ Deliberate choices:
    and silenced counts) and samples.jsonl lines of the step.
    When they differ, a warning says so and every line has `"rollout_matches_run": false`: the analysis is still
    self-consistent (the same policy's rollout, mask and continuations), but its tokens are not the run's.
-8. Every line also says whether the S2T rule (the run's tau_p and q) would silence the token (`s2t_rule`), whatever
-   the run's algorithm: the candidates of a JustRL or FullMask run split into those STAPO's entropy test picks and
-   those it keeps, so `--table` measures the rule's precision against the other candidates on the same tokens.
+8. Every line also says whether the S2T rule (the run's tau_p, q and --quantile-window) would silence the token
+   (`s2t_rule`), whatever the run's algorithm: the candidates of a JustRL or FullMask run split into those STAPO's
+   entropy test picks and those it keeps, so `--table` measures the rule's precision against the other candidates on the same tokens.
 """
 from __future__ import annotations
 
@@ -311,8 +311,8 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
             raise ValueError(f"step {step}: the replayed rollout differs from the regenerated one (not seeded?)")
         seen.append((k, len(mb.rollout), current.logprobs.cpu(), current.entropy.cpu(), mask.cpu(),
                      weights.silenced.cpu(), s2t.candidates(current.logprobs, adv, mask, cfg.tau_p).cpu(),
-                     s2t.spurious_mask(current.logprobs, current.entropy, adv, mask, cfg.tau_p,
-                                       cfg.quantile)[0].cpu()))  # choice 8: the rule's tau_h of this mini-batch
+                     s2t.spurious_mask(current.logprobs, current.entropy, adv, mask, cfg.tau_p, cfg.quantile,
+                                       earlier=run.window if cfg.quantile_window else None)[0].cpu()))  # choice 8
 
     pi_old = {name: x.detach().clone() for name, x in run.policy.state_dict().items()}
     train.train_step(run, step, on_mask=keep)  # the same rollout again (seeded), then the step's updates
