@@ -64,7 +64,8 @@ Deliberate choices:
    self-consistent (the same policy's rollout, mask and continuations), but its tokens are not the run's.
 8. Every line also says whether the S2T rule (the run's tau_p, q and --quantile-window) would silence the token
    (`s2t_rule`), whatever the run's algorithm: the candidates of a JustRL or FullMask run split into those STAPO's
-   entropy test picks and those it keeps, so `--table` measures the rule's precision against the other candidates on the same tokens.
+   entropy test picks and those it keeps, so `--table` measures the rule's precision against the other candidates
+   on the same tokens.
 """
 from __future__ import annotations
 
