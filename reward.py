@@ -365,8 +365,8 @@ def _from_conclusion(text):
     last = _HOPE.sub("", text.strip()).rsplit("\n", 1)[-1].strip()
     sentence = [s for s in _SENTENCE_END.split(last) if s.strip()][-1:] or [""]
     sentence = sentence[0].strip()
-    if _PLAN.match(sentence) or re.search(r"\b(?:or|maybe|possibly|perhaps)\b", sentence, re.I):
-        return None
+    if _PLAN.match(sentence) or re.search(r"\b(?:or|maybe|possibly|perhaps|not|never|cannot)\b|n't\b", sentence, re.I):
+        return None  # a plan, a hedge or a negation ("It is not 5.")
     stated = _STATED.search(sentence[-300:])
     if stated:
         return next(g for g in stated.groups() if g is not None).strip()
@@ -399,7 +399,7 @@ def _bare(line):
         return None
     s = _SPAN.sub(lambda m: " %s " % next(g for g in m.groups() if g is not None), s).strip()  # $28$ %
     s = re.sub(r"^\\?\$(?=\d)|(?<=\d)\\?\$$", "", s)  # $1,000.99, 1,000.99$, \$10: money
-    if not s or len(s) > 300 or re.search(r"\$|\\[(\[]|[^\x00-\x7f°²³¹⁰⁴-⁹⁻π√≤≥≠±−×÷∞€£¥]", s):
+    if not re.search(r"[0-9A-Za-z]", s) or len(s) > 300 or re.search(r"\$|\\[(\[]|[^\x00-\x7f°²³¹⁰⁴-⁹⁻π√≤≥≠±−×÷∞€£¥]", s):
         return None
     words = re.sub(r"\\(?:text|mbox|mathrm|begin|end)\s*\{[^{}]*\}", " ", s)  # \text{ cm}: a unit
     unit = re.search(r"(?<=\d)\s*([a-zA-Z]{2,})$", words)  # 45 degrees; not "5 is wrong", "5 or"
@@ -410,15 +410,17 @@ def _bare(line):
 def _from_bare(text):
     """A response that is only a value (_bare), or whose last line (or display block) is one after a finished
     sentence or a colon ("First compute 6*7.\\n42"); not a line of a list of values ("1\\n2\\n3")."""
+    text = text.strip()
     whole = _bare(text)
-    if whole is not None or "\n" not in text.strip():
+    if whole is not None or "\n" not in text:
         return whole
-    block = re.search(r"(\$\$[^$]+\$\$|\\\[(?:(?!\\\[).)+?\\\]|[^\n]+)\s*$", text, re.DOTALL)
-    before = text[: block.start()].rstrip()
-    last_before = before.rsplit("\n", 1)[-1]
-    if not before.endswith((".", "!", "?", ":", "。", "：")) or _bare(last_before) is not None:
+    opener = {"$$": "$$", "\\]": "\\["}.get(text[-2:])  # the last block: a display, else the last line
+    at = text.rfind(opener, 0, len(text) - 2) if opener else -1
+    before, block = (text[:at], text[at:]) if at >= 0 else text.rsplit("\n", 1)
+    before = before.rstrip()
+    if not before.endswith((".", "!", "?", ":", "。", "：")) or _bare(before.rsplit("\n", 1)[-1]) is not None:
         return None
-    return _bare(block.group(1))
+    return _bare(block)
 
 
 def _extract(response, deadline):
@@ -947,8 +949,8 @@ def _parse(text, deadline):
     try:
         return [item for v in variants for item in _Parser(v, deadline).parse()]
     except Refused:
-        *left, last = text.rsplit("=", 1)  # \lim_{x \to 0} \frac{\sin x}{x} = 1: a left side it cannot read, a value
-        items = _Parser(last, deadline).parse() if left and not re.search(r"[,;]|\\pm", text) else []
+        last = text.rsplit("=", 1)[-1]  # \lim_{x \to 0} \frac{\sin x}{x} = 1: a left side it cannot read, a value
+        items = _Parser(last, deadline).parse() if text.count("=") == 1 and not re.search(r"[,;]|\\pm", text) else []
         if len(items) == 1 and isinstance(items[0], sp.Expr) and not items[0].free_symbols:
             return items
         raise
