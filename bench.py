@@ -487,8 +487,8 @@ def bench_grader_compare(against: str | None = None):
     everything = [i for (_, source), items in groups.items() if source != "**together**" for i in items]
     verdicts = {g: {item[2]: v for item, v in zip(everything, _verdicts(everything, fn))} for g, fn in graders.items()}
     deliberate = {c["id"]: c["deliberate_no"] for c in peers}
-    print("testdata/peer_cases.jsonl: agree / cases, false positives (accepted, labelled wrong; disputed: the label is a "
-          "deliberate \"no\" of docs/grader.md), slowest case\n")
+    print("testdata/peer_cases.jsonl: agree / cases, false positives (accepted, labelled wrong; disputed: the label "
+          "is a deliberate \"no\" of docs/grader.md), slowest case\n")
     _compare_table({f"{suite}: {source}": items for (suite, source), items in groups.items()}, graders, verdicts,
                    {i for i, why in deliberate.items() if why})
     for g in graders:

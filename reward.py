@@ -253,6 +253,7 @@ _BOLD = re.compile(r"\*\*([^*]{1,60})\*\*")  # a value in bold: "... هو **92**
 _RELATION = re.compile(r"[<>≤≥≠]|!=|\\(?:le|ge|ne|lt|gt|leq|geq|neq)(?![a-zA-Z])")  # x >= 5 is no number's answer
 # English, Chinese and Hindi sentence ends; a capital word after a math span ("... = 6$ So, the pair is ...")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[。！？।])|(?<=\$)\s+(?=[A-Z][a-z])")
+_FOREIGN = r"[^\x00-\x7f°²³¹⁰⁴-⁹⁻π√≤≥≠±−×÷∞€£¥]"  # letters of other scripts: prose, not a value
 _NOT_UNIT = {"or", "and", "not", "no", "is", "wrong", "maybe", "perhaps", "possibly", "approximately", "about"}
 _PLAN = re.compile(r"(?:let|first|next|then|to|we (?:need|want|must)|find|compute|calculate|determine|suppose|given|"
                    r"if|consider|or|maybe|perhaps|possibly|alternatively)\b", re.I)
@@ -340,7 +341,8 @@ def _from_phrase(text):
     "Answer 5" (no colon) only on the last line, not as a heading ("Answer 2. The value is 7.\n...")."""
     phrases = list(_PHRASE.finditer(text))
     rest = text[phrases[-1].end() :].strip() if phrases else ""
-    if not phrases or phrases[-1].group("bare") and "\n" in rest and not re.fullmatch(r"\\\[.*\\\]|\$\$.*\$\$", rest, re.DOTALL):
+    display = re.fullmatch(r"\\\[.*\\\]|\$\$.*\$\$", rest, re.DOTALL)
+    if not phrases or phrases[-1].group("bare") and "\n" in rest and not display:
         return None  # "Answer 2. ...\n..." is a heading; "Answer \[ \n 9 \n \]" a display
     rest = text[phrases[-1].end() :].lstrip(" *")
     rest = rest.lstrip("\n") if rest.startswith(("\n\\[", "\n$$")) else rest
@@ -399,7 +401,7 @@ def _bare(line):
         return None
     s = _SPAN.sub(lambda m: " %s " % next(g for g in m.groups() if g is not None), s).strip()  # $28$ %
     s = re.sub(r"^\\?\$(?=\d)|(?<=\d)\\?\$$", "", s)  # $1,000.99, 1,000.99$, \$10: money
-    if not re.search(r"[0-9A-Za-z]", s) or len(s) > 300 or re.search(r"\$|\\[(\[]|[^\x00-\x7f°²³¹⁰⁴-⁹⁻π√≤≥≠±−×÷∞€£¥]", s):
+    if not re.search(r"[0-9A-Za-z]", s) or len(s) > 300 or re.search(r"\$|\\[(\[]|" + _FOREIGN, s):
         return None
     words = re.sub(r"\\(?:text|mbox|mathrm|begin|end)\s*\{[^{}]*\}", " ", s)  # \text{ cm}: a unit
     unit = re.search(r"(?<=\d)\s*([a-zA-Z]{2,})$", words)  # 45 degrees; not "5 is wrong", "5 or"
