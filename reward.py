@@ -952,7 +952,9 @@ def _parse(text, deadline):
         return [item for v in variants for item in _Parser(v, deadline).parse()]
     except Refused:
         last = text.rsplit("=", 1)[-1]  # \lim_{x \to 0} \frac{\sin x}{x} = 1: a left side it cannot read, a value
-        items = _Parser(last, deadline).parse() if text.count("=") == 1 and not re.search(r"[,;]|\\pm", text) else []
+        words = re.findall(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}", text)  # not "f(x) = 3 \text{ when } x = 5"
+        readable = "=" in text and not re.search(r"[,;]|\\pm", text) and all(w in _WORDS for w in words)
+        items = _Parser(last, deadline).parse() if readable else []
         if len(items) == 1 and isinstance(items[0], sp.Expr) and not items[0].free_symbols:
             return items
         raise
@@ -1123,8 +1125,9 @@ def _equivalent(pred, golds, deadline):
             return _same_choice(p, choice, deadline)
         p_items, g_items = _parse(p, deadline), _parse(g, deadline)
         p_items, g_items = _shape(p_items, g_items, deadline), _shape(g_items, p_items, deadline)
-        if len(p_items) > len(g_items):  # the same answer twice ("x+11 or 11+x") is not a hedge
-            p_items = [v for k, v in enumerate(p_items) if not any(_same(v, u, deadline) for u in p_items[:k])]
+        if len(p_items) != len(g_items):  # the same answer twice ("x+11 or 11+x") is not a hedge, nor two golds
+            p_items, g_items = ([v for k, v in enumerate(items) if not any(_same(v, u, deadline) for u in items[:k])]
+                                for items in (p_items, g_items))
         if _match(p_items, g_items, deadline):
             return True
         if len(p_items) != 1 or len(g_items) != 1 or not isinstance(p_items[0], sp.Expr):
