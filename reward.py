@@ -1085,13 +1085,13 @@ def _shape(items, other, deadline):
 
 # a multiple-choice answer: the letter alone ("C", "(C)", "C)") or with its label text ("(C) 12", "C. x = 42")
 _CHOICE = re.compile(r"\(?([A-E])\)?|(?:\(([A-E])\)|([A-E])[.:)](?=\s))\s*([^\s=+\-*/^<>!_,;].*)")
-_CHOICE_GOLD = re.compile(r"()()([A-E])\s+([A-Za-z]{2,}.*)", re.DOTALL)
+_CHOICE_GOLD = re.compile(r"()()([A-E])\s+([A-Z][a-z]+\b.*)", re.DOTALL)  # "C Cecile"; not "A triangle"
 _OTHER_CHOICE = re.compile(r"(?<![\w\\])[A-E](?!\w)|\b(?:or|and)\b")  # in label text: a hedge or a second choice
 
 
 def _choice(s, gold=False):
     """(letter, label text or "") of a multiple-choice answer, else None; a gold may also be "C Cecile" (a letter, a
-    space and a word)."""
+    space and a capitalized name)."""
     m = _CHOICE.fullmatch(s) or gold and _CHOICE_GOLD.fullmatch(s)
     return (m.group(1) or m.group(2) or m.group(3), (m.group(4) or "").strip()) if m else None
 

@@ -417,6 +417,7 @@ def test_reward_golds_with_a_name_a_label_or_joined_boxes():
     assert reward.grade("C", "C Cecile") and reward.grade("C", "(C) Cecile") and not reward.grade("C", "(A) Cecile")
     assert reward.grade("A", "A Peter\nCelina bum") and reward.grade("C", "Alina and the answer is\n(C) Cecile")
     assert not reward.grade("B", "C Cecile") and not reward.grade("C D", "C Cecile")
+    assert not reward.grade("A", "A triangle")  # a text answer, not the choice A
     assert reward.grade("\\boxed{-2,1}", "\\(\\boxed{1}\\) and \\(\\boxed{-2}\\).")
     assert not reward.grade("\\boxed{-2}", "\\(\\boxed{1}\\) and \\(\\boxed{-2}\\).")
     assert reward.grade("$\\boxed{2,3}$", "\\boxed{1} and and and or thus but \\boxed{2} and \\boxed{3}")
