@@ -493,9 +493,11 @@ def bench_grader_compare(against: str | None = None):
                    {i for i, why in deliberate.items() if why})
     for g in graders:
         fps = [c for c in peers if verdicts[g][c["id"]][0] and not c["correct"]]
-        print(f"{g}: {len(fps)} false positives" + (":" if fps else ""))
+        real = sum(not deliberate[c["id"]] for c in fps)
+        print(f"{g}: {len(fps)} false positives, {real} of them on a label docs/grader.md does not dispute" +
+              (":" if fps else ""))
         for c in fps:
-            why = f"deliberate: {deliberate[c['id']]}" if g == "reward.py" and deliberate[c["id"]] else "FALSE POSITIVE"
+            why = f"disputed: {deliberate[c['id']]}" if deliberate[c["id"]] else "FALSE POSITIVE"
             print(f"- {c['id']}: {c['response'][-70:]!r} for gold {str(c['gold'])[:40]!r} ({why})")
         print()
     for where, path in (("testdata/grader_cases.jsonl", _REWARD_FALLBACK / "grader_cases.jsonl"),
