@@ -1,13 +1,12 @@
 """Final-answer extraction, answer equivalence and the +-1 reward (docs/paper.md §1 and §6: the DAPO reward on the last
 \\boxed{}; §7: rule-based grading of the benchmarks).
 
-`grade(response, gold)` takes the final answer of a response (after </think> only; the last \\boxed{...}, else an
-explicit "the answer is ..." phrase, a response or last line that is only a value, or a concluding sentence that states
-one value, a relation read whole; never "the last number in the text"; nothing after a chat-template token such as
-<|im_end|>) and decides whether it equals the gold. Answers are read by a small
-hand-written tokenizer + recursive-descent parser for the LaTeX/arithmetic language of math answers that builds sympy
-objects directly: model output never reaches eval, exec, sympify or parse_expr. `graded_chars` (and, for token ids,
-`graded_count`) says how much of a response the reward reads: up to and including its answer.
+`grade(response, gold)` takes the final answer of a response (after </think> only; the last \\boxed{...}, else "the
+answer is ..." phrases, a response or last line that is only a value, or a final sentence stating one value, a relation
+read whole; never "the last number in the text"; nothing after a chat-template token) and decides whether it equals
+the gold. Answers are read by a small hand-written tokenizer + recursive-descent parser for math answers that builds
+sympy objects directly: model output never reaches eval, exec, sympify or parse_expr. `graded_chars` (and, for token
+ids, `graded_count`) says how much of a response the reward reads: up to and including its answer.
 
 Deliberate differences from the paper and from common graders (verl, Math-Verify, Qwen2.5-Math):
 1. The paper compares normalized strings (`mode="strict"` keeps that); the default compares values, because a string
