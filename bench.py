@@ -4,7 +4,7 @@
     python bench.py logprobs        # chunked log-prob/entropy vs naive: memory and time at Qwen3's vocabulary
     python bench.py generate        # our sampler vs model.generate (tiny, SmolLM2), FSDP2 vs one process
     python bench.py grader          # reward.grade throughput
-    python bench.py grader-compare  # reward.grade vs math-verify (if installed) on the labelled cases: accuracy, FPs
+    python bench.py grader-compare  # reward.grade vs math-verify (if installed) on the peers' suites: agreement, FPs
     python bench.py grader-compare --against OLD_REWARD_PY   # ... and another reward.py (the code before a change)
     python bench.py gpu             # the CUDA path at Qwen3-1.7B shape on one GPU (~7 min on an H200; not in `all`)
     python bench.py gpu --smoke     # the same code at toy shapes on the CPU in seconds (run by the test suite)
@@ -430,8 +430,8 @@ def _compare_cells(items, verdicts, disputed):
     right = sum(v == label for (v, _), (*_, label) in zip(verdicts, items))
     fps = [item[2] for (v, _), item in zip(verdicts, items) if v and not item[3]]
     seconds, name = max((t, item[2]) for (_, t), item in zip(verdicts, items))
-    both = sum(i in disputed for i in fps)
-    return [f"{right}/{len(items)}", f"{len(fps)}" + (f" ({both} disputed)" if both else ""),
+    argued = sum(i in disputed for i in fps)
+    return [f"{right}/{len(items)}", f"{len(fps)}" + (f" ({argued} disputed)" if argued else ""),
             f"{seconds * 1e3:.0f} ({name})"]
 
 
