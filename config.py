@@ -82,7 +82,19 @@ def error(prog: str, e: BaseException | str, rank: int = 0) -> int:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of the usage block
+    """One error line instead of the usage block, a flag close to a misspelled or shortened one named ("did you
+    mean"), and no abbreviations: `--ste 3` is refused, never taken for `--steps 3`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments: "):
+            given = [a.split("=")[0] for a in message.removeprefix("unrecognized arguments: ").split()]
+            close = [difflib.get_close_matches(a, [f for f in self._option_string_actions if f.startswith("--")],
+                                               n=1, cutoff=0.6) for a in given if a.startswith("--")]
+            close = list(dict.fromkeys(c[0] for c in close if c))
+            message += f" (did you mean {' or '.join(close)}?)" if close else ""
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
