@@ -235,9 +235,11 @@ def _hook_kill_in_the_second_checkpoint() -> None:
 # run_folder.py: runs that survive a cluster (stop signals, --resume auto, world sizes, one writer, logs,
 # verified checkpoints, exports)
 # ==================================================================================================================
-def _hook_signal_at(owner: str, name: str, nth: int, rank: str = "0", sig: str = "SIGTERM") -> None:
+def _hook_signal_at(owner: str, name: str, nth: int, rank: str = "0", sig: str = "SIGTERM", times: int = 1,
+                    parent: bool = False) -> None:
     """(testdata/train_run.py) A stop signal from inside the run at a chosen call (deterministic: no timing):
-    `sig` to this process at the nth call of OWNER.NAME (owner: "train" or "rollout.PlainEngine"), on rank `rank`."""
+    `sig` `times` times to this process (or, `parent`, to the one that started it: torchrun) at the nth call of
+    OWNER.NAME (owner: "train" or "rollout.PlainEngine"), on rank `rank`."""
     import signal
 
     module, _, cls = owner.partition(".")
@@ -247,7 +249,8 @@ def _hook_signal_at(owner: str, name: str, nth: int, rank: str = "0", sig: str =
     def wrapped(*args, **kwargs):
         calls.append(1)
         if len(calls) == nth and os.environ.get("RANK", "0") == rank:
-            os.kill(os.getpid(), getattr(signal, sig))
+            for _ in range(times):
+                os.kill(os.getppid() if parent else os.getpid(), getattr(signal, sig))
         return original(*args, **kwargs)
     setattr(target, name, wrapped)
 

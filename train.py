@@ -47,10 +47,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+
+
+def _interrupted(signum, frame):
+    """Ctrl-C before main's run_folder.Preemption takes SIGINT over: nothing to save yet, so leave at once."""
+    print("train.py: interrupted (SIGINT) before the run began: nothing was written", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
 # A stop signal that comes while the modules below load (seconds on a busy machine) waits, blocked, until main's
-# run_folder.Preemption takes it over; without this it killed the run (exit 143, no stopped.json).
+# run_folder.Preemption takes it over; without this it killed the run (exit 143, no stopped.json). Ctrl-C leaves at
+# once, in one line (it printed a KeyboardInterrupt traceback).
 if __name__ == "__main__":
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+    signal.signal(signal.SIGINT, _interrupted)
 
 # MKL's conditional numerical reproducibility, set before torch loads MKL: without it MKL may pick, per call, a
 # summation order that depends on memory alignment. With the deterministic kernels of `setup`, two runs of one
@@ -741,25 +751,28 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
 
 def main(argv: list[str] | None = None) -> int:
     """`python train.py [flags]`: exit status 0 (trained, or nothing left to do), 2 (a bad input or a full disk:
-    one line), run_folder.STOPPED (a stop signal: a checkpoint was written, run the same command again)."""
+    one line), run_folder.STOPPED (a stop signal or Ctrl-C: a checkpoint was written, run the same command again),
+    run_folder.INTERRUPTED (Ctrl-C again: left at once, the last checkpoint kept)."""
     argv = sys.argv[1:] if argv is None else argv
     if "--plot" in argv:  # python train.py --plot RUN [RUN ...] [--out PNG]: figures only (plots.py)
         return plots.main(argv)
     rank = int(os.environ.get("RANK", 0))  # until the process group exists: torchrun's env:// contract
     run = lock = None
-    with run_folder.Preemption() as preemption:  # from here on, SIGTERM / SIGUSR1 stop the run with a checkpoint
+    with run_folder.Preemption() as preemption:  # from here on, SIGTERM / SIGUSR1 / SIGINT: a checkpoint, exit
+        preemption.command = run_folder.continue_command(argv)  # the user's command with --resume auto
         try:
             cfg, recorded, notes = config.parse_config(argv)
             rank, world, device = init_distributed(cfg.collective_timeout_min)
             for note in notes if rank == 0 else ():
                 print(f"train.py: {note}", file=sys.stderr, flush=True)
             rows = run_folder.agree(read_inputs, cfg, world)  # the inputs before the folder
-            opened = run_folder.open_run(asdict(cfg), recorded, rank, world)
+            opened = run_folder.open_run(asdict(cfg), recorded, rank, world, preemption.command)
             if opened is None:
                 say(f"{cfg.out_dir} has done its {plural(cfg.steps, 'step')}" + (
                     " and its export is up to date" if cfg.export_hf else "") + ": nothing to do", rank)
                 return 0
             start, checkpoint_path, lock = opened
+            preemption.on_leave = lambda name: run_folder.leave_at_interrupt(cfg.out_dir, rank, preemption, name)
             if cfg.stop_deadline_s:
                 preemption.arm(cfg.stop_deadline_s, lambda: run_folder.leave_at_deadline(
                     cfg.out_dir, cfg.stop_deadline_s, rank, preemption))
@@ -767,6 +780,9 @@ def main(argv: list[str] | None = None) -> int:
                 return run_folder.stopped(cfg.out_dir, cfg.steps, rank, preemption, start, "during startup")
             run = setup(cfg, rows, rank, world, device, checkpoint_path, preemption)
             return train(run)
+        except reward.RewardError as e:  # your --reward function failed: fixed, the same command continues
+            return config.error("train.py", f"{config.one_line(e)}; fix it, then continue with: {preemption.command}",
+                                rank)
         except config.BAD_INPUT as e:
             return config.error("train.py", e, rank)
         finally:

@@ -311,7 +311,7 @@ def test_train_hf_export_reproduces_logprobs(tmp_path, monkeypatch):
     try:
         with _one_thread(), run_folder.Preemption() as preemption:  # main's steps, keeping the run's policy
             rows = train.read_inputs(cfg, world)
-            _, _, lock = run_folder.open_run(asdict(cfg), None, rank, world)
+            _, _, lock = run_folder.open_run(asdict(cfg), None, rank, world, "")
             run = train.setup(cfg, rows, rank, world, device, None, preemption)
             assert train.train(run) == 0
             lock.release()
