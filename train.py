@@ -484,6 +484,7 @@ def train(run: Run) -> int:
     stopped = eval_due(run, start) and start not in evaluated and not run_eval(run, start)  # a resume's due one
     where = f"in the evaluation after {plural(start, 'step')} (it runs again on resume)"  # where a stop came
     saved = done = start  # the steps of the last checkpoint (a new run has none: 0), the steps done
+    speeds = []  # tokens_per_s of this attempt's steps (a step far slower than the others: `busy`)
     with tqdm(total=cfg.steps, initial=start, desc=f"{cfg.algo} steps", dynamic_ncols=True,
               disable=run.rank != 0) as bar:  # closed also when an error leaves the loop
         for step in range(start + 1, cfg.steps + 1):
@@ -506,6 +507,8 @@ def train(run: Run) -> int:
                 bar.close()  # the final bar once, above the closing lines
             if zero := plots.zero_gradient(result.metrics, cfg.group_size):  # every group had equal rewards
                 say(zero, run.rank, warning=True)
+            speeds.append(result.metrics["tokens_per_s"])
+            busy(run.device, run.rank, speeds)
             stopped, where = run.preemption.agreed(), f"in step {step} (its updates finished)"  # one all-reduce
             if not stopped and eval_due(run, step) and not run_eval(run, step):
                 stopped, where = True, f"in the evaluation after {plural(step, 'step')} (it runs again on resume)"
@@ -515,6 +518,20 @@ def train(run: Run) -> int:
         return stop(run, done, saved, where)
     finish(run)
     return 0
+
+
+def busy(device, rank: int, tokens_per_s: list[float]) -> None:
+    """On rank 0 of a CPU run: one warning when the machine is oversubscribed (plots.oversubscribed: the load
+    against the cores and torch's threads x this machine's processes), at start (tokens_per_s empty) and when a step
+    is far slower than the ones before it (plots.slow_step)."""
+    if device.type != "cpu" or rank != 0 or (tokens_per_s and not plots.slow_step(tokens_per_s)):
+        return
+    threads, processes = torch.get_num_threads(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    line = plots.oversubscribed(os.getloadavg()[0], cores, threads, processes,
+                                ours=threads * processes if tokens_per_s else 0.0)  # the run's own share, once running
+    if line:
+        say(line, warning=True)
 
 
 def eval_due(run: Run, done: int) -> bool:
@@ -778,6 +795,7 @@ def main(argv: list[str] | None = None) -> int:
                     cfg.out_dir, cfg.stop_deadline_s, rank, preemption))
             if preemption.agreed():  # a stop signal during startup: stop before the model loads
                 return run_folder.stopped(cfg.out_dir, cfg.steps, rank, preemption, start, "during startup")
+            busy(device, rank, [])
             run = setup(cfg, rows, rank, world, device, checkpoint_path, preemption)
             return train(run)
         except reward.RewardError as e:  # your --reward function failed: fixed, the same command continues

@@ -176,6 +176,13 @@ def test_train_stop_signal_during_startup_exits_stopped_and_the_same_command_con
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [m["step"] for m in _metrics(out)] == [1] and not (out / "stopped.json").exists()
+    # Ctrl-C while the modules load: nothing to save yet, so one line and exit at once (it printed a traceback)
+    args[args.index(str(out))] = str(tmp_path / "interrupted")
+    proc = subprocess.run([sys.executable, "-c", kill_at_torch.replace("SIGTERM", "SIGINT"), *args],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == run_folder.INTERRUPTED and proc.stderr.splitlines() == [
+        "train.py: interrupted (SIGINT) before the run began: nothing was written"], proc.stderr[-2000:]
+    assert not (tmp_path / "interrupted").exists()
 
 
 def test_train_stop_deadline_leaves_a_run_held_by_a_frozen_rank(tmp_path):
