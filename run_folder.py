@@ -858,6 +858,18 @@ def export_damage(folder: Path) -> str | None:
     return None
 
 
+def export_id(folder: Path) -> dict | None:
+    """What identifies a train.py export, for the evaluations of it: {"step": the step it holds, "checksum": the
+    CRC-32 of its export.json's file list (each file's size and CRC-32), so of its weights}; None for a folder that
+    is not one (a Hub id, a model saved elsewhere)."""
+    try:
+        record = json.loads((Path(folder) / "export.json").read_text())
+        files = json.dumps(record["files"], sort_keys=True).encode()
+        return {"step": int(record["step"]), "checksum": f"{zlib.crc32(files):08x}"}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def export_step(folder: Path) -> int | None:
     """The step an exported model folder holds (its export.json), None if it does not say."""
     try:

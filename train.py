@@ -755,8 +755,9 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
     if checkpoint is not None:  # any number of ranks: DCP reshards (run_folder.load_checkpoint)
         state = run_folder.load_checkpoint(checkpoint, policy, optimizer, scheduler)
         start = state["step"]
-        say(f"resuming from {checkpoint} at step {start + 1} ({plural(start, 'step')} done)", rank)
-        if not state["optimizer"]:
+        say(f"resuming from {checkpoint} at step {start + 1} ({plural(start, 'step')} done)" if start < cfg.steps else
+            f"{checkpoint}: all {plural(start, 'step')} done, nothing to train", rank)
+        if not state["optimizer"] and start < cfg.steps:  # an export-only resume restarts nothing
             say(f"{checkpoint} holds weights only (--no-save-optimizer): AdamW restarts from zero moments, "
                 f"so the resumed run differs from an uninterrupted one", rank, warning=True)
     engine = rollout_engine(cfg, lm, tokenizer, train_prompts + test_prompts, rank, world, device,

@@ -4,6 +4,7 @@ tokens.
 import ast
 import json
 import os
+import shlex
 import textwrap
 import threading
 import time
@@ -477,11 +478,21 @@ def test_train_and_eval_use_your_own_reward_function(tmp_path, monkeypatch, caps
     _one_line_error(capsys, f"train.py: error: reward {tmp_path / 'rewards.py'}:odd: {tmp_path / 'rewards.py'} has no "
                             f"function odd")
     monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=_TOY_VOCAB), tiny_tokenizer()))
+    args = _toy_args(data, tmp_path / "boom", reward=boom)
     with _one_thread():
-        assert train.main(_toy_args(data, tmp_path / "boom", reward=boom)) == 2
+        assert train.main(args) == 2
     at = f"{tmp_path / 'rewards.py'}:6"  # the line that raised (its file:line: it had none)
     _one_line_error(capsys, f"train.py: error: reward function {boom} raised KeyError at {at}: 'no verifier for this "
-                            f"row'")
+                            f"row'; fix it, then continue with: python {shlex.join(['train.py', *args])} --resume auto")
+    # the fix: the user's own command (here with another function) and --resume auto, not --config RUN/config.json,
+    # which names the broken function again
+    fixed = [even if a == boom else a for a in args]
+    assert train.main(fixed) == 2
+    _one_line_error(capsys, f"holds a run that stopped before its first checkpoint (config.json): start it again with "
+                            f"python {shlex.join(['train.py', *fixed])} --resume auto, choose another --out-dir")
+    with _one_thread():
+        assert train.main(fixed + ["--resume", "auto"]) == 0
+    assert json.loads((tmp_path / "boom" / "config.json").read_text())["reward"] == even
     with pytest.raises(SystemExit) as e:
         ev.main(["--run", str(tmp_path / "run"), "--reward", boom, "--out", str(tmp_path / "e")])
     err = capsys.readouterr().err

@@ -129,8 +129,8 @@ def test_read_only_run_folder(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         ev.main(["--run", str(run)])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and err == [f"eval.py: error: --out {run / 'eval'} cannot be written: Read-only file "
-                                         f"system; write the results elsewhere with --out DIR"], err
+    assert e.value.code == 2 and err == [f"eval.py: error: --out {run / 'eval' / 'step_1'} cannot be written: "
+                                         f"Read-only file system; write the results elsewhere with --out DIR"], err
     with pytest.raises(SystemExit) as e:
         train.main(["--plot", str(run)])
     err = capsys.readouterr().err.strip().splitlines()
