@@ -294,8 +294,9 @@ class Config:
     """GRPO only: weight of the k3 KL to the initial model (0 = no reference model)"""
     reward: str = "dapo"
     """dapo (+1/-1 by reward.grade), binary (1/0), strict (normalized last-box string match), or your own function
-    FILE.py:FUNCTION or MODULE:FUNCTION, called as FUNCTION(response, answer) -> a finite number (reward.py, "your own
-    reward"; examples/reward_last_line.py); a positive reward counts as correct (reward/acc, held-out accuracy)"""
+    FILE.py:FUNCTION or MODULE:FUNCTION, called as FUNCTION(response, answer, **the row's fields it names) -> a finite
+    number, or batched (reward.py, "your own reward"; examples/reward_last_line.py, reward_with_row.py); a positive
+    reward counts as correct (reward/acc, held-out accuracy)"""
     max_prompt_len: int = 1024
     """prompts longer than this (tokens) are dropped"""
     max_response_len: int = 15360

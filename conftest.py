@@ -115,8 +115,8 @@ def _toy_args(data: str, out: Path, **flags) -> list[str]:
 
 def _patch(monkeypatch, check: str = _ANSWER) -> None:
     """The toy task in this process (testdata/train_run.py sets it up in another)."""
-    monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo": 1.0 if _CHECKS[check](response, gold)
-                        else -1.0)
+    monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo", row=None: 1.0 if _CHECKS[check](
+        response, gold) else -1.0)
     monkeypatch.setattr(train, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)
     monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=_TOY_VOCAB), tiny_tokenizer()))
 

@@ -130,7 +130,8 @@ BENCHMARKS = {
 
 
 def load_benchmark(name: str, data_dir: str | Path | None = None) -> list[dict]:
-    """Rows {"problem": str, "answer": str, "gold": str | list[str]} of a benchmark, in file order.
+    """Rows {"problem": str, "answer": str, "gold": str | list[str], "fields": the row as read} of a benchmark, in
+    file order.
 
     `answer` is the gold as one string (OlympiadBench's list joined by ", "); `gold` is what reward.grade gets
     (the list for OlympiadBench). From `<data_dir>/<file>.jsonl` if data_dir is given, else from the Hub through
@@ -163,7 +164,7 @@ def load_benchmark(name: str, data_dir: str | Path | None = None) -> list[dict]:
             missing = "problem" if not isinstance(problem, str) or not problem.strip() else "gold answer"
             raise ValueError(f"benchmark {name}: {at(where)} has no {missing}: {str(row)[:200]}")
         answer = _joined(gold)
-        rows.append({"problem": problem, "answer": answer, "gold": gold})
+        rows.append({"problem": problem, "answer": answer, "gold": gold, "fields": dict(row)})  # fields: for --reward
     return rows
 
 
@@ -228,7 +229,7 @@ def regrade(results: dict) -> dict:
             for p in bench["problems"]:
                 for s in p["samples"]:
                     s["extracted"] = reward.extract_answer(s["text"])
-                    s["correct"] = reward.correct(s["text"], p["gold"], mode)
+                    s["correct"] = reward.correct(s["text"], p["gold"], mode, p)  # p: its problem and fields
             bench["metrics"] = benchmark_metrics(bench["problems"])
     return results
 
@@ -271,7 +272,7 @@ def table(results: dict) -> str:
 def write_outputs(results: dict, out: str | Path) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False))
+    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False, default=str))  # a row's date
     (out / "table.md").write_text(table(results))
 
 
@@ -479,8 +480,8 @@ def load_sets(cfg: Config) -> dict[str, dict]:
     for b in cfg.benchmarks:
         if b == "heldout":
             run = train_run(cfg.run)
-            rows = [{"problem": r["problem"], "answer": _joined(r["answer"]), "gold": r["answer"]}
-                    for r in load_rows(types.SimpleNamespace(**run))[1]]  # the run's held-out rows
+            rows = [{"problem": r["problem"], "answer": _joined(r["answer"]), "gold": r["answer"],
+                     "fields": r.get("fields", {})} for r in load_rows(types.SimpleNamespace(**run))[1]]  # held out
             if not rows:
                 raise ValueError(f"the run {cfg.run} has no held-out problems (train.py --heldout N keeps some)")
             sets[b] = {"k": cfg.k or run["eval_samples"] or OTHER_K, "rows": rows}
@@ -496,8 +497,8 @@ def load_sets(cfg: Config) -> dict[str, dict]:
         if not rows:
             raise ValueError(f"--data {path}: no rows")
         sets[name] = {"k": cfg.k or OTHER_K,
-                      "rows": [{"problem": r["problem"], "answer": _joined(r["answer"]), "gold": r["answer"]}
-                               for r in rows]}
+                      "rows": [{"problem": r["problem"], "answer": _joined(r["answer"]), "gold": r["answer"],
+                                "fields": r["fields"]} for r in rows]}
     return {name: {"k": s["k"], "rows": s["rows"][: cfg.limit]} for name, s in sets.items()}
 
 
@@ -576,11 +577,14 @@ def evaluate_model(opened: Opened, name: str, cfg: Config, sets: dict[str, dict]
                     texts = ro.texts(tokenizer)
                     lengths = ro.response_mask.sum(-1).tolist()  # (B,) tokens including EOS
                     truncated = ro.truncated.tolist()  # (B,)
+                    answered = [rows[idx[r // k]] for r in range(len(texts))]  # the row each response answers
+                    values = reward.rewards(texts, [row["gold"] for row in answered], cfg.reward, answered)
                     for j, i in enumerate(idx):
                         gold = rows[i]["gold"]
-                        problems.append({"index": i, "problem": rows[i]["problem"], "gold": gold, "samples": [
+                        problems.append({"index": i, "problem": rows[i]["problem"], "gold": gold,
+                                         "fields": rows[i]["fields"], "samples": [
                             {"text": texts[r], "extracted": reward.extract_answer(texts[r]),
-                             "correct": reward.correct(texts[r], gold, cfg.reward), "length": int(lengths[r]),
+                             "correct": values[r] > 0, "length": int(lengths[r]),
                              "truncated": bool(truncated[r])} for r in range(j * k, j * k + k)]})
                     bar.update(len(idx))
                 if world > 1:

@@ -129,8 +129,8 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
         return None
     # 2. Rewards R_i and group advantages A_i = (R_i - mean_j R_j) / (std_j R_j + eps); groups never span ranks.
     texts = batch.texts(run.tokenizer)
-    answers = [run.rows[prompt_rows[i // G]]["answer"] for i in range(len(texts))]
-    rewards = torch.tensor([reward.reward(t, a, cfg.reward) for t, a in zip(texts, answers)])  # (B,)
+    rows = [run.rows[prompt_rows[i // G]] for i in range(len(texts))]  # the data row each response answers
+    rewards = torch.tensor(reward.rewards(texts, [r["answer"] for r in rows], cfg.reward, rows))  # (B,)
     advantages = stapo.group_advantages(rewards, G).to(device)  # (B,)
     adv = advantages[:, None].expand_as(batch.logprobs)  # (B, T): every token of y_i gets A_i
     # 3. pi_old: log-probs, entropy and collision of the policy before the step's updates (difference 2): one
@@ -575,10 +575,11 @@ def evaluate(run: Run, done: int) -> tuple[dict | None, list[dict]]:
         return None, []
     if rank_rows:
         texts = out.texts(run.tokenizer)
-        verdicts = [float(reward.correct(t, run.test_rows[rank_rows[j // cfg.eval_samples]]["answer"], cfg.reward))
-                    for j, t in enumerate(texts)]
+        rows = [run.test_rows[rank_rows[j // cfg.eval_samples]] for j in range(len(texts))]
+        rewards = reward.rewards(texts, [r["answer"] for r in rows], cfg.reward, rows)  # the training reward
+        verdicts = [float(r > 0) for r in rewards]  # correct: a positive reward
         correct, total, length = sum(verdicts), len(texts), float(out.response_mask.sum())
-        samples = completions(run, done, "heldout", texts, verdicts, rank_rows, cfg.eval_samples)
+        samples = completions(run, done, "heldout", texts, rewards, rank_rows, cfg.eval_samples)
     S = cfg.eval_samples
     per_problem = [(row, int(sum(verdicts[j * S:(j + 1) * S]))) for j, row in enumerate(rank_rows)] if rank_rows else []
     correct, total, length = all_sum(correct, total, length)
