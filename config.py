@@ -376,6 +376,10 @@ class Config:
     (without it, a folder that holds a run is refused)"""
     export_hf: bool = True
     """write a Hugging Face-format model to OUT/hf at the end"""
+    light: bool = False
+    """little disk for small experiments: sets --no-export-hf --no-save-optimizer --keep-checkpoints 1 --save-every
+    0 (config.LIGHT; flags given win): one weights-only checkpoint, at the last step or a stop (SmolLM2: 0.54 GB
+    instead of 2.2 GB); python train.py --resume OUT --export-hf exports it later"""
     plots: bool = True
     """write this run's figures OUT/metrics.png, s2t.png and gradient.png at its end (needs matplotlib; --plot RUN
     [RUN ...], not this flag, redraws and overlays finished runs)"""
@@ -394,6 +398,10 @@ CPU_PRESET = dict(
 )
 
 
+# --light: what a small experiment keeps on disk (one weights-only checkpoint, no export); flags given win.
+LIGHT = dict(export_hf=False, save_optimizer=False, keep_checkpoints=1, save_every=0)
+
+
 def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, list[str]]:
     """argv -> (Config, the resumed run's recorded config or None for a new run, warnings for rank 0 to print).
     Each field is a --flag (`parse_flags`: underscores -> dashes, the string under it is its --help). Values: the
@@ -407,6 +415,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
 
     given = parse_flags(Config, argv, "train.py", notes={k: f"cpu preset: {v!r}" for k, v in CPU_PRESET.items()},
                         modes={"plot": plots.PLOT_HELP})  # --plot: main hands over to plots.main before this
+    if given.get("light"):
+        given = {**LIGHT, **given}
     cuda = torch.cuda.is_available()
     preset = given.get("preset", "auto")
     if preset == "auto":

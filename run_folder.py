@@ -69,7 +69,7 @@ RUN_FILES = ("config.json", *LOGS, "checkpoint", "hf", "stopped.json", "metrics.
 RESUMABLE = ("steps", "eval_every", "eval_samples", "samples_per_step", "spurious_per_step", "token_sample",
              "entropy_change", "save_every", "keep_checkpoints", "save_optimizer", "export_hf", "plots", "logger",
              "collective_timeout_min", "max_tokens_per_micro_batch", "chunk_size", "grad_checkpointing", "kv_cache_gb",
-             "stop_deadline_s")
+             "stop_deadline_s", "light")
 STOPPED = 75  # exit status after a stop by signal, with a checkpoint written: run the same command again
 #               (sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry")
 INTERRUPTED = 130  # exit status after a second Ctrl-C, which leaves at once (128 + SIGINT, as a shell reports it)

@@ -126,6 +126,17 @@ def test_cli_misspelled_flags_are_named_and_abbreviations_refused(capsys):
         assert e.value.code == 2 and capsys.readouterr().err.splitlines() == [expected]
 
 
+def test_train_light_is_one_flag_for_little_disk(tmp_path):
+    """--light sets what a small experiment keeps on disk (no export, a weights-only checkpoint, one, at the end), and a
+    flag given beside it wins."""
+    out = ["--out-dir", str(tmp_path / "run")]
+    cfg = config.parse_config(["--light", *out])[0]
+    assert (cfg.light, cfg.export_hf, cfg.save_optimizer, cfg.keep_checkpoints, cfg.save_every) == (True, False, False,
+                                                                                                     1, 0)
+    assert config.parse_config(["--light", "--save-every", "2", *out])[0].save_every == 2
+    assert config.parse_config(out)[0].export_hf and "light" in run_folder.RESUMABLE
+
+
 def test_train_help_lists_plot_apart_from_plots(capsys):
     """train.py --help lists --plot among its options, apart from --plots and told apart from it."""
     with pytest.raises(SystemExit):

@@ -461,8 +461,7 @@ def test_eval_of_a_run_without_export_names_the_export_command_and_results_name_
     _patch(monkeypatch, _EVEN)
     run = tmp_path / "run"
     with _one_thread():
-        assert train.main(_toy_args(_toy_data(tmp_path), run, heldout=2, steps=2, export_hf=False,
-                                    save_optimizer=False)) == 0
+        assert train.main(_toy_args(_toy_data(tmp_path), run, heldout=2, steps=2, light=True)) == 0  # no export
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         ev.main(["--run", str(run)])
@@ -471,6 +470,9 @@ def test_eval_of_a_run_without_export_names_the_export_command_and_results_name_
         f"its checkpoint after 2 steps with: python train.py --resume {run} --export-hf"]
     assert ev.export_command(run, {"steps": 5}) == (f"export its checkpoint after 2 steps with: python train.py "
                                                     f"--resume {run} --steps 2 --export-hf")  # a run stopped early
+    assert (run / "checkpoint" / "step_2").is_dir() and not (run / "hf").exists()
+    assert json.loads((run / "checkpoint" / "step_2" / "manifest.json").read_text())["files"].keys() == {
+        ".metadata", "__0_0.distcp", "state.pt"}  # weights only: no AdamW moments
     metrics = (run / "metrics.jsonl").read_text()
     with _one_thread():
         assert train.main(["--resume", str(run), "--export-hf"]) == 0
