@@ -811,6 +811,10 @@ def export(policy, tokenizer, out: Path, step: int, dtype: torch.dtype, rank: in
             shutil.rmtree(partial, ignore_errors=True)
         save_hf(policy, tokenizer, str(partial), dtype=dtype)
         if rank == 0:
+            umask = os.umask(0o022)
+            os.umask(umask)  # read it back: the process's umask
+            for p in [p for p in partial.iterdir() if p.is_file()]:  # transformers writes the weights 0600 (a
+                os.chmod(p, 0o666 & ~umask)  # temporary file renamed): readable by others, as the other files are
             files = {p.name: [p.stat().st_size, _crc32(p)] for p in sorted(partial.iterdir()) if p.is_file()}
             write_atomic(partial / "export.json", json.dumps({"step": step, "files": files}).encode())
             if final.exists():

@@ -367,8 +367,16 @@ def test_train_export_is_atomic_dated_and_eval_warns_when_stale(tmp_path, monkey
         save(*args, **kwargs)
         raise OSError(28, "No space left on device")
 
+    umask = os.umask(0o022)
+    try:
+        with _one_thread():
+            assert train.main(_toy_args(data, run, steps=1)) == 0
+    finally:
+        os.umask(umask)
+    # every file readable by others under umask 022, as the run's other files (the weights were written 0600)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in (run / "hf").iterdir()} == {
+        p.name: "0o644" for p in (run / "hf").iterdir()}
     with _one_thread():
-        assert train.main(_toy_args(data, run, steps=1)) == 0
         first = _md5s(run / "hf")
         assert json.loads((run / "hf" / "export.json").read_text())["step"] == 1
         monkeypatch.setattr(model, "save_hf", full_disk)
