@@ -115,9 +115,11 @@ def test_plot_gradient_figure_round_trips_from_the_run_folder(tmp_path, capsys):
 def test_plot_figures_say_what_the_numbers_say(tmp_path, monkeypatch):
     """What a reader sees matches the numbers: held-out accuracy is points at the evaluated steps with their values
     (a line from step 0 to 10 suggested a measured trend); s2t.png keeps its legend off the (p, H) plane, shows the
-    mini-batch thresholds as ticks on the tau_p line instead of lines across it, labels the norm in math notation and
-    counts the drawn tokens with a gradient as the console does; gradient.png states the correlation with p over all
-    tokens and below p = 0.1, where its curve is flat, in the panel title instead of a legend entry."""
+    mini-batch thresholds as one bar on the tau_p line (their range, a tick at the median) instead of lines across it
+    or a ladder of ticks, labels the norm in math notation and counts the drawn tokens with a gradient as the console
+    does; gradient.png states the correlation with p over all tokens and below p = 0.1, where its curve is flat, in
+    the panel title instead of a legend entry; legends are 9 pt or more (they were ~6 pt), and metrics.png names
+    every run under all its panels."""
     import matplotlib.pyplot as plt
 
     figures = []
@@ -142,6 +144,10 @@ def test_plot_figures_say_what_the_numbers_say(tmp_path, monkeypatch):
     assert plots.plot_metrics([str(run)], str(tmp_path / "m.png"))
     held = next(ax for ax in figures[-1].axes if ax.get_title().startswith("held-out accuracy"))
     assert held.lines[0].get_linestyle() == "None" and [t.get_text() for t in held.texts] == ["0.100", "0.800"]
+    fig = figures[-1]
+    fig.canvas.draw()
+    legend = fig.legends[0].get_window_extent()
+    assert all(ax.get_legend() is None and not legend.overlaps(ax.get_window_extent()) for ax in fig.axes)
 
     assert plots.plot_tokens([str(run)], str(tmp_path / "s.png"))
     fig = figures[-1]
@@ -150,7 +156,9 @@ def test_plot_figures_say_what_the_numbers_say(tmp_path, monkeypatch):
     legend = ax_g.get_legend()
     box = legend.get_window_extent()
     assert not box.overlaps(ax_h.get_window_extent()) and not box.overlaps(ax_g.get_window_extent())
-    assert len(ax_h.lines) <= 1 and len(ax_h.collections) == 5  # 4 kinds of tokens, one set of tau_h ticks
+    assert len(ax_h.collections) == 5 and [c.get_label() for c in ax_h.containers] == [  # 4 kinds of tokens, 1 bar
+        "tau_h of 3 mini-batches: median 2.00, 1.00-3.00"]
+    assert min(t.get_fontsize() for t in legend.get_texts()) >= 9
     assert "$" in ax_g.get_ylabel() and "sum p^2" not in ax_g.get_ylabel()
     assert f"600 drawn tokens ({a['n']} with a gradient)" in ax_h.get_title() and a["n"] == 597
 
@@ -159,6 +167,7 @@ def test_plot_figures_say_what_the_numbers_say(tmp_path, monkeypatch):
     assert f"Spearman {a['rho_p']:+.2f} over all tokens, {a['rho_p_low']:+.2f} below p = 0.1" in ax_p.get_title()
     assert ax_p.get_xscale() == "logit" and ax_p.get_legend() is None
     assert not any("Spearman" in t.get_text() for t in figures[-1].legends[0].get_texts())
+    assert min(t.get_fontsize() for t in figures[-1].legends[0].get_texts()) >= 9
 
 
 def test_plot_tables_side_by_side_and_sensitivity_grid(tmp_path, monkeypatch, capsys):
@@ -299,7 +308,7 @@ def test_plot_tokens_pools_the_seeds_of_an_algorithm(tmp_path, monkeypatch):
                       f"{b} (fullmask, seed 0): 1 drawn tokens (1 with a gradient), 1 mini-batches",
                       f"{bare}: 1 drawn tokens (1 with a gradient), 1 mini-batches"]
     legend = [t.get_text() for t in figures[0].axes[1].get_legend().get_texts()]  # beside the row's right panel
-    assert "silenced (3)" in legend and "tau_h of each mini-batch (1: 1.00-1.00)" in legend
+    assert "silenced (3)" in legend and "tau_h of 2 mini-batches: median 1.00, 1.00-1.00" in legend
     legend = [t.get_text() for t in figures[0].axes[3].get_legend().get_texts()]  # no entropy test: no tau_h
     assert "candidate, kept (0)" in legend and not any("tau_h" in t for t in legend)
 
@@ -336,8 +345,8 @@ def test_plot_entropy_change_per_kind_skips_steps_without_such_tokens(tmp_path, 
     assert list(lines["_" + stapo[1]].get_data()[0]) == [1, 2]
     candidate = {line.get_label(): line for line in axes["entropy change per update: kept candidates"].lines}
     assert list(candidate[f"{justrl} (justrl, seed 0)"].get_data()[0]) == [1]
-    legend = axes["entropy change per update: kept candidates"].get_legend()  # the panel where JustRL has points
-    assert legend is not None and f"{justrl} (justrl, seed 0)" in [t.get_text() for t in legend.get_texts()]
+    legend = [t.get_text() for t in figures[-1].legends[0].get_texts()]  # under the panels: JustRL has points in one
+    assert f"{justrl} (justrl, seed 0)" in legend and "stapo: mean of the 2-3 runs with a value (thin: each)" in legend
     assert any(line.get_linestyle() == "--" and list(line.get_ydata()) == [0, 0] for line in silenced.lines)
     table = plots.summary_table([*stapo, justrl]).splitlines()
     head = [c.strip() for c in table[0].split("|")]
