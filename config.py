@@ -36,7 +36,7 @@ import tempfile
 import textwrap
 import types
 import typing
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -104,7 +104,8 @@ def parse_flags(cls, argv: list[str] | None, prog: str, notes: dict[str, str] | 
     layers them over its defaults, a preset or a training run's config.json).
 
     One --flag per field (underscores -> dashes); its --help is the string literal under the field, its default
-    and `notes[field]`. bool -> --flag/--no-flag, list[X] -> one or more X, Literal -> choices, X | None -> X or
+    and `notes[field]`. bool -> --flag/--no-flag, list[X] -> one or more X (repeatable: --f a --f b gives both),
+    Literal -> choices, X | None -> X or
     'none'. `--config FILE` (JSON or YAML, e.g. a run's config.json) gives values as if they were flags, under the
     flags on the command line (`read_config`). `modes` ({name: help}) lists options the caller handles before
     parsing (train.py's --plot) in --help. A bad flag or config file prints one line `PROG: error: ...` and exits
@@ -128,7 +129,7 @@ def parse_flags(cls, argv: list[str] | None, prog: str, notes: dict[str, str] | 
         if tp is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(tp) is list:
-            kw.update(nargs="+", type=typing.get_args(tp)[0])
+            kw.update(nargs="+", type=typing.get_args(tp)[0], action="extend")
         elif typing.get_origin(tp) is Literal:
             kw.update(choices=typing.get_args(tp), type=str)
         else:
@@ -290,6 +291,10 @@ class Config:
     """S2T probability threshold"""
     quantile: float = 0.75
     """S2T entropy quantile q over the candidates of the mini-batch"""
+    quantile_window: int = 0
+    """S2T: tau_h is the quantile over the mini-batch's candidates and the last N candidates of the mini-batches before
+    it (all ranks; 0 = the paper's rule, the mini-batch alone): a declared deviation for mini-batches that hold a
+    handful of candidates (docs/paper.md)"""
     kl_beta: float = 0.0
     """GRPO only: weight of the k3 KL to the initial model (0 = no reference model)"""
     reward: str = "dapo"
@@ -301,6 +306,9 @@ class Config:
     """prompts longer than this (tokens) are dropped"""
     max_response_len: int = 15360
     """max new tokens per response"""
+    stop_text: list[str] = field(default_factory=list)
+    """a response also ends with the token at which this text first appears in it, as vLLM's `stop` (repeatable);
+    that token stays in the response and the reward reads all of it. A blank line in a shell: --stop-text $'\\n\\n'"""
     temperature: float = 1.0
     """sampling temperature (also divides the logits of the training forward)"""
     top_p: float = 1.0
@@ -340,12 +348,19 @@ class Config:
     all its activations (Qwen3-1.7B: 13x less activation memory), for ~1/3 more update compute"""
     eval_every: int = 0
     """evaluate the held-out problems every N steps (0 = before and after training only, when there are any)"""
+    eval_before: bool = True
+    """evaluate the held-out set before training (--no-eval-before: not, e.g. in runs whose evaluation before training
+    another run of the same seed and initial model has made: it samples the same, eval.jsonl step 0)"""
     eval_samples: int = 4
     """samples per held-out problem (at --temperature); 0 = no held-out evaluation"""
     entropy_change: bool = False
     """after each optimizer step, a no-grad forward over the same mini-batch: log the mean entropy change at silenced
     tokens, kept candidates and other tokens (entropy_change/* in metrics.jsonl; one more forward per update), and
     the logit-gradient norm, tokens and entropy change per kind of token and part of the response (shares/*)"""
+    gradient_share: bool = False
+    """in each mini-batch that holds candidates (A > 0, p < tau_p) the algorithm keeps, one more forward and backward
+    over their terms alone: log the parameter-gradient norm of the whole objective, of the candidates' terms and of
+    the rest (grad_share/* in metrics.jsonl; norms of sums, so cancellation counts); the update is unchanged"""
     spurious_per_step: int = 20
     """silenced tokens written to OUT/spurious.jsonl per step"""
     samples_per_step: int = 4
@@ -461,6 +476,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
                            ("tis_cap", cfg.tis_cap is None or cfg.tis_cap > 0, "> 0")):
         if not ok:
             raise ValueError(f"--{name.replace('_', '-')} must be {rule} (got {getattr(cfg, name)})")
+    if not all(cfg.stop_text):
+        raise ValueError("--stop-text '' would end every response at once: give a non-empty text")
     if cfg.prompts_per_step % cfg.mini_batch_prompts:
         raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is not a multiple of --mini-batch-prompts "
                          f"{cfg.mini_batch_prompts}")
@@ -484,7 +501,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
 _AT_LEAST = dict(steps=1, prompts_per_step=1, group_size=2, mini_batch_prompts=1, max_tokens_per_micro_batch=1,
                  lr=0, warmup_steps=0, weight_decay=0, kl_beta=0, max_prompt_len=1, max_response_len=1, rollout_chunk=0,
                  chunk_size=1, eval_every=0, eval_samples=0, spurious_per_step=0, samples_per_step=0,
-                 save_every=0, keep_checkpoints=1)
+                 quantile_window=0, save_every=0, keep_checkpoints=1)
 
 
 def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> tuple[Config, list[str]]:

@@ -320,6 +320,9 @@ class Config:
     max_new_tokens: int = 20480
     """response budget in tokens; longer responses are cut and counted as truncated; default: the run's
     --max-response-len with --run"""
+    stop_text: list[str] = field(default_factory=list)
+    """a response also ends with the token at which this text first appears (repeatable; train.py's --stop-text,
+    vLLM's `stop`); default: the run's with --run"""
     limit: int | None = None
     """evaluate only the first LIMIT problems of each benchmark"""
     batch_size: int | None = None
@@ -352,7 +355,7 @@ class Config:
 # eval.py field <- the train.py config.json field it takes its default from (how the run formats and samples)
 RUN_FIELDS = {"chat": "chat", "instruction": "instruction", "temperature": "temperature", "top_p": "top_p",
               "max_new_tokens": "max_response_len", "prompt_key": "prompt_key", "answer_key": "answer_key",
-              "reward": "reward"}
+              "reward": "reward", "stop_text": "stop_text"}
 BATCH_SIZE = 64  # --batch-size's default, but for heldout
 
 
@@ -417,13 +420,14 @@ def parse_config(argv: list[str] | None = None) -> Config:
         runs = {str(Path(name).parent): train_run(Path(name).parent)
                 for name in (_label_name(spec)[1] for spec in given.get("models", [])) if os.path.isdir(name)}
         runs = {folder: c for folder, c in runs.items() if c is not None}
-        if len({json.dumps([c[t] for t in RUN_FIELDS.values()]) for c in runs.values()}) > 1:
+        if len({json.dumps([c.get(t) for t in RUN_FIELDS.values()]) for c in runs.values()}) > 1:
             raise ValueError(f"--models come from runs with different prompt or sampling settings ({', '.join(runs)})"
                              f"; evaluate them separately or give --run")
         if runs:
             values["run"], run = next(iter(runs.items()))
     if run:
-        inherited = {k: run[t] for k, t in RUN_FIELDS.items() if run["data"] or not k.endswith("_key")}
+        inherited = {k: run[t] for k, t in RUN_FIELDS.items()  # a run older than a field: that field's default
+                     if t in run and (run["data"] or not k.endswith("_key"))}
         values = {**inherited, **values}  # the field names of a built-in-task run say nothing about --data
         if "preset" in given:  # an explicit --preset beats the run's sampling
             values = {**values, **dict(zip(("temperature", "top_p"), PRESETS[given["preset"]])),
@@ -545,7 +549,7 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, de
               f"per rank (--kv-cache-gb {cfg.kv_cache_gb:g} = {cfg.kv_cache_gb * 1e9 / 2**30:.2f} GiB{over})",
               flush=True)
     engine = rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest, dtype=lm.dtype,
-                                 kv_cache_memory_bytes=max(min(need, budget), row_bytes))
+                                 kv_cache_memory_bytes=max(min(need, budget), row_bytes), stop_text=cfg.stop_text)
     return Opened(engine, lm, tokenizer, per_call)
 
 
@@ -654,7 +658,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     if cfg.run and rank == 0:
         print(f"eval.py: prompts and sampling of the run {cfg.run}: {'chat template' if cfg.chat else 'raw text'}, "
               f"instruction {cfg.instruction!r}, temperature {cfg.temperature}, top-p {cfg.top_p}, "
-              f"{cfg.max_new_tokens} new tokens", flush=True)
+              f"{cfg.max_new_tokens} new tokens" + (f", stop texts {cfg.stop_text!r}" if cfg.stop_text else ""),
+              flush=True)
     import torch
     import torch.distributed as dist
 

@@ -576,11 +576,57 @@ class CapturedStep:
 COMPACT_FRACTION = 0.0
 
 
+class StopText:
+    """--stop-text: a response ends with the token at which one of `texts` first appears in its decoded text, as
+    vLLM's `stop` does (matched across token boundaries, in the generated text only); that token stays in the
+    response, as EOS does, and the reward reads the whole response.
+
+    The text is decoded as `Rollout.texts` decodes it (special tokens skipped). A text of n UTF-8 bytes spans at most
+    n tokens that are not special (each spells at least one byte), so a match ending at a token lies in the text of
+    the last n + 1 of them without touching the first, whose decoding alone may lose a leading space or split a
+    character. Only tokens that can end a match are decoded: those whose own text holds
+    the last character of a stop text, or that spell no whole character alone (`may_end`, one pass over the
+    vocabulary)."""
+
+    def __init__(self, tokenizer, texts: list[str]):
+        if not texts or not all(texts):
+            raise ValueError("--stop-text takes non-empty texts")
+        self.tokenizer, self.texts = tokenizer, list(texts)
+        self.window = max(len(t.encode()) for t in self.texts) + 1  # tokens that are not special
+        self.special = set(tokenizer.all_special_ids)
+        lasts = {t[-1] for t in self.texts}
+        spelled = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))  # vocabulary, in id order
+        alone = [tokenizer.convert_tokens_to_string([s]) if s is not None else "" for s in spelled]
+        self.may_end = torch.tensor([not a or "\ufffd" in a or any(c in a for c in lasts) for a in alone])  # (V,)
+
+    def ends(self, response_ids: torch.Tensor, start: int) -> torch.Tensor:
+        """(R,) long: for each row of response_ids (R, t) the first column >= start whose token completes a stop
+        text, or -1 (none)."""
+        where = torch.full((response_ids.shape[0],), -1, dtype=torch.long)  # (R,)
+        ids = response_ids.cpu()  # (R, t)
+        maybe = self.may_end[ids[:, start:].clamp(0, len(self.may_end) - 1)]  # (R, t - start)
+        for r, c in maybe.nonzero().tolist():
+            if where[r] >= 0:
+                continue  # this row's first match is found
+            text = self.tokenizer.decode(self.tail(ids[r, :start + c + 1].tolist()), skip_special_tokens=True)
+            if any(t in text for t in self.texts):
+                where[r] = start + c
+        return where.to(response_ids.device)
+
+    def tail(self, ids: list[int]) -> list[int]:
+        """The shortest end of `ids` that holds `window` tokens that are not special (or all of `ids`)."""
+        i, n = len(ids), 0
+        while i > 0 and n < self.window:
+            i -= 1
+            n += ids[i] not in self.special
+        return ids[i:]
+
+
 def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
              eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
              generator: torch.Generator | None = None, vocab_size: int | None = None,
              compact: float | None = COMPACT_FRACTION, stop: Callable[[], bool] | None = None,
-             written_out: "bool | DecodeStep | CapturedStep" = True) -> Rollout:
+             written_out: "bool | DecodeStep | CapturedStep" = True, stop_text: StopText | None = None) -> Rollout:
     """Sample one response per prompt from the HF causal LM `model` (under FSDP2: `policy.lm` inside `gathered`).
 
     eos_token_id/pad_token_id default to the model config's. vocab_size = number of real token ids (rows >= it are
@@ -591,7 +637,8 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
     `written_out`: decode through `DecodeStep` where it supports the model (difference 9), built for this call; a
     `DecodeStep` of this model built since its weights last changed (`PlainEngine` builds one per rollout phase):
     through that one; a `CapturedStep` of such a step: through its static cache and graphs (difference 10); False:
-    through the model's own forward at every step (the same tokens up to rounding).
+    through the model's own forward at every step (the same tokens up to rounding). `stop_text`: a row also ends
+    with the token that completes one of its texts (`StopText`, checked where EOS is).
     The KV cache goes in as `past_key_values` (transformers 5.17-5.19; later 5.x also call it `cache`).
     """
     device = next(model.parameters()).device
@@ -616,7 +663,9 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
         # left padding the mask is left out (transformers would check every step that it is all ones).
         response_ids = torch.full((B, T), pad, dtype=torch.long, device=device)  # (B, T)
         logprobs = torch.zeros(B, T, dtype=torch.float32, device=device)  # (B, T)
-        done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,) row has emitted EOS
+        done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,) row has emitted EOS or a stop text
+        stop_at = torch.full((B,), T, dtype=torch.long, device=device)  # (B,) column of the token ending a stop text
+        checked = 0  # response columns searched for stop texts so far
         rows = torch.arange(B, device=device)  # (R,)
         padded = not bool(prompt_mask.all())
         attention_mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, T)], dim=1)  # (R, P+T)
@@ -645,6 +694,12 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
             token, logprob = _sample(logits, temperature, top_p, u)  # (R,), (R,)
             response_ids[rows, t], logprobs[rows, t] = token, logprob
             done[rows] = done[rows] | torch.isin(token, eos)
+            if stop_text is not None and ((t + 1) % check_every == 0 or t + 1 == T):  # columns checked .. t
+                ends = stop_text.ends(response_ids[rows, :t + 1], checked)  # (R,) -1: no stop text yet
+                hit = (ends >= 0) & (stop_at[rows] == T)  # (R,) a first match
+                stop_at[rows[hit]] = ends[hit]
+                done[rows] = done[rows] | hit
+                checked = t + 1
             if t + 1 == T:
                 break
             if (t + 1) % check_every == 0:  # the one host sync: whether to stop (and to drop rows)
@@ -671,6 +726,7 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
     response_ids, logprobs = response_ids[:, :t + 1], logprobs[:, :t + 1]  # (B, t + 1)
     is_eos = torch.isin(response_ids, eos)  # (B, T)
     response_mask = ((is_eos.cumsum(dim=1) - is_eos.long()) == 0).long()  # (B, T) 1 up to and including the first EOS
+    response_mask *= torch.arange(t + 1, device=device) <= stop_at[:, None]  # (B, T) ... or the stop text's token
     T = int(response_mask.sum(dim=1).max())  # drop all-pad columns
     response_mask = response_mask[:, :T]
     response_ids = response_ids[:, :T].masked_fill(response_mask == 0, pad)
@@ -710,10 +766,13 @@ class PlainEngine:
     name = "plain"
 
     def __init__(self, lm, eos_token_id, pad_token_id: int, vocab_size: int | None,
-                 stop: Callable[[], bool] | None = None, max_len: int | None = None, captured: bool = False):
+                 stop: Callable[[], bool] | None = None, max_len: int | None = None, captured: bool = False,
+                 stop_text: StopText | None = None):
         """max_len: the run's longest prompt + response (train.py and eval.py give it), the length of a phase's
-        static cache; captured: decode through a `CapturedStep` (difference 10; train.py's --cuda-graphs)."""
+        static cache; captured: decode through a `CapturedStep` (difference 10; train.py's --cuda-graphs);
+        stop_text: where responses also end (--stop-text)."""
         self.lm, self.eos, self.pad, self.vocab_size, self.stop = lm, eos_token_id, pad_token_id, vocab_size, stop
+        self.stop_text = stop_text
         self.step = True  # generate's `written_out`: a DecodeStep during a rollout phase
         self.max_len = max_len
         self.captured = captured
@@ -751,7 +810,8 @@ class PlainEngine:
             parts.append(sample_groups(
                 self.lm, prompts[c:c + chunk], group_size, max_new_tokens=max_new_tokens, temperature=temperature,
                 top_p=top_p, eos_token_id=self.eos, pad_token_id=self.pad, vocab_size=self.vocab_size,
-                generator=torch.Generator(device).manual_seed(seed), stop=self.stop, written_out=step))
+                generator=torch.Generator(device).manual_seed(seed), stop=self.stop, written_out=step,
+                stop_text=self.stop_text))
             if self.stop is not None and self.stop():
                 break
         return concat(parts, self.pad)
@@ -833,7 +893,9 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, lm, eos_token_id, pad_token_id: int, vocab_size: int | None, max_model_len: int,
-                 kv_cache_memory_bytes: int, dtype: torch.dtype, seed: int = 0):
+                 kv_cache_memory_bytes: int, dtype: torch.dtype, seed: int = 0, stop_text: StopText | None = None):
+        """stop_text: where responses also end (--stop-text): passed to vLLM as `stop`, with the tokenizer saved
+        beside the config so that vLLM can detokenize."""
         import tempfile
 
         self.cuda, self.dtype = torch.cuda.is_available(), dtype
@@ -851,6 +913,9 @@ class VLLMEngine:
         config = lm.config.__class__.from_dict(lm.config.to_dict())
         config.architectures = [type(lm).__name__]
         config.save_pretrained(self.dir.name)
+        self.stop = stop_text.texts if stop_text else None
+        if stop_text:
+            stop_text.tokenizer.save_pretrained(self.dir.name)
         # vLLM refuses a KV cache below one max_model_len sequence in whole blocks plus its reserved null block
         # (blocks of 128 tokens on CPU, 16 on CUDA): give it at least that
         block = 128 if not self.cuda else 16
@@ -868,7 +933,7 @@ class VLLMEngine:
             from vllm import LLM
 
             self.llm = LLM(
-                model=self.dir.name, load_format="dummy", skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                model=self.dir.name, load_format="dummy", skip_tokenizer_init=not self.stop, dtype=dtype, seed=seed,
                 tensor_parallel_size=1, enforce_eager=not self.cuda, max_model_len=max_model_len,
                 kv_cache_memory_bytes=kv_cache_memory_bytes, logprobs_mode="processed_logprobs",
                 distributed_executor_backend="external_launcher" if "RANK" in os.environ else None,
@@ -911,7 +976,8 @@ class VLLMEngine:
 
         rows = [p for p in prompts for _ in range(group_size)]
         params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
-                                 stop_token_ids=self.eos, detokenize=False, allowed_token_ids=self.allowed,
+                                 stop_token_ids=self.eos, stop=self.stop, detokenize=bool(self.stop),
+                                 allowed_token_ids=self.allowed,
                                  seed=request_seed(seeds[i // (chunk * group_size)], i % (chunk * group_size)))
                   for i in range(len(rows))]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in rows], params, use_tqdm=False)
@@ -937,16 +1003,19 @@ class VLLMEngine:
 
 
 def make_engine(name: str, lm, tokenizer, chat: bool, stop: Callable[[], bool] | None = None, captured: bool = False,
-                **vllm_kwargs):
+                stop_text: list[str] | None = None, **vllm_kwargs):
     """The rollout engine `name` ('plain' or 'vllm') for the HF model `lm`; vLLM is imported only for 'vllm'.
     stop: the plain sampler's early end (a vLLM generate call always finishes); captured: the plain engine decodes
-    through CUDA graphs (difference 10); vllm_kwargs: VLLMEngine's max_model_len (also the plain engine's static
-    cache length), kv_cache_memory_bytes, dtype, seed."""
+    through CUDA graphs (difference 10); stop_text: texts that also end a response (--stop-text, `StopText`);
+    vllm_kwargs: VLLMEngine's max_model_len (also the plain engine's static cache length), kv_cache_memory_bytes,
+    dtype, seed."""
     args = (lm, eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, lm_vocab_size(tokenizer))
+    texts = StopText(tokenizer, stop_text) if stop_text else None
     if name == "plain":
-        return PlainEngine(*args, stop=stop, max_len=vllm_kwargs.get("max_model_len"), captured=captured)
+        return PlainEngine(*args, stop=stop, max_len=vllm_kwargs.get("max_model_len"), captured=captured,
+                           stop_text=texts)
     if name == "vllm":
-        return VLLMEngine(*args, **vllm_kwargs)
+        return VLLMEngine(*args, **vllm_kwargs, stop_text=texts)
     raise ValueError(f"unknown rollout engine {name!r}; valid: plain, vllm")
 
 

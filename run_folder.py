@@ -325,11 +325,13 @@ def _unique_names(state_dict: dict) -> dict:
     return unique
 
 
-def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, config: dict, rank: int, world: int) -> float:
+def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, config: dict, rank: int, world: int,
+                    extra: dict | None = None) -> float:
     """Every rank: the checkpoint after `done` steps in OUT/checkpoint/step_<done>: DCP shards of the model (and of
     AdamW unless weights-only: config["save_optimizer"]), `state.pt` (step, scheduler, RNG states, config: the run's
-    config.json values), then `manifest.json` (every file's size and CRC-32), then `latest` names it; the oldest
-    complete checkpoints beyond config["keep_checkpoints"] are deleted. Returns the seconds it took. A failure on any
+    config.json values; `extra`: the trainer's own state, e.g. the S2T window), then `manifest.json` (every file's
+    size and CRC-32), then `latest` names it; the oldest complete checkpoints beyond config["keep_checkpoints"] are
+    deleted. Returns the seconds it took. A failure on any
     rank (a full disk) raises RunError on every rank, with the new folder removed and the previous checkpoints
     untouched."""
     import torch.distributed.checkpoint as dcp
@@ -350,7 +352,8 @@ def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, config: 
             torch.save({"step": done, "optimizer": save_optimizer, "config": config, "world": world,
                         "scheduler": scheduler.state_dict(), "python_rng": random.getstate(),
                         "torch_rng": torch.get_rng_state(),
-                        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+                        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+                        **(extra or {})},
                        path / "state.pt")
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - OSError, torch's "[enforce fail at ...]"
         # DCP wraps each rank's error (a full disk in a shard) in a CheckpointException, a BaseException: its first

@@ -25,6 +25,9 @@ Deliberate differences / choices the paper leaves open:
    S2T would, chosen by random keys that depend only on (the run's seed, step, mini-batch, the token's row in the
    whole mini-batch, its column), never on how rows are split over ranks or micro-batches; `highmask` silences the
    candidates S2T keeps (H >= tau_h).
+7. --quantile-window N (default 0, the paper's rule): tau_h is the quantile over the mini-batch's candidates and
+   the N candidates before them (`spurious_mask`'s `earlier`, `window_after`): the paper's mini-batches hold hundreds
+   of candidates, ours a handful, and a lone candidate sets tau_h to its own entropy (docs/paper.md).
 """
 from __future__ import annotations
 
@@ -61,19 +64,31 @@ def candidates(logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: 
 
 def spurious_mask(logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
                   response_mask: torch.Tensor, tau_p: float = 0.002, quantile: float = 0.75,
-                  gather=None) -> tuple[torch.Tensor, float | None]:
+                  gather=None, earlier: torch.Tensor | None = None) -> tuple[torch.Tensor, float | None]:
     """The whole S2T rule on one mini-batch -> (silenced bool (B, T), tau_h or None if there are no candidates).
 
     logprobs, entropy (B, T) of the current policy; advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1.
     gather: a function that concatenates a 1-D tensor over the data-parallel ranks (model.all_gather_cat), so that
     tau_h is the quantile over the whole mini-batch when each rank holds a share of its rows; None: one process.
+    earlier (n',): entropies of candidates before this mini-batch pooled into the quantile (--quantile-window,
+    choice 7); None: the paper's rule.
     """
     cand = candidates(logprobs, advantages, response_mask, tau_p)  # (B, T): conditions 1 and 2
     values = entropy.detach()[cand]  # (n,) entropies of this rank's candidates
-    tau_h = quantile_of(values if gather is None else gather(values), quantile)  # q-quantile over the mini-batch
+    values = values if gather is None else gather(values)  # (n_all,) the whole mini-batch's
+    if earlier is not None and values.numel():  # choice 7: and the window's (no candidate here: none silenced)
+        values = torch.cat([earlier.to(values), values])  # (n' + n_all,)
+    tau_h = quantile_of(values, quantile)  # q-quantile over the mini-batch's candidates
     if tau_h is None:  # no candidates anywhere: nothing is silenced (choice 5)
         return torch.zeros_like(cand), None
     return cand & (entropy.detach() < tau_h), tau_h  # condition 3, strict (choice 1)
+
+
+def window_after(window: torch.Tensor, entropies: torch.Tensor, size: int) -> torch.Tensor:
+    """--quantile-window (choice 7): the entropies of the last `size` candidates once a mini-batch's candidates
+    (entropies (n,), all ranks' in the mini-batch's row order, `spurious_mask`'s `gather`) follow the window's
+    (n',), oldest first, on the CPU. The same on any number of ranks; train.py keeps it in checkpoints."""
+    return torch.cat([window, entropies.detach().float().cpu()])[-size:] if size else window  # (<= size,)
 
 
 def random_keys(seed: int, rows: range, length: int) -> torch.Tensor:

@@ -205,7 +205,7 @@ class TokenWeights(NamedTuple):
 
 def token_weights(algo: str, logprobs: torch.Tensor | None, entropy: torch.Tensor | None, advantages: torch.Tensor,
                   response_mask: torch.Tensor, tau_p: float = 0.002, quantile: float = 0.75,
-                  gather=None, keys: torch.Tensor | None = None) -> TokenWeights:
+                  gather=None, keys: torch.Tensor | None = None, earlier: torch.Tensor | None = None) -> TokenWeights:
     """The token weights of one mini-batch (this rank's rows of it) and its share of the denominator N.
 
     logprobs, entropy (B, T) of the current policy (None for an algorithm that silences nothing: JustRL, GRPO);
@@ -213,13 +213,15 @@ def token_weights(algo: str, logprobs: torch.Tensor | None, entropy: torch.Tenso
     gather: concatenates a 1-D tensor over ranks (model.all_gather_cat), so entropy thresholds are over the whole
     mini-batch; None: this process holds the whole mini-batch.
     keys (B, T): randmask's random keys (s2t.random_keys of the rows' places in the whole mini-batch); other
-    algorithms ignore them.
+    algorithms ignore them. earlier: entropies of the candidates before this mini-batch that S2T's tau_h pools
+    (--quantile-window, s2t.window_after); None: the paper's rule.
     """
     a = algorithm(algo)
     mask = response_mask > 0  # (B, T)
     silenced, threshold = torch.zeros_like(mask), None
     if a.silence in ("s2t", "random", "high_entropy"):
-        silenced, threshold = s2t.spurious_mask(logprobs, entropy, advantages, response_mask, tau_p, quantile, gather)
+        silenced, threshold = s2t.spurious_mask(logprobs, entropy, advantages, response_mask, tau_p, quantile, gather,
+                                                earlier)
     if a.silence == "random":  # S2T's count over the whole mini-batch, silenced at random candidates
         if keys is None:
             raise ValueError("randmask needs the random keys of the rows (s2t.random_keys)")

@@ -43,10 +43,9 @@ import signal
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
-
 
 
 def _interrupted(signum, frame):
@@ -106,6 +105,7 @@ class Run:
     preemption: run_folder.Preemption  # stop signals (SIGTERM, SIGUSR1) on any rank
     logger: run_folder.Logger | None  # --logger (rank 0)
     start: int = 0  # steps already done (a resumed run)
+    window: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # --quantile-window: s2t.window_after
 
 
 class StepResult(NamedTuple):
@@ -154,18 +154,27 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
         # The algorithm's token weights I_it (S2T: the mask, tau_h over the whole mini-batch) and the global N.
         p, H = (None, None) if before is None else (before.logprobs, before.entropy)  # None: not needed
         keys = random_keys(run, step, k, mb) if stapo.ALGORITHMS[cfg.algo].silence == "random" else None  # (b, T)
+        earlier = run.window if cfg.quantile_window else None  # --quantile-window: earlier candidates in tau_h
         weights = stapo.token_weights(cfg.algo, p, H, mb.advantages, mb.mask, cfg.tau_p, cfg.quantile,
-                                      gather=all_gather_cat, keys=keys)
+                                      gather=all_gather_cat, keys=keys, earlier=earlier)
         denominator, nonzero = all_sum(weights.denominator, ((mb.advantages != 0) & (weights.weights > 0)).sum())
         loss_weights = weights.weights  # (b, T)
         if cfg.tis_cap is not None:  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
             loss_weights = loss_weights * stapo.tis_weight(mb.old.logprobs, mb.rollout.logprobs, cfg.tis_cap)
         skip = nonzero == 0 and run.ref_policy is None  # all-zero advantages, no KL term: no update (diff. 6)
         run.optimizer.zero_grad(set_to_none=True)
+        part = None  # --gradient-share: the gradient of the candidates' terms alone, made first
+        if cfg.gradient_share and not skip and before is not None:
+            part = candidate_gradient(run, mb, before, loss_weights, denominator)
         update = None if skip else accumulate_gradients(run, mb, loss_weights, denominator)
+        if part is not None:
+            log.gradient_share(part)
         old_rows = pi_old(run, mb, update)  # (b, T) each
         current = old_rows if before is None else before  # what the mask saw (on policy: pi_old)
         log.s2t(k, mb, current, old_rows, weights)
+        if cfg.quantile_window:  # this mini-batch's candidates join the window (all ranks, in row order)
+            cand = s2t.candidates(current.logprobs, mb.advantages, mb.mask, cfg.tau_p)  # (b, T)
+            run.window = s2t.window_after(run.window, all_gather_cat(current.entropy[cand]), cfg.quantile_window)
         if on_mask:
             on_mask(k, mb, current, weights)
         if skip:
@@ -282,6 +291,20 @@ def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor, denomin
     return Update(loss_sum, kl_sum, sums, forward)
 
 
+def candidate_gradient(run: Run, mb: MiniBatch, current: TokenStats, weights: torch.Tensor,
+                       denominator: float) -> list[torch.Tensor] | None:
+    """--gradient-share: the parameter gradient of the objective's terms at the candidates it keeps (A > 0, p <
+    tau_p, weight > 0), with the same N, one parameter's tensor each (on every rank; None, and nothing computed,
+    when the mini-batch has no such candidate on any rank); the gradients are zeroed again after."""
+    kept = s2t.candidates(current.logprobs, mb.advantages, mb.mask, run.cfg.tau_p) & (weights > 0)  # (b, T)
+    if all_sum(kept.sum())[0] == 0:
+        return None
+    accumulate_gradients(run, mb, weights * kept, denominator)
+    part = [p.grad.detach().clone() for p in run.policy.parameters()]
+    run.optimizer.zero_grad(set_to_none=True)
+    return part
+
+
 def pi_old(run: Run, mb: MiniBatch, update: Update | None) -> TokenStats:
     """pi_old's p, H and collision on the mini-batch's rows, (b, T) each (difference 2): the step's pass before its
     updates (`mb.old`), or on policy the update's own forward, detached (a pass of its own where it made none)."""
@@ -337,13 +360,16 @@ class StepLog:
         self.sums = {"reward": rewards.sum(), "correct": (rewards > 0).sum(),  # a positive reward is correct
                      "seqs": len(batch), "tokens": mask.sum(), "truncated": batch.truncated.sum(),
                      "zero_adv": (advantages == 0).sum()}
-        self.sums |= dict.fromkeys(["entropy", "logprob_diff", "candidates", "silenced", "kept",
+        self.sums |= dict.fromkeys(["entropy", "logprob_diff", "candidates", "silenced", "kept", "rule_silenced",
                                     "silenced_p", "silenced_h", "gn_silenced", "gn_kept", "loss/policy", "loss/kl",
                                     "loss_tokens", *stapo.CLIP_STATS, "computed_tokens", "attention_cells",
                                     "real_tokens"], 0.0)
         self.sums |= dict.fromkeys([f"entropy_change/{kind}_{x}" for kind in ENTROPY_KINDS for x in ("sum", "n")],
                                    0.0)
         self.counts = {"updates": 0, "skipped/zero_adv": 0, "skipped/nonfinite": 0}  # equal on every rank
+        if run.cfg.gradient_share:
+            self.counts["grad_share/n"] = 0
+        self.grad_share = {"all": 0.0, "candidates": 0.0, "without": 0.0}  # summed norms, global (gradient_share)
         self.grad_norm_sum = 0.0
         self.graded = None  # --entropy-change: (B, T) bool, the graded part of each response (graded_tokens)
         if run.cfg.entropy_change:
@@ -366,6 +392,9 @@ class StepLog:
                                    *stapo.clip_range(cfg.algo, cfg.clip_low, cfg.clip_high), cfg.dual_clip)
         g = s2t.grad_norm_logits(w, current.logprobs, current.collision)  # (b, T)
         diag = s2t.diagnostics(current, mb.advantages, mb.mask, weights.silenced, cfg.tau_p, grad_norm=g)
+        rule, _ = s2t.spurious_mask(current.logprobs, current.entropy, mb.advantages, mb.mask, cfg.tau_p,  # (b, T)
+                                    cfg.quantile, all_gather_cat, self.run.window if cfg.quantile_window else None)
+        self.sums["rule_silenced"] += rule.sum().item()  # what S2T silences here, whatever --algo does
         if self.graded is not None:  # the closed-form logit-gradient norm per kind of token and part of the response
             for cell, sel in self.cells(k, mb, current).items():
                 self.sums[f"shares/grad_{cell}"] += g[sel].sum().item()
@@ -388,6 +417,17 @@ class StepLog:
         """Token counts and clip statistics of a mini-batch's forward (accumulate_gradients)."""
         for key, value in sums.items():
             self.sums[key] += value
+
+    def gradient_share(self, part: list[torch.Tensor]) -> None:
+        """--gradient-share: the parameter-gradient norms of the whole objective g, of its terms at the candidates
+        g_c (`candidate_gradient`) and of the rest g - g_c, before the clip (cancellation counted: these are norms
+        of sums, unlike the per-token logit-gradient norms of shares/*)."""
+        whole = [p.grad.detach() for p in self.run.policy.parameters()]
+        norms = [torch.nn.utils.get_total_norm(g) for g in (whole, part, [a - b for a, b in zip(whole, part)])]
+        g, g_c, rest = (float(n.full_tensor() if hasattr(n, "full_tensor") else n) for n in norms)
+        self.counts["grad_share/n"] += 1  # equal on every rank: the norms are global
+        for key, value in (("all", g), ("candidates", g_c), ("without", rest)):
+            self.grad_share[key] += value
 
     def skipped(self, why: str) -> None:
         """A mini-batch made no optimizer step: why is "zero_adv" or "nonfinite" (skipped/* in metrics.jsonl)."""
@@ -437,7 +477,7 @@ class StepLog:
             "response/len_mean": mean("tokens", n_seq), "response/truncated_frac": mean("truncated", n_seq),
             "entropy/mean": mean("entropy", n_tok), "rollout/logprob_diff": mean("logprob_diff", n_tok),
             "adv/zero_frac": mean("zero_adv", n_seq),
-            "s2t/candidates": tot["candidates"], "s2t/silenced": n_sil,
+            "s2t/candidates": tot["candidates"], "s2t/silenced": n_sil, "s2t/rule_silenced": tot["rule_silenced"],
             "s2t/silenced_frac": mean("silenced", n_sil + n_kept),
             "s2t/silenced_p_mean": mean("silenced_p", n_sil), "s2t/silenced_h_mean": mean("silenced_h", n_sil),
             "s2t/grad_norm_silenced": mean("gn_silenced", n_sil), "s2t/grad_norm_kept": mean("gn_kept", n_kept),
@@ -452,6 +492,9 @@ class StepLog:
             "time/rollout_s": t_rollout, "time/update_s": t_update,
             "tokens_per_s": n_tok / max(t_rollout + t_update, 1e-9),
         }
+        if self.run.cfg.gradient_share:  # mean norms over the mini-batches with candidates
+            metrics |= {f"grad_share/{key}": value / max(counts["grad_share/n"], 1)
+                        for key, value in self.grad_share.items()}
         if self.run.cfg.entropy_change:  # mean H_after - H_before over the step's updates, per kind of token
             metrics |= {f"entropy_change/{kind}": mean(f"entropy_change/{kind}_sum", tot[f"entropy_change/{kind}_n"])
                         for kind in ENTROPY_KINDS}
@@ -535,11 +578,11 @@ def busy(device, rank: int, tokens_per_s: list[float]) -> None:
 
 
 def eval_due(run: Run, done: int) -> bool:
-    """Whether the held-out set is evaluated after `done` steps: before training, every --eval-every steps and
-    after the last one (when there is a held-out set)."""
+    """Whether the held-out set is evaluated after `done` steps: before training (unless --no-eval-before), every
+    --eval-every steps and after the last one (when there is a held-out set)."""
     cfg = run.cfg
     return bool(run.test_rows and cfg.eval_samples) and (
-        done in (0, cfg.steps) or bool(cfg.eval_every and done % cfg.eval_every == 0))
+        (done == 0 and cfg.eval_before) or done == cfg.steps or bool(cfg.eval_every and done % cfg.eval_every == 0))
 
 
 def run_eval(run: Run, done: int) -> bool:
@@ -591,7 +634,7 @@ def checkpoint(run: Run, done: int) -> int:
     """Write the checkpoint after `done` steps (every rank; run_folder.save_checkpoint); returns `done`."""
     cfg = run.cfg
     run_folder.save_checkpoint(Path(cfg.out_dir), done, run.policy, run.optimizer, run.scheduler,
-                               run_folder.recipe(asdict(cfg)), run.rank, run.world)
+                               run_folder.recipe(asdict(cfg)), run.rank, run.world, {"s2t_window": run.window})
     return done
 
 
@@ -670,7 +713,7 @@ def rollout_engine(cfg: config.Config, lm, tokenizer, prompts: list[list[int]], 
     longest = max(map(len, prompts)) + cfg.max_response_len  # train and held-out prompts
     return rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, stop, max_model_len=longest,
                                kv_cache_memory_bytes=kv_vllm, dtype=dtype, seed=cfg.seed,
-                               captured=cfg.cuda_graphs and device.type == "cuda")
+                               captured=cfg.cuda_graphs and device.type == "cuda", stop_text=cfg.stop_text)
 
 
 # ------------------------------------------------------------------------------------------------- setup
@@ -752,10 +795,10 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     # lr: linear warm-up over warmup_steps optimizer steps, then constant
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
-    start = 0
+    start, window = 0, torch.zeros(0)
     if checkpoint is not None:  # any number of ranks: DCP reshards (run_folder.load_checkpoint)
         state = run_folder.load_checkpoint(checkpoint, policy, optimizer, scheduler)
-        start = state["step"]
+        start, window = state["step"], state.get("s2t_window", window)
         say(f"resuming from {checkpoint} at step {start + 1} ({plural(start, 'step')} done)" if start < cfg.steps else
             f"{checkpoint}: all {plural(start, 'step')} done, nothing to train", rank)
         if not state["optimizer"] and start < cfg.steps:  # an export-only resume restarts nothing
@@ -765,7 +808,7 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
                             preemption.requested)  # the plain sampler stops at a signal
     logger = run_folder.open_logger(cfg.logger, Path(cfg.out_dir), asdict(cfg)) if rank == 0 else None
     return Run(cfg, rank, world, device, policy, ref_policy, tokenizer, optimizer, scheduler, engine, train_rows,
-               train_prompts, test_rows, test_prompts, preemption, logger, start)
+               train_prompts, test_rows, test_prompts, preemption, logger, start, window)
 
 
 def main(argv: list[str] | None = None) -> int:
