@@ -247,8 +247,8 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
         with_gradient = sum(g > 0 and a != 0 for g, a in zip(tok["grad_norm"], tok["A"]))  # gradient.png's tokens
         ax_h.set_ylabel("entropy H")
         who = _label(runs[0]) if len(runs) == 1 else f"{len(runs)} runs of {g}"
-        ax_h.set_title(f"{who}: {n:,} drawn tokens ({with_gradient:,} with a gradient), {len(records)} "
-                       f"mini-batches", fontsize=10)
+        ax_h.set_title(f"{who}:\n{n:,} drawn tokens ({with_gradient:,} with a gradient), {len(records)} "
+                       f"mini-batches", fontsize=10)  # two lines: a run's folder is a long name
         ax_g.set_ylabel(GRADIENT_NORM)
         ax_g.set_title(f"mean norm (weighted): silenced {mean(silenced)} vs kept {mean(kept)}", fontsize=10)
         ax_g.legend(*ax_h.get_legend_handles_labels(), fontsize=10, loc="upper left", bbox_to_anchor=(1.02, 1),

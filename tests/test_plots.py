@@ -304,9 +304,9 @@ def test_plot_tokens_pools_the_seeds_of_an_algorithm(tmp_path, monkeypatch):
     monkeypatch.setattr(plt, "close", figures.append)
     assert plots.plot_tokens([a0, a1, b, bare, bare], str(tmp_path / "s.png"))
     titles = [ax.get_title() for ax in figures[0].axes if ax.get_ylabel() == "entropy H"]
-    assert titles == ["2 runs of stapo: 5 drawn tokens (5 with a gradient), 2 mini-batches",
-                      f"{b} (fullmask, seed 0): 1 drawn tokens (1 with a gradient), 1 mini-batches",
-                      f"{bare}: 1 drawn tokens (1 with a gradient), 1 mini-batches"]
+    assert titles == ["2 runs of stapo:\n5 drawn tokens (5 with a gradient), 2 mini-batches",
+                      f"{b} (fullmask, seed 0):\n1 drawn tokens (1 with a gradient), 1 mini-batches",
+                      f"{bare}:\n1 drawn tokens (1 with a gradient), 1 mini-batches"]
     legend = [t.get_text() for t in figures[0].axes[1].get_legend().get_texts()]  # beside the row's right panel
     assert "silenced (3)" in legend and "tau_h of 2 mini-batches: median 1.00, 1.00-1.00" in legend
     legend = [t.get_text() for t in figures[0].axes[3].get_legend().get_texts()]  # no entropy test: no tau_h
