@@ -13,8 +13,7 @@ Deliberate choices:
    run's config.json), so "a flag given always wins" has one meaning.
 3. A value from a file converts nothing: "0.001" is not a number and true is not an integer (verl's and TRL's
    YAML recipes are read the same way, with YAML 1.2's numbers).
-4. Every bad input is one line `PROG: error: ...` and exit status 2 (`BAD_INPUT`, `error`), never a traceback; a
-   misspelled flag names the closest one, and a flag's prefix is refused (`OneLineParser`).
+4. Every bad input is one line `PROG: error: ...` and exit status 2 (`BAD_INPUT`, `error`, `OneLineParser`).
 5. config.json records the values in effect (`in_effect`): a flag that has no effect on this machine or with these
    settings is stored as in effect, with a warning.
 
