@@ -124,16 +124,18 @@ def reward(response, gold, mode="dapo", row=None):
 def rewards(responses, golds, mode="dapo", rows=None):
     """`reward` of each response (golds[i], rows[i]: its gold and data row; rows None: none); your own function
     declared batched is called once, with lists (`_call`). train.py's and eval.py's call."""
-    rows = [None] * len(responses) if rows is None else rows
-    if ":" in mode and getattr(load_reward(mode), "batched", False):
-        return _call(load_reward(mode), mode, list(responses), list(golds), list(rows))
-    return [reward(response, gold, mode, row) for response, gold, row in zip(responses, golds, rows)]
+    if ":" not in mode:  # the built-in modes read no row
+        return [reward(response, gold, mode) for response, gold in zip(responses, golds)]
+    fn, rows = load_reward(mode), [None] * len(responses) if rows is None else list(rows)
+    if getattr(fn, "batched", False):
+        return _call(fn, mode, list(responses), list(golds), rows)
+    return [_call(fn, mode, [response], [gold], [row])[0] for response, gold, row in zip(responses, golds, rows)]
 
 
 def correct(response, gold, mode="dapo", row=None):
     """Whether `response` is correct under the reward `mode`: its reward is positive. train.py's reward/acc and
     held-out accuracy and eval.py's avg@k count this (for dapo and binary it is `grade`)."""
-    return reward(response, gold, mode, row) > 0
+    return rewards([response], [gold], mode, [row])[0] > 0
 
 
 def graded_chars(response, mode="dapo"):

@@ -700,6 +700,7 @@ class Preemption:
                 if started is None:
                     started, first = time.monotonic(), byte[0]
                 elif signal.SIGINT in (first, byte[0]):
+                    self.signal = self.signal or signal.Signals(first).name  # the main thread may not have run yet
                     self._leave(byte[0])
         finally:
             os.close(read)

@@ -27,7 +27,7 @@ CHECKS = {"even": lambda response, gold: response.strip()[:1] in ("0", "2", "4",
           "answer": lambda response, gold: response.strip()[:1] == gold}
 task = os.environ.get("TOY_REWARD", "even")
 if task != "real":
-    reward.reward = lambda response, gold, mode="dapo", row=None: 1.0 if CHECKS[task](response, gold) else -1.0
+    reward.reward = lambda response, gold, mode="dapo": 1.0 if CHECKS[task](response, gold) else -1.0
     head_dim = int(os.environ.get("TOY_HEAD_DIM", 16))
     if os.environ.get("TOY_VOCAB") == "full":  # any text (the built-in task's prompts): all 104 characters
         train.load_model = lambda name, **kw: (model.tiny_model(head_dim=head_dim), model.tiny_tokenizer())

@@ -90,7 +90,7 @@ def test_train_on_policy_forward_stands_in_for_the_pi_old_pass(tmp_path, monkeyp
                     assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (algo, key)
             _close(load_file(runs["fused"][0] / "hf" / "model.safetensors"),
                    load_file(runs["pass"][0] / "hf" / "model.safetensors"), atol=1e-5)
-        monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo", row=None: 1.0)  # every group ties
+        monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo": 1.0)  # every group ties
         calls.clear()
         assert train.main(_budget_args(data, tmp_path / "tied", "justrl", {"mini_batch_prompts": 4}, 9)) == 0
         tied = _metrics(tmp_path / "tied")[0]
@@ -282,14 +282,14 @@ def test_train_skips_zero_advantage_and_nonfinite_steps(tmp_path, monkeypatch, c
     the run finishes."""
     data = _toy_data(tmp_path)
     _patch(monkeypatch, _EVEN)
-    monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo", row=None: 1.0)
+    monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo": 1.0)
     with _one_thread():
         assert train.main(_toy_args(data, tmp_path / "zero")) == 0
     zero = _metrics(tmp_path / "zero")[0]
     assert zero["skipped/zero_adv"] == 2 and zero["updates"] == 0 and zero["adv/zero_frac"] == 1.0
     assert ("train.py: warning: step 1: every response was right, so the policy gradient is zero and no update was "
             "made; use harder data") in capsys.readouterr().err
-    monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo", row=None: -1.0)  # all wrong
+    monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo": -1.0)  # all wrong
     with _one_thread():
         assert train.main(_toy_args(data, tmp_path / "wrong")) == 0
     assert ("train.py: warning: step 1: in every group the 4 responses had equal rewards (train_acc 0.00), so the "
