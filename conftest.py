@@ -14,25 +14,26 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-import torch
-import torch.multiprocessing as mp
-from safetensors.torch import load_file
-
-import reward
-import rollout
-import train
-from model import position_ids_from_mask, tiny_model, tiny_tokenizer
-from rollout import Rollout, format_prompt
-
-
-# GGUF files converted by model.py and torch.compile's kernels (vLLM) are cached; the suite keeps its own caches
-# (subprocesses inherit them), removed when the process that made them exits (each run of the suite left ~0.5 GB of
-# GGUF conversions and 0.16 GB of kernels in the temporary directory)
+# GGUF files converted by model.py and torch.compile's kernels (the vLLM tests) are cached; the suite keeps its own
+# caches (subprocesses inherit them), removed when the process that made them exits (each run of the suite left
+# ~0.5 GB of GGUF conversions in the temporary directory, and its kernels beside torch's precompiled header, which
+# torch keeps in TMPDIR/torchinductor_USER whatever the variable says). Set before torch loads: importing it sets
+# TORCHINDUCTOR_CACHE_DIR to that folder.
 for _variable, _prefix in (("STAPO_CACHE", "stapo-test-cache-"), ("TORCHINDUCTOR_CACHE_DIR", "stapo-test-inductor-")):
     if _variable not in os.environ:
         os.environ[_variable] = tempfile.mkdtemp(prefix=_prefix)
         atexit.register(shutil.rmtree, os.environ[_variable], ignore_errors=True)
+
+import pytest  # noqa: E402 - after the caches' variables
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+import reward  # noqa: E402
+import rollout  # noqa: E402
+import train  # noqa: E402
+from model import position_ids_from_mask, tiny_model, tiny_tokenizer  # noqa: E402
+from rollout import Rollout, format_prompt  # noqa: E402
 
 
 # ==================================================================================================================
