@@ -4,7 +4,7 @@
     python bench.py logprobs        # chunked log-prob/entropy vs naive: memory and time at Qwen3's vocabulary
     python bench.py generate        # our sampler vs model.generate (tiny, SmolLM2), FSDP2 vs one process
     python bench.py grader          # reward.grade throughput
-    python bench.py grader-compare  # reward.grade vs math-verify (if installed) on the labelled cases: accuracy, FPs
+    python bench.py grader-compare  # reward.grade vs math-verify (if installed) on the peers' suites: agreement, FPs
     python bench.py grader-compare --against OLD_REWARD_PY   # ... and another reward.py (the code before a change)
     python bench.py gpu             # the CUDA path at Qwen3-1.7B shape on one GPU (~7 min on an H200; not in `all`)
     python bench.py gpu --smoke     # the same code at toy shapes on the CPU in seconds (run by the test suite)
@@ -404,38 +404,68 @@ def _math_verify():
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # a "Timeout during comparison" warning per late case
 
     def grade(response, gold):
+        if gold is None:
+            return False
         gold = ", ".join(gold) if isinstance(gold, list) else gold
         return bool(verify(parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$"), parse(response)))
     return grade
 
 
-def _compare_row(items, fn):
-    """-> (right, false positives, slowest seconds, its id) of `fn` over (response, gold, id, label) items."""
-    right, fp, slowest = 0, 0, (0.0, "")
-    for response, gold, name, label in items:
+def _verdicts(items, fn):
+    """-> [(verdict, seconds)] of `fn` over (response, gold, id, label) items; a grader that raises says "no"."""
+    out = []
+    for response, gold, _, _ in items:
         t = time.perf_counter()
         try:
             verdict = bool(fn(response, gold))
         except Exception:  # noqa: BLE001 - a peer grader that raises has given no verdict: counted as "no"
             verdict = False
-        slowest = max(slowest, (time.perf_counter() - t, name))
-        right += verdict == label
-        fp += verdict and not label
-    return right, fp, *slowest
+        out.append((verdict, time.perf_counter() - t))
+    return out
+
+
+def _compare_cells(items, verdicts, disputed):
+    """The cells agree / FP / slowest (ms, id) of one grader's verdicts on `items`; FPs on a `disputed` id (a label
+    docs/grader.md deliberately disagrees with) are counted apart."""
+    right = sum(v == label for (v, _), (*_, label) in zip(verdicts, items))
+    fps = [item[2] for (v, _), item in zip(verdicts, items) if v and not item[3]]
+    seconds, name = max((t, item[2]) for (_, t), item in zip(verdicts, items))
+    argued = sum(i in disputed for i in fps)
+    return [f"{right}/{len(items)}", f"{len(fps)}" + (f" ({argued} disputed)" if argued else ""),
+            f"{seconds * 1e3:.0f} ({name})"]
+
+
+def _compare_table(groups, graders, verdicts, disputed=frozenset()):
+    """One markdown table: a row per group of (response, gold, id, label) items, each grader's three cells."""
+    print("| cases | n | labelled wrong | " + " | ".join(f"{g} agree | {g} FP | {g} slowest (ms)" for g in graders)
+          + " |")
+    print("|---|---|---|" + "---|---|---|" * len(graders))
+    for name, items in groups.items():
+        cells = [c for g in graders for c in _compare_cells(items, [verdicts[g][i[2]] for i in items], disputed)]
+        wrong = sum(not label for *_, label in items)
+        print(f"| {name} | {len(items)} | {wrong} | " + " | ".join(cells) + " |", flush=True)
+    print()
 
 
 def bench_grader_compare(against: str | None = None):
-    """Issue 45: reward.grade against math-verify (HuggingFace's grader, `pip install math-verify`; its column is left
-    out, with a note, when it is not installed) and, with `--against FILE`, another reward.py (the code before a
-    change): per category of the labelled cases (the repository's testdata/grader_cases.jsonl, and
-    ../shared/data/grader_cases.jsonl when it is beside the repository), the verdicts that agree with the label, the
-    false positives (accepted, labelled wrong) over the cases labelled wrong, and the slowest single case.
+    """Issues 45 and 53: reward.grade against math-verify (HuggingFace's grader, `pip install math-verify`; its columns
+    are left out, with a note, when it is not installed) and, with `--against FILE`, another reward.py (the code before
+    a change), on labelled cases: the verdicts that agree with the label, the false positives (accepted, labelled
+    wrong) and the slowest single case, per group, then every false positive listed.
+    1. testdata/peer_cases.jsonl: the peers' own labelled cases, raw completions as their suites grade them (label =
+       what the peer's test asserts; sources, commits and the conversion in testdata/README.md), per source: the
+       peers' suites (lighteval's extractive-match tests, the reward tests of verl, Qwen2.5-Math, SkyRL, TRL, NeMo-RL,
+       AReaL) and the last round's (math-verify's tests, NeMo-Skills', MATH's). A case where reward.py disagrees on
+       purpose carries its reason (`deliberate_no`, docs/grader.md); its false positives are listed with it.
+    2. testdata/grader_cases.jsonl (and ../shared/data/grader_cases.jsonl when it is beside the repository), per
+       category, ambiguous cases left out.
 
     Deliberate choices:
     1. Each grader is called as it is meant to be used: reward.grade(response, gold); math-verify's
        verify(parse(gold), parse(response)) with a bare gold put in $...$ (a gold list joined with ", "), its default
-       extraction and comparison options. A grader that raises counts as "no".
-    2. Ambiguous cases are left out; one pass (the verdicts are the point; `bench.py grader` measures speed).
+       extraction and comparison options (not each peer test's own options: the options are in the `options` column).
+       A grader that raises counts as "no".
+    2. One pass (the verdicts are the point; `bench.py grader` measures speed).
     """
     graders = {"reward.py": reward.grade}
     if against:
@@ -448,28 +478,43 @@ def bench_grader_compare(against: str | None = None):
         print(f"math-verify {importlib.metadata.version('math-verify')}\n")
     for grader in graders.values():
         grader("\\boxed{\\sqrt{2}}", "\\sqrt{2}")  # warm caches and imports
+    peers = [json.loads(line) for line in (_REWARD_FALLBACK / "peer_cases.jsonl").read_text().splitlines() if line]
+    groups = {}
+    for c in sorted(peers, key=lambda c: c["suite"] != "peers"):  # the peers' suites first, then the last round's
+        groups.setdefault((c["suite"], c["source"]), []).append((c["response"], c["gold"], c["id"], c["correct"]))
+    for suite in ("peers", "last round"):
+        groups[(suite, "**together**")] = [i for (s, _), items in list(groups.items()) if s == suite for i in items]
+    everything = [i for (_, source), items in groups.items() if source != "**together**" for i in items]
+    verdicts = {g: {item[2]: v for item, v in zip(everything, _verdicts(everything, fn))} for g, fn in graders.items()}
+    deliberate = {c["id"]: c["deliberate_no"] for c in peers}
+    print("testdata/peer_cases.jsonl: agree / cases, false positives (accepted, labelled wrong; disputed: the label "
+          "is a deliberate \"no\" of docs/grader.md), slowest case\n")
+    _compare_table({f"{suite}: {source}": items for (suite, source), items in groups.items()}, graders, verdicts,
+                   {i for i, why in deliberate.items() if why})
+    for g in graders:
+        fps = [c for c in peers if verdicts[g][c["id"]][0] and not c["correct"]]
+        real = sum(not deliberate[c["id"]] for c in fps)
+        print(f"{g}: {len(fps)} false positives, {real} of them on a label docs/grader.md does not dispute" +
+              (":" if fps else ""))
+        for c in fps:
+            why = f"disputed: {deliberate[c['id']]}" if deliberate[c["id"]] else "FALSE POSITIVE"
+            print(f"- {c['id']}: {c['response'][-70:]!r} for gold {str(c['gold'])[:40]!r} ({why})")
+        print()
     for where, path in (("testdata/grader_cases.jsonl", _REWARD_FALLBACK / "grader_cases.jsonl"),
                         ("../shared/data/grader_cases.jsonl", _REWARD_DATA / "grader_cases.jsonl")):
         if not path.exists():
             print(f"{where} not found: left out\n")
             continue
-        cases = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         by_category = {}
-        for c in cases:
+        for c in (json.loads(line) for line in path.read_text().splitlines() if line.strip()):
             if not c["ambiguous"]:
                 by_category.setdefault(c["category"], []).append((c["response"], c["gold"], c["id"], c["correct"]))
+        by_category = dict(sorted(by_category.items()))
         by_category["**all**"] = [item for items in by_category.values() for item in items]
-        print(f"{where}: agree / cases, false positives (of the cases labelled wrong), slowest case (ms)\n")
-        print("| category | cases | wrong | " + " | ".join(f"{g} agree | {g} FP | {g} slowest" for g in graders) + " |")
-        print("|---|---|---|" + "---|---|---|" * len(graders))
-        for category, items in sorted(by_category.items(), key=lambda kv: (kv[0] == "**all**", kv[0])):
-            cells = []
-            for fn in graders.values():
-                right, fp, seconds, name = _compare_row(items, fn)
-                cells += [f"{right}/{len(items)}", str(fp), f"{seconds * 1e3:.0f} ({name})"]
-            wrong = sum(not label for *_, label in items)
-            print(f"| {category} | {len(items)} | {wrong} | " + " | ".join(cells) + " |", flush=True)
-        print()
+        items = by_category["**all**"]
+        verdicts = {g: {item[2]: v for item, v in zip(items, _verdicts(items, fn))} for g, fn in graders.items()}
+        print(f"{where}: agree / cases, false positives (of the cases labelled wrong), slowest case\n")
+        _compare_table(by_category, graders, verdicts)
 
 # ------------------------------------------------------------------------------------------------------------------
 # `python bench.py gpu [--smoke] [--out DIR]`: the CUDA path of training and rollouts at Qwen3-1.7B shape

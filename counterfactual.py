@@ -50,7 +50,8 @@ Deliberate choices:
    distribution. Call c is seeded from (seed, c), so a result is reproducible for the same tokens and arguments.
 5. The plug-in standard error of the effect is 0 when both sides are unanimous ("no difference seen in K draws", not
    "exactly known"); negligibility is therefore an equivalence test on the contrast's Newcombe interval, and summary
-   intervals resample whole responses (tokens of one response are one cluster), not tokens.
+   intervals resample whole responses (tokens of one response are one cluster), not tokens; so do the differences
+   `--table` prints between the candidates the S2T rule silences and those it keeps (`cluster_difference`).
 6. Every mini-batch of the step is analysed, with the mask the run gave it: the step's updates are replayed
    (`train.train_step`), so mini-batch k's p, H and mask are those of the policy after k updates, as in the run.
    The continuations come from pi_old, the policy that sampled the rollout (the checkpoint's): the effect is the
@@ -62,9 +63,10 @@ Deliberate choices:
    and silenced counts) and samples.jsonl lines of the step.
    When they differ, a warning says so and every line has `"rollout_matches_run": false`: the analysis is still
    self-consistent (the same policy's rollout, mask and continuations), but its tokens are not the run's.
-8. Every line also says whether the S2T rule (the run's tau_p and q) would silence the token (`s2t_rule`), whatever
-   the run's algorithm: the candidates of a JustRL or FullMask run split into those STAPO's entropy test picks and
-   those it keeps, so `--table` measures the rule's precision against the other candidates on the same tokens.
+8. Every line also says whether the S2T rule (the run's tau_p, q and --quantile-window) would silence the token
+   (`s2t_rule`), whatever the run's algorithm: the candidates of a JustRL or FullMask run split into those STAPO's
+   entropy test picks and those it keeps, so `--table` measures the rule's precision against the other candidates
+   on the same tokens.
 """
 from __future__ import annotations
 
@@ -311,8 +313,8 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
             raise ValueError(f"step {step}: the replayed rollout differs from the regenerated one (not seeded?)")
         seen.append((k, len(mb.rollout), current.logprobs.cpu(), current.entropy.cpu(), mask.cpu(),
                      weights.silenced.cpu(), s2t.candidates(current.logprobs, adv, mask, cfg.tau_p).cpu(),
-                     s2t.spurious_mask(current.logprobs, current.entropy, adv, mask, cfg.tau_p,
-                                       cfg.quantile)[0].cpu()))  # choice 8: the rule's tau_h of this mini-batch
+                     s2t.spurious_mask(current.logprobs, current.entropy, adv, mask, cfg.tau_p, cfg.quantile,
+                                       earlier=run.window if cfg.quantile_window else None)[0].cpu()))  # choice 8
 
     pi_old = {name: x.detach().clone() for name, x in run.policy.state_dict().items()}
     train.train_step(run, step, on_mask=keep)  # the same rollout again (seeded), then the step's updates
@@ -436,6 +438,48 @@ def cluster_interval(values: list[float], clusters: list, n: int = 2000, seed: i
     return float(lo), float(hi)
 
 
+def cluster_difference(a: list[float], a_clusters: list, b: list[float], b_clusters: list, n: int = 2000,
+                       seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
+    """mean(a) - mean(b) and its percentile bootstrap interval resampling whole clusters (responses) of both groups
+    at once: a drawn response brings its tokens of each group, so tokens of one response, in one group or in both,
+    are never counted as independent. Replicates that draw no token of a group are dropped. (nan, nan, nan) when a
+    group is empty."""
+    if not a or not b:
+        return math.nan, math.nan, math.nan
+    keys = list(dict.fromkeys([*a_clusters, *b_clusters]))
+    index = {key: i for i, key in enumerate(keys)}
+    sums, counts = np.zeros((2, len(keys))), np.zeros((2, len(keys)))  # (group, clusters)
+    for g, (values, clusters) in enumerate(((a, a_clusters), (b, b_clusters))):
+        for v, c in zip(values, clusters):
+            sums[g, index[c]] += v
+            counts[g, index[c]] += 1
+    draw = np.random.default_rng(seed).integers(len(keys), size=(n, len(keys)))  # (n, clusters)
+    s, c = sums[:, draw].sum(2), counts[:, draw].sum(2)  # (group, n)
+    ok = (c > 0).all(0)  # (n,)
+    stats = s[0, ok] / c[0, ok] - s[1, ok] / c[1, ok]
+    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
+    return _mean(a) - _mean(b), float(lo), float(hi)
+
+
+def difference_row(a: list[dict], b: list[dict]) -> str:
+    """The cells of group a minus group b (token lines): the counts, and the differences of the mean effect, the
+    mean contrast and the share negligible with 95% intervals resampling responses (`cluster_difference`)."""
+    if not a or not b:
+        return f"{len(a)} - {len(b)} | - | - | - | - | - | - |"
+
+    def key(x):
+        return x.get("algo"), x.get("seed"), x.get("step"), x.get("row")
+
+    def cell(field, fmt):
+        d, lo, hi = cluster_difference([float(x[field]) for x in a], [key(x) for x in a],
+                                       [float(x[field]) for x in b], [key(x) for x in b])
+        return f"{fmt.format(d)} ({fmt.format(lo)}, {fmt.format(hi)})"
+
+    responses = len({key(x) for x in a + b})
+    return (f"{len(a)} - {len(b)} ({responses}) | {cell('effect', '{:+.3f}')} | {cell('contrast', '{:+.3f}')} | "
+            f"{cell('negligible', '{:+.2f}')} | - | - | - |")
+
+
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """The Wilson score interval of a proportion successes / n (95% at z = 1.96): (p + z^2/2n -+ z sqrt(p(1-p)/n +
     z^2/4n^2)) / (1 + z^2/n); it stays inside [0, 1] and is not empty at 0 or n successes."""
@@ -461,9 +505,18 @@ def pooled_groups(lines: list[dict]) -> dict[str, dict[str, list[dict]]]:
 
 
 def pooled_summary(lines: list[dict]) -> str:
-    """RQ2 over many runs (`python counterfactual.py --table RUN ...`): a `summary_row` per group of `pooled_groups`."""
-    rows = [f"| {name if i == 0 else ''} | {group} | {summary_row(g)}"
-            for name, groups in pooled_groups(lines).items() for i, (group, g) in enumerate(groups.items())]
+    """RQ2 over many runs (`python counterfactual.py --table RUN ...`): a `summary_row` per group of `pooled_groups`,
+    then per algorithm the candidates the S2T rule silences minus those it keeps (`difference_row`), in the graded
+    part, after it and in both: the entropy condition's effect, within a part (the part alone decides much of a
+    token's effect), with intervals over responses."""
+    rows = []
+    for name, groups in pooled_groups(lines).items():
+        rows += [f"| {name if i == 0 else ''} | {group} | {summary_row(g)}"
+                 for i, (group, g) in enumerate(groups.items())]
+        silences, keeps = groups["candidates the S2T rule silences"], groups["candidates the S2T rule keeps"]
+        for part in (*PARTS, None):
+            a, b = ([x for x in g if part in (None, x["part"])] for g in (silences, keeps))
+            rows.append(f"|  | S2T rule, silences - keeps, {part or 'both'} | {difference_row(a, b)}")
     return "\n".join(["| algorithm | which tokens | " + HEAD, "|---" * (HEAD.count("|") + 2) + "|", *rows])
 
 

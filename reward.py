@@ -1,12 +1,12 @@
 """Final-answer extraction, answer equivalence and the +-1 reward (docs/paper.md §1 and §6: the DAPO reward on the last
 \\boxed{}; §7: rule-based grading of the benchmarks).
 
-`grade(response, gold)` takes the final answer of a response (the last \\boxed{...}, else an explicit "the answer
-is ..." phrase or a concluding sentence that states one value; never "the last number in the text"; nothing after a
-chat-template token such as <|im_end|>) and decides whether it equals the gold. Answers are read by a small
-hand-written tokenizer + recursive-descent parser for the LaTeX/arithmetic language of math answers that builds sympy
-objects directly: model output never reaches eval, exec, sympify or parse_expr. `graded_chars` (and, for token ids,
-`graded_count`) says how much of a response the reward reads: up to and including its answer.
+`grade(response, gold)` takes the final answer of a response (after </think> only; the last \\boxed{...}, else "the
+answer is ..." phrases, a response or last line that is only a value, or a final sentence stating one value, a relation
+read whole; never "the last number in the text"; nothing after a chat-template token) and decides whether it equals
+the gold. Answers are read by a small hand-written tokenizer + recursive-descent parser for math answers that builds
+sympy objects directly: model output never reaches eval, exec, sympify or parse_expr. `graded_chars` (and, for token
+ids, `graded_count`) says how much of a response the reward reads: up to and including its answer.
 
 Deliberate differences from the paper and from common graders (verl, Math-Verify, Qwen2.5-Math):
 1. The paper compares normalized strings (`mode="strict"` keeps that); the default compares values, because a string
@@ -70,8 +70,8 @@ def _tick(deadline):
 
 # ------------------------------------------------------------------------------------------------ public API
 def _golds(gold):
-    """A gold answer as a list of strings: a list means several answers (OlympiadBench); 27.0 -> "27.0"."""
-    return [str(g) for g in ([gold] if isinstance(gold, (str, int, float)) else gold)]
+    """A gold answer as a list of strings: a list means several answers (OlympiadBench); 27.0 -> "27.0"; None: none."""
+    return [str(g) for g in ([gold] if isinstance(gold, (str, int, float)) else gold or [])]
 
 
 def extract_answer(response, timeout=TIMEOUT_S):
@@ -92,9 +92,9 @@ def grade(response, gold, timeout=TIMEOUT_S):
         answer, text, boxes = _extract(response, deadline) if isinstance(response, str) else (None, "", [])
     except Refused:
         return False
-    if not (answer and answer.strip()):
-        return False
     golds = _golds(gold)
+    if not (answer and answer.strip() and golds):
+        return False
     return _equivalent(answer, golds, deadline) or _parts(text, boxes, golds, deadline)
 
 
@@ -293,16 +293,26 @@ _HEDGE = re.compile(r"[\s$.,;:)\]}*]*\(?\s*(?:or|maybe|possibly|perhaps|alternat
                     r"perhaps\s+|it (?:could|might) be\s+)?[$\\(]*\s*-?\.?\d", re.I)
 _PHRASE = re.compile(r"(?:(?:final\s+)?answer(?:\s*\*\*)?\s*(?:is\b|:|=|(?:should|would|must|will) be\b)|"
                      r"final\s+answer\b|(?P<bare>(?:^|(?<=\n))[ \t*#]*answer\**[ \t]+(?=[-$\\(\d]))|"  # "Answer 5"
-                     r"####|答案\s*(?:是|为|:|：))[\s*:]*", re.I)
+                     r"####|答案\s*(?:是|为|:|：)|r[ée]ponse\s*(?:est\b|:))[\s*:]*", re.I)
 _SENTENCE = re.compile(r"the\s.{0,80}?\s(?:is|are)\s+(.+)", re.I | re.DOTALL)  # Minerva's "The largest $n$ is 34."
 # the end of the model's turn: what follows a chat-template token (an invented next turn) is not its answer
 _RETRACT = re.compile(r"\b(?:wait|actually|instead|mistake|wrong|incorrect|error|re-?check|correction|oops)\b", re.I)
 _TURN_END = re.compile(r"<\|[a-z_]{2,30}\|>|<(?:start|end)_of_turn>|</s>")
 _CUT = re.compile(r"\.(?=\s|$)|。|\n|,?\s+(?:since|because|as|which|where|so)\b|,\s*(?:since|because|which|so)\b|"
                   r"\s\((?:i\.e\.|e\.g\.|that is|approx|about|rounded)")
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s?\\?%)?")  # 35, 1,234, 2.5, 100%
 _HOPE = re.compile(r"\s*I hope it is correct\.?$", re.I)  # Minerva's closing sentence
-_STATED = re.compile(r"\s(?:is|are|equals|=)\s+(\$[^$]{1,200}\$|-?\d+(?:\.\d+)?/\d+)[.!]$")  # "... is 2/3."
+# "... is 2/3.", "... is $(7, 6)$" (a closed $...$ needs no period), Geometry3K's "The angle is [90]."
+_STATED = re.compile(r"\s(?:is|are|equals|=)\s+(?:\$([^$]{1,200})\$[.!]?|(-?\d+(?:\.\d+)?/\d+)[.!]|"
+                     r"\[\s*([^\[\]a-zA-Z]{1,50}?)\s*\][.!])$")
+# a value in math delimiters: $...$, \(...\), \[...\] (a sentence's one span is its answer: "We find that $x < 3$.")
+_SPAN = re.compile(r"\$\$([^$]{1,300})\$\$|\$([^$]{1,300})\$|\\\((.{1,300}?)\\\)|\\\[(.{1,300}?)\\\]", re.DOTALL)
+_BOLD = re.compile(r"\*\*([^*]{1,60})\*\*")  # a value in bold: "... هو **92**.", "一共有**858颗**糖果。"
+_RELATION = re.compile(r"[<>≤≥≠]|!=|\\(?:le|ge|ne|lt|gt|leq|geq|neq)(?![a-zA-Z])")  # x >= 5 is no number's answer
+# English, Chinese and Hindi sentence ends; a capital word after a math span ("... = 6$ So, the pair is ...")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[。！？।])|(?<=\$)\s+(?=[A-Z][a-z])")
+_FOREIGN = r"[^\x00-\x7f°²³¹⁰⁴-⁹⁻π√≤≥≠±−×÷∞€£¥]"  # letters of other scripts: prose, not a value
+_NOT_UNIT = {"or", "and", "not", "no", "is", "wrong", "maybe", "perhaps", "possibly", "approximately", "about"}
 _PLAN = re.compile(r"(?:let|first|next|then|to|we (?:need|want|must)|find|compute|calculate|determine|suppose|given|"
                    r"if|consider|or|maybe|perhaps|possibly|alternatively)\b", re.I)
 
@@ -388,8 +398,10 @@ def _from_phrase(text):
     """Without a box: the text after the last "the answer is" / "Answer:" / "####", to the end of its sentence; a bare
     "Answer 5" (no colon) only on the last line, not as a heading ("Answer 2. The value is 7.\n...")."""
     phrases = list(_PHRASE.finditer(text))
-    if not phrases or phrases[-1].group("bare") and "\n" in text[phrases[-1].end() :].strip():
-        return None
+    rest = text[phrases[-1].end() :].strip() if phrases else ""
+    display = re.fullmatch(r"\\\[.*\\\]|\$\$.*\$\$", rest, re.DOTALL)
+    if not phrases or phrases[-1].group("bare") and "\n" in rest and not display:
+        return None  # "Answer 2. ...\n..." is a heading; "Answer \[ \n 9 \n \]" a display
     rest = text[phrases[-1].end() :].lstrip(" *")
     rest = rest.lstrip("\n") if rest.startswith(("\n\\[", "\n$$")) else rest
     for a in ("\\[", "\\]", "\\(", "\\)", "$"):
@@ -398,42 +410,95 @@ def _from_phrase(text):
     if after and _HEDGE.match(after[0]):
         return ""  # "3. Or maybe 4." is a hedge: no answer
     sentence = _SENTENCE.fullmatch(answer)
-    return (sentence.group(1) if sentence else answer).strip(" *")
+    answer = (sentence.group(1) if sentence else answer).strip(" *")
+    if len(re.findall(r"(?<![\\a-zA-Z])[a-zA-Z]{3,}", answer)) >= 3:  # "Jane started growing Sphere 3 hours ago"
+        return _from_conclusion(answer + ".") or answer  # a sentence: the one value it states
+    return answer
 
 
 def _from_conclusion(text):
-    """Without a box or phrase: a complete final sentence stating exactly one number ("So Tom has 35 apples left.") or
-    ending "is <value>." with one fraction or $...$ value ("... the probability that Alice wins is 2/3."); Minerva's
-    closing "I hope it is correct." is skipped. Not "the last number in the text": truncated, hedged, multi-number or
-    planning ("Let ...") endings give None."""
+    """Without a box or phrase: a complete final sentence that states one value: its one math span ("We find that $x <
+    3$."), one bold value ("... هو **92**."), a value after "is" ("... the probability that Alice wins is 2/3.", "The
+    result is $3$", "The angle is [90]."), or its one number ("So Tom has 35 apples left."; not one in a relation: "x
+    >= 5"). Minerva's closing "I hope it is correct." is skipped. Not "the last number in the text": truncated,
+    hedged, multi-value or planning ("Let ...") endings give None."""
     last = _HOPE.sub("", text.strip()).rsplit("\n", 1)[-1].strip()
-    sentence = re.split(r"(?<=[.!?])\s+", last)[-1]
-    if _PLAN.match(sentence) or re.search(r"\b(?:or|maybe|possibly|perhaps)\b", sentence, re.I):
-        return None
+    sentence = [s for s in _SENTENCE_END.split(last) if s.strip()][-1:] or [""]
+    sentence = sentence[0].strip()
+    if _PLAN.match(sentence) or re.search(r"\b(?:or|maybe|possibly|perhaps|not|never|cannot)\b|n't\b", sentence, re.I):
+        return None  # a plan, a hedge or a negation ("It is not 5.")
     stated = _STATED.search(sentence[-300:])
     if stated:
-        return stated.group(1).strip("$ ")
+        return next(g for g in stated.groups() if g is not None).strip()
+    complete = sentence.endswith((".", "!", "。", "！", "।")) and len(sentence) <= 300
+    spans = [next(g for g in m.groups() if g is not None) for m in _SPAN.finditer(sentence)]
+    bold = [m.group(1) for m in _BOLD.finditer(sentence) if _NUMBER.search(m.group(1))]
+    if len(spans) + len(bold) > 1 or not (complete or spans and sentence.endswith(("$", "\\)", "\\]"))):
+        return None
+    if spans or bold:
+        return (spans or bold)[0].strip()
     numbers = _NUMBER.findall(sentence)
-    complete = sentence.endswith((".", "!")) and len(sentence.split()) <= 20
-    return numbers[0].rstrip(",") if complete and len(numbers) == 1 else None
+    if len(sentence.split()) > 20 or _RELATION.search(sentence) or len(numbers) != 1:
+        return None
+    return numbers[0].rstrip(",")
+
+
+def _bare(line):
+    """`line` as an answer when it is only a value: "42", "x = 3", "1,234", "33.5%", "3+2", "$\\frac13 $",
+    "\\[ 9 \\]", "$28$ %", "$1,000.99" (money), "[45 degrees]" (Geometry3K's brackets), "C"; else None. Words other
+    than function names and one unit after a number ("45 degrees") make it prose, and so do letters of other scripts."""
+    s = line.strip()
+    s = s[:-1].rstrip() if s.endswith(".") and not s.endswith("..") else s
+    if re.fullmatch(r"\[[^\[\],;]*\]", s):
+        s = s[1:-1].strip()  # [45], [$\sqrt{4}$]
+    span = _SPAN.fullmatch(s)
+    if span:  # one math span, whatever it holds ($odd$); an inline one on one line ($ \n 9 \n $ is not math)
+        inner = next(g for g in span.groups() if g is not None).strip()
+        return inner or None if not ((span.group(2) or span.group(3)) and "\n" in inner) else None
+    if "\n" in s:
+        return None
+    s = _SPAN.sub(lambda m: " %s " % next(g for g in m.groups() if g is not None), s).strip()  # $28$ %
+    s = re.sub(r"^\\?\$(?=\d)|(?<=\d)\\?\$$", "", s)  # $1,000.99, 1,000.99$, \$10: money
+    if not re.search(r"[0-9A-Za-z]", s) or len(s) > 300 or re.search(r"\$|\\[(\[]|" + _FOREIGN, s):
+        return None
+    words = re.sub(r"\\(?:text|mbox|mathrm|begin|end)\s*\{[^{}]*\}", " ", s)  # \text{ cm}: a unit
+    unit = re.search(r"(?<=\d)\s*([a-zA-Z]{2,})$", words)  # 45 degrees; not "5 is wrong", "5 or"
+    words = words[: unit.start()] if unit and unit.group(1).lower() not in _NOT_UNIT else words
+    return None if any(w.lower() not in _WORDS for w in re.findall(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}", words)) else s
+
+
+def _from_bare(text):
+    """A response that is only a value (_bare), or whose last line (or display block) is one after a finished
+    sentence or a colon ("First compute 6*7.\\n42"); not a line of a list of values ("1\\n2\\n3")."""
+    text = text.strip()
+    whole = _bare(text)
+    if whole is not None or "\n" not in text:
+        return whole
+    opener = {"$$": "$$", "\\]": "\\["}.get(text[-2:])  # the last block: a display, else the last line
+    at = text.rfind(opener, 0, len(text) - 2) if opener else -1
+    before, block = (text[:at], text[at:]) if at >= 0 else text.rsplit("\n", 1)
+    before = before.rstrip()
+    if not before.endswith((".", "!", "?", ":", "。", "：")) or _bare(before.rsplit("\n", 1)[-1]) is not None:
+        return None
+    return _bare(block)
 
 
 def _extract(response, deadline):
-    """-> (answer or None, the text it was found in, the boxes of that text as _boxes gives them). The part after
-    </think> is searched first."""
+    """-> (answer or None, the text it was found in, the boxes of that text as _boxes gives them). With </think>, only
+    the text after it is searched (nothing there: no answer); an unfinished <think> has no answer."""
     text = next((t for t in _TURN_END.split(response[-TAIL_CHARS:]) if t.strip()), "")
-    parts = text.rsplit("</think>", 1)
-    for part in [parts[1], text] if len(parts) == 2 else [text]:
-        boxes = _boxes(part, deadline)
-        if boxes:
-            return _from_boxes(part, boxes, deadline), part, boxes
-        tags = re.findall(r"<answer>(.*?)</answer>", part[-5000:], re.DOTALL)
-        answer = tags[-1].strip() if tags else _from_phrase(part[-5000:])
-        if answer is None and not ("<think>" in part and "</think>" not in part):  # not inside unfinished thinking
-            answer = _from_conclusion(part[-2000:])
-        if answer is not None:
-            return answer or None, part, []
-    return None, "", []
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    elif "<think>" in text:
+        return None, "", []  # the reasoning never ended
+    boxes = _boxes(text, deadline)
+    if boxes:
+        return _from_boxes(text, boxes, deadline), text, boxes
+    tags = re.findall(r"<answer>(.*?)</answer>", text[-5000:], re.DOTALL)
+    answer = tags[-1].strip() if tags else _from_phrase(text[-5000:])
+    for read in (_from_bare, _from_conclusion):
+        answer = read(text[-2000:]) if answer is None else answer
+    return answer or None, text, []
 
 
 # ------------------------------------------------------------------------------------------------ normalization
@@ -495,8 +560,13 @@ def _clean(s, deadline):
     s = re.sub(r"(?<!\\)\\(?=\s|$)", " ", s).strip()  # "\ " (a space), also at the end: 185\
     if "####" in s:  # a GSM8K solution as gold
         s = s.rsplit("####", 1)[1]
-    if "\\boxed" in s or "\\fbox" in s:  # a full solution as gold: its last box
-        s = next((c for _, _, c in reversed(_boxes(s, deadline)) if c), s)
+    if "\\boxed" in s or "\\fbox" in s:  # a full solution as gold: its last box, or the boxes joined to it
+        boxes = _boxes(s, deadline)
+        s = (boxes[-1][2] and _from_boxes(s, boxes, deadline)) or next((c for _, _, c in reversed(boxes) if c), s)
+    elif ("\n" in s.strip() or len(s) > 200) and _PHRASE.search(s):  # "Alina and the answer is\n(C) Cecile"
+        s = _from_phrase(s) or s
+    if "\\begin" not in s:
+        s = re.sub(r"\\\\(?=[a-zA-Z])", r"\\", s)  # \\dfrac (escaped twice) is \dfrac, outside a matrix
     if len(s) > 10 * MAX_ANSWER_CHARS:
         return s, False  # not a final answer: left as it is
     s = re.sub(r",\s*\\!\s*|\s*\{\s*,\s*\}\s*", ",", s)  # 111,\!111 and 14 {, }916: a thousands separator
@@ -513,6 +583,7 @@ def _clean(s, deadline):
     s = re.sub(r"\s+", " ", s).rstrip(" .,;:。，").lstrip(" ,;:")
     s = re.sub(r"^(?:the )?(?:final )?answer(?: is\b|:)\s*", "", s, flags=re.I)
     s = _UNIT_WORDS.sub("", s).strip()
+    s = re.sub(r"(?<=\d)\s*[\u3040-\u9fff\uac00-\ud7af]{1,4}$", "", s)  # 858颗, 3页: a unit
     s = re.sub(r"\b(?:degrees?|dollars?|cents?|units?)$", "", s).strip()
     s = re.sub(r"(?<![A-Za-z\d_])\(?(\d+)\)?_\{?\(?\d+\)?\}?", r"\1", s)  # base subscript: (1011)_2 -> 1011
     s = re.sub(r"(\d{0,50})\.(\d{0,50})\\overline\s*\{(\d{1,50})\}", _repeating, s)
@@ -681,8 +752,11 @@ class _Parser:
             return _as_set(sides[1])
         if set(ops) == {"="}:
             lhs, rhs = sides[0], sides[-1]
-            if len(sides) > 2 or not isinstance(rhs, sp.Expr) or not (lhs.free_symbols or rhs.free_symbols):
-                return rhs  # x = 2 + 3 = 5, 6/8 = 3/4, (a, b) = (1, 2), S_1:S = 7:32: the last side is the answer
+            if len(sides) == 2 and named[1] and not named[0] and isinstance(lhs, sp.Expr) and not lhs.free_symbols:
+                lhs, rhs, named = rhs, lhs, named[::-1]  # 2 = x: the value on the left
+            if len(sides) > 2 or not (isinstance(rhs, sp.Expr) and isinstance(lhs, sp.Expr)) or not (
+                    lhs.free_symbols or rhs.free_symbols):
+                return rhs  # x = 2 + 3 = 5, 6/8 = 3/4, (a, b) = (1, 2), S_1:S = 7:32, A:B = 1: the last side
             return Eqn(lhs, rhs, named[0])
         try:
             return _interval(sides, ops, named)
@@ -722,6 +796,8 @@ class _Parser:
                 value = _check(value * self.power())
             elif self.peek() in ("/", "\\div") and self.take():
                 value = _check(value / self.power())
+            elif self.skip("\\bmod"):  # 17 \bmod 5
+                value = _check(sp.Mod(value, self.power()))
             else:
                 return value
 
@@ -785,7 +861,7 @@ class _Parser:
             if not (n.free_symbols or k.free_symbols or n.is_Integer and k.is_Integer and 0 <= n <= MAX_FACTORIAL):
                 raise Refused("binomial")
             return _check(sp.binomial(n, k))
-        if (len(tok) == 1 and tok.isalpha()) or name in _GREEK:
+        if (len(tok) == 1 and tok.isalpha()) or name in _GREEK or name == "angle":  # \angle APC: a name
             return self.symbol(name)
         if tok in ("(", "["):
             items = self.items(separators={",", ";"})  # (0;0;0): a tuple
@@ -930,7 +1006,16 @@ def _parse(text, deadline):
     variants = [text]
     if text.count("\\pm") + text.count("\\mp") == 1:
         variants = [re.sub(r"\\[pm]{2}", "+", text), re.sub(r"\\[pm]{2}", "-", text)]
-    return [item for v in variants for item in _Parser(v, deadline).parse()]
+    try:
+        return [item for v in variants for item in _Parser(v, deadline).parse()]
+    except Refused:
+        last = text.rsplit("=", 1)[-1]  # \lim_{x \to 0} \frac{\sin x}{x} = 1: a left side it cannot read, a value
+        words = re.findall(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}", text)  # not "f(x) = 3 \text{ when } x = 5"
+        readable = "=" in text and not re.search(r"[,;]|\\pm", text) and all(w in _WORDS for w in words)
+        items = _Parser(last, deadline).parse() if readable else []
+        if len(items) == 1 and isinstance(items[0], sp.Expr) and not items[0].free_symbols:
+            return items
+        raise
 
 
 # ------------------------------------------------------------------------------------------------ comparison
@@ -1058,12 +1143,14 @@ def _shape(items, other, deadline):
 
 # a multiple-choice answer: the letter alone ("C", "(C)", "C)") or with its label text ("(C) 12", "C. x = 42")
 _CHOICE = re.compile(r"\(?([A-E])\)?|(?:\(([A-E])\)|([A-E])[.:)](?=\s))\s*([^\s=+\-*/^<>!_,;].*)")
+_CHOICE_GOLD = re.compile(r"()()([A-E])\s+([A-Z][a-z]+\b.*)", re.DOTALL)  # "C Cecile"; not "A triangle"
 _OTHER_CHOICE = re.compile(r"(?<![\w\\])[A-E](?!\w)|\b(?:or|and)\b")  # in label text: a hedge or a second choice
 
 
-def _choice(s):
-    """(letter, label text or "") of a multiple-choice answer, else None."""
-    m = _CHOICE.fullmatch(s)
+def _choice(s, gold=False):
+    """(letter, label text or "") of a multiple-choice answer, else None; a gold may also be "C Cecile" (a letter, a
+    space and a capitalized name)."""
+    m = _CHOICE.fullmatch(s) or gold and _CHOICE_GOLD.fullmatch(s)
     return (m.group(1) or m.group(2) or m.group(3), (m.group(4) or "").strip()) if m else None
 
 
@@ -1087,17 +1174,18 @@ def _equivalent(pred, golds, deadline):
         g = ", ".join(c for c, _ in cleaned)
         if not p:
             return False
-        if "," not in g and re.fullmatch(r"-?\d+,\d+", p):  # 2,74 for a one-number gold (_clean made 1,500 1500)
+        if not re.search(r",|;|\b(?:and|or)\b", g) and re.fullmatch(r"-?\d+,\d+", p):  # 2,74 for a one-number gold
             p = p.replace(",", ".")  # a decimal comma
         if _squash(p) == _squash(g):
             return True
-        choice = _choice(g)
+        choice = _choice(g, gold=True)
         if choice:
             return _same_choice(p, choice, deadline)
         p_items, g_items = _parse(p, deadline), _parse(g, deadline)
         p_items, g_items = _shape(p_items, g_items, deadline), _shape(g_items, p_items, deadline)
-        if len(p_items) > len(g_items):  # the same answer twice ("x+11 or 11+x") is not a hedge
-            p_items = [v for k, v in enumerate(p_items) if not any(_same(v, u, deadline) for u in p_items[:k])]
+        if len(p_items) != len(g_items):  # the same answer twice ("x+11 or 11+x") is not a hedge, nor two golds
+            p_items, g_items = ([v for k, v in enumerate(items) if not any(_same(v, u, deadline) for u in items[:k])]
+                                for items in (p_items, g_items))
         if _match(p_items, g_items, deadline):
             return True
         if len(p_items) != 1 or len(g_items) != 1 or not isinstance(p_items[0], sp.Expr):

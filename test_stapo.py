@@ -228,6 +228,28 @@ def test_s2t_quantile_boundary():
                                  torch.ones(1, 1))[0].any()
 
 
+def test_s2t_quantile_window_pools_earlier_candidates():
+    """--quantile-window, worked by hand: a lone candidate (H = 0.25) is kept by the paper's rule; with the window's
+    earlier entropies 0.1, 0.2, 0.3 tau_h = the 0.75-quantile of {0.1, 0.2, 0.25, 0.3} = 0.25 + 0.25 x 0.05 = 0.2625,
+    so it is silenced. An empty window is the paper's rule; a mini-batch without candidates silences nothing. The
+    window keeps the last N, oldest first, whatever the pieces it is fed in."""
+    lp, ent, one = torch.full((1, 1), LOW_LP), torch.full((1, 1), 0.25), torch.ones(1, 1)
+    assert not s2t.spurious_mask(lp, ent, one, one)[0].any()
+    silenced, tau_h = s2t.spurious_mask(lp, ent, one, one, earlier=torch.tensor([0.1, 0.2, 0.3]))
+    assert silenced.all() and tau_h == pytest.approx(0.2625)
+    assert s2t.spurious_mask(lp, ent, one, one, earlier=torch.zeros(0))[1] == pytest.approx(0.25)
+    none = s2t.spurious_mask(torch.full((1, 1), HIGH_LP), ent, one, one, earlier=torch.tensor([0.9]))
+    assert not none[0].any() and none[1] is None
+    window = torch.zeros(0)
+    for piece in ([1.0, 2.0], [], [3.0], [4.0, 5.0, 6.0]):
+        window = s2t.window_after(window, torch.tensor(piece), 4)
+    assert window.tolist() == [3.0, 4.0, 5.0, 6.0]
+    assert s2t.window_after(window, torch.tensor([7.0]), 0).tolist() == window.tolist()  # 0: the paper's rule
+    # stapo.token_weights hands the window to the rule (S2T and its controls)
+    weights = stapo.token_weights("stapo", lp, ent, one, one, earlier=torch.tensor([0.1, 0.2, 0.3]))
+    assert weights.silenced.all() and weights.threshold == pytest.approx(0.2625)
+
+
 def test_s2t_no_candidates():
     lp = torch.full((2, 3), HIGH_LP)
     ent = torch.rand(2, 3)

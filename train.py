@@ -172,11 +172,11 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
         old_rows = pi_old(run, mb, update)  # (b, T) each
         current = old_rows if before is None else before  # what the mask saw (on policy: pi_old)
         log.s2t(k, mb, current, old_rows, weights)
+        if on_mask:
+            on_mask(k, mb, current, weights)
         if cfg.quantile_window:  # this mini-batch's candidates join the window (all ranks, in row order)
             cand = s2t.candidates(current.logprobs, mb.advantages, mb.mask, cfg.tau_p)  # (b, T)
             run.window = s2t.window_after(run.window, all_gather_cat(current.entropy[cand]), cfg.quantile_window)
-        if on_mask:
-            on_mask(k, mb, current, weights)
         if skip:
             log.skipped("zero_adv")
             continue

@@ -202,3 +202,22 @@ def test_train_rollout_auto_is_vllm_on_cuda_when_installed(monkeypatch, capsys):
     assert notes[0].startswith("note: --rollout auto samples with the plain sampler")
     assert config.in_effect(replace(cfg, rollout="plain"), {}, cuda=True, world=1) == (replace(
         cfg, rollout="plain", fsdp=True), [])
+
+
+def test_stop_text_is_repeatable_inherited_by_eval_and_never_empty(tmp_path, capsys):
+    """--stop-text A --stop-text B gives both (so does any list flag: --models a --models b); eval.py --run takes
+    the run's texts; an empty text is a one-line error."""
+    assert config.parse_flags(config.Config, ["--stop-text", "\n\n", "--stop-text", "Q:"], "train.py") == \
+        {"stop_text": ["\n\n", "Q:"]}
+    assert ev.parse_config(["--models", "a", "--models", "b"]).models == ["a", "b"]
+    run = tmp_path / "run"
+    (run / "hf").mkdir(parents=True)
+    recorded = {**asdict(config.Config()), "stop_text": ["\n\n"], "data": ""}
+    (run / "config.json").write_text(json.dumps(recorded))
+    assert ev.parse_config(["--run", str(run)]).stop_text == ["\n\n"]
+    assert ev.parse_config(["--run", str(run), "--stop-text", "X"]).stop_text == ["X"]
+    del recorded["stop_text"]  # a run made before the flag: no stop text
+    (run / "config.json").write_text(json.dumps(recorded))
+    assert ev.parse_config(["--run", str(run)]).stop_text == []
+    with pytest.raises(ValueError, match="--stop-text '' would end every response"):
+        config.parse_config(["--stop-text", "", "--out-dir", str(tmp_path / "x")])

@@ -152,7 +152,8 @@ def test_counterfactual_wilson_interval_and_pooled_groups(tmp_path, monkeypatch)
     assert [x["step"] for x in justrl["candidates the S2T rule keeps"]] == [2]
     assert [x["effect"] for x in fullmask["candidates the S2T rule keeps"]] == [0.5]
     table = counterfactual.pooled_summary(lines).splitlines()
-    assert len(table) == 2 + 2 * 8 and table[2].startswith("| justrl (2 seeds, steps 1-3) | silenced, graded | 0 |")
+    assert len(table) == 2 + 2 * (8 + 3)  # 8 groups and 3 differences (graded, after, both) per algorithm
+    assert table[2].startswith("| justrl (2 seeds, steps 1-3) | silenced, graded | 0 |")
     assert table[9].startswith("|  | candidates the S2T rule keeps | 1 (1) | +0.500 (+0.500, +0.500) | "
                                "+0.500 (+0.500, +0.500) | 0% (0%, 0%)")
     # the figure: each group's size and share under its tick label, nothing written inside the axes over the points
@@ -167,6 +168,39 @@ def test_counterfactual_wilson_interval_and_pooled_groups(tmp_path, monkeypatch)
         "cand., S2T\nkeeps\nn = 1\n0% negl."]
     assert all(not ax.texts for ax in axes)
     plt.close(figures[0])
+
+
+def test_counterfactual_differences_resample_responses():
+    """The difference between two groups of tokens (the candidates the S2T rule silences minus those it keeps)
+    resamples responses, not tokens: 20 agreeing tokens of one response widen the interval well beyond the one that
+    counts them as 20 responses, and tokens of one response in both groups move together (the same values: a
+    difference of exactly 0 in every replicate); `--table` prints it per part and for both."""
+    a, b = [1.0] * 20 + [0.0] * 10, [1.0] * 5 + [0.0] * 5
+    a_responses, b_responses = ["r0"] * 20 + [f"r{i}" for i in range(1, 11)], [f"s{i}" for i in range(10)]
+    d, lo, hi = counterfactual.cluster_difference(a, a_responses, b, b_responses)
+    d_tokens, lo_tokens, hi_tokens = counterfactual.cluster_difference(a, list(range(30)), b, b_responses)
+    assert d == d_tokens == pytest.approx(20 / 30 - 0.5) and lo < lo_tokens < d < hi
+    assert hi - lo > 1.5 * (hi_tokens - lo_tokens)  # 1.30 against 0.73
+    v, shared = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0], list("abcdef")
+    assert counterfactual.cluster_difference(v, shared, v, shared) == (0.0, 0.0, 0.0)
+    assert counterfactual.cluster_difference(v, shared, v, list("ghijkl"))[1] < -0.3  # apart: they vary apart
+    assert all(math.isnan(x) for x in counterfactual.cluster_difference(v, shared, [], []))
+
+    def line(row, rule, negligible, part):
+        contrast = 0.0 if negligible else 0.5
+        return {"algo": "stapo", "seed": 0, "step": 1, "row": row, "kind": "silenced" if rule else "candidate",
+                "part": part, "candidate": True, "s2t_rule": rule, "effect": contrast, "stderr": 0.1, "keep": 1.0,
+                "resample": 1.0 - contrast, "exclude": 1.0 - contrast, "contrast": contrast,
+                "negligible": negligible, "delta": 0.2}
+
+    lines = [line(0, True, True, "after")] * 20 + [line(r, True, False, "after") for r in range(1, 11)] + \
+        [line(r, False, r % 2 == 0, "after") for r in range(11, 21)] + [line(21, True, False, "graded")]
+    rows = counterfactual.pooled_summary(lines).splitlines()[-3:]
+    assert rows[0] == "|  | S2T rule, silences - keeps, graded | 1 - 0 | - | - | - | - | - | - |"
+    assert rows[1].startswith("|  | S2T rule, silences - keeps, after | 30 - 10 (21) | -0.083 (")
+    assert rows[2].startswith("|  | S2T rule, silences - keeps, both | 31 - 10 (22) | ")
+    negligible = rows[1].split(" | ")[5]  # the share negligible, silenced minus kept: 20/30 - 5/10
+    assert negligible.startswith("+0.17 (") and float(negligible.split("(")[1].split(",")[0]) < -0.5
 
 
 def test_counterfactual_contrast_redraw_and_equivalence():

@@ -708,3 +708,83 @@ def test_rollout_micro_batches_agreed_count_is_balanced_and_within_budget():
     # a count below what the rows need would break the budget: refused
     with pytest.raises(ValueError, match="cannot cut 3 rows into 1 micro-batches"):
         _rows_of_lengths([5, 4, 3]).micro_batches(5, agree=lambda own: 1)
+
+
+# ==================================================================================================================
+# rollout.py: --stop-text
+# ==================================================================================================================
+def _piece_tokenizer():
+    """A tokenizer of multi-character pieces (ids 0-3 special, as tiny_tokenizer's), so that a stop text can be
+    spelled inside one token or across several: "\\n\\n" is one piece, "a\\n" + "\\nb" another spelling of it."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "a", "b", "\n", "a\n", "\nb", "\n\n", " ",
+              "x", "ab", "b\n", "é"]
+    tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+
+
+def test_rollout_stop_text_ends_rows_where_the_text_first_appears():
+    """Against the unstopped sampler with the same seed, decoded naively: each row is the unstopped row cut after
+    the first token at which a stop text appears in the whole decoded response (special tokens skipped, as
+    Rollout.texts), or at its EOS if that comes first; the tokens before are the same. Matches inside one token and
+    across token boundaries (and across special tokens) both occur."""
+    tok = _piece_tokenizer()
+    V, texts = len(tok), ["\n\n", "ab"]
+    lm = tiny_model(vocab_size=V)
+    stop = rollout.StopText(tok, texts)
+    prompts = [[4, 5, 6], [7, 8], [9], [10, 11, 4]] * 4
+    kinds = set()
+    for seed in range(6):
+        for compact in (0.0, None):  # dropping finished rows changes no token
+            full, cut = (generate(lm, prompts, 30, temperature=1.0, eos_token_id=2, pad_token_id=0, vocab_size=V,
+                                  generator=torch.Generator().manual_seed(seed), compact=compact, stop_text=s)
+                         for s in (None, stop))
+            for i in range(len(prompts)):
+                ids = full.response_ids[i][full.response_mask[i].bool()].tolist()
+                end = next((t + 1 for t in range(len(ids))
+                            if any(s in tok.decode(ids[:t + 1], skip_special_tokens=True) for s in texts)), None)
+                got = cut.response_ids[i][cut.response_mask[i].bool()].tolist()
+                assert got == ids[:end or len(ids)], (seed, i)
+                assert torch.equal(cut.logprobs[i, :len(got)], full.logprobs[i, :len(got)])
+                assert bool(cut.truncated[i]) == (end is None and bool(full.truncated[i]))
+                if end:
+                    alone = tok.decode(ids[end - 1:end])
+                    kinds.add("inside" if any(s in alone for s in texts) else "across")
+                    kinds.add("special" if any(t in (0, 1) for t in ids[max(0, end - 3):end]) else "plain")
+    assert kinds == {"inside", "across", "special", "plain"}, kinds
+
+
+def test_rollout_stop_text_window_and_vocabulary_filter():
+    """A text of n bytes is looked for in the last n + 1 tokens that are not special; a token can end a match only if
+    it spells the text's last character or no whole character (a byte of a multi-byte one); a special token, which
+    the decoded text skips, never ends one."""
+    tok = tiny_tokenizer()
+    stop = rollout.StopText(tok, ["ab", "é"])
+    assert stop.window == 3  # "é" is 2 bytes in UTF-8
+    ids = tok("xab").input_ids
+    assert stop.tail([0, *ids, 1, 0]) == [*ids, 1, 0]  # special tokens do not count towards the window
+    may = {tok.convert_ids_to_tokens(i): bool(stop.may_end[i]) for i in range(len(tok))}
+    assert may["b"] and not may["a"] and not may["<|im_end|>"]
+    rows = torch.tensor([tok("xxab").input_ids, tok("abxx").input_ids, tok("xxxx").input_ids])  # (3, 4)
+    assert stop.ends(rows, 0).tolist() == [3, 1, -1] and stop.ends(rows, 2).tolist() == [3, -1, -1]
+    with pytest.raises(ValueError, match="non-empty"):
+        rollout.StopText(tok, [""])
+
+
+def test_plain_engine_passes_the_stop_text():
+    """make_engine(stop_text=...) gives the plain engine the texts; its rows end where `generate`'s do."""
+    tok = tiny_tokenizer()
+    lm = tiny_model()
+    prompts = [format_prompt(tok, p, chat=False, instruction="") for p in ("12", "ab", "x y")]
+    engine = rollout.make_engine("plain", lm, tok, chat=False, stop_text=["e", " t"])
+    with engine.ready(lm):
+        got = engine.sample(prompts, 2, [7], 3, 20, 1.0, 1.0)
+    want = sample_groups(lm, prompts, 2, max_new_tokens=20, eos_token_id=engine.eos, pad_token_id=engine.pad,
+                         vocab_size=_REAL_VOCAB, generator=torch.Generator().manual_seed(7),
+                         stop_text=rollout.StopText(tok, ["e", " t"]))
+    assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.response_mask, want.response_mask)
+    assert any("e" in t or " t" in t for t in got.texts(tok))

@@ -172,6 +172,39 @@ def test_eval_vllm_engine_end_to_end(tmp_path):
     assert results["plain"]["metrics"].keys() == results["vllm"]["metrics"].keys()
 
 
+_STOP_SCRIPT = """
+import json, sys, torch
+import model, rollout
+lm, tok = model.load_model("tiny64")
+prompts = [rollout.format_prompt(tok, p, chat=False, instruction="") for p in ("1+1", "2+3", "4+4", "x")]
+stop = json.loads(sys.argv[1])
+engine = rollout.make_engine(sys.argv[2], lm, tok, False, stop_text=stop, max_model_len=64,
+                             kv_cache_memory_bytes=32 << 20, dtype=torch.float32)
+with engine.ready(lm):
+    r = engine.sample(prompts, 1, [0], 4, 24, 0.0, 1.0)
+print(json.dumps([ids[m.bool()].tolist() for ids, m in zip(r.response_ids, r.response_mask)]))
+"""
+
+
+@needs_vllm
+def test_vllm_engine_stop_text_ends_where_the_plain_sampler_does():
+    """make_engine(stop_text=...) passes the texts to vLLM's `stop`: greedy (the same tokens from both engines),
+    every response ends at the token where the plain sampler's does, with stop texts that span tokens (two
+    characters of the tiny tokenizer, taken from the middle of unstopped responses)."""
+    def responses(engine, stop):
+        proc = subprocess.run([sys.executable, "-c", _STOP_SCRIPT, json.dumps(stop), engine], capture_output=True,
+                              text=True, timeout=600, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    tok = tiny_tokenizer()
+    whole = responses("plain", [])
+    stop = [tok.decode(whole[0][5:7]), tok.decode(whole[2][9:11])]
+    plain, vllm = responses("plain", stop), responses("vllm", stop)
+    assert plain != whole and all(len(a) <= len(b) for a, b in zip(plain, whole))
+    assert vllm == plain
+
+
 @needs_vllm
 def test_eval_vllm_two_ranks_with_unequal_shares(tmp_path):
     """torchrun 2 ranks, a vLLM engine each, 3 problems and one problem per generate call: rank 0 makes two

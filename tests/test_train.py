@@ -482,3 +482,83 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
                         "tokens.jsonl") if (tmp_path / "run" / n).exists()]  # a log without lines is never made
     assert out[-1].startswith(f"outputs in {tmp_path / 'run'}/: {', '.join(logs)}, checkpoint/step_1, hf/ (python "
                               f"eval.py --run {tmp_path / 'run'})")
+
+
+# ------------------------------------------------------------------ the confirmatory experiment's flags
+def test_train_stop_text_ends_responses_and_the_reward_reads_them_whole(tmp_path, monkeypatch):
+    """--stop-text 3 --stop-text 45 (repeatable): every response that is not truncated and has no EOS ends with the
+    token at which a stop text first appears, and nowhere before; the reward sees the whole text, that token
+    included; config.json records the texts."""
+    _patch(monkeypatch, _EVEN)
+    seen = []
+    reward_fn = reward.reward
+    monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo": seen.append(response) or
+                        reward_fn(response, gold, mode))
+    args = _toy_args(_toy_data(tmp_path), tmp_path / "run", max_response_len=8, export_hf=False)
+    with _one_thread():
+        assert train.main(args + ["--stop-text", "3", "--stop-text", "45"]) == 0
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["stop_text"] == ["3", "45"]
+    ended = [t for t in seen if "3" in t or "45" in t]
+    assert len(ended) > 4 and len(seen) == 16
+    for text in ended:  # the first appearance is at the end: the text without its last character holds none
+        assert text.endswith(("3", "45")) and "3" not in text[:-1] and "45" not in text[:-1], text
+    assert any(t.endswith("45") for t in ended)  # a match across two tokens
+    assert _metrics(tmp_path / "run")[0]["response/len_mean"] < 7
+
+
+def test_train_gradient_share_leaves_the_update_and_measures_the_candidates(tmp_path, monkeypatch):
+    """--gradient-share: the same losses and parameters as without it; with one mini-batch a step its norm of the
+    whole objective is the gradient norm clip_grad_norm_ computed; the candidates' part and the rest obey the
+    triangle inequality, and the candidates' part is not zero (tau_p 0.2: the toy model has many)."""
+    _patch(monkeypatch, _EVEN)
+    data = _toy_data(tmp_path)
+    with _one_thread():
+        for name, flags in (("plain", []), ("share", ["--gradient-share"])):
+            assert train.main(_toy_args(data, tmp_path / name, mini_batch_prompts=4, tau_p=0.2, steps=2,
+                                        max_response_len=6) + flags) == 0
+    plain, share = _metrics(tmp_path / "plain"), _metrics(tmp_path / "share")
+    for a, b in zip(plain, share):
+        assert {k: v for k, v in a.items() if not k.startswith("time/") and k != "tokens_per_s"} == pytest.approx(
+            {k: v for k, v in b.items() if not k.startswith(("time/", "grad_share/")) and k != "tokens_per_s"})
+    _close(load_file(tmp_path / "plain" / "hf" / "model.safetensors"),
+           load_file(tmp_path / "share" / "hf" / "model.safetensors"), atol=0)
+    for m in share:
+        assert m["grad_share/n"] == 1 and m["grad_share/all"] == pytest.approx(m["grad_norm"], rel=1e-5)
+        g, g_c, rest = m["grad_share/all"], m["grad_share/candidates"], m["grad_share/without"]
+        assert g_c > 0 and abs(g - rest) <= g_c * (1 + 1e-5) and g_c <= (g + rest) * (1 + 1e-5)
+
+
+def test_train_quantile_window_resumes_exactly(tmp_path, monkeypatch):
+    """--quantile-window 6: the window is kept in the checkpoint, so 2 steps and a resume to 3 equal 3 steps at once,
+    S2T's counts included; the window changes what S2T silences (against the paper's rule on the same rollouts of
+    step 1) and s2t/rule_silenced counts what the rule silences, here equal to what STAPO silenced."""
+    _patch(monkeypatch, _EVEN)
+    data = _toy_data(tmp_path)
+    common = dict(tau_p=0.2, max_response_len=6, export_hf=False)
+    with _one_thread():
+        assert train.main(_toy_args(data, tmp_path / "full", steps=3, quantile_window=6, **common)) == 0
+        assert train.main(_toy_args(data, tmp_path / "cut", steps=2, quantile_window=6, **common)) == 0
+        assert train.main(["--resume", str(tmp_path / "cut"), "--steps", "3"]) == 0
+        assert train.main(_toy_args(data, tmp_path / "paper", steps=3, **common)) == 0
+    full, cut, paper = (_metrics(tmp_path / n) for n in ("full", "cut", "paper"))
+    drop = {"time/rollout_s", "time/update_s", "tokens_per_s"}
+    assert {k: v for k, v in cut[2].items() if k not in drop} == pytest.approx(
+        {k: v for k, v in full[2].items() if k not in drop}, rel=1e-6, abs=1e-9)
+    assert all(m["s2t/rule_silenced"] == m["s2t/silenced"] for m in full + paper)
+    assert full[0]["s2t/candidates"] == paper[0]["s2t/candidates"]  # the same first rollout and pi_old
+    assert [m["s2t/silenced"] for m in full] != [m["s2t/silenced"] for m in paper]
+
+
+def test_train_no_eval_before_and_the_evaluation_before_is_the_seeds(tmp_path, monkeypatch):
+    """The evaluation before training depends on the seed and the initial model only, so runs of one seed sample it
+    alike whatever --algo; --no-eval-before leaves it out (eval.jsonl then starts after the last step)."""
+    _patch(monkeypatch, _EVEN)
+    data = _toy_data(tmp_path)
+    with _one_thread():
+        for algo in ("stapo", "justrl"):
+            assert train.main(_toy_args(data, tmp_path / algo, algo=algo, heldout=4, export_hf=False)) == 0
+        assert train.main(_toy_args(data, tmp_path / "none", heldout=4, export_hf=False, eval_before=False)) == 0
+    evals = {n: [json.loads(x) for x in (tmp_path / n / "eval.jsonl").read_text().splitlines()]
+             for n in ("stapo", "justrl", "none")}
+    assert evals["stapo"][0]["step"] == 0 and evals["stapo"][0] == evals["justrl"][0]
+    assert [e["step"] for e in evals["none"]] == [1]

@@ -95,3 +95,21 @@ def test_train_smollm2_two_processes_with_different_micro_batch_counts_match_one
         assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     _close(load_file(tmp_path / "one" / "hf" / "model.safetensors"),
            load_file(tmp_path / "two" / "hf" / "model.safetensors"), atol=1e-5)
+
+
+def test_train_stop_text_and_quantile_window_two_processes_match_one(tmp_path):
+    """--stop-text (a match across tokens too) and --quantile-window on torchrun 2 processes (gloo, FSDP2) = 1
+    process: the same responses (lengths), the same S2T decisions from the same window, the same parameters."""
+    data = _toy_data(tmp_path)
+    flags = ["--stop-text", "3", "--stop-text", "45", "--quantile-window", "5"]
+    for nproc, name in ((1, "one"), (2, "two")):
+        _run(tmp_path, _toy_args(data, tmp_path / name, steps=2, tau_p=0.2, max_response_len=6, lr=1e-4) + flags,
+             nproc=nproc)
+    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    assert one[0]["response/len_mean"] < 5.5 and sum(m["s2t/silenced"] for m in one) > 0
+    for a, b in zip(one, two):
+        for key in ("response/len_mean", "response/truncated_frac", "s2t/candidates", "s2t/silenced",
+                    "s2t/rule_silenced", "loss/policy", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    _close(load_file(tmp_path / "one" / "hf" / "model.safetensors"),
+           load_file(tmp_path / "two" / "hf" / "model.safetensors"), atol=1e-5)
