@@ -13,7 +13,7 @@ Deliberate choices:
    run's config.json), so "a flag given always wins" has one meaning.
 3. A value from a file converts nothing: "0.001" is not a number and true is not an integer (verl's and TRL's
    YAML recipes are read the same way, with YAML 1.2's numbers).
-4. Every bad input is one line `PROG: error: ...` and exit status 2 (`BAD_INPUT`, `error`), never a traceback.
+4. Every bad input is one line `PROG: error: ...` and exit status 2 (`BAD_INPUT`, `error`, `OneLineParser`).
 5. config.json records the values in effect (`in_effect`): a flag that has no effect on this machine or with these
    settings is stored as in effect, with a warning.
 
@@ -82,7 +82,19 @@ def error(prog: str, e: BaseException | str, rank: int = 0) -> int:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of the usage block
+    """One error line instead of the usage block, a flag close to a misspelled or shortened one named ("did you
+    mean"), and no abbreviations: `--ste 3` is refused, never taken for `--steps 3`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments: "):
+            given = [a.split("=")[0] for a in message.removeprefix("unrecognized arguments: ").split()]
+            close = [difflib.get_close_matches(a, [f for f in self._option_string_actions if f.startswith("--")],
+                                               n=1, cutoff=0.6) for a in given if a.startswith("--")]
+            close = list(dict.fromkeys(c[0] for c in close if c))
+            message += f" (did you mean {' or '.join(close)}?)" if close else ""
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -287,8 +299,9 @@ class Config:
     """GRPO only: weight of the k3 KL to the initial model (0 = no reference model)"""
     reward: str = "dapo"
     """dapo (+1/-1 by reward.grade), binary (1/0), strict (normalized last-box string match), or your own function
-    FILE.py:FUNCTION or MODULE:FUNCTION, called as FUNCTION(response, answer) -> a finite number (reward.py, "your own
-    reward"; examples/reward_last_line.py); a positive reward counts as correct (reward/acc, held-out accuracy)"""
+    FILE.py:FUNCTION or MODULE:FUNCTION, called as FUNCTION(response, answer, **the row's fields it names) -> a finite
+    number, or batched (reward.py, "your own reward"; examples/reward_last_line.py, reward_with_row.py); a positive
+    reward counts as correct (reward/acc, held-out accuracy)"""
     max_prompt_len: int = 1024
     """prompts longer than this (tokens) are dropped"""
     max_response_len: int = 15360
@@ -378,6 +391,10 @@ class Config:
     (without it, a folder that holds a run is refused)"""
     export_hf: bool = True
     """write a Hugging Face-format model to OUT/hf at the end"""
+    light: bool = False
+    """little disk for small experiments: sets --no-export-hf --no-save-optimizer --keep-checkpoints 1 --save-every
+    0 (config.LIGHT; flags given win): one weights-only checkpoint, at the last step or a stop (SmolLM2: 0.54 GB
+    instead of 2.2 GB); python train.py --resume OUT --export-hf exports it later"""
     plots: bool = True
     """write this run's figures OUT/metrics.png, s2t.png and gradient.png at its end (needs matplotlib; --plot RUN
     [RUN ...], not this flag, redraws and overlays finished runs)"""
@@ -396,6 +413,10 @@ CPU_PRESET = dict(
 )
 
 
+# --light: what a small experiment keeps on disk (one weights-only checkpoint, no export); flags given win.
+LIGHT = dict(export_hf=False, save_optimizer=False, keep_checkpoints=1, save_every=0)
+
+
 def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, list[str]]:
     """argv -> (Config, the resumed run's recorded config or None for a new run, warnings for rank 0 to print).
     Each field is a --flag (`parse_flags`: underscores -> dashes, the string under it is its --help). Values: the
@@ -409,6 +430,8 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
 
     given = parse_flags(Config, argv, "train.py", notes={k: f"cpu preset: {v!r}" for k, v in CPU_PRESET.items()},
                         modes={"plot": plots.PLOT_HELP})  # --plot: main hands over to plots.main before this
+    if given.get("light"):
+        given = {**LIGHT, **given}
     cuda = torch.cuda.is_available()
     preset = given.get("preset", "auto")
     if preset == "auto":

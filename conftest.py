@@ -14,23 +14,26 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-import torch
-import torch.multiprocessing as mp
-from safetensors.torch import load_file
+# GGUF files converted by model.py and torch.compile's kernels (the vLLM tests) are cached; the suite keeps its own
+# caches (subprocesses inherit them), removed when the process that made them exits (each run of the suite left
+# ~0.5 GB of GGUF conversions in the temporary directory, and its kernels beside torch's precompiled header, which
+# torch keeps in TMPDIR/torchinductor_USER whatever the variable says). Set before torch loads: importing it sets
+# TORCHINDUCTOR_CACHE_DIR to that folder.
+for _variable, _prefix in (("STAPO_CACHE", "stapo-test-cache-"), ("TORCHINDUCTOR_CACHE_DIR", "stapo-test-inductor-")):
+    if _variable not in os.environ:
+        os.environ[_variable] = tempfile.mkdtemp(prefix=_prefix)
+        atexit.register(shutil.rmtree, os.environ[_variable], ignore_errors=True)
 
-import reward
-import rollout
-import train
-from model import position_ids_from_mask, tiny_model, tiny_tokenizer
-from rollout import Rollout, format_prompt
+import pytest  # noqa: E402 - after the caches' variables
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
-
-# GGUF files converted by model.py are cached; the suite keeps its own cache (subprocesses inherit it), removed when
-# the process that made it exits (each run of the suite left ~0.5 GB in the temporary directory)
-if "STAPO_CACHE" not in os.environ:
-    os.environ["STAPO_CACHE"] = tempfile.mkdtemp(prefix="stapo-test-cache-")
-    atexit.register(shutil.rmtree, os.environ["STAPO_CACHE"], ignore_errors=True)
+import reward  # noqa: E402
+import rollout  # noqa: E402
+import train  # noqa: E402
+from model import position_ids_from_mask, tiny_model, tiny_tokenizer  # noqa: E402
+from rollout import Rollout, format_prompt  # noqa: E402
 
 
 # ==================================================================================================================
@@ -235,9 +238,11 @@ def _hook_kill_in_the_second_checkpoint() -> None:
 # run_folder.py: runs that survive a cluster (stop signals, --resume auto, world sizes, one writer, logs,
 # verified checkpoints, exports)
 # ==================================================================================================================
-def _hook_signal_at(owner: str, name: str, nth: int, rank: str = "0", sig: str = "SIGTERM") -> None:
+def _hook_signal_at(owner: str, name: str, nth: int, rank: str = "0", sig: str = "SIGTERM", times: int = 1,
+                    parent: bool = False) -> None:
     """(testdata/train_run.py) A stop signal from inside the run at a chosen call (deterministic: no timing):
-    `sig` to this process at the nth call of OWNER.NAME (owner: "train" or "rollout.PlainEngine"), on rank `rank`."""
+    `sig` `times` times to this process (or, `parent`, to the one that started it: torchrun) at the nth call of
+    OWNER.NAME (owner: "train" or "rollout.PlainEngine"), on rank `rank`."""
     import signal
 
     module, _, cls = owner.partition(".")
@@ -247,7 +252,8 @@ def _hook_signal_at(owner: str, name: str, nth: int, rank: str = "0", sig: str =
     def wrapped(*args, **kwargs):
         calls.append(1)
         if len(calls) == nth and os.environ.get("RANK", "0") == rank:
-            os.kill(os.getpid(), getattr(signal, sig))
+            for _ in range(times):
+                os.kill(os.getppid() if parent else os.getpid(), getattr(signal, sig))
         return original(*args, **kwargs)
     setattr(target, name, wrapped)
 

@@ -106,8 +106,9 @@ def rank_slice(n: int, cfg, rank: int, world: int) -> list[int]:
 
 
 def read_rows(data: str, prompt_key: str, answer_key: str, split: str = "train") -> tuple[list[dict], int]:
-    """(rows {"problem", "answer"} of a local .jsonl/.json/.parquet file or a Hub dataset, in file order; the number
-    of rows dropped because they repeat an earlier row's problem and answer (difference 2)).
+    """(rows {"problem", "answer", "fields": the row as read, for a reward function that reads it (reward.py)} of a
+    local .jsonl/.json/.parquet file or a Hub dataset, in file order; the number of rows dropped because they repeat
+    an earlier row's problem and answer (difference 2)).
     `prompt_key`/`answer_key` are dotted paths; a chat message list gives its last user turn; an answer is a string,
     a finite number or a list of strings (`answer_value`). A bad row raises ValueError naming its line (.jsonl) or
     row (1-based) and what is wrong. train.py's --data and eval.py's --data."""
@@ -156,7 +157,7 @@ def read_rows(data: str, prompt_key: str, answer_key: str, split: str = "train")
         problem = problem.removeprefix(_DAPO_PREFIX).removesuffix(_DAPO_SUFFIX)
         if (problem, str(answer)) not in seen:  # DAPO-Math-17k repeats each of its 17k problems 100 times
             seen.add((problem, str(answer)))
-            rows.append({"problem": problem, "answer": answer})
+            rows.append({"problem": problem, "answer": answer, "fields": row})  # fields: for a reward function
     return rows, len(numbered) - len(rows)
 
 

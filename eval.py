@@ -13,8 +13,10 @@ Sampling is a rollout engine (`--rollout plain`: rollout.generate; `vllm`: rollo
 reward.correct (a positive reward; reward.grade unless --reward says otherwise), your own files and a run's
 held-out set are read by data.py; this file loads the benchmarks, splits the problems across ranks, counts and
 writes. Outputs: OUT/results.json (the
-config and every sample's text, extracted answer, verdict, length in tokens, truncation flag) and OUT/table.md, OUT
-= --out (RUN/eval for a run, else out/eval; one that holds an earlier evaluation only with --overwrite).
+config, each model's export step and checksum when train.py exported it, and every sample's text, extracted answer,
+verdict, length in tokens, truncation flag) and OUT/table.md, OUT = --out (RUN/eval/step_N for a run whose export
+RUN/hf holds N steps, so a newer export is evaluated into a folder of its own; else out/eval; one that holds an
+earlier evaluation only with --overwrite).
 
 Deliberate differences from the paper's evaluation:
 1. Rule-based grading only (reward.py); the paper adds an LLM verifier where the rules fail, so a response the
@@ -128,7 +130,8 @@ BENCHMARKS = {
 
 
 def load_benchmark(name: str, data_dir: str | Path | None = None) -> list[dict]:
-    """Rows {"problem": str, "answer": str, "gold": str | list[str]} of a benchmark, in file order.
+    """Rows {"problem": str, "answer": str, "gold": str | list[str], "fields": the row as read} of a benchmark, in
+    file order.
 
     `answer` is the gold as one string (OlympiadBench's list joined by ", "); `gold` is what reward.grade gets
     (the list for OlympiadBench). From `<data_dir>/<file>.jsonl` if data_dir is given, else from the Hub through
@@ -161,7 +164,7 @@ def load_benchmark(name: str, data_dir: str | Path | None = None) -> list[dict]:
             missing = "problem" if not isinstance(problem, str) or not problem.strip() else "gold answer"
             raise ValueError(f"benchmark {name}: {at(where)} has no {missing}: {str(row)[:200]}")
         answer = _joined(gold)
-        rows.append({"problem": problem, "answer": answer, "gold": gold})
+        rows.append({"problem": problem, "answer": answer, "gold": gold, "fields": dict(row)})  # fields: for --reward
     return rows
 
 
@@ -226,7 +229,7 @@ def regrade(results: dict) -> dict:
             for p in bench["problems"]:
                 for s in p["samples"]:
                     s["extracted"] = reward.extract_answer(s["text"])
-                    s["correct"] = reward.correct(s["text"], p["gold"], mode)
+                    s["correct"] = reward.correct(s["text"], p["gold"], mode, p)  # p: its problem and fields
             bench["metrics"] = benchmark_metrics(bench["problems"])
     return results
 
@@ -244,8 +247,10 @@ def table(results: dict) -> str:
     average = (f" Avg = mean over the {len(paper)} of the paper's six benchmarks evaluated here "
                f"({', '.join(TITLES[b] for b in paper)}); GSM8K and your own sets are never averaged." if paper else
                "")  # no paper benchmark: no Avg column
+    exports = [f"{label} is the export after {e['step']} steps (checksum {e['checksum']})"
+               for label, model in results["models"].items() if (e := model.get("export"))]  # train.py exports
     lines = [f"avg@k (%), temperature {cfg['temperature']}, top-p {cfg['top_p']}, max {cfg['max_new_tokens']} new "
-             f"tokens, {prompt}{source}{correct}.{average}", "",
+             f"tokens, {prompt}{source}{correct}.{average}" + (f" {'; '.join(exports)}." if exports else ""), "",
              "| Model | " + " | ".join(TITLES.get(b, b) for b in benches) + (" | Avg |" if paper else " |"),
              "|---" * (len(benches) + 1 + bool(paper)) + "|"]
     for label, model in results["models"].items():
@@ -267,7 +272,7 @@ def table(results: dict) -> str:
 def write_outputs(results: dict, out: str | Path) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False))
+    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False, default=str))  # a row's date
     (out / "table.md").write_text(table(results))
 
 
@@ -375,6 +380,17 @@ def stale_export(run: Path) -> str | None:
     return None
 
 
+def export_command(run: Path, recorded: dict) -> str:
+    """What exports a run's model without training (for a run made with --no-export-hf): its newest checkpoint."""
+    import run_folder
+
+    kept = run_folder.complete_steps(run)
+    if not kept:
+        return "the run has no checkpoint to export"
+    steps = "" if kept[0] == recorded["steps"] else f" --steps {kept[0]}"  # a run stopped early: its checkpoint
+    return f"export its checkpoint after {kept[0]} steps with: python train.py --resume {run}{steps} --export-hf"
+
+
 def _label_name(spec: str) -> tuple[str, str]:
     """LABEL=NAME -> (LABEL, NAME); NAME alone -> (NAME, NAME)."""
     label, _, name = spec.partition("=") if "=" in spec and not os.path.exists(spec) else (spec, "", spec)
@@ -397,7 +413,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
         hf = Path(given["run"]) / "hf"
         if "models" not in given:
             if not hf.is_dir():
-                raise FileNotFoundError(f"--run: {hf} not found (train.py writes it at the end unless --no-export-hf)")
+                raise FileNotFoundError(f"--run: {hf} not found (train.py writes it at the end unless --no-export-hf)"
+                                        f"; {export_command(Path(given['run']), run)}")
             values["models"] = [str(hf)]
     else:  # an HF export inside a run folder brings the run's settings
         runs = {str(Path(name).parent): train_run(Path(name).parent)
@@ -428,8 +445,12 @@ def parse_config(argv: list[str] | None = None) -> Config:
         values["instruction"] = rollout.INSTRUCTION
     if values.get("seed") is None:  # train.py seeds its held-out evaluation with --seed + 1 (train.evaluate)
         values["seed"] = run["seed"] + 1 if run else 0
-    if values.get("out") is None:
-        values["out"] = str(Path(values["run"]) / "eval") if run else "out/eval"
+    if values.get("out") is None:  # a run's export after N steps: RUN/eval/step_N, so a newer one gets its own
+        import run_folder
+
+        step = run_folder.export_step(Path(values["run"]) / "hf") if run else None
+        values["out"] = ("out/eval" if not run else str(Path(values["run"]) / "eval") if step is None else
+                         str(Path(values["run"]) / "eval" / f"step_{step}"))
     if not values["out"].strip():  # Path("") is the working directory
         raise ValueError("--out '' names no folder: give one, e.g. --out out/eval")
     cfg = Config(**values)
@@ -463,8 +484,8 @@ def load_sets(cfg: Config) -> dict[str, dict]:
     for b in cfg.benchmarks:
         if b == "heldout":
             run = train_run(cfg.run)
-            rows = [{"problem": r["problem"], "answer": _joined(r["answer"]), "gold": r["answer"]}
-                    for r in load_rows(types.SimpleNamespace(**run))[1]]  # the run's held-out rows
+            rows = [{"problem": r["problem"], "answer": _joined(r["answer"]), "gold": r["answer"],
+                     "fields": r.get("fields", {})} for r in load_rows(types.SimpleNamespace(**run))[1]]  # held out
             if not rows:
                 raise ValueError(f"the run {cfg.run} has no held-out problems (train.py --heldout N keeps some)")
             sets[b] = {"k": cfg.k or run["eval_samples"] or OTHER_K, "rows": rows}
@@ -480,8 +501,8 @@ def load_sets(cfg: Config) -> dict[str, dict]:
         if not rows:
             raise ValueError(f"--data {path}: no rows")
         sets[name] = {"k": cfg.k or OTHER_K,
-                      "rows": [{"problem": r["problem"], "answer": _joined(r["answer"]), "gold": r["answer"]}
-                               for r in rows]}
+                      "rows": [{"problem": r["problem"], "answer": _joined(r["answer"]), "gold": r["answer"],
+                                "fields": r["fields"]} for r in rows]}
     return {name: {"k": s["k"], "rows": s["rows"][: cfg.limit]} for name, s in sets.items()}
 
 
@@ -560,11 +581,14 @@ def evaluate_model(opened: Opened, name: str, cfg: Config, sets: dict[str, dict]
                     texts = ro.texts(tokenizer)
                     lengths = ro.response_mask.sum(-1).tolist()  # (B,) tokens including EOS
                     truncated = ro.truncated.tolist()  # (B,)
+                    answered = [rows[idx[r // k]] for r in range(len(texts))]  # the row each response answers
+                    values = reward.rewards(texts, [row["gold"] for row in answered], cfg.reward, answered)
                     for j, i in enumerate(idx):
                         gold = rows[i]["gold"]
-                        problems.append({"index": i, "problem": rows[i]["problem"], "gold": gold, "samples": [
+                        problems.append({"index": i, "problem": rows[i]["problem"], "gold": gold,
+                                         "fields": rows[i]["fields"], "samples": [
                             {"text": texts[r], "extracted": reward.extract_answer(texts[r]),
-                             "correct": reward.correct(texts[r], gold, cfg.reward), "length": int(lengths[r]),
+                             "correct": values[r] > 0, "length": int(lengths[r]),
                              "truncated": bool(truncated[r])} for r in range(j * k, j * k + k)]})
                     bar.update(len(idx))
                 if world > 1:
@@ -639,13 +663,15 @@ def main(argv: list[str] | None = None) -> dict | None:
     import torch
     import torch.distributed as dist
 
+    import run_folder
+
     # `model` is imported above, before the process group: torch.distributed.fsdp imported after it holds references
     # to the WORLD group, whose gloo threads then outlive destroy_process_group and can abort the exit.
     rank, world, device = model.init_distributed(cfg.collective_timeout_min, always=False)
     results = {"config": asdict(cfg), "models": {}}
     for spec in cfg.models:
         label, name = _label_name(spec)
-        results["models"][label] = {"name": name, "benchmarks": {}}
+        results["models"][label] = {"name": name, "export": run_folder.export_id(Path(name)), "benchmarks": {}}
         try:  # a checkpoint without weights or config, or one vLLM refuses: one line too
             opened = open_engine(name, cfg, sets, rank, device)
         except config.BAD_INPUT as e:

@@ -34,8 +34,11 @@ Choices:
    estimate the means over all response tokens.
 5. Held-out accuracy is measured at a few steps only (before and after training, every --eval-every steps): it is
    drawn as points, with their values for a single run, never as a line through steps it was not measured at.
-6. Nothing is drawn over the tokens: the legend of s2t.png stands beside the plane, and each mini-batch's tau_h is a
-   tick on the tau_p line (the tokens left of it with H below their own mini-batch's tick were silenced).
+6. Nothing is drawn over the tokens: the legend of s2t.png stands beside the plane, and the mini-batches' tau_h are
+   one bar on the tau_p line, from the lowest to the highest, with a tick at their median (the tokens left of it
+   with H below their own mini-batch's tau_h were silenced); a tick per mini-batch piled up into a ladder.
+9. Legends are 9-10 pt at the saved resolution; metrics.png and compare.png have one legend under all panels,
+   naming every run and mean any panel draws (one panel's legend left the others' lines unnamed).
 7. A correlation is printed beside the curve it describes, with its scope: the norm's Spearman correlation with p
    over all tokens comes from the fall between p = 0.1 and 1 (sqrt(1 - 2p + sum p^2) -> 0); below p = P_FLAT the
    factor is ~1 and the curve is flat, so gradient.png states both, on a logit p axis that shows both regions.
@@ -177,8 +180,16 @@ def plot_metrics(run_dirs: list[str], out_png: str, panels: tuple = METRIC_PANEL
             ax.set_xlim(min(steps) - pad, max(steps) + pad)
         if not curves:
             ax.text(0.5, 0.5, f"no {name}", transform=ax.transAxes, ha="center", color="gray")
-    max(axes, key=lambda ax: len(ax.get_legend_handles_labels()[1])).legend(fontsize=7)  # the panel naming most runs
-    fig.tight_layout()
+    named = {}  # choice 9: one legend under the panels, every label any panel has, once
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            named.setdefault(label, handle)
+    ncol = max(1, min(len(named), 3))
+    legend_in = 0.1 + 0.25 * -(-len(named) // ncol)  # inches under the panels: a row of 9-pt names each
+    fig.set_figheight(3.4 + legend_in)
+    if named:
+        fig.legend(list(named.values()), list(named), loc="lower center", ncol=ncol, fontsize=9)
+    fig.tight_layout(rect=(0, legend_in / (3.4 + legend_in), 1, 1))
     fig.savefig(out_png, dpi=90)
     plt.close(fig)
     return True
@@ -201,7 +212,7 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
         tok = {k: [v for r in records for v in r[k]]
                for k in ("p", "H", "A", "correct", "candidate", "silenced", "grad_norm", "weight")}
         n = len(tok["p"])
-        taus = sorted({r["tau_h"] for r in records if r.get("tau_h") is not None})  # none without an entropy test
+        taus = sorted(r["tau_h"] for r in records if r.get("tau_h") is not None)  # none without an entropy test
         groups = [("incorrect response", lambda i: not tok["correct"][i] and not tok["silenced"][i],
                    dict(s=6, c="tab:gray", alpha=0.35, marker=".")),
                   ("correct response, kept", lambda i: tok["correct"][i] and not tok["silenced"][i]
@@ -215,9 +226,12 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
             for ax, y in ((ax_h, "H"), (ax_g, "grad_norm")):
                 ax.scatter([tok["p"][i] for i in sel], [tok[y][i] for i in sel], label=f"{name} ({len(sel)})",
                            **style)
-        if taus:  # choice 6: each mini-batch's threshold as a tick on the tau_p line, not a line across the plane
-            ax_h.scatter([tau_p] * len(taus), taus, marker="_", s=160, linewidths=2, c="tab:red", zorder=3,
-                         label=f"tau_h of each mini-batch ({len(taus)}: {min(taus):.2f}-{max(taus):.2f})")
+        if taus:  # choice 6: the thresholds as one bar on the tau_p line, a tick at their median
+            low, median, high = taus[0], taus[len(taus) // 2], taus[-1]
+            ax_h.errorbar([tau_p], [median], yerr=[[median - low], [high - median]], fmt="_", markersize=18, mew=2.5,
+                          elinewidth=4, alpha=0.8, capsize=0, color="tab:red", zorder=3,
+                          label=f"tau_h of {len(taus)} mini-batch{'es' if len(taus) > 1 else ''}: median {median:.2f}, "
+                                f"{low:.2f}-{high:.2f}")
         for ax in (ax_h, ax_g):
             ax.set_xscale("log")
             ax.axvline(tau_p, color="k", linestyle="--", linewidth=0.8, label=f"tau_p = {tau_p:g}")
@@ -233,14 +247,14 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
         with_gradient = sum(g > 0 and a != 0 for g, a in zip(tok["grad_norm"], tok["A"]))  # gradient.png's tokens
         ax_h.set_ylabel("entropy H")
         who = _label(runs[0]) if len(runs) == 1 else f"{len(runs)} runs of {g}"
-        ax_h.set_title(f"{who}: {n:,} drawn tokens ({with_gradient:,} with a gradient), {len(records)} "
-                       f"mini-batches", fontsize=9)
+        ax_h.set_title(f"{who}:\n{n:,} drawn tokens ({with_gradient:,} with a gradient), {len(records)} "
+                       f"mini-batches", fontsize=10)  # two lines: a run's folder is a long name
         ax_g.set_ylabel(GRADIENT_NORM)
-        ax_g.set_title(f"mean norm (weighted): silenced {mean(silenced)} vs kept {mean(kept)}", fontsize=9)
-        ax_g.legend(*ax_h.get_legend_handles_labels(), fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1),
+        ax_g.set_title(f"mean norm (weighted): silenced {mean(silenced)} vs kept {mean(kept)}", fontsize=10)
+        ax_g.legend(*ax_h.get_legend_handles_labels(), fontsize=10, loc="upper left", bbox_to_anchor=(1.02, 1),
                     borderaxespad=0)  # choice 6: beside the plane, over no token
     fig.tight_layout()
-    fig.savefig(out_png, dpi=80)
+    fig.savefig(out_png, dpi=100)
     plt.close(fig)
     return True
 
@@ -386,15 +400,15 @@ def plot_gradient(run_dirs: list[str], out_png: str) -> bool:
     ax_p.axvline(P_FLAT, color="gray", linestyle="--", linewidth=0.8)
     ax_p.set_xlabel(f"p (probability of the sampled token; logit scale, bins of one decade below {P_FLAT:g})")
     ax_h.set_xlabel("entropy H (8 bins)")
-    ax_p.set_title("\n".join(said_p), fontsize=8)
-    ax_h.set_title("\n".join(said_h), fontsize=8)
+    ax_p.set_title("\n".join(said_p), fontsize=9)
+    ax_h.set_title("\n".join(said_h), fontsize=9)
     for ax in (ax_p, ax_h):
-        ax.set_ylabel(GRADIENT_NORM + ": median, 25-75%", fontsize=8)
-    fig.legend(*ax_p.get_legend_handles_labels(), loc="lower center", ncol=min(4, 2 * len(rows)), fontsize=8)
+        ax.set_ylabel(GRADIENT_NORM + ": median, 25-75%", fontsize=9)
+    fig.legend(*ax_p.get_legend_handles_labels(), loc="lower center", ncol=min(4, 2 * len(rows)), fontsize=10)
     fig.suptitle("RQ1: a token's logit-gradient norm against its probability and entropy (tokens.jsonl, weighted)",
-                 fontsize=10)
-    fig.tight_layout(rect=(0, 0.06 + 0.04 * ((2 * len(rows) - 1) // 4), 1, 1))
-    fig.savefig(out_png, dpi=80)
+                 fontsize=11)
+    fig.tight_layout(rect=(0, 0.08 + 0.05 * ((2 * len(rows) - 1) // 4), 1, 1))
+    fig.savefig(out_png, dpi=100)
     plt.close(fig)
     return True
 
@@ -460,6 +474,33 @@ def zero_gradient(metrics: dict, group_size: int) -> str:
             if acc == 1 else f"step {step}: in every group the {group_size} responses had equal rewards (train_acc "
             f"{acc:.2f}), so the policy gradient is zero{no_update}; use easier data, a larger --group-size or a "
             f"higher --temperature")
+
+
+def oversubscribed(load: float, cores: int, threads: int, processes: int, ours: float = 0.0) -> str:
+    """'' or the sentence that says the machine has fewer free cores than this run's threads want, and what helps.
+    load: the 1-minute load average (os.getloadavg), of which `ours` is this run's own (0 before it computes);
+    threads: torch's threads per process; processes: this run's processes on this machine. Oversubscribed when
+    others + threads * processes > cores + 0.5, others = load - ours (torch's threads then wait for each other:
+    a step of the CPU default took 130-180 s instead of 15 s beside another job), and this run has more than one
+    thread to give up."""
+    others, want = max(load - ours, 0.0), threads * processes
+    if want == 1 or others + want <= cores + 0.5:  # one thread: nothing this run can lower
+        return ""
+    free = max(int(cores - others), 1)
+    fix = (f"set OMP_NUM_THREADS={max(free // processes, 1)}" + (" or run fewer processes" if processes > 1 else "")
+           if threads > 1 else "run fewer processes (torchrun --nproc_per_node)")
+    return (f"the machine is oversubscribed: load {others:.1f} on {plural(cores, 'core')} besides this run's "
+            f"{plural(threads, 'torch thread')} x {processes} process{'es' if processes > 1 else ''}; {fix}")
+
+
+def slow_step(tokens_per_s: list[float], factor: float = 3.0) -> bool:
+    """Whether the last step (tokens_per_s: metrics.jsonl's, one per step of this attempt) is `factor` times slower
+    than the median of the steps before it, when the step before it was not (so a busy spell is told once)."""
+    def slow(i):
+        before = sorted(tokens_per_s[:i])
+        return i > 0 and tokens_per_s[i] * factor < before[len(before) // 2]
+    n = len(tokens_per_s)
+    return n > 0 and slow(n - 1) and not slow(n - 2)
 
 
 def step_spans(steps: list[int]) -> str:

@@ -26,7 +26,8 @@ Deliberate differences from the paper and from common graders (verl, Math-Verify
    comparisons; nested boxes are never joined (a box inside a box is its content). Anything refused or late grades
    as not equivalent.
 5. Any Python function can be the reward instead (`reward(response, gold, "FILE.py:FUNCTION")`, `load_reward`), as
-   TRL takes reward functions; whatever the reward, a response is correct when its reward is positive (`correct`).
+   TRL takes reward functions: it may read the prompt and the data row's other fields by keyword, and be batched;
+   whatever the reward, a response is correct when its reward is positive (`correct`).
 """
 import functools
 import importlib
@@ -97,12 +98,13 @@ def grade(response, gold, timeout=TIMEOUT_S):
     return _equivalent(answer, golds, deadline) or _parts(text, boxes, golds, deadline)
 
 
-def reward(response, gold, mode="dapo"):
+def reward(response, gold, mode="dapo", row=None):
     """The RL reward. "dapo": +1 / -1 by `grade`; "binary": 1 / 0; "strict": +1 / -1 by the paper's rule, a
     normalized string match of the last \\boxed{} only; "FILE.py:FUNCTION" or "MODULE:FUNCTION": your function
-    (`load_reward`), called as FUNCTION(response, gold). A response is correct when its reward is positive."""
+    (`load_reward`), called as FUNCTION(response, gold, **the fields of `row` it takes), row = the data row the
+    response answers ({"problem", "fields"}, data.read_rows). A response is correct when its reward is positive."""
     if ":" in mode:
-        return _call(load_reward(mode), mode, response, gold)
+        return _call(load_reward(mode), mode, [response], [gold], [row])[0]
     if mode == "strict":
         deadline = time.monotonic() + TIMEOUT_S
         try:
@@ -119,10 +121,21 @@ def reward(response, gold, mode="dapo"):
     return 1.0 if grade(response, gold) else (0.0 if mode == "binary" else -1.0)
 
 
-def correct(response, gold, mode="dapo"):
+def rewards(responses, golds, mode="dapo", rows=None):
+    """`reward` of each response (golds[i], rows[i]: its gold and data row; rows None: none); your own function
+    declared batched is called once, with lists (`_call`). train.py's and eval.py's call."""
+    if ":" not in mode:  # the built-in modes read no row
+        return [reward(response, gold, mode) for response, gold in zip(responses, golds)]
+    fn, rows = load_reward(mode), [None] * len(responses) if rows is None else list(rows)
+    if getattr(fn, "batched", False):
+        return _call(fn, mode, list(responses), list(golds), rows)
+    return [_call(fn, mode, [response], [gold], [row])[0] for response, gold, row in zip(responses, golds, rows)]
+
+
+def correct(response, gold, mode="dapo", row=None):
     """Whether `response` is correct under the reward `mode`: its reward is positive. train.py's reward/acc and
     held-out accuracy and eval.py's avg@k count this (for dapo and binary it is `grade`)."""
-    return reward(response, gold, mode) > 0
+    return rewards([response], [gold], mode, [row])[0] > 0
 
 
 def graded_chars(response, mode="dapo"):
@@ -154,14 +167,19 @@ def graded_count(tokenizer, ids: list[int], mode: str) -> int:
 # Any verifier can be the reward (code that runs tests, a format check, another grader), as TRL's reward functions
 # are: --reward FILE.py:FUNCTION or MODULE:FUNCTION names a Python function
 #
-#     def FUNCTION(response: str, answer: str | list[str]) -> float
+#     def FUNCTION(response: str, answer: str | list[str], prompt=None, **row) -> float
 #
 # called once per sampled response with the row's gold answer (--answer-key: a string, or a list of strings), in the
-# training and held-out evaluation of train.py and in eval.py. It returns a finite number (a bool counts as 1 / 0):
-# any scale works, since the advantages are group-normalized, but the reward must be positive exactly when the
-# response is correct (reward/acc, held-out accuracy and avg@k count positive rewards). examples/reward_last_line.py
-# is one.
+# training and held-out evaluation of train.py and in eval.py. After (response, answer) it may take, by keyword, any
+# of the data row's fields (`units=None`, or all of them as **row) and `prompt`, the problem text as --prompt-key
+# gave it (without the instruction); a parameter without a default is a field every row must have. Declared batched
+# (`FUNCTION.batched = True`), it is called once per step (eval.py: per generate call) with lists: responses,
+# answers and each keyword (a row without the field gives None there), and returns a list of as many numbers. It
+# returns a finite number (a bool counts as 1 / 0): any scale works, since the advantages are group-normalized, but
+# the reward must be positive exactly when the response is correct (reward/acc, held-out accuracy and avg@k count
+# positive rewards). examples/: reward_last_line.py (two arguments), reward_with_row.py (fields, and batched).
 BUILTIN = ("dapo", "binary", "strict")
+OWN = ("response", "answer")  # what your function gets first: row fields of these names are not passed again
 
 
 class RewardError(InputError):
@@ -173,7 +191,8 @@ def load_reward(spec):
     """The function `spec` names, checked: a built-in mode ("dapo", "binary", "strict": reward itself), or
     "FILE.py:FUNCTION" (a Python file, path relative to the working directory) or "MODULE:FUNCTION" (an importable
     module). A missing file or module, an error while importing it, a missing or non-callable FUNCTION, or one that
-    cannot be called with (response, answer) raises ValueError in one line. Loaded once per process."""
+    cannot be called with (response, answer) and its keywords raises ValueError in one line. Loaded once per
+    process."""
     if spec in BUILTIN:
         return functools.partial(reward, mode=spec)
     where, _, name = spec.rpartition(":")
@@ -197,26 +216,65 @@ def load_reward(spec):
     if not callable(fn):
         raise ValueError(f"reward {spec}: {where} has no function {name}")
     try:
-        inspect.signature(fn).bind("response", "answer")
+        inspect.signature(fn).bind("response", "answer", **dict.fromkeys(_takes(fn)[1]))
     except TypeError:
-        raise ValueError(f"reward {spec}: {name} must take two arguments, (response, answer)") from None
+        raise ValueError(f"reward {spec}: {name} must take two arguments, (response, answer), and then the row's "
+                         f"fields by keyword") from None
     except ValueError:  # no signature to inspect (some builtins): the first call will tell
         pass
     return fn
 
 
-def _call(fn, spec, response, gold):
-    """fn(response, gold) as a float; anything it raises, or a value that is not a finite number, is a RewardError
-    naming the function (and, for an exception, the file:line that raised it)."""
+@functools.lru_cache(maxsize=None)
+def _takes(fn):
+    """(the row fields fn takes by keyword after (response, answer): their names, or None for all of them (**row);
+    those without a default, which every row must have)."""
     try:
-        value = fn(response, gold)
+        params = list(inspect.signature(fn).parameters.values())[2:]
+    except (TypeError, ValueError):
+        return (), ()
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    every = any(p.kind is p.VAR_KEYWORD for p in params)
+    return (None if every else tuple(p.name for p in named)), tuple(p.name for p in named if p.default is p.empty)
+
+
+def _keywords(fn, spec, rows, batched):
+    """The keywords of fn's call for these rows (one, or a batch's lists): `prompt` (the problem) and the row's fields
+    that fn takes (`_takes`); a field it needs that a row lacks is a RewardError naming it."""
+    names, needed = _takes(fn)
+    if names == ():
+        return {}
+    fields = [{} if row is None else {**{k: v for k, v in row.get("fields", {}).items() if k not in OWN},
+                                      "prompt": row["problem"]} for row in rows]
+    for f in fields:
+        missing = [n for n in needed if n not in f]
+        if missing:
+            raise RewardError(f"reward function {spec} takes {missing[0]!r}, a field this row lacks (its fields: "
+                              f"{', '.join(f) or 'none'}); give it a default")
+    keys = [k for k in dict.fromkeys(k for f in fields for k in f) if names is None or k in names]
+    return {k: [f.get(k) for f in fields] for k in keys} if batched else {k: fields[0][k] for k in keys}
+
+
+def _call(fn, spec, responses, golds, rows):
+    """fn's rewards of the responses (lists; one call with lists if fn is batched, else fn(response, gold, **fields)
+    for the one response) as floats; anything it raises, or a value that is not a finite number, is a RewardError
+    naming the function (and, for an exception, the file:line that raised it)."""
+    batched = getattr(fn, "batched", False)
+    keywords = _keywords(fn, spec, rows, batched)
+    try:
+        values = fn(responses, golds, **keywords) if batched else [fn(responses[0], golds[0], **keywords)]
     except Exception as e:  # noqa: BLE001 - the user's code: any exception becomes one line naming it and where
         at = traceback.extract_tb(e.__traceback__)[-1]  # the innermost frame: where it was raised
         raise RewardError(f"reward function {spec} raised {type(e).__name__} at {at.filename}:{at.lineno}: "
                           f"{_first_line(e)}") from e
-    if not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise RewardError(f"reward function {spec} returned {value!r:.60}, not a finite number")
-    return float(value)
+    if batched and (isinstance(values, (str, bytes)) or not hasattr(values, "__len__")
+                    or len(values) != len(responses)):
+        raise RewardError(f"reward function {spec} returned {values!r:.60}, not a list of {len(responses)} numbers "
+                          f"(it is batched: one per response)")
+    for value in values:
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise RewardError(f"reward function {spec} returned {value!r:.60}, not a finite number")
+    return [float(v) for v in values]
 
 
 def _first_line(error):

@@ -16,8 +16,9 @@ What this file promises, each kept by one mechanism below:
    passes, with a warning.
 4. Any world size: model and optimizer state are DCP shards, which torch.distributed.checkpoint reshards for any
    number of ranks; everything else (step, scheduler, RNG states) is one `state.pt`, the same for every rank.
-5. Preemption: SIGTERM or SIGUSR1 on any rank makes every rank stop at the same point, write a checkpoint and exit
-   with status STOPPED (`Preemption`); the same command line with `--resume auto` continues the run.
+5. Preemption: SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) on any rank makes every rank stop at the same point, write a
+   checkpoint and exit with status STOPPED (`Preemption`); a second Ctrl-C leaves at once (INTERRUPTED); the same
+   command line with `--resume auto` continues the run (`continue_command` names it).
 6. Exports are atomic, dated and verified: `hf/` is replaced by renaming a complete folder over it, and
    `hf/export.json` names the step it holds and every file's size and CRC-32 (`export`, `export_step`,
    `export_damage`: eval.py checks them before it loads the model).
@@ -39,6 +40,8 @@ import json
 import os
 import random
 import re
+import select
+import shlex
 import shutil
 import signal
 import socket
@@ -66,9 +69,10 @@ RUN_FILES = ("config.json", *LOGS, "checkpoint", "hf", "stopped.json", "metrics.
 RESUMABLE = ("steps", "eval_every", "eval_samples", "samples_per_step", "spurious_per_step", "token_sample",
              "entropy_change", "save_every", "keep_checkpoints", "save_optimizer", "export_hf", "plots", "logger",
              "collective_timeout_min", "max_tokens_per_micro_batch", "chunk_size", "grad_checkpointing", "kv_cache_gb",
-             "stop_deadline_s")
+             "stop_deadline_s", "light")
 STOPPED = 75  # exit status after a stop by signal, with a checkpoint written: run the same command again
 #               (sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry")
+INTERRUPTED = 130  # exit status after a second Ctrl-C, which leaves at once (128 + SIGINT, as a shell reports it)
 
 
 class RunError(InputError):
@@ -268,10 +272,23 @@ def resumable(out: Path) -> str:
 
 
 def again(out: Path) -> str:
-    """How to start anew the run of OUT that stopped before its first checkpoint: with its recipe (config.json)."""
+    """How to start anew the run of OUT that stopped before its first checkpoint, for a command that named no recipe
+    (--resume OUT): with its recipe (config.json)."""
     if (out / "config.json").is_file():
         return f"python train.py --config {out / 'config.json'} --resume auto"
     return f"the run's flags, --out-dir {out} and --resume auto"
+
+
+def continue_command(argv: list[str]) -> str:
+    """The user's own command line (train.py's flags `argv`) as it continues a run: with `--resume auto` unless it
+    resumes already, without --overwrite (which would start anew); `torchrun ... train.py ...` under torchrun (its
+    own flags are not visible to its workers)."""
+    args = [a for a in argv if a not in ("--overwrite", "--no-overwrite")]
+    if not any(a == "--resume" or a.startswith("--resume=") for a in args):
+        args += ["--resume", "auto"]
+    script = sys.argv[0] if Path(sys.argv[0]).name == "train.py" else "train.py"
+    launcher = "torchrun ..." if "TORCHELASTIC_RUN_ID" in os.environ else "python"
+    return f"{launcher} {shlex.join([script, *args])}"
 
 
 def _crc32(path: Path) -> str:
@@ -503,9 +520,10 @@ def resume_changes(recorded: dict, config: dict) -> dict:
     return changed
 
 
-def open_run(config: dict, recorded: dict | None, rank: int, world: int
+def open_run(config: dict, recorded: dict | None, rank: int, world: int, command: str
              ) -> tuple[int, Path | None, Lock | None] | None:
-    """Every rank, after the inputs are read and before the model loads: rank 0 locks OUT (`Lock`), then
+    """Every rank, after the inputs are read and before the model loads (command: `continue_command`, for a refusal
+    to name): rank 0 locks OUT (`Lock`), then
     - a new run (recorded None): refuses a folder that holds a run, unless --overwrite or `--resume auto` (a run
       without a checkpoint: it starts anew), clears it, writes config.json;
     - a resume: picks the newest verified checkpoint (`verified_checkpoint`), refuses --steps below its steps,
@@ -526,7 +544,7 @@ def open_run(config: dict, recorded: dict | None, rank: int, world: int
         raise RunError(failed)
     try:
         if recorded is None:
-            _on_rank0(rank, lambda: _start(out, config))
+            _on_rank0(rank, lambda: _start(out, config, command))
             return 0, None, lock
         done, path = verified_checkpoint(out, rank, world)
         if config["steps"] < done:
@@ -576,12 +594,13 @@ def _on_rank0(rank: int, work) -> None:
         raise RunError(failed)
 
 
-def _start(out: Path, config: dict) -> None:
-    """Rank 0, a new run: refuse or clear a folder that holds a run, then write config.json."""
+def _start(out: Path, config: dict, command: str) -> None:
+    """Rank 0, a new run: refuse or clear a folder that holds a run, then write config.json. command: the user's
+    command with --resume auto (`continue_command`), which starts anew a run without a checkpoint."""
     found = [name for name in RUN_FILES if (out / name).exists()]
     if found and not config["overwrite"] and config["resume"] != "auto" and not complete_steps(out):
         raise RunError(f"--out-dir {out} holds a run that stopped before its first checkpoint ({', '.join(found)}): "
-                       f"start it again with {again(out)}, choose another --out-dir, or replace it with --overwrite")
+                       f"start it again with {command}, choose another --out-dir, or replace it with --overwrite")
     if found and not config["overwrite"] and config["resume"] != "auto":
         raise RunError(f"--out-dir {out} holds a run ({', '.join(found)}): continue it with --resume {out} (or "
                        f"--resume auto), choose another --out-dir, or replace it with --overwrite")
@@ -606,27 +625,32 @@ def _continue(out: Path, config: dict, recorded: dict, done: int) -> None:
 
 # ------------------------------------------------------------------------------------------------- preemption
 class Preemption:
-    """SIGTERM and SIGUSR1 (SLURM sends one of them before it preempts or at --signal=USR1@SECONDS; torchrun sends
-    SIGTERM to its workers before a restart) set a flag instead of killing the process; the training loop stops at
-    its next agreed point (`agreed`), writes a checkpoint and exits with STOPPED.
+    """SIGTERM, SIGUSR1 and SIGINT (SLURM sends one of the first two before it preempts or at --signal=USR1@SECONDS;
+    torchrun forwards SIGINT, SIGTERM and others to its workers; Ctrl-C in a terminal is SIGINT) set a flag instead of
+    killing the process; the training loop stops at its next agreed point (`agreed`), writes a checkpoint and exits
+    with STOPPED. A second stop signal with SIGINT among the two (Ctrl-C pressed again, or torchrun's SIGTERM after
+    its SIGINT) leaves at once (`on_leave`), the last complete checkpoint kept.
 
     Any rank may receive the signal: `requested()` (polled by the sampler at every decode step, so a long rollout
     ends early) posts it in the process group's store and reads the other ranks' posts from it, at most once a
     second; `agreed()` is an all-reduce at the points where every rank stops together. Installed for the duration of
     a `with` block (the previous handlers come back after it).
 
-    The stop deadline (`arm`): a rank whose stop has not ended the run `deadline_s` seconds after its signal (a frozen
-    rank holds every other one in a collective, up to --collective-timeout-min) calls `on_deadline`, which leaves
-    without waiting. A watchdog thread sees the signal through `signal.set_wakeup_fd`, which the C-level handler
-    writes even while the main thread is blocked in a collective (where the Python handler cannot run)."""
+    A watchdog thread sees each signal through `signal.set_wakeup_fd`, which the C-level handler writes even while
+    the main thread is blocked in a collective or a long kernel (where the Python handler cannot run): it leaves at
+    once at a second Ctrl-C, and calls `on_deadline` when a stop has not ended the run `deadline_s` seconds after its
+    signal (`arm`; a frozen rank holds every other one in a collective, up to --collective-timeout-min)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     KEY = "stapo/stop"
     POLL_S = 1.0
 
     def __init__(self):
         self.signal, self.received, self.posted, self.polled, self.previous = None, None, False, 0.0, {}
         self.deadline_s, self.on_deadline, self.armed, self.done = None, None, threading.Event(), threading.Event()
+        self.first, self.leaving = None, threading.Lock()  # the first signal's number on this rank
+        self.command = "the same command with --resume auto"  # what continues the run (main: continue_command)
+        self.on_leave = self._leave_before_start  # called with the second signal's name (main: run_folder.leave)
 
     def __enter__(self) -> Preemption:
         for s in self.SIGNALS:
@@ -634,7 +658,7 @@ class Preemption:
         read, self.wakeup = os.pipe()
         os.set_blocking(self.wakeup, False)
         self.previous_wakeup = signal.set_wakeup_fd(self.wakeup)
-        threading.Thread(target=self._watch, args=(read,), daemon=True, name="stop-deadline").start()
+        threading.Thread(target=self._watch, args=(read,), daemon=True, name="stop-watchdog").start()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)  # one that came during startup (train.py) is kept
         return self
 
@@ -653,21 +677,51 @@ class Preemption:
         self.armed.set()
 
     def _watch(self, read: int) -> None:
-        """The watchdog thread: waits for a stop signal's byte on the wakeup pipe, then for `arm` and the deadline."""
+        """The watchdog thread: reads each signal's byte from the wakeup pipe; after a first stop signal it waits for
+        `arm` and the deadline, and leaves at once at a second one with SIGINT among the two."""
+        started = first = None
         try:
-            while (byte := os.read(read, 1)) and not self.done.is_set():
-                if byte[0] in self.SIGNALS:
-                    started = time.monotonic()
-                    self.armed.wait()
-                    if not self.done.wait(max(0.0, started + (self.deadline_s or 0.0) - time.monotonic())):
+            while True:
+                wait = None  # seconds to the deadline, or None: until the next signal
+                if started is not None and not self.armed.is_set():
+                    wait = 0.2  # not armed yet: look again
+                elif started is not None and self.deadline_s and not self.done.is_set():
+                    wait = started + self.deadline_s - time.monotonic()
+                    if wait <= 0:
                         self.on_deadline()
+                        return
+                if not select.select([read], [], [], wait)[0]:
+                    continue
+                byte = os.read(read, 1)
+                if not byte or self.done.is_set():  # __exit__ closed the pipe
                     return
+                if byte[0] not in self.SIGNALS:
+                    continue
+                if started is None:
+                    started, first = time.monotonic(), byte[0]
+                elif signal.SIGINT in (first, byte[0]):
+                    self.signal = self.signal or signal.Signals(first).name  # the main thread may not have run yet
+                    self._leave(byte[0])
         finally:
             os.close(read)
 
     def _on_signal(self, signum, frame) -> None:
         if self.signal is None:
-            self.signal, self.received = signal.Signals(signum).name, time.monotonic()
+            self.signal, self.received, self.first = signal.Signals(signum).name, time.monotonic(), signum
+        elif signal.SIGINT in (signum, self.first):  # Ctrl-C again (a stop posted by another rank has no `first`)
+            self._leave(signum)
+
+    def _leave(self, signum: int) -> None:
+        """A second stop signal with SIGINT among the two: `on_leave` ends the process (once, from whichever of the
+        main thread and the watchdog sees it first)."""
+        if self.leaving.acquire(blocking=False):
+            self.on_leave(signal.Signals(signum).name)
+
+    @staticmethod
+    def _leave_before_start(name: str) -> None:
+        print(f"train.py: {name} again before the run started: leaving at once (nothing was written)",
+              file=sys.stderr, flush=True)
+        os._exit(INTERRUPTED)
 
     def requested(self) -> bool:
         """Whether this rank or (read at most once per POLL_S from the store) another one received a stop signal."""
@@ -708,28 +762,42 @@ def stopped(out_dir: str, steps: int, rank: int, preemption: Preemption, saved: 
     done = saved if done is None else done
     if rank == 0:
         write_stopped(Path(out_dir), preemption.signal, saved or None)
-    kept = (f"checkpoint/step_{saved} is kept; the same command with --resume auto (or python train.py --resume "
-            f"{out_dir}) continues the run" if saved else
-            "nothing to keep; the same command with --resume auto (or --overwrite) starts it again")
+    kept = (f"checkpoint/step_{saved} is kept; continue with: {preemption.command}" if saved else
+            f"nothing to keep; {preemption.command} starts it again")
     say(f"stopped by {preemption.signal} {where}, {plural(done, 'step')} of {steps} done, "
         f"{time.monotonic() - preemption.received:.1f} s after the signal: {kept}", rank)
     return STOPPED
 
 
-def leave_at_deadline(out_dir: str, deadline_s: float, rank: int, preemption: Preemption) -> None:
-    """--stop-deadline-s (deadline_s) passed since a stop signal and the ranks have not stopped together: leave now
-    (the watchdog thread of `Preemption`), with stopped.json (rank 0) naming the newest complete checkpoint, one line
-    on every rank (the frozen one may be rank 0), exit status STOPPED."""
+def leave(out_dir: str, rank: int, preemption: Preemption, why: str, status: int, every_rank: bool) -> None:
+    """Leave now, without a checkpoint of this stop (the watchdog thread of `Preemption`, or its signal handler):
+    stopped.json (rank 0) naming the newest complete checkpoint, one line (on every rank when `every_rank`, else on
+    rank 0), exit `status`. `why` begins the line: what made the rank leave."""
     out, kept = Path(out_dir), complete_steps(Path(out_dir))
     if rank == 0:
         write_stopped(out, preemption.signal or "a stop signal", kept[0] if kept else None)
-    then = (f"checkpoint/step_{kept[0]} is kept; the same command with --resume auto continues from it" if kept else
-            "no checkpoint was kept; the same command with --resume auto starts the run again")
-    print(f"train.py: warning: rank {rank}: {preemption.signal or 'a stop signal'} came {deadline_s:g} s ago "
-          f"(--stop-deadline-s) and the ranks have not stopped together (a rank frozen, or its network down?): leaving "
-          f"without a checkpoint of this stop; {then}", file=sys.stderr, flush=True)
+    then = (f"checkpoint/step_{kept[0]} is kept; continue with: {preemption.command}" if kept else
+            f"no checkpoint was kept; {preemption.command} starts the run again")
+    if every_rank or rank == 0:
+        bar = "\n" if rank == 0 and tqdm._instances else ""  # below a progress bar's unfinished line
+        print(f"{bar}train.py: warning: {'rank %d: ' % rank if every_rank else ''}{why}: leaving without a checkpoint "
+              f"of this stop; {then}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(STOPPED)
+    os._exit(status)
+
+
+def leave_at_deadline(out_dir: str, deadline_s: float, rank: int, preemption: Preemption) -> None:
+    """--stop-deadline-s (deadline_s) passed since a stop signal and the ranks have not stopped together: leave now
+    with exit status STOPPED, one line on every rank (the frozen one may be rank 0)."""
+    leave(out_dir, rank, preemption, f"{preemption.signal or 'a stop signal'} came {deadline_s:g} s ago "
+          f"(--stop-deadline-s) and the ranks have not stopped together (a rank frozen, or its network down?)",
+          STOPPED, every_rank=True)
+
+
+def leave_at_interrupt(out_dir: str, rank: int, preemption: Preemption, name: str) -> None:
+    """A second stop signal with Ctrl-C among the two (`Preemption`): leave at once with exit status INTERRUPTED,
+    one line on rank 0 (torchrun signals every rank)."""
+    leave(out_dir, rank, preemption, f"{name} after {preemption.signal}", INTERRUPTED, every_rank=False)
 
 
 # --------------------------------------------------------------------------------------------------- export
@@ -747,6 +815,10 @@ def export(policy, tokenizer, out: Path, step: int, dtype: torch.dtype, rank: in
             shutil.rmtree(partial, ignore_errors=True)
         save_hf(policy, tokenizer, str(partial), dtype=dtype)
         if rank == 0:
+            umask = os.umask(0o022)
+            os.umask(umask)  # read it back: the process's umask
+            for p in [p for p in partial.iterdir() if p.is_file()]:  # transformers writes the weights 0600 (a
+                os.chmod(p, 0o666 & ~umask)  # temporary file renamed): readable by others, as the other files are
             files = {p.name: [p.stat().st_size, _crc32(p)] for p in sorted(partial.iterdir()) if p.is_file()}
             write_atomic(partial / "export.json", json.dumps({"step": step, "files": files}).encode())
             if final.exists():
@@ -792,6 +864,18 @@ def export_damage(folder: Path) -> str | None:
         if [path.stat().st_size, _crc32(path)] != expected:
             return f"{name} (damaged)"
     return None
+
+
+def export_id(folder: Path) -> dict | None:
+    """What identifies a train.py export, for the evaluations of it: {"step": the step it holds, "checksum": the
+    CRC-32 of its export.json's file list (each file's size and CRC-32), so of its weights}; None for a folder that
+    is not one (a Hub id, a model saved elsewhere)."""
+    try:
+        record = json.loads((Path(folder) / "export.json").read_text())
+        files = json.dumps(record["files"], sort_keys=True).encode()
+        return {"step": int(record["step"]), "checksum": f"{zlib.crc32(files):08x}"}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def export_step(folder: Path) -> int | None:

@@ -47,10 +47,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+
+def _interrupted(signum, frame):
+    """Ctrl-C before main's run_folder.Preemption takes SIGINT over: nothing to save yet, so leave at once."""
+    print("train.py: interrupted (SIGINT) before the run began: nothing was written", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
 # A stop signal that comes while the modules below load (seconds on a busy machine) waits, blocked, until main's
-# run_folder.Preemption takes it over; without this it killed the run (exit 143, no stopped.json).
+# run_folder.Preemption takes it over; without this it killed the run (exit 143, no stopped.json). Ctrl-C leaves at
+# once, in one line (it printed a KeyboardInterrupt traceback).
 if __name__ == "__main__":
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+    signal.signal(signal.SIGINT, _interrupted)
 
 # MKL's conditional numerical reproducibility, set before torch loads MKL: without it MKL may pick, per call, a
 # summation order that depends on memory alignment. With the deterministic kernels of `setup`, two runs of one
@@ -120,8 +129,8 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
         return None
     # 2. Rewards R_i and group advantages A_i = (R_i - mean_j R_j) / (std_j R_j + eps); groups never span ranks.
     texts = batch.texts(run.tokenizer)
-    answers = [run.rows[prompt_rows[i // G]]["answer"] for i in range(len(texts))]
-    rewards = torch.tensor([reward.reward(t, a, cfg.reward) for t, a in zip(texts, answers)])  # (B,)
+    rows = [run.rows[prompt_rows[i // G]] for i in range(len(texts))]  # the data row each response answers
+    rewards = torch.tensor(reward.rewards(texts, [r["answer"] for r in rows], cfg.reward, rows))  # (B,)
     advantages = stapo.group_advantages(rewards, G).to(device)  # (B,)
     adv = advantages[:, None].expand_as(batch.logprobs)  # (B, T): every token of y_i gets A_i
     # 3. pi_old: log-probs, entropy and collision of the policy before the step's updates (difference 2): one
@@ -518,6 +527,7 @@ def train(run: Run) -> int:
     stopped = eval_due(run, start) and start not in evaluated and not run_eval(run, start)  # a resume's due one
     where = f"in the evaluation after {plural(start, 'step')} (it runs again on resume)"  # where a stop came
     saved = done = start  # the steps of the last checkpoint (a new run has none: 0), the steps done
+    speeds = []  # tokens_per_s of this attempt's steps (a step far slower than the others: `busy`)
     with tqdm(total=cfg.steps, initial=start, desc=f"{cfg.algo} steps", dynamic_ncols=True,
               disable=run.rank != 0) as bar:  # closed also when an error leaves the loop
         for step in range(start + 1, cfg.steps + 1):
@@ -540,6 +550,8 @@ def train(run: Run) -> int:
                 bar.close()  # the final bar once, above the closing lines
             if zero := plots.zero_gradient(result.metrics, cfg.group_size):  # every group had equal rewards
                 say(zero, run.rank, warning=True)
+            speeds.append(result.metrics["tokens_per_s"])
+            busy(run.device, run.rank, speeds)
             stopped, where = run.preemption.agreed(), f"in step {step} (its updates finished)"  # one all-reduce
             if not stopped and eval_due(run, step) and not run_eval(run, step):
                 stopped, where = True, f"in the evaluation after {plural(step, 'step')} (it runs again on resume)"
@@ -549,6 +561,20 @@ def train(run: Run) -> int:
         return stop(run, done, saved, where)
     finish(run)
     return 0
+
+
+def busy(device, rank: int, tokens_per_s: list[float]) -> None:
+    """On rank 0 of a CPU run: one warning when the machine is oversubscribed (plots.oversubscribed: the load
+    against the cores and torch's threads x this machine's processes), at start (tokens_per_s empty) and when a step
+    is far slower than the ones before it (plots.slow_step)."""
+    if device.type != "cpu" or rank != 0 or (tokens_per_s and not plots.slow_step(tokens_per_s)):
+        return
+    threads, processes = torch.get_num_threads(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    line = plots.oversubscribed(os.getloadavg()[0], cores, threads, processes,
+                                ours=threads * processes if tokens_per_s else 0.0)  # the run's own share, once running
+    if line:
+        say(line, warning=True)
 
 
 def eval_due(run: Run, done: int) -> bool:
@@ -592,10 +618,11 @@ def evaluate(run: Run, done: int) -> tuple[dict | None, list[dict]]:
         return None, []
     if rank_rows:
         texts = out.texts(run.tokenizer)
-        verdicts = [float(reward.correct(t, run.test_rows[rank_rows[j // cfg.eval_samples]]["answer"], cfg.reward))
-                    for j, t in enumerate(texts)]
+        rows = [run.test_rows[rank_rows[j // cfg.eval_samples]] for j in range(len(texts))]
+        rewards = reward.rewards(texts, [r["answer"] for r in rows], cfg.reward, rows)  # the training reward
+        verdicts = [float(r > 0) for r in rewards]  # correct: a positive reward
         correct, total, length = sum(verdicts), len(texts), float(out.response_mask.sum())
-        samples = completions(run, done, "heldout", texts, verdicts, rank_rows, cfg.eval_samples)
+        samples = completions(run, done, "heldout", texts, rewards, rank_rows, cfg.eval_samples)
     S = cfg.eval_samples
     per_problem = [(row, int(sum(verdicts[j * S:(j + 1) * S]))) for j, row in enumerate(rank_rows)] if rank_rows else []
     correct, total, length = all_sum(correct, total, length)
@@ -772,8 +799,9 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
     if checkpoint is not None:  # any number of ranks: DCP reshards (run_folder.load_checkpoint)
         state = run_folder.load_checkpoint(checkpoint, policy, optimizer, scheduler)
         start, window = state["step"], state.get("s2t_window", window)
-        say(f"resuming from {checkpoint} at step {start + 1} ({plural(start, 'step')} done)", rank)
-        if not state["optimizer"]:
+        say(f"resuming from {checkpoint} at step {start + 1} ({plural(start, 'step')} done)" if start < cfg.steps else
+            f"{checkpoint}: all {plural(start, 'step')} done, nothing to train", rank)
+        if not state["optimizer"] and start < cfg.steps:  # an export-only resume restarts nothing
             say(f"{checkpoint} holds weights only (--no-save-optimizer): AdamW restarts from zero moments, "
                 f"so the resumed run differs from an uninterrupted one", rank, warning=True)
     engine = rollout_engine(cfg, lm, tokenizer, train_prompts + test_prompts, rank, world, device,
@@ -785,32 +813,39 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
 
 def main(argv: list[str] | None = None) -> int:
     """`python train.py [flags]`: exit status 0 (trained, or nothing left to do), 2 (a bad input or a full disk:
-    one line), run_folder.STOPPED (a stop signal: a checkpoint was written, run the same command again)."""
+    one line), run_folder.STOPPED (a stop signal or Ctrl-C: a checkpoint was written, run the same command again),
+    run_folder.INTERRUPTED (Ctrl-C again: left at once, the last checkpoint kept)."""
     argv = sys.argv[1:] if argv is None else argv
     if "--plot" in argv:  # python train.py --plot RUN [RUN ...] [--out PNG]: figures only (plots.py)
         return plots.main(argv)
     rank = int(os.environ.get("RANK", 0))  # until the process group exists: torchrun's env:// contract
     run = lock = None
-    with run_folder.Preemption() as preemption:  # from here on, SIGTERM / SIGUSR1 stop the run with a checkpoint
+    with run_folder.Preemption() as preemption:  # from here on, SIGTERM / SIGUSR1 / SIGINT: a checkpoint, exit
+        preemption.command = run_folder.continue_command(argv)  # the user's command with --resume auto
         try:
             cfg, recorded, notes = config.parse_config(argv)
             rank, world, device = init_distributed(cfg.collective_timeout_min)
             for note in notes if rank == 0 else ():
                 print(f"train.py: {note}", file=sys.stderr, flush=True)
             rows = run_folder.agree(read_inputs, cfg, world)  # the inputs before the folder
-            opened = run_folder.open_run(asdict(cfg), recorded, rank, world)
+            opened = run_folder.open_run(asdict(cfg), recorded, rank, world, preemption.command)
             if opened is None:
                 say(f"{cfg.out_dir} has done its {plural(cfg.steps, 'step')}" + (
                     " and its export is up to date" if cfg.export_hf else "") + ": nothing to do", rank)
                 return 0
             start, checkpoint_path, lock = opened
+            preemption.on_leave = lambda name: run_folder.leave_at_interrupt(cfg.out_dir, rank, preemption, name)
             if cfg.stop_deadline_s:
                 preemption.arm(cfg.stop_deadline_s, lambda: run_folder.leave_at_deadline(
                     cfg.out_dir, cfg.stop_deadline_s, rank, preemption))
             if preemption.agreed():  # a stop signal during startup: stop before the model loads
                 return run_folder.stopped(cfg.out_dir, cfg.steps, rank, preemption, start, "during startup")
+            busy(device, rank, [])
             run = setup(cfg, rows, rank, world, device, checkpoint_path, preemption)
             return train(run)
+        except reward.RewardError as e:  # your --reward function failed: fixed, the same command continues
+            return config.error("train.py", f"{config.one_line(e)}; fix it, then continue with: {preemption.command}",
+                                rank)
         except config.BAD_INPUT as e:
             return config.error("train.py", e, rank)
         finally:

@@ -35,6 +35,7 @@ if task != "real":
         train.lm_vocab_size = lambda tokenizer: VOCAB
         train.load_model = lambda name, **kw: (model.tiny_model(vocab_size=VOCAB, head_dim=head_dim),
                                                model.tiny_tokenizer())
+os.getloadavg = lambda: (0.0, 0.0, 0.0)  # a quiet machine: no oversubscription warning in the outputs tests read
 if os.environ.get("TOY_HOOK"):
     import conftest
 

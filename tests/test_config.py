@@ -109,6 +109,34 @@ def test_cli_config_file_is_the_base_layer_under_the_flags(tmp_path, capsys):
         config.read_config(ev.Config, str(tmp_path / "bench.json"))
 
 
+def test_cli_misspelled_flags_are_named_and_abbreviations_refused(capsys):
+    """A misspelled flag gets "did you mean" (it got only `unrecognized arguments: --stesp 3`) and a prefix of a flag
+    is refused, with the flag it shortens named (`--ste 3` was taken for `--steps 3`), in train.py and eval.py."""
+    for cls, argv, expected in (
+            (config.Config, ["--stesp", "3"], "train.py: error: unrecognized arguments: --stesp 3 (did you mean "
+                                               "--steps?)"),
+            (config.Config, ["--ste", "3"], "train.py: error: unrecognized arguments: --ste 3 (did you mean "
+                                             "--steps?)"),
+            (config.Config, ["--lr", "1", "--temprature=0.5"], "train.py: error: unrecognized arguments: "
+                                                               "--temprature=0.5 (did you mean --temperature?)"),
+            (config.Config, ["--zzz"], "train.py: error: unrecognized arguments: --zzz"),
+            (ev.Config, ["--mod", "x"], "eval.py: error: unrecognized arguments: --mod x (did you mean --models?)")):
+        with pytest.raises(SystemExit) as e:
+            config.parse_flags(cls, argv, "train.py" if cls is config.Config else "eval.py")
+        assert e.value.code == 2 and capsys.readouterr().err.splitlines() == [expected]
+
+
+def test_train_light_is_one_flag_for_little_disk(tmp_path):
+    """--light sets what a small experiment keeps on disk (no export, a weights-only checkpoint, one, at the end), and a
+    flag given beside it wins."""
+    out = ["--out-dir", str(tmp_path / "run")]
+    cfg = config.parse_config(["--light", *out])[0]
+    assert (cfg.light, cfg.export_hf, cfg.save_optimizer, cfg.keep_checkpoints, cfg.save_every) == (True, False, False,
+                                                                                                     1, 0)
+    assert config.parse_config(["--light", "--save-every", "2", *out])[0].save_every == 2
+    assert config.parse_config(out)[0].export_hf and "light" in run_folder.RESUMABLE
+
+
 def test_train_help_lists_plot_apart_from_plots(capsys):
     """train.py --help lists --plot among its options, apart from --plots and told apart from it."""
     with pytest.raises(SystemExit):

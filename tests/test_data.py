@@ -57,7 +57,9 @@ def test_eval_data_errors_name_fields_lines_and_count_duplicates(tmp_path, monke
     path.write_text("".join(json.dumps({"q": q, "a": a}) + "\n" for q, a in
                             (("1+1?", "2"), ("2+2?", "4"), ("1+1?", "2"), ("1+1?", 2), ("1+1?", "3"))))
     assert read_rows(str(path), "q", "a") == ([
-        {"problem": "1+1?", "answer": "2"}, {"problem": "2+2?", "answer": "4"}, {"problem": "1+1?", "answer": "3"}], 2)
+        {"problem": "1+1?", "answer": "2", "fields": {"q": "1+1?", "a": "2"}},
+        {"problem": "2+2?", "answer": "4", "fields": {"q": "2+2?", "a": "4"}},
+        {"problem": "1+1?", "answer": "3", "fields": {"q": "1+1?", "a": "3"}}], 2)
     assert repeated_note(str(path), 2, 3) == (f"{path}: dropped 2 of 5 rows that repeat an earlier row's "
                                                    f"problem and answer; 3 rows remain")
 
@@ -70,7 +72,8 @@ def test_read_rows_of_a_jsonl_file_needs_no_datasets(tmp_path):
     code = ("import sys; sys.modules['datasets'] = None; from data import read_rows; "
             f"print(read_rows({str(path)!r}, 'q', 'a'))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 0 and done.stdout.strip() == "([{'problem': '1+1?', 'answer': '2'}], 0)", done.stderr
+    assert done.returncode == 0 and done.stdout.strip() == (
+        "([{'problem': '1+1?', 'answer': '2', 'fields': {'q': '1+1?', 'a': '2'}}], 0)"), done.stderr
 
 
 def test_chain_sums_task(tmp_path):

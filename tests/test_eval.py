@@ -14,6 +14,7 @@ import eval as ev
 import model
 import reward
 import rollout
+import run_folder
 import train
 from data import builtin_task, load_rows
 from model import tiny_tokenizer
@@ -79,7 +80,9 @@ def test_eval_hub_layout_mapping(monkeypatch):
         hub, local = ev.load_benchmark(name), ev.load_benchmark(name, DATA)
         assert [r["problem"] for r in hub] == [r["problem"] for r in local], name
         assert [r["gold"] for r in hub] == hub_golds.get(name, [r["gold"] for r in local]), name
-    assert ev.load_benchmark("amc23")[0] == {"problem": "What is $1+2+3+\\cdots+10$?", "answer": "55.0", "gold": "55.0"}
+    assert {k: v for k, v in ev.load_benchmark("amc23")[0].items() if k != "fields"} == {
+        "problem": "What is $1+2+3+\\cdots+10$?", "answer": "55.0", "gold": "55.0"}
+    assert ev.load_benchmark("amc23")[0]["fields"]["question"] == "What is $1+2+3+\\cdots+10$?"  # the row as read
     assert ev.load_benchmark("olympiadbench")[1]["gold"] == ["$2$,$-2$"]  # a list column stays a list
 
 
@@ -421,9 +424,10 @@ def test_eval_model_folder_without_weights_or_config_is_one_line(tmp_path, capsy
 def test_eval_run_reproduces_train_heldout_evaluation(tmp_path, monkeypatch, capsys):
     """eval.py --run on a finished run, with default flags, samples the held-out problems as train.py's evaluation
     did (seed + 1, one generate call per problem, seeded by the problem), so it reports the same
-    accuracy and mean length as the run's last eval.jsonl line; it writes into RUN/eval and refuses to replace an
-    earlier evaluation there without --overwrite. (It printed 11.25 for a run whose eval.jsonl said 8.75, unless
-    given --seed 1 --batch-size 80, and wrote every evaluation into the same out/eval.)"""
+    accuracy and mean length as the run's last eval.jsonl line; it writes into RUN/eval/step_N (N: the export's step)
+    and refuses to replace an earlier evaluation there without --overwrite. (It printed 11.25 for a run whose
+    eval.jsonl said 8.75, unless given --seed 1 --batch-size 80, and wrote every evaluation into the same
+    out/eval.)"""
     _patch(monkeypatch, _EVEN)
     with _one_thread():
         assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", heldout=17, steps=2)) == 0
@@ -435,13 +439,56 @@ def test_eval_run_reproduces_train_heldout_evaluation(tmp_path, monkeypatch, cap
     assert last["step"] == 2 and bench["k"] == 4 and len(bench["problems"]) == 17
     assert bench["metrics"]["avg@k"] == pytest.approx(100 * last["eval/acc"])
     assert bench["metrics"]["mean_length"] == pytest.approx(last["eval/len_mean"])
-    assert json.loads((tmp_path / "run" / "eval" / "results.json").read_text())["config"]["seed"] == 1
+    out = tmp_path / "run" / "eval" / "step_2"
+    assert json.loads((out / "results.json").read_text())["config"]["seed"] == 1
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         ev.main(["--run", str(tmp_path / "run"), "--k", "1"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and err == [f"eval.py: error: --out {tmp_path / 'run' / 'eval'} holds the results of an "
-                                         f"earlier evaluation (results.json): choose another --out, or replace them "
-                                         f"with --overwrite"], err
+    assert e.value.code == 2 and err == [f"eval.py: error: --out {out} holds the results of an earlier evaluation "
+                                         f"(results.json): choose another --out, or replace them with --overwrite"], err
     ev.main(["--run", str(tmp_path / "run"), "--k", "1", "--limit", "2", "--overwrite"])
-    assert json.loads((tmp_path / "run" / "eval" / "results.json").read_text())["config"]["k"] == 1
+    assert json.loads((out / "results.json").read_text())["config"]["k"] == 1
+
+
+def test_eval_of_a_run_without_export_names_the_export_command_and_results_name_the_export(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """eval.py --run on a run made with --no-export-hf names the command that exports it, and that command exports
+    without training and without the AdamW-restart warning; results.json and table.md name the step and checksum of
+    the export they scored, and a newer export (after a resume) is evaluated into a folder of its own. (The refusal
+    named no command, the command warned that AdamW restarts, and a step-3 evaluation sat beside a step-5 export,
+    refusing the new one.)"""
+    _patch(monkeypatch, _EVEN)
+    run = tmp_path / "run"
+    with _one_thread():
+        assert train.main(_toy_args(_toy_data(tmp_path), run, heldout=2, steps=2, light=True)) == 0  # no export
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--run", str(run)])
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines() == [
+        f"eval.py: error: --run: {run / 'hf'} not found (train.py writes it at the end unless --no-export-hf); export "
+        f"its checkpoint after 2 steps with: python train.py --resume {run} --export-hf"]
+    assert ev.export_command(run, {"steps": 5}) == (f"export its checkpoint after 2 steps with: python train.py "
+                                                    f"--resume {run} --steps 2 --export-hf")  # a run stopped early
+    assert (run / "checkpoint" / "step_2").is_dir() and not (run / "hf").exists()
+    assert json.loads((run / "checkpoint" / "step_2" / "manifest.json").read_text())["files"].keys() == {
+        ".metadata", "__0_0.distcp", "state.pt"}  # weights only: no AdamW moments
+    metrics = (run / "metrics.jsonl").read_text()
+    with _one_thread():
+        assert train.main(["--resume", str(run), "--export-hf"]) == 0
+    out, err = capsys.readouterr()
+    assert "AdamW" not in err and f"{run / 'checkpoint' / 'step_2'}: all 2 steps done, nothing to train" in out, err
+    assert (run / "metrics.jsonl").read_text() == metrics and run_folder.export_step(run / "hf") == 2
+    monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)
+    results = ev.main(["--run", str(run), "--k", "1"])
+    export = run_folder.export_id(run / "hf")
+    assert results["models"][str(run / "hf")]["export"] == export and export["step"] == 2
+    assert len(export["checksum"]) == 8
+    assert f"{run / 'hf'} is the export after 2 steps (checksum {export['checksum']})." in \
+        (run / "eval" / "step_2" / "table.md").read_text()
+    with _one_thread():
+        assert train.main(["--resume", str(run), "--steps", "3"]) == 0
+    results = ev.main(["--run", str(run), "--k", "1"])  # the newer export: its own folder, the earlier one kept
+    assert results["models"][str(run / "hf")]["export"]["step"] == 3
+    assert [json.loads((run / "eval" / f"step_{n}" / "results.json").read_text())["models"][str(run / "hf")][
+        "export"]["step"] for n in (2, 3)] == [2, 3]

@@ -115,9 +115,11 @@ def test_plot_gradient_figure_round_trips_from_the_run_folder(tmp_path, capsys):
 def test_plot_figures_say_what_the_numbers_say(tmp_path, monkeypatch):
     """What a reader sees matches the numbers: held-out accuracy is points at the evaluated steps with their values
     (a line from step 0 to 10 suggested a measured trend); s2t.png keeps its legend off the (p, H) plane, shows the
-    mini-batch thresholds as ticks on the tau_p line instead of lines across it, labels the norm in math notation and
-    counts the drawn tokens with a gradient as the console does; gradient.png states the correlation with p over all
-    tokens and below p = 0.1, where its curve is flat, in the panel title instead of a legend entry."""
+    mini-batch thresholds as one bar on the tau_p line (their range, a tick at the median) instead of lines across it
+    or a ladder of ticks, labels the norm in math notation and counts the drawn tokens with a gradient as the console
+    does; gradient.png states the correlation with p over all tokens and below p = 0.1, where its curve is flat, in
+    the panel title instead of a legend entry; legends are 9 pt or more (they were ~6 pt), and metrics.png names
+    every run under all its panels."""
     import matplotlib.pyplot as plt
 
     figures = []
@@ -142,6 +144,10 @@ def test_plot_figures_say_what_the_numbers_say(tmp_path, monkeypatch):
     assert plots.plot_metrics([str(run)], str(tmp_path / "m.png"))
     held = next(ax for ax in figures[-1].axes if ax.get_title().startswith("held-out accuracy"))
     assert held.lines[0].get_linestyle() == "None" and [t.get_text() for t in held.texts] == ["0.100", "0.800"]
+    fig = figures[-1]
+    fig.canvas.draw()
+    legend = fig.legends[0].get_window_extent()
+    assert all(ax.get_legend() is None and not legend.overlaps(ax.get_window_extent()) for ax in fig.axes)
 
     assert plots.plot_tokens([str(run)], str(tmp_path / "s.png"))
     fig = figures[-1]
@@ -150,7 +156,9 @@ def test_plot_figures_say_what_the_numbers_say(tmp_path, monkeypatch):
     legend = ax_g.get_legend()
     box = legend.get_window_extent()
     assert not box.overlaps(ax_h.get_window_extent()) and not box.overlaps(ax_g.get_window_extent())
-    assert len(ax_h.lines) <= 1 and len(ax_h.collections) == 5  # 4 kinds of tokens, one set of tau_h ticks
+    assert len(ax_h.collections) == 5 and [c.get_label() for c in ax_h.containers] == [  # 4 kinds of tokens, 1 bar
+        "tau_h of 3 mini-batches: median 2.00, 1.00-3.00"]
+    assert min(t.get_fontsize() for t in legend.get_texts()) >= 9
     assert "$" in ax_g.get_ylabel() and "sum p^2" not in ax_g.get_ylabel()
     assert f"600 drawn tokens ({a['n']} with a gradient)" in ax_h.get_title() and a["n"] == 597
 
@@ -159,6 +167,7 @@ def test_plot_figures_say_what_the_numbers_say(tmp_path, monkeypatch):
     assert f"Spearman {a['rho_p']:+.2f} over all tokens, {a['rho_p_low']:+.2f} below p = 0.1" in ax_p.get_title()
     assert ax_p.get_xscale() == "logit" and ax_p.get_legend() is None
     assert not any("Spearman" in t.get_text() for t in figures[-1].legends[0].get_texts())
+    assert min(t.get_fontsize() for t in figures[-1].legends[0].get_texts()) >= 9
 
 
 def test_plot_tables_side_by_side_and_sensitivity_grid(tmp_path, monkeypatch, capsys):
@@ -295,11 +304,11 @@ def test_plot_tokens_pools_the_seeds_of_an_algorithm(tmp_path, monkeypatch):
     monkeypatch.setattr(plt, "close", figures.append)
     assert plots.plot_tokens([a0, a1, b, bare, bare], str(tmp_path / "s.png"))
     titles = [ax.get_title() for ax in figures[0].axes if ax.get_ylabel() == "entropy H"]
-    assert titles == ["2 runs of stapo: 5 drawn tokens (5 with a gradient), 2 mini-batches",
-                      f"{b} (fullmask, seed 0): 1 drawn tokens (1 with a gradient), 1 mini-batches",
-                      f"{bare}: 1 drawn tokens (1 with a gradient), 1 mini-batches"]
+    assert titles == ["2 runs of stapo:\n5 drawn tokens (5 with a gradient), 2 mini-batches",
+                      f"{b} (fullmask, seed 0):\n1 drawn tokens (1 with a gradient), 1 mini-batches",
+                      f"{bare}:\n1 drawn tokens (1 with a gradient), 1 mini-batches"]
     legend = [t.get_text() for t in figures[0].axes[1].get_legend().get_texts()]  # beside the row's right panel
-    assert "silenced (3)" in legend and "tau_h of each mini-batch (1: 1.00-1.00)" in legend
+    assert "silenced (3)" in legend and "tau_h of 2 mini-batches: median 1.00, 1.00-1.00" in legend
     legend = [t.get_text() for t in figures[0].axes[3].get_legend().get_texts()]  # no entropy test: no tau_h
     assert "candidate, kept (0)" in legend and not any("tau_h" in t for t in legend)
 
@@ -336,8 +345,8 @@ def test_plot_entropy_change_per_kind_skips_steps_without_such_tokens(tmp_path, 
     assert list(lines["_" + stapo[1]].get_data()[0]) == [1, 2]
     candidate = {line.get_label(): line for line in axes["entropy change per update: kept candidates"].lines}
     assert list(candidate[f"{justrl} (justrl, seed 0)"].get_data()[0]) == [1]
-    legend = axes["entropy change per update: kept candidates"].get_legend()  # the panel where JustRL has points
-    assert legend is not None and f"{justrl} (justrl, seed 0)" in [t.get_text() for t in legend.get_texts()]
+    legend = [t.get_text() for t in figures[-1].legends[0].get_texts()]  # under the panels: JustRL has points in one
+    assert f"{justrl} (justrl, seed 0)" in legend and "stapo: mean of the 2-3 runs with a value (thin: each)" in legend
     assert any(line.get_linestyle() == "--" and list(line.get_ydata()) == [0, 0] for line in silenced.lines)
     table = plots.summary_table([*stapo, justrl]).splitlines()
     head = [c.strip() for c in table[0].split("|")]
@@ -358,3 +367,41 @@ def test_plot_without_matplotlib_is_a_message(tmp_path, monkeypatch, capsys):
     assert len(err) == 1 and "matplotlib is not installed" in err[0]
     assert plots.figures([run], str(tmp_path / "a" / "metrics.png")) == []
     assert not (tmp_path / "a" / "metrics.png").exists()
+
+
+def test_busy_machine_is_named_with_its_fix(monkeypatch, capsys):
+    """A machine whose load leaves fewer free cores than torch's threads x processes is named in one line with the
+    fix (OMP_NUM_THREADS, or fewer processes): at start, and when a step is far slower than the ones before it.
+    (The CPU default ran 10x slower beside another job without a word.)"""
+    assert plots.oversubscribed(0.2, 2, 2, 1) == ""  # a quiet machine
+    assert plots.oversubscribed(1.0, 2, 2, 1) == ("the machine is oversubscribed: load 1.0 on 2 cores besides this "
+                                                  "run's 2 torch threads x 1 process; set OMP_NUM_THREADS=1")
+    assert plots.oversubscribed(4.0, 8, 8, 1) == ("the machine is oversubscribed: load 4.0 on 8 cores besides this "
+                                                  "run's 8 torch threads x 1 process; set OMP_NUM_THREADS=4")
+    assert plots.oversubscribed(1.2, 2, 1, 2) == ("the machine is oversubscribed: load 1.2 on 2 cores besides this "
+                                                  "run's 1 torch thread x 2 processes; run fewer processes (torchrun "
+                                                  "--nproc_per_node)")
+    assert plots.oversubscribed(9.0, 16, 4, 2).endswith("; set OMP_NUM_THREADS=3 or run fewer processes")
+    assert plots.oversubscribed(3.0, 2, 1, 1) == ""  # one thread: nothing this run can lower
+    assert plots.oversubscribed(2.4, 2, 2, 1, ours=2.0) == ""  # running: its own threads are in the load
+    assert plots.oversubscribed(4.0, 2, 2, 1, ours=2.0).startswith("the machine is oversubscribed: load 2.0 on 2 ")
+    assert not plots.slow_step([]) and not plots.slow_step([100.0]) and not plots.slow_step([100.0, 40.0])
+    assert plots.slow_step([100.0, 90.0, 20.0]) and plots.slow_step([100.0, 20.0])
+    assert not plots.slow_step([100.0, 20.0, 20.0])  # the busy spell was told at its first slow step
+    assert plots.slow_step([100.0, 20.0, 100.0, 100.0, 20.0])  # a second spell, after the machine was free
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(train.os, "getloadavg", lambda: (3.0, 3.0, 3.0))
+    monkeypatch.setattr(train.os, "sched_getaffinity", lambda pid: {0, 1})
+    try:
+        torch.set_num_threads(2)
+        train.busy(torch.device("cpu"), 0, [])  # at start: the load is others'
+        train.busy(torch.device("cpu"), 0, [100.0, 20.0])  # a slow step: 2 of the load are this run's
+        train.busy(torch.device("cpu"), 0, [100.0, 90.0])  # not slow: no line
+        train.busy(torch.device("cpu"), 1, [])  # rank 0 says it
+    finally:
+        torch.set_num_threads(threads)
+    assert capsys.readouterr().err.splitlines() == [
+        "train.py: warning: the machine is oversubscribed: load 3.0 on 2 cores besides this run's 2 torch threads x 1 "
+        "process; set OMP_NUM_THREADS=1",
+        "train.py: warning: the machine is oversubscribed: load 1.0 on 2 cores besides this run's 2 torch threads x 1 "
+        "process; set OMP_NUM_THREADS=1"]

@@ -54,5 +54,5 @@ def test_readme_cpu_commands_run_in_order(tmp_path, monkeypatch):
         proc = subprocess.run(cmd + [runner, *words[at + 1:]], capture_output=True, text=True, timeout=600,
                               env=env, cwd=tmp_path)
         assert proc.returncode == 0, (command, proc.stderr[-3000:])
-    assert (tmp_path / "out" / "train-cpu" / "eval" / "results.json").is_file()
+    assert (tmp_path / "out" / "train-cpu" / "eval" / "step_12" / "results.json").is_file()
     assert [m["step"] for m in _metrics(tmp_path / "out" / "train-cpu")] == list(range(1, 13))

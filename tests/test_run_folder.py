@@ -4,6 +4,7 @@ verified checkpoints, exports) and the loggers.
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -87,6 +88,64 @@ def test_train_stop_signal_checkpoints_and_resume_auto_finishes_exactly(tmp_path
     _same_run(tmp_path / "cut", tmp_path / "full")
 
 
+def _command(args: list[str]) -> str:
+    """The command a stop line names: the test's flags as `python train.py ...` (run_folder.continue_command)."""
+    return "python " + shlex.join(["train.py", *args])
+
+
+def test_train_ctrl_c_checkpoints_a_second_leaves_at_once_and_resume_auto_continues_exactly(tmp_path):
+    """Ctrl-C (SIGINT) is a stop signal: in step 2's updates the run finishes them, writes a checkpoint, prints one
+    line naming the command that continues and exits run_folder.STOPPED; a second Ctrl-C (here in step 2's rollout,
+    after a checkpoint of step 1) leaves at once in one line, exit run_folder.INTERRUPTED, stopped.json naming
+    step_1. Either way the same command with --resume auto finishes the run equal to an uninterrupted one, and
+    no traceback is printed. (Ctrl-C printed 24 lines of KeyboardInterrupt, exit 130, nothing saved, and
+    --resume auto started the run anew.)"""
+    data = _toy_data(tmp_path)
+    _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3))
+    once = _toy_args(data, tmp_path / "once", steps=3, resume="auto")
+    proc = _run(tmp_path, once, hook=("_hook_signal_at", "train", "StepLog", 2, "0", "SIGINT"),
+                expect=run_folder.STOPPED)
+    lines = [x for x in proc.stdout.splitlines() if "stopped by" in x]
+    assert len(lines) == 1 and lines[0].startswith("stopped by SIGINT in step 2 (its updates finished), 2 steps of 3 "
+                                                   "done, "), proc.stdout[-2000:]
+    assert lines[0].endswith(f"s after the signal: checkpoint/step_2 is kept; continue with: {_command(once)}")
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr[-2000:]
+    _run(tmp_path, once)
+    _same_run(tmp_path / "once", tmp_path / "full")
+
+    twice = _toy_args(data, tmp_path / "twice", steps=3, save_every=1)  # the user's command: no --resume
+    proc = _run(tmp_path, twice, hook=("_hook_signal_at", "rollout.PlainEngine", "sample", 2, "0", "SIGINT", 2),
+                expect=run_folder.INTERRUPTED)
+    again = twice + ["--resume", "auto"]
+    assert proc.stderr.splitlines()[-1] == (f"train.py: warning: SIGINT after SIGINT: leaving without a checkpoint of "
+                                            f"this stop; checkpoint/step_1 is kept; continue with: {_command(again)}")
+    assert "Traceback" not in proc.stderr and "stopped by" not in proc.stdout, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "twice" / "stopped.json").read_text()) == {
+        "signal": "SIGINT", "steps_done": 1, "checkpoint": "checkpoint/step_1"}
+    _run(tmp_path, again)
+    _same_run(tmp_path / "twice", tmp_path / "full")
+
+
+def test_train_ctrl_c_under_torchrun_stops_both_ranks_and_the_same_command_continues(tmp_path):
+    """torchrun starts its workers in a session of their own (a terminal's Ctrl-C reaches torchrun only) and
+    forwards SIGINT to each: both ranks stop at the same point with a checkpoint, rank 0 prints the one stop line,
+    and the same torchrun command with --resume auto finishes the run, equal to an uninterrupted one. A second
+    Ctrl-C makes torchrun send SIGTERM: a stop signal after SIGINT, which leaves at once."""
+    data = _toy_data(tmp_path)
+    _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3))
+    args = _toy_args(data, tmp_path / "two", steps=3, resume="auto")
+    proc = _run(tmp_path, args, nproc=2, expect=None,  # torchrun exits 1 whatever its workers' status
+                hook=("_hook_signal_at", "train", "StepLog", 2, "0", "SIGINT", 1, True))
+    lines = [x for x in proc.stdout.splitlines() if "stopped by" in x]
+    assert len(lines) == 1 and lines[0].startswith("stopped by SIGINT in step 2 (its updates finished), 2 steps of "
+                                                   "3 done"), (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert lines[0].endswith("continue with: torchrun ... " + shlex.join(["train.py", *args]))
+    assert "KeyboardInterrupt" not in proc.stderr, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "two" / "stopped.json").read_text())["checkpoint"] == "checkpoint/step_2"
+    _run(tmp_path, args, nproc=2)
+    _same_run(tmp_path / "two", tmp_path / "full", keys=_ANY_WORLD, atol=1e-5)
+
+
 def test_train_stop_signal_during_startup_exits_stopped_and_the_same_command_continues(tmp_path):
     """`python train.py` sent SIGTERM while its modules load (here: at `import torch`, the first heavy one): the
     signal waits for the stop handler, the run stops before its model loads, writes stopped.json and exits with
@@ -117,6 +176,13 @@ def test_train_stop_signal_during_startup_exits_stopped_and_the_same_command_con
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [m["step"] for m in _metrics(out)] == [1] and not (out / "stopped.json").exists()
+    # Ctrl-C while the modules load: nothing to save yet, so one line and exit at once (it printed a traceback)
+    args[args.index(str(out))] = str(tmp_path / "interrupted")
+    proc = subprocess.run([sys.executable, "-c", kill_at_torch.replace("SIGTERM", "SIGINT"), *args],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == run_folder.INTERRUPTED and proc.stderr.splitlines() == [
+        "train.py: interrupted (SIGINT) before the run began: nothing was written"], proc.stderr[-2000:]
+    assert not (tmp_path / "interrupted").exists()
 
 
 def test_train_stop_deadline_leaves_a_run_held_by_a_frozen_rank(tmp_path):
@@ -301,8 +367,16 @@ def test_train_export_is_atomic_dated_and_eval_warns_when_stale(tmp_path, monkey
         save(*args, **kwargs)
         raise OSError(28, "No space left on device")
 
+    umask = os.umask(0o022)
+    try:
+        with _one_thread():
+            assert train.main(_toy_args(data, run, steps=1)) == 0
+    finally:
+        os.umask(umask)
+    # every file readable by others under umask 022, as the run's other files (the weights were written 0600)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in (run / "hf").iterdir()} == {
+        p.name: "0o644" for p in (run / "hf").iterdir()}
     with _one_thread():
-        assert train.main(_toy_args(data, run, steps=1)) == 0
         first = _md5s(run / "hf")
         assert json.loads((run / "hf" / "export.json").read_text())["step"] == 1
         monkeypatch.setattr(model, "save_hf", full_disk)

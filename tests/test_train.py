@@ -464,8 +464,8 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
         assert r["answer"] == rows[problem]
         if r["split"] == "train":  # the toy reward of the test: +1 for an even first character
             assert r["reward"] == (1.0 if r["response"].strip()[:1] in even else -1.0)
-        else:  # held out: 1.0 when correct, a positive reward (reward.correct), else 0.0
-            assert r["reward"] == (1.0 if r["response"].strip()[:1] in even else 0.0)
+        else:  # held out: the same reward (it was 1.0 / 0.0, correct or not, beside the training rows' +-1)
+            assert r["reward"] == (1.0 if r["response"].strip()[:1] in even else -1.0)
     assert [x.split(":")[0] for x in out if x.startswith("held-out")] == [
         "held-out accuracy before training", "held-out accuracy after 1 step"]
     metrics = _metrics(tmp_path / "run")

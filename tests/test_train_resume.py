@@ -3,6 +3,7 @@ torn, killed mid-write, weights only), the HF export.
 """
 import json
 import os
+import shlex
 import shutil
 import signal
 import tempfile
@@ -81,9 +82,10 @@ def _same_steps(a: list[dict], b: list[dict]) -> None:
 
 
 def test_train_a_run_failed_before_its_first_checkpoint_names_the_next_step(tmp_path, monkeypatch, capsys):
-    """A first run that fails before its first checkpoint: rerunning its command, or --resume, says how to start it
-    again (its config.json with --resume auto, or --overwrite), and that command trains. (Rerunning said "continue
-    it with --resume", and --resume then "has no checkpoint to resume from" with no next step.)"""
+    """A first run that fails before its first checkpoint: rerunning its command says how to start it again (that
+    command with --resume auto, or --overwrite), --resume RUN (no recipe given) names its config.json with --resume
+    auto, and both commands train. (Rerunning said "continue it with --resume", and --resume then "has no checkpoint
+    to resume from" with no next step.)"""
     _patch(monkeypatch, _EVEN)
     data, run = _toy_data(tmp_path), tmp_path / "run"
     setup = train.setup
@@ -95,13 +97,17 @@ def test_train_a_run_failed_before_its_first_checkpoint_names_the_next_step(tmp_
     again = f"python train.py --config {run / 'config.json'} --resume auto"
     assert train.main(args) == 2
     _one_line_error(capsys, f"--out-dir {run} holds a run that stopped before its first checkpoint (config.json): "
-                            f"start it again with {again}, choose another --out-dir, or replace it with --overwrite")
+                            f"start it again with python {shlex.join(['train.py', *args, '--resume', 'auto'])}, "
+                            f"choose another --out-dir, or replace it with --overwrite")
     assert train.main(["--resume", str(run)]) == 2
     _one_line_error(capsys, f"{run} has no checkpoint to resume from: the run stopped before its first one (written "
                             f"every --save-every steps, at a stop by signal and at the last step); start it again with "
                             f"{again} (or replace it with --overwrite)")
     with _one_thread():
         assert train.main(again.split()[2:]) == 0
+        assert [m["step"] for m in _metrics(run)] == [1]
+        shutil.rmtree(run / "checkpoint")
+        assert train.main(args + ["--resume", "auto"]) == 0  # the user's own command, as the refusal named it
     assert [m["step"] for m in _metrics(run)] == [1]
 
 
@@ -129,8 +135,8 @@ def test_read_only_run_folder(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         ev.main(["--run", str(run)])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and err == [f"eval.py: error: --out {run / 'eval'} cannot be written: Read-only file "
-                                         f"system; write the results elsewhere with --out DIR"], err
+    assert e.value.code == 2 and err == [f"eval.py: error: --out {run / 'eval' / 'step_1'} cannot be written: "
+                                         f"Read-only file system; write the results elsewhere with --out DIR"], err
     with pytest.raises(SystemExit) as e:
         train.main(["--plot", str(run)])
     err = capsys.readouterr().err.strip().splitlines()
@@ -311,7 +317,7 @@ def test_train_hf_export_reproduces_logprobs(tmp_path, monkeypatch):
     try:
         with _one_thread(), run_folder.Preemption() as preemption:  # main's steps, keeping the run's policy
             rows = train.read_inputs(cfg, world)
-            _, _, lock = run_folder.open_run(asdict(cfg), None, rank, world)
+            _, _, lock = run_folder.open_run(asdict(cfg), None, rank, world, "")
             run = train.setup(cfg, rows, rank, world, device, None, preemption)
             assert train.train(run) == 0
             lock.release()
