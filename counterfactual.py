@@ -258,7 +258,7 @@ class Step:
     answers: list[str]  # (B,) gold answer of each row
     data_index: list[int]  # (B,) row of the training data each prompt comes from
     mini_batch: list[int]  # (B,) the mini-batch each row was updated in
-    score: Callable  # score(text, answer) -> the run's reward
+    score: Callable  # score(text, b) -> the run's reward of text answering batch row b
     rewards: torch.Tensor  # (B,)
     advantages: torch.Tensor  # (B,)
     logprobs: torch.Tensor  # (B, T) log p of the policy the mask saw (pi_old in mini-batch 0, then after k updates)
@@ -301,10 +301,11 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
     batch, mine = train.sample(run, step)
     G, texts = cfg.group_size, batch.texts(run.tokenizer)
 
-    def score(text: str, answer: str) -> float:
-        return reward.reward(text, answer, cfg.reward)
+    def score(text: str, b: int) -> float:  # the reward of `text` answering batch row b (its data row's fields too)
+        row = run.rows[mine[b // G]]
+        return reward.rewards([text], [row["answer"]], cfg.reward, [row])[0]  # as train.py calls it
 
-    rewards = torch.tensor([score(text, run.rows[mine[i // G]]["answer"]) for i, text in enumerate(texts)])  # (B,)
+    rewards = torch.tensor([score(text, i) for i, text in enumerate(texts)])  # (B,)
     seen = []  # per mini-batch: its decision, as train_step made it
 
     def keep(k, mb, current, weights):
@@ -359,7 +360,7 @@ def analyse_step(st: Step, step: int, k: int, n_tokens: int, seed: int, prefixes
     sample = engine_sampler(st.engine, cfg.temperature, cfg.top_p)
 
     def grade(row: int, response: list[int]) -> float:
-        return st.score(tok.decode(response, skip_special_tokens=True), st.answers[row])
+        return st.score(tok.decode(response, skip_special_tokens=True), row)
 
     with st.engine.ready(st.policy):
         effects = token_effects(sample, grade, list(zip(st.prompts, st.responses)), [(r, t) for _, r, t in picked], k,

@@ -282,3 +282,21 @@ def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "new" / "pooled.png").is_file() or importlib.util.find_spec("matplotlib") is None
     assert counterfactual.main(["--table", str(tmp_path)]) == 2
     assert "no counterfactual.jsonl in" in capsys.readouterr().err
+
+
+def test_counterfactual_reward_that_reads_the_row(tmp_path, monkeypatch):
+    """A --reward FILE.py:FUNCTION that needs a field of the data row: counterfactual.py grades the regenerated step
+    and every continuation with the row, as train.py did (it called the reward with the text and answer only)."""
+    _patch(monkeypatch, _EVEN)
+    data = tmp_path / "toy.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}{b}", "answer": str(a + b), "wanted": "02468"[a % 5]}) + "\n"
+                            for a in range(10) for b in range(10 - a)))
+    (tmp_path / "row_reward.py").write_text("def first(response, answer, wanted):\n"
+                                            "    return 1.0 if response.strip()[:1] <= wanted else -1.0\n")
+    run = tmp_path / "run"
+    args = _toy_args(str(data), run, tau_p=0.08, export_hf=False, steps=1)
+    with _one_thread():
+        assert train.main(args + ["--reward", f"{tmp_path / 'row_reward.py'}:first"]) == 0
+        assert counterfactual.main([str(run), "--steps", "1", "--k", "2", "--tokens", "1"]) == 0
+    lines = [json.loads(x) for x in (run / "counterfactual.jsonl").read_text().splitlines()]
+    assert lines and all(x["rollout_matches_run"] is True for x in lines)
