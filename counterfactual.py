@@ -81,6 +81,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
+from command_line import errors, flags
 import config
 import plots
 import reward
@@ -282,7 +283,7 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
     them (mini-batch k after k updates), and puts the policy back to pi_old, which samples the continuations."""
     import train
 
-    recorded = config.Config(**config.check_values(config.Config, run_folder.recorded_config(run_dir), str(run_dir)))
+    recorded = config.Config(**flags.check_values(config.Config, run_folder.recorded_config(run_dir), str(run_dir)))
     cfg = replace(recorded, entropy_change=False)  # the replay needs the masks only (the flag moves nothing)
     if step > 1 and step - 1 not in run_folder.complete_steps(run_dir):
         kept = sorted(run_folder.complete_steps(run_dir))
@@ -551,12 +552,12 @@ def main(argv: list[str] | None = None) -> int:
         return table(argv[1:])
     if not argv or argv[0].startswith("-"):
         if "-h" in argv or "--help" in argv:
-            config.parse_flags(Config, argv, "counterfactual.py RUN")
-        return config.error("counterfactual.py",
+            flags.parse_flags(Config, argv, "counterfactual.py RUN")
+        return errors.error("counterfactual.py",
                             "give a train.py run folder first: python counterfactual.py RUN [flags]")
-    run_dir, cfg = Path(argv[0]), Config(**config.parse_flags(Config, argv[1:], "counterfactual.py RUN"))
+    run_dir, cfg = Path(argv[0]), Config(**flags.parse_flags(Config, argv[1:], "counterfactual.py RUN"))
     if not (run_dir / "config.json").is_file():
-        return config.error("counterfactual.py", f"{run_dir} is not a train.py run folder (no config.json)")
+        return errors.error("counterfactual.py", f"{run_dir} is not a train.py run folder (no config.json)")
     lines, owned = [], not torch.distributed.is_initialized()
     try:
         for step in cfg.steps:
@@ -573,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
             lines += new
             st.engine.close()
     except (FileNotFoundError, ValueError) as e:
-        return config.error("counterfactual.py", e)
+        return errors.error("counterfactual.py", e)
     finally:
         if owned and torch.distributed.is_initialized():  # the 1-process group regenerate_step made
             torch.distributed.destroy_process_group()
@@ -593,7 +594,7 @@ def table(argv: list[str]) -> int:
     missing = [r for r in runs if not (Path(r) / "counterfactual.jsonl").is_file()]
     if not runs or missing or any(r.startswith("-") for r in runs):
         why = f" (no counterfactual.jsonl in {', '.join(missing)})" if missing else ""
-        return config.error("counterfactual.py", f"--table RUN [RUN ...] [--out PNG] needs runs analysed by "
+        return errors.error("counterfactual.py", f"--table RUN [RUN ...] [--out PNG] needs runs analysed by "
                                               f"counterfactual.py{why}")
     lines = [x for run in runs for x in run_folder.read_log(Path(run) / "counterfactual.jsonl")]
     print(pooled_summary(lines))

@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple
 
-import config
+from command_line import errors, flags
 import reward
 from data import answer_value, check_utf8, describe, load_rows, problem_seed, read_jsonl, read_rows, repeated_note
 
@@ -400,7 +400,7 @@ def _label_name(spec: str) -> tuple[str, str]:
 def parse_config(argv: list[str] | None = None) -> Config:
     """argv -> Config. Each value: the flag given, else the training run's (--run, or the run folder an --models HF
     directory sits in), else the default. Checks names and paths; loads no data and no model."""
-    given = config.parse_flags(Config, argv, "eval.py")
+    given = flags.parse_flags(Config, argv, "eval.py")
     if given.get("regrade"):
         if not os.path.isfile(given["regrade"]):
             raise FileNotFoundError(f"--regrade: no such file: {given['regrade']}")
@@ -630,7 +630,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     try:  # every input is checked before a model loads: one line, exit status 2, nothing written
         cfg = parse_config(argv)
         if cfg.regrade:  # graded and tabled in full before anything is rewritten
-            config.check_writable("--regrade", Path(cfg.regrade).parent)
+            errors.check_writable("--regrade", Path(cfg.regrade).parent)
             results = regrade(read_results(cfg.regrade))
             text = table(results)
         else:
@@ -638,7 +638,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 raise ValueError(f"--out {cfg.out} holds the results of an earlier evaluation (results.json): choose "
                                  f"another --out, or replace them with --overwrite")
             try:  # before any sampling: a read-only run folder, say
-                config.check_writable("--out", cfg.out)
+                errors.check_writable("--out", cfg.out)
             except OSError as e:
                 raise OSError(f"{e}; write the results elsewhere with --out DIR") from None
             sets = load_sets(cfg)
@@ -646,8 +646,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             for spec in cfg.models:
                 model.check_model_name(_label_name(spec)[1])
                 check_weights(_label_name(spec)[1])
-    except config.BAD_INPUT as e:
-        raise SystemExit(config.error("eval.py", e, rank))
+    except errors.BAD_INPUT as e:
+        raise SystemExit(errors.error("eval.py", e, rank))
     if cfg.regrade:
         write_outputs(results, Path(cfg.regrade).parent)
         print(text)
@@ -674,15 +674,15 @@ def main(argv: list[str] | None = None) -> dict | None:
         results["models"][label] = {"name": name, "export": run_folder.export_id(Path(name)), "benchmarks": {}}
         try:  # a checkpoint without weights or config, or one vLLM refuses: one line too
             opened = open_engine(name, cfg, sets, rank, device)
-        except config.BAD_INPUT as e:
-            raise SystemExit(config.error("eval.py", e, rank))
+        except errors.BAD_INPUT as e:
+            raise SystemExit(errors.error("eval.py", e, rank))
         try:  # your --reward function raising: one line naming it
             for b, got in evaluate_model(opened, name, cfg, sets, rank, world):
                 if rank == 0:
                     results["models"][label]["benchmarks"][b] = got
                     write_outputs(results, cfg.out)  # after every benchmark, so a long run keeps what it has
         except reward.RewardError as e:
-            raise SystemExit(config.error("eval.py", e, rank))
+            raise SystemExit(errors.error("eval.py", e, rank))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if world > 1 and dist.is_initialized():  # closing a vLLM engine already tore the group down

@@ -51,7 +51,8 @@ import math
 import sys
 from pathlib import Path
 
-from config import OneLineParser, check_writable
+from command_line.errors import check_writable
+from command_line.flags import OneLineParser
 from run_folder import plural, read_log
 
 METRIC_PANELS = (("metrics.jsonl", "reward/mean", "reward (+-1 mean)"), ("metrics.jsonl", "entropy/mean", "entropy"),
@@ -65,9 +66,6 @@ GRADIENT_NORM = r"logit-gradient norm $|w|\,\sqrt{1 - 2p + \sum_v p_v^2}$"  # s2
 P_FLAT = 0.1  # below this p the factor sqrt(1 - 2p + sum p^2) is ~1: the norm is ~|w| whatever p (gradient.png)
 STYLES = ("-", "--", ":", "-.")
 MARKERS = ("o", "s", "^", "D", "v", "x")
-PLOT_HELP = ("redraw the figures of finished runs, RUN/metrics.png, s2t.png and gradient.png (several runs: overlaid), "
-             "and print RQ1's correlations, without training (not --plots, which draws this run's at its end); "
-             "`python train.py --plot RUN --help` lists --out, --table and --sensitivity")
 USAGE = ("python train.py --plot RUN [RUN ...] [--out PNG] [--table | --sensitivity]: instead of training, redraw the "
          "figures of finished runs, overlaid (default: RUN/metrics.png, RUN/s2t.png and RUN/gradient.png for one run, "
          "FIRST_RUN/compare.png, compare_s2t.png and compare_gradient.png for several; --out PNG: PNG and PNG's stem "

@@ -43,7 +43,7 @@ from collections import namedtuple
 
 import sympy as sp
 
-from config import InputError
+from command_line.errors import InputError
 
 # ------------------------------------------------------------------------------------------------ limits
 TIMEOUT_S = 1.0  # wall-clock budget of one grade() call

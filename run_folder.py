@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from tqdm import tqdm
 
-from config import BAD_INPUT, InputError, check_writable, one_line
+from command_line.errors import BAD_INPUT, InputError, check_writable, one_line
 
 # The logs: one JSON object per line, each with the step it belongs to.
 LOGS = ("metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl", "tokens.jsonl", "resumes.jsonl")

@@ -70,6 +70,7 @@ import torch  # noqa: E402 - after MKL_CBWR
 import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from command_line import errors  # noqa: E402
 import config  # noqa: E402
 import plots  # noqa: E402
 import reward  # noqa: E402
@@ -844,10 +845,10 @@ def main(argv: list[str] | None = None) -> int:
             run = setup(cfg, rows, rank, world, device, checkpoint_path, preemption)
             return train(run)
         except reward.RewardError as e:  # your --reward function failed: fixed, the same command continues
-            return config.error("train.py", f"{config.one_line(e)}; fix it, then continue with: {preemption.command}",
+            return errors.error("train.py", f"{errors.one_line(e)}; fix it, then continue with: {preemption.command}",
                                 rank)
-        except config.BAD_INPUT as e:
-            return config.error("train.py", e, rank)
+        except errors.BAD_INPUT as e:
+            return errors.error("train.py", e, rank)
         finally:
             if run is not None:
                 run.engine.close()  # the rollout engine; deleting a vLLM engine may already tear down the group

@@ -10,6 +10,7 @@ from dataclasses import asdict, fields, replace
 import pytest
 import torch
 
+from command_line import flags
 import config
 import eval as ev
 import run_folder
@@ -37,16 +38,16 @@ def test_eval_cli_flags_and_help(capsys):
 
 
 def test_cli_one_builder_for_train_and_eval(capsys):
-    """train.py and eval.py build their CLI with the same config.parse_flags: only the flags given come back, every
+    """train.py and eval.py build their CLI with the same flags.parse_flags: only the flags given come back, every
     Config field is a --flag whose help is its docstring, and a bad flag is one line with exit status 2 in both."""
-    assert train.config is ev.config
-    assert config.parse_flags(ev.Config, ["--k", "8", "--no-chat", "--data", "a.jsonl", "b=c.jsonl"],
+    assert ev.flags.parse_flags is flags.parse_flags  # the one builder; train.py calls it through config.parse_config
+    assert flags.parse_flags(ev.Config, ["--k", "8", "--no-chat", "--data", "a.jsonl", "b=c.jsonl"],
                               "eval.py") == {"k": 8, "chat": False, "data": ["a.jsonl", "b=c.jsonl"]}
-    assert config.parse_flags(config.Config, ["--clip-low", "none", "--lr", "1e-3", "--no-save-optimizer"],
+    assert flags.parse_flags(config.Config, ["--clip-low", "none", "--lr", "1e-3", "--no-save-optimizer"],
                               "train.py") == {"clip_low": None, "lr": 1e-3, "save_optimizer": False}
     for cls, main, prog in ((config.Config, train.main, "train.py"), (ev.Config, ev.main, "eval.py")):
         with pytest.raises(SystemExit):
-            config.parse_flags(cls, ["--help"], prog)
+            flags.parse_flags(cls, ["--help"], prog)
         help_text = " ".join(capsys.readouterr().out.split())
         for f in fields(cls):
             assert "--" + f.name.replace("_", "-") in help_text, (prog, f.name)
@@ -81,7 +82,7 @@ def test_cli_config_file_is_the_base_layer_under_the_flags(tmp_path, capsys):
     (tmp_path / "e.json").write_text(json.dumps({"benchmarks": ["gsm8k"], "k": 8, "temperature": 0.7, "seed": 3}))
     cfg = ev.parse_config(["--config", str(tmp_path / "e.json"), "--k", "2"])
     assert (cfg.benchmarks, cfg.k, cfg.temperature, cfg.seed) == (["gsm8k"], 2, 0.7, 3)
-    assert config.check_values(config.Config, {"lr": 1, "steps": 2, "clip_low": None}, "src") == {
+    assert flags.check_values(config.Config, {"lr": 1, "steps": 2, "clip_low": None}, "src") == {
         "lr": 1.0, "steps": 2, "clip_low": None}
     cases = {"bad_str.json": ('{"temperature": "0.7"}', "'temperature' must be a number | not the text '0.7'"),
              "bad_bool.json": ('{"temperature": true}', "'temperature' must be a number | not a boolean"),
@@ -106,7 +107,7 @@ def test_cli_config_file_is_the_base_layer_under_the_flags(tmp_path, capsys):
                 str(tmp_path / name) in err[0] and all(part in err[0] for part in expected.split(" | ")), (name, err)
     (tmp_path / "bench.json").write_text('{"benchmarks": "gsm8k"}')
     with pytest.raises(ValueError, match="'benchmarks' must be a list of strings, not the text 'gsm8k'"):
-        config.read_config(ev.Config, str(tmp_path / "bench.json"))
+        flags.read_config(ev.Config, str(tmp_path / "bench.json"))
 
 
 def test_cli_misspelled_flags_are_named_and_abbreviations_refused(capsys):
@@ -122,7 +123,7 @@ def test_cli_misspelled_flags_are_named_and_abbreviations_refused(capsys):
             (config.Config, ["--zzz"], "train.py: error: unrecognized arguments: --zzz"),
             (ev.Config, ["--mod", "x"], "eval.py: error: unrecognized arguments: --mod x (did you mean --models?)")):
         with pytest.raises(SystemExit) as e:
-            config.parse_flags(cls, argv, "train.py" if cls is config.Config else "eval.py")
+            flags.parse_flags(cls, argv, "train.py" if cls is config.Config else "eval.py")
         assert e.value.code == 2 and capsys.readouterr().err.splitlines() == [expected]
 
 
@@ -207,7 +208,7 @@ def test_train_rollout_auto_is_vllm_on_cuda_when_installed(monkeypatch, capsys):
 def test_stop_text_is_repeatable_inherited_by_eval_and_never_empty(tmp_path, capsys):
     """--stop-text A --stop-text B gives both (so does any list flag: --models a --models b); eval.py --run takes
     the run's texts; an empty text is a one-line error."""
-    assert config.parse_flags(config.Config, ["--stop-text", "\n\n", "--stop-text", "Q:"], "train.py") == \
+    assert flags.parse_flags(config.Config, ["--stop-text", "\n\n", "--stop-text", "Q:"], "train.py") == \
         {"stop_text": ["\n\n", "Q:"]}
     assert ev.parse_config(["--models", "a", "--models", "b"]).models == ["a", "b"]
     run = tmp_path / "run"
