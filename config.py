@@ -1,4 +1,4 @@
-"""What a run is told: train.py's configuration and the command line of train.py, eval.py and counterfactual.py
+"""What a run is told: train.py's configuration and the command line of train.py, eval.py and tools/counterfactual.py
 (docs/paper.md §6, the recipe; docs/training.md). Each script has one `@dataclass Config` whose fields (with the
 string under each as its --help) become the flags; `--config FILE` is a base layer; every bad input is one line.
 
@@ -125,8 +125,8 @@ class Config:
     """prompts per generate call on each rank (0 = the most that fit --kv-cache-gb); 1 makes rollouts independent of
     the number of ranks"""
     cuda_graphs: bool = False
-    """--rollout plain on CUDA: decode through one CUDA graph per batch bucket (rollout.CapturedStep); off until a GPU
-    run of `python bench.py gpu` has checked it (docs/gpu.md)"""
+    """--rollout plain on CUDA: decode through one CUDA graph per batch bucket (cuda_graphs.CapturedStep); off until a
+    GPU run of `python -m tools.bench gpu` has checked it (docs/gpu.md)"""
     collective_timeout_min: float = 60.0
     """minutes a rank waits in a collective for the others before the run fails (ranks whose rollouts are longer
     finish later; NCCL's default is 10)"""

@@ -9,7 +9,7 @@ AMC23 (avg@32) and MATH500, Minerva, OlympiadBench (avg@4), graded by rule, one 
     python eval.py --run out/train-cpu     # a run's export, as train.py evaluated it: into out/train-cpu/eval/
     python eval.py --models tiny --data easy=my.jsonl --prompt-key q --answer-key a   # your own JSONL
 
-Sampling is a rollout engine (`--rollout plain`: rollout.generate; `vllm`: rollout.VLLMEngine), grading is
+Sampling is a rollout engine (`--rollout plain`: rollout.generate; `vllm`: vllm_engine.VLLMEngine), grading is
 reward.correct (a positive reward; reward.grade unless --reward says otherwise), your own files and a run's
 held-out set are read by data.py; this file loads the benchmarks, splits the problems across ranks, counts and
 writes. Outputs: OUT/results.json (the
@@ -23,7 +23,7 @@ Deliberate differences from the paper's evaluation:
    rules cannot parse counts as wrong here.
 2. Pure data parallelism: with torchrun every rank holds a full copy of the model and samples its share of the
    problems (calls of consecutive problems, dealt in turn); no tensor parallelism. `--rollout vllm` samples with a
-   colocated vLLM engine per rank (rollout.VLLMEngine; with torchrun, one model per run: closing an engine tears
+   colocated vLLM engine per rank (vllm_engine.VLLMEngine; with torchrun, one model per run: closing an engine tears
    down the process group).
 3. Besides avg@k we report the unbiased pass@k (Chen et al. 2021, k = samples per problem), the mean response
    length in tokens and the truncation rate, which explain most avg@k differences between short and long budgets.
@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple
 
+from fast_decode import engines
 from command_line import errors, flags
 import reward
 from data import answer_value, check_utf8, describe, load_rows, problem_seed, read_jsonl, read_rows, repeated_note
@@ -514,7 +515,7 @@ def _joined(answer: str | list[str]) -> str:
 # --------------------------------------------------------------------------------------------------- evaluation
 class Opened(NamedTuple):
     """A checkpoint ready to sample (`open_engine`)."""
-    engine: object  # its rollout engine (rollout.make_engine)
+    engine: object  # its rollout engine (engines.make_engine)
     lm: object  # the model
     tokenizer: object
     per_call: dict[str, int]  # problems per generate call of each set
@@ -548,7 +549,7 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, de
         print(f"eval.py: {name}: problems x samples per generate call: {calls}; KV cache at most {kv / 2**30:.2f} GiB "
               f"per rank (--kv-cache-gb {cfg.kv_cache_gb:g} = {cfg.kv_cache_gb * 1e9 / 2**30:.2f} GiB{over})",
               flush=True)
-    engine = rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest, dtype=lm.dtype,
+    engine = engines.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest, dtype=lm.dtype,
                                  kv_cache_memory_bytes=max(min(need, budget), row_bytes), stop_text=cfg.stop_text)
     return Opened(engine, lm, tokenizer, per_call)
 

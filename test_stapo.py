@@ -3,14 +3,14 @@
 This file holds the paper's core (stapo.py and s2t.py: group advantages, policy_loss, the S2T mask, the five
 algorithms, the paper's worked examples); the other tests follow the files they test, in tests/ (each file's
 docstring says what it covers); conftest.py holds the helpers more than one file uses:
-- tests/test_bench.py              bench.py gpu
-- tests/test_collapse.py           collapse.py
+- tests/test_bench.py              tools/bench.py gpu
+- tests/test_collapse.py           tools/collapse.py
 - tests/test_config.py             The command line and its configuration (config.py)
-- tests/test_counterfactual.py     counterfactual.py (RQ2)
+- tests/test_counterfactual.py     tools/counterfactual.py (RQ2)
 - tests/test_data.py               data.py and tasks/
 - tests/test_eval.py               eval.py
 - tests/test_model.py              model.py
-- tests/test_plots.py              plots.py
+- tests/test_plots.py              tools/plots.py
 - tests/test_readme.py             README.md
 - tests/test_reward.py             reward.py
 - tests/test_rollout.py            rollout.py

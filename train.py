@@ -6,7 +6,7 @@ Algorithm 1; the recipe of §6), on 1 CPU, 1 GPU or many GPU nodes with the same
     python train.py --model Qwen/Qwen3-1.7B-Base       # 1 GPU: the paper's recipe (DAPO-Math-17k, G = 8)
     torchrun --nnodes=8 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py \\
         --model Qwen/Qwen3-8B-Base --out-dir runs/stapo-8b --resume auto   # 64 GPUs, as in the paper
-    python train.py --plot runs/stapo runs/justrl      # the runs' curves overlaid (plots.py)
+    python train.py --plot runs/stapo runs/justrl      # the runs' curves overlaid (tools/plots.py)
 
 Reading order: `train_step` (one RL step, numbered 1-4) and the functions it calls, in the order it calls them;
 `StepLog`, its metrics; `train`, the loop (held-out evaluations, checkpoints, stops, the closing lines); then the
@@ -70,9 +70,10 @@ import torch  # noqa: E402 - after MKL_CBWR
 import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from fast_decode import engines  # noqa: E402
 from command_line import errors  # noqa: E402
 import config  # noqa: E402
-import plots  # noqa: E402
+from tools import plots  # noqa: E402
 import reward  # noqa: E402
 import rollout  # noqa: E402
 import run_folder  # noqa: E402
@@ -98,7 +99,7 @@ class Run:
     tokenizer: object
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    engine: object  # the rollout engine (rollout.make_engine)
+    engine: object  # the rollout engine (engines.make_engine)
     rows: list[dict]  # training problems {"problem", "answer"} (data.py) and their prompts (token ids)
     prompts: list[list[int]]
     test_rows: list[dict]  # held-out problems and their prompts
@@ -121,7 +122,7 @@ class StepResult(NamedTuple):
 def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResult | None:
     """Step `step` (counted from 1): one rollout batch and its mini-batch updates (paper Algorithm 1); None when a
     stop signal came during the rollout (nothing was updated). on_mask(k, mb, current, weights), if given, sees each
-    mini-batch's decision (counterfactual.py replays a step with it)."""
+    mini-batch's decision (tools/counterfactual.py replays a step with it)."""
     cfg, G, device, policy = run.cfg, run.cfg.group_size, run.device, run.policy
     t0 = time.time()
     # 1. G responses to each of this rank's prompts of the step (difference 3: seeded per generate call).
@@ -700,7 +701,7 @@ def compute_dtype(cfg: config.Config, device) -> torch.dtype:
 
 def rollout_engine(cfg: config.Config, lm, tokenizer, prompts: list[list[int]], rank: int, world: int, device,
                    stop=None):
-    """The --rollout engine (rollout.make_engine), made once (vllm: on every rank at the same time), sized for the
+    """The --rollout engine (engines.make_engine), made once (vllm: on every rank at the same time), sized for the
     longest of `prompts`; prints its KV-cache budget. stop: the plain sampler's early end (a stop signal)."""
     n, G, dtype = cfg.prompts_per_step // world, cfg.group_size, compute_dtype(cfg, device)
     chunk, tokens = prompts_per_call(cfg, n, lm.config, dtype.itemsize), cfg.max_prompt_len + cfg.max_response_len
@@ -712,7 +713,7 @@ def rollout_engine(cfg: config.Config, lm, tokenizer, prompts: list[list[int]], 
         print(f"rollout ({cfg.rollout}): {what} per rank (--kv-cache-gb {cfg.kv_cache_gb:g} = "
               f"{cfg.kv_cache_gb * 1e9 / 2**30:.2f} GiB)", flush=True)
     longest = max(map(len, prompts)) + cfg.max_response_len  # train and held-out prompts
-    return rollout.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, stop, max_model_len=longest,
+    return engines.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, stop, max_model_len=longest,
                                kv_cache_memory_bytes=kv_vllm, dtype=dtype, seed=cfg.seed,
                                captured=cfg.cuda_graphs and device.type == "cuda", stop_text=cfg.stop_text)
 
@@ -792,7 +793,8 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
     ref_policy = None
     if cfg.algo == "grpo" and cfg.kl_beta > 0:
         ref_policy = make_policy(load()[0]).requires_grad_(False)
-    # fused: one kernel over all parameters (CPU: 4-5x faster than the foreach loop at SmolLM2's 135M, bench.py flops)
+    # fused: one kernel over all parameters (CPU: 4-5x faster than the foreach loop at SmolLM2's 135M, tools/bench.py
+    # flops)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     # lr: linear warm-up over warmup_steps optimizer steps, then constant
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
@@ -817,7 +819,7 @@ def main(argv: list[str] | None = None) -> int:
     one line), run_folder.STOPPED (a stop signal or Ctrl-C: a checkpoint was written, run the same command again),
     run_folder.INTERRUPTED (Ctrl-C again: left at once, the last checkpoint kept)."""
     argv = sys.argv[1:] if argv is None else argv
-    if "--plot" in argv:  # python train.py --plot RUN [RUN ...] [--out PNG]: figures only (plots.py)
+    if "--plot" in argv:  # python train.py --plot RUN [RUN ...] [--out PNG]: figures only (tools/plots.py)
         return plots.main(argv)
     rank = int(os.environ.get("RANK", 0))  # until the process group exists: torchrun's env:// contract
     run = lock = None

@@ -1,4 +1,4 @@
-"""bench.py gpu: the prepared GPU check, at toy shapes on the CPU."""
+"""tools/bench.py gpu: the prepared GPU check, at toy shapes on the CPU."""
 import json
 import math
 
@@ -6,15 +6,15 @@ from conftest import _one_thread
 
 
 # ==================================================================================================================
-# bench.py gpu: the prepared GPU check, at toy shapes on the CPU
+# tools/bench.py gpu: the prepared GPU check, at toy shapes on the CPU
 # ==================================================================================================================
 def test_bench_gpu_smoke(tmp_path):
-    """`python bench.py gpu --smoke` runs every part of the GPU check (so it cannot rot between GPU runs): the sharded
-    fp32 forward equals an fp32 copy of the same weights, the chunked head the fp64 naive one, each sampler (the
-    model's forward, the written-out step, the captured step's CPU stand-in, model.generate) makes exactly its
-    tokens, the captured step's body gives the same tokens however it runs, and train.py makes its two steps with an
-    update each."""
-    import bench
+    """`python -m tools.bench gpu --smoke` runs every part of the GPU check (so it cannot rot between GPU runs): the
+    sharded fp32 forward equals an fp32 copy of the same weights, the chunked head the fp64 naive one, each sampler (the
+    model's forward, the written-out step, the captured step's CPU stand-in, model.generate) makes exactly its tokens,
+    the captured step's body gives the same tokens however it runs, and train.py makes its two steps with an update
+    each."""
+    from tools import bench
 
     with _one_thread():
         bench.bench_gpu(smoke=True, out=tmp_path)

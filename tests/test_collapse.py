@@ -1,12 +1,12 @@
-"""collapse.py: the collapse experiment's pre-registered outcomes, its bootstrap, its table and figure, --why."""
+"""tools/collapse.py: the collapse experiment's pre-registered outcomes, its bootstrap, its table and figure, --why."""
 import json
 
 import pytest
 
 
 def test_collapse_outcomes_by_hand():
-    """collapse.py's pre-registered outcomes on hand-made curves."""
-    import collapse
+    """tools/collapse.py's pre-registered outcomes on hand-made curves."""
+    from tools import collapse
     assert collapse.collapse_step([.2, .6, .5, .4, .2, .1, .3]) == 5  # 0.2 and 0.1 below 0.6 / 2, steps 5 and 6
     assert collapse.collapse_step([.2, .6, .5, .25, .2, .4]) == 4
     assert collapse.collapse_step([.2, .6, .5, .25, .4, .2]) is None  # one step below half the peak is not one
@@ -21,7 +21,7 @@ def test_collapse_outcomes_by_hand():
 def test_collapse_bootstrap_resamples_seeds_and_problems():
     """A constant difference has a zero-width interval; a difference carried by one problem of four shows the
     problem clustering: resampling problems widens the interval beyond resampling seeds alone."""
-    import collapse
+    from tools import collapse
     assert collapse.bootstrap_mean_diff([[1.0, 1.0]] * 3, [[0.5, 0.5]] * 3, n=500) == pytest.approx((0.5, 0.5, 0.5))
     a, b = [[1.0, 0.0, 0.0, 0.0]] * 6, [[0.0] * 4] * 6
     mean, lo, hi = collapse.bootstrap_mean_diff(a, b, n=2000)
@@ -31,8 +31,9 @@ def test_collapse_bootstrap_resamples_seeds_and_problems():
 
 
 def test_collapse_table_and_figure_from_run_folders(tmp_path):
-    """collapse.py RUNS: the table pairs arms by seed (JustRL collapsing where STAPO does not), and draws the figure."""
-    import collapse
+    """tools/collapse.py RUNS: the table pairs arms by seed (JustRL collapsing where STAPO does not), and draws the
+    figure."""
+    from tools import collapse
     curves = {"justrl": [.2, .6, .5, .2, .1, .1, .1, .1, .1, .1, .1, .1],
               "stapo": [.2, .6, .6, .7, .7, .7, .8, .8, .8, .8, .8, .8]}
     for algo, acc in curves.items():
@@ -64,9 +65,10 @@ def test_collapse_table_and_figure_from_run_folders(tmp_path):
 
 
 def test_collapse_why_reads_the_shares_of_the_steps_before_the_collapse(tmp_path):
-    """collapse.py --why: per kind x part, the gradient share and tokens averaged over the steps before the collapse
-    only (step 4 on are left out), the entropy change per token pooled over those steps' tokens, summed per step."""
-    import collapse
+    """tools/collapse.py --why: per kind x part, the gradient share and tokens averaged over the steps before the
+    collapse only (step 4 on are left out), the entropy change per token pooled over those steps' tokens, summed per
+    step."""
+    from tools import collapse
     folder = tmp_path / "justrl-0"
     folder.mkdir()
     cells = [f"{k}_{p}" for k in collapse.KINDS for p in collapse.PARTS]
@@ -92,7 +94,7 @@ def test_collapse_why_reads_the_shares_of_the_steps_before_the_collapse(tmp_path
 
 def test_collapse_reading_follows_the_plans_rules():
     """collapse.reading: the pre-registered sentence from made-up outcomes of six seeds per arm, one case per rule."""
-    import collapse
+    from tools import collapse
 
     def arms(justrl, stapo, randmask, rises=(0.3, 0.3)):  # collapse steps per seed (None: none); rise per arm
         def arm(steps, rise):

@@ -1,12 +1,12 @@
-"""confirm.py: the confirmatory experiment's statistics against tabulated values, its power calculation, its reading
-rules one case each, the gate's report and the tables from hand-built run folders."""
+"""tools/confirm.py: the confirmatory experiment's statistics against tabulated values, its power calculation, its
+reading rules one case each, the gate's report and the tables from hand-built run folders."""
 import json
 import math
 
 import numpy as np
 import pytest
 
-import confirm
+from tools import confirm
 
 
 def test_confirm_t_distribution_matches_tables():
@@ -72,8 +72,8 @@ def _write_run(folder, algo, seed, acc, silenced, rule, heldout=0.5, before=True
 
 
 def test_confirm_report_from_run_folders(tmp_path):
-    """confirm.py RUNS: the primary outcome skips the warm-up steps; STAPO better than JustRL in every seed and than
-    RandMask reads "supports"; a RandMask run whose count differs from the rule's fails the manipulation check."""
+    """tools/confirm.py RUNS: the primary outcome skips the warm-up steps; STAPO better than JustRL in every seed and
+    than RandMask reads "supports"; a RandMask run whose count differs from the rule's fails the manipulation check."""
     rng = np.random.default_rng(0)
     for seed in range(5):
         base = list(rng.uniform(0.2, 0.6, 16))
@@ -98,7 +98,7 @@ def test_confirm_report_from_run_folders(tmp_path):
 
 
 def test_confirm_gate_report(tmp_path, capsys):
-    """confirm.py gate RUN ...: S2T's activity against the bar 0.25 a step, the parameter-gradient shares with
+    """tools/confirm.py gate RUN ...: S2T's activity against the bar 0.25 a step, the parameter-gradient shares with
     cancellation beside the per-token logit-gradient shares, the graded part's share of tokens."""
     cells = {f"shares/{x}_{k}_{part}": 1.0 for x in ("grad", "n") for k in ("candidate", "low_p", "high_p_pos",
                                                                               "high_p_rest") for part in ("graded",

@@ -1,6 +1,5 @@
-"""counterfactual.py (RQ2): the estimator on a tabular policy with known effects, token picks, Wilson intervals, the
-command on a tiny run.
-"""
+"""tools/counterfactual.py (RQ2): the estimator on a tabular policy with known effects, token picks, Wilson intervals,
+the command on a tiny run. """
 import importlib.util
 import json
 import math
@@ -9,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-import counterfactual
-import plots
+from tools import counterfactual
+from tools import plots
 import train
 from model import tiny_model
 
@@ -18,7 +17,7 @@ from conftest import _EVEN, _one_thread, _patch, _toy_args, _toy_data
 
 
 # ==================================================================================================================
-# counterfactual.py and s2t.entropy_change: what the mask removes and what an update does to entropy (RQ2)
+# tools/counterfactual.py and s2t.entropy_change: what the mask removes and what an update does to entropy (RQ2)
 # ==================================================================================================================
 # A tabular policy whose tokens' effects on success are known exactly. Prompt [gold]; response: a hint A or B (1/2
 # each), then the answer digit (gold with probability 0.9 after A, 0.2 after B, else one of the 9 other digits),
@@ -235,7 +234,7 @@ def test_counterfactual_contrast_redraw_and_equivalence():
 
 
 def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
-    """`python counterfactual.py RUN --steps 1 2` on a toy run (step 2 from the checkpoint of step 1): it
+    """`python -m tools.counterfactual RUN --steps 1 2` on a toy run (step 2 from the checkpoint of step 1): it
     regenerates both steps exactly, both mini-batches' masks by replaying the updates (checked against the run's
     logs: rewards, lengths, candidate and silenced counts), writes one line per token with the fields a
     reader needs, for every kind, prints the summary, and the same command writes the same file again."""
@@ -285,8 +284,8 @@ def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
 
 
 def test_counterfactual_reward_that_reads_the_row(tmp_path, monkeypatch):
-    """A --reward FILE.py:FUNCTION that needs a field of the data row: counterfactual.py grades the regenerated step
-    and every continuation with the row, as train.py did (it called the reward with the text and answer only)."""
+    """A --reward FILE.py:FUNCTION that needs a field of the data row: tools/counterfactual.py grades the regenerated
+    step and every continuation with the row, as train.py did (it called the reward with the text and answer only)."""
     _patch(monkeypatch, _EVEN)
     data = tmp_path / "toy.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}{b}", "answer": str(a + b), "wanted": "02468"[a % 5]}) + "\n"

@@ -1,4 +1,4 @@
-"""plots.py: what S2T saw, the gradient analysis, overlaid runs and seeds, live curves."""
+"""tools/plots.py: what S2T saw, the gradient analysis, overlaid runs and seeds, live curves."""
 import json
 import math
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import plots
+from tools import plots
 import run_folder
 import train
 
@@ -16,7 +16,7 @@ from conftest import ROOT, _EVEN, _metrics, _one_thread, _patch, _toy_args, _toy
 
 
 # ==================================================================================================================
-# plots.py and the loggers: what S2T saw, overlaid runs, live curves
+# tools/plots.py and the loggers: what S2T saw, overlaid runs, live curves
 # ==================================================================================================================
 def test_train_s2t_figure_and_tokens_file(tmp_path, monkeypatch, capsys):
     """A tiny run whose S2T mask fires (--tau-p 0.5: most tokens of a correct response are candidates): tokens.jsonl

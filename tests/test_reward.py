@@ -430,7 +430,7 @@ def test_reward_peer_cases():
     """testdata/peer_cases.jsonl: the labelled cases of the peers' own suites, raw completions as they grade them.
     Every false positive is a deliberate "no" of docs/grader.md (the case carries its reason), every deliberate "no"
     still disagrees with its peer's label, and the peers' suites together are graded right at least as often as
-    math-verify 0.9.0 grades them (293 of 340, `python bench.py grader-compare`); MATH's at its bar (14 of 16)."""
+    math-verify 0.9.0 grades them (293 of 340, `python -m tools.bench grader-compare`); MATH's at its bar (14 of 16)."""
     per, fps, kept = defaultdict(lambda: [0, 0]), [], []
     for row in _reward_jsonl(TESTDATA / "peer_cases.jsonl"):
         got = reward.grade(row["response"], row["gold"])

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from fast_decode import cuda_graphs, decode_step, engines
 import model
 import rollout
 from model import Policy, position_ids_from_mask, shard_policy, tiny_model, tiny_tokenizer
@@ -112,7 +113,7 @@ def test_rollout_compaction_same_tokens(temperature, top_p):
 
 
 def test_rollout_in_place_cache_equals_dynamic_cache():
-    """Pins the transformers cache interface `rollout.InPlaceCache` relies on (5.17-5.19: `update` returns what
+    """Pins the transformers cache interface `decode_step.InPlaceCache` relies on (5.17-5.19: `update` returns what
     attention reads, `get_seq_length` / `get_mask_sizes` give the length): a prefill of left-padded prompts, decode
     steps, a row drop and more steps give the hidden states of transformers' DynamicCache with
     `batch_select_indices`, while the cache is written in place (views of buffers allocated once) and a drop copies
@@ -125,7 +126,7 @@ def test_rollout_in_place_cache_equals_dynamic_cache():
     mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, T)], 1)  # (B, P+T)
     positions = prompt_mask.sum(1, keepdim=True) + torch.arange(T)  # (B, T)
     tokens = torch.randint(3, _REAL_VOCAB, (B, T), generator=torch.Generator().manual_seed(0))
-    ours, ref = rollout.InPlaceCache(lm.config, B, P + T), DynamicCache(config=lm.config)
+    ours, ref = decode_step.InPlaceCache(lm.config, B, P + T), DynamicCache(config=lm.config)
     copied = []
     copy_rows = ours.copy_rows
     ours.copy_rows = lambda dst, src, rows: (copied.append(len(dst)), copy_rows(dst, src, rows))
@@ -137,7 +138,7 @@ def test_rollout_in_place_cache_equals_dynamic_cache():
         buffer = ours.layers[0].key_buffer.data_ptr()
         for t in range(T):
             if t == 3:  # rows 0 and 2 finish: row 3 moves into slot 0, row 1 stays; the reference selects [1, 3]
-                order = rollout._drop_finished(torch.tensor([False, True, False, True]), ours)
+                order = decode_step.drop_finished(torch.tensor([False, True, False, True]), ours)
                 assert order.tolist() == [3, 1] and copied == [1]  # one row's cache copied, not both kept rows
                 ref.batch_select_indices(torch.tensor([1, 3]))
                 rows = rows[order]
@@ -153,12 +154,12 @@ def test_rollout_in_place_cache_equals_dynamic_cache():
     with pytest.raises(NotImplementedError, match="full attention"):
         config = tiny_model().config
         config.layer_types = ["sliding_attention"] * config.num_hidden_layers
-        rollout.InPlaceCache(config, B, P + T)
+        decode_step.InPlaceCache(config, B, P + T)
 
 
 def test_rollout_onednn_linears_same_values():
-    """Inside `_onednn_linears` every linear layer computes x W^T + b through oneDNN's reordered weights (as the
-    sampler's head does through `_packed`): the values of F.linear up to fp32 rounding; afterwards the layers are
+    """Inside `onednn_linears` every linear layer computes x W^T + b through oneDNN's reordered weights (as the
+    sampler's head does through `packed`): the values of F.linear up to fp32 rounding; afterwards the layers are
     plain again. The packed path runs only where it applies (CPU, fp32 / bf16, not under autograd here)."""
     lm = tiny_model()
     linear = torch.nn.Linear(64, 48)  # with a bias
@@ -166,21 +167,21 @@ def test_rollout_onednn_linears_same_values():
     head = lm.lm_head.weight[:_REAL_VOCAB]
     with torch.inference_mode():
         ref = linear(x), torch.nn.functional.linear(x[:, 0], head)
-        with rollout._onednn_linears(linear):
+        with decode_step.onednn_linears(linear):
             assert "forward" in vars(linear) and torch.backends.mkldnn.is_available()
             torch.testing.assert_close(linear(x), ref[0], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(rollout._packed(head)(x[:, 0]), ref[1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(decode_step.packed(head)(x[:, 0]), ref[1], atol=1e-5, rtol=1e-5)
     assert "forward" not in vars(linear) and torch.equal(linear(x), ref[0])
-    assert not rollout._packs(torch.zeros(2, 2, dtype=torch.float16)) and rollout._packs(head)
+    assert not decode_step._packs(torch.zeros(2, 2, dtype=torch.float16)) and decode_step._packs(head)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
 def test_rollout_written_out_decode_step(family):
-    """`rollout.DecodeStep` (the decode step written out layer by layer, on CPU) samples what the model's own forward
-    samples: greedy token for token and sampled with the same generator, log-probs to 1e-5, on left-padded prompts
-    (a padding mask), rows stopping at different lengths, for the three families it writes out (Qwen3's per-head
-    q/k norms, Llama, Qwen2's q/k/v biases, given random values here); the backbone's own forward then runs once,
-    for the prefill. A model it does not support (fp16 weights) decodes through the model's forward."""
+    """`decode_step.DecodeStep` (the decode step written out layer by layer, on CPU) samples what the model's own
+    forward samples: greedy token for token and sampled with the same generator, log-probs to 1e-5, on left-padded
+    prompts (a padding mask), rows stopping at different lengths, for the three families it writes out (Qwen3's per-head
+    q/k norms, Llama, Qwen2's q/k/v biases, given random values here); the backbone's own forward then runs once, for
+    the prefill. A model it does not support (fp16 weights) decodes through the model's forward."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
     sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, tie_word_embeddings=False, bos_token_id=None, eos_token_id=2, pad_token_id=0,
@@ -203,7 +204,7 @@ def test_rollout_written_out_decode_step(family):
             if len(set(lengths.tolist())) > 2 and lengths.max() > 8:
                 break
             lm.lm_head.weight[2] = eos_row
-    assert rollout.DecodeStep.supports(lm)
+    assert decode_step.DecodeStep.supports(lm)
     assert family != "qwen2" or lm.model.layers[0].self_attn.q_proj.bias is not None
     calls = []
     handle = lm.get_decoder().register_forward_pre_hook(lambda module, args: calls.append(1))
@@ -221,7 +222,7 @@ def test_rollout_written_out_decode_step(family):
         assert runs[0].prompt_mask.float().mean() < 1 and steps > 8
         assert temperature or len(set(runs[0].response_mask.sum(1).tolist())) > 2  # greedy rows stop apart
     handle.remove()
-    assert not rollout.DecodeStep.supports(lm.half())
+    assert not decode_step.DecodeStep.supports(lm.half())
 
 
 def test_plain_engine_takes_the_weights_once_per_phase(monkeypatch):
@@ -232,13 +233,13 @@ def test_plain_engine_takes_the_weights_once_per_phase(monkeypatch):
     lm, prompts = _eos_biased_model(105), _prompts()
     engine = rollout.PlainEngine(lm, 2, 0, _REAL_VOCAB)
     built = []
-    monkeypatch.setattr(rollout.DecodeStep, "__init__", lambda self, *a, init=rollout.DecodeStep.__init__:
+    monkeypatch.setattr(decode_step.DecodeStep, "__init__", lambda self, *a, init=decode_step.DecodeStep.__init__:
                         built.append(1) or init(self, *a))
 
     def phase():
         built.clear()
         with engine.ready(lm):
-            assert isinstance(engine.step, rollout.DecodeStep)
+            assert isinstance(engine.step, decode_step.DecodeStep)
             r = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)  # four generate calls
         assert len(built) == 1 and engine.step is True
         per_call = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)  # outside a phase: a step per call
@@ -252,16 +253,16 @@ def test_plain_engine_takes_the_weights_once_per_phase(monkeypatch):
         lm.lm_head.weight.mul_(3.0)  # the update between two phases
     after = phase()
     assert not torch.equal(before.response_ids, after.response_ids)
-    step = rollout.DecodeStep(lm, _REAL_VOCAB)
+    step = decode_step.DecodeStep(lm, _REAL_VOCAB)
     for other in (dict(model=tiny_model(), vocab_size=_REAL_VOCAB), dict(model=lm, vocab_size=None)):
         with pytest.raises(ValueError, match="DecodeStep of another model or vocab_size"):
             generate(other["model"], prompts, max_new_tokens=4, eos_token_id=2, pad_token_id=0,
                      vocab_size=other["vocab_size"], written_out=step)
 
 
-def _captured(lm, rows: int, max_len: int, vocab_size=_REAL_VOCAB, **kwargs) -> rollout.CapturedStep:
+def _captured(lm, rows: int, max_len: int, vocab_size=_REAL_VOCAB, **kwargs) -> cuda_graphs.CapturedStep:
     """The captured step of `lm` (its CPU stand-in unless kwargs say otherwise), length blocks of 16 positions."""
-    return rollout.CapturedStep(rollout.DecodeStep(lm, vocab_size), rows, max_len, **{"block": 16, **kwargs})
+    return cuda_graphs.CapturedStep(decode_step.DecodeStep(lm, vocab_size), rows, max_len, **{"block": 16, **kwargs})
 
 
 @pytest.mark.parametrize("temperature, top_p", [(0, 1.0), (1.0, 1.0), (0.8, 0.9)])
@@ -280,7 +281,7 @@ def test_rollout_captured_step_same_tokens_as_eager(monkeypatch, temperature, to
     captured = _captured(lm, 24, P + 40, kwargs["vocab_size"])
     assert captured.buckets == [1, 2, 4, 8, 16, 24]
     seen = []
-    monkeypatch.setattr(rollout.CapturedStep, "_body", lambda self, b, L, body=rollout.CapturedStep._body:
+    monkeypatch.setattr(cuda_graphs.CapturedStep, "_body", lambda self, b, L, body=cuda_graphs.CapturedStep._body:
                         seen.append((b, L, self.kv.get_seq_length())) or body(self, b, L))
     r = generate(lm, prompts, **kwargs, generator=torch.Generator().manual_seed(3), written_out=captured)
     assert torch.equal(r.response_ids, ref.response_ids) and torch.equal(r.response_mask, ref.response_mask)
@@ -304,15 +305,15 @@ def test_rollout_captured_step_contract(monkeypatch):
     the CUDA graph, replaying the body eagerly) each (bucket, length) is captured once, at its first step, and
     replayed at every step, with the stand-in's tokens. A call larger than the static cache, or for another model,
     is refused."""
-    assert rollout.batch_buckets(1) == [1] and rollout.batch_buckets(16) == [1, 2, 4, 8, 16]
-    assert rollout.batch_buckets(24) == [1, 2, 4, 8, 16, 24]
+    assert cuda_graphs.batch_buckets(1) == [1] and cuda_graphs.batch_buckets(16) == [1, 2, 4, 8, 16]
+    assert cuda_graphs.batch_buckets(24) == [1, 2, 4, 8, 16, 24]
     g = torch.Generator().manual_seed(0)  # its attention: SDPA over the key/value heads repeated per head group
     q, k, v = (torch.randn(5, heads, length, 16, generator=g) for heads, length in ((8, 1), (2, 37), (2, 37)))
     mask = torch.zeros(5, 1, 1, 37).index_fill_(3, torch.arange(30, 37), float("-inf"))  # unfilled positions
     mask[1, ..., :5] = float("-inf")  # padding
     ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
                                                            attn_mask=mask, scale=0.3).transpose(1, 2)  # (R, 1, H, hd)
-    torch.testing.assert_close(rollout._grouped_attention(q, k, v, mask, 0.3), ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(decode_step._grouped_attention(q, k, v, mask, 0.3), ref, atol=1e-6, rtol=1e-5)
     lm, prompts = _eos_biased_model(105), _prompts()
     kwargs = dict(max_new_tokens=30, eos_token_id=2, pad_token_id=0, vocab_size=_REAL_VOCAB)
     P = rollout._left_pad(prompts, 0)[0].shape[1]
@@ -321,12 +322,12 @@ def test_rollout_captured_step_contract(monkeypatch):
         t for layer in captured.kv.layers for t in (layer.key_buffer, layer.value_buffer)]
     pointers = [t.data_ptr() for t in static]
     inputs, outputs = [], []
-    step_call = rollout.DecodeStep.__call__
-    monkeypatch.setattr(rollout.DecodeStep, "__call__", lambda self, token, position, mask, cache, column=None:
+    step_call = decode_step.DecodeStep.__call__
+    monkeypatch.setattr(decode_step.DecodeStep, "__call__", lambda self, token, position, mask, cache, column=None:
                         inputs.append((token, position, mask, cache, column)) or step_call(
                             self, token, position, mask, cache, column))
-    call = rollout.CapturedStep.__call__
-    monkeypatch.setattr(rollout.CapturedStep, "__call__", lambda self, *args: outputs.append(call(self, *args))
+    call = cuda_graphs.CapturedStep.__call__
+    monkeypatch.setattr(cuda_graphs.CapturedStep, "__call__", lambda self, *args: outputs.append(call(self, *args))
                         or outputs[-1])
     first = [generate(lm, prompts * 2, generator=torch.Generator().manual_seed(s), written_out=captured, **kwargs)
              for s in (0, 1)]  # two calls of one phase
@@ -346,7 +347,7 @@ def test_rollout_captured_step_contract(monkeypatch):
         def replay(self):
             replays.append(self.key)
             self.step._body(*self.key)
-    monkeypatch.setattr(rollout.CapturedStep, "_capture", lambda self, b, L: captures.append((b, L)) or
+    monkeypatch.setattr(cuda_graphs.CapturedStep, "_capture", lambda self, b, L: captures.append((b, L)) or
                         Graph(self, (b, L)))
     graphs = _captured(lm, 8, P + 30, capture=True)
     inputs.clear()
@@ -373,17 +374,17 @@ def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
     a larger one."""
     lm, prompts = _eos_biased_model(105), _prompts()
     tok = tiny_tokenizer()
-    engine = rollout.make_engine("plain", lm, tok, True, max_model_len=200)
+    engine = engines.make_engine("plain", lm, tok, True, max_model_len=200)
     assert engine.max_len == 200 and not engine.captured  # the default: the eager step
-    assert rollout.make_engine("plain", lm, tok, True, captured=True).captured
+    assert engines.make_engine("plain", lm, tok, True, captured=True).captured
     eager = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)
     engine.captured, built = True, []
-    monkeypatch.setattr(rollout.CapturedStep, "__init__", lambda self, *a, init=rollout.CapturedStep.__init__:
+    monkeypatch.setattr(cuda_graphs.CapturedStep, "__init__", lambda self, *a, init=cuda_graphs.CapturedStep.__init__:
                         built.append(a[1:]) or init(self, *a))
     with engine.ready(lm):
         r = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)  # four generate calls of 2 rows
         held = engine.static
-        assert built == [(2, 200)] and isinstance(held, rollout.CapturedStep)
+        assert built == [(2, 200)] and isinstance(held, cuda_graphs.CapturedStep)
         engine.sample(prompts[:2], 2, [7], 2, 24, 1.0, 1.0)  # 4 rows: a larger cache
         assert built == [(2, 200), (4, 200)] and engine.static is not held
     assert engine.static is None and engine.step is True
@@ -780,7 +781,7 @@ def test_plain_engine_passes_the_stop_text():
     tok = tiny_tokenizer()
     lm = tiny_model()
     prompts = [format_prompt(tok, p, chat=False, instruction="") for p in ("12", "ab", "x y")]
-    engine = rollout.make_engine("plain", lm, tok, chat=False, stop_text=["e", " t"])
+    engine = engines.make_engine("plain", lm, tok, chat=False, stop_text=["e", " t"])
     with engine.ready(lm):
         got = engine.sample(prompts, 2, [7], 3, 20, 1.0, 1.0)
     want = sample_groups(lm, prompts, 2, max_new_tokens=20, eos_token_id=engine.eos, pad_token_id=engine.pad,

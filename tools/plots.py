@@ -12,7 +12,7 @@
 - `gradient.png`: RQ1, that norm's binned median against p and against H, with the correlations it illustrates.
 - `entropy_change.png` (runs made with `--entropy-change`): the paper's entropy mechanism, the mean change of the
   entropy an update made at silenced tokens, kept candidates and other tokens, per step, beside the entropy.
-- `counterfactual.png` (`python counterfactual.py RUN --plot`, RQ2): each analysed token's effect on the success
+- `counterfactual.png` (`python -m tools.counterfactual RUN --plot`, RQ2): each analysed token's effect on the success
   rate against its probability, silenced vs kept candidates vs other tokens (counterfactual.jsonl).
 
 One concept, pictures of run folders: a file of its own so that train.py stays the story of one step and runs can
@@ -603,7 +603,7 @@ KIND_STYLES = {"silenced": dict(color="tab:red", marker="x"), "candidate": dict(
 
 
 def plot_counterfactual(lines: list[dict], out_png: str) -> bool:
-    """The counterfactual.jsonl lines of counterfactual.py: each token's effect on the success rate (with its
+    """The counterfactual.jsonl lines of tools/counterfactual.py: each token's effect on the success rate (with its
     standard error) against its probability p, coloured by kind (silenced, kept candidate, other), and the effects
     of each kind side by side with their mean; True if written."""
     if not lines:
@@ -639,7 +639,7 @@ def plot_counterfactual(lines: list[dict], out_png: str) -> bool:
 
 
 def plot_counterfactual_groups(panels: dict[str, dict[str, list[dict]]], out_png: str, interval) -> bool:
-    """Many runs' counterfactual.jsonl lines (`python counterfactual.py --table RUN ... --out PNG`), one panel per
+    """Many runs' counterfactual.jsonl lines (`python -m tools.counterfactual --table RUN ... --out PNG`), one panel per
     algorithm ({algorithm: {group of tokens: lines}}, counterfactual.pooled_groups): each group's contrasts
     Q(a) - Q(not a) side by side, its mean with the 95% interval over responses (interval(values, clusters) ->
     (low, high): counterfactual.cluster_interval), and under it the group's size and share negligible (the

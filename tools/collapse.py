@@ -1,9 +1,9 @@
 """Does S2T stop a collapse? The outcomes, paired statistics and figure of the pre-registered experiment
 (docs/experiments.md, "Does S2T stop a collapse?"; docs/paper.md §4 and §8 RQ3).
 
-    python collapse.py RUNS                      # RUNS/ALGO-SEED run folders: the table of outcomes and tests
-    python collapse.py RUNS --out docs/collapse.png
-    python collapse.py RUNS --why                # also: what carries JustRL's updates before its collapse
+    python -m tools.collapse RUNS                      # RUNS/ALGO-SEED run folders: the table of outcomes and tests
+    python -m tools.collapse RUNS --out docs/collapse.png
+    python -m tools.collapse RUNS --why                # also: what carries JustRL's updates before its collapse
 
 The paper's central claim: JustRL's training collapses (accuracy falls, entropy rebounds) where STAPO, JustRL with
 the S2T mask, stays stable. Every arm runs the same recipe with one --algo; runs of one seed share their first
@@ -288,11 +288,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     root, out = Path(argv[0]), Path(argv[argv.index("--out") + 1]) if "--out" in argv else None
     if not root.is_dir():
-        print(f"collapse.py: error: {root} is not a folder of run folders", file=sys.stderr)
+        print(f"tools.collapse: error: {root} is not a folder of run folders", file=sys.stderr)
         return 2
     arms = read_runs(root)
     if not arms:
-        print(f"collapse.py: error: no complete run (12 steps, evaluated after 12) in {root}", file=sys.stderr)
+        print(f"tools.collapse: error: no complete run (12 steps, evaluated after 12) in {root}", file=sys.stderr)
         return 2
     print(table(arms))
     print(f"\nreading (the plan's rules): {reading(arms)}")

