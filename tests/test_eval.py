@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from fast_decode import engines
 import config
 import eval as ev
 import model
@@ -222,7 +223,7 @@ def test_eval_kv_cache_budget_bounds_every_call(tmp_path, monkeypatch, capsys):
         made.update(kwargs, row=model.kv_cache_bytes(lm.config, 1, kwargs["max_model_len"], 4))
         return Recording(lm, rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, _REAL_VOCAB)
 
-    monkeypatch.setattr(rollout, "make_engine", make_engine)
+    monkeypatch.setattr(engines, "make_engine", make_engine)
     _run_tiny(tmp_path)  # --batch-size 4: 2 problems x k 2 per call
     assert calls == [4, 2] * 2 and made["kv_cache_memory_bytes"] == 4 * made["row"], calls
     calls.clear()

@@ -121,7 +121,7 @@ def test_rollout_in_place_cache_equals_dynamic_cache():
     from transformers import DynamicCache
     lm = tiny_model()
     decoder = lm.get_decoder()
-    prompt, prompt_mask = rollout._left_pad(_prompts(), 0)  # (4, P), rows of different lengths
+    prompt, prompt_mask = rollout.left_pad(_prompts(), 0)  # (4, P), rows of different lengths
     B, P, T = 4, prompt.shape[1], 6
     mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, T)], 1)  # (B, P+T)
     positions = prompt_mask.sum(1, keepdim=True) + torch.arange(T)  # (B, T)
@@ -316,7 +316,7 @@ def test_rollout_captured_step_contract(monkeypatch):
     torch.testing.assert_close(decode_step._grouped_attention(q, k, v, mask, 0.3), ref, atol=1e-6, rtol=1e-5)
     lm, prompts = _eos_biased_model(105), _prompts()
     kwargs = dict(max_new_tokens=30, eos_token_id=2, pad_token_id=0, vocab_size=_REAL_VOCAB)
-    P = rollout._left_pad(prompts, 0)[0].shape[1]
+    P = rollout.left_pad(prompts, 0)[0].shape[1]
     captured = _captured(lm, 8, P + 30)
     static = [captured.mask, captured.token, captured.position, captured.column, captured.logits] + [
         t for layer in captured.kv.layers for t in (layer.key_buffer, layer.value_buffer)]

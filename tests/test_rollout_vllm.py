@@ -30,6 +30,7 @@ needs_vllm = pytest.mark.skipif(_NO_VLLM, reason="vllm is not installed (pip ins
 
 def test_default_path_does_not_import_vllm():
     code = ("import sys; sys.path.insert(0, %r); import train, eval, rollout, model\n"
+            "from fast_decode import engines\n"
             "lm, tok = model.load_model('tiny'); e = engines.make_engine('plain', lm, tok, True)\n"
             "e.sample([[1, 2, 3]], 2, [0], 1, 4, 1.0, 1.0); assert 'vllm' not in sys.modules") % str(ROOT)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -175,6 +176,7 @@ def test_eval_vllm_engine_end_to_end(tmp_path):
 _STOP_SCRIPT = """
 import json, sys, torch
 import model, rollout
+from fast_decode import engines
 lm, tok = model.load_model("tiny64")
 prompts = [rollout.format_prompt(tok, p, chat=False, instruction="") for p in ("1+1", "2+3", "4+4", "x")]
 stop = json.loads(sys.argv[1])

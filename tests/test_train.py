@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fast_decode import engines
 import config
 import eval as ev
 from tools import plots
@@ -433,7 +434,7 @@ def test_train_policy_on_another_device_than_the_rollout_engine(tmp_path, monkey
     monkeypatch.setattr(train, "init_distributed", lambda timeout_min=60: (*start()[:2], _OTHER))
     monkeypatch.setattr(train, "load_model", lambda name, device=None, **kw: (
         tiny_model(vocab_size=_TOY_VOCAB)._apply(OnOther if device == _OTHER else lambda t: t), tiny_tokenizer()))
-    monkeypatch.setattr(rollout, "make_engine", lambda name, lm, tokenizer, chat, stop=None, **kw: _CPUCopyEngine(
+    monkeypatch.setattr(engines, "make_engine", lambda name, lm, tokenizer, chat, stop=None, **kw: _CPUCopyEngine(
         tiny_model(vocab_size=_TOY_VOCAB), rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, _TOY_VOCAB))
     adamw = torch.optim.AdamW  # the fused kernel refuses the simulated device (meta); the update is the same
     monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kw: adamw(params, **{**kw, "fused": False}))

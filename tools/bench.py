@@ -1508,7 +1508,7 @@ def _long_tail_batch(tokenizer, rows: int = 128, cap: int = 256, seed: int = 0) 
     prompts = [format_prompt(tokenizer, f"What is {i // 32} + {i // 8 % 4}?", False, "The answer is")
                for i in range(rows)]  # G = 8 rows per prompt
     response = (torch.randn(rows, generator=g) * 1.0 + 3.0).exp().clamp(2, cap).long()  # (B,) median ~20
-    ids, mask = rollout._left_pad(prompts, tokenizer.pad_token_id)
+    ids, mask = rollout.left_pad(prompts, tokenizer.pad_token_id)
     T = int(response.max())
     response_mask = (torch.arange(T) < response[:, None]).long()  # (B, T)
     return Rollout(ids, mask, torch.randint(3, len(tokenizer), (rows, T), generator=g) * response_mask,
