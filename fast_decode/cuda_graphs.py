@@ -10,7 +10,6 @@ import torch
 
 from fast_decode.decode_step import DecodeStep, InPlaceCache
 
-
 # The captured step's attention reads the cache up to the filled length rounded up to this many positions: a graph
 # per length block that a phase reaches (difference 10), at most this many unfilled positions read per row.
 LENGTH_BLOCK = 256

@@ -5,7 +5,6 @@ import re
 
 from grader.limits import MAX_ANSWER_CHARS, tick
 
-
 # ------------------------------------------------------------------------------------------------ extraction
 _BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*(\{)?|(?<![a-zA-Z\\])boxed(\{)")  # also a bare boxed{5}
 

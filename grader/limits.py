@@ -4,7 +4,6 @@ arguments are capped, and one deadline is checked while extracting, parsing and 
 "Deliberate differences": grader 4). Anything refused or late grades as not equivalent."""
 import time
 
-
 TAIL_CHARS = 100_000  # only the end of a response is searched for its final answer
 
 

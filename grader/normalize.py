@@ -8,7 +8,6 @@ import sympy as sp
 from grader.extraction import PHRASE, find_boxes, from_boxes, from_phrase
 from grader.limits import MAX_ANSWER_CHARS, tick
 
-
 # ------------------------------------------------------------------------------------------------ normalization
 _REPLACE = [("\\\\", " \\rowsep "), ("**", "^"), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\cfrac", "\\frac"),
             ("\\displaystyle", ""), ("\\textstyle", ""), ("\\!", ""), ("\\,", " "), ("\\;", " "), ("\\:", " "),

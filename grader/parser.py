@@ -7,9 +7,19 @@ from collections import namedtuple
 
 import sympy as sp
 
-from grader.limits import (MAX_ANSWER_CHARS, MAX_BITS, MAX_DEPTH, MAX_DIGITS, MAX_FACTORIAL, MAX_LOG_MAGNITUDE,
-                           MAX_SYMBOLIC_EXPONENT, MAX_TOKENS, MAX_TRIG_ARGUMENT, Refused, tick)
-
+from grader.limits import (
+    MAX_ANSWER_CHARS,
+    MAX_BITS,
+    MAX_DEPTH,
+    MAX_DIGITS,
+    MAX_FACTORIAL,
+    MAX_LOG_MAGNITUDE,
+    MAX_SYMBOLIC_EXPONENT,
+    MAX_TOKENS,
+    MAX_TRIG_ARGUMENT,
+    Refused,
+    tick,
+)
 
 # ------------------------------------------------------------------------------------------------ parser
 Seq = namedtuple("Seq", "kind items")  # kind: "()" "[]" "(]" "[)" tuples/intervals, "{}" set, "mat" matrix rows

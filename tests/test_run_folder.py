@@ -21,6 +21,8 @@ from safetensors.torch import load_file
 import eval as ev
 import model
 import run_folder
+import run_folder.lock
+import run_folder.logs
 import train
 from model import Policy, tiny_model
 from rollout import generate
@@ -246,7 +248,7 @@ def test_lock_on_a_node_local_flock_mount_says_so(tmp_path, monkeypatch, capsys)
     assert local(tmp_path / "lustre" / "ok" / "run", mounts) is None and local(Path("/home"), mounts) is None
     assert local(tmp_path / "with space" / "run", mounts) is None
     (tmp_path / "mounts").write_text(mounts)
-    monkeypatch.setattr(run_folder, "MOUNTS", tmp_path / "mounts")
+    monkeypatch.setattr(run_folder.lock, "MOUNTS", tmp_path / "mounts")
     run_folder.Lock(tmp_path / "run").release()
     assert capsys.readouterr().err.strip().splitlines() == [
         f"train.py: warning: {tmp_path / 'run'} is on nfs4 with local_lock=flock: its lock holds within this node only,"
@@ -303,11 +305,11 @@ def test_train_torn_log_lines_and_a_full_disk_in_a_log_write(tmp_path, monkeypat
 
     with _one_thread():
         assert train.main(_toy_args(data, tmp_path / "full", steps=3, save_every=1, heldout=2)) == 0
-        monkeypatch.setattr(run_folder, "open", full_disk, raising=False)
+        monkeypatch.setattr(run_folder.logs, "open", full_disk, raising=False)
         assert train.main(_toy_args(data, tmp_path / "cut", steps=3, save_every=1, heldout=2)) == 2
         _one_line_error(capsys, f"could not write {tmp_path / 'cut' / 'metrics.jsonl'} (No space left on device); "
                                 f"checkpoint/step_1 is kept: python train.py --resume auto --out-dir ")
-        monkeypatch.delattr(run_folder, "open")
+        monkeypatch.delattr(run_folder.logs, "open")
         samples, evals = ((tmp_path / "cut" / name).stat().st_ino for name in ("samples.jsonl", "eval.jsonl"))
         assert train.main(["--resume", str(tmp_path / "cut")]) == 0
     err = capsys.readouterr().err
