@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Callable, Literal, NamedTuple
 
 from fast_decode import engines
+from distributed.process_group import init_distributed
 from command_line import errors, flags
 import reward
 from data import answer_value, check_utf8, describe, load_rows, problem_seed, read_jsonl, read_rows, repeated_note
@@ -668,7 +669,7 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     # `model` is imported above, before the process group: torch.distributed.fsdp imported after it holds references
     # to the WORLD group, whose gloo threads then outlive destroy_process_group and can abort the exit.
-    rank, world, device = model.init_distributed(cfg.collective_timeout_min, always=False)
+    rank, world, device = init_distributed(cfg.collective_timeout_min, always=False)
     results = {"config": asdict(cfg), "models": {}}
     for spec in cfg.models:
         label, name = _label_name(spec)

@@ -54,8 +54,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import (AttentionInterface, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config,
                           Qwen3ForCausalLM)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -385,78 +384,6 @@ class Policy(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Processes and devices.
-
-
-def init_distributed(timeout_min: float = 60.0, always: bool = True) -> tuple[int, int, torch.device]:
-    """(rank, world size, device). Under torchrun (RANK set): the env:// process group (NCCL for CUDA tensors, gloo
-    for CPU ones), whose collectives wait `timeout_min` minutes for the slowest rank, and this rank's GPU. As a plain
-    process: a 1-process group when `always` (train.py: no single-process branches), else none (eval.py)."""
-    import datetime
-
-    cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if "RANK" in os.environ:
-        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
-                                timeout=datetime.timedelta(minutes=timeout_min))
-    elif always:
-        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    return (dist.get_rank(), dist.get_world_size(), device) if dist.is_initialized() else (0, 1, device)
-
-
-def keep_freed_memory() -> None:
-    """Training on the CPU: keep freed memory in the process. glibc's malloc returns every freed block over 32 MB
-    to the OS, so each micro-batch's activations and (V, D) gradients fault their pages in again (zeroed by the
-    kernel): ~25-35% of the CPU default's update (docs/performance.md). No mmap'd blocks and no trimming keep them
-    for reuse, as the jemalloc / tcmalloc setups recommended for PyTorch on CPUs do; the resident memory then stays
-    at the run's peak. A no-op without glibc."""
-    import ctypes
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return
-    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's malloc.h
-    mallopt(M_MMAP_MAX, 0)  # every block from the heap, none mmap'd (and unmapped at its free)
-    mallopt(M_TRIM_THRESHOLD, -1)  # (size_t) -1: never give the heap's free top back
-
-
-def all_sum(*values: float) -> list[float]:
-    """Sum python floats over ranks (one all-reduce)."""
-    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.tolist()
-
-
-def all_max(value: int) -> int:
-    """The largest of one integer over ranks (the micro-batch count every rank makes)."""
-    t = torch.tensor([value], dtype=torch.long)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t)
-
-
-def all_gather_cat(values: torch.Tensor) -> torch.Tensor:
-    """Concatenate 1-D tensors of different lengths from all ranks (pad to the longest, all-gather, trim)."""
-    world, values = dist.get_world_size(), values.detach().float().cpu()
-    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([values.numel()]))
-    longest = int(max(sizes))
-    parts = [torch.zeros(longest) for _ in range(world)]
-    dist.all_gather(parts, torch.nn.functional.pad(values, (0, longest - values.numel())))
-    return torch.cat([p[:int(s)] for p, s in zip(parts, sizes)])
-
-
-def gather(records: list) -> list:
-    """Every rank's list, concatenated in rank order (on every rank)."""
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, records)
-    return [x for part in parts for x in part]
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Loading and saving.
 
 
@@ -584,63 +511,6 @@ def load_model(name: str, dtype=None, device="cpu", require_chat_template=False)
     return lm.to(device=device, dtype=dtype), tokenizer
 
 
-def from_rank0(load):
-    """`load()` (e.g. `load_model(name)` on the CPU) called on rank 0 only, its `(lm, tokenizer)` on every rank of
-    the process group: the other ranks receive its config, generation config and tokenizer and build the model on
-    the meta device, without memory; `shard_policy(..., from_rank0=True)` then gives every rank its shards of rank
-    0's weights. (Every rank reading the full fp32 model holds 8 x 32 GB of host memory on an 8-GPU node for
-    Qwen3-8B.) An exception of `load` is raised on every rank."""
-    lm = tokenizer = None
-    if dist.get_rank() == 0:
-        try:
-            lm, tokenizer = load()
-            shared = [(lm.config, lm.generation_config, tokenizer)]
-        except Exception as e:  # noqa: BLE001 - the other ranks raise it too instead of waiting for weights
-            shared = [e]
-    else:
-        shared = [None]
-    dist.broadcast_object_list(shared, src=0)
-    if isinstance(shared[0], Exception):
-        raise shared[0]
-    if dist.get_rank() == 0:
-        return lm, tokenizer
-    config, generation_config, tokenizer = shared[0]
-    with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    lm.generation_config = generation_config
-    return lm, tokenizer
-
-
-def shard_policy(policy: Policy, mixed_precision: bool = True, from_rank0: bool = False, device=None) -> Policy:
-    """FSDP2: `fully_shard` each decoder layer, then the Policy root (embeddings, final norm, LM head).
-
-    Needs an initialized process group. With `mixed_precision` on CUDA, parameters are all-gathered and computed in
-    bf16 and gradients reduced in fp32 (the sharded master weights stay in their own dtype, fp32 by default); on CPU
-    (gloo) everything is fp32. Call it on a Policy whose parameters are already on this rank's `device`, or with
-    `from_rank0` on the models of `from_rank0()`: the weights are then broadcast from rank 0 (which holds them on
-    the CPU) shard by shard (`set_model_state_dict(..., broadcast_from_rank0=True)`, as verl and torchtitan do), and
-    so are the buffers (rotary inv_freq is not in the state dict).
-    """
-    device = torch.device(device) if device is not None else next(policy.parameters()).device
-    full = policy.state_dict() if from_rank0 and dist.get_rank() == 0 else {}  # rank 0: the full CPU weights
-    if mixed_precision and device.type == "cuda":
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    else:
-        mp = MixedPrecisionPolicy()  # no casting: fp32 compute and reductions (CPU / gloo)
-    for layer in policy.lm.get_decoder().layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(policy, mp_policy=mp)
-    if from_rank0:
-        if dist.get_rank() == 0:
-            policy.to(device)
-        else:
-            policy.to_empty(device=device)  # (meta) shards -> uninitialized memory on this rank's device
-        set_model_state_dict(policy, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        for buffer in policy.buffers():
-            dist.broadcast(buffer, src=0)
-    return policy
-
-
 def save_hf(policy_or_lm, tokenizer, out_dir, dtype: torch.dtype | None = None):
     """Write a HF directory (safetensors + config + tokenizer) loadable by `from_pretrained`, with the weights in
     `dtype` (default: their own; config.json's `dtype` says which).
@@ -667,74 +537,3 @@ def save_hf(policy_or_lm, tokenizer, out_dir, dtype: torch.dtype | None = None):
                 json.dump({**values, "dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
     if distributed:
         dist.barrier()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Memory model: estimated peak memory per rank (docs/memory.md), from config numbers only.
-
-
-def kv_cache_bytes(config, rows: int, tokens: int, dtype_bytes: int = 2) -> int:
-    """Bytes of a KV cache holding `tokens` positions for `rows` sequences of a decoder with HF `config`:
-    rows x tokens x layers x 2 (K and V) x kv_heads x head_dim x dtype_bytes (e.g. 112 KiB per token for
-    Qwen3-1.7B in bf16)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return rows * tokens * config.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes
-
-
-def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: bool = True, rollout_rows: int = 64,
-                    prompt_len: int = 1024, response_len: int = 15360, fsdp: bool = True, compute_bytes: int = 2,
-                    chunk_size: int = 1024) -> dict[str, float]:
-    """Estimated peak memory per rank, in GiB, term by term, of a Qwen3/Llama-shaped model (HF `config`: hidden,
-    intermediate and head sizes, layers, heads, KV heads, vocabulary, tied embeddings) trained as train.py does.
-
-    Parameters are fp32 master weights; with `fsdp` they, their gradients and AdamW's two states are sharded over
-    `world` ranks. compute_bytes: 2 for bf16 mixed precision (CUDA), 4 for fp32. tokens: prompt + response tokens
-    of one training micro-batch (--max-tokens-per-micro-batch). The rollout phase holds the sharded parameters and AdamW
-    states (gradients are freed after each step), the gathered full copy (FSDP2, `rollout.gathered`), the KV cache
-    of one generate call of `rollout_rows` rows at prompt_len + response_len positions, and the prefill's
-    activations. Returned keys: the terms, "train_peak", "rollout_peak" and "peak" (their max).
-    """
-    D, I, layers, V = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
-    H, KV = config.num_attention_heads, config.num_key_value_heads
-    hd = getattr(config, "head_dim", None) or D // H
-    b, shards, GiB = compute_bytes, world if fsdp else 1, 2**30
-    layer_params = 2 * D * H * hd + 2 * D * KV * hd + 3 * D * I + 2 * D + 2 * hd  # q, o, k, v, MLP, norms
-    root_params = V * D * (1 if config.tie_word_embeddings else 2) + D  # embeddings, LM head, final norm
-    n = layers * layer_params + root_params
-    # values saved per token and layer for the backward: RMSNorm inputs / outputs (6 D), q and k through their norms
-    # and rotary (5 each), v, the attention output and its copy, and the MLP's gate, up, silu(gate) and product (4 I)
-    per_layer = 6 * D + 7 * H * hd + 6 * KV * hd + 4 * I
-    # checkpointing keeps each layer's input and, in the backward, one layer's recomputed activations; the
-    # backward's gradient temporaries fit in the memory it frees (measured on CPU, docs/memory.md)
-    saved = layers * D + per_layer if checkpointing else layers * per_layer
-    terms = {
-        "params": 4 * n / shards / GiB,
-        "grads": 4 * n / shards / GiB,
-        "adam": 8 * n / shards / GiB,
-        # FSDP2 while training: root (gathered for the whole pass) and two layers (current + prefetched) in the
-        # compute dtype, and their unsharded fp32 gradients before the reduce-scatter
-        "train_gathered": (root_params + 2 * layer_params) * b / GiB + (root_params + layer_params) * 4 / GiB
-        if fsdp else 0.0,
-        # + the head's input, the final norm's values and the input gradient (4 D)
-        "activations": tokens * (saved + 4 * D) * b / GiB,
-        "head": (2 * chunk_size * V + V * D) * 4 / GiB,  # two fp32 (C, V) logit buffers, fp32 head gradient
-        "rollout_gathered": n * b / GiB if fsdp else 0.0,
-        "kv_cache": kv_cache_bytes(config, rollout_rows, prompt_len + response_len, b) / GiB,
-        # prefill: one layer's MLP and norm values for every prompt token; sampling: 4 fp32 (rows, V) buffers
-        "rollout_work": (rollout_rows * prompt_len * (2 * I + 4 * D) * b + 16 * rollout_rows * V) / GiB,
-    }
-    states = terms["params"] + terms["adam"]
-    terms["train_peak"] = states + sum(terms[k] for k in ("grads", "train_gathered", "activations", "head"))
-    terms["rollout_peak"] = states + sum(terms[k] for k in ("rollout_gathered", "kv_cache", "rollout_work"))
-    terms["peak"] = max(terms["train_peak"], terms["rollout_peak"])
-    return terms
-
-
-def memory_line(est: dict[str, float]) -> str:
-    """One line for the start of a run: the estimated peak per rank and its largest terms."""
-    return (f"estimated peak memory per rank, every row at its longest (an upper bound): {est['peak']:.1f} GiB "
-            f"(training {est['train_peak']:.1f}: "
-            f"params + grads + AdamW {est['params'] + est['grads'] + est['adam']:.1f}, activations "
-            f"{est['activations']:.1f}; rollout {est['rollout_peak']:.1f}: gathered copy "
-            f"{est['rollout_gathered']:.1f}, KV cache {est['kv_cache']:.1f}; model.memory_estimate)")

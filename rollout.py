@@ -74,7 +74,7 @@ from torch.distributed.fsdp import FSDPModule
 from data import INSTRUCTION
 from fast_decode.cuda_graphs import CapturedStep
 from fast_decode.decode_step import DecodeStep, InPlaceCache, drop_finished, onednn_linears, packed
-from model import (PACKED_SDPA, attention_buckets, first_with_same_prompt, position_ids_from_mask)
+from model import PACKED_SDPA, attention_buckets, first_with_same_prompt, position_ids_from_mask
 
 
 def format_prompt(tokenizer, problem: str, chat: bool = True, instruction: str = INSTRUCTION) -> list[int]:

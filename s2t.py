@@ -68,7 +68,7 @@ def spurious_mask(logprobs: torch.Tensor, entropy: torch.Tensor, advantages: tor
     """The whole S2T rule on one mini-batch -> (silenced bool (B, T), tau_h or None if there are no candidates).
 
     logprobs, entropy (B, T) of the current policy; advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1.
-    gather: a function that concatenates a 1-D tensor over the data-parallel ranks (model.all_gather_cat), so that
+    gather: a function that concatenates a 1-D tensor over the data-parallel ranks (all_gather_cat), so that
     tau_h is the quantile over the whole mini-batch when each rank holds a share of its rows; None: one process.
     earlier (n',): entropies of candidates before this mini-batch pooled into the quantile (--quantile-window,
     choice 7); None: the paper's rule.

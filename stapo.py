@@ -210,7 +210,7 @@ def token_weights(algo: str, logprobs: torch.Tensor | None, entropy: torch.Tenso
 
     logprobs, entropy (B, T) of the current policy (None for an algorithm that silences nothing: JustRL, GRPO);
     advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1.
-    gather: concatenates a 1-D tensor over ranks (model.all_gather_cat), so entropy thresholds are over the whole
+    gather: concatenates a 1-D tensor over ranks (all_gather_cat), so entropy thresholds are over the whole
     mini-batch; None: this process holds the whole mini-batch.
     keys (B, T): randmask's random keys (s2t.random_keys of the rows' places in the whole mini-batch); other
     algorithms ignore them. earlier: entropies of the candidates before this mini-batch that S2T's tau_h pools

@@ -80,9 +80,11 @@ import run_folder  # noqa: E402
 import s2t  # noqa: E402
 import stapo  # noqa: E402
 from data import load_rows, problem_seed, prompt_indices, rank_slice, repeated_note  # noqa: E402
-from model import (Policy, TokenStats, all_gather_cat, all_max, all_sum, from_rank0, gather,  # noqa: E402
-                   init_distributed, keep_freed_memory, kv_cache_bytes, lm_vocab_size, load_model, memory_estimate,
-                   memory_line, shard_policy)
+from model import Policy, TokenStats, lm_vocab_size, load_model  # noqa: E402
+from distributed.process_group import all_gather_cat, all_max, all_sum, gather, init_distributed  # noqa: E402
+from distributed.sharding import from_rank0, shard_policy  # noqa: E402
+from memory.allocator import keep_freed_memory  # noqa: E402
+from memory.estimate import kv_cache_bytes, memory_estimate, memory_line  # noqa: E402
 from run_folder import plural, read_log, say  # noqa: E402
 
 
@@ -751,7 +753,7 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
         torch.use_deterministic_algorithms(True, warn_only=True)
     train_rows, test_rows = rows
     # one process: read onto its device; several: read once on rank 0, the others build it on the meta device and
-    # receive their shards of the weights from rank 0 in shard_policy (model.from_rank0)
+    # receive their shards of the weights from rank 0 in shard_policy (sharding.from_rank0)
     load = (lambda: load_model(cfg.model, device=device)) if world == 1 else (lambda: from_rank0(
         lambda: load_model(cfg.model)))
     lm, tokenizer = load()

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-from model import kv_cache_bytes
+from memory.estimate import kv_cache_bytes
 from rollout import Rollout, StopText, left_pad, request_seed
 
 

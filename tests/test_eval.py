@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from fast_decode import engines
+from memory.estimate import kv_cache_bytes
 import config
 import eval as ev
 import model
@@ -220,7 +221,7 @@ def test_eval_kv_cache_budget_bounds_every_call(tmp_path, monkeypatch, capsys):
             return super().sample(prompts, group_size, *args)
 
     def make_engine(name, lm, tokenizer, chat, stop=None, **kwargs):
-        made.update(kwargs, row=model.kv_cache_bytes(lm.config, 1, kwargs["max_model_len"], 4))
+        made.update(kwargs, row=kv_cache_bytes(lm.config, 1, kwargs["max_model_len"], 4))
         return Recording(lm, rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, _REAL_VOCAB)
 
     monkeypatch.setattr(engines, "make_engine", make_engine)

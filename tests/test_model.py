@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from memory.estimate import kv_cache_bytes, memory_estimate
 import config
 import model
 import s2t
@@ -360,17 +361,17 @@ def test_model_memory_estimate_counts_parameters_and_kv_cache():
         config = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=80, num_hidden_layers=3,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied)
         lm = Qwen3ForCausalLM(config)
-        est = model.memory_estimate(config, world=1, fsdp=False, compute_bytes=4)
+        est = memory_estimate(config, world=1, fsdp=False, compute_bytes=4)
         assert est["params"] * 2**30 / 4 == pytest.approx(sum(p.numel() for p in lm.parameters()), abs=0.5)
-        assert model.memory_estimate(config, world=8)["adam"] == pytest.approx(est["adam"] / 8)
+        assert memory_estimate(config, world=8)["adam"] == pytest.approx(est["adam"] / 8)
     rows, length = 3, 11
     cache = DynamicCache(config=config)
     with torch.no_grad():
         lm.model(input_ids=torch.randint(96, (rows, length)), past_key_values=cache, use_cache=True)
     cache_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    assert cache_bytes == model.kv_cache_bytes(config, rows, length, dtype_bytes=4)
-    base = model.memory_estimate(config, tokens=1000)
-    double, off = model.memory_estimate(config, tokens=2000), model.memory_estimate(config, checkpointing=False)
+    assert cache_bytes == kv_cache_bytes(config, rows, length, dtype_bytes=4)
+    base = memory_estimate(config, tokens=1000)
+    double, off = memory_estimate(config, tokens=2000), memory_estimate(config, checkpointing=False)
     assert double["activations"] == pytest.approx(2 * base["activations"]) and off["activations"] > base["activations"]
     assert {k for k in base if base[k] != double[k]} == {"activations", "train_peak", "peak"} - (
         set() if base["train_peak"] >= base["rollout_peak"] else {"peak"})
@@ -504,12 +505,12 @@ _FSDP_SCRIPT = textwrap.dedent('''
         (0.5 * (weights * ref_logprobs).sum()).backward()  # FSDP2 averages gradients over the 2 ranks
 
         if once:  # read on rank 0 only; rank 1 builds it on the meta device and receives its shards (and buffers)
-            lm, _ = model.from_rank0(lambda: (make_lm(tied), model.tiny_tokenizer()))
+            lm, _ = sharding.from_rank0(lambda: (make_lm(tied), model.tiny_tokenizer()))
             assert (rank == 0) != (lm.lm_head.weight.device.type == "meta")
             assert (lm.lm_head.weight is lm.model.embed_tokens.weight) == tied
-            sharded = model.shard_policy(model.Policy(lm), from_rank0=True, device="cpu")
+            sharded = sharding.shard_policy(model.Policy(lm), from_rank0=True, device="cpu")
         else:  # every rank reads the same weights
-            sharded = model.shard_policy(model.Policy(make_lm(tied)), mixed_precision=True)  # CPU: stays fp32
+            sharded = sharding.shard_policy(model.Policy(make_lm(tied)), mixed_precision=True)  # CPU: stays fp32
         logprobs, entropy, _ = sharded(input_ids[rows], attention_mask[rows], response_mask[rows], chunk_size=5)
         (weights[rows] * logprobs).sum().backward()
         gathered = [torch.zeros_like(logprobs) for _ in range(2)]
@@ -532,7 +533,7 @@ _FSDP_SCRIPT = textwrap.dedent('''
                 torch.testing.assert_close(reloaded(input_ids).logits, reference.lm(input_ids).logits, atol=0, rtol=0)
             print("FSDP2 OK", "tied" if tied else "untied", "once" if once else "every rank")
     try:  # an error reading the model on rank 0 is raised on every rank (none waits for weights that never come)
-        model.from_rank0(lambda: model.load_model(out_dir + "-missing"))
+        sharding.from_rank0(lambda: model.load_model(out_dir + "-missing"))
     except FileNotFoundError as e:
         sys.stdout.write(f"raised on rank {rank}: {e}\\n")  # one write: the ranks' lines do not interleave
         sys.stdout.flush()
@@ -592,7 +593,7 @@ def test_model_cache_folder_saved_into_place(tmp_path):
 def test_model_fsdp2_two_processes_match_unsharded(tmp_path):
     """torchrun, 2 gloo ranks: log-probs, entropy and every gradient (LM head included, tied or not) of the sharded
     Policy equal the unsharded ones, and save_hf from the sharded model reloads to identical logits; so when the
-    model is read on rank 0 only and the other rank builds it on the meta device (model.from_rank0)."""
+    model is read on rank 0 only and the other rank builds it on the meta device (sharding.from_rank0)."""
     script = tmp_path / "fsdp_check.py"
     script.write_text(_FSDP_SCRIPT)
     torch.save(_model_batch(), tmp_path / "batch.pt")

@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor
 from fast_decode import cuda_graphs, decode_step, engines
 import model
 import rollout
-from model import Policy, position_ids_from_mask, shard_policy, tiny_model, tiny_tokenizer
+from model import Policy, position_ids_from_mask, tiny_model, tiny_tokenizer
+from distributed.sharding import shard_policy
 from rollout import INSTRUCTION, Rollout, format_prompt, gathered, generate, sample_groups
 
 from conftest import _REAL_VOCAB, _prompts, _recomputed_logprobs, _two_processes

@@ -64,6 +64,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from fast_decode import cuda_graphs, decode_step
 from fast_decode.engines import make_engine
+from memory.estimate import kv_cache_bytes, memory_estimate
 import data
 import model
 import reward
@@ -71,7 +72,8 @@ import rollout
 import run_folder
 import train
 from config import CPU_PRESET, Config, parse_config
-from model import Policy, load_model, shard_policy
+from model import Policy, load_model
+from distributed.sharding import shard_policy
 from rollout import Rollout, format_prompt, gathered, generate
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: tools/ sits in it
@@ -685,7 +687,7 @@ def _gpu_train(sizes, cfg, state, device, flops_rate, out):
         n_seq, row = n_prompts * G, sizes.prompt_len + T
         tokens = n_seq * row
         update = metrics["time/update_s"]
-        estimate = model.memory_estimate(  # the same arguments train.setup prints its memory line with
+        estimate = memory_estimate(  # the same arguments train.setup prints its memory line with
             lm.config, 1, min(max(micro, row), n_seq * row), True, n_seq, sizes.prompt_len, T, fsdp=True,
             compute_bytes=2 if device.type == "cuda" else 4, chunk_size=cfg.chunk_size)["train_peak"]
         out.append({"part": "train", "T": T, "sequences": n_seq, "micro_batch": micro, "tokens": tokens,
@@ -771,7 +773,7 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
     with gathered(policy):
         lm = policy.lm
         weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())  # gathered: the compute dtype
-        kv_token_bytes = model.kv_cache_bytes(lm.config, 1, 1, next(lm.parameters()).element_size())
+        kv_token_bytes = kv_cache_bytes(lm.config, 1, 1, next(lm.parameters()).element_size())
         step = decode_step.DecodeStep(lm, V_)
 
         def ours(written_out):
@@ -900,7 +902,7 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
     tokens. One
     prepared run on one CUDA GPU, no network: a random model of Qwen3-1.7B's exact shape (QWEN3_1_7B) and a
     word-level tokenizer of its full vocabulary, saved to a temporary folder and loaded by train.setup (FSDP2 via
-    model.shard_policy, bf16 compute / fp32 master weights, activation checkpointing, AdamW); then
+    sharding.shard_policy, bf16 compute / fp32 master weights, activation checkpointing, AdamW); then
     (1) `train`: one train.train_step per response length 1k / 4k / 16k on synthetic rollouts: tokens/s, MFU against
     the bf16 matmul rate measured here, peak memory; (2) `numerics`: log-probs and entropy of that policy against an
     fp32 copy of the same weights, and the chunked LM head against the naive one (fp32 and bf16, fp64 reference);
@@ -1039,7 +1041,7 @@ def _memory_row(length, checkpointing):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     measured = json.loads(out.stdout.strip().splitlines()[-1])["peak_gb"]
-    est = model.memory_estimate(_scaled_qwen3(), tokens=length, checkpointing=checkpointing, fsdp=False,
+    est = memory_estimate(_scaled_qwen3(), tokens=length, checkpointing=checkpointing, fsdp=False,
                                 compute_bytes=4)["train_peak"]
     return measured, est
 
@@ -1079,7 +1081,7 @@ def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
     a tail to the cap of 1920 = 15360 / 8) through the update's forward + backward, split into 8-sequence micro-batches
     in rollout order (a fixed sequence count) or by token budget (`Rollout.micro_batches`): attention's padding,
     largest micro-batch, time per real token. (2) Peak memory of one training step vs length, with and without
-    activation checkpointing, against `model.memory_estimate`.
+    activation checkpointing, against `estimate.memory_estimate`.
 
     Deliberate choices:
     1. Scaled-down Qwen3 shapes (hidden 128, MLP 384, one 32-wide head) so that 16k-token rows run on a CPU; the
@@ -1122,14 +1124,14 @@ def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
             config = Qwen3Config(vocab_size=151_936, **shape)
             for world in (8, 64):
                 rows = min(8, 256 // world) * 8
-                on, off = (model.memory_estimate(config, world, rollout_rows=rows, checkpointing=c) for c in (1, 0))
-                one = model.memory_estimate(config, world, rollout_rows=8)
+                on, off = (memory_estimate(config, world, rollout_rows=rows, checkpointing=c) for c in (1, 0))
+                one = memory_estimate(config, world, rollout_rows=8)
                 print(f"| {name} | {world} | {on['params'] + on['grads'] + on['adam']:.1f} | {on['activations']:.1f} "
                       f"({off['activations']:.1f}) | {on['train_peak']:.1f} ({off['train_peak']:.1f}) | {rows} | "
                       f"{on['kv_cache']:.1f} | {on['rollout_peak']:.1f} | {one['rollout_peak']:.1f} |")
 
         print("\npeak memory of one training step vs length (1 row; fp32 model + AdamW + forward + backward), "
-              "scaled-down Qwen3 (4 layers), CPU, each in its own process; estimate: model.memory_estimate\n")
+              "scaled-down Qwen3 (4 layers), CPU, each in its own process; estimate: estimate.memory_estimate\n")
         print("| tokens | checkpointing | measured GiB | estimate GiB | estimate / measured |")
         print("|---|---|---|---|---|")
         for L in lengths:
@@ -1290,7 +1292,7 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
     if importlib.util.find_spec("vllm") is not None:
         tokens = 64 + 64  # the longest prompt (the chat ones: <= 63 tokens) + response
         vllm = make_engine("vllm", lm, tokenizer, chat=False, max_model_len=tokens, dtype=torch.float32,
-                                   kv_cache_memory_bytes=model.kv_cache_bytes(lm.config, 128, tokens, 4))
+                                   kv_cache_memory_bytes=kv_cache_bytes(lm.config, 128, tokens, 4))
         prepare["vLLM-CPU"] = _best(lambda: vllm.push_weights(lm), 3)  # what VLLMEngine.ready does on CPU
         engines["vLLM-CPU"] = lambda prompts, G, seed, T: vllm.sample(prompts, G, [seed], len(prompts), T, 1.0, 1.0)
     print("\nTaking the weights, once per rollout phase (best of 3): " +
@@ -1574,7 +1576,7 @@ import torch.distributed as dist
 import config, reward, train
 from tools import bench
 if not {keep}:
-    train.keep_freed_memory = lambda: None  # glibc's malloc as it comes (train.setup calls model.keep_freed_memory)
+    train.keep_freed_memory = lambda: None  # glibc's malloc as it comes (train.setup calls allocator.keep_freed_memory)
 cfg = config.parse_config(["--preset", "cpu", "--max-tokens-per-micro-batch", "{budget}", "--out-dir",
                            tempfile.mkdtemp(prefix="bench-malloc-"), "--overwrite"])[0]
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -1593,7 +1595,7 @@ def _parity(response, gold, mode="dapo"):
 
 def _malloc_row(keep: bool, budget: int, steps: int) -> float:
     """Median update seconds of the CPU default in a fresh process, with freed memory kept (train.py's setting on
-    CPU, `model.keep_freed_memory`) or glibc's malloc as it comes (blocks over its mmap threshold unmapped at
+    CPU, `allocator.keep_freed_memory`) or glibc's malloc as it comes (blocks over its mmap threshold unmapped at
     their free and faulted in again at the next allocation)."""
     code = _MALLOC_PROBE.format(root=str(ROOT), keep=keep, budget=budget, steps=steps)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
@@ -1707,7 +1709,7 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
                   f"{row_flops / update_s / square_rate:.2f} ({flops / update_s / square_rate:.2f}) | "
                   f"{statistics.median(t[1] for t in times):.2f} |", flush=True)
     _packing_table(state.policy, sampled.batch, cfg)
-    print("\nfreed memory kept (model.keep_freed_memory, as train.py runs on CPU) or glibc's malloc as it comes: "
+    print("\nfreed memory kept (allocator.keep_freed_memory, as train.py runs on CPU) or glibc's malloc as it comes: "
           f"the update of the CPU default, each in a fresh process, alternating, median of {steps} steps after a "
           "warm-up step\n")
     print("| --max-tokens-per-micro-batch | glibc's malloc: update s | kept: update s | glibc / kept |")
