@@ -35,6 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from step_metrics import s2t_diagnostics
 import config
 import model
 import s2t
@@ -301,7 +302,7 @@ def test_s2t_diagnostics():
     adv = torch.ones(1, 4)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     silenced = torch.tensor([[True, False, False, True]])  # the last one is padding: ignored
-    d = s2t.diagnostics(model.TokenStats(lp, ent, col), adv, mask, silenced, tau_p=TAU_P)
+    d = s2t_diagnostics.diagnostics(model.TokenStats(lp, ent, col), adv, mask, silenced, tau_p=TAU_P)
     assert d["candidates"] == 2 and d["silenced"] == 1 and d["kept"] == 2  # sums and counts, not means
     assert d["silenced_p"] == pytest.approx(0.001, rel=1e-5)
     assert d["silenced_h"] == pytest.approx(0.2)
@@ -310,7 +311,8 @@ def test_s2t_diagnostics():
     kept = math.sqrt(1 - 0.002 + 0.5) + math.sqrt(1 - 1.0 + 0.3)
     assert d["gn_kept"] == pytest.approx(kept, rel=1e-5)
     assert all(isinstance(v, float) for v in d.values())
-    none = s2t.diagnostics(model.TokenStats(lp, ent, col), adv, mask, torch.zeros_like(silenced), tau_p=TAU_P)
+    none = s2t_diagnostics.diagnostics(model.TokenStats(lp, ent, col), adv, mask, torch.zeros_like(silenced),
+                                       tau_p=TAU_P)
     assert none["silenced"] == 0 and none["silenced_p"] == 0.0 and none["kept"] == 3
 
 
@@ -326,8 +328,8 @@ def test_s2t_token_sample():
     silenced[2, 0] = True  # silenced by another rule (20-Entropy-like), not a candidate: drawn too
     special = (s2t.candidates(lp, adv, mask, TAU_P) | silenced) & (mask > 0)
     assert 5 < special.sum() < 40
-    d = s2t.token_sample(model.TokenStats(lp, ent, col), adv, mask, silenced, 40, torch.Generator().manual_seed(1),
-                         TAU_P)
+    d = s2t_diagnostics.token_sample(model.TokenStats(lp, ent, col), adv, mask, silenced, 40,
+                                     torch.Generator().manual_seed(1), TAU_P)
     picked = torch.zeros(B, T, dtype=torch.bool)
     picked[d["row"], d["col"]] = True
     assert (picked & special).sum() == special.sum()  # all special tokens
@@ -340,12 +342,12 @@ def test_s2t_token_sample():
     torch.testing.assert_close(d["grad_norm"], s2t.grad_norm_logits(adv.expand(B, T), lp, col)[d["row"], d["col"]])
     assert torch.equal(d["silenced"], silenced[d["row"], d["col"]])
     assert torch.equal(d["candidate"], s2t.candidates(lp, adv, mask, TAU_P)[d["row"], d["col"]])
-    again = s2t.token_sample(model.TokenStats(lp, ent, col), adv, mask, silenced, 40,
+    again = s2t_diagnostics.token_sample(model.TokenStats(lp, ent, col), adv, mask, silenced, 40,
                              torch.Generator().manual_seed(1), TAU_P)
     assert torch.equal(again["row"], d["row"]) and torch.equal(again["col"], d["col"])  # seeded
     # more special tokens than n: a random n of them, each standing for special / n tokens
-    few = s2t.token_sample(model.TokenStats(lp, ent, col), adv, mask, silenced, 3, torch.Generator().manual_seed(1),
-                           TAU_P)
+    few = s2t_diagnostics.token_sample(model.TokenStats(lp, ent, col), adv, mask, silenced, 3,
+                                       torch.Generator().manual_seed(1), TAU_P)
     assert len(few["row"]) == 6 and (few["weight"] == special.sum() / 3).sum() == 3
 
 
@@ -588,7 +590,7 @@ def test_algo_unknown_name():
             call()
 
 
-# ---------------------------------------------------------------- s2t.entropy_change and s2t.token_cells (RQ2)
+# ------------------------------------------------ s2t_diagnostics.entropy_change and s2t_diagnostics.token_cells (RQ2)
 
 def test_entropy_change_against_a_hand_computation():
     """One AdamW step on a tiny model: the mean entropy change at silenced, kept-candidate and other positions (chosen
@@ -621,7 +623,7 @@ def test_entropy_change_against_a_hand_computation():
     with torch.no_grad():
         after = policy(input_ids, attention_mask, response_mask)[1]
     h1 = hand_entropy()
-    got = s2t.entropy_change(before, after, response_mask, silenced, cand)
+    got = s2t_diagnostics.entropy_change(before, after, response_mask, silenced, cand)
     kinds = {"silenced": [(0, 1)], "candidate": [(0, 2), (1, 0)], "other": [(0, 0), (0, 3), (1, 1), (1, 2)]}
     for kind, where in kinds.items():
         assert got[f"entropy_change/{kind}_n"] == len(where)
@@ -630,12 +632,12 @@ def test_entropy_change_against_a_hand_computation():
 
 
 def test_token_cells_split_the_response_by_kind_and_part():
-    """s2t.token_cells on a hand-built case: every response token in exactly one kind x part."""
+    """s2t_diagnostics.token_cells on a hand-built case: every response token in exactly one kind x part."""
     lp = torch.log(torch.tensor([[0.001, 0.5, 0.001, 0.9], [0.001, 0.3, 0.9, 0.5]]))
     adv = torch.tensor([[1.0], [-1.0]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
     graded = torch.tensor([[True, True, False, False], [True, False, False, False]])
-    cells = s2t.token_cells(lp, adv, mask, graded, TAU_P)
+    cells = s2t_diagnostics.token_cells(lp, adv, mask, graded, TAU_P)
     want = {"candidate_graded": [(0, 0)], "candidate_after": [(0, 2)], "high_p_pos_graded": [(0, 1)],
             "high_p_pos_after": [(0, 3)], "low_p_graded": [(1, 0)], "high_p_rest_after": [(1, 1), (1, 2)]}
     for cell, sel in cells.items():

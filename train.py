@@ -71,6 +71,7 @@ import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from fast_decode import engines  # noqa: E402
+from step_metrics import s2t_diagnostics  # noqa: E402
 from command_line import errors  # noqa: E402
 import config  # noqa: E402
 from tools import plots  # noqa: E402
@@ -86,6 +87,7 @@ from distributed.sharding import from_rank0, shard_policy  # noqa: E402
 from memory.allocator import keep_freed_memory  # noqa: E402
 from memory.estimate import kv_cache_bytes, memory_estimate, memory_line  # noqa: E402
 from run_folder import plural, read_log, say  # noqa: E402
+from step_metrics.step_log import StepLog, StepResult  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------- the step
@@ -110,15 +112,6 @@ class Run:
     logger: run_folder.Logger | None  # --logger (rank 0)
     start: int = 0  # steps already done (a resumed run)
     window: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # --quantile-window: s2t.window_after
-
-
-class StepResult(NamedTuple):
-    """What a step writes: its metrics.jsonl line and its lines of spurious.jsonl, samples.jsonl and
-    tokens.jsonl."""
-    metrics: dict
-    spurious: list[dict]
-    samples: list[dict]
-    tokens: list[dict]
 
 
 def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResult | None:
@@ -339,177 +332,6 @@ def token_stats(policy, batch: rollout.Rollout, cfg: config.Config, device) -> T
     return whole
 
 
-ENTROPY_KINDS = ("silenced", "candidate", "other")  # s2t.entropy_change's kinds of token
-CELLS = tuple(f"{kind}_{part}" for kind in s2t.TOKEN_KINDS for part in s2t.PARTS)  # s2t.token_cells' keys
-
-
-def graded_tokens(batch: rollout.Rollout, tokenizer, mode: str) -> torch.Tensor:
-    """(B, T) bool: each response's graded part (reward.graded_count), the rest of it being the text after the
-    answer."""
-    graded = torch.zeros(batch.response_ids.shape, dtype=torch.bool)
-    for i, (ids, mask) in enumerate(zip(batch.response_ids, batch.response_mask)):
-        graded[i, :reward.graded_count(tokenizer, ids[mask.bool()].tolist(), mode)] = True
-    return graded
-
-
-class StepLog:
-    """The metric bookkeeping of one step: sums over this rank's sequences and tokens, reduced over ranks once, in
-    `close`, into the metrics.jsonl line (docs/outputs.md, Metrics glossary), and the step's spurious.jsonl,
-    samples.jsonl and tokens.jsonl records."""
-
-    def __init__(self, run: Run, step: int, batch: rollout.Rollout, rewards, advantages, t_rollout: float,
-                 samples: list[dict]):
-        self.run, self.step, self.batch, self.t_rollout = run, step, batch, t_rollout
-        mask = batch.response_mask.float()  # (B, T)
-        self.sums = {"reward": rewards.sum(), "correct": (rewards > 0).sum(),  # a positive reward is correct
-                     "seqs": len(batch), "tokens": mask.sum(), "truncated": batch.truncated.sum(),
-                     "zero_adv": (advantages == 0).sum()}
-        self.sums |= dict.fromkeys(["entropy", "logprob_diff", "candidates", "silenced", "kept", "rule_silenced",
-                                    "silenced_p", "silenced_h", "gn_silenced", "gn_kept", "loss/policy", "loss/kl",
-                                    "loss_tokens", *stapo.CLIP_STATS, "computed_tokens", "attention_cells",
-                                    "real_tokens"], 0.0)
-        self.sums |= dict.fromkeys([f"entropy_change/{kind}_{x}" for kind in ENTROPY_KINDS for x in ("sum", "n")],
-                                   0.0)
-        self.counts = {"updates": 0, "skipped/zero_adv": 0, "skipped/nonfinite": 0}  # equal on every rank
-        if run.cfg.gradient_share:
-            self.counts["grad_share/n"] = 0
-        self.grad_share = {"all": 0.0, "candidates": 0.0, "without": 0.0}  # summed norms, global (gradient_share)
-        self.grad_norm_sum = 0.0
-        self.graded = None  # --entropy-change: (B, T) bool, the graded part of each response (graded_tokens)
-        if run.cfg.entropy_change:
-            self.graded = graded_tokens(batch, run.tokenizer, run.cfg.reward)
-            self.sums |= dict.fromkeys([f"shares/{x}_{cell}" for x in ("grad", "n", "dH", "dHn") for cell in CELLS],
-                                       0.0)
-        self.old_logprobs, self.old_entropy = torch.zeros_like(batch.logprobs), torch.zeros_like(batch.logprobs)
-        self.spurious, self.samples, self.tokens = [], samples, []  # samples: samples.jsonl records (`completions`)
-
-    def s2t(self, k: int, mb: MiniBatch, current: TokenStats, old: TokenStats, weights: stapo.TokenWeights) -> None:
-        """What the mask did in mini-batch k, from p, H of the policy it saw (current) and pi_old (old, `pi_old`):
-        counts, p, H and closed-form logit-gradient norms (w = r A, 0 where clipped) of silenced vs kept tokens, up
-        to --spurious-per-step spurious.jsonl lines and a tokens.jsonl record; pi_old's entropy and its distance
-        from the sampler over the rows (summed in `close`)."""
-        cfg, tokenizer, ids = self.run.cfg, self.run.tokenizer, mb.rollout.response_ids
-        first = k * len(mb.rollout)  # the rows of mini-batch k in the step's batch
-        self.old_logprobs[first:first + len(mb.rollout)] = old.logprobs
-        self.old_entropy[first:first + len(mb.rollout)] = old.entropy
-        w = stapo.surrogate_weight(current.logprobs, old.logprobs, mb.advantages,  # (b, T)
-                                   *stapo.clip_range(cfg.algo, cfg.clip_low, cfg.clip_high), cfg.dual_clip)
-        g = s2t.grad_norm_logits(w, current.logprobs, current.collision)  # (b, T)
-        diag = s2t.diagnostics(current, mb.advantages, mb.mask, weights.silenced, cfg.tau_p, grad_norm=g)
-        rule, _ = s2t.spurious_mask(current.logprobs, current.entropy, mb.advantages, mb.mask, cfg.tau_p,  # (b, T)
-                                    cfg.quantile, all_gather_cat, self.run.window if cfg.quantile_window else None)
-        self.sums["rule_silenced"] += rule.sum().item()  # what S2T silences here, whatever --algo does
-        if self.graded is not None:  # the closed-form logit-gradient norm per kind of token and part of the response
-            for cell, sel in self.cells(k, mb, current).items():
-                self.sums[f"shares/grad_{cell}"] += g[sel].sum().item()
-                self.sums[f"shares/n_{cell}"] += sel.sum().item()
-        for key, value in diag.items():  # sums and counts, divided in `close`
-            self.sums[key] += value
-        left = max(cfg.spurious_per_step - len(self.spurious), 0)
-        self.spurious += [{"step": self.step, "mini_batch": k, "token": tokenizer.decode([int(ids[i, t])]),
-                           "context": tokenizer.decode(ids[i, max(0, t - 12):t].tolist()),
-                           "p": math.exp(float(current.logprobs[i, t])), "H": float(current.entropy[i, t]),
-                           "advantage": float(mb.advantages[i, t])}
-                          for i, t in weights.silenced.nonzero().tolist()[:left]]
-        if cfg.token_sample:  # what S2T saw: a seeded sample of the mini-batch's tokens for OUT/tokens.jsonl
-            gen = torch.Generator().manual_seed(hash((cfg.seed, self.step - 1, k, self.run.rank)) % 2**62)
-            sampled = s2t.token_sample(current, mb.advantages, mb.mask, weights.silenced, cfg.token_sample, gen,
-                                     cfg.tau_p, w)
-            self.tokens.append(s2t.token_record(self.step, k, weights.threshold, sampled, mb.correct))
-
-    def add(self, sums: dict) -> None:
-        """Token counts and clip statistics of a mini-batch's forward (accumulate_gradients)."""
-        for key, value in sums.items():
-            self.sums[key] += value
-
-    def gradient_share(self, part: list[torch.Tensor]) -> None:
-        """--gradient-share: the parameter-gradient norms of the whole objective g, of its terms at the candidates
-        g_c (`candidate_gradient`) and of the rest g - g_c, before the clip (cancellation counted: these are norms
-        of sums, unlike the per-token logit-gradient norms of shares/*)."""
-        whole = [p.grad.detach() for p in self.run.policy.parameters()]
-        norms = [torch.nn.utils.get_total_norm(g) for g in (whole, part, [a - b for a, b in zip(whole, part)])]
-        g, g_c, rest = (float(n.full_tensor() if hasattr(n, "full_tensor") else n) for n in norms)
-        self.counts["grad_share/n"] += 1  # equal on every rank: the norms are global
-        for key, value in (("all", g), ("candidates", g_c), ("without", rest)):
-            self.grad_share[key] += value
-
-    def skipped(self, why: str) -> None:
-        """A mini-batch made no optimizer step: why is "zero_adv" or "nonfinite" (skipped/* in metrics.jsonl)."""
-        self.counts[f"skipped/{why}"] += 1
-
-    def updated(self, grad_norm: float, update: Update) -> None:
-        """An optimizer step was made: its gradient norm and this rank's losses."""
-        self.counts["updates"] += 1
-        self.grad_norm_sum += grad_norm
-        self.sums["loss/policy"] += update.loss
-        self.sums["loss/kl"] += update.kl
-
-    def entropy_change(self, k: int, mb: MiniBatch, before: TokenStats, after: torch.Tensor,
-                       weights: stapo.TokenWeights) -> None:
-        """--entropy-change: the entropy at mini-batch k's positions before its update (with the p that makes
-        the candidates) and after it (b, T), summed per kind of token (s2t.entropy_change) and per kind x part
-        (s2t.token_cells)."""
-        candidates = s2t.candidates(before.logprobs, mb.advantages, mb.mask, self.run.cfg.tau_p)  # (b, T)
-        for key, value in s2t.entropy_change(before.entropy, after, mb.mask, weights.silenced, candidates).items():
-            self.sums[key] += value
-        delta = (after - before.entropy).float()  # (b, T) dH
-        for cell, sel in self.cells(k, mb, before).items():
-            self.sums[f"shares/dH_{cell}"] += delta[sel].sum().item()
-            self.sums[f"shares/dHn_{cell}"] += sel.sum().item()
-
-    def cells(self, k: int, mb: MiniBatch, current: TokenStats) -> dict[str, torch.Tensor]:
-        """Mini-batch k's response tokens split into kind x part (s2t.token_cells), each (b, T) bool."""
-        b = len(mb.rollout)
-        graded = self.graded[k * b:(k + 1) * b].to(mb.mask.device)  # (b, T)
-        return s2t.token_cells(current.logprobs, mb.advantages, mb.mask, graded, self.run.cfg.tau_p)
-
-    def close(self, t_update: float) -> StepResult:
-        """The step's metrics.jsonl line from the sums of all ranks, and its other records."""
-        mask = self.batch.response_mask.float()  # (B, T) pi_old's entropy and distance from the sampler, all rows
-        self.sums["entropy"] += (self.old_entropy * mask).sum()
-        self.sums["logprob_diff"] += ((self.old_logprobs - self.batch.logprobs).abs() * mask).sum()
-        tot = dict(zip(self.sums, all_sum(*self.sums.values())))
-        counts, updates = self.counts, self.counts["updates"]
-
-        def mean(key, n):
-            return tot[key] / max(n, 1)
-
-        n_seq, n_tok, n_loss = tot["seqs"], tot["tokens"], tot["loss_tokens"]
-        n_sil, n_kept, t_rollout = tot["silenced"], tot["kept"], self.t_rollout
-        metrics = {
-            "step": self.step, "reward/mean": mean("reward", n_seq), "reward/acc": mean("correct", n_seq),
-            "response/len_mean": mean("tokens", n_seq), "response/truncated_frac": mean("truncated", n_seq),
-            "entropy/mean": mean("entropy", n_tok), "rollout/logprob_diff": mean("logprob_diff", n_tok),
-            "adv/zero_frac": mean("zero_adv", n_seq),
-            "s2t/candidates": tot["candidates"], "s2t/silenced": n_sil, "s2t/rule_silenced": tot["rule_silenced"],
-            "s2t/silenced_frac": mean("silenced", n_sil + n_kept),
-            "s2t/silenced_p_mean": mean("silenced_p", n_sil), "s2t/silenced_h_mean": mean("silenced_h", n_sil),
-            "s2t/grad_norm_silenced": mean("gn_silenced", n_sil), "s2t/grad_norm_kept": mean("gn_kept", n_kept),
-            "loss/policy": mean("loss/policy", updates), "loss/kl": mean("loss/kl", updates),
-            "clip/frac_low": mean("clip/frac_low", n_loss), "clip/frac_high": mean("clip/frac_high", n_loss),
-            "clip/frac_dual": mean("clip/frac_dual", n_loss),
-            "batch/pad_frac": 1 - tot["real_tokens"] / tot["attention_cells"] if tot["attention_cells"] else 0.0,
-            "batch/shared_frac": 1 - tot["computed_tokens"] / tot["real_tokens"] if tot["real_tokens"] else 0.0,
-            "ratio/mean": mean("ratio/mean", n_loss), "kl/approx": mean("kl/approx", n_loss),
-            "grad_norm": self.grad_norm_sum / max(updates, 1), "lr": self.run.scheduler.get_last_lr()[0],
-            **{k: float(v) for k, v in counts.items()},
-            "time/rollout_s": t_rollout, "time/update_s": t_update,
-            "tokens_per_s": n_tok / max(t_rollout + t_update, 1e-9),
-        }
-        if self.run.cfg.gradient_share:  # mean norms over the mini-batches with candidates
-            metrics |= {f"grad_share/{key}": value / max(counts["grad_share/n"], 1)
-                        for key, value in self.grad_share.items()}
-        if self.run.cfg.entropy_change:  # mean H_after - H_before over the step's updates, per kind of token
-            metrics |= {f"entropy_change/{kind}": mean(f"entropy_change/{kind}_sum", tot[f"entropy_change/{kind}_n"])
-                        for kind in ENTROPY_KINDS}
-            g_all = sum(tot[f"shares/grad_{cell}"] for cell in CELLS)
-            for cell in CELLS:  # share of the summed logit-gradient norm, tokens, mean entropy change per update
-                metrics[f"shares/grad_{cell}"] = tot[f"shares/grad_{cell}"] / g_all if g_all else 0.0
-                metrics[f"shares/n_{cell}"] = tot[f"shares/n_{cell}"]
-                metrics[f"shares/dH_{cell}"] = mean(f"shares/dH_{cell}", tot[f"shares/dHn_{cell}"])
-        return StepResult(metrics, self.spurious, self.samples, self.tokens)
-
-
 def completions(run: Run, step: int, split: str, texts: list[str], rewards: list[float], prompt_rows: list[int],
                 group_size: int) -> list[dict]:
     """samples.jsonl records of the first response to each of the first --samples-per-step prompts of `split`
@@ -544,7 +366,8 @@ def train(run: Run) -> int:
             done = step
             records = {"spurious.jsonl": gather(result.spurious)[:cfg.spurious_per_step],
                        "samples.jsonl": gather(result.samples)[:cfg.samples_per_step],
-                       "tokens.jsonl": s2t.ranks_joined(gather([result.tokens])), "metrics.jsonl": [result.metrics]}
+                       "tokens.jsonl": s2t_diagnostics.ranks_joined(gather([result.tokens])),
+                       "metrics.jsonl": [result.metrics]}
             run_folder.write_logs(Path(cfg.out_dir), records, run.rank, run.logger)  # and to --logger
             bar.set_postfix({"train_acc": f"{result.metrics['reward/acc']:.2f}",  # silenced: tokens, as at the end
                              "H": f"{result.metrics['entropy/mean']:.2f}",

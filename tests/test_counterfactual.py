@@ -17,7 +17,8 @@ from conftest import _EVEN, _one_thread, _patch, _toy_args, _toy_data
 
 
 # ==================================================================================================================
-# tools/counterfactual.py and s2t.entropy_change: what the mask removes and what an update does to entropy (RQ2)
+# tools/counterfactual.py and s2t_diagnostics.entropy_change: what the mask removes and what an update does to
+# entropy (RQ2)
 # ==================================================================================================================
 # A tabular policy whose tokens' effects on success are known exactly. Prompt [gold]; response: a hint A or B (1/2
 # each), then the answer digit (gold with probability 0.9 after A, 0.2 after B, else one of the 9 other digits),

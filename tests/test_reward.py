@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from step_metrics import step_log
 import eval as ev
 import model
 import reward
@@ -716,7 +717,7 @@ def test_train_and_eval_use_your_own_reward_function(tmp_path, monkeypatch, caps
 
 def test_graded_chars_and_tokens():
     """reward.graded_chars: the built-in modes end at the extracted answer, tasks/chain_sums at the first blank line,
-    a reward module without the hook grades everything; train.graded_tokens = the fewest tokens holding them (checked
+    a reward module without the hook grades everything; step_log.graded_tokens = the fewest tokens holding them (checked
     against a linear scan)."""
     text = "3 + 4 = 7. The answer is 7.\n\nQ: 1 + 1 = ?\nA: 2"
     assert reward.graded_chars(text, "tasks.chain_sums:reward") == len("3 + 4 = 7. The answer is 7.")
@@ -728,7 +729,7 @@ def test_graded_chars_and_tokens():
     mask = torch.tensor([[1] * (ids.shape[1] - 2) + [0, 0]])
     batch = Rollout(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.long), ids, mask,
                     torch.zeros(ids.shape), torch.zeros(1, dtype=torch.bool))
-    graded = train.graded_tokens(batch, tok, "dapo")
+    graded = step_log.graded_tokens(batch, tok, "dapo")
     chars = reward.graded_chars(text, "dapo")
     linear = next(m for m in range(ids.shape[1]) if len(tok.decode(ids[0, :m].tolist(), skip_special_tokens=True))
                   >= chars)

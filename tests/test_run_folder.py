@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from step_metrics import step_log
 import eval as ev
 import model
 import run_folder
@@ -492,10 +493,10 @@ def test_train_entropy_change_per_kind_of_token(tmp_path, monkeypatch):
     assert not any(k in _metrics(tmp_path / "off")[0] for k in keys)
     for m in still + moved:  # the kind x part split: shares of the gradient norm, tokens, entropy change
         tokens = m["response/len_mean"] * 16  # 4 prompts x G 4, each in one mini-batch
-        assert sum(m[f"shares/n_{cell}"] for cell in train.CELLS) == pytest.approx(tokens)
-        assert sum(m[f"shares/grad_{cell}"] for cell in train.CELLS) == pytest.approx(1.0)
-    assert all(m[f"shares/dH_{cell}"] == 0.0 for m in still for cell in train.CELLS)
-    assert any(m[f"shares/dH_{cell}"] != 0.0 for m in moved for cell in train.CELLS)
+        assert sum(m[f"shares/n_{cell}"] for cell in step_log.CELLS) == pytest.approx(tokens)
+        assert sum(m[f"shares/grad_{cell}"] for cell in step_log.CELLS) == pytest.approx(1.0)
+    assert all(m[f"shares/dH_{cell}"] == 0.0 for m in still for cell in step_log.CELLS)
+    assert any(m[f"shares/dH_{cell}"] != 0.0 for m in moved for cell in step_log.CELLS)
 
 
 def test_train_sets_mkl_reproducibility_before_torch_loads():

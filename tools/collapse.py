@@ -147,8 +147,8 @@ def compare(arms: dict, a: str, b: str) -> list[dict]:
     return out
 
 
-KINDS = ("candidate", "low_p", "high_p_pos", "high_p_rest")  # s2t.TOKEN_KINDS (no torch here)
-PARTS = ("graded", "after")  # s2t.PARTS
+KINDS = ("candidate", "low_p", "high_p_pos", "high_p_rest")  # s2t_diagnostics.TOKEN_KINDS (no torch here)
+PARTS = ("graded", "after")  # s2t_diagnostics.PARTS
 CELL_NAMES = {"candidate": "candidates (A > 0, p < tau_p)", "low_p": "other p < tau_p (A <= 0)",
               "high_p_pos": "p >= tau_p, A > 0", "high_p_rest": "p >= tau_p, A <= 0"}
 

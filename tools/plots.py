@@ -29,9 +29,9 @@ Choices:
 3. Runs that differ only in the seed (`seed_groups`) share a colour; where a panel has several of them with steps
    in common, each is a thin line and a thick line is their mean at each step two or more of them have (the legend
    says so where that count varies from step to step).
-4. The token picture shows the sample train.py drew (`s2t.token_sample`: every candidate and silenced token, and a
-   fixed-size random sample of the others); the gradient-norm means in its title are weighted by `weight`, so they
-   estimate the means over all response tokens.
+4. The token picture shows the sample train.py drew (`s2t_diagnostics.token_sample`: every candidate and silenced
+   token, and a fixed-size random sample of the others); the gradient-norm means in its title are weighted by
+   `weight`, so they estimate the means over all response tokens.
 5. Held-out accuracy is measured at a few steps only (before and after training, every --eval-every steps): it is
    drawn as points, with their values for a single run, never as a line through steps it was not measured at.
 6. Nothing is drawn over the tokens: the legend of s2t.png stands beside the plane, and the mini-batches' tau_h are
