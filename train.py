@@ -70,24 +70,25 @@ import torch  # noqa: E402 - after MKL_CBWR
 import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from fast_decode import engines  # noqa: E402
-from step_metrics import s2t_diagnostics  # noqa: E402
-from command_line import errors  # noqa: E402
 import config  # noqa: E402
-from tools import plots  # noqa: E402
 import reward  # noqa: E402
 import rollout  # noqa: E402
 import run_folder  # noqa: E402
 import s2t  # noqa: E402
 import stapo  # noqa: E402
+from command_line import errors  # noqa: E402
 from data import load_rows, problem_seed, prompt_indices, rank_slice, repeated_note  # noqa: E402
-from model import Policy, TokenStats, lm_vocab_size, load_model  # noqa: E402
 from distributed.process_group import all_gather_cat, all_max, all_sum, gather, init_distributed  # noqa: E402
 from distributed.sharding import from_rank0, shard_policy  # noqa: E402
+from fast_decode.engines import compute_dtype, prompts_per_call, rollout_engine  # noqa: E402
 from memory.allocator import keep_freed_memory  # noqa: E402
-from memory.estimate import kv_cache_bytes, memory_estimate, memory_line  # noqa: E402
+from memory.estimate import memory_estimate, memory_line  # noqa: E402
+from model import Policy, TokenStats, lm_vocab_size, load_model  # noqa: E402
 from run_folder import plural, read_log, say  # noqa: E402
-from step_metrics.step_log import StepLog, StepResult  # noqa: E402
+from step_metrics import s2t_diagnostics  # noqa: E402
+from step_metrics.step_log import StepLog, StepResult, completions  # noqa: E402
+from step_metrics.step_warnings import busy, zero_gradient  # noqa: E402
+from tools import plots  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------- the step
@@ -332,17 +333,6 @@ def token_stats(policy, batch: rollout.Rollout, cfg: config.Config, device) -> T
     return whole
 
 
-def completions(run: Run, step: int, split: str, texts: list[str], rewards: list[float], prompt_rows: list[int],
-                group_size: int) -> list[dict]:
-    """samples.jsonl records of the first response to each of the first --samples-per-step prompts of `split`
-    ("train" or "heldout"): the prompt as the model saw it, the response, the gold answer and the reward
-    (texts[i] answers prompt_rows[i // group_size])."""
-    rows, prompts = (run.rows, run.prompts) if split == "train" else (run.test_rows, run.test_prompts)
-    return [{"step": step, "split": split, "prompt": run.tokenizer.decode(prompts[r]),
-             "response": texts[j * group_size], "answer": rows[r]["answer"], "reward": rewards[j * group_size]}
-            for j, r in enumerate(prompt_rows[:run.cfg.samples_per_step])]
-
-
 # ------------------------------------------------------------------------------------------------- the loop
 def train(run: Run) -> int:
     """The training loop: steps, their logs, evaluations, checkpoints, the export. Returns the exit status: 0, or
@@ -375,7 +365,7 @@ def train(run: Run) -> int:
             bar.update()
             if step == cfg.steps:
                 bar.close()  # the final bar once, above the closing lines
-            if zero := plots.zero_gradient(result.metrics, cfg.group_size):  # every group had equal rewards
+            if zero := zero_gradient(result.metrics, cfg.group_size):  # every group had equal rewards
                 say(zero, run.rank, warning=True)
             speeds.append(result.metrics["tokens_per_s"])
             busy(run.device, run.rank, speeds)
@@ -388,20 +378,6 @@ def train(run: Run) -> int:
         return stop(run, done, saved, where)
     finish(run)
     return 0
-
-
-def busy(device, rank: int, tokens_per_s: list[float]) -> None:
-    """On rank 0 of a CPU run: one warning when the machine is oversubscribed (plots.oversubscribed: the load
-    against the cores and torch's threads x this machine's processes), at start (tokens_per_s empty) and when a step
-    is far slower than the ones before it (plots.slow_step)."""
-    if device.type != "cpu" or rank != 0 or (tokens_per_s and not plots.slow_step(tokens_per_s)):
-        return
-    threads, processes = torch.get_num_threads(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    line = plots.oversubscribed(os.getloadavg()[0], cores, threads, processes,
-                                ours=threads * processes if tokens_per_s else 0.0)  # the run's own share, once running
-    if line:
-        say(line, warning=True)
 
 
 def eval_due(run: Run, done: int) -> bool:
@@ -508,39 +484,6 @@ def finish(run: Run) -> None:
     made += [f"hf/ (python eval.py --run {out})"] if cfg.export_hf else []
     say(f"outputs in {out}/: {', '.join(made)}; " + (f"{diverged}; " if diverged else "")
         + f"continue with python train.py --resume {out} --steps N", run.rank)
-
-
-# ------------------------------------------------------------------------------------------- the rollout engine
-def prompts_per_call(cfg: config.Config, n: int, lm_config, dtype_bytes: int) -> int:
-    """Prompts per generate call for n prompts on a rank: --rollout-chunk, or the most whose worst-case KV cache
-    (G rows x (max prompt + response) tokens each) fits --kv-cache-gb."""
-    per_prompt = kv_cache_bytes(lm_config, cfg.group_size, cfg.max_prompt_len + cfg.max_response_len, dtype_bytes)
-    return min(n, cfg.rollout_chunk or max(1, int(cfg.kv_cache_gb * 1e9 // per_prompt)))
-
-
-def compute_dtype(cfg: config.Config, device) -> torch.dtype:
-    """FSDP2's compute dtype (bf16 with mixed precision on CUDA, else fp32): the sampler's weights and KV cache, and
-    the exported model's."""
-    return torch.bfloat16 if device.type == "cuda" and cfg.mixed_precision else torch.float32
-
-
-def rollout_engine(cfg: config.Config, lm, tokenizer, prompts: list[list[int]], rank: int, world: int, device,
-                   stop=None):
-    """The --rollout engine (engines.make_engine), made once (vllm: on every rank at the same time), sized for the
-    longest of `prompts`; prints its KV-cache budget. stop: the plain sampler's early end (a stop signal)."""
-    n, G, dtype = cfg.prompts_per_step // world, cfg.group_size, compute_dtype(cfg, device)
-    chunk, tokens = prompts_per_call(cfg, n, lm.config, dtype.itemsize), cfg.max_prompt_len + cfg.max_response_len
-    kv_call = kv_cache_bytes(lm.config, chunk * G, tokens, dtype.itemsize)
-    kv_vllm = min(kv_cache_bytes(lm.config, n * G, tokens, dtype.itemsize), int(cfg.kv_cache_gb * 1e9))
-    if rank == 0:
-        what = (f"vLLM KV cache {kv_vllm / 2**30:.2f} GiB" if cfg.rollout == "vllm" else
-                f"{chunk} prompts x G {G} per generate call, KV cache at most {kv_call / 2**30:.2f} GiB")
-        print(f"rollout ({cfg.rollout}): {what} per rank (--kv-cache-gb {cfg.kv_cache_gb:g} = "
-              f"{cfg.kv_cache_gb * 1e9 / 2**30:.2f} GiB)", flush=True)
-    longest = max(map(len, prompts)) + cfg.max_response_len  # train and held-out prompts
-    return engines.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, stop, max_model_len=longest,
-                               kv_cache_memory_bytes=kv_vllm, dtype=dtype, seed=cfg.seed,
-                               captured=cfg.cuda_graphs and device.type == "cuda", stop_text=cfg.stop_text)
 
 
 # ------------------------------------------------------------------------------------------------- setup

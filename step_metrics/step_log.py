@@ -199,3 +199,14 @@ class StepLog:
                 metrics[f"shares/n_{cell}"] = tot[f"shares/n_{cell}"]
                 metrics[f"shares/dH_{cell}"] = mean(f"shares/dH_{cell}", tot[f"shares/dHn_{cell}"])
         return StepResult(metrics, self.spurious, self.samples, self.tokens)
+
+
+def completions(run, step: int, split: str, texts: list[str], rewards: list[float], prompt_rows: list[int],
+                group_size: int) -> list[dict]:
+    """samples.jsonl records of the first response to each of the first --samples-per-step prompts of `split`
+    ("train" or "heldout"): the prompt as the model saw it, the response, the gold answer and the reward
+    (texts[i] answers prompt_rows[i // group_size])."""
+    rows, prompts = (run.rows, run.prompts) if split == "train" else (run.test_rows, run.test_prompts)
+    return [{"step": step, "split": split, "prompt": run.tokenizer.decode(prompts[r]),
+             "response": texts[j * group_size], "answer": rows[r]["answer"], "reward": rewards[j * group_size]}
+            for j, r in enumerate(prompt_rows[:run.cfg.samples_per_step])]
