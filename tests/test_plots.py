@@ -11,7 +11,7 @@ import torch
 from tools import plots
 import run_folder
 import train
-from step_metrics import step_warnings
+from step_metrics.step_warnings import oversubscribed, slow_step
 
 from conftest import ROOT, _EVEN, _metrics, _one_thread, _patch, _toy_args, _toy_data
 
@@ -374,22 +374,22 @@ def test_busy_machine_is_named_with_its_fix(monkeypatch, capsys):
     """A machine whose load leaves fewer free cores than torch's threads x processes is named in one line with the
     fix (OMP_NUM_THREADS, or fewer processes): at start, and when a step is far slower than the ones before it.
     (The CPU default ran 10x slower beside another job without a word.)"""
-    assert step_warnings.oversubscribed(0.2, 2, 2, 1) == ""  # a quiet machine
-    assert step_warnings.oversubscribed(1.0, 2, 2, 1) == ("the machine is oversubscribed: load 1.0 on 2 cores besides this "
+    assert oversubscribed(0.2, 2, 2, 1) == ""  # a quiet machine
+    assert oversubscribed(1.0, 2, 2, 1) == ("the machine is oversubscribed: load 1.0 on 2 cores besides this "
                                                   "run's 2 torch threads x 1 process; set OMP_NUM_THREADS=1")
-    assert step_warnings.oversubscribed(4.0, 8, 8, 1) == ("the machine is oversubscribed: load 4.0 on 8 cores besides this "
+    assert oversubscribed(4.0, 8, 8, 1) == ("the machine is oversubscribed: load 4.0 on 8 cores besides this "
                                                   "run's 8 torch threads x 1 process; set OMP_NUM_THREADS=4")
-    assert step_warnings.oversubscribed(1.2, 2, 1, 2) == ("the machine is oversubscribed: load 1.2 on 2 cores besides this "
+    assert oversubscribed(1.2, 2, 1, 2) == ("the machine is oversubscribed: load 1.2 on 2 cores besides this "
                                                   "run's 1 torch thread x 2 processes; run fewer processes (torchrun "
                                                   "--nproc_per_node)")
-    assert step_warnings.oversubscribed(9.0, 16, 4, 2).endswith("; set OMP_NUM_THREADS=3 or run fewer processes")
-    assert step_warnings.oversubscribed(3.0, 2, 1, 1) == ""  # one thread: nothing this run can lower
-    assert step_warnings.oversubscribed(2.4, 2, 2, 1, ours=2.0) == ""  # running: its own threads are in the load
-    assert step_warnings.oversubscribed(4.0, 2, 2, 1, ours=2.0).startswith("the machine is oversubscribed: load 2.0 on 2 ")
-    assert not step_warnings.slow_step([]) and not step_warnings.slow_step([100.0]) and not step_warnings.slow_step([100.0, 40.0])
-    assert step_warnings.slow_step([100.0, 90.0, 20.0]) and step_warnings.slow_step([100.0, 20.0])
-    assert not step_warnings.slow_step([100.0, 20.0, 20.0])  # the busy spell was told at its first slow step
-    assert step_warnings.slow_step([100.0, 20.0, 100.0, 100.0, 20.0])  # a second spell, after the machine was free
+    assert oversubscribed(9.0, 16, 4, 2).endswith("; set OMP_NUM_THREADS=3 or run fewer processes")
+    assert oversubscribed(3.0, 2, 1, 1) == ""  # one thread: nothing this run can lower
+    assert oversubscribed(2.4, 2, 2, 1, ours=2.0) == ""  # running: its own threads are in the load
+    assert oversubscribed(4.0, 2, 2, 1, ours=2.0).startswith("the machine is oversubscribed: load 2.0 on 2 ")
+    assert not slow_step([]) and not slow_step([100.0]) and not slow_step([100.0, 40.0])
+    assert slow_step([100.0, 90.0, 20.0]) and slow_step([100.0, 20.0])
+    assert not slow_step([100.0, 20.0, 20.0])  # the busy spell was told at its first slow step
+    assert slow_step([100.0, 20.0, 100.0, 100.0, 20.0])  # a second spell, after the machine was free
     threads = torch.get_num_threads()
     monkeypatch.setattr(train.os, "getloadavg", lambda: (3.0, 3.0, 3.0))
     monkeypatch.setattr(train.os, "sched_getaffinity", lambda pid: {0, 1})
