@@ -1,25 +1,13 @@
-"""What a run is told: train.py's configuration and the command line of train.py, eval.py and tools/counterfactual.py
-(docs/paper.md §6, the recipe; docs/training.md). Each script has one `@dataclass Config` whose fields (with the
-string under each as its --help) become the flags; `--config FILE` is a base layer; every bad input is one line.
+"""What a run is told (docs/paper.md §6, the recipe; docs/training.md): train.py's `Config`, whose
+fields (with the string under each as its --help) become the flags, the presets, and the values in
+effect on this machine. The flag builder and --config files are command_line/flags.py.
 
-    cfg, recorded, notes = parse_config(argv)      # train.py: flags, preset, a resumed run's config.json, checked
-    given = parse_flags(Config, argv, "train.py")   # {field: value} of the flags given (and of --config FILE)
-    values = check_values(Config, recorded, "runs/x/config.json")   # a file's values checked against the fields
+    cfg, recorded, notes = parse_config(argv)   # train.py: flags, preset, a resumed run's config.json
 
-Deliberate choices:
-1. Presets: train.py's `--preset auto` is `paper` (§6) on CUDA and `cpu` (SmolLM2-135M on built-in sums, minutes)
-   otherwise; a flag given on the command line always wins; each value lives once, in `Config` or `CPU_PRESET`.
-2. Only the flags given are returned (`parse_flags`): each script layers them over its own defaults (a preset, a
-   run's config.json), so "a flag given always wins" has one meaning.
-3. A value from a file converts nothing: "0.001" is not a number and true is not an integer (verl's and TRL's
-   YAML recipes are read the same way, with YAML 1.2's numbers).
-4. Every bad input is one line `PROG: error: ...` and exit status 2 (`BAD_INPUT`, `error`, `OneLineParser`).
-5. config.json records the values in effect (`in_effect`): a flag that has no effect on this machine or with these
-   settings is stored as in effect, with a warning.
-
-No torch at import (parse_config imports torch and the files whose rules it checks, stapo.py, reward.py,
-run_folder.py, when it runs), so that `eval.py --help` answers at once; train.py is never imported: tools that need
-a Config import this file.
+No torch at import (parse_config imports torch and the files whose rules it checks, stapo.py,
+reward.py, run_folder, when it runs), so that `eval.py --help` answers at once; train.py is never
+imported: tools that need a Config import this file. Deliberate differences 1-5: docs/paper.md,
+"Deliberate differences", config.py.
 """
 from __future__ import annotations
 

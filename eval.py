@@ -18,24 +18,6 @@ verdict, length in tokens, truncation flag) and OUT/table.md, OUT = --out (RUN/e
 RUN/hf holds N steps, so a newer export is evaluated into a folder of its own; else out/eval; one that holds an
 earlier evaluation only with --overwrite).
 
-Deliberate differences from the paper's evaluation:
-1. Rule-based grading only (reward.py); the paper adds an LLM verifier where the rules fail, so a response the
-   rules cannot parse counts as wrong here.
-2. Pure data parallelism: with torchrun every rank holds a full copy of the model and samples its share of the
-   problems (calls of consecutive problems, dealt in turn); no tensor parallelism. `--rollout vllm` samples with a
-   colocated vLLM engine per rank (vllm_engine.VLLMEngine; with torchrun, one model per run: closing an engine tears
-   down the process group).
-3. Besides avg@k we report the unbiased pass@k (Chen et al. 2021, k = samples per problem), the mean response
-   length in tokens and the truncation rate, which explain most avg@k differences between short and long budgets.
-4. "Avg" is the mean avg@k over the six paper benchmarks **that were evaluated**; GSM8K (not in the paper) is
-   shown but never averaged in.
-5. A set is sampled in calls of consecutive problems (--batch-size), dealt to the ranks in turn; the call that
-   starts at problem i is seeded data.problem_seed(seed, i), so samples do not change with the number of ranks (they
-   do with the batch size). A run's `heldout` set is one call per problem seeded with the run's seed + 1 by default:
-   what train.py's evaluation sampled, so `--run` reproduces its eval.jsonl numbers on any number of processes.
-6. Beyond the paper: `--run` takes prompt format, sampling, seed and reward from a train.py run's config.json (flag >
-   run > default), `heldout` is the run's held-out set and `--data` reads your own files with train.py's field
-   logic.
 
 Every input (names, paths, files, numbers) is checked before a model loads; an error is one line, exit status 2
 (config.py). Nothing here imports train.py.

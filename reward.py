@@ -1,33 +1,16 @@
-"""Final-answer extraction, answer equivalence and the +-1 reward (docs/paper.md §1 and §6: the DAPO reward on the last
-\\boxed{}; §7: rule-based grading of the benchmarks).
+"""The reward (docs/paper.md §1 and §6: the DAPO reward on the last \\boxed{}; §7: rule-based grading of
+the benchmarks): read the final answer of a response, decide whether it equals the gold, and pay +1
+or -1; or call your own reward function instead.
 
-`grade(response, gold)` takes the final answer of a response (after </think> only; the last \\boxed{...}, else "the
-answer is ..." phrases, a response or last line that is only a value, or a final sentence stating one value, a relation
-read whole; never "the last number in the text"; nothing after a chat-template token) and decides whether it equals
-the gold. Answers are read by a small hand-written tokenizer + recursive-descent parser for math answers that builds
-sympy objects directly: model output never reaches eval, exec, sympify or parse_expr. `graded_chars` (and, for token
-ids, `graded_count`) says how much of a response the reward reads: up to and including its answer.
+`grade(response, gold)` takes the final answer (after </think> only; the last \\boxed{...}, else
+"the answer is ..." phrases, a response or last line that is only a value, or a final sentence
+stating one value; never "the last number in the text") and decides whether it equals the gold.
+`graded_chars` (and, for token ids, `graded_count`) says how much of a response the reward reads: up
+to and including its answer. The grader's parts live in grader/: where an answer sits (extraction),
+how its text is cleaned (normalize), the math answer parser (model output never reaches eval, exec,
+sympify or parse_expr), equality (equivalence) and its budgets (limits).
 
-Deliberate differences from the paper and from common graders (verl, Math-Verify, Qwen2.5-Math):
-1. The paper compares normalized strings (`mode="strict"` keeps that); the default compares values, because a string
-   match rejects right answers in another form (1/2 = 0.5 = \\frac{2}{4}, x=5 vs 5, 1,000 vs 1000).
-2. Numbers compare exactly (sympy Rationals): 0.33 is not 1/3 and 0.0011 is not 0.001. The one tolerance: a gold
-   that is itself a rounded decimal (a decimal literal with a nonzero fraction, or scientific notation, with >= 2
-   significant digits) accepts a prediction in exact, non-decimal form (a fraction, radical, pi, ...) whose value
-   lies strictly within half a unit of the gold's last digit. A decimal prediction must equal a decimal gold exactly.
-3. Hedged answers ("3 or 4", "3 and 4", "\\boxed{3} or \\boxed{4}") are lists of two answers and are wrong for a
-   one-answer gold; an empty or unterminated last box is wrong; a retracted answer is its last box. Several boxes are
-   one answer per part only for a gold of as many answers, with no hedge or retraction among them. A multiple-choice
-   gold accepts only its own letter, alone or with its own label text: an answer that only starts with the letter
-   ("E+1", "B = 7") or lists other choices ("B, C", "A B C D E") is wrong, or listing every choice would always pay.
-4. Every grade is bounded without signals (so it works in threads and worker processes): the response tail, the
-   answer length, token count, nesting depth, digits, exponents, factorials and trig arguments are capped and one
-   deadline, started when grade() is called, is checked while extracting boxes, in the parser and between
-   comparisons; nested boxes are never joined (a box inside a box is its content). Anything refused or late grades
-   as not equivalent.
-5. Any Python function can be the reward instead (`reward(response, gold, "FILE.py:FUNCTION")`, `load_reward`), as
-   TRL takes reward functions: it may read the prompt and the data row's other fields by keyword, and be batched;
-   whatever the reward, a response is correct when its reward is positive (`correct`).
+Deliberate differences 1-5: docs/paper.md, "Deliberate differences", reward.py.
 """
 import functools
 import importlib

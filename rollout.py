@@ -1,68 +1,18 @@
-"""Rollouts: prompt formatting (the paper's instruction is data.INSTRUCTION; `fitting_prompts`: the prompts that fit
---max-prompt-len) and a hand-written batched sampler with a KV cache (docs/paper.md §1 and §6: G responses
-per prompt from the rollout policy pi_old, temperature 1.0 / top-p 1.0 in training, 0.7 / 0.9 in one eval setting),
-and the optional vLLM engine (`VLLMEngine`, imported only when chosen) behind the same `sample` call and `Rollout`.
+"""Rollouts (docs/paper.md §1 and §6): G responses per prompt from the rollout policy pi_old, at
+temperature 1.0 / top-p 1.0 in training. Prompt formatting (the instruction is data.INSTRUCTION;
+`fitting_prompts` keeps the prompts that fit --max-prompt-len), the reference batched sampler with a
+KV cache (`generate`), the `Rollout` batch and `PlainEngine`, the engine train.py and eval.py call.
 
-The sampler is the whole of `generate` below: left-pad the prompts, prefill each distinct prompt once (the G rows
-of a group take copies of its KV cache), then decode one token per step with a KV cache allocated once and written in
-place (`InPlaceCache`), computing logits only for the last position. Per step it does one backbone forward through
-`__call__` and one head matmul, as `model.Policy` computes the training forward (so the sampling distribution and the
-recomputed pi_old agree, up to the matmul kernel: difference 8), two passes over the vocabulary to sample (no sort at
-top-p 1), and writes into preallocated (B, T) buffers; no logits processors. The one host sync per step reads whether
-any row is still running (every 8 steps on a GPU).
+The sampler is the whole of `generate`: left-pad the prompts, prefill each distinct prompt once (the G
+rows of a group take copies of its KV cache), then decode one token per step with a KV cache
+allocated once and written in place, computing logits only for the last position. Per step: one
+backbone forward and one head matmul, as `model.Policy` computes the training forward (so the
+sampling distribution and the recomputed pi_old agree, up to the matmul kernel: difference 8), two
+passes over the vocabulary to sample, and writes into preallocated (B, T) buffers.
 
-Deliberate differences from the paper's stack (veRL + vLLM) and from `transformers.generate`:
-1. The recorded log-prob of a sampled token is taken under the FULL tempered softmax (all real vocabulary rows),
-   not under the renormalized top-p nucleus that vLLM reports; the nucleus would bias the ratio pi_theta / pi_old.
-2. Vocabulary rows >= `vocab_size` (Qwen's embedding has more rows than its tokenizer has tokens) are removed
-   before the softmax, so they are never sampled and do not take probability mass. The recorded log-probs are
-   therefore those of the distribution actually sampled from; the training forward must mask the same rows for the
-   ratio to be exactly 1 on the first mini-batch.
-3. temperature=0 means greedy (argmax); its recorded log-probs are under the temperature-1 softmax.
-4. Rows that have emitted EOS leave the running batch at once (`COMPACT_FRACTION` 0): the running rows are the
-   first R rows of the cache, and a drop moves the running rows found past the new batch size into the freed slots
-   before it, so it copies the caches of at most as many rows as finished (transformers' `batch_select_indices`
-   copies every kept row). With a `compact` share > 0 finished rows keep sampling until they are that share of the
-   batch; what they sample after EOS is replaced by pad with response_mask 0. The results are scattered back to the
-   full (B, T) buffers. Slots freed this way are not refilled with further prompts (continuous batching): within
-   one generate call there is nothing to refill them with. Across calls (--rollout-chunk below a rank's prompts)
-   refilling would pay: a decode step costs ~5x more per row at 8 rows than at 128 on CPU (docs/rollouts.md); not
-   done here.
-5. Sampling draws one uniform per row of the FULL batch every step and uses those of the running rows, then searches
-   the CDF (exact; torch.multinomial does the same, slower on CPU). Row i therefore gets the same uniforms whether or
-   not finished rows were dropped: compaction changes no token (tests/test_rollout.py checks it token for token).
-6. Under FSDP2, `gathered(policy)` unshards every FSDP module once for the whole rollout phase (memory: one full
-   copy of the parameters per rank, in the FSDP param dtype, for the duration) and detaches FSDP's forward hooks,
-   instead of all-gathering each layer again for every generated token. Inside the decode loop there is then no
-   collective at all, so ranks whose rollouts stop at different lengths cannot hang each other.
-7. The paper samples with vLLM (veRL); here vLLM is optional (`VLLMEngine`: its own differences in its docstring).
-8. On CPU the decoder's linear layers and the LM head compute through oneDNN with their weights reordered once per
-   generate call into its blocked layout (`onednn_linears`, one more copy of the weights meanwhile), as vLLM-CPU
-   does: 1.2-2x faster matmuls at decode's row counts than F.linear (MKL), the same values up to fp32 rounding
-   (~1e-6 relative; `rollout/logprob_diff` shows the sampler against the training forward). CUDA runs F.linear.
-   With left-padded prompts (a mask) on CPU, attention runs `model.grouped_sdpa` when the model runs
-   `model.PACKED_SDPA` (under `model.Policy` and in `PlainEngine`): no copy of the cache per head group.
-9. On CPU the decode steps of a Llama, Qwen2 or Qwen3 model (`DecodeStep`) are written out here layer by layer
-   instead of running the model's forward: the same equations, computed by the model's own norm, rotary and
-   activation modules, with q, k, v as one matmul and gate, up as one (their weights stacked and reordered for
-   oneDNN once per rollout phase by `PlainEngine.ready`, as vLLM takes its weights once per phase; a bare
-   `generate` call does it per call), and none of the forward's per-call work (mask and position preparation, output
-   objects, the cache's bookkeeping). The prefill runs the model's forward. Tested token for token against the
-   model's forward for the three families, with a padding mask. The step is not compiled: `torch.compile` of the
-   backbone took minutes to compile on CPU for a gain within the noise, and inductor cannot take reordered weights
-   that are not constants (docs/rollouts.md).
-10. On CUDA, asked for (`captured`, train.py's `--cuda-graphs`; off by default until a GPU run of `python -m tools.bench
-   gpu` has checked it: docs/gpu.md), `PlainEngine` decodes through `CapturedStep`: the same written-out step
-   (F.linear over the stacked
-   weights) with static shapes, captured in a CUDA graph per batch bucket (powers of two up to the phase's rows:
-   finished rows compact into a smaller one) and per length block of the cache (`LENGTH_BLOCK`), and replayed with
-   its inputs copied into static buffers, as nano-vllm and gpt-fast do: one launch per step instead of some fifty
-   kernels per layer from Python. Its KV cache is allocated once per rollout phase for the phase's rows and the
-   run's longest prompt + response; attention reads it up to the filled length rounded up to the block, with the
-   unfilled positions masked, through SDPA with each key head's query heads as its query positions
-   (`_grouped_attention`). Sampling (the seeded generator, temperature, top-p) runs after the graph, eagerly, as it
-   does here: the same tokens as the eager step. On the CPU the same class, without capture, calls the step eagerly
-   on the same buffers (the tests' stand-in); the CPU's sampler stays as above.
+The fast paths beside it return the same `Rollout`: fast_decode/ (the written-out decode step, CUDA
+graphs, the vLLM engine; `fast_decode.engines.make_engine` picks one by name). Deliberate
+differences 1-10: docs/paper.md, "Deliberate differences", rollout.py.
 """
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields

@@ -1,33 +1,14 @@
-"""S2T, Silencing Spurious Tokens: the token mask of STAPO and its diagnostics (docs/paper.md §4).
+"""S2T, Silencing Spurious Tokens: the token mask of STAPO (docs/paper.md §4).
 
 A response token is spurious (silenced, I_it = 0) iff all three hold:
-    1. A_i > 0                 it sits in a better-than-average (correct) response,
-    2. p_it < tau_p            low probability under the current policy (tau_p = 0.002),
-    3. H_it < tau_h            low entropy, tau_h = q-quantile (q = 0.75) of the entropies of the *candidates*
-                               (tokens meeting 1 and 2) of the whole mini-batch.
-The gradient of a token's objective w.r.t. its logits has norm |w| sqrt(1 - 2p + sum_v p_v^2), w = r A
-(`grad_norm_logits`): low p and low H (large sum p^2) give the largest, spurious updates.
-A low-probability token with A > 0 also raises its position's entropy when it is reinforced; `entropy_change`
-measures what one update did to the entropy at silenced, kept-candidate and other positions. `token_sample` draws
-the tokens of the (p, H) picture of what S2T saw, `token_record` makes them a line of tokens.jsonl.
-
-Deliberate differences / choices the paper leaves open:
-1. Condition 3 is strict (H < tau_h) and tau_h uses torch.quantile's linear interpolation, so a lone candidate is
-   kept and with q = 0.75 "about 75%" of candidates are silenced (exactly 3 of 4, 3 of 5, 6 of 8, ...).
-2. Condition 2 is tested as log p < log tau_p, which avoids rounding in exp() for tokens at the boundary.
-3. `quantile_of` does not call torch.quantile (limited to 2^24 elements) but sorts and interpolates the same way,
-   so it also serves 20-Entropy thresholds over millions of tokens (kthvalue was rejected: quadratic on sorted
-   input on CPU).
-4. `spurious_mask` takes the mini-batch's p and H at once (train.py computes them for all of a rank's rows before
-   splitting them into micro-batches) and a `gather` over ranks, so tau_h never depends on how rows are split.
-5. No candidates in the mini-batch: nothing is silenced (threshold None).
-6. The paper's controls (stapo.ALGORITHMS `randmask`, `highmask`): `random_subset` silences as many candidates as
-   S2T would, chosen by random keys that depend only on (the run's seed, step, mini-batch, the token's row in the
-   whole mini-batch, its column), never on how rows are split over ranks or micro-batches; `highmask` silences the
-   candidates S2T keeps (H >= tau_h).
-7. --quantile-window N (default 0, the paper's rule): tau_h is the quantile over the mini-batch's candidates and
-   the N candidates before them (`spurious_mask`'s `earlier`, `window_after`): the paper's mini-batches hold hundreds
-   of candidates, ours a handful, and a lone candidate sets tau_h to its own entropy (docs/paper.md).
+    1. A_i > 0         it sits in a better-than-average (correct) response,
+    2. p_it < tau_p    low probability under the current policy (tau_p = 0.002),
+    3. H_it < tau_h    low entropy, tau_h = q-quantile (q = 0.75) of the entropies of the
+                       *candidates* (tokens meeting 1 and 2) of the whole mini-batch.
+The gradient of a token's objective w.r.t. its logits has norm |w| sqrt(1 - 2p + sum_v p_v^2),
+w = r A (`grad_norm_logits`): low p and low H (large sum p^2) give the largest, spurious updates.
+What S2T saw and did, for the metrics, is step_metrics/s2t_diagnostics.py. Deliberate differences
+1-7: docs/paper.md, "Deliberate differences", s2t.py.
 """
 from __future__ import annotations
 

@@ -24,18 +24,6 @@ weights, denominator=N)` per micro-batch then sums to the mini-batch loss howeve
 the sum of the gradients, i.e. all-reduce SUM, or AVG times world size). `algorithm` names the row of an --algo,
 `clip_range` a run's (eps_low, eps_high).
 
-Deliberate differences / choices:
-1. The token mean runs over the whole mini-batch (all micro-batches and ranks), not per micro-batch.
-2. The log-ratio is clamped to [-20, 20] before exp() so that r never overflows (r <= 4.9e8); inside that range
-   (always, in practice) the loss is exact.
-3. Optional dual clip for A < 0 (verl's clip_ratio_c): per-token loss bounded by -dual_clip * A; off here by
-   default, on with c = 10 in train.py's presets (config.py), as in the paper's veRL runs.
-4. 20-Entropy keeps the top 20% by `H >= tau` (ties at the threshold kept) and divides by all response tokens
-   (the formula of Wang et al. and TRL's `top_entropy_quantile`), not by the kept tokens.
-5. GRPO's KL is not inside `policy_loss`: the caller adds `beta * sum(weights * kl_k3) / denominator`.
-6. A denominator below 1 (only possible when nothing is kept anywhere) is raised to 1, so the loss is 0, not NaN.
-7. Optional truncated importance sampling (`tis_weight`, off by default) for the sampler/trainer mismatch of an
-   external rollout engine (vLLM); the paper's veRL runs use none.
 """
 from dataclasses import dataclass
 from typing import NamedTuple

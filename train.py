@@ -1,38 +1,17 @@
 """Train a causal LM with STAPO or a baseline by RL on verifiable math rewards (docs/paper.md §3-§4 and
 Algorithm 1; the recipe of §6), on 1 CPU, 1 GPU or many GPU nodes with the same code.
 
-    python train.py                                    # no GPU: the CPU default (SmolLM2-135M, built-in sums)
-    torchrun --standalone --nproc_per_node=2 train.py --out-dir out/train-cpu-2   # the same, 2 processes
-    python train.py --model Qwen/Qwen3-1.7B-Base       # 1 GPU: the paper's recipe (DAPO-Math-17k, G = 8)
-    torchrun --nnodes=8 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 train.py \\
-        --model Qwen/Qwen3-8B-Base --out-dir runs/stapo-8b --resume auto   # 64 GPUs, as in the paper
-    python train.py --plot runs/stapo runs/justrl      # the runs' curves overlaid (tools/plots.py)
+    python train.py                               # no GPU: the CPU default (SmolLM2-135M, sums)
+    torchrun --standalone --nproc_per_node=2 train.py --out-dir out/train-cpu-2   # 2 processes
+    python train.py --model Qwen/Qwen3-1.7B-Base  # 1 GPU: the paper's recipe (DAPO-Math-17k, G = 8)
+    python train.py --plot runs/stapo runs/justrl # the runs' curves overlaid (tools/plots.py)
 
-Reading order: `train_step` (one RL step, numbered 1-4) and the functions it calls, in the order it calls them;
-`StepLog`, its metrics; `train`, the loop (held-out evaluations, checkpoints, stops, the closing lines); then the
-rollout engine, `setup` and `main`. What a run is told (`Config`, the presets, the flags) is config.py; the data and
-their order come from data.py; the run folder (checkpoints, logs, resume, stop signals) is run_folder.py; the
-distributed helpers (`all_sum`, `gather`, ...) are model.py's.
-
-Deliberate differences from the paper's veRL setup:
-1. Presets: `--preset auto` is `paper` (§6) on CUDA and `cpu` (SmolLM2-135M on built-in sums, minutes)
-   otherwise; a flag given on the command line always wins (config.py).
-2. pi_old log-probs are recomputed by the training forward (as veRL does), not taken from the sampler (their
-   distance is `rollout/logprob_diff`). On policy (one mini-batch per step, JustRL or GRPO, no TIS: `on_policy`)
-   the update's own forward gives them, detached, instead of a separate pass (TRL's num_iterations=1).
-3. Sampling noise is seeded per generate call from (seed, step, global index of its first prompt): rollouts are
-   reproducible on resume, and with `--rollout-chunk 1` independent of the number of ranks. The held-out
-   evaluation samples each problem in a call of its own, seeded by the problem: independent of the ranks always.
-4. Mini-batch k is the same set of prompts for any number of ranks (rank r holds the r-th slice of each); the
-   S2T threshold, the denominator and the metrics are reduced over all ranks.
-5. FSDP2 averages gradients over ranks; each rank backpropagates world_size * (its sum / global denominator).
-6. A mini-batch whose advantages are all zero is skipped (no optimizer step, no weight decay) unless GRPO's KL
-   term still gives it a gradient; a non-finite gradient norm skips the step with a warning.
-7. Prompts longer than --max-prompt-len are dropped and counted (veRL filters them too); one whose problem has more
-   characters than that many tokens can spell is dropped before it is tokenized.
-8. Sampling: rollout.generate (HF model + KV cache) by default, or a colocated vLLM engine per rank (--rollout
-   vllm); the cpu preset uses a raw-text prompt ("...\\nThe answer is") at the paper's T = 1.0.
-9. Steps count from 1 in every file, on the console and in checkpoint/step_N.
+Reading order: `train_step` (one RL step, numbered 1-4) and the functions it calls, in the order it
+calls them; `train`, the loop (held-out evaluations, checkpoints, stops, the closing lines); `setup`
+and `main`. The machinery it calls: config.py (what a run is told), run_folder/ (checkpoints, logs,
+resume, stop signals), step_metrics/ (the metrics line), distributed/ (`all_sum`, `gather`, FSDP2),
+fast_decode/ (the rollout engines). Deliberate differences 1-9: docs/paper.md, "Deliberate
+differences", train.py.
 """
 from __future__ import annotations
 
@@ -77,7 +56,8 @@ import run_folder  # noqa: E402
 import s2t  # noqa: E402
 import stapo  # noqa: E402
 from command_line import errors  # noqa: E402
-from data import load_rows, problem_seed, prompt_indices, rank_slice, repeated_note  # noqa: E402
+from command_line.checks import read_inputs, too_few  # noqa: E402
+from data import problem_seed, prompt_indices, rank_slice  # noqa: E402
 from distributed.process_group import all_gather_cat, all_max, all_sum, gather, init_distributed  # noqa: E402
 from distributed.sharding import from_rank0, shard_policy  # noqa: E402
 from fast_decode.engines import compute_dtype, prompts_per_call, rollout_engine  # noqa: E402
@@ -484,28 +464,6 @@ def finish(run: Run) -> None:
     made += [f"hf/ (python eval.py --run {out})"] if cfg.export_hf else []
     say(f"outputs in {out}/: {', '.join(made)}; " + (f"{diverged}; " if diverged else "")
         + f"continue with python train.py --resume {out} --steps N", run.rank)
-
-
-# ------------------------------------------------------------------------------------------------- setup
-def read_inputs(cfg: config.Config, world: int) -> tuple[list[dict], list[dict]]:
-    """The checks that need neither the model nor the run folder, made first (every rank): the number of processes,
-    the logger, the data -> (training rows, held-out rows) of data.load_rows."""
-    if cfg.prompts_per_step % world or cfg.mini_batch_prompts % world:
-        raise ValueError(f"--prompts-per-step and --mini-batch-prompts must be multiples of the {world} ranks")
-    run_folder.check_logger(cfg.logger)
-    train_rows, test_rows, repeated = load_rows(cfg)
-    if repeated and dist.get_rank() == 0:
-        print(f"train.py: note: {repeated_note(cfg.data, repeated, len(train_rows) + len(test_rows))}",
-              file=sys.stderr, flush=True)
-    too_few(cfg, len(train_rows))
-    return train_rows, test_rows
-
-
-def too_few(cfg: config.Config, n_rows: int) -> None:
-    """A step takes each training problem at most once: refuse --prompts-per-step above the problems there are."""
-    if cfg.prompts_per_step > n_rows:
-        raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is more than the {n_rows} training problems of "
-                         f"{cfg.data or 'the built-in task'} (a step takes each at most once): lower it")
 
 
 def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, world: int, device,

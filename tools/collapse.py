@@ -19,20 +19,6 @@ and the statistics: per-seed paired differences against JustRL (and STAPO agains
 sign test on the non-zero differences, and a 95% percentile bootstrap interval of the mean difference, resampling
 seeds (and, for held-out accuracy, problems: both at once, crossed, since every seed evaluates the same problems).
 
-Deliberate choices:
-1. The sign test drops ties (equal outcomes of a pair); with 6 pairs it reaches p < 0.05 only when all 6 agree
-   (p = 2 / 64 = 0.031); 5 of 6 gives 0.22 (docs/experiments.md says so beside the table).
-2. A collapse needs two consecutive steps below half the peak so that one unlucky rollout of 32 samples is not one.
-3. One row per comparison is not pre-registered and says so: each run's mean training accuracy over its steps.
-   The arms of a seed train on the same prompts in the same order, so a_t alone mostly follows the prompts'
-   difficulty (a hard batch of 4 prompts looks like a collapse in every arm at once); the mean compares the arms on
-   matched prompts.
-4. The last line applies the plan's reading rules (`reading`): which of its four sentences the runs support, once
-   JustRL, STAPO and RandMask are complete in all six seeds.
-5. `--why` (the plan's question 3) reads `shares/*` (train.py --entropy-change) on an arm's steps before its
-   collapse (all its steps when it has none, marked so): per kind of token x part of the response, the share of
-   the step's summed logit-gradient norm and the tokens, averaged over those steps; the entropy change per token
-   over all those steps' tokens of the cell, and summed over a step's tokens; then the mean over seeds (and range).
 """
 from __future__ import annotations
 

@@ -15,13 +15,6 @@ STAPO - RandMask (a fixed sequence: the second counts only if the first is signi
 held-out accuracy after the last step) with Holm's correction over their four tests; the collapse indicator
 descriptive only; a manipulation check (tokens S2T silenced per run; RandMask's count equals S2T's rule).
 
-Deliberate choices:
-1. The t distribution is computed here (its CDF from the regularized incomplete beta function by Lentz's continued
-   fraction, its quantiles by bisection) so the tool needs numpy only; checked against tabulated values in tests.
-2. Wilcoxon's test drops zero differences and gives tied ranks their mean; its exact null distribution is counted
-   over all sign assignments (dynamic programming over doubled ranks), not a normal approximation.
-3. Power by simulation (200,000 draws of n normal paired differences, seed 0): the share of two-sided t-tests at
-   level 0.05 that reject, for a true mean difference `delta` and spread `sd`.
 """
 from __future__ import annotations
 

@@ -37,36 +37,6 @@ not silenced) and a random sample of other tokens of correct responses, estimate
 rollout engine and reward, writes RUN/counterfactual.jsonl (one line per token), prints a summary per kind and,
 with --plot, draws RUN/counterfactual.png (plots.plot_counterfactual). Cost: docs/experiments.md.
 
-Deliberate choices:
-1. Success is `reward > 0` (correct), not the reward's value: the effect lies in [-1, 1] whatever the reward mode
-   (with the +-1 DAPO reward the effect on the expected reward is twice it).
-2. The baseline redraws position t from the same policy (V(y_<t)), instead of forcing another token: the question is
-   whether writing y_t changed the outcome, not what some chosen alternative would have done.
-3. Each continuation gets the budget the response had left: max_response_len minus the response tokens already in
-   its prefix, so every graded response is one the run could have sampled. A prefix that ends the response (y_t is
-   its EOS, or its last token at the budget) needs no continuation: its K outcomes are the response's own.
-4. Prefixes are sampled `prefixes_per_call` at a time, sorted by budget; a call asks for its longest budget and cuts
-   each continuation to its own (a sample cut at m tokens is a sample limited to m tokens): batched, same
-   distribution. Call c is seeded from (seed, c), so a result is reproducible for the same tokens and arguments.
-5. The plug-in standard error of the effect is 0 when both sides are unanimous ("no difference seen in K draws", not
-   "exactly known"); negligibility is therefore an equivalence test on the contrast's Newcombe interval, and summary
-   intervals resample whole responses (tokens of one response are one cluster), not tokens; so do the differences
-   `--table` prints between the candidates the S2T rule silences and those it keeps (`cluster_difference`).
-6. Every mini-batch of the step is analysed, with the mask the run gave it: the step's updates are replayed
-   (`train.train_step`), so mini-batch k's p, H and mask are those of the policy after k updates, as in the run.
-   The continuations come from pi_old, the policy that sampled the rollout (the checkpoint's): the effect is the
-   token's contribution under the policy that wrote it. Each line says its `mini_batch`; the p and H it gives are
-   the ones the mask saw. (With 3.5e-6-sized updates, mini-batch 1's p differs from pi_old's in the 3rd digit.)
-7. The rollout is regenerated, not read back: exact for a run made by one process (or with --rollout-chunk 1) when
-   this command runs with the run's thread count (OMP_NUM_THREADS: rounding differs between thread counts, and
-   with it the sampled tokens), and checked against the run's metrics.jsonl (mean reward and length, S2T candidate
-   and silenced counts) and samples.jsonl lines of the step.
-   When they differ, a warning says so and every line has `"rollout_matches_run": false`: the analysis is still
-   self-consistent (the same policy's rollout, mask and continuations), but its tokens are not the run's.
-8. Every line also says whether the S2T rule (the run's tau_p, q and --quantile-window) would silence the token
-   (`s2t_rule`), whatever the run's algorithm: the candidates of a JustRL or FullMask run split into those STAPO's
-   entropy test picks and those it keeps, so `--table` measures the rule's precision against the other candidates
-   on the same tokens.
 """
 from __future__ import annotations
 

@@ -21,30 +21,6 @@ metrics are here too: a step without a policy gradient (`zero_gradient`), and at
 (`silenced_summary`) and a divergence (`divergence`). matplotlib is optional: without it every function prints one
 line on stderr and draws nothing.
 
-Choices:
-1. x is `step` as each file writes it: the N-th step (from 1) for metrics.jsonl, the number of completed steps for
-   eval.jsonl (0 = before training); integer ticks only, whole steps around a lone point.
-2. Every run gets its own line style and marker, and runs whose curves coincide on a panel are named in a note on
-   it, since the last one drawn would otherwise hide the others.
-3. Runs that differ only in the seed (`seed_groups`) share a colour; where a panel has several of them with steps
-   in common, each is a thin line and a thick line is their mean at each step two or more of them have (the legend
-   says so where that count varies from step to step).
-4. The token picture shows the sample train.py drew (`s2t_diagnostics.token_sample`: every candidate and silenced
-   token, and a fixed-size random sample of the others); the gradient-norm means in its title are weighted by
-   `weight`, so they estimate the means over all response tokens.
-5. Held-out accuracy is measured at a few steps only (before and after training, every --eval-every steps): it is
-   drawn as points, with their values for a single run, never as a line through steps it was not measured at.
-6. Nothing is drawn over the tokens: the legend of s2t.png stands beside the plane, and the mini-batches' tau_h are
-   one bar on the tau_p line, from the lowest to the highest, with a tick at their median (the tokens left of it
-   with H below their own mini-batch's tau_h were silenced); a tick per mini-batch piled up into a ladder.
-9. Legends are 9-10 pt at the saved resolution; metrics.png and compare.png have one legend under all panels,
-   naming every run and mean any panel draws (one panel's legend left the others' lines unnamed).
-7. A correlation is printed beside the curve it describes, with its scope: the norm's Spearman correlation with p
-   over all tokens comes from the fall between p = 0.1 and 1 (sqrt(1 - 2p + sum p^2) -> 0); below p = P_FLAT the
-   factor is ~1 and the curve is flat, so gradient.png states both, on a logit p axis that shows both regions.
-8. train.py logs an entropy change of 0.0 for a kind of token the step did not have (JustRL silences nothing; late
-   steps have no candidates); an update that moves the policy never leaves a mean change of exactly 0, so
-   entropy_change.png reads 0.0 as "no such tokens" and draws no point there, and a dashed line marks 0.
 """
 import json
 import math
