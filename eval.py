@@ -1,26 +1,20 @@
-"""Evaluate checkpoints the way the paper does (docs/paper.md §7): k sampled answers per problem on AIME24, AIME25,
-AMC23 (avg@32) and MATH500, Minerva, OlympiadBench (avg@4), graded by rule, one table row per checkpoint.
+"""Evaluate checkpoints the way the paper does (docs/paper.md §7): k sampled answers per problem on
+AIME24, AIME25, AMC23 (avg@32) and MATH500, Minerva, OlympiadBench (avg@4), graded by rule, one table
+row per checkpoint.
 
-    python eval.py --models smollm2 --benchmarks gsm8k math500 --data-dir testdata/benchmarks --limit 30 \
-        --k 4 --max-new-tokens 512                                   # CPU, minutes
-    python eval.py --models Qwen/Qwen3-1.7B-Base stapo=runs/stapo/hf --no-chat   # 1 GPU, the six from the Hub
-    torchrun --standalone --nproc_per_node=8 eval.py --models runs/stapo/hf --preset justrl   # 8 GPUs
-    python eval.py --regrade out/eval/results.json                  # re-grade saved samples, rewrite table.md
-    python eval.py --run out/train-cpu     # a run's export, as train.py evaluated it: into out/train-cpu/eval/
-    python eval.py --models tiny --data easy=my.jsonl --prompt-key q --answer-key a   # your own JSONL
+    python eval.py --models smollm2 --benchmarks gsm8k math500 --data-dir testdata/benchmarks \
+        --limit 30 --k 4 --max-new-tokens 512                       # CPU, minutes
+    python eval.py --models Qwen/Qwen3-1.7B-Base stapo=runs/stapo/hf --no-chat   # 1 GPU
+    torchrun --standalone --nproc_per_node=8 eval.py --models runs/stapo/hf --preset justrl
+    python eval.py --regrade out/eval/results.json     # re-grade saved samples, rewrite table.md
+    python eval.py --run out/train-cpu     # a run's export, as train.py evaluated it
+    python eval.py --models tiny --data easy=my.jsonl --prompt-key q --answer-key a   # your JSONL
 
-Sampling is a rollout engine (`--rollout plain`: rollout.generate; `vllm`: vllm_engine.VLLMEngine), grading is
-reward.correct (a positive reward; reward.grade unless --reward says otherwise), your own files and a run's
-held-out set are read by data.py; this file loads the benchmarks, splits the problems across ranks, counts and
-writes. Outputs: OUT/results.json (the
-config, each model's export step and checksum when train.py exported it, and every sample's text, extracted answer,
-verdict, length in tokens, truncation flag) and OUT/table.md, OUT = --out (RUN/eval/step_N for a run whose export
-RUN/hf holds N steps, so a newer export is evaluated into a folder of its own; else out/eval; one that holds an
-earlier evaluation only with --overwrite).
-
-
-Every input (names, paths, files, numbers) is checked before a model loads; an error is one line, exit status 2
-(config.py). Nothing here imports train.py.
+Sampling is a rollout engine (fast_decode.engines.make_engine), grading is reward.correct, your own
+files and a run's held-out set are read by data.py; this file loads the benchmarks, splits the
+problems across ranks, counts and writes OUT/results.json and OUT/table.md (docs/evaluation.md).
+Every input is checked before a model loads; an error is one line, exit status 2. Nothing here
+imports train.py. Deliberate differences 1-6: docs/paper.md, "Deliberate differences", eval.py.
 """
 from __future__ import annotations
 

@@ -1,29 +1,22 @@
 """Group advantages and the policy losses of STAPO and its baselines (docs/paper.md §2, §3, §5).
 
-    A_i  = (R_i - mean_j R_j) / (std_j R_j + eps)                       (unbiased std over the G rewards)
-    J    = 1/N sum_i sum_t I_it min(r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i),   N = sum_i sum_t I_it
+    A_i = (R_i - mean_j R_j) / (std_j R_j + eps)                (unbiased std over the G rewards)
+    J   = 1/N sum_i sum_t I_it min(r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i)
 
-Every algorithm is the same clipped surrogate, `loss = sum(weights * per_token_loss) / denominator`, and differs
-only in the token weights and the denominator:
+Every algorithm is this clipped surrogate, `loss = sum(weights * per_token_loss) / denominator`, and
+differs only in the token weights and the denominator (`ALGORITHMS`, the table as data):
 
-    algo        weights w_it (on response tokens)          denominator                 clip (low, high)
-    stapo       1 if not S2T-silenced else 0               number of kept tokens       0.2, 0.28
-    justrl      1                                          number of response tokens   0.2, 0.28
-    grpo        1 / |y_i| (per-sequence mean)              number of sequences         0.2, 0.2   (+ beta k3 KL)
-    20-entropy  1 if H_it >= 0.8-quantile of all H else 0  number of response tokens   0.2, 0.28
-    fullmask    0 if A_i > 0 and p_it < tau_p else 1       number of kept tokens       0.2, 0.28
-    randmask    0 on a random subset of the candidates     number of kept tokens       0.2, 0.28
-                of S2T's size, else 1 (control)
-    highmask    0 on the candidates S2T keeps (H >= tau_h)  number of kept tokens      0.2, 0.28
-                else 1 (control: high-entropy masking)
-
-`token_weights` computes one mini-batch's weights from `ALGORITHMS` (the table above, as data); its entropy
-thresholds (S2T's tau_h, 20-Entropy's) are taken over the whole mini-batch through a `gather` over ranks, and it
-returns this rank's share of the denominator, which the caller (train.py) sums over ranks. `policy_loss(...,
-weights, denominator=N)` per micro-batch then sums to the mini-batch loss however the rows are split (over ranks:
-the sum of the gradients, i.e. all-reduce SUM, or AVG times world size). `algorithm` names the row of an --algo,
-`clip_range` a run's (eps_low, eps_high).
-
+    algo        weights w_it (on response tokens)           denominator       clip (low, high)
+    stapo       1 if not S2T-silenced else 0                kept tokens       0.2, 0.28
+    justrl      1                                           response tokens   0.2, 0.28
+    grpo        1 / |y_i| (per-sequence mean)               sequences         0.2, 0.2 (+ beta k3 KL)
+    20-entropy  1 if H_it >= 0.8-quantile of all H else 0   response tokens   0.2, 0.28
+    fullmask    0 if A_i > 0 and p_it < tau_p else 1        kept tokens       0.2, 0.28
+    randmask    0 on a random subset of the candidates of   kept tokens       0.2, 0.28
+                S2T's size, else 1 (control)
+    highmask    0 on the candidates S2T keeps, else 1       kept tokens       0.2, 0.28
+`token_weights` makes one mini-batch's weights and this rank's share of N (thresholds over the whole
+mini-batch through a `gather` over ranks). Deliberate differences 1-7: docs/paper.md, stapo.py.
 """
 from dataclasses import dataclass
 from typing import NamedTuple

@@ -1,29 +1,11 @@
-"""The test suite: CPU only, tiny random models built in code, no network. Run: python -m pytest -q
+"""The paper's core under test: stapo.py and s2t.py (group advantages, policy_loss, the S2T mask, the
+algorithms, the paper's worked examples) against hand-worked equations. CPU only, tiny random models
+built in code, no network. Run the whole suite: python -m pytest -q
 
-This file holds the paper's core (stapo.py and s2t.py: group advantages, policy_loss, the S2T mask, the five
-algorithms, the paper's worked examples); the other tests follow the files they test, in tests/ (each file's
-docstring says what it covers); conftest.py holds the helpers more than one file uses:
-- tests/test_bench.py              tools/bench.py gpu
-- tests/test_collapse.py           tools/collapse.py
-- tests/test_config.py             The command line and its configuration (config.py)
-- tests/test_counterfactual.py     tools/counterfactual.py (RQ2)
-- tests/test_data.py               data.py and tasks/
-- tests/test_eval.py               eval.py
-- tests/test_model.py              model.py
-- tests/test_plots.py              tools/plots.py
-- tests/test_readme.py             README.md
-- tests/test_reward.py             reward.py
-- tests/test_rollout.py            rollout.py
-- tests/test_rollout_vllm.py       rollout.py's optional vLLM engine
-- tests/test_run_folder.py         run_folder.py
-- tests/test_train.py              train.py
-- tests/test_train_distributed.py  train.py on 2 processes (torchrun, gloo, FSDP2) against 1 process
-- tests/test_train_resume.py       train.py across runs of one folder
-
-Data-dependent tests read testdata/ (in the repository): labelled grading cases, a few rows of every benchmark in
-its local and its Hub layout, and `train_run.py`, which runs train.py in a fresh process (torchrun, signals, kills)
-with the hooks named `_hook_*` in conftest.py. Nothing outside the repository is read. No test depends on another's
-order.
+The other tests follow the files they test, one test file per code file, in tests/ (the rule and
+the list: docs/tests.md); helpers more than one test file uses are fixtures in conftest.py or the
+modules of tests/helpers/. Data-dependent tests read testdata/ (in the repository); nothing outside
+the repository is read, and no test depends on another's order.
 """
 import math
 import os

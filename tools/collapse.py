@@ -15,10 +15,8 @@ the runs:
     entropy rise    max_t (H_t - min_(s < t) H_s), H_t the mean entropy of step t's rollout (entropy/mean)
     held-out acc    eval/acc after 4, 8 and 12 steps (64 problems x 4 samples)
 
-and the statistics: per-seed paired differences against JustRL (and STAPO against its controls), an exact two-sided
-sign test on the non-zero differences, and a 95% percentile bootstrap interval of the mean difference, resampling
-seeds (and, for held-out accuracy, problems: both at once, crossed, since every seed evaluates the same problems).
-
+and the statistics (docs/experiments.md): paired sign tests and bootstrap intervals over seeds and
+problems. Deliberate choices 1-5: docs/paper.md, "Deliberate differences", tools/collapse.py.
 """
 from __future__ import annotations
 

@@ -5,38 +5,12 @@ docs/paper.md §8 and §4)
     python -m tools.counterfactual RUN --steps 1 11 --k 16 --tokens 8 --plot
     python -m tools.counterfactual --table RUN [RUN ...] [--out PNG]   # many analysed runs pooled per algorithm
 
-S2T silences low-probability, low-entropy tokens of correct responses because, the paper says, they "contribute
-negligibly to the correct reasoning outcome" while inheriting the whole sequence's reward. This file measures that
-contribution. For a token y_t of a graded response y to prompt x, under the policy pi that sampled it:
-
-    effect(y_t) = P(success | x, y_<=t) - P(success | x, y_<t)
-
-the success rate of the response once y_t is written, minus the rate when the policy redraws position t (it may
-draw y_t again): y_t's advantage in success units, Q(y_<t, y_t) - V(y_<t). Since the redraw returns y_t itself
-with its probability p, the advantage is shrunk toward 0 for likely tokens:
-
-    Q(a) - V = Q(a) - (p Q(a) + (1 - p) Q(not a)) = (1 - p) (Q(a) - Q(not a))
-
-so it is near the *contrast* Q(a) - Q(not a) for candidates (p < 0.002) and near 0 for the high-p tokens they are
-compared with, whatever those tokens do. The contrast, a redraw that never returns y_t, compares kinds on one
-scale; both are estimated (`token_effects`), from K graded continuations per side:
-
-    effect   = mean_k S(x, y_<=t, c_k) - mean_k S(x, y_<t, c'_k)          S = 1 if the reward is > 0 else 0
-    contrast = mean_k S(x, y_<=t, c_k) - mean_k S(x, y_<t, z_k, c''_k)     z_k ~ pi(. | x, y_<t) without y_t
-    stderr   = sqrt(s_keep^2 / K + s_resample^2 / K)                       s^2: unbiased variance of the K outcomes
-
-A token is *negligible* when the 95% interval of its contrast (Newcombe's hybrid score interval for a difference of
-two proportions, from Wilson intervals: honest when all K draws agree, where the plug-in stderr is 0) lies inside
-(-delta, delta). Tokens are also split into the graded part of their response (up to and including the answer the
-reward reads, reward.graded_chars) and the text after it, which the reward cannot see by construction.
-
-The command regenerates one training step of a run exactly (the policy that made its decisions, its rollout, the
-mask of every mini-batch, its updates replayed), draws the tokens the algorithm silenced, the candidates it kept (A >
-0, p < tau_p,
-not silenced) and a random sample of other tokens of correct responses, estimates their effects with the run's
-rollout engine and reward, writes RUN/counterfactual.jsonl (one line per token), prints a summary per kind and,
-with --plot, draws RUN/counterfactual.png (plots.plot_counterfactual). Cost: docs/experiments.md.
-
+S2T silences low-probability, low-entropy tokens of correct responses because, the paper says,
+they "contribute negligibly to the correct reasoning outcome". This file measures that
+contribution, effect(y_t) = P(success | x, y_<=t) - P(success | x, y_<t), and its contrast
+against a redraw without y_t, from K graded continuations per side, for the tokens a replayed
+step silenced, the candidates it kept and other tokens (the estimator and its intervals:
+docs/experiments.md, "The counterfactual estimator"). Deliberate choices 1-8: docs/paper.md.
 """
 from __future__ import annotations
 

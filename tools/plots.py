@@ -6,21 +6,17 @@
   (eval.jsonl), one line per run.
 - `s2t.png`: what S2T saw (tokens.jsonl, docs/paper.md §4): the drawn response tokens in the (probability, entropy)
   plane with the tau_p line, the mini-batch tau_h values, correct vs incorrect responses and the silenced tokens
-  marked; beside it the closed-form logit-gradient norm |w| sqrt(1 - 2p + sum_v p_v^2) of silenced vs kept tokens
-  (the paper's claim: the low-p, low-H tokens of correct answers carry the largest gradients). One row per
-  setting; the tokens of its seeds are pooled.
+  marked; beside it the closed-form logit-gradient norm |w| sqrt(1 - 2p + sum_v p_v^2) of silenced vs kept
+  tokens. One row per setting; the tokens of its seeds are pooled.
 - `gradient.png`: RQ1, that norm's binned median against p and against H, with the correlations it illustrates.
 - `entropy_change.png` (runs made with `--entropy-change`): the paper's entropy mechanism, the mean change of the
   entropy an update made at silenced tokens, kept candidates and other tokens, per step, beside the entropy.
 - `counterfactual.png` (`python -m tools.counterfactual RUN --plot`, RQ2): each analysed token's effect on the success
   rate against its probability, silenced vs kept candidates vs other tokens (counterfactual.jsonl).
 
-One concept, pictures of run folders: a file of its own so that train.py stays the story of one step and runs can
-be redrawn and overlaid after the fact from their files alone (no model). The console lines that sum up a run's
-metrics are here too: a step without a policy gradient (`zero_gradient`), and at the end what the mask silenced
-(`silenced_summary`) and a divergence (`divergence`). matplotlib is optional: without it every function prints one
-line on stderr and draws nothing.
-
+Runs are redrawn and overlaid after the fact from their files alone (no model). matplotlib is
+optional: without it every function prints one line on stderr and draws nothing. Choices 1-9:
+docs/paper.md, "Deliberate differences", tools/plots.py.
 """
 import json
 import math
