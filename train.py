@@ -97,7 +97,7 @@ class Run:
 
 def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResult | None:
     """Step `step` (counted from 1): one rollout batch and its mini-batch updates (paper Algorithm 1); None when a
-    stop signal came during the rollout (nothing was updated). on_mask(k, mb, current, weights), if given, sees each
+    stop signal came during the rollout (nothing was updated). on_mask(k, mb, pi_theta, weights), if given, sees each
     mini-batch's decision (tools/counterfactual.py replays a step with it)."""
     cfg, G, device, policy = run.cfg, run.cfg.group_size, run.device, run.policy
     t0 = time.time()
@@ -111,9 +111,9 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
     rewards = torch.tensor(reward.rewards(texts, [r["answer"] for r in rows], cfg.reward, rows))  # (B,)
     advantages = stapo.group_advantages(rewards, G).to(device)  # (B,)
     adv = advantages[:, None].expand_as(batch.logprobs)  # (B, T): every token of y_i gets A_i
-    # 3. pi_old: log-probs, entropy and collision of the policy before the step's updates (difference 2): one
-    #    no-grad pass, or None on policy, where each mini-batch's update gives them (`pi_old`).
-    old = None if on_policy(cfg) else token_stats(policy, batch, cfg, device)  # TokenStats of (B, T) each
+    # 3. pi_old: log-probs, entropy and collision of the policy that sampled, before the step's updates
+    #    (difference 2): one no-grad pass, or None on policy, where each mini-batch's update gives them.
+    pi_old = None if on_policy(cfg) else token_stats(policy, batch, cfg, device)  # TokenStats of (B, T) each
     ref_logprobs = token_stats(run.ref_policy, batch, cfg, device).logprobs if run.ref_policy else None
     log = StepLog(run, step, batch, rewards, advantages, time.time() - t0,
                   completions(run, step, "train", texts, rewards.tolist(), prompt_rows, G))
@@ -124,13 +124,13 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
     rows_per_mb = cfg.mini_batch_prompts // run.world * G  # this rank's rows of one mini-batch
     for k, first in enumerate(range(0, len(batch), rows_per_mb)):
         rows = slice(first, first + rows_per_mb)
-        mb = MiniBatch(batch.select(rows), adv[rows], None if old is None else old.rows(rows),
+        mb = MiniBatch(batch.select(rows), adv[rows], None if pi_old is None else pi_old.rows(rows),
                        None if ref_logprobs is None else ref_logprobs[rows], rewards[rows] > 0)
-        # p, H (and collision) of the current policy: pi_old's before the first update (on policy: not needed for
-        # the weights, and known from the update's own forward)
-        before = mb.old if k == 0 else token_stats(policy, mb.rollout, cfg, device)
+        # pi_theta: p, H (and collision) of the current policy, pi_old's before the first update (on policy: not
+        # needed for the weights, and known from the update's own forward)
+        pi_theta = mb.pi_old if k == 0 else token_stats(policy, mb.rollout, cfg, device)
         # The algorithm's token weights I_it (S2T: the mask, tau_h over the whole mini-batch) and the global N.
-        p, H = (None, None) if before is None else (before.logprobs, before.entropy)  # None: not needed
+        p, H = (None, None) if pi_theta is None else (pi_theta.logprobs, pi_theta.entropy)  # None: not needed
         keys = random_keys(run, step, k, mb) if stapo.ALGORITHMS[cfg.algo].silence == "random" else None  # (b, T)
         earlier = run.window if cfg.quantile_window else None  # --quantile-window: earlier candidates in tau_h
         weights = stapo.token_weights(cfg.algo, p, H, mb.advantages, mb.mask, cfg.tau_p, cfg.quantile,
@@ -138,23 +138,23 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
         denominator, nonzero = all_sum(weights.denominator, ((mb.advantages != 0) & (weights.weights > 0)).sum())
         loss_weights = weights.weights  # (b, T)
         if cfg.tis_cap is not None:  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
-            loss_weights = loss_weights * stapo.tis_weight(mb.old.logprobs, mb.rollout.logprobs, cfg.tis_cap)
+            loss_weights = loss_weights * stapo.tis_weight(mb.pi_old.logprobs, mb.rollout.logprobs, cfg.tis_cap)
         skip = nonzero == 0 and run.ref_policy is None  # all-zero advantages, no KL term: no update (diff. 6)
         run.optimizer.zero_grad(set_to_none=True)
         part = None  # --gradient-share: the gradient of the candidates' terms alone, made first
-        if cfg.gradient_share and not skip and before is not None:
-            part = candidate_gradient(run, mb, before, loss_weights, denominator)
+        if cfg.gradient_share and not skip and pi_theta is not None:
+            part = candidate_gradient(run, mb, pi_theta, loss_weights, denominator)
         update = None if skip else accumulate_gradients(run, mb, loss_weights, denominator)
         if part is not None:
             log.gradient_share(part)
-        old_rows = pi_old(run, mb, update)  # (b, T) each
-        current = old_rows if before is None else before  # what the mask saw (on policy: pi_old)
-        log.s2t(k, mb, current, old_rows, weights)
+        mb.pi_old = pi_old_after(run, mb, update)  # (b, T) each; on policy known only now
+        pi_theta = mb.pi_old if pi_theta is None else pi_theta  # what the mask saw (on policy: pi_old)
+        log.s2t(k, mb, pi_theta, weights)
         if on_mask:
-            on_mask(k, mb, current, weights)
+            on_mask(k, mb, pi_theta, weights)
         if cfg.quantile_window:  # this mini-batch's candidates join the window (all ranks, in row order)
-            cand = s2t.candidates(current.logprobs, mb.advantages, mb.mask, cfg.tau_p)  # (b, T)
-            run.window = s2t.window_after(run.window, all_gather_cat(current.entropy[cand]), cfg.quantile_window)
+            cand = s2t.candidates(pi_theta.logprobs, mb.advantages, mb.mask, cfg.tau_p)  # (b, T)
+            run.window = s2t.window_after(run.window, all_gather_cat(pi_theta.entropy[cand]), cfg.quantile_window)
         if skip:
             log.skipped("zero_adv")
             continue
@@ -170,7 +170,7 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
         run.scheduler.step()
         log.updated(grad_norm, update)
         if cfg.entropy_change:  # what the update did to the entropy of the mini-batch's positions, per kind
-            log.entropy_change(k, mb, current, token_stats(policy, mb.rollout, cfg, device).entropy, weights)
+            log.entropy_change(k, mb, pi_theta, token_stats(policy, mb.rollout, cfg, device).entropy, weights)
     run.optimizer.zero_grad(set_to_none=True)
     return log.close(time.time() - t0)
 
@@ -214,7 +214,7 @@ class MiniBatch:
     """This rank's rows of one mini-batch and what their update reads."""
     rollout: rollout.Rollout
     advantages: torch.Tensor  # (b, T): A_i on every token of y_i
-    old: TokenStats | None  # pi_old's p, H and collision, (b, T) each; None on policy (the update's forward: `pi_old`)
+    pi_old: TokenStats | None  # pi_old's p, H and collision, (b, T) each; None on policy until its update
     ref_logprobs: torch.Tensor | None  # (b, T) GRPO's reference model with --kl-beta > 0, else None
     correct: torch.Tensor  # (b,) bool: a positive reward
 
@@ -228,7 +228,7 @@ class Update(NamedTuple):
     loss: float  # the policy loss -J of this rank's rows
     kl: float  # GRPO's KL term (0 without --kl-beta)
     sums: dict  # token counts and token-weighted clip statistics, for StepLog
-    forward: TokenStats | None  # on policy: p, H, collision of the forward, detached, (b, T) each (pi_old)
+    pi_old: TokenStats | None  # on policy: pi_old, the p, H, collision of the forward, detached, (b, T) each
 
 
 def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor, denominator: float) -> Update:
@@ -244,19 +244,20 @@ def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor, denomin
         sums["computed_tokens"] += computed
         sums["attention_cells"] += cells
     sums["real_tokens"] += mb.rollout.lengths().sum().item()
-    forward = None if mb.old is not None else TokenStats(*(torch.zeros_like(mb.rollout.logprobs) for _ in range(3)))
+    on_policy_pi_old = None if mb.pi_old is not None else TokenStats(
+        *(torch.zeros_like(mb.rollout.logprobs) for _ in range(3)))
     loss_sum = kl_sum = 0.0
     for rows in micro:
-        new = policy_forward(run.policy, mb.rollout.select(rows), cfg, device)  # TokenStats, each (b', T')
-        cut = (rows, slice(0, new.logprobs.shape[1]))
-        if forward is not None:  # on policy: pi_old is this forward's log-probs, detached (ratio 1)
-            for whole, piece in zip(forward, new):
+        pi_theta = policy_forward(run.policy, mb.rollout.select(rows), cfg, device)  # TokenStats, (b', T') each
+        cut = (rows, slice(0, pi_theta.logprobs.shape[1]))
+        if on_policy_pi_old is not None:  # on policy: pi_old is this forward's log-probs, detached (ratio 1)
+            for whole, piece in zip(on_policy_pi_old, pi_theta):
                 whole[cut] = piece.detach()
-        old = mb.old.logprobs if forward is None else forward.logprobs
-        loss, stats = stapo.policy_loss(new.logprobs, old[cut].to(device), mb.advantages[cut].to(device),
+        pi_old = (mb.pi_old if on_policy_pi_old is None else on_policy_pi_old).logprobs
+        loss, stats = stapo.policy_loss(pi_theta.logprobs, pi_old[cut].to(device), mb.advantages[cut].to(device),
                                         weights[cut].to(device), *clip, cfg.dual_clip, denominator)
         if mb.ref_logprobs is not None:  # GRPO with --kl-beta > 0: + beta * sum(I * k3) / N
-            kl = (weights[cut].to(device) * stapo.kl_k3(new.logprobs, mb.ref_logprobs[cut].to(device))).sum()
+            kl = (weights[cut].to(device) * stapo.kl_k3(pi_theta.logprobs, mb.ref_logprobs[cut].to(device))).sum()
             kl = kl / max(denominator, 1.0)
             loss = loss + cfg.kl_beta * kl
             kl_sum += kl.item()
@@ -266,15 +267,15 @@ def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor, denomin
         sums["loss_tokens"] += tokens
         for key in stapo.CLIP_STATS:
             sums[key] += stats[key].item() * tokens if key in stats else 0.0  # token-weighted means
-    return Update(loss_sum, kl_sum, sums, forward)
+    return Update(loss_sum, kl_sum, sums, on_policy_pi_old)
 
 
-def candidate_gradient(run: Run, mb: MiniBatch, current: TokenStats, weights: torch.Tensor,
+def candidate_gradient(run: Run, mb: MiniBatch, pi_theta: TokenStats, weights: torch.Tensor,
                        denominator: float) -> list[torch.Tensor] | None:
     """--gradient-share: the parameter gradient of the objective's terms at the candidates it keeps (A > 0, p <
     tau_p, weight > 0), with the same N, one parameter's tensor each (on every rank; None, and nothing computed,
     when the mini-batch has no such candidate on any rank); the gradients are zeroed again after."""
-    kept = s2t.candidates(current.logprobs, mb.advantages, mb.mask, run.cfg.tau_p) & (weights > 0)  # (b, T)
+    kept = s2t.candidates(pi_theta.logprobs, mb.advantages, mb.mask, run.cfg.tau_p) & (weights > 0)  # (b, T)
     if all_sum(kept.sum())[0] == 0:
         return None
     accumulate_gradients(run, mb, weights * kept, denominator)
@@ -283,12 +284,13 @@ def candidate_gradient(run: Run, mb: MiniBatch, current: TokenStats, weights: to
     return part
 
 
-def pi_old(run: Run, mb: MiniBatch, update: Update | None) -> TokenStats:
-    """pi_old's p, H and collision on the mini-batch's rows, (b, T) each (difference 2): the step's pass before its
-    updates (`mb.old`), or on policy the update's own forward, detached (a pass of its own where it made none)."""
-    if mb.old is not None:
-        return mb.old
-    return update.forward if update else token_stats(run.policy, mb.rollout, run.cfg, run.device)
+def pi_old_after(run: Run, mb: MiniBatch, update: Update | None) -> TokenStats:
+    """pi_old's p, H and collision on the mini-batch's rows after its update, (b, T) each (difference 2): the
+    step's pass before its updates (`mb.pi_old`), or on policy the update's own forward, detached (a pass of its
+    own where it made none)."""
+    if mb.pi_old is not None:
+        return mb.pi_old
+    return update.pi_old if update else token_stats(run.policy, mb.rollout, run.cfg, run.device)
 
 
 def policy_forward(policy, rows: rollout.Rollout, cfg: config.Config, device) -> TokenStats:
@@ -536,8 +538,10 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
     engine = rollout_engine(cfg, lm, tokenizer, train_prompts + test_prompts, rank, world, device,
                             preemption.requested)  # the plain sampler stops at a signal
     logger = run_folder.open_logger(cfg.logger, Path(cfg.out_dir), asdict(cfg)) if rank == 0 else None
-    return Run(cfg, rank, world, device, policy, ref_policy, tokenizer, optimizer, scheduler, engine, train_rows,
-               train_prompts, test_rows, test_prompts, preemption, logger, start, window)
+    return Run(cfg=cfg, rank=rank, world=world, device=device, policy=policy, ref_policy=ref_policy,
+               tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, engine=engine, rows=train_rows,
+               prompts=train_prompts, test_rows=test_rows, test_prompts=test_prompts, preemption=preemption,
+               logger=logger, start=start, window=window)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,27 +70,28 @@ class StepLog:
             self.graded = graded_tokens(batch, run.tokenizer, run.cfg.reward)
             self.sums |= dict.fromkeys([f"shares/{x}_{cell}" for x in ("grad", "n", "dH", "dHn") for cell in CELLS],
                                        0.0)
-        self.old_logprobs, self.old_entropy = torch.zeros_like(batch.logprobs), torch.zeros_like(batch.logprobs)
+        self.pi_old_logprobs = torch.zeros_like(batch.logprobs)  # (B, T) pi_old over the step's rows
+        self.pi_old_entropy = torch.zeros_like(batch.logprobs)
         self.spurious, self.samples, self.tokens = [], samples, []  # samples: samples.jsonl records (`completions`)
 
-    def s2t(self, k: int, mb, current: TokenStats, old: TokenStats, weights: stapo.TokenWeights) -> None:
-        """What the mask did in mini-batch k, from p, H of the policy it saw (current) and pi_old (old, `pi_old`):
+    def s2t(self, k: int, mb, pi_theta: TokenStats, weights: stapo.TokenWeights) -> None:
+        """What the mask did in mini-batch k, from p, H of the policy it saw (pi_theta) and pi_old (mb.pi_old):
         counts, p, H and closed-form logit-gradient norms (w = r A, 0 where clipped) of silenced vs kept tokens, up
         to --spurious-per-step spurious.jsonl lines and a tokens.jsonl record; pi_old's entropy and its distance
         from the sampler over the rows (summed in `close`)."""
         cfg, tokenizer, ids = self.run.cfg, self.run.tokenizer, mb.rollout.response_ids
         first = k * len(mb.rollout)  # the rows of mini-batch k in the step's batch
-        self.old_logprobs[first:first + len(mb.rollout)] = old.logprobs
-        self.old_entropy[first:first + len(mb.rollout)] = old.entropy
-        w = stapo.surrogate_weight(current.logprobs, old.logprobs, mb.advantages,  # (b, T)
+        self.pi_old_logprobs[first:first + len(mb.rollout)] = mb.pi_old.logprobs
+        self.pi_old_entropy[first:first + len(mb.rollout)] = mb.pi_old.entropy
+        w = stapo.surrogate_weight(pi_theta.logprobs, mb.pi_old.logprobs, mb.advantages,  # (b, T)
                                    *stapo.clip_range(cfg.algo, cfg.clip_low, cfg.clip_high), cfg.dual_clip)
-        g = s2t.grad_norm_logits(w, current.logprobs, current.collision)  # (b, T)
-        diag = s2t_diagnostics.diagnostics(current, mb.advantages, mb.mask, weights.silenced, cfg.tau_p, grad_norm=g)
-        rule, _ = s2t.spurious_mask(current.logprobs, current.entropy, mb.advantages, mb.mask, cfg.tau_p,  # (b, T)
+        g = s2t.grad_norm_logits(w, pi_theta.logprobs, pi_theta.collision)  # (b, T)
+        diag = s2t_diagnostics.diagnostics(pi_theta, mb.advantages, mb.mask, weights.silenced, cfg.tau_p, grad_norm=g)
+        rule, _ = s2t.spurious_mask(pi_theta.logprobs, pi_theta.entropy, mb.advantages, mb.mask, cfg.tau_p,  # (b, T)
                                     cfg.quantile, all_gather_cat, self.run.window if cfg.quantile_window else None)
         self.sums["rule_silenced"] += rule.sum().item()  # what S2T silences here, whatever --algo does
         if self.graded is not None:  # the closed-form logit-gradient norm per kind of token and part of the response
-            for cell, sel in self.cells(k, mb, current).items():
+            for cell, sel in self.cells(k, mb, pi_theta).items():
                 self.sums[f"shares/grad_{cell}"] += g[sel].sum().item()
                 self.sums[f"shares/n_{cell}"] += sel.sum().item()
         for key, value in diag.items():  # sums and counts, divided in `close`
@@ -98,12 +99,12 @@ class StepLog:
         left = max(cfg.spurious_per_step - len(self.spurious), 0)
         self.spurious += [{"step": self.step, "mini_batch": k, "token": tokenizer.decode([int(ids[i, t])]),
                            "context": tokenizer.decode(ids[i, max(0, t - 12):t].tolist()),
-                           "p": math.exp(float(current.logprobs[i, t])), "H": float(current.entropy[i, t]),
+                           "p": math.exp(float(pi_theta.logprobs[i, t])), "H": float(pi_theta.entropy[i, t]),
                            "advantage": float(mb.advantages[i, t])}
                           for i, t in weights.silenced.nonzero().tolist()[:left]]
         if cfg.token_sample:  # what S2T saw: a seeded sample of the mini-batch's tokens for OUT/tokens.jsonl
             gen = torch.Generator().manual_seed(hash((cfg.seed, self.step - 1, k, self.run.rank)) % 2**62)
-            sampled = s2t_diagnostics.token_sample(current, mb.advantages, mb.mask, weights.silenced,
+            sampled = s2t_diagnostics.token_sample(pi_theta, mb.advantages, mb.mask, weights.silenced,
                                                    cfg.token_sample, gen, cfg.tau_p, w)
             self.tokens.append(s2t_diagnostics.token_record(self.step, k, weights.threshold, sampled, mb.correct))
 
@@ -134,31 +135,31 @@ class StepLog:
         self.sums["loss/policy"] += update.loss
         self.sums["loss/kl"] += update.kl
 
-    def entropy_change(self, k: int, mb, before: TokenStats, after: torch.Tensor,
+    def entropy_change(self, k: int, mb, pi_theta: TokenStats, entropy_after: torch.Tensor,
                        weights: stapo.TokenWeights) -> None:
         """--entropy-change: the entropy at mini-batch k's positions before its update (with the p that makes
         the candidates) and after it (b, T), summed per kind of token (s2t_diagnostics.entropy_change) and per
         kind x part (s2t_diagnostics.token_cells)."""
-        candidates = s2t.candidates(before.logprobs, mb.advantages, mb.mask, self.run.cfg.tau_p)  # (b, T)
-        change = s2t_diagnostics.entropy_change(before.entropy, after, mb.mask, weights.silenced, candidates)
+        candidates = s2t.candidates(pi_theta.logprobs, mb.advantages, mb.mask, self.run.cfg.tau_p)  # (b, T)
+        change = s2t_diagnostics.entropy_change(pi_theta.entropy, entropy_after, mb.mask, weights.silenced, candidates)
         for key, value in change.items():
             self.sums[key] += value
-        delta = (after - before.entropy).float()  # (b, T) dH
-        for cell, sel in self.cells(k, mb, before).items():
+        delta = (entropy_after - pi_theta.entropy).float()  # (b, T) dH
+        for cell, sel in self.cells(k, mb, pi_theta).items():
             self.sums[f"shares/dH_{cell}"] += delta[sel].sum().item()
             self.sums[f"shares/dHn_{cell}"] += sel.sum().item()
 
-    def cells(self, k: int, mb, current: TokenStats) -> dict[str, torch.Tensor]:
+    def cells(self, k: int, mb, pi_theta: TokenStats) -> dict[str, torch.Tensor]:
         """Mini-batch k's response tokens split into kind x part (s2t_diagnostics.token_cells), each (b, T) bool."""
         b = len(mb.rollout)
         graded = self.graded[k * b:(k + 1) * b].to(mb.mask.device)  # (b, T)
-        return s2t_diagnostics.token_cells(current.logprobs, mb.advantages, mb.mask, graded, self.run.cfg.tau_p)
+        return s2t_diagnostics.token_cells(pi_theta.logprobs, mb.advantages, mb.mask, graded, self.run.cfg.tau_p)
 
     def close(self, t_update: float) -> StepResult:
         """The step's metrics.jsonl line from the sums of all ranks, and its other records."""
         mask = self.batch.response_mask.float()  # (B, T) pi_old's entropy and distance from the sampler, all rows
-        self.sums["entropy"] += (self.old_entropy * mask).sum()
-        self.sums["logprob_diff"] += ((self.old_logprobs - self.batch.logprobs).abs() * mask).sum()
+        self.sums["entropy"] += (self.pi_old_entropy * mask).sum()
+        self.sums["logprob_diff"] += ((self.pi_old_logprobs - self.batch.logprobs).abs() * mask).sum()
         tot = dict(zip(self.sums, all_sum(*self.sums.values())))
         counts, updates = self.counts, self.counts["updates"]
 

@@ -253,13 +253,13 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
     rewards = torch.tensor([score(text, i) for i, text in enumerate(texts)])  # (B,)
     seen = []  # per mini-batch: its decision, as train_step made it
 
-    def keep(k, mb, current, weights):
+    def keep(k, mb, pi_theta, weights):
         adv, mask, first = mb.advantages, mb.mask, sum(x[1] for x in seen)
         if not torch.equal(mb.rollout.response_ids.cpu(), batch.response_ids[first:first + len(mb.rollout)].cpu()):
             raise ValueError(f"step {step}: the replayed rollout differs from the regenerated one (not seeded?)")
-        seen.append((k, len(mb.rollout), current.logprobs.cpu(), current.entropy.cpu(), mask.cpu(),
-                     weights.silenced.cpu(), s2t.candidates(current.logprobs, adv, mask, cfg.tau_p).cpu(),
-                     s2t.spurious_mask(current.logprobs, current.entropy, adv, mask, cfg.tau_p, cfg.quantile,
+        seen.append((k, len(mb.rollout), pi_theta.logprobs.cpu(), pi_theta.entropy.cpu(), mask.cpu(),
+                     weights.silenced.cpu(), s2t.candidates(pi_theta.logprobs, adv, mask, cfg.tau_p).cpu(),
+                     s2t.spurious_mask(pi_theta.logprobs, pi_theta.entropy, adv, mask, cfg.tau_p, cfg.quantile,
                                        earlier=run.window if cfg.quantile_window else None)[0].cpu()))  # choice 8
 
     pi_old = {name: x.detach().clone() for name, x in run.policy.state_dict().items()}
