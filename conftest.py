@@ -235,7 +235,7 @@ def _hook_kill_in_the_second_checkpoint() -> None:
 
 
 # ==================================================================================================================
-# run_folder.py: runs that survive a cluster (stop signals, --resume auto, world sizes, one writer, logs,
+# run_folder/: runs that survive a cluster (stop signals, --resume auto, world sizes, one writer, logs,
 # verified checkpoints, exports)
 # ==================================================================================================================
 def _hook_signal_at(owner: str, name: str, nth: int, rank: str = "0", sig: str = "SIGTERM", times: int = 1,

@@ -347,7 +347,7 @@ def train_run(folder: str | Path) -> dict | None:
 
 
 def stale_export(run: Path) -> str | None:
-    """The warning when a run's export RUN/hf holds fewer steps than its newest checkpoint (run_folder.py), else
+    """The warning when a run's export RUN/hf holds fewer steps than its newest checkpoint (run_folder/), else
     None."""
     import run_folder
 

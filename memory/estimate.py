@@ -67,4 +67,4 @@ def memory_line(est: dict[str, float]) -> str:
             f"(training {est['train_peak']:.1f}: "
             f"params + grads + AdamW {est['params'] + est['grads'] + est['adam']:.1f}, activations "
             f"{est['activations']:.1f}; rollout {est['rollout_peak']:.1f}: gathered copy "
-            f"{est['rollout_gathered']:.1f}, KV cache {est['kv_cache']:.1f}; model.memory_estimate)")
+            f"{est['rollout_gathered']:.1f}, KV cache {est['kv_cache']:.1f}; memory.estimate.memory_estimate)")

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 def diagnostics(stats: TokenStats, advantages: torch.Tensor, response_mask: torch.Tensor, silenced: torch.Tensor,
                 tau_p: float = 0.002, grad_norm: torch.Tensor | None = None) -> dict[str, float]:
     """Sums and counts (python floats) of one mask on one mini-batch, to be added over mini-batches and ranks and
-    divided once (train.StepLog): call it once on the whole mini-batch. stats: p, H and collision of the current
+    divided once (step_log.StepLog): call it once on the whole mini-batch. stats: p, H and collision of the current
     policy (model.TokenStats, each (B, T)).
 
     candidates       number of candidates (A > 0, p < tau_p)

@@ -1,4 +1,4 @@
-"""run_folder.py: runs that survive a cluster (stop signals, --resume auto, other world sizes, one writer, torn logs,
+"""run_folder/: runs that survive a cluster (stop signals, --resume auto, other world sizes, one writer, torn logs,
 verified checkpoints, exports) and the loggers.
 """
 import importlib.util
@@ -33,7 +33,7 @@ from conftest import (ROOT, _EVEN, _close, _md5s, _metrics, _one_line_error, _on
 
 
 # ==================================================================================================================
-# run_folder.py: runs that survive a cluster (stop signals, --resume auto, world sizes, one writer, logs,
+# run_folder/: runs that survive a cluster (stop signals, --resume auto, world sizes, one writer, logs,
 # verified checkpoints, exports)
 # ==================================================================================================================
 _TIMES = {"time/rollout_s", "time/update_s", "tokens_per_s"}
