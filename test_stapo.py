@@ -3,8 +3,8 @@ algorithms, the paper's worked examples) against hand-worked equations. CPU only
 built in code, no network. Run the whole suite: python -m pytest -q
 
 The other tests follow the files they test, one test file per code file, in tests/ (the rule and
-the list: docs/tests.md); helpers more than one test file uses are fixtures in conftest.py or the
-modules of tests/helpers/. Data-dependent tests read testdata/ (in the repository); nothing outside
+the list: docs/tests.md); helpers more than one test file uses are modules named for them in
+tests/ (toy_task.py, sampler_checks.py, run_hooks.py). Data-dependent tests read testdata/; nothing outside
 the repository is read, and no test depends on another's order.
 """
 import math
@@ -17,16 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from step_metrics import s2t_diagnostics
 import config
 import model
 import s2t
 import stapo
 import train
 from model import Policy, tiny_model
-
-from conftest import _two_processes
-
+from step_metrics import s2t_diagnostics
+from tests.sampler_checks import two_processes
 
 # ==================================================================================================================
 # stapo.py and s2t.py: advantages, the objective, the S2T mask, the baselines
@@ -514,7 +512,7 @@ def _randmask_worker(rank: int, init_file: str, out_dir: str):
 def test_algo_controls_two_processes_equal_one():
     """randmask and highmask on 2 gloo processes (each half of the rows, padded to its own length) = 1 process."""
     with tempfile.TemporaryDirectory() as tmp:
-        _two_processes(_randmask_worker, tmp, "2-process token_weights hung")
+        two_processes(_randmask_worker, tmp, "2-process token_weights hung")
         parts = [torch.load(os.path.join(tmp, f"{rank}.pt")) for rank in range(2)]
     logprobs, entropy, old, ref, adv, mask = (x[_PERM] for x in _batch())
     for algo in ("randmask", "highmask", "stapo"):

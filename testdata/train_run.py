@@ -1,17 +1,16 @@
-"""train.py in a fresh process, as the multi-process and signal tests run it (conftest.py's `_run`).
+"""train.py in a fresh process, as the multi-process and signal tests run it (tests/toy_task.py's `run_train`).
 
     python testdata/train_run.py [train.py flags]      # one train.main, on the toy task
     python testdata/train_run.py --runs FILE           # one train.main per argument list of the JSON file FILE,
                                                        # in this process and on one process group
     torchrun --standalone --nproc_per_node=2 testdata/train_run.py [flags]
 
-The toy task (conftest.py's `_patch`, here for another process): a tiny random model whose 14-row vocabulary is
-the 4 special tokens and the 10 digits, with a reward on the first character of the response. Environment:
-TOY_REWARD = even (an even digit: about half right, groups of mixed rewards) | answer (the sum) | real (no toy
-task: the model and reward the flags name); TOY_HEAD_DIM = 16 (vLLM's CPU attention needs 64); TOY_HOOK = a JSON
-[name, [args]] of a function of conftest.py called before training (a stop signal at a chosen call, a kill
-inside a checkpoint write, a log of the micro-batch counts).
-"""
+The toy task (tests/toy_task.py's `patch_toy_task`, here for another process): a tiny random model whose 14-row
+vocabulary is the 4 special tokens and the 10 digits, with a reward on the first character of the response. Environment:
+TOY_REWARD = even (an even digit: about half right, groups of mixed rewards) | answer (the sum) | real (no toy task: the
+model and reward the flags name); TOY_HEAD_DIM = 16 (vLLM's CPU attention needs 64); TOY_HOOK = a JSON [name, [args]] of
+a function of tests/run_hooks.py called before training (a stop signal at a chosen call, a kill inside a checkpoint
+write, a log of the micro-batch counts). """
 import json
 import os
 import sys
@@ -37,10 +36,10 @@ if task != "real":
                                                model.tiny_tokenizer())
 os.getloadavg = lambda: (0.0, 0.0, 0.0)  # a quiet machine: no oversubscription warning in the outputs tests read
 if os.environ.get("TOY_HOOK"):
-    import conftest
+    from tests import run_hooks
 
     name, args = json.loads(os.environ["TOY_HOOK"])
-    getattr(conftest, name)(*args)
+    getattr(run_hooks, name)(*args)
 runs = json.loads(Path(sys.argv[2]).read_text()) if sys.argv[1:2] == ["--runs"] else [sys.argv[1:]]
 if len(runs) > 1:  # one process group for every run: destroying and re-creating it between runs can hang gloo
     group = train.init_distributed()

@@ -10,14 +10,13 @@ from dataclasses import asdict, fields, replace
 import pytest
 import torch
 
-from command_line import flags
 import config
 import eval as ev
 import run_folder
 import train
+from command_line import flags
 from rollout import INSTRUCTION
-
-from conftest import ROOT, _EVEN, _metrics, _one_thread, _patch, _toy_args, _toy_data
+from tests.toy_task import EVEN, ROOT, one_thread, patch_toy_task, read_metrics, toy_args, toy_data
 
 
 def test_eval_cli_flags_and_help(capsys):
@@ -68,8 +67,8 @@ def test_cli_config_file_is_the_base_layer_under_the_flags(tmp_path, capsys):
     """--config FILE (JSON, a run's own config.json included, or YAML) gives flag values as if they were given, the
     command line wins over them, in train.py and eval.py alike; an unknown key or a value of the wrong type is one
     line naming the file and the key, exit status 2. check_values is the validator (the lead's resume uses it)."""
-    data = _toy_data(tmp_path)
-    recipe = config.parse_config(_toy_args(data, tmp_path / "x", lr=0.002, algo="justrl"))[0]
+    data = toy_data(tmp_path)
+    recipe = config.parse_config(toy_args(data, tmp_path / "x", lr=0.002, algo="justrl"))[0]
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "config.json").write_text(json.dumps(run_folder.recipe(asdict(recipe))))
     rerun = config.parse_config(["--config", str(tmp_path / "x" / "config.json"), "--seed", "1", "--out-dir",
@@ -150,11 +149,11 @@ def test_train_help_lists_plot_apart_from_plots(capsys):
 def test_train_eval_samples_zero_and_numeric_flags(tmp_path, monkeypatch, capsys):
     """--eval-samples 0 skips the held-out evaluation (it crashed: max() of an empty sequence); out-of-range numbers
     are one-line errors before anything is loaded or written."""
-    _patch(monkeypatch, _EVEN)
-    data = _toy_data(tmp_path)
-    with _one_thread():
-        assert train.main(_toy_args(data, tmp_path / "noeval", heldout=2, eval_samples=0, export_hf=False)) == 0
-    assert not (tmp_path / "noeval" / "eval.jsonl").exists() and len(_metrics(tmp_path / "noeval")) == 1
+    patch_toy_task(monkeypatch, EVEN)
+    data = toy_data(tmp_path)
+    with one_thread():
+        assert train.main(toy_args(data, tmp_path / "noeval", heldout=2, eval_samples=0, export_hf=False)) == 0
+    assert not (tmp_path / "noeval" / "eval.jsonl").exists() and len(read_metrics(tmp_path / "noeval")) == 1
     assert "held-out accuracy" not in capsys.readouterr().out
     monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     for flag, value, expected in [("eval_samples", -1, "--eval-samples must be >= 0 (got -1)"),
@@ -164,7 +163,7 @@ def test_train_eval_samples_zero_and_numeric_flags(tmp_path, monkeypatch, capsys
                                   ("top_p", 0.0, "--top-p must be in (0, 1]"),
                                   ("quantile", 1.5, "--quantile must be in"),
                                   ("steps", 0, "--steps must be >= 1")]:
-        assert train.main(_toy_args(data, tmp_path / "bad", **{flag: value})) == 2, flag
+        assert train.main(toy_args(data, tmp_path / "bad", **{flag: value})) == 2, flag
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"train.py: error: {err[0].removeprefix('train.py: error: ')}"] and expected in err[0], err
     assert not (tmp_path / "bad").exists()
@@ -174,9 +173,9 @@ def test_train_eval_samples_zero_and_numeric_flags(tmp_path, monkeypatch, capsys
 def test_train_flags_without_effect_warn_and_config_records_what_ran(tmp_path, monkeypatch, capsys):
     """--mixed-precision needs CUDA and --kl-beta needs GRPO: each warns in one line, and config.json records the
     values the run used (mixed_precision false; fsdp true, the model was sharded; kl_beta 0)."""
-    _patch(monkeypatch, _EVEN)
-    with _one_thread():
-        assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", mixed_precision=True, fsdp=True,
+    patch_toy_task(monkeypatch, EVEN)
+    with one_thread():
+        assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", mixed_precision=True, fsdp=True,
                                     kl_beta=0.1, export_hf=False)) == 0
     warned = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train.py: warning:")]
     assert warned == [

@@ -10,8 +10,7 @@ import pytest
 import eval as ev
 import model
 from data import answer_value, read_jsonl, read_rows, repeated_note
-
-from conftest import ROOT
+from tests.toy_task import ROOT
 
 
 @pytest.mark.parametrize("answer, expected", [

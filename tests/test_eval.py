@@ -9,8 +9,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from fast_decode import engines
-from memory.estimate import kv_cache_bytes
 import config
 import eval as ev
 import model
@@ -19,12 +17,12 @@ import rollout
 import run_folder
 import train
 from data import builtin_task, load_rows
+from fast_decode import engines
+from memory.estimate import kv_cache_bytes
 from model import tiny_tokenizer
 from rollout import format_prompt
-
-from conftest import (ROOT, TESTDATA, _EVEN, _REAL_VOCAB, _TOY_VOCAB, _one_thread, _patch, _reward_jsonl, _toy_args,
-                      _toy_data)
-
+from tests.sampler_checks import REAL_VOCAB
+from tests.toy_task import EVEN, ROOT, TESTDATA, TOY_VOCAB, one_thread, patch_toy_task, reward_jsonl, toy_args, toy_data
 
 # ==================================================================================================================
 # eval.py: benchmarks and metrics
@@ -35,7 +33,7 @@ DATA = TESTDATA / "benchmarks"
 def test_eval_every_local_benchmark_loads_with_gold():
     for name, spec in ev.BENCHMARKS.items():
         rows = ev.load_benchmark(name, DATA)
-        assert len(rows) == len(_reward_jsonl(DATA / spec.file)) >= 3, name
+        assert len(rows) == len(reward_jsonl(DATA / spec.file)) >= 3, name
         for row in rows:
             assert isinstance(row["problem"], str) and row["problem"].strip(), name
             assert isinstance(row["answer"], str) and row["answer"].strip(), name
@@ -222,7 +220,7 @@ def test_eval_kv_cache_budget_bounds_every_call(tmp_path, monkeypatch, capsys):
 
     def make_engine(name, lm, tokenizer, chat, stop=None, **kwargs):
         made.update(kwargs, row=kv_cache_bytes(lm.config, 1, kwargs["max_model_len"], 4))
-        return Recording(lm, rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, _REAL_VOCAB)
+        return Recording(lm, rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, REAL_VOCAB)
 
     monkeypatch.setattr(engines, "make_engine", make_engine)
     _run_tiny(tmp_path)  # --batch-size 4: 2 problems x k 2 per call
@@ -257,7 +255,7 @@ assert not any("gloo" in t for t in threads), threads
     assert [p["index"] for p in bench["problems"]] == [0, 1, 2]
     assert [p["gold"] for p in bench["problems"]] == ["55.0", "24.0", "12.0"]
     assert all(len(p["samples"]) == 2 for p in bench["problems"])
-    with _one_thread():  # the same samples on 1 process (each call seeded by its first problem, not by the rank)
+    with one_thread():  # the same samples on 1 process (each call seeded by its first problem, not by the rank)
         one = ev.main(cmd[cmd.index("--models"):-1] + [str(tmp_path / "one")])["models"]["tiny"]["benchmarks"]["amc23"]
     assert [[s["text"] for s in p["samples"]] for p in one["problems"]] == \
         [[s["text"] for s in p["samples"]] for p in bench["problems"]]
@@ -334,7 +332,7 @@ def test_eval_run_on_your_own_data_with_the_default_heldout(tmp_path, monkeypatc
     run = _tiny_run(tmp_path / "run", data=str(data), prompt_key="prompt", answer_key="answer", chat=False,
                     max_response_len=2, eval_samples=2)
     assert json.loads((run / "config.json").read_text())["heldout"] is None
-    with _one_thread():
+    with one_thread():
         results = ev.main(["--run", str(run)])
         heldout = results["models"][str(run / "hf")]["benchmarks"]["heldout"]
         expected = load_rows(SimpleNamespace(**json.loads((run / "config.json").read_text())))[1]
@@ -430,12 +428,12 @@ def test_eval_run_reproduces_train_heldout_evaluation(tmp_path, monkeypatch, cap
     and refuses to replace an earlier evaluation there without --overwrite. (It printed 11.25 for a run whose
     eval.jsonl said 8.75, unless given --seed 1 --batch-size 80, and wrote every evaluation into the same
     out/eval.)"""
-    _patch(monkeypatch, _EVEN)
-    with _one_thread():
-        assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", heldout=17, steps=2)) == 0
+    patch_toy_task(monkeypatch, EVEN)
+    with one_thread():
+        assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", heldout=17, steps=2)) == 0
     last = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[-1])
     assert len(last["eval/correct"]) == 17 and sum(last["eval/correct"]) == last["eval/acc"] * last["eval/n"]
-    monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)  # as train.py's was in this run
+    monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: TOY_VOCAB)  # as train.py's was in this run
     results = ev.main(["--run", str(tmp_path / "run")])
     bench = results["models"][str(tmp_path / "run" / "hf")]["benchmarks"]["heldout"]
     assert last["step"] == 2 and bench["k"] == 4 and len(bench["problems"]) == 17
@@ -460,10 +458,10 @@ def test_eval_of_a_run_without_export_names_the_export_command_and_results_name_
     the export they scored, and a newer export (after a resume) is evaluated into a folder of its own. (The refusal
     named no command, the command warned that AdamW restarts, and a step-3 evaluation sat beside a step-5 export,
     refusing the new one.)"""
-    _patch(monkeypatch, _EVEN)
+    patch_toy_task(monkeypatch, EVEN)
     run = tmp_path / "run"
-    with _one_thread():
-        assert train.main(_toy_args(_toy_data(tmp_path), run, heldout=2, steps=2, light=True)) == 0  # no export
+    with one_thread():
+        assert train.main(toy_args(toy_data(tmp_path), run, heldout=2, steps=2, light=True)) == 0  # no export
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         ev.main(["--run", str(run)])
@@ -476,19 +474,19 @@ def test_eval_of_a_run_without_export_names_the_export_command_and_results_name_
     assert json.loads((run / "checkpoint" / "step_2" / "manifest.json").read_text())["files"].keys() == {
         ".metadata", "__0_0.distcp", "state.pt"}  # weights only: no AdamW moments
     metrics = (run / "metrics.jsonl").read_text()
-    with _one_thread():
+    with one_thread():
         assert train.main(["--resume", str(run), "--export-hf"]) == 0
     out, err = capsys.readouterr()
     assert "AdamW" not in err and f"{run / 'checkpoint' / 'step_2'}: all 2 steps done, nothing to train" in out, err
     assert (run / "metrics.jsonl").read_text() == metrics and run_folder.export_step(run / "hf") == 2
-    monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)
+    monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: TOY_VOCAB)
     results = ev.main(["--run", str(run), "--k", "1"])
     export = run_folder.export_id(run / "hf")
     assert results["models"][str(run / "hf")]["export"] == export and export["step"] == 2
     assert len(export["checksum"]) == 8
     assert f"{run / 'hf'} is the export after 2 steps (checksum {export['checksum']})." in \
         (run / "eval" / "step_2" / "table.md").read_text()
-    with _one_thread():
+    with one_thread():
         assert train.main(["--resume", str(run), "--steps", "3"]) == 0
     results = ev.main(["--run", str(run), "--k", "1"])  # the newer export: its own folder, the earlier one kept
     assert results["models"][str(run / "hf")]["export"]["step"] == 3

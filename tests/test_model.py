@@ -15,16 +15,15 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from memory.estimate import kv_cache_bytes, memory_estimate
 import config
 import model
 import s2t
 import stapo
 import train
+from memory.estimate import kv_cache_bytes, memory_estimate
 from model import Policy, tiny_model
 from rollout import Rollout
-
-from conftest import ROOT
+from tests.toy_task import ROOT
 
 
 # ==================================================================================================================

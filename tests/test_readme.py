@@ -5,8 +5,7 @@ import sys
 
 import eval as ev
 import model
-
-from conftest import ROOT, _EVEN, _metrics, _one_thread
+from tests.toy_task import EVEN, ROOT, one_thread, read_metrics
 
 
 def test_readme_install_gives_cpu_linux_the_cpu_torch_build():
@@ -36,7 +35,7 @@ def test_readme_cpu_commands_run_in_order(tmp_path, monkeypatch):
     quick start had filled and failed in 45 lines of traceback.)"""
     commands = _readme_cpu_commands()
     assert commands[0] == "python train.py" and any(c.startswith("torchrun") for c in commands), commands
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOY_REWARD": _EVEN, "TOY_VOCAB": "full", "TOY_HOOK": ""}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOY_REWARD": EVEN, "TOY_VOCAB": "full", "TOY_HOOK": ""}
     runner = str(ROOT / "testdata" / "train_run.py")
     for command in commands:
         words = command.split()
@@ -45,7 +44,7 @@ def test_readme_cpu_commands_run_in_order(tmp_path, monkeypatch):
             load = model.load_model
             monkeypatch.setattr(model, "load_model", lambda name, **kw: load("tiny" if name == "smollm2" else name,
                                                                              **kw))
-            with _one_thread():
+            with one_thread():
                 assert ev.main(words[2:]) is not None, command
             continue
         at = words.index("train.py")
@@ -55,4 +54,4 @@ def test_readme_cpu_commands_run_in_order(tmp_path, monkeypatch):
                               env=env, cwd=tmp_path)
         assert proc.returncode == 0, (command, proc.stderr[-3000:])
     assert (tmp_path / "out" / "train-cpu" / "eval" / "step_12" / "results.json").is_file()
-    assert [m["step"] for m in _metrics(tmp_path / "out" / "train-cpu")] == list(range(1, 13))
+    assert [m["step"] for m in read_metrics(tmp_path / "out" / "train-cpu")] == list(range(1, 13))

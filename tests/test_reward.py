@@ -14,16 +14,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from step_metrics import step_log
 import eval as ev
 import model
 import reward
 import train
 from model import tiny_model, tiny_tokenizer
 from rollout import Rollout
-
-from conftest import (ROOT, TESTDATA, _TOY_VOCAB, _metrics, _one_line_error, _one_thread, _reward_jsonl, _toy_args,
-                      _toy_data)
+from step_metrics import step_log
+from tests.toy_task import (
+    ROOT,
+    TESTDATA,
+    TOY_VOCAB,
+    one_line_error,
+    one_thread,
+    read_metrics,
+    reward_jsonl,
+    toy_args,
+    toy_data,
+)
 
 
 # ==================================================================================================================
@@ -42,7 +50,7 @@ def _reward_last_box(text):
 def test_reward_grader_cases_agreement():
     """testdata/grader_cases.jsonl: the project's own cases, labelled by mathematical truth; every one must agree."""
     per, wrong = defaultdict(lambda: [0, 0, 0]), []  # category -> [agree, total, false positives]
-    for row in _reward_jsonl(TESTDATA / "grader_cases.jsonl"):
+    for row in reward_jsonl(TESTDATA / "grader_cases.jsonl"):
         if row["ambiguous"]:
             continue
         got = reward.grade(row["response"], row["gold"])
@@ -63,21 +71,21 @@ def _reward_benchmark_golds():
     """(benchmark, prediction, gold) for every row of every benchmark file, with a minimal local field mapping."""
     bench = TESTDATA / "benchmarks"
     for name in ("aime24", "aime25"):
-        for row in _reward_jsonl(bench / f"{name}.jsonl"):
+        for row in reward_jsonl(bench / f"{name}.jsonl"):
             yield name, row["answer"], row["answer"]
             yield name, str(int(row["answer"])), row["answer"]  # 033 -> 33
-    for row in _reward_jsonl(bench / "amc23.jsonl"):
+    for row in reward_jsonl(bench / "amc23.jsonl"):
         gold = str(row["answer"])
         yield "amc23", gold, gold
         if float(gold).is_integer():
             yield "amc23", str(int(float(gold))), gold  # 27.0 -> 27
-    for row in _reward_jsonl(bench / "math500.jsonl"):
+    for row in reward_jsonl(bench / "math500.jsonl"):
         yield "math500", row["answer"], row["answer"]
-    for row in _reward_jsonl(bench / "minerva_math.jsonl"):
+    for row in reward_jsonl(bench / "minerva_math.jsonl"):
         yield "minerva_math", _reward_last_box(row["solution"]), _reward_last_box(row["solution"])
-    for row in _reward_jsonl(bench / "olympiadbench.jsonl"):
+    for row in reward_jsonl(bench / "olympiadbench.jsonl"):
         yield "olympiadbench", ", ".join(row["final_answer"]), row["final_answer"]
-    for row in _reward_jsonl(bench / "gsm8k.jsonl"):
+    for row in reward_jsonl(bench / "gsm8k.jsonl"):
         gold = row["answer"].split("####")[-1].strip()
         yield "gsm8k", gold, gold
         yield "gsm8k", gold.replace(",", ""), gold  # 1,234 -> 1234
@@ -433,7 +441,7 @@ def test_reward_peer_cases():
     still disagrees with its peer's label, and the peers' suites together are graded right at least as often as
     math-verify 0.9.0 grades them (293 of 340, `python -m tools.bench grader-compare`); MATH's at its bar (14 of 16)."""
     per, fps, kept = defaultdict(lambda: [0, 0]), [], []
-    for row in _reward_jsonl(TESTDATA / "peer_cases.jsonl"):
+    for row in reward_jsonl(TESTDATA / "peer_cases.jsonl"):
         got = reward.grade(row["response"], row["gold"])
         per[row["source"]][0] += got == row["correct"]
         per[row["source"]][1] += 1
@@ -449,7 +457,7 @@ def test_reward_peer_cases():
 def test_reward_a_bare_answer_grades_as_its_box():
     """A peer case whose response is only a value grades the same as that value in a box."""
     checked = 0
-    for row in _reward_jsonl(TESTDATA / "peer_cases.jsonl"):
+    for row in reward_jsonl(TESTDATA / "peer_cases.jsonl"):
         response, gold = row["response"], row["gold"]
         answer = reward.extract_answer(response)
         if answer and "\\boxed" not in response and "\n" not in response.strip() and len(response) < 80:
@@ -621,14 +629,14 @@ def test_train_and_eval_pass_the_row_to_your_reward_function(tmp_path, monkeypat
     """train.py's step and held-out evaluation and eval.py --run call your function with the row's fields: a reward
     that reads a `parity` field trains (samples.jsonl shows its rewards for both splits), and eval.py gives the
     run's held-out numbers with it."""
-    monkeypatch.setattr(train, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)
-    monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=_TOY_VOCAB), tiny_tokenizer()))
+    monkeypatch.setattr(train, "lm_vocab_size", lambda tokenizer: TOY_VOCAB)
+    monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=TOY_VOCAB), tiny_tokenizer()))
     (tmp_path / "parity.py").write_text(_ROW_REWARD)
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _ROW_DATA))
     spec = f"{tmp_path / 'parity.py'}:by_parity"
-    args = _toy_args(str(data), tmp_path / "run", heldout=4, steps=2, reward=spec, prompt_key="q", answer_key="sum")
-    with _one_thread():
+    args = toy_args(str(data), tmp_path / "run", heldout=4, steps=2, reward=spec, prompt_key="q", answer_key="sum")
+    with one_thread():
         assert train.main(args) == 0
     parity = {r["q"]: r["parity"] for r in _ROW_DATA}
     samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
@@ -638,7 +646,7 @@ def test_train_and_eval_pass_the_row_to_your_reward_function(tmp_path, monkeypat
         right = said.isdigit() and ("even" if int(said) % 2 == 0 else "odd") == parity[s["prompt"]]
         assert s["reward"] == (1.0 if right else -1.0), s
     last = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[-1])
-    monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)
+    monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: TOY_VOCAB)
     results = ev.main(["--run", str(tmp_path / "run")])
     bench = results["models"][str(tmp_path / "run" / "hf")]["benchmarks"]["heldout"]
     assert bench["metrics"]["avg@k"] == pytest.approx(100 * last["eval/acc"])
@@ -652,7 +660,7 @@ def test_train_and_eval_pass_the_row_to_your_reward_function(tmp_path, monkeypat
 
 
 _HALF_REWARD = """
-def even(response, answer):  # the toy task's _EVEN check with rewards +-0.5
+def even(response, answer):  # the toy task's EVEN check with rewards +-0.5
     return 0.5 if response.strip()[:1] in ("0", "2", "4", "6", "8") and response.strip() else -0.5
 
 def boom(response, answer):
@@ -665,44 +673,44 @@ def test_train_and_eval_use_your_own_reward_function(tmp_path, monkeypatch, caps
     positive reward as correct in reward/acc and the held-out accuracy; eval.py --run takes the run's reward and gives
     the same held-out numbers; a bad spec is one line before the model loads, and an error inside the function while
     training or evaluating is one line naming the function and the exception, exit status 2."""
-    monkeypatch.setattr(train, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)
-    monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=_TOY_VOCAB), tiny_tokenizer()))
+    monkeypatch.setattr(train, "lm_vocab_size", lambda tokenizer: TOY_VOCAB)
+    monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=TOY_VOCAB), tiny_tokenizer()))
     (tmp_path / "rewards.py").write_text(_HALF_REWARD)
     even, boom = f"{tmp_path / 'rewards.py'}:even", f"{tmp_path / 'rewards.py'}:boom"
-    data = _toy_data(tmp_path)
-    with _one_thread():
-        assert train.main(_toy_args(data, tmp_path / "run", heldout=4, steps=2, reward=even)) == 0
+    data = toy_data(tmp_path)
+    with one_thread():
+        assert train.main(toy_args(data, tmp_path / "run", heldout=4, steps=2, reward=even)) == 0
     samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert {s["reward"] for s in samples if s["split"] == "train"} <= {0.5, -0.5}
     assert {s["reward"] for s in samples if s["split"] == "heldout"} <= {0.5, -0.5}  # the same reward
-    for m in _metrics(tmp_path / "run"):
+    for m in read_metrics(tmp_path / "run"):
         assert m["reward/mean"] == pytest.approx(0.5 * m["reward/acc"] - 0.5 * (1 - m["reward/acc"]))
     last = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[-1])
     assert len(last["eval/correct"]) == 4 and sum(last["eval/correct"]) == last["eval/acc"] * last["eval/n"]
-    monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: _TOY_VOCAB)
+    monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: TOY_VOCAB)
     results = ev.main(["--run", str(tmp_path / "run")])
     assert results["config"]["reward"] == even
     bench = results["models"][str(tmp_path / "run" / "hf")]["benchmarks"]["heldout"]
     assert bench["metrics"]["avg@k"] == pytest.approx(100 * last["eval/acc"])
     capsys.readouterr()
     monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
-    assert train.main(_toy_args(data, tmp_path / "bad", reward=f"{tmp_path / 'rewards.py'}:odd")) == 2
-    _one_line_error(capsys, f"train.py: error: reward {tmp_path / 'rewards.py'}:odd: {tmp_path / 'rewards.py'} has no "
+    assert train.main(toy_args(data, tmp_path / "bad", reward=f"{tmp_path / 'rewards.py'}:odd")) == 2
+    one_line_error(capsys, f"train.py: error: reward {tmp_path / 'rewards.py'}:odd: {tmp_path / 'rewards.py'} has no "
                             f"function odd")
-    monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=_TOY_VOCAB), tiny_tokenizer()))
-    args = _toy_args(data, tmp_path / "boom", reward=boom)
-    with _one_thread():
+    monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=TOY_VOCAB), tiny_tokenizer()))
+    args = toy_args(data, tmp_path / "boom", reward=boom)
+    with one_thread():
         assert train.main(args) == 2
     at = f"{tmp_path / 'rewards.py'}:6"  # the line that raised (its file:line: it had none)
-    _one_line_error(capsys, f"train.py: error: reward function {boom} raised KeyError at {at}: 'no verifier for this "
+    one_line_error(capsys, f"train.py: error: reward function {boom} raised KeyError at {at}: 'no verifier for this "
                             f"row'; fix it, then continue with: python {shlex.join(['train.py', *args])} --resume auto")
     # the fix: the user's own command (here with another function) and --resume auto, not --config RUN/config.json,
     # which names the broken function again
     fixed = [even if a == boom else a for a in args]
     assert train.main(fixed) == 2
-    _one_line_error(capsys, f"holds a run that stopped before its first checkpoint (config.json): start it again with "
+    one_line_error(capsys, f"holds a run that stopped before its first checkpoint (config.json): start it again with "
                             f"python {shlex.join(['train.py', *fixed])} --resume auto, choose another --out-dir")
-    with _one_thread():
+    with one_thread():
         assert train.main(fixed + ["--resume", "auto"]) == 0
     assert json.loads((tmp_path / "boom" / "config.json").read_text())["reward"] == even
     with pytest.raises(SystemExit) as e:

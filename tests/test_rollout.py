@@ -10,14 +10,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from fast_decode import cuda_graphs, decode_step, engines
 import model
 import rollout
-from model import Policy, position_ids_from_mask, tiny_model, tiny_tokenizer
 from distributed.sharding import shard_policy
+from fast_decode import cuda_graphs, decode_step, engines
+from model import Policy, position_ids_from_mask, tiny_model, tiny_tokenizer
 from rollout import INSTRUCTION, Rollout, format_prompt, gathered, generate, sample_groups
-
-from conftest import _REAL_VOCAB, _prompts, _recomputed_logprobs, _two_processes
+from tests.sampler_checks import REAL_VOCAB, recomputed_logprobs, toy_prompts, two_processes
 
 
 # ==================================================================================================================
@@ -42,7 +41,7 @@ def test_rollout_format_prompt():
 
 def test_rollout_greedy_equals_hf_generate():
     """Token-for-token equality with model.generate(do_sample=False), left padding, rows stopping early."""
-    lm, prompts = _eos_biased_model(105), _prompts()
+    lm, prompts = _eos_biased_model(105), toy_prompts()
     r = generate(lm, prompts, 48, temperature=0, eos_token_id=2, pad_token_id=0)
     lengths = r.response_mask.sum(1)
     assert len({len(p) for p in prompts}) > 1 and len(set(lengths.tolist())) == len(prompts)  # all different
@@ -58,7 +57,7 @@ def test_rollout_prefills_each_prompt_once():
     """The G rows of a prompt are prefilled once and decode from copies of its KV cache: the prefill sees the 4
     distinct prompts, the first decode step all 12 rows, and the greedy tokens are model.generate's on the 12 rows
     (which prefills every row)."""
-    lm, prompts = _eos_biased_model(105), _prompts()
+    lm, prompts = _eos_biased_model(105), toy_prompts()
     seen = []
     handle = lm.get_decoder().embed_tokens.register_forward_pre_hook(lambda module, args: seen.append(len(args[0])))
     r = sample_groups(lm, prompts, 3, max_new_tokens=48, temperature=0, eos_token_id=2, pad_token_id=0)
@@ -86,9 +85,9 @@ def test_rollout_compaction_same_tokens(temperature, top_p):
     """Dropping finished rows (at any cadence) gives token for token the rollout of the fixed batch (compact=None,
     the sampler before compaction), for the same generator, with rows stopping at very different lengths."""
     lm = _eos_biased_model(73)
-    prompts = _prompts() * 6  # 24 rows
+    prompts = toy_prompts() * 6  # 24 rows
     kwargs = dict(max_new_tokens=40, temperature=temperature, top_p=top_p, eos_token_id=2, pad_token_id=0,
-                  vocab_size=_REAL_VOCAB if temperature else None)  # greedy: all rows, lengths 9..40
+                  vocab_size=REAL_VOCAB if temperature else None)  # greedy: all rows, lengths 9..40
     seen, handle = _cache_rows_per_step(lm)
     runs = {}
     for compact in (None, 0.15, 1e-9):
@@ -122,11 +121,11 @@ def test_rollout_in_place_cache_equals_dynamic_cache():
     from transformers import DynamicCache
     lm = tiny_model()
     decoder = lm.get_decoder()
-    prompt, prompt_mask = rollout.left_pad(_prompts(), 0)  # (4, P), rows of different lengths
+    prompt, prompt_mask = rollout.left_pad(toy_prompts(), 0)  # (4, P), rows of different lengths
     B, P, T = 4, prompt.shape[1], 6
     mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, T)], 1)  # (B, P+T)
     positions = prompt_mask.sum(1, keepdim=True) + torch.arange(T)  # (B, T)
-    tokens = torch.randint(3, _REAL_VOCAB, (B, T), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(3, REAL_VOCAB, (B, T), generator=torch.Generator().manual_seed(0))
     ours, ref = decode_step.InPlaceCache(lm.config, B, P + T), DynamicCache(config=lm.config)
     copied = []
     copy_rows = ours.copy_rows
@@ -165,7 +164,7 @@ def test_rollout_onednn_linears_same_values():
     lm = tiny_model()
     linear = torch.nn.Linear(64, 48)  # with a bias
     x = torch.randn(5, 1, 64)
-    head = lm.lm_head.weight[:_REAL_VOCAB]
+    head = lm.lm_head.weight[:REAL_VOCAB]
     with torch.inference_mode():
         ref = linear(x), torch.nn.functional.linear(x[:, 0], head)
         with decode_step.onednn_linears(linear):
@@ -191,7 +190,7 @@ def test_rollout_written_out_decode_step(family):
     lm = {"qwen3": lambda: tiny_model(),
           "llama": lambda: LlamaForCausalLM(LlamaConfig(**sizes)).float().eval(),
           "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**sizes)).float().eval()}[family]()
-    prompts = _prompts()
+    prompts = toy_prompts()
     with torch.no_grad():
         for m in lm.modules():
             if isinstance(m, torch.nn.Linear) and m.bias is not None:
@@ -201,7 +200,7 @@ def test_rollout_written_out_decode_step(family):
         for token in range(4, 128):
             lm.lm_head.weight[2] = 1.05 * lm.lm_head.weight[token]
             lengths = generate(lm, prompts, max_new_tokens=40, temperature=0, eos_token_id=2, pad_token_id=0,
-                               vocab_size=_REAL_VOCAB, written_out=False).response_mask.sum(1)
+                               vocab_size=REAL_VOCAB, written_out=False).response_mask.sum(1)
             if len(set(lengths.tolist())) > 2 and lengths.max() > 8:
                 break
             lm.lm_head.weight[2] = eos_row
@@ -214,7 +213,7 @@ def test_rollout_written_out_decode_step(family):
         for written_out in (True, False):
             calls.clear()
             runs.append(generate(lm, prompts, max_new_tokens=40, temperature=temperature, eos_token_id=2,
-                                 pad_token_id=0, vocab_size=_REAL_VOCAB, generator=torch.Generator().manual_seed(1),
+                                 pad_token_id=0, vocab_size=REAL_VOCAB, generator=torch.Generator().manual_seed(1),
                                  written_out=written_out))
             steps = int(runs[-1].response_mask.sum(1).max())
             assert len(calls) == (1 if written_out else steps)  # the prefill only; else the prefill and each step
@@ -231,8 +230,8 @@ def test_plain_engine_takes_the_weights_once_per_phase(monkeypatch):
     rollout phase, samples what per-call steps sample, drops the copies at the end of the phase and builds them anew
     from the changed weights in the next (a step kept across phases would sample from the old weights). generate
     refuses the step of another model or vocabulary size."""
-    lm, prompts = _eos_biased_model(105), _prompts()
-    engine = rollout.PlainEngine(lm, 2, 0, _REAL_VOCAB)
+    lm, prompts = _eos_biased_model(105), toy_prompts()
+    engine = rollout.PlainEngine(lm, 2, 0, REAL_VOCAB)
     built = []
     monkeypatch.setattr(decode_step.DecodeStep, "__init__", lambda self, *a, init=decode_step.DecodeStep.__init__:
                         built.append(1) or init(self, *a))
@@ -254,14 +253,14 @@ def test_plain_engine_takes_the_weights_once_per_phase(monkeypatch):
         lm.lm_head.weight.mul_(3.0)  # the update between two phases
     after = phase()
     assert not torch.equal(before.response_ids, after.response_ids)
-    step = decode_step.DecodeStep(lm, _REAL_VOCAB)
-    for other in (dict(model=tiny_model(), vocab_size=_REAL_VOCAB), dict(model=lm, vocab_size=None)):
+    step = decode_step.DecodeStep(lm, REAL_VOCAB)
+    for other in (dict(model=tiny_model(), vocab_size=REAL_VOCAB), dict(model=lm, vocab_size=None)):
         with pytest.raises(ValueError, match="DecodeStep of another model or vocab_size"):
             generate(other["model"], prompts, max_new_tokens=4, eos_token_id=2, pad_token_id=0,
                      vocab_size=other["vocab_size"], written_out=step)
 
 
-def _captured(lm, rows: int, max_len: int, vocab_size=_REAL_VOCAB, **kwargs) -> cuda_graphs.CapturedStep:
+def _captured(lm, rows: int, max_len: int, vocab_size=REAL_VOCAB, **kwargs) -> cuda_graphs.CapturedStep:
     """The captured step of `lm` (its CPU stand-in unless kwargs say otherwise), length blocks of 16 positions."""
     return cuda_graphs.CapturedStep(decode_step.DecodeStep(lm, vocab_size), rows, max_len, **{"block": 16, **kwargs})
 
@@ -274,9 +273,9 @@ def test_rollout_captured_step_same_tokens_as_eager(monkeypatch, temperature, to
     and the phase's 24 rows) that holds the running rows, which shrink as rows finish (compaction), and reads the
     cache up to the written position rounded up to the length block."""
     lm = _eos_biased_model(73)
-    prompts = _prompts() * 6  # 24 rows
+    prompts = toy_prompts() * 6  # 24 rows
     kwargs = dict(max_new_tokens=40, temperature=temperature, top_p=top_p, eos_token_id=2, pad_token_id=0,
-                  vocab_size=_REAL_VOCAB if temperature else None)  # greedy: all rows, lengths 9..40
+                  vocab_size=REAL_VOCAB if temperature else None)  # greedy: all rows, lengths 9..40
     ref = generate(lm, prompts, **kwargs, generator=torch.Generator().manual_seed(3))
     P = ref.prompt_ids.shape[1]
     captured = _captured(lm, 24, P + 40, kwargs["vocab_size"])
@@ -315,8 +314,8 @@ def test_rollout_captured_step_contract(monkeypatch):
     ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
                                                            attn_mask=mask, scale=0.3).transpose(1, 2)  # (R, 1, H, hd)
     torch.testing.assert_close(decode_step._grouped_attention(q, k, v, mask, 0.3), ref, atol=1e-6, rtol=1e-5)
-    lm, prompts = _eos_biased_model(105), _prompts()
-    kwargs = dict(max_new_tokens=30, eos_token_id=2, pad_token_id=0, vocab_size=_REAL_VOCAB)
+    lm, prompts = _eos_biased_model(105), toy_prompts()
+    kwargs = dict(max_new_tokens=30, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
     P = rollout.left_pad(prompts, 0)[0].shape[1]
     captured = _captured(lm, 8, P + 30)
     static = [captured.mask, captured.token, captured.position, captured.column, captured.logits] + [
@@ -373,7 +372,7 @@ def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
     (`max_len`, which make_engine takes from max_model_len), uses it for every generate call of the phase, samples
     what the eager engine samples, and drops it with the phase; a later call of the phase that needs more rows makes
     a larger one."""
-    lm, prompts = _eos_biased_model(105), _prompts()
+    lm, prompts = _eos_biased_model(105), toy_prompts()
     tok = tiny_tokenizer()
     engine = engines.make_engine("plain", lm, tok, True, max_model_len=200)
     assert engine.max_len == 200 and not engine.captured  # the default: the eager step
@@ -406,9 +405,9 @@ def test_rollout_grouped_sdpa_no_repeated_cache(monkeypatch):
     ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                                            attn_mask=mask).transpose(1, 2)  # (R, 1, H, hd)
     torch.testing.assert_close(model.grouped_sdpa(q, k, v, mask), ref, atol=1e-6, rtol=1e-5)
-    lm, prompts = _eos_biased_model(105), _prompts()  # prompts of different lengths: a padding mask
+    lm, prompts = _eos_biased_model(105), toy_prompts()  # prompts of different lengths: a padding mask
     assert lm.config.num_key_value_heads < lm.config.num_attention_heads
-    kwargs = dict(max_new_tokens=48, eos_token_id=2, pad_token_id=0, vocab_size=_REAL_VOCAB)
+    kwargs = dict(max_new_tokens=48, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
     runs = {}
     for attention in ("sdpa", model.PACKED_SDPA):
         lm.set_attn_implementation(attention)
@@ -421,14 +420,14 @@ def test_rollout_grouped_sdpa_no_repeated_cache(monkeypatch):
     torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
     assert calls == [] and len(ref_calls) > 2 * lm.config.num_hidden_layers  # transformers': every step
     sampled = generate(lm, prompts, generator=torch.Generator().manual_seed(1), **kwargs, written_out=False)
-    recomputed = _recomputed_logprobs(lm, sampled, 1.0, _REAL_VOCAB)
+    recomputed = recomputed_logprobs(lm, sampled, 1.0, REAL_VOCAB)
     torch.testing.assert_close(sampled.logprobs[sampled.response_mask.bool()],
                                recomputed[sampled.response_mask.bool()], atol=1e-5, rtol=0)
 
 
 def test_rollout_response_mask_and_truncation():
     lm = _eos_biased_model(73)
-    r = generate(lm, _prompts(), 40, temperature=0, eos_token_id=2, pad_token_id=0)
+    r = generate(lm, toy_prompts(), 40, temperature=0, eos_token_id=2, pad_token_id=0)
     lengths = r.response_mask.sum(1)
     assert lengths.tolist() == [14, 9, 19, 40] and r.truncated.tolist() == [False, False, False, True]
     for ids, mask, n, trunc in zip(r.response_ids, r.response_mask, lengths, r.truncated):
@@ -473,14 +472,14 @@ def test_rollout_sampling_frequencies_chi_square():
 
 def test_rollout_top_p_stays_in_nucleus():
     lm, top_p, temperature = tiny_model(), 0.6, 0.8
-    r = generate(lm, _prompts() * 4, 24, temperature=temperature, top_p=top_p, eos_token_id=2, pad_token_id=0,
-                 generator=torch.Generator().manual_seed(1), vocab_size=_REAL_VOCAB)
+    r = generate(lm, toy_prompts() * 4, 24, temperature=temperature, top_p=top_p, eos_token_id=2, pad_token_id=0,
+                 generator=torch.Generator().manual_seed(1), vocab_size=REAL_VOCAB)
     input_ids, attention_mask = r.training_inputs()
     with torch.no_grad():
         logits = lm(input_ids=input_ids, attention_mask=attention_mask,
                     position_ids=position_ids_from_mask(attention_mask)).logits  # (B, P+T, V)
     P = r.prompt_ids.shape[1]
-    probs = torch.softmax(logits[:, P - 1:-1, :_REAL_VOCAB] / temperature, -1)  # (B, T, V')
+    probs = torch.softmax(logits[:, P - 1:-1, :REAL_VOCAB] / temperature, -1)  # (B, T, V')
     chosen = probs.gather(-1, r.response_ids[..., None]).squeeze(-1)  # (B, T)
     mass_above = (probs * (probs > chosen[..., None])).sum(-1)  # mass of strictly more likely tokens (B, T)
     in_nucleus = mass_above < top_p
@@ -494,24 +493,24 @@ def test_rollout_top_p_stays_in_nucleus():
 def test_rollout_padding_rows_never_sampled():
     lm = tiny_model()
     with torch.no_grad():
-        lm.lm_head.weight[_REAL_VOCAB:] = 20 * lm.lm_head.weight[_REAL_VOCAB:]  # padding rows now dominate
-    prompts = _prompts()
+        lm.lm_head.weight[REAL_VOCAB:] = 20 * lm.lm_head.weight[REAL_VOCAB:]  # padding rows now dominate
+    prompts = toy_prompts()
     r = generate(lm, prompts, 16, eos_token_id=2, pad_token_id=0, generator=torch.Generator().manual_seed(0),
-                 vocab_size=_REAL_VOCAB)
-    assert r.response_ids.max() < _REAL_VOCAB
+                 vocab_size=REAL_VOCAB)
+    assert r.response_ids.max() < REAL_VOCAB
     unmasked = generate(lm, prompts, 16, eos_token_id=2, pad_token_id=0, generator=torch.Generator().manual_seed(0))
-    assert (unmasked.response_ids >= _REAL_VOCAB).float().mean() > 0.5  # without vocab_size they would be
+    assert (unmasked.response_ids >= REAL_VOCAB).float().mean() > 0.5  # without vocab_size they would be
 
 
 def test_rollout_logprobs_equal_recomputed_forward():
     lm = _eos_biased_model(73)
     for temperature, top_p in [(1.0, 1.0), (0.7, 0.9)]:
-        r = sample_groups(lm, _prompts(), 3, max_new_tokens=30, temperature=temperature, top_p=top_p,
+        r = sample_groups(lm, toy_prompts(), 3, max_new_tokens=30, temperature=temperature, top_p=top_p,
                           eos_token_id=2, pad_token_id=0, generator=torch.Generator().manual_seed(2),
-                          vocab_size=_REAL_VOCAB)
+                          vocab_size=REAL_VOCAB)
         assert len(r) == 12 and r.truncated.any() and not r.truncated.all()
         mask = r.response_mask.bool()
-        recomputed = _recomputed_logprobs(lm, r, temperature, _REAL_VOCAB)
+        recomputed = recomputed_logprobs(lm, r, temperature, REAL_VOCAB)
         torch.testing.assert_close(r.logprobs[mask], recomputed[mask], atol=1e-5, rtol=0)
 
 
@@ -519,17 +518,17 @@ def test_rollout_logprobs_equal_policy_forward():
     """With all vocabulary rows (vocab_size=None) the sampler's log-probs are model.Policy's (the training forward);
     with vocab_size set, the Policy must mask the same rows for the two to agree."""
     lm = _eos_biased_model(73)
-    r = generate(lm, _prompts(), 30, temperature=0.7, eos_token_id=2, pad_token_id=0,
+    r = generate(lm, toy_prompts(), 30, temperature=0.7, eos_token_id=2, pad_token_id=0,
                  generator=torch.Generator().manual_seed(4))
     assert not any(x.is_inference() for x in (r.response_ids, r.response_mask, r.logprobs, r.truncated))
     logprobs = Policy(lm)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]  # (B, T), with autograd
     logprobs.sum().backward()  # the rollout's tensors are usable in training
     torch.testing.assert_close(r.logprobs, logprobs.detach(), atol=1e-5, rtol=0)
     # The sampler drops rows >= vocab_size from its softmax; Policy(vocab_size=...) must drop the same rows.
-    r = generate(lm, _prompts(), 30, temperature=0.7, eos_token_id=2, pad_token_id=0, vocab_size=_REAL_VOCAB,
+    r = generate(lm, toy_prompts(), 30, temperature=0.7, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB,
                  generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        masked = Policy(lm, vocab_size=_REAL_VOCAB)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]
+        masked = Policy(lm, vocab_size=REAL_VOCAB)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]
         unmasked = Policy(lm)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]
     torch.testing.assert_close(r.logprobs, masked, atol=1e-5, rtol=0)
     assert (r.logprobs - unmasked).abs().max() > 1e-3  # the extra rows do carry mass in the tiny model
@@ -549,10 +548,10 @@ def test_rollout_eos_ids_end_chat_turns_of_base_models():
 
 
 def test_rollout_same_seed_same_rollout():
-    lm, prompts = tiny_model(), _prompts()
+    lm, prompts = tiny_model(), toy_prompts()
 
     def run(seed):
-        return generate(lm, prompts, 20, eos_token_id=2, pad_token_id=0, vocab_size=_REAL_VOCAB,
+        return generate(lm, prompts, 20, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB,
                         generator=torch.Generator().manual_seed(seed))
 
     with gathered(Policy(lm)):  # a no-op without FSDP
@@ -578,7 +577,7 @@ def _fsdp_model():
 
 
 def _fsdp_generate(lm, seed):
-    return generate(lm, _prompts(), 40, eos_token_id=2, pad_token_id=0, vocab_size=_REAL_VOCAB,
+    return generate(lm, toy_prompts(), 40, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB,
                     generator=torch.Generator().manual_seed(seed))
 
 
@@ -607,7 +606,7 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str):
 
 def test_rollout_fsdp2_two_processes_equal_one():
     with tempfile.TemporaryDirectory() as tmp:
-        _two_processes(_fsdp_worker, tmp, "2-process rollout hung")
+        two_processes(_fsdp_worker, tmp, "2-process rollout hung")
         results = [torch.load(os.path.join(tmp, f"{rank}.pt"), weights_only=False) for rank in range(2)]
     lm = _fsdp_model()
     lengths = set()
@@ -786,7 +785,7 @@ def test_plain_engine_passes_the_stop_text():
     with engine.ready(lm):
         got = engine.sample(prompts, 2, [7], 3, 20, 1.0, 1.0)
     want = sample_groups(lm, prompts, 2, max_new_tokens=20, eos_token_id=engine.eos, pad_token_id=engine.pad,
-                         vocab_size=_REAL_VOCAB, generator=torch.Generator().manual_seed(7),
+                         vocab_size=REAL_VOCAB, generator=torch.Generator().manual_seed(7),
                          stop_text=rollout.StopText(tok, ["e", " t"]))
     assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.response_mask, want.response_mask)
     assert any("e" in t or " t" in t for t in got.texts(tok))

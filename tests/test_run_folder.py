@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from step_metrics import step_log
 import eval as ev
 import model
 import run_folder
@@ -27,10 +26,21 @@ import run_folder.logs
 import train
 from model import Policy, tiny_model
 from rollout import generate
-
-from conftest import (ROOT, _EVEN, _close, _md5s, _metrics, _one_line_error, _one_thread, _patch, _prompts, _run,
-                      _toy_args, _toy_data, _two_processes)
-
+from step_metrics import step_log
+from tests.sampler_checks import toy_prompts, two_processes
+from tests.toy_task import (
+    EVEN,
+    ROOT,
+    md5s,
+    one_line_error,
+    one_thread,
+    patch_toy_task,
+    read_metrics,
+    run_train,
+    tensors_close,
+    toy_args,
+    toy_data,
+)
 
 # ==================================================================================================================
 # run_folder/: runs that survive a cluster (stop signals, --resume auto, world sizes, one writer, logs,
@@ -56,7 +66,7 @@ def _same_run(a: Path, b: Path, keys: tuple[str, ...] | None = None, atol: float
                 {k: v for k, v in q.items() if isinstance(v, list)}, name  # eval/correct: counts, exactly
             r, q = ({k: v for k, v in d.items() if not isinstance(v, list)} for d in (r, q))
             assert r == pytest.approx(q, rel=1e-4 if keys else 1e-6, abs=1e-6 if keys else 1e-9), name
-    _close(load_file(a / "hf" / "model.safetensors"), load_file(b / "hf" / "model.safetensors"), atol=atol)
+    tensors_close(load_file(a / "hf" / "model.safetensors"), load_file(b / "hf" / "model.safetensors"), atol=atol)
 
 
 # the phase a signal comes in: (the call that sends it, its number, the steps of the checkpoint left, eval lines,
@@ -74,19 +84,19 @@ def test_train_stop_signal_checkpoints_and_resume_auto_finishes_exactly(tmp_path
     stopped.json and exits with run_folder.STOPPED; the same command line (--resume auto) then finishes the run, equal
     to an uninterrupted one. (A SIGTERM killed the run at once: rc 143, nothing saved.)"""
     target, nth, kept, evals, where = _PHASES[phase]
-    data = _toy_data(tmp_path)
-    args = _toy_args(data, tmp_path / "cut", steps=3, heldout=2, eval_every=2, resume="auto")
-    _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3, heldout=2, eval_every=2))
-    proc = _run(tmp_path, args, hook=("_hook_signal_at", *target, nth), expect=run_folder.STOPPED)
+    data = toy_data(tmp_path)
+    args = toy_args(data, tmp_path / "cut", steps=3, heldout=2, eval_every=2, resume="auto")
+    run_train(tmp_path, toy_args(data, tmp_path / "full", steps=3, heldout=2, eval_every=2))
+    proc = run_train(tmp_path, args, hook=("hook_signal_at", *target, nth), expect=run_folder.STOPPED)
     stopped = [x for x in proc.stdout.splitlines() if x.startswith("stopped by SIGTERM")]
     assert len(stopped) == 1
     assert stopped[0].startswith(f"stopped by SIGTERM {where}, {run_folder.plural(kept, 'step')} of 3 done, ")
     assert f"s after the signal: checkpoint/step_{kept} is kept" in stopped[0], proc.stdout[-2000:]
     assert json.loads((tmp_path / "cut" / "stopped.json").read_text()) == {
         "signal": "SIGTERM", "steps_done": kept, "checkpoint": f"checkpoint/step_{kept}"}
-    assert [m["step"] for m in _metrics(tmp_path / "cut")] == list(range(1, kept + 1))
+    assert [m["step"] for m in read_metrics(tmp_path / "cut")] == list(range(1, kept + 1))
     assert [json.loads(x)["step"] for x in (tmp_path / "cut" / "eval.jsonl").read_text().splitlines()] == evals
-    _run(tmp_path, args)  # the same command line
+    run_train(tmp_path, args)  # the same command line
     assert not (tmp_path / "cut" / "stopped.json").exists()
     _same_run(tmp_path / "cut", tmp_path / "full")
 
@@ -103,21 +113,21 @@ def test_train_ctrl_c_checkpoints_a_second_leaves_at_once_and_resume_auto_contin
     step_1. Either way the same command with --resume auto finishes the run equal to an uninterrupted one, and
     no traceback is printed. (Ctrl-C printed 24 lines of KeyboardInterrupt, exit 130, nothing saved, and
     --resume auto started the run anew.)"""
-    data = _toy_data(tmp_path)
-    _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3))
-    once = _toy_args(data, tmp_path / "once", steps=3, resume="auto")
-    proc = _run(tmp_path, once, hook=("_hook_signal_at", "train", "StepLog", 2, "0", "SIGINT"),
+    data = toy_data(tmp_path)
+    run_train(tmp_path, toy_args(data, tmp_path / "full", steps=3))
+    once = toy_args(data, tmp_path / "once", steps=3, resume="auto")
+    proc = run_train(tmp_path, once, hook=("hook_signal_at", "train", "StepLog", 2, "0", "SIGINT"),
                 expect=run_folder.STOPPED)
     lines = [x for x in proc.stdout.splitlines() if "stopped by" in x]
     assert len(lines) == 1 and lines[0].startswith("stopped by SIGINT in step 2 (its updates finished), 2 steps of 3 "
                                                    "done, "), proc.stdout[-2000:]
     assert lines[0].endswith(f"s after the signal: checkpoint/step_2 is kept; continue with: {_command(once)}")
     assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr[-2000:]
-    _run(tmp_path, once)
+    run_train(tmp_path, once)
     _same_run(tmp_path / "once", tmp_path / "full")
 
-    twice = _toy_args(data, tmp_path / "twice", steps=3, save_every=1)  # the user's command: no --resume
-    proc = _run(tmp_path, twice, hook=("_hook_signal_at", "rollout.PlainEngine", "sample", 2, "0", "SIGINT", 2),
+    twice = toy_args(data, tmp_path / "twice", steps=3, save_every=1)  # the user's command: no --resume
+    proc = run_train(tmp_path, twice, hook=("hook_signal_at", "rollout.PlainEngine", "sample", 2, "0", "SIGINT", 2),
                 expect=run_folder.INTERRUPTED)
     again = twice + ["--resume", "auto"]
     assert proc.stderr.splitlines()[-1] == (f"train.py: warning: SIGINT after SIGINT: leaving without a checkpoint of "
@@ -125,7 +135,7 @@ def test_train_ctrl_c_checkpoints_a_second_leaves_at_once_and_resume_auto_contin
     assert "Traceback" not in proc.stderr and "stopped by" not in proc.stdout, proc.stderr[-2000:]
     assert json.loads((tmp_path / "twice" / "stopped.json").read_text()) == {
         "signal": "SIGINT", "steps_done": 1, "checkpoint": "checkpoint/step_1"}
-    _run(tmp_path, again)
+    run_train(tmp_path, again)
     _same_run(tmp_path / "twice", tmp_path / "full")
 
 
@@ -134,18 +144,18 @@ def test_train_ctrl_c_under_torchrun_stops_both_ranks_and_the_same_command_conti
     forwards SIGINT to each: both ranks stop at the same point with a checkpoint, rank 0 prints the one stop line,
     and the same torchrun command with --resume auto finishes the run, equal to an uninterrupted one. A second
     Ctrl-C makes torchrun send SIGTERM: a stop signal after SIGINT, which leaves at once."""
-    data = _toy_data(tmp_path)
-    _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3))
-    args = _toy_args(data, tmp_path / "two", steps=3, resume="auto")
-    proc = _run(tmp_path, args, nproc=2, expect=None,  # torchrun exits 1 whatever its workers' status
-                hook=("_hook_signal_at", "train", "StepLog", 2, "0", "SIGINT", 1, True))
+    data = toy_data(tmp_path)
+    run_train(tmp_path, toy_args(data, tmp_path / "full", steps=3))
+    args = toy_args(data, tmp_path / "two", steps=3, resume="auto")
+    proc = run_train(tmp_path, args, nproc=2, expect=None,  # torchrun exits 1 whatever its workers' status
+                hook=("hook_signal_at", "train", "StepLog", 2, "0", "SIGINT", 1, True))
     lines = [x for x in proc.stdout.splitlines() if "stopped by" in x]
     assert len(lines) == 1 and lines[0].startswith("stopped by SIGINT in step 2 (its updates finished), 2 steps of "
                                                    "3 done"), (proc.stdout[-2000:], proc.stderr[-3000:])
     assert lines[0].endswith("continue with: torchrun ... " + shlex.join(["train.py", *args]))
     assert "KeyboardInterrupt" not in proc.stderr, proc.stderr[-3000:]
     assert json.loads((tmp_path / "two" / "stopped.json").read_text())["checkpoint"] == "checkpoint/step_2"
-    _run(tmp_path, args, nproc=2)
+    run_train(tmp_path, args, nproc=2)
     _same_run(tmp_path / "two", tmp_path / "full", keys=_ANY_WORLD, atol=1e-5)
 
 
@@ -178,7 +188,7 @@ def test_train_stop_signal_during_startup_exits_stopped_and_the_same_command_con
     proc = subprocess.run([sys.executable, "train.py", *args], capture_output=True, text=True, timeout=300, env=env,
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert [m["step"] for m in _metrics(out)] == [1] and not (out / "stopped.json").exists()
+    assert [m["step"] for m in read_metrics(out)] == [1] and not (out / "stopped.json").exists()
     # Ctrl-C while the modules load: nothing to save yet, so one line and exit at once (it printed a traceback)
     args[args.index(str(out))] = str(tmp_path / "interrupted")
     proc = subprocess.run([sys.executable, "-c", kill_at_torch.replace("SIGTERM", "SIGINT"), *args],
@@ -193,16 +203,16 @@ def test_train_stop_deadline_leaves_a_run_held_by_a_frozen_rank(tmp_path):
     the rank leaves with a warning, stopped.json naming the last complete checkpoint and exit run_folder.STOPPED; the
     same command then finishes equal to an uninterrupted run. (Every rank waited for the collective timeout, 60
     minutes: no checkpoint, and the job's grace period ran out first.)"""
-    data = _toy_data(tmp_path)
-    _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3))
-    args = _toy_args(data, tmp_path / "cut", steps=3, save_every=1, resume="auto", stop_deadline_s=1)
-    proc = _run(tmp_path, args, hook=("_hook_signal_then_hang", 2), expect=run_folder.STOPPED)
+    data = toy_data(tmp_path)
+    run_train(tmp_path, toy_args(data, tmp_path / "full", steps=3))
+    args = toy_args(data, tmp_path / "cut", steps=3, save_every=1, resume="auto", stop_deadline_s=1)
+    proc = run_train(tmp_path, args, hook=("hook_signal_then_hang", 2), expect=run_folder.STOPPED)
     assert ("train.py: warning: rank 0: SIGTERM came 1 s ago (--stop-deadline-s) and the ranks have not stopped "
             "together (a rank frozen, or its network down?): leaving without a checkpoint of this stop; "
             "checkpoint/step_1 is kept") in proc.stderr, proc.stderr[-2000:]
     assert json.loads((tmp_path / "cut" / "stopped.json").read_text()) == {
         "signal": "SIGTERM", "steps_done": 1, "checkpoint": "checkpoint/step_1"}
-    _run(tmp_path, args)
+    run_train(tmp_path, args)
     _same_run(tmp_path / "cut", tmp_path / "full")
 
 
@@ -213,19 +223,19 @@ def test_train_stop_signal_to_one_rank_stops_both_then_resume_on_other_world_siz
     one process: float rounding), their held-out evaluations (eval.jsonl, the held-out samples.jsonl lines)
     included. (A 1-process run resumed on 2 failed: rank 1 found no rank1.pt; 3 held-out problems scored
     differently on 2 processes: each rank's call was seeded by its rank.)"""
-    data = _toy_data(tmp_path)
-    _run(tmp_path, _toy_args(data, tmp_path / "full", steps=3, heldout=3))
-    two_one = _toy_args(data, tmp_path / "two_one", steps=3, heldout=3, resume="auto")
-    proc = _run(tmp_path, two_one, nproc=2,
-                hook=("_hook_signal_at", "rollout.PlainEngine", "sample", 3, "1", "SIGUSR1"),
+    data = toy_data(tmp_path)
+    run_train(tmp_path, toy_args(data, tmp_path / "full", steps=3, heldout=3))
+    two_one = toy_args(data, tmp_path / "two_one", steps=3, heldout=3, resume="auto")
+    proc = run_train(tmp_path, two_one, nproc=2,
+                hook=("hook_signal_at", "rollout.PlainEngine", "sample", 3, "1", "SIGUSR1"),
                 expect=None)
     assert proc.returncode != 0 and ("stopped by SIGUSR1 (to another rank) in step 2's rollout (the step is "
                                       "dropped), 1 step of 3 done") in proc.stdout, proc.stderr
     assert json.loads((tmp_path / "two_one" / "stopped.json").read_text())["steps_done"] == 1
-    _run(tmp_path, two_one)
-    one_two = _toy_args(data, tmp_path / "one_two", steps=3, heldout=3, resume="auto")
-    _run(tmp_path, one_two, hook=("_hook_signal_at", "rollout.PlainEngine", "sample", 3), expect=run_folder.STOPPED)
-    _run(tmp_path, one_two, nproc=2)
+    run_train(tmp_path, two_one)
+    one_two = toy_args(data, tmp_path / "one_two", steps=3, heldout=3, resume="auto")
+    run_train(tmp_path, one_two, hook=("hook_signal_at", "rollout.PlainEngine", "sample", 3), expect=run_folder.STOPPED)
+    run_train(tmp_path, one_two, nproc=2)
     for run in ("two_one", "one_two"):
         _same_run(tmp_path / run, tmp_path / "full", keys=_ANY_WORLD, atol=1e-5)
         logs = {name: [[json.loads(x) for x in (tmp_path / r / name).read_text().splitlines()] for r in (run, "full")]
@@ -262,36 +272,36 @@ def test_train_one_writer_per_folder(tmp_path, monkeypatch, capsys):
     and the folder is untouched; a lock released by its holder (or its death) does not block. Two runs started at
     once into one fresh folder: one trains, the other is refused. (Both exited 0 with metrics.jsonl steps
     [1,2,1,2,3,4,...].)"""
-    _patch(monkeypatch, _EVEN)
-    data, run = _toy_data(tmp_path), tmp_path / "run"
-    with _one_thread():
-        assert train.main(_toy_args(data, run, steps=1, export_hf=False)) == 0
-        before = _md5s(run)
+    patch_toy_task(monkeypatch, EVEN)
+    data, run = toy_data(tmp_path), tmp_path / "run"
+    with one_thread():
+        assert train.main(toy_args(data, run, steps=1, export_hf=False)) == 0
+        before = md5s(run)
         held = run_folder.Lock(run)  # another writer
         capsys.readouterr()
         assert train.main(["--resume", str(run), "--steps", "2"]) == 2
-        _one_line_error(capsys, f"{run} is in use by another run (host {socket.gethostname()} pid {os.getpid()} since ")
-        assert _md5s(run) == before
+        one_line_error(capsys, f"{run} is in use by another run (host {socket.gethostname()} pid {os.getpid()} since ")
+        assert md5s(run) == before
         held.release()
         assert train.main(["--resume", str(run), "--steps", "2"]) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOY_REWARD": _EVEN}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOY_REWARD": EVEN}
     both = [subprocess.Popen([sys.executable, str(ROOT / "testdata" / "train_run.py"),
-                              *_toy_args(data, tmp_path / "fresh", steps=2)],
+                              *toy_args(data, tmp_path / "fresh", steps=2)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
     results = [(p.wait(timeout=300), p.stderr.read()) for p in both]
     assert sorted(rc for rc, _ in results) == [0, 2], results
     refused = next(err for rc, err in results if rc == 2)  # in use, or (if it came late) holding the run
     assert f"train.py: error: {tmp_path / 'fresh'} is in use by another run (host " in refused or (
         f"train.py: error: --out-dir {tmp_path / 'fresh'} holds a run" in refused), refused
-    assert [m["step"] for m in _metrics(tmp_path / "fresh")] == [1, 2]
+    assert [m["step"] for m in read_metrics(tmp_path / "fresh")] == [1, 2]
 
 
 def test_train_torn_log_lines_and_a_full_disk_in_a_log_write(tmp_path, monkeypatch, capsys):
     """A full disk while appending step 2's metrics line: one line (exit 2) naming the file and the kept checkpoint,
     a torn line left; the resume drops it with a warning naming the file and finishes equal to an uninterrupted run.
     A log that needs no cut is not rewritten. (It was an OSError traceback, then a JSONDecodeError naming no file.)"""
-    _patch(monkeypatch, _EVEN)
-    data = _toy_data(tmp_path)
+    patch_toy_task(monkeypatch, EVEN)
+    data = toy_data(tmp_path)
     real_open = open
 
     def full_disk(path, mode="r", *args, **kwargs):
@@ -304,11 +314,11 @@ def test_train_torn_log_lines_and_a_full_disk_in_a_log_write(tmp_path, monkeypat
             raise OSError(28, "No space left on device")
         return f
 
-    with _one_thread():
-        assert train.main(_toy_args(data, tmp_path / "full", steps=3, save_every=1, heldout=2)) == 0
+    with one_thread():
+        assert train.main(toy_args(data, tmp_path / "full", steps=3, save_every=1, heldout=2)) == 0
         monkeypatch.setattr(run_folder.logs, "open", full_disk, raising=False)
-        assert train.main(_toy_args(data, tmp_path / "cut", steps=3, save_every=1, heldout=2)) == 2
-        _one_line_error(capsys, f"could not write {tmp_path / 'cut' / 'metrics.jsonl'} (No space left on device); "
+        assert train.main(toy_args(data, tmp_path / "cut", steps=3, save_every=1, heldout=2)) == 2
+        one_line_error(capsys, f"could not write {tmp_path / 'cut' / 'metrics.jsonl'} (No space left on device); "
                                 f"checkpoint/step_1 is kept: python train.py --resume auto --out-dir ")
         monkeypatch.delattr(run_folder.logs, "open")
         samples, evals = ((tmp_path / "cut" / name).stat().st_ino for name in ("samples.jsonl", "eval.jsonl"))
@@ -326,11 +336,11 @@ def test_train_checkpoints_are_verified_and_fall_back(tmp_path, monkeypatch, cap
     newest complete one; a `latest` that is not UTF-8: a warning naming it and the newest complete one. No checkpoint
     passing its checks: one line, exit 2. (A zeroed shard resumed silently with 1,023 zero weights; a `latest` naming
     step_99 gave '--steps 6 is less than the 99 steps'; a non-UTF-8 one a line naming no file, no fallback.)"""
-    _patch(monkeypatch, _EVEN)
-    data, run = _toy_data(tmp_path), tmp_path / "run"
-    with _one_thread():
-        assert train.main(_toy_args(data, tmp_path / "full", steps=3)) == 0
-        assert train.main(_toy_args(data, run, steps=2, save_every=1, keep_checkpoints=2)) == 0
+    patch_toy_task(monkeypatch, EVEN)
+    data, run = toy_data(tmp_path), tmp_path / "run"
+    with one_thread():
+        assert train.main(toy_args(data, tmp_path / "full", steps=3)) == 0
+        assert train.main(toy_args(data, run, steps=2, save_every=1, keep_checkpoints=2)) == 0
         assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["latest", "step_1", "step_2"]
         shard = max((run / "checkpoint" / "step_2").glob("*.distcp"), key=lambda p: p.stat().st_size)
         with open(shard, "r+b") as f:
@@ -353,7 +363,7 @@ def test_train_checkpoints_are_verified_and_fall_back(tmp_path, monkeypatch, cap
         (run / "checkpoint" / "step_3" / ".metadata").write_bytes(b"")  # the only checkpoint left (keep 2: 2 and 3)
         shutil.rmtree(run / "checkpoint" / "step_2")
         assert train.main(["--resume", str(run), "--steps", "4"]) == 2
-    _one_line_error(capsys, f"{run} has no checkpoint that passes its checks")
+    one_line_error(capsys, f"{run} has no checkpoint that passes its checks")
 
 
 def test_train_export_is_atomic_dated_and_eval_warns_when_stale(tmp_path, monkeypatch, capsys):
@@ -362,8 +372,8 @@ def test_train_export_is_atomic_dated_and_eval_warns_when_stale(tmp_path, monkey
     names the step it holds and its files' checksums, and eval.py --run warns when the run's checkpoint is newer and
     refuses a flipped bit in one line. (A full disk left hf/ with only its config files, or the old export beside a
     newer checkpoint without a word; a flipped bit was evaluated silently.)"""
-    _patch(monkeypatch, _EVEN)
-    data, run = _toy_data(tmp_path), tmp_path / "run"
+    patch_toy_task(monkeypatch, EVEN)
+    data, run = toy_data(tmp_path), tmp_path / "run"
     save = model.save_hf
 
     def full_disk(*args, **kwargs):
@@ -372,31 +382,31 @@ def test_train_export_is_atomic_dated_and_eval_warns_when_stale(tmp_path, monkey
 
     umask = os.umask(0o022)
     try:
-        with _one_thread():
-            assert train.main(_toy_args(data, run, steps=1)) == 0
+        with one_thread():
+            assert train.main(toy_args(data, run, steps=1)) == 0
     finally:
         os.umask(umask)
     # every file readable by others under umask 022, as the run's other files (the weights were written 0600)
     assert {p.name: oct(p.stat().st_mode & 0o777) for p in (run / "hf").iterdir()} == {
         p.name: "0o644" for p in (run / "hf").iterdir()}
-    with _one_thread():
-        first = _md5s(run / "hf")
+    with one_thread():
+        first = md5s(run / "hf")
         assert json.loads((run / "hf" / "export.json").read_text())["step"] == 1
         monkeypatch.setattr(model, "save_hf", full_disk)
         assert train.main(["--resume", str(run), "--steps", "2"]) == 2
-        _one_line_error(capsys, f"could not export the model to {run / 'hf'} (No space left on device); the "
+        one_line_error(capsys, f"could not export the model to {run / 'hf'} (No space left on device); the "
                                 f"checkpoint is kept")
-        assert _md5s(run / "hf") == first and not (run / "hf.partial").exists()
+        assert md5s(run / "hf") == first and not (run / "hf.partial").exists()
         monkeypatch.setattr(model, "save_hf", save)
-        argv = _toy_args(data, run, steps=2, resume="auto")
+        argv = toy_args(data, run, steps=2, resume="auto")
         assert train.main(argv) == 0  # nothing to train: the export
         assert json.loads((run / "hf" / "export.json").read_text())["step"] == 2
-        before = _md5s(run)
+        before = md5s(run)
         capsys.readouterr()
         assert train.main(argv) == 0
         assert capsys.readouterr().out.strip().endswith(f"{run} has done its 2 steps and its export is up to date: "
                                                         f"nothing to do")
-        assert _md5s(run) == before
+        assert md5s(run) == before
         assert train.main(["--resume", str(run), "--steps", "3", "--no-export-hf"]) == 0
     capsys.readouterr()
     cfg = ev.parse_config(["--run", str(run), "--benchmarks", "heldout"])
@@ -459,38 +469,38 @@ def test_checkpoint_stores_a_tied_weight_once_and_restores_it(tmp_path):
 def test_train_resume_checks_a_hand_edited_config(tmp_path, monkeypatch, capsys):
     """A run's config.json edited by hand: a value of the wrong type or an unknown key is one line (exit 2) naming
     the file and the key, and nothing in the run changes. (`"lr": "0.001"` resumed with a string learning rate.)"""
-    _patch(monkeypatch, _EVEN)
+    patch_toy_task(monkeypatch, EVEN)
     run = tmp_path / "run"
-    with _one_thread():
-        assert train.main(_toy_args(_toy_data(tmp_path), run, steps=1, export_hf=False)) == 0
+    with one_thread():
+        assert train.main(toy_args(toy_data(tmp_path), run, steps=1, export_hf=False)) == 0
     config = json.loads((run / "config.json").read_text())
     for edit, expected in (({"lr": "0.001"}, "'lr' must be a number, not the text '0.001'"),
                            ({"lrr": 0.1}, "unknown key 'lrr' (did you mean 'lr'?)")):
         (run / "config.json").write_text(json.dumps({**config, **edit}))
-        before = _md5s(run)
+        before = md5s(run)
         capsys.readouterr()
         assert train.main(["--resume", str(run), "--steps", "2"]) == 2
-        _one_line_error(capsys, f"{run / 'config.json'}: {expected}")
-        assert _md5s(run) == before
+        one_line_error(capsys, f"{run / 'config.json'}: {expected}")
+        assert md5s(run) == before
 
 
 def test_train_entropy_change_per_kind_of_token(tmp_path, monkeypatch):
     """--entropy-change logs the mean entropy change an update made at silenced tokens, kept candidates and other
     tokens. With lr 0 the policy does not move: every change is exactly 0 (the positions before and after are the
     same); with lr 1e-2 the update moves them; without the flag the keys are absent."""
-    _patch(monkeypatch, _EVEN)
-    data = _toy_data(tmp_path)
+    patch_toy_task(monkeypatch, EVEN)
+    data = toy_data(tmp_path)
     keys = [f"entropy_change/{kind}" for kind in ("silenced", "candidate", "other")]
-    with _one_thread():
+    with one_thread():
         for lr in (0.0, 1e-2):
-            assert train.main(_toy_args(data, tmp_path / f"lr{lr}", steps=2, lr=lr, tau_p=0.5, entropy_change=True,
+            assert train.main(toy_args(data, tmp_path / f"lr{lr}", steps=2, lr=lr, tau_p=0.5, entropy_change=True,
                                         export_hf=False)) == 0
-        assert train.main(_toy_args(data, tmp_path / "off", steps=1, export_hf=False)) == 0
-    still, moved = _metrics(tmp_path / "lr0.0"), _metrics(tmp_path / "lr0.01")
+        assert train.main(toy_args(data, tmp_path / "off", steps=1, export_hf=False)) == 0
+    still, moved = read_metrics(tmp_path / "lr0.0"), read_metrics(tmp_path / "lr0.01")
     assert sum(m["updates"] for m in still) > 0 and sum(m["s2t/silenced"] for m in still) > 0
     assert all(m[k] == 0.0 for m in still for k in keys), still
     assert any(m["entropy_change/other"] != 0.0 for m in moved)
-    assert not any(k in _metrics(tmp_path / "off")[0] for k in keys)
+    assert not any(k in read_metrics(tmp_path / "off")[0] for k in keys)
     for m in still + moved:  # the kind x part split: shares of the gradient norm, tokens, entropy change
         tokens = m["response/len_mean"] * 16  # 4 prompts x G 4, each in one mini-batch
         assert sum(m[f"shares/n_{cell}"] for cell in step_log.CELLS) == pytest.approx(tokens)
@@ -515,7 +525,7 @@ def test_train_sets_mkl_reproducibility_before_torch_loads():
 def test_rollout_stop_ends_a_call_at_the_next_check():
     """generate(stop=...): asked at every stop check (each decode step on CPU), a true answer ends the call there, so a
     stop signal during a long rollout does not wait for it; without it the same call runs to its end."""
-    lm, prompts, asked = tiny_model(), _prompts(), []
+    lm, prompts, asked = tiny_model(), toy_prompts(), []
 
     def stop():
         asked.append(1)
@@ -548,7 +558,7 @@ def test_stop_signal_to_one_rank_reaches_the_other_through_the_store():
     """SIGUSR1 to rank 1 only: rank 0's `requested()` (the sampler's poll) sees it through the process group's store,
     before any collective, and both agree to stop, naming the signal."""
     with tempfile.TemporaryDirectory() as tmp:
-        _two_processes(_signal_worker, tmp, "2 processes hung")
+        two_processes(_signal_worker, tmp, "2 processes hung")
         zero, one = (json.loads(Path(tmp, f"{rank}.json").read_text()) for rank in range(2))
     assert one == [True, True, True, "SIGUSR1"]
     assert zero == [None, True, True, "SIGUSR1 (to another rank)"]
@@ -558,13 +568,13 @@ def test_train_bad_input_on_one_rank_is_one_line_naming_it(tmp_path):
     """A data error on rank 1 only (a file one node cannot read): both ranks exit 2 and rank 0 prints it once,
     naming rank 1. A step asking for more prompts than the data has is refused in one line. (Rank 1's errors were
     never printed: the user saw a gloo 'Connection reset by peer' traceback.)"""
-    data = _toy_data(tmp_path)
-    proc = _run(tmp_path, _toy_args(data, tmp_path / "run"), nproc=2, hook=("_hook_data_unreadable_on_rank_1",),
+    data = toy_data(tmp_path)
+    proc = run_train(tmp_path, toy_args(data, tmp_path / "run"), nproc=2, hook=("hook_data_unreadable_on_rank_1",),
                 expect=None)
     errors = [x for x in proc.stderr.splitlines() if "train.py: error:" in x]
     assert proc.returncode != 0 and errors == ["train.py: error: rank 1: toy.jsonl line 3: unreadable here"], errors
     assert not (tmp_path / "run").exists()
-    proc = _run(tmp_path, _toy_args(data, tmp_path / "big", prompts_per_step=100, mini_batch_prompts=100),
+    proc = run_train(tmp_path, toy_args(data, tmp_path / "big", prompts_per_step=100, mini_batch_prompts=100),
                 expect=2)
     assert proc.stderr.strip().splitlines()[-1] == (
         "train.py: error: --prompts-per-step 100 is more than the 55 training problems of "
@@ -578,7 +588,7 @@ def test_train_logger_gets_the_metrics_keys(tmp_path, monkeypatch, name):
     """--logger receives exactly the keys of metrics.jsonl and eval.jsonl lines, at their steps."""
     if importlib.util.find_spec(name) is None:
         pytest.skip(f"{name} is not installed (optional: pip install {name})")
-    _patch(monkeypatch, _EVEN)
+    patch_toy_task(monkeypatch, EVEN)
     logged = []
     if name == "wandb":
         import wandb
@@ -590,10 +600,10 @@ def test_train_logger_gets_the_metrics_keys(tmp_path, monkeypatch, name):
                             lambda self, data, step=None, **kw: (logged.append((step, dict(data))),
                                                                  log(self, data, step=step, **kw))[1])
     out = tmp_path / "run"
-    with _one_thread():
-        assert train.main(_toy_args(_toy_data(tmp_path), out, steps=2, heldout=4, logger=name,
+    with one_thread():
+        assert train.main(toy_args(toy_data(tmp_path), out, steps=2, heldout=4, logger=name,
                                     export_hf=False)) == 0
-    lines = _metrics(out) + [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    lines = read_metrics(out) + [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
     expected = {key for line in lines for key in line if key != "step" and not isinstance(line[key], list)}
     assert "eval/correct" not in expected  # the per-problem counts stay in eval.jsonl
     if name == "tensorboard":
@@ -619,8 +629,8 @@ def test_train_logger_missing_package_is_a_one_line_error(tmp_path, monkeypatch,
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else find_spec(n, *a))
     monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
-    assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", logger="tensorboard")) == 2
+    assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", logger="tensorboard")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install tensorboard" in err[0] and not (tmp_path / "run").exists()
-    assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", logger="mlflow")) == 2
+    assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", logger="mlflow")) == 2
     assert "unknown --logger 'mlflow'" in capsys.readouterr().err

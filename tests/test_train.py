@@ -13,19 +13,34 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fast_decode import engines
 import config
 import eval as ev
-from tools import plots
 import reward
 import rollout
 import train
 from data import heldout_count, load_rows, read_rows
+from fast_decode import engines
 from model import tiny_model, tiny_tokenizer
 from rollout import format_prompt
-
-from conftest import (ROOT, _ANSWER, _BUDGET_KEYS, _EVEN, _EVERY_ALGO, _TOY_VOCAB, _budget_args, _close, _metrics,
-                      _one_line_error, _one_thread, _patch, _same_update, _toy_args, _toy_data, _varied_data)
+from tests.toy_task import (
+    ANSWER,
+    BUDGET_KEYS,
+    EVEN,
+    EVERY_ALGO,
+    ROOT,
+    TOY_VOCAB,
+    budget_args,
+    one_line_error,
+    one_thread,
+    patch_toy_task,
+    read_metrics,
+    same_update,
+    tensors_close,
+    toy_args,
+    toy_data,
+    varied_data,
+)
+from tools import plots
 
 
 # ==================================================================================================================
@@ -34,13 +49,13 @@ from conftest import (ROOT, _ANSWER, _BUDGET_KEYS, _EVEN, _EVERY_ALGO, _TOY_VOCA
 @pytest.mark.parametrize("algo", ["stapo", "justrl"])
 def test_train_learns_toy_sum(tmp_path, monkeypatch, algo):
     """From reward alone, a random tiny model learns to answer one-digit sums well above chance (~7%)."""
-    _patch(monkeypatch, _ANSWER)
-    args = _toy_args(_toy_data(tmp_path), tmp_path / algo, algo=algo, steps=40, prompts_per_step=32, group_size=8,
+    patch_toy_task(monkeypatch, ANSWER)
+    args = toy_args(toy_data(tmp_path), tmp_path / algo, algo=algo, steps=40, prompts_per_step=32, group_size=8,
                      mini_batch_prompts=16, max_response_len=2, lr=3e-3, rollout_chunk=0,
                      export_hf=False)
-    with _one_thread():
+    with one_thread():
         assert train.main(args) == 0
-    acc = [m["reward/acc"] for m in _metrics(tmp_path / algo)]
+    acc = [m["reward/acc"] for m in read_metrics(tmp_path / algo)]
     assert sum(acc[:3]) / 3 < 0.15 and sum(acc[-5:]) / 5 > 0.3, acc
 
 
@@ -48,15 +63,15 @@ def test_train_token_budget_does_not_change_update(tmp_path, monkeypatch):
     """Every algorithm: token budgets 9 (below the longest row, up to 14 tokens: those run alone) and 10^6 (one
     micro-batch) give the losses and parameters of budget 1 (one row per micro-batch); padding (attention layouts,
     < 10%) and the prompts computed once (more in larger micro-batches) are reported."""
-    _patch(monkeypatch, _EVEN)
-    data = _varied_data(tmp_path)
-    with _one_thread():
-        for algo, flags in _EVERY_ALGO:
+    patch_toy_task(monkeypatch, EVEN)
+    data = varied_data(tmp_path)
+    with one_thread():
+        for algo, flags in EVERY_ALGO:
             for budget in (1, 9, 10**6):
-                assert train.main(_budget_args(data, tmp_path / f"{algo}-{budget}", algo, flags, budget)) == 0
+                assert train.main(budget_args(data, tmp_path / f"{algo}-{budget}", algo, flags, budget)) == 0
             for budget in (9, 10**6):
-                _same_update(tmp_path / f"{algo}-1", tmp_path / f"{algo}-{budget}")
-            first = [_metrics(tmp_path / f"{algo}-{budget}")[0] for budget in (1, 9, 10**6)]
+                same_update(tmp_path / f"{algo}-1", tmp_path / f"{algo}-{budget}")
+            first = [read_metrics(tmp_path / f"{algo}-{budget}")[0] for budget in (1, 9, 10**6)]
             pad, shared = [m["batch/pad_frac"] for m in first], [m["batch/shared_frac"] for m in first]
             assert pad[0] == 0 and 0 <= min(pad) and max(pad) < 0.1, pad  # one row each: no padding
             assert shared[0] == 0 and shared[1] <= shared[2] and 0 < shared[2] < 0.9, shared  # one row each: none
@@ -67,12 +82,12 @@ def test_train_on_policy_forward_stands_in_for_the_pi_old_pass(tmp_path, monkeyp
     for GRPO's reference model only), the update's own forward fills pi_old in, and two steps train to the metrics
     and parameters of the same runs with the pass (`on_policy` off); a step whose groups all tie (no forward) makes
     the pass after all. STAPO (p, H before the loss) keeps it."""
-    _patch(monkeypatch, _EVEN)
-    data = _varied_data(tmp_path)
+    patch_toy_task(monkeypatch, EVEN)
+    data = varied_data(tmp_path)
     calls, token_stats = [], train.token_stats
     monkeypatch.setattr(train, "token_stats", lambda *a: calls.append(1) or token_stats(*a))
-    keys = _BUDGET_KEYS + ("rollout/logprob_diff", "updates")
-    with _one_thread():
+    keys = BUDGET_KEYS + ("rollout/logprob_diff", "updates")
+    with one_thread():
         for algo, flags, passes in [("justrl", {}, 0), ("grpo", {"kl_beta": 0.04}, 2), ("stapo", {}, 2)]:
             runs = {}
             for name, fused in (("fused", None), ("pass", False)):
@@ -81,20 +96,20 @@ def test_train_on_policy_forward_stands_in_for_the_pi_old_pass(tmp_path, monkeyp
                         m.setattr(train, "on_policy", lambda cfg: False)
                     calls.clear()
                     out = tmp_path / f"{algo}-{name}"
-                    assert train.main(_budget_args(data, out, algo, flags | {"mini_batch_prompts": 4, "steps": 2},
+                    assert train.main(budget_args(data, out, algo, flags | {"mini_batch_prompts": 4, "steps": 2},
                                                    9)) == 0
                     runs[name] = (out, len(calls))
             assert runs["fused"][1] == passes and runs["pass"][1] == 2 + (algo == "grpo") * 2, (algo, runs)
-            for a, b in zip(_metrics(runs["fused"][0]), _metrics(runs["pass"][0])):
+            for a, b in zip(read_metrics(runs["fused"][0]), read_metrics(runs["pass"][0])):
                 assert a["updates"] == 1
                 for key in keys:
                     assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (algo, key)
-            _close(load_file(runs["fused"][0] / "hf" / "model.safetensors"),
+            tensors_close(load_file(runs["fused"][0] / "hf" / "model.safetensors"),
                    load_file(runs["pass"][0] / "hf" / "model.safetensors"), atol=1e-5)
         monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo": 1.0)  # every group ties
         calls.clear()
-        assert train.main(_budget_args(data, tmp_path / "tied", "justrl", {"mini_batch_prompts": 4}, 9)) == 0
-        tied = _metrics(tmp_path / "tied")[0]
+        assert train.main(budget_args(data, tmp_path / "tied", "justrl", {"mini_batch_prompts": 4}, 9)) == 0
+        tied = read_metrics(tmp_path / "tied")[0]
         assert len(calls) == 1 and tied["updates"] == 0 and tied["skipped/zero_adv"] == 1
         assert tied["entropy/mean"] > 0 and tied["rollout/logprob_diff"] < 1e-4
 
@@ -106,9 +121,9 @@ def test_train_cpu_turns_on_deterministic_kernels(tmp_path, monkeypatch):
     before = torch.are_deterministic_algorithms_enabled()
     try:
         torch.use_deterministic_algorithms(False)
-        _patch(monkeypatch, _EVEN)
-        with _one_thread():
-            assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", steps=1)) == 0
+        patch_toy_task(monkeypatch, EVEN)
+        with one_thread():
+            assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", steps=1)) == 0
         assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
     finally:
         torch.use_deterministic_algorithms(before)
@@ -120,9 +135,9 @@ def test_train_console_units_and_the_final_bar_once(tmp_path, monkeypatch, capsy
     silenced tokens as a count; the final progress bar on one line, not redrawn under the closing lines; --help
     names the cpu preset beside the paper's recipe, eval.py's --data-dir a folder the repository has. (GB beside
     GiB, 0.087 beside eval.py's 8.75, silenced=3.4e-03 beside counts, the final bar 2-3 times.)"""
-    _patch(monkeypatch, _EVEN)
-    with _one_thread():
-        assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", steps=2, heldout=2, export_hf=False)) == 0
+    patch_toy_task(monkeypatch, EVEN)
+    with one_thread():
+        assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", steps=2, heldout=2, export_hf=False)) == 0
     out, err = capsys.readouterr()
     assert "KV cache at most 0.00 GiB per rank (--kv-cache-gb 40 = 37.25 GiB)" in out, out
     assert "estimated peak memory per rank, every row at its longest (an upper bound): " in out
@@ -142,7 +157,7 @@ def test_train_heldout_prompts_longer_than_max_prompt_len_are_dropped_and_counte
     """Both splits are held to --max-prompt-len, and the console says how many prompts each lost; a problem with more
     characters than 50 tokens can spell is dropped before it is tokenized. (A 100k-character held-out prompt reached
     the sampler: an attempt to allocate 250 GB after 43 s; a 20 MB row took 11 GB and 74 s to tokenize.)"""
-    _patch(monkeypatch, _EVEN)
+    patch_toy_task(monkeypatch, EVEN)
     rows = [{"prompt": f"{a}{b}", "answer": str(a + b)} for a in range(10) for b in range(10 - a)]
     rows[7]["prompt"] = "1" * 100_000  # the data's order is shuffled with --seed: find where row 7 goes
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
@@ -153,8 +168,8 @@ def test_train_heldout_prompts_longer_than_max_prompt_len_are_dropped_and_counte
     tokenized, format_prompt = [], rollout.format_prompt
     monkeypatch.setattr(rollout, "format_prompt", lambda tok, problem, *a: tokenized.append(len(problem)) or
                         format_prompt(tok, problem, *a))
-    with _one_thread():
-        assert train.main(_toy_args(str(path), tmp_path / "run", heldout=heldout, max_prompt_len=50,
+    with one_thread():
+        assert train.main(toy_args(str(path), tmp_path / "run", heldout=heldout, max_prompt_len=50,
                                     export_hf=False)) == 0
     assert max(tokenized) <= 50 * len("<|endoftext|>")  # the tiny tokenizer's longest token
     assert (f"train.py: dropped 1 of {len(rows) - heldout} training prompts and 1 of {heldout} held-out prompts "
@@ -168,12 +183,12 @@ def test_train_holds_out_a_tenth_of_your_data_by_default_or_says_there_is_none(t
     and eval.py --run finds the same rows; data too small for that trains on every row, and the closing line says
     there is no held-out evaluation and how to get one instead of listing an empty eval.jsonl. (The default was 0:
     no accuracy before and after, and an empty eval.jsonl among the outputs.)"""
-    _patch(monkeypatch, _EVEN)
+    patch_toy_task(monkeypatch, EVEN)
     assert [heldout_count(n, None) for n in (9, 10, 55, 199, 10_000)] == [0, 1, 5, 19, 20]
     assert heldout_count(55, 0) == 0 and heldout_count(55, 7) == 7
-    data = _toy_data(tmp_path)  # 55 rows
-    with _one_thread():
-        assert train.main(_toy_args(data, tmp_path / "run", heldout=None, export_hf=False)) == 0
+    data = toy_data(tmp_path)  # 55 rows
+    with one_thread():
+        assert train.main(toy_args(data, tmp_path / "run", heldout=None, export_hf=False)) == 0
     evals = [json.loads(x) for x in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [(e["step"], e["eval/n"]) for e in evals] == [(0, 5 * 4), (1, 5 * 4)]
     config = json.loads((tmp_path / "run" / "config.json").read_text())
@@ -183,8 +198,8 @@ def test_train_holds_out_a_tenth_of_your_data_by_default_or_says_there_is_none(t
     assert "held-out accuracy before training" in out and "no held-out evaluation" not in out
     small = tmp_path / "small.jsonl"
     small.write_text("".join(json.dumps({"prompt": f"{a}{a}", "answer": str(2 * a)}) + "\n" for a in range(5)))
-    with _one_thread():
-        assert train.main(_toy_args(str(small), tmp_path / "small", heldout=None, export_hf=False)) == 0
+    with one_thread():
+        assert train.main(toy_args(str(small), tmp_path / "small", heldout=None, export_hf=False)) == 0
     out = capsys.readouterr().out
     assert (f"no held-out evaluation: no held-out rows (--heldout N keeps N rows of {small} out of training)"
             in out), out
@@ -205,8 +220,8 @@ def test_train_and_eval_unreadable_data_are_one_line_errors(tmp_path, capsys):
                 "deep.jsonl": "deep.jsonl line 1: nested too deeply to read"}  # it was a RecursionError traceback
     for name, content in files.items():
         (tmp_path / name).write_bytes(content)
-        assert train.main(_toy_args(str(tmp_path / name), tmp_path / "o")) == 2
-        _one_line_error(capsys, expected[name])
+        assert train.main(toy_args(str(tmp_path / name), tmp_path / "o")) == 2
+        one_line_error(capsys, expected[name])
         with pytest.raises(SystemExit) as e:
             ev.main(["--models", "tiny", "--data", str(tmp_path / name), "--prompt-key", "prompt", "--out",
                      str(tmp_path / "e")])
@@ -218,25 +233,25 @@ def test_train_and_eval_unreadable_data_are_one_line_errors(tmp_path, capsys):
 def test_train_bad_out_dir_and_float_flags_are_one_line_errors(tmp_path, monkeypatch, capsys):
     """An --out-dir that cannot be made (under a file) or written, is empty or holds a newline, and a float flag that
     overflows float32 (--lr 1e39: an OverflowError inside AdamW), are refused before anything loads."""
-    data = _toy_data(tmp_path)
+    data = toy_data(tmp_path)
     (tmp_path / "file").write_text("x")
     monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
-    assert train.main(_toy_args(data, tmp_path / "file" / "run")) == 2
-    _one_line_error(capsys, f"--out-dir {tmp_path / 'file' / 'run'} cannot be made: {tmp_path / 'file'} is a file")
-    assert train.main(_toy_args(data, tmp_path / "run", out_dir="")) == 2  # it wrote into the working directory
-    _one_line_error(capsys, "--out-dir '' names no folder: give one, e.g. --out-dir out/run")
-    assert train.main(_toy_args(data, tmp_path / "run", out_dir=f"{tmp_path}/a\nb")) == 2  # it split the stop line
-    _one_line_error(capsys, f"--out-dir '{tmp_path}/a\\nb' holds a control character: name the folder without one")
+    assert train.main(toy_args(data, tmp_path / "file" / "run")) == 2
+    one_line_error(capsys, f"--out-dir {tmp_path / 'file' / 'run'} cannot be made: {tmp_path / 'file'} is a file")
+    assert train.main(toy_args(data, tmp_path / "run", out_dir="")) == 2  # it wrote into the working directory
+    one_line_error(capsys, "--out-dir '' names no folder: give one, e.g. --out-dir out/run")
+    assert train.main(toy_args(data, tmp_path / "run", out_dir=f"{tmp_path}/a\nb")) == 2  # it split the stop line
+    one_line_error(capsys, f"--out-dir '{tmp_path}/a\\nb' holds a control character: name the folder without one")
     for flags, expected in (({"lr": 1e39}, "--lr 1e+39 is not a finite float32"),
                             ({"weight_decay": float("nan")}, "--weight-decay nan is not a finite float32")):
-        assert train.main(_toy_args(data, tmp_path / "run", **flags)) == 2
-        _one_line_error(capsys, expected)
+        assert train.main(toy_args(data, tmp_path / "run", **flags)) == 2
+        one_line_error(capsys, expected)
 
     def read_only(*args, **kwargs):
         raise PermissionError(13, "Read-only file system")
     monkeypatch.setattr(config.tempfile, "TemporaryFile", read_only)  # root ignores chmod: a read-only mount
-    assert train.main(_toy_args(data, tmp_path / "run")) == 2
-    _one_line_error(capsys, f"--out-dir {tmp_path / 'run'} cannot be written: Read-only file system")
+    assert train.main(toy_args(data, tmp_path / "run")) == 2
+    one_line_error(capsys, f"--out-dir {tmp_path / 'run'} cannot be written: Read-only file system")
     assert not (tmp_path / "run").exists()
 
 
@@ -244,11 +259,11 @@ def test_train_diverged_run_says_so_at_the_end(tmp_path, monkeypatch, capsys):
     """--lr 1e3: the first update blows the weights up and later steps skip every update (non-finite gradient
     norm). The run ends with a warning and the closing line naming the steps as metrics.jsonl numbers them (from 1).
     (It ended with exit 0 and said nothing; the skip warnings counted steps from 0.)"""
-    _patch(monkeypatch, _EVEN)
-    with _one_thread(), warnings.catch_warnings(record=True) as caught:
+    patch_toy_task(monkeypatch, EVEN)
+    with one_thread(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", steps=4, lr=1e3, export_hf=False)) == 0
-    bad = [m["step"] for m in _metrics(tmp_path / "run") if m["skipped/nonfinite"] > 0]
+        assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", steps=4, lr=1e3, export_hf=False)) == 0
+    bad = [m["step"] for m in read_metrics(tmp_path / "run") if m["skipped/nonfinite"] > 0]
     assert bad and bad[0] > 1, bad
     err = capsys.readouterr().err
     assert f"train.py: warning: the run diverged: the gradient norm was not finite in {len(bad)} steps of 4 " in err
@@ -257,15 +272,15 @@ def test_train_diverged_run_says_so_at_the_end(tmp_path, monkeypatch, capsys):
 
 
 def test_train_bad_inputs_one_line_error(tmp_path, capsys):
-    data = _toy_data(tmp_path)
+    data = toy_data(tmp_path)
     bad_row = tmp_path / "bad.jsonl"
     bad_row.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
     cases = {
-        "data file not found": _toy_args(str(tmp_path / "missing.jsonl"), tmp_path / "o"),
-        "bad.jsonl line 2: no answer in field 'answer'": _toy_args(str(bad_row), tmp_path / "o"),
-        "unknown --algo 'ppo'": _toy_args(data, tmp_path / "o", algo="ppo"),
-        "model directory not found": _toy_args(data, tmp_path / "o", model="./no/such/model"),
-        "--temperature must be > 0": _toy_args(data, tmp_path / "o", temperature=0),
+        "data file not found": toy_args(str(tmp_path / "missing.jsonl"), tmp_path / "o"),
+        "bad.jsonl line 2: no answer in field 'answer'": toy_args(str(bad_row), tmp_path / "o"),
+        "unknown --algo 'ppo'": toy_args(data, tmp_path / "o", algo="ppo"),
+        "model directory not found": toy_args(data, tmp_path / "o", model="./no/such/model"),
+        "--temperature must be > 0": toy_args(data, tmp_path / "o", temperature=0),
     }
     for expected, args in cases.items():
         assert train.main(args) == 2, expected
@@ -281,41 +296,41 @@ def test_train_bad_inputs_one_line_error(tmp_path, capsys):
 def test_train_skips_zero_advantage_and_nonfinite_steps(tmp_path, monkeypatch, capsys):
     """All-equal rewards skip every update and say so on the console; a NaN loss skips the update with a warning;
     the run finishes."""
-    data = _toy_data(tmp_path)
-    _patch(monkeypatch, _EVEN)
+    data = toy_data(tmp_path)
+    patch_toy_task(monkeypatch, EVEN)
     monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo": 1.0)
-    with _one_thread():
-        assert train.main(_toy_args(data, tmp_path / "zero")) == 0
-    zero = _metrics(tmp_path / "zero")[0]
+    with one_thread():
+        assert train.main(toy_args(data, tmp_path / "zero")) == 0
+    zero = read_metrics(tmp_path / "zero")[0]
     assert zero["skipped/zero_adv"] == 2 and zero["updates"] == 0 and zero["adv/zero_frac"] == 1.0
     assert ("train.py: warning: step 1: every response was right, so the policy gradient is zero and no update was "
             "made; use harder data") in capsys.readouterr().err
     monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo": -1.0)  # all wrong
-    with _one_thread():
-        assert train.main(_toy_args(data, tmp_path / "wrong")) == 0
+    with one_thread():
+        assert train.main(toy_args(data, tmp_path / "wrong")) == 0
     assert ("train.py: warning: step 1: in every group the 4 responses had equal rewards (train_acc 0.00), so the "
             "policy gradient is zero and no update was made; use easier data, a larger --group-size or a higher "
             "--temperature") in capsys.readouterr().err
 
-    _patch(monkeypatch, _EVEN)
+    patch_toy_task(monkeypatch, EVEN)
     policy_loss = train.stapo.policy_loss
     monkeypatch.setattr(train.stapo, "policy_loss", lambda *a, **k: (policy_loss(*a, **k)[0] * float("nan"),
                                                                      policy_loss(*a, **k)[1]))
-    with _one_thread(), pytest.warns(UserWarning, match="non-finite gradient norm"):
-        assert train.main(_toy_args(data, tmp_path / "nan", steps=2)) == 0
-    nan = _metrics(tmp_path / "nan")
+    with one_thread(), pytest.warns(UserWarning, match="non-finite gradient norm"):
+        assert train.main(toy_args(data, tmp_path / "nan", steps=2)) == 0
+    nan = read_metrics(tmp_path / "nan")
     assert [m["skipped/nonfinite"] for m in nan] == [2, 2] and all(m["updates"] == 0 for m in nan)
-    _close(load_file(tmp_path / "nan" / "hf" / "model.safetensors"), tiny_model(vocab_size=_TOY_VOCAB).state_dict(),
-           atol=0)  # parameters untouched (no step, no weight decay)
+    tensors_close(load_file(tmp_path / "nan" / "hf" / "model.safetensors"),
+                  tiny_model(vocab_size=TOY_VOCAB).state_dict(), atol=0)  # parameters untouched (no step, no decay)
 
 
 @pytest.mark.parametrize("algo,flags", [("grpo", {"kl_beta": 0.04}), ("20-entropy", {}), ("fullmask", {}),
                                         ("stapo", {"dual_clip": 10.0, "grad_checkpointing": True})])
 def test_train_every_algorithm_runs(tmp_path, monkeypatch, algo, flags):
-    _patch(monkeypatch, _EVEN)
-    with _one_thread():
-        assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", algo=algo, export_hf=False, **flags)) == 0
-    m = _metrics(tmp_path / "run")[0]
+    patch_toy_task(monkeypatch, EVEN)
+    with one_thread():
+        assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", algo=algo, export_hf=False, **flags)) == 0
+    m = read_metrics(tmp_path / "run")[0]
     assert m["updates"] == 2 and math.isfinite(m["loss/policy"])
     # two mini-batches: the ratio is exactly 1 on the first and moved on the second
     assert m["ratio/mean"] != 1.0 and abs(m["ratio/mean"] - 1) < 0.5 and m["kl/approx"] > 0
@@ -429,21 +444,21 @@ def test_train_policy_on_another_device_than_the_rollout_engine(tmp_path, monkey
     pi_old and p/H passes, S2T, GRPO's reference model and KL, TIS, two updates, held-out evaluation, checkpoint,
     export) makes no op that mixes devices. (token_stats wrote the policy's outputs into a buffer on the batch's device:
     --rollout vllm crashed at step 1 on CUDA.)"""
-    _patch(monkeypatch, _EVEN)
+    patch_toy_task(monkeypatch, EVEN)
     start = train.init_distributed
     monkeypatch.setattr(train, "init_distributed", lambda timeout_min=60: (*start()[:2], _OTHER))
     monkeypatch.setattr(train, "load_model", lambda name, device=None, **kw: (
-        tiny_model(vocab_size=_TOY_VOCAB)._apply(OnOther if device == _OTHER else lambda t: t), tiny_tokenizer()))
+        tiny_model(vocab_size=TOY_VOCAB)._apply(OnOther if device == _OTHER else lambda t: t), tiny_tokenizer()))
     monkeypatch.setattr(engines, "make_engine", lambda name, lm, tokenizer, chat, stop=None, **kw: _CPUCopyEngine(
-        tiny_model(vocab_size=_TOY_VOCAB), rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, _TOY_VOCAB))
+        tiny_model(vocab_size=TOY_VOCAB), rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, TOY_VOCAB))
     adamw = torch.optim.AdamW  # the fused kernel refuses the simulated device (meta); the update is the same
     monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kw: adamw(params, **{**kw, "fused": False}))
-    data = _varied_data(tmp_path)
-    with _one_thread(), _SecondDevice():
+    data = varied_data(tmp_path)
+    with one_thread(), _SecondDevice():
         for algo, flags in [("stapo", {"tis_cap": 2.0}), ("grpo", {"kl_beta": 0.04})]:  # the others: stapo.py only
             out = tmp_path / algo
-            assert train.main(_budget_args(data, out, algo, flags, 9) + ["--heldout", "2"]) == 0
-            assert _metrics(out)[0]["updates"] == 2 and (out / "hf" / "model.safetensors").is_file()
+            assert train.main(budget_args(data, out, algo, flags, 9) + ["--heldout", "2"]) == 0
+            assert read_metrics(out)[0]["updates"] == 2 and (out / "hf" / "model.safetensors").is_file()
 
 
 # ---------------------------------------------------------------- samples.jsonl and the console
@@ -451,9 +466,9 @@ def test_train_policy_on_another_device_than_the_rollout_engine(tmp_path, monkey
 def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
     """samples.jsonl: --samples-per-step completions per step and per held-out evaluation, each with the prompt the
     model saw and the reward it got; the console: eval lines on their own, "1 step", a final line naming outputs."""
-    _patch(monkeypatch, _EVEN)
-    with _one_thread():
-        assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", heldout=2, samples_per_step=3)) == 0
+    patch_toy_task(monkeypatch, EVEN)
+    with one_thread():
+        assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", heldout=2, samples_per_step=3)) == 0
     out = capsys.readouterr().out.splitlines()
     samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert [(r["step"], r["split"]) for r in samples] == [(0, "heldout")] * 2 + [(1, "train")] * 3 + [
@@ -469,7 +484,7 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
             assert r["reward"] == (1.0 if r["response"].strip()[:1] in even else -1.0)
     assert [x.split(":")[0] for x in out if x.startswith("held-out")] == [
         "held-out accuracy before training", "held-out accuracy after 1 step"]
-    metrics = _metrics(tmp_path / "run")
+    metrics = read_metrics(tmp_path / "run")
     assert out[-3].startswith(f"stapo silenced {int(metrics[0]['s2t/silenced'])} tokens in ")
     assert out[-2].startswith("logit-gradient norm vs p: Spearman ")  # RQ1's correlations (plots.correlation_line)
     steps = [{"s2t/silenced": 3.0, "s2t/candidates": 5.0}, {"s2t/silenced": 0.0, "s2t/candidates": 1.0},
@@ -490,13 +505,13 @@ def test_train_stop_text_ends_responses_and_the_reward_reads_them_whole(tmp_path
     """--stop-text 3 --stop-text 45 (repeatable): every response that is not truncated and has no EOS ends with the
     token at which a stop text first appears, and nowhere before; the reward sees the whole text, that token
     included; config.json records the texts."""
-    _patch(monkeypatch, _EVEN)
+    patch_toy_task(monkeypatch, EVEN)
     seen = []
     reward_fn = reward.reward
     monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo": seen.append(response) or
                         reward_fn(response, gold, mode))
-    args = _toy_args(_toy_data(tmp_path), tmp_path / "run", max_response_len=8, export_hf=False)
-    with _one_thread():
+    args = toy_args(toy_data(tmp_path), tmp_path / "run", max_response_len=8, export_hf=False)
+    with one_thread():
         assert train.main(args + ["--stop-text", "3", "--stop-text", "45"]) == 0
     assert json.loads((tmp_path / "run" / "config.json").read_text())["stop_text"] == ["3", "45"]
     ended = [t for t in seen if "3" in t or "45" in t]
@@ -504,24 +519,24 @@ def test_train_stop_text_ends_responses_and_the_reward_reads_them_whole(tmp_path
     for text in ended:  # the first appearance is at the end: the text without its last character holds none
         assert text.endswith(("3", "45")) and "3" not in text[:-1] and "45" not in text[:-1], text
     assert any(t.endswith("45") for t in ended)  # a match across two tokens
-    assert _metrics(tmp_path / "run")[0]["response/len_mean"] < 7
+    assert read_metrics(tmp_path / "run")[0]["response/len_mean"] < 7
 
 
 def test_train_gradient_share_leaves_the_update_and_measures_the_candidates(tmp_path, monkeypatch):
     """--gradient-share: the same losses and parameters as without it; with one mini-batch a step its norm of the
     whole objective is the gradient norm clip_grad_norm_ computed; the candidates' part and the rest obey the
     triangle inequality, and the candidates' part is not zero (tau_p 0.2: the toy model has many)."""
-    _patch(monkeypatch, _EVEN)
-    data = _toy_data(tmp_path)
-    with _one_thread():
+    patch_toy_task(monkeypatch, EVEN)
+    data = toy_data(tmp_path)
+    with one_thread():
         for name, flags in (("plain", []), ("share", ["--gradient-share"])):
-            assert train.main(_toy_args(data, tmp_path / name, mini_batch_prompts=4, tau_p=0.2, steps=2,
+            assert train.main(toy_args(data, tmp_path / name, mini_batch_prompts=4, tau_p=0.2, steps=2,
                                         max_response_len=6) + flags) == 0
-    plain, share = _metrics(tmp_path / "plain"), _metrics(tmp_path / "share")
+    plain, share = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "share")
     for a, b in zip(plain, share):
         assert {k: v for k, v in a.items() if not k.startswith("time/") and k != "tokens_per_s"} == pytest.approx(
             {k: v for k, v in b.items() if not k.startswith(("time/", "grad_share/")) and k != "tokens_per_s"})
-    _close(load_file(tmp_path / "plain" / "hf" / "model.safetensors"),
+    tensors_close(load_file(tmp_path / "plain" / "hf" / "model.safetensors"),
            load_file(tmp_path / "share" / "hf" / "model.safetensors"), atol=0)
     for m in share:
         assert m["grad_share/n"] == 1 and m["grad_share/all"] == pytest.approx(m["grad_norm"], rel=1e-5)
@@ -533,15 +548,15 @@ def test_train_quantile_window_resumes_exactly(tmp_path, monkeypatch):
     """--quantile-window 6: the window is kept in the checkpoint, so 2 steps and a resume to 3 equal 3 steps at once,
     S2T's counts included; the window changes what S2T silences (against the paper's rule on the same rollouts of
     step 1) and s2t/rule_silenced counts what the rule silences, here equal to what STAPO silenced."""
-    _patch(monkeypatch, _EVEN)
-    data = _toy_data(tmp_path)
+    patch_toy_task(monkeypatch, EVEN)
+    data = toy_data(tmp_path)
     common = dict(tau_p=0.2, max_response_len=6, export_hf=False)
-    with _one_thread():
-        assert train.main(_toy_args(data, tmp_path / "full", steps=3, quantile_window=6, **common)) == 0
-        assert train.main(_toy_args(data, tmp_path / "cut", steps=2, quantile_window=6, **common)) == 0
+    with one_thread():
+        assert train.main(toy_args(data, tmp_path / "full", steps=3, quantile_window=6, **common)) == 0
+        assert train.main(toy_args(data, tmp_path / "cut", steps=2, quantile_window=6, **common)) == 0
         assert train.main(["--resume", str(tmp_path / "cut"), "--steps", "3"]) == 0
-        assert train.main(_toy_args(data, tmp_path / "paper", steps=3, **common)) == 0
-    full, cut, paper = (_metrics(tmp_path / n) for n in ("full", "cut", "paper"))
+        assert train.main(toy_args(data, tmp_path / "paper", steps=3, **common)) == 0
+    full, cut, paper = (read_metrics(tmp_path / n) for n in ("full", "cut", "paper"))
     drop = {"time/rollout_s", "time/update_s", "tokens_per_s"}
     assert {k: v for k, v in cut[2].items() if k not in drop} == pytest.approx(
         {k: v for k, v in full[2].items() if k not in drop}, rel=1e-6, abs=1e-9)
@@ -553,12 +568,12 @@ def test_train_quantile_window_resumes_exactly(tmp_path, monkeypatch):
 def test_train_no_eval_before_and_the_evaluation_before_is_the_seeds(tmp_path, monkeypatch):
     """The evaluation before training depends on the seed and the initial model only, so runs of one seed sample it
     alike whatever --algo; --no-eval-before leaves it out (eval.jsonl then starts after the last step)."""
-    _patch(monkeypatch, _EVEN)
-    data = _toy_data(tmp_path)
-    with _one_thread():
+    patch_toy_task(monkeypatch, EVEN)
+    data = toy_data(tmp_path)
+    with one_thread():
         for algo in ("stapo", "justrl"):
-            assert train.main(_toy_args(data, tmp_path / algo, algo=algo, heldout=4, export_hf=False)) == 0
-        assert train.main(_toy_args(data, tmp_path / "none", heldout=4, export_hf=False, eval_before=False)) == 0
+            assert train.main(toy_args(data, tmp_path / algo, algo=algo, heldout=4, export_hf=False)) == 0
+        assert train.main(toy_args(data, tmp_path / "none", heldout=4, export_hf=False, eval_before=False)) == 0
     evals = {n: [json.loads(x) for x in (tmp_path / n / "eval.jsonl").read_text().splitlines()]
              for n in ("stapo", "justrl", "none")}
     assert evals["stapo"][0]["step"] == 0 and evals["stapo"][0] == evals["justrl"][0]

@@ -8,9 +8,22 @@ import pytest
 from safetensors.torch import load_file
 
 import train
-
-from conftest import (_BUDGET_KEYS, _EVEN, _EVERY_ALGO, _budget_args, _close, _counts, _metrics, _one_thread, _patch,
-                      _run, _same_update, _toy_args, _toy_data, _varied_data)
+from tests.toy_task import (
+    BUDGET_KEYS,
+    EVEN,
+    EVERY_ALGO,
+    budget_args,
+    one_thread,
+    patch_toy_task,
+    read_counts,
+    read_metrics,
+    run_train,
+    same_update,
+    tensors_close,
+    toy_args,
+    toy_data,
+    varied_data,
+)
 
 
 # ==================================================================================================================
@@ -19,10 +32,10 @@ from conftest import (_BUDGET_KEYS, _EVEN, _EVERY_ALGO, _budget_args, _close, _c
 def test_train_torchrun_two_processes_match_one(tmp_path):
     """torchrun 2 processes (gloo, FSDP2) = 1 process without FSDP: same losses, same parameters after the update.
     One held-out problem for two ranks: the rank without one must still join the collective rollout (it hung)."""
-    data = _toy_data(tmp_path)
-    _run(tmp_path, _toy_args(data, tmp_path / "one", heldout=1), nproc=1)
-    _run(tmp_path, _toy_args(data, tmp_path / "two", heldout=1), nproc=2)
-    one, two = _metrics(tmp_path / "one")[0], _metrics(tmp_path / "two")[0]
+    data = toy_data(tmp_path)
+    run_train(tmp_path, toy_args(data, tmp_path / "one", heldout=1), nproc=1)
+    run_train(tmp_path, toy_args(data, tmp_path / "two", heldout=1), nproc=2)
+    one, two = read_metrics(tmp_path / "one")[0], read_metrics(tmp_path / "two")[0]
     evals = [json.loads(line) for line in (tmp_path / "two" / "eval.jsonl").read_text().splitlines()]
     assert [e["eval/n"] for e in evals] == [4, 4]  # before and after, 1 problem x --eval-samples 4
     assert all(e["eval/correct"] == [round(e["eval/acc"] * 4)] for e in evals)  # correct samples per problem
@@ -30,7 +43,7 @@ def test_train_torchrun_two_processes_match_one(tmp_path):
     for key in ("reward/mean", "response/len_mean", "loss/policy", "grad_norm", "entropy/mean", "clip/frac_high"):
         assert one[key] == pytest.approx(two[key], rel=1e-4, abs=1e-6), key
     # Adam's first steps are ~lr * sign(g): allow float-rounding-level gradient differences only through lr.
-    _close(load_file(tmp_path / "one" / "hf" / "model.safetensors"),
+    tensors_close(load_file(tmp_path / "one" / "hf" / "model.safetensors"),
            load_file(tmp_path / "two" / "hf" / "model.safetensors"), atol=1e-5)
 
 
@@ -40,34 +53,34 @@ def test_train_token_budget_two_processes_match_one(tmp_path, monkeypatch):
     and train to the losses and parameters of 1 process with budget 1; so do JustRL and GRPO with one mini-batch
     (the update's forward filling pi_old in on each rank). (With each rank cutting its rows by its own
     lengths, the ranks' FSDP all-gathers mismatched: gloo's 'Received data size doesn't match', a hang on NCCL.)"""
-    _patch(monkeypatch, _EVEN)
-    data = _varied_data(tmp_path)
-    with _one_thread():
-        for algo, flags in _EVERY_ALGO:
-            assert train.main(_budget_args(data, tmp_path / f"one-{algo}", algo, flags, 1)) == 0
-    runs = [_budget_args(data, tmp_path / f"two-{algo}-{budget}", algo, flags, budget)
-            for algo, flags in _EVERY_ALGO for budget in (9, 24)]
+    patch_toy_task(monkeypatch, EVEN)
+    data = varied_data(tmp_path)
+    with one_thread():
+        for algo, flags in EVERY_ALGO:
+            assert train.main(budget_args(data, tmp_path / f"one-{algo}", algo, flags, 1)) == 0
+    runs = [budget_args(data, tmp_path / f"two-{algo}-{budget}", algo, flags, budget)
+            for algo, flags in EVERY_ALGO for budget in (9, 24)]
     on_policy = [("justrl", {"mini_batch_prompts": 4}), ("grpo", {"kl_beta": 0.04, "mini_batch_prompts": 4})]
-    with _one_thread():  # one mini-batch: the update's forward fills pi_old in (train.on_policy), on each rank
+    with one_thread():  # one mini-batch: the update's forward fills pi_old in (train.on_policy), on each rank
         for algo, flags in on_policy:
-            assert train.main(_budget_args(data, tmp_path / f"one-on-policy-{algo}", algo, flags, 1)) == 0
-    runs += [_budget_args(data, tmp_path / f"two-on-policy-{algo}", algo, flags, 24) for algo, flags in on_policy]
+            assert train.main(budget_args(data, tmp_path / f"one-on-policy-{algo}", algo, flags, 1)) == 0
+    runs += [budget_args(data, tmp_path / f"two-on-policy-{algo}", algo, flags, 24) for algo, flags in on_policy]
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     (tmp_path / "log").mkdir()
-    _run(tmp_path, ["--runs", str(tmp_path / "runs.json")], nproc=2,
-         hook=("_hook_count_micro_batches", str(tmp_path / "log")))
-    zero, one = _counts(tmp_path / "log", 0), _counts(tmp_path / "log", 1)
+    run_train(tmp_path, ["--runs", str(tmp_path / "runs.json")], nproc=2,
+         hook=("hook_count_micro_batches", str(tmp_path / "log")))
+    zero, one = read_counts(tmp_path / "log", 0), read_counts(tmp_path / "log", 1)
     assert len(zero) == len(one) and all(a[1] == b[1] == max(a[0], b[0]) for a, b in zip(zero, one))
     assert sum(a[0] != b[0] for a, b in zip(zero, one)) >= 5, (zero, one)  # the ranks needed different counts
-    for algo, _ in _EVERY_ALGO:
+    for algo, _ in EVERY_ALGO:
         for budget in (9, 24):
-            _same_update(tmp_path / f"one-{algo}", tmp_path / f"two-{algo}-{budget}")
+            same_update(tmp_path / f"one-{algo}", tmp_path / f"two-{algo}-{budget}")
     for algo, _ in on_policy:
-        one, two = (_metrics(tmp_path / f"{n}-on-policy-{algo}")[0] for n in ("one", "two"))
+        one, two = (read_metrics(tmp_path / f"{n}-on-policy-{algo}")[0] for n in ("one", "two"))
         assert one["updates"] == two["updates"] == 1
-        for key in _BUDGET_KEYS + ("rollout/logprob_diff",):
+        for key in BUDGET_KEYS + ("rollout/logprob_diff",):
             assert one[key] == pytest.approx(two[key], rel=1e-4, abs=1e-6), (algo, key)
-        _close(load_file(tmp_path / f"one-on-policy-{algo}" / "hf" / "model.safetensors"),
+        tensors_close(load_file(tmp_path / f"one-on-policy-{algo}" / "hf" / "model.safetensors"),
                load_file(tmp_path / f"two-on-policy-{algo}" / "hf" / "model.safetensors"), atol=1e-5)
 
 
@@ -84,32 +97,32 @@ def test_train_smollm2_two_processes_with_different_micro_batch_counts_match_one
             "2", "--group-size", "4", "--max-response-len", "16", "--rollout-chunk", "1", "--eval-samples", "0",
             "--no-plots", "--max-tokens-per-micro-batch", "80", "--no-save-optimizer"]
     for nproc, out in ((2, "two"), (1, "one")):
-        _run(tmp_path, args + ["--out-dir", str(tmp_path / out)], nproc=nproc, check="real",
-             hook=("_hook_count_micro_batches", str(tmp_path / "log")))
-    zero, one = _counts(tmp_path / "log", 0), _counts(tmp_path / "log", 1)
+        run_train(tmp_path, args + ["--out-dir", str(tmp_path / out)], nproc=nproc, check="real",
+             hook=("hook_count_micro_batches", str(tmp_path / "log")))
+    zero, one = read_counts(tmp_path / "log", 0), read_counts(tmp_path / "log", 1)
     two_ranks = zero[:len(one)]  # rank 0's log continues with the 1-process run
     assert len(one) == 2 and all(a[0] != b[0] for a, b in zip(two_ranks, one)), (zero, one)  # pi_old, update
-    a, b = _metrics(tmp_path / "one")[0], _metrics(tmp_path / "two")[0]
+    a, b = read_metrics(tmp_path / "one")[0], read_metrics(tmp_path / "two")[0]
     assert a["updates"] > 0 and a["response/len_mean"] == b["response/len_mean"]
     for key in ("reward/mean", "loss/policy", "grad_norm", "entropy/mean", "s2t/candidates", "s2t/silenced"):
         assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-    _close(load_file(tmp_path / "one" / "hf" / "model.safetensors"),
+    tensors_close(load_file(tmp_path / "one" / "hf" / "model.safetensors"),
            load_file(tmp_path / "two" / "hf" / "model.safetensors"), atol=1e-5)
 
 
 def test_train_stop_text_and_quantile_window_two_processes_match_one(tmp_path):
     """--stop-text (a match across tokens too) and --quantile-window on torchrun 2 processes (gloo, FSDP2) = 1
     process: the same responses (lengths), the same S2T decisions from the same window, the same parameters."""
-    data = _toy_data(tmp_path)
+    data = toy_data(tmp_path)
     flags = ["--stop-text", "3", "--stop-text", "45", "--quantile-window", "5"]
     for nproc, name in ((1, "one"), (2, "two")):
-        _run(tmp_path, _toy_args(data, tmp_path / name, steps=2, tau_p=0.2, max_response_len=6, lr=1e-4) + flags,
+        run_train(tmp_path, toy_args(data, tmp_path / name, steps=2, tau_p=0.2, max_response_len=6, lr=1e-4) + flags,
              nproc=nproc)
-    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert one[0]["response/len_mean"] < 5.5 and sum(m["s2t/silenced"] for m in one) > 0
     for a, b in zip(one, two):
         for key in ("response/len_mean", "response/truncated_frac", "s2t/candidates", "s2t/silenced",
                     "s2t/rule_silenced", "loss/policy", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
-    _close(load_file(tmp_path / "one" / "hf" / "model.safetensors"),
+    tensors_close(load_file(tmp_path / "one" / "hf" / "model.safetensors"),
            load_file(tmp_path / "two" / "hf" / "model.safetensors"), atol=1e-5)

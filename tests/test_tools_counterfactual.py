@@ -8,13 +8,10 @@ import shutil
 import pytest
 import torch
 
-from tools import counterfactual
-from tools import plots
 import train
 from model import tiny_model
-
-from conftest import _EVEN, _one_thread, _patch, _toy_args, _toy_data
-
+from tests.toy_task import EVEN, one_thread, patch_toy_task, toy_args, toy_data
+from tools import counterfactual, plots
 
 # ==================================================================================================================
 # tools/counterfactual.py and s2t_diagnostics.entropy_change: what the mask removes and what an update does to
@@ -239,10 +236,10 @@ def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
     regenerates both steps exactly, both mini-batches' masks by replaying the updates (checked against the run's
     logs: rewards, lengths, candidate and silenced counts), writes one line per token with the fields a
     reader needs, for every kind, prints the summary, and the same command writes the same file again."""
-    _patch(monkeypatch, _EVEN)
+    patch_toy_task(monkeypatch, EVEN)
     run = tmp_path / "run"
-    args = _toy_args(_toy_data(tmp_path), run, tau_p=0.08, export_hf=False)
-    with _one_thread():
+    args = toy_args(toy_data(tmp_path), run, tau_p=0.08, export_hf=False)
+    with one_thread():
         assert train.main(args) == 0
         shutil.copytree(run / "checkpoint" / "step_1", tmp_path / "step_1")  # a resume deletes it
         assert train.main(["--resume", str(run), "--steps", "2"]) == 0
@@ -287,15 +284,15 @@ def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
 def test_counterfactual_reward_that_reads_the_row(tmp_path, monkeypatch):
     """A --reward FILE.py:FUNCTION that needs a field of the data row: tools/counterfactual.py grades the regenerated
     step and every continuation with the row, as train.py did (it called the reward with the text and answer only)."""
-    _patch(monkeypatch, _EVEN)
+    patch_toy_task(monkeypatch, EVEN)
     data = tmp_path / "toy.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}{b}", "answer": str(a + b), "wanted": "02468"[a % 5]}) + "\n"
                             for a in range(10) for b in range(10 - a)))
     (tmp_path / "row_reward.py").write_text("def first(response, answer, wanted):\n"
                                             "    return 1.0 if response.strip()[:1] <= wanted else -1.0\n")
     run = tmp_path / "run"
-    args = _toy_args(str(data), run, tau_p=0.08, export_hf=False, steps=1)
-    with _one_thread():
+    args = toy_args(str(data), run, tau_p=0.08, export_hf=False, steps=1)
+    with one_thread():
         assert train.main(args + ["--reward", f"{tmp_path / 'row_reward.py'}:first"]) == 0
         assert counterfactual.main([str(run), "--steps", "1", "--k", "2", "--tokens", "1"]) == 0
     lines = [json.loads(x) for x in (run / "counterfactual.jsonl").read_text().splitlines()]

@@ -2,7 +2,7 @@
 import json
 import math
 
-from conftest import _one_thread
+from tests.toy_task import one_thread
 
 
 # ==================================================================================================================
@@ -16,7 +16,7 @@ def test_bench_gpu_smoke(tmp_path):
     each."""
     from tools import bench
 
-    with _one_thread():
+    with one_thread():
         bench.bench_gpu(smoke=True, out=tmp_path)
     rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
     assert [r["part"] for r in rows] == ["train"] * 3 + ["numerics"] * 2 + ["head"] * 2 + ["rollout"] * 5 + [

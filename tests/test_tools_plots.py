@@ -8,12 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools import plots
 import run_folder
 import train
 from step_metrics.step_warnings import oversubscribed, slow_step
-
-from conftest import ROOT, _EVEN, _metrics, _one_thread, _patch, _toy_args, _toy_data
+from tests.toy_task import EVEN, ROOT, one_thread, patch_toy_task, read_metrics, toy_args, toy_data
+from tools import plots
 
 
 # ==================================================================================================================
@@ -23,12 +22,12 @@ def test_train_s2t_figure_and_tokens_file(tmp_path, monkeypatch, capsys):
     """A tiny run whose S2T mask fires (--tau-p 0.5: most tokens of a correct response are candidates): tokens.jsonl
     holds every drawn token with the values metrics.jsonl summarizes, s2t.png is drawn from it, `--plot` redraws
     both figures from the run's files alone, and the console's last lines count what was silenced."""
-    _patch(monkeypatch, _EVEN)
+    patch_toy_task(monkeypatch, EVEN)
     out = tmp_path / "run"
-    with _one_thread():
-        assert train.main(_toy_args(_toy_data(tmp_path), out, steps=2, tau_p=0.5, token_sample=1000, heldout=4,
+    with one_thread():
+        assert train.main(toy_args(toy_data(tmp_path), out, steps=2, tau_p=0.5, token_sample=1000, heldout=4,
                                     plots=True, export_hf=False)) == 0
-    lines, metrics = run_folder.read_log(out / "tokens.jsonl"), _metrics(out)
+    lines, metrics = run_folder.read_log(out / "tokens.jsonl"), read_metrics(out)
     silenced = [int(m["s2t/silenced"]) for m in metrics]
     assert min(silenced) > 0 and (f"stapo silenced {sum(silenced)} tokens in 2 of 2 steps; S2T candidates (A > 0, "
                                   f"p < tau_p): {sum(int(m['s2t/candidates']) for m in metrics)} (metrics.jsonl "
@@ -174,12 +173,12 @@ def test_plot_figures_say_what_the_numbers_say(tmp_path, monkeypatch):
 def test_plot_tables_side_by_side_and_sensitivity_grid(tmp_path, monkeypatch, capsys):
     """Tiny runs on a 2 x 2 grid of (tau_p, quantile), one cell with two seeds: --sensitivity puts each run in its
     cell with the seed count, and the silenced shares are the runs' own sums; --table puts one row per setting."""
-    _patch(monkeypatch, _EVEN)
-    data, runs = _toy_data(tmp_path), []
-    with _one_thread():
+    patch_toy_task(monkeypatch, EVEN)
+    data, runs = toy_data(tmp_path), []
+    with one_thread():
         for tau, q, seed in ((0.2, 0.5, 0), (0.2, 0.9, 0), (0.5, 0.5, 0), (0.5, 0.9, 0), (0.5, 0.9, 1)):
             runs.append(str(tmp_path / f"t{tau}-q{q}-s{seed}"))
-            assert train.main(_toy_args(data, Path(runs[-1]), tau_p=tau, quantile=q, seed=seed, heldout=4,
+            assert train.main(toy_args(data, Path(runs[-1]), tau_p=tau, quantile=q, seed=seed, heldout=4,
                                         export_hf=False)) == 0
     capsys.readouterr()
     assert train.main(["--plot", *runs, "--sensitivity", "--out", str(tmp_path / "grid.png")]) == 0
@@ -188,7 +187,7 @@ def test_plot_tables_side_by_side_and_sensitivity_grid(tmp_path, monkeypatch, ca
     assert list(rows) == [(" 0.2 ", " 0.5 "), (" 0.2 ", " 0.9 "), (" 0.5 ", " 0.5 "), (" 0.5 ", " 0.9 ")]
     assert [int(r[0]) for r in rows.values()] == [1, 1, 1, 2]  # seeds per cell
     one = plots.run_summary(runs[0])
-    steps = _metrics(Path(runs[0]))
+    steps = read_metrics(Path(runs[0]))
     assert one["silenced"] == sum(m["s2t/silenced"] for m in steps) and one["tau_p"] == 0.2
     assert one["silenced_of_candidates"] == pytest.approx(one["silenced"] / sum(m["s2t/candidates"] for m in steps))
     assert rows[(" 0.2 ", " 0.5 ")][5].strip() == format(one["silenced_of_tokens"], ".4%")

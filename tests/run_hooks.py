@@ -1,0 +1,85 @@
+"""The hooks testdata/train_run.py calls by name before training, in a fresh process: a stop signal at a chosen
+call, a kill between a checkpoint's files and `latest`, a count of micro-batches, data one rank cannot read."""
+import os
+import sys
+import threading
+
+import rollout
+import train
+
+
+def hook_count_micro_batches(log: str) -> None:
+    """(testdata/train_run.py) Every rank appends (its own micro-batch count, the agreed count) of each split to
+    LOG/rank<R>."""
+    all_max = train.all_max
+
+    def logged_max(value):
+        agreed = all_max(value)
+        with open(os.path.join(log, "rank" + os.environ.get("RANK", "0")), "a") as f:
+            f.write(f"{value} {agreed}\n")
+        return agreed
+    train.all_max = logged_max
+
+
+def hook_kill_in_the_second_checkpoint() -> None:
+    """(testdata/train_run.py) The process dies (exit 9) between the second checkpoint's files and `latest`."""
+    replace_file, named = os.replace, []
+
+    def dies_before_latest(src, dst):
+        if str(dst).endswith("latest"):
+            named.append(dst)
+            if len(named) == 2:
+                os._exit(9)
+        return replace_file(src, dst)
+    os.replace = dies_before_latest
+
+
+# ==================================================================================================================
+# run_folder/: runs that survive a cluster (stop signals, --resume auto, world sizes, one writer, logs,
+# verified checkpoints, exports)
+# ==================================================================================================================
+def hook_signal_at(owner: str, name: str, nth: int, rank: str = "0", sig: str = "SIGTERM", times: int = 1,
+                    parent: bool = False) -> None:
+    """(testdata/train_run.py) A stop signal from inside the run at a chosen call (deterministic: no timing):
+    `sig` `times` times to this process (or, `parent`, to the one that started it: torchrun) at the nth call of
+    OWNER.NAME (owner: "train" or "rollout.PlainEngine"), on rank `rank`."""
+    import signal
+
+    module, _, cls = owner.partition(".")
+    target = getattr(sys.modules[module], cls) if cls else sys.modules[module]
+    original, calls = getattr(target, name), []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == nth and os.environ.get("RANK", "0") == rank:
+            for _ in range(times):
+                os.kill(os.getppid() if parent else os.getpid(), getattr(signal, sig))
+        return original(*args, **kwargs)
+    setattr(target, name, wrapped)
+
+
+def hook_signal_then_hang(nth: int) -> None:
+    """(testdata/train_run.py) SIGTERM at the nth rollout, and then the rollout never returns, as a rank waits in a
+    collective for a frozen one (SIGSTOP, a dead network)."""
+    import signal
+
+    sample, calls = rollout.PlainEngine.sample, []
+
+    def hangs(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == nth:
+            os.kill(os.getpid(), signal.SIGTERM)
+            threading.Event().wait()
+        return sample(*args, **kwargs)
+    rollout.PlainEngine.sample = hangs
+
+
+def hook_data_unreadable_on_rank_1() -> None:
+    """(testdata/train_run.py) Rank 1 cannot read the data (a file one node does not see)."""
+    load_rows = train.load_rows
+
+    def unreadable(cfg):
+        if os.environ.get("RANK") == "1":
+            raise ValueError("toy.jsonl line 3: unreadable here")
+        return load_rows(cfg)
+    train.load_rows = unreadable
