@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import config
 import eval as ev
 import reward
 import rollout
 import train
+from command_line import errors
 from data import heldout_count, load_rows, read_rows
 from fast_decode import engines
 from model import tiny_model, tiny_tokenizer
@@ -249,7 +249,7 @@ def test_train_bad_out_dir_and_float_flags_are_one_line_errors(tmp_path, monkeyp
 
     def read_only(*args, **kwargs):
         raise PermissionError(13, "Read-only file system")
-    monkeypatch.setattr(config.tempfile, "TemporaryFile", read_only)  # root ignores chmod: a read-only mount
+    monkeypatch.setattr(errors.tempfile, "TemporaryFile", read_only)  # root ignores chmod: a read-only mount
     assert train.main(toy_args(data, tmp_path / "run")) == 2
     one_line_error(capsys, f"--out-dir {tmp_path / 'run'} cannot be written: Read-only file system")
     assert not (tmp_path / "run").exists()
