@@ -27,8 +27,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple
 
-from fast_decode import engines
-from distributed.process_group import init_distributed
 from command_line import errors, flags
 import reward
 from data import answer_value, check_utf8, describe, load_rows, problem_seed, read_jsonl, read_rows, repeated_note
@@ -526,6 +524,8 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, de
         print(f"eval.py: {name}: problems x samples per generate call: {calls}; KV cache at most {kv / 2**30:.2f} GiB "
               f"per rank (--kv-cache-gb {cfg.kv_cache_gb:g} = {cfg.kv_cache_gb * 1e9 / 2**30:.2f} GiB{over})",
               flush=True)
+    from fast_decode import engines
+
     engine = engines.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest, dtype=lm.dtype,
                                  kv_cache_memory_bytes=max(min(need, budget), row_bytes), stop_text=cfg.stop_text)
     return Opened(engine, lm, tokenizer, per_call)
@@ -641,10 +641,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     import torch
     import torch.distributed as dist
 
+    import model  # noqa: F401
+    import rollout  # noqa: F401
     import run_folder
+    from distributed.process_group import init_distributed
 
-    # `model` is imported above, before the process group: torch.distributed.fsdp imported after it holds references
-    # to the WORLD group, whose gloo threads then outlive destroy_process_group and can abort the exit.
+    # `model` and `rollout` (torch.distributed.fsdp) are imported before the process group: torch.distributed.fsdp
+    # imported after it holds references to the WORLD group, whose gloo threads then outlive destroy_process_group
+    # and can abort the exit.
     rank, world, device = init_distributed(cfg.collective_timeout_min, always=False)
     results = {"config": asdict(cfg), "models": {}}
     for spec in cfg.models:
