@@ -503,6 +503,7 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, de
 
     import model as model_lib
     import rollout
+    from memory.estimate import kv_cache_bytes
 
     device = torch.device("cpu") if device is None else device
     dtype = torch.bfloat16 if device.type == "cuda" else None
@@ -513,7 +514,7 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, de
     # problems per generate call: --batch-size rows, fewer where their worst-case KV cache would exceed
     # --kv-cache-gb, but at least one problem's k rows (the plain sampler holds them at once; vLLM queues what does
     # not fit its KV cache of at most --kv-cache-gb)
-    row_bytes, budget = model_lib.kv_cache_bytes(lm.config, 1, longest, lm.dtype.itemsize), int(cfg.kv_cache_gb * 1e9)
+    row_bytes, budget = kv_cache_bytes(lm.config, 1, longest, lm.dtype.itemsize), int(cfg.kv_cache_gb * 1e9)
     per_call = {b: 1 if b == "heldout" and cfg.batch_size is None else  # as train.evaluate: a call per problem
                 max(1, min(cfg.batch_size or BATCH_SIZE, budget // row_bytes) // s["k"]) for b, s in sets.items()}
     need = max(per_call[b] * s["k"] for b, s in sets.items()) * row_bytes  # the largest call, every row at its longest
