@@ -480,6 +480,7 @@ _FSDP_SCRIPT = textwrap.dedent('''
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
     import model
+    from distributed import sharding
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
