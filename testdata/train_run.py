@@ -36,6 +36,7 @@ if task != "real":
         train.load_model = lambda name, **kw: (model.tiny_model(vocab_size=VOCAB, head_dim=head_dim),
                                                model.tiny_tokenizer())
 os.getloadavg = lambda: (0.0, 0.0, 0.0)  # a quiet machine: no oversubscription warning in the outputs tests read
+os.getloadavg = lambda: (0.0, 0.0, 0.0)  # the machine's load is other work's: no busy-machine line in the tests
 if os.environ.get("TOY_HOOK"):
     import conftest
 
