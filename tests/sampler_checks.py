@@ -1,12 +1,13 @@
-"""What the sampler tests share (tests/test_rollout.py, tests/test_fast_decode_vllm_engine.py, test_stapo.py): a
-few prompts of the tiny tokenizer, the log-probs a training forward recomputes, and a two-process run."""
+"""What the sampler tests share (tests/test_rollout.py, tests/test_fast_decode_*.py, tests/test_model.py,
+test_stapo.py): a few prompts of the tiny tokenizer, the log-probs a training forward recomputes, a two-process run,
+and the tiny model with EOS made to win where a chosen token would (`eos_biased_model`)."""
 import os
 import time
 
 import torch
 import torch.multiprocessing as mp
 
-from model import position_ids_from_mask, tiny_tokenizer
+from model import position_ids_from_mask, tiny_model, tiny_tokenizer
 from rollout import Rollout, format_prompt
 
 # ==================================================================================================================
@@ -45,3 +46,12 @@ def two_processes(worker, tmp: str, hung: str, timeout_s: float = 120) -> None:
             for process in ctx.processes:
                 process.kill()
             raise AssertionError(hung)
+
+
+def eos_biased_model(token: int, scale: float = 1.05):
+    """The tiny model with EOS's lm_head row set to `scale` x the row of `token`: EOS then wins wherever `token`
+    would (with a positive logit), so greedy responses stop at different lengths."""
+    lm = tiny_model()
+    with torch.no_grad():
+        lm.lm_head.weight[2] = scale * lm.lm_head.weight[token]
+    return lm

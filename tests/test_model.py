@@ -22,7 +22,8 @@ import stapo
 import train
 from memory.estimate import kv_cache_bytes, memory_estimate
 from model import Policy, tiny_model
-from rollout import Rollout
+from rollout import Rollout, generate
+from tests.sampler_checks import REAL_VOCAB, eos_biased_model, recomputed_logprobs, toy_prompts
 from tests.toy_task import ROOT
 
 
@@ -350,6 +351,39 @@ def test_model_packed_attention_flash_varlen_layout(monkeypatch):
     got = policy(*batch.training_inputs(), batch.response_mask)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_rollout_grouped_sdpa_no_repeated_cache(monkeypatch):
+    """`model.grouped_sdpa` (on CPU, when a mask is given, under model.PACKED_SDPA, which PlainEngine and Policy
+    give the model) equals SDPA over the key/value heads repeated per head group; the sampler then samples
+    left-padded prompts as under transformers' SDPA (greedy token for token, log-probs to 1e-5) without ever copying
+    the cache per head group (transformers' repeat_kv, at the prefill and at every decode step)."""
+    from transformers.integrations import sdpa_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, heads, length, 16, generator=g) for heads, length in ((4, 1), (2, 7), (2, 7)))
+    mask = torch.ones(5, 1, 1, 7, dtype=torch.bool)
+    mask[1, ..., :3] = False
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                           attn_mask=mask).transpose(1, 2)  # (R, 1, H, hd)
+    torch.testing.assert_close(model.grouped_sdpa(q, k, v, mask), ref, atol=1e-6, rtol=1e-5)
+    lm, prompts = eos_biased_model(105), toy_prompts()  # prompts of different lengths: a padding mask
+    assert lm.config.num_key_value_heads < lm.config.num_attention_heads
+    kwargs = dict(max_new_tokens=48, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
+    runs = {}
+    for attention in ("sdpa", model.PACKED_SDPA):
+        lm.set_attn_implementation(attention)
+        calls = []
+        monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: calls.append(x.shape[2]) or
+                            x.repeat_interleave(n, 1))
+        runs[attention] = generate(lm, prompts, temperature=0, **kwargs, written_out=False), calls
+    (ref, ref_calls), (r, calls) = runs["sdpa"], runs[model.PACKED_SDPA]
+    assert torch.equal(r.response_ids, ref.response_ids) and len(set(r.response_mask.sum(1).tolist())) > 1
+    torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    assert calls == [] and len(ref_calls) > 2 * lm.config.num_hidden_layers  # transformers': every step
+    sampled = generate(lm, prompts, generator=torch.Generator().manual_seed(1), **kwargs, written_out=False)
+    recomputed = recomputed_logprobs(lm, sampled, 1.0, REAL_VOCAB)
+    torch.testing.assert_close(sampled.logprobs[sampled.response_mask.bool()],
+                               recomputed[sampled.response_mask.bool()], atol=1e-5, rtol=0)
 
 
 def test_model_memory_estimate_counts_parameters_and_kv_cache():

@@ -1,5 +1,5 @@
 """rollout.py: the KV-cache sampler (greedy = model.generate, sampled frequencies, dropping rows, stopping early, the
-captured decode step) and token-budget micro-batches.
+plain engine's phases) and token-budget micro-batches; its fast decode steps: tests/test_fast_decode_*.py.
 """
 import os
 import tempfile
@@ -10,27 +10,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-import model
 import rollout
 from distributed.sharding import shard_policy
 from fast_decode import cuda_graphs, decode_step, engines
 from model import Policy, position_ids_from_mask, tiny_model, tiny_tokenizer
 from rollout import INSTRUCTION, Rollout, format_prompt, gathered, generate, sample_groups
-from tests.sampler_checks import REAL_VOCAB, recomputed_logprobs, toy_prompts, two_processes
+from tests.sampler_checks import REAL_VOCAB, eos_biased_model, recomputed_logprobs, toy_prompts, two_processes
 
 
 # ==================================================================================================================
 # rollout.py: the KV-cache sampler
 # ==================================================================================================================
-def _eos_biased_model(token: int, scale: float = 1.05):
-    """The tiny model with EOS's lm_head row set to `scale` x the row of `token`: EOS then wins wherever `token`
-    would (with a positive logit), so greedy responses stop at different lengths."""
-    lm = tiny_model()
-    with torch.no_grad():
-        lm.lm_head.weight[2] = scale * lm.lm_head.weight[token]
-    return lm
-
-
 def test_rollout_format_prompt():
     tok = tiny_tokenizer()
     ids = format_prompt(tok, "1+1")
@@ -41,7 +31,7 @@ def test_rollout_format_prompt():
 
 def test_rollout_greedy_equals_hf_generate():
     """Token-for-token equality with model.generate(do_sample=False), left padding, rows stopping early."""
-    lm, prompts = _eos_biased_model(105), toy_prompts()
+    lm, prompts = eos_biased_model(105), toy_prompts()
     r = generate(lm, prompts, 48, temperature=0, eos_token_id=2, pad_token_id=0)
     lengths = r.response_mask.sum(1)
     assert len({len(p) for p in prompts}) > 1 and len(set(lengths.tolist())) == len(prompts)  # all different
@@ -57,7 +47,7 @@ def test_rollout_prefills_each_prompt_once():
     """The G rows of a prompt are prefilled once and decode from copies of its KV cache: the prefill sees the 4
     distinct prompts, the first decode step all 12 rows, and the greedy tokens are model.generate's on the 12 rows
     (which prefills every row)."""
-    lm, prompts = _eos_biased_model(105), toy_prompts()
+    lm, prompts = eos_biased_model(105), toy_prompts()
     seen = []
     handle = lm.get_decoder().embed_tokens.register_forward_pre_hook(lambda module, args: seen.append(len(args[0])))
     r = sample_groups(lm, prompts, 3, max_new_tokens=48, temperature=0, eos_token_id=2, pad_token_id=0)
@@ -84,7 +74,7 @@ def _cache_rows_per_step(lm):
 def test_rollout_compaction_same_tokens(temperature, top_p):
     """Dropping finished rows (at any cadence) gives token for token the rollout of the fixed batch (compact=None,
     the sampler before compaction), for the same generator, with rows stopping at very different lengths."""
-    lm = _eos_biased_model(73)
+    lm = eos_biased_model(73)
     prompts = toy_prompts() * 6  # 24 rows
     kwargs = dict(max_new_tokens=40, temperature=temperature, top_p=top_p, eos_token_id=2, pad_token_id=0,
                   vocab_size=REAL_VOCAB if temperature else None)  # greedy: all rows, lengths 9..40
@@ -112,125 +102,12 @@ def test_rollout_compaction_same_tokens(temperature, top_p):
     assert len(sizes) > 1 and all(b <= 0.85 * a for a, b in zip(sizes, sizes[1:]))
 
 
-def test_rollout_in_place_cache_equals_dynamic_cache():
-    """Pins the transformers cache interface `decode_step.InPlaceCache` relies on (5.17-5.19: `update` returns what
-    attention reads, `get_seq_length` / `get_mask_sizes` give the length): a prefill of left-padded prompts, decode
-    steps, a row drop and more steps give the hidden states of transformers' DynamicCache with
-    `batch_select_indices`, while the cache is written in place (views of buffers allocated once) and a drop copies
-    only the rows moved into freed slots."""
-    from transformers import DynamicCache
-    lm = tiny_model()
-    decoder = lm.get_decoder()
-    prompt, prompt_mask = rollout.left_pad(toy_prompts(), 0)  # (4, P), rows of different lengths
-    B, P, T = 4, prompt.shape[1], 6
-    mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, T)], 1)  # (B, P+T)
-    positions = prompt_mask.sum(1, keepdim=True) + torch.arange(T)  # (B, T)
-    tokens = torch.randint(3, REAL_VOCAB, (B, T), generator=torch.Generator().manual_seed(0))
-    ours, ref = decode_step.InPlaceCache(lm.config, B, P + T), DynamicCache(config=lm.config)
-    copied = []
-    copy_rows = ours.copy_rows
-    ours.copy_rows = lambda dst, src, rows: (copied.append(len(dst)), copy_rows(dst, src, rows))
-    rows = torch.arange(B)
-    with torch.no_grad():
-        for cache in (ours, ref):
-            decoder(input_ids=prompt, attention_mask=prompt_mask, position_ids=position_ids_from_mask(prompt_mask),
-                    past_key_values=cache, use_cache=True)
-        buffer = ours.layers[0].key_buffer.data_ptr()
-        for t in range(T):
-            if t == 3:  # rows 0 and 2 finish: row 3 moves into slot 0, row 1 stays; the reference selects [1, 3]
-                order = decode_step.drop_finished(torch.tensor([False, True, False, True]), ours)
-                assert order.tolist() == [3, 1] and copied == [1]  # one row's cache copied, not both kept rows
-                ref.batch_select_indices(torch.tensor([1, 3]))
-                rows = rows[order]
-            outs = []
-            for cache, r in ((ours, rows), (ref, rows.sort().values)):
-                outs.append(decoder(input_ids=tokens[r, t:t + 1], attention_mask=mask[r, :P + t + 1],
-                                    position_ids=positions[r, t:t + 1], past_key_values=cache,
-                                    use_cache=True).last_hidden_state)
-            torch.testing.assert_close(outs[0], outs[1][rows.argsort().argsort()], atol=1e-6, rtol=0)
-            layer = ours.layers[0]
-            assert ours.get_seq_length() == P + t + 1 and layer.keys.shape == ref.layers[0].keys.shape
-            assert layer.keys.data_ptr() == buffer  # a view of the buffer allocated at the prefill
-    with pytest.raises(NotImplementedError, match="full attention"):
-        config = tiny_model().config
-        config.layer_types = ["sliding_attention"] * config.num_hidden_layers
-        decode_step.InPlaceCache(config, B, P + T)
-
-
-def test_rollout_onednn_linears_same_values():
-    """Inside `onednn_linears` every linear layer computes x W^T + b through oneDNN's reordered weights (as the
-    sampler's head does through `packed`): the values of F.linear up to fp32 rounding; afterwards the layers are
-    plain again. The packed path runs only where it applies (CPU, fp32 / bf16, not under autograd here)."""
-    lm = tiny_model()
-    linear = torch.nn.Linear(64, 48)  # with a bias
-    x = torch.randn(5, 1, 64)
-    head = lm.lm_head.weight[:REAL_VOCAB]
-    with torch.inference_mode():
-        ref = linear(x), torch.nn.functional.linear(x[:, 0], head)
-        with decode_step.onednn_linears(linear):
-            assert "forward" in vars(linear) and torch.backends.mkldnn.is_available()
-            torch.testing.assert_close(linear(x), ref[0], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(decode_step.packed(head)(x[:, 0]), ref[1], atol=1e-5, rtol=1e-5)
-    assert "forward" not in vars(linear) and torch.equal(linear(x), ref[0])
-    assert not decode_step._packs(torch.zeros(2, 2, dtype=torch.float16)) and decode_step._packs(head)
-
-
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
-def test_rollout_written_out_decode_step(family):
-    """`decode_step.DecodeStep` (the decode step written out layer by layer, on CPU) samples what the model's own
-    forward samples: greedy token for token and sampled with the same generator, log-probs to 1e-5, on left-padded
-    prompts (a padding mask), rows stopping at different lengths, for the three families it writes out (Qwen3's per-head
-    q/k norms, Llama, Qwen2's q/k/v biases, given random values here); the backbone's own forward then runs once, for
-    the prefill. A model it does not support (fp16 weights) decodes through the model's forward."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-    sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, tie_word_embeddings=False, bos_token_id=None, eos_token_id=2, pad_token_id=0,
-                 initializer_range=0.2)  # at the default 0.02 every prompt gets the same greedy tokens
-    torch.manual_seed(0)
-    lm = {"qwen3": lambda: tiny_model(),
-          "llama": lambda: LlamaForCausalLM(LlamaConfig(**sizes)).float().eval(),
-          "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**sizes)).float().eval()}[family]()
-    prompts = toy_prompts()
-    with torch.no_grad():
-        for m in lm.modules():
-            if isinstance(m, torch.nn.Linear) and m.bias is not None:
-                m.bias.normal_(0, 0.1)
-        # as _eos_biased_model: EOS wins wherever a token would, the first token for which greedy rows stop apart
-        eos_row = lm.lm_head.weight[2].clone()
-        for token in range(4, 128):
-            lm.lm_head.weight[2] = 1.05 * lm.lm_head.weight[token]
-            lengths = generate(lm, prompts, max_new_tokens=40, temperature=0, eos_token_id=2, pad_token_id=0,
-                               vocab_size=REAL_VOCAB, written_out=False).response_mask.sum(1)
-            if len(set(lengths.tolist())) > 2 and lengths.max() > 8:
-                break
-            lm.lm_head.weight[2] = eos_row
-    assert decode_step.DecodeStep.supports(lm)
-    assert family != "qwen2" or lm.model.layers[0].self_attn.q_proj.bias is not None
-    calls = []
-    handle = lm.get_decoder().register_forward_pre_hook(lambda module, args: calls.append(1))
-    for temperature in (0, 1.0):
-        runs = []
-        for written_out in (True, False):
-            calls.clear()
-            runs.append(generate(lm, prompts, max_new_tokens=40, temperature=temperature, eos_token_id=2,
-                                 pad_token_id=0, vocab_size=REAL_VOCAB, generator=torch.Generator().manual_seed(1),
-                                 written_out=written_out))
-            steps = int(runs[-1].response_mask.sum(1).max())
-            assert len(calls) == (1 if written_out else steps)  # the prefill only; else the prefill and each step
-        assert torch.equal(runs[0].response_ids, runs[1].response_ids)
-        torch.testing.assert_close(runs[0].logprobs, runs[1].logprobs, atol=1e-5, rtol=0)
-        assert runs[0].prompt_mask.float().mean() < 1 and steps > 8
-        assert temperature or len(set(runs[0].response_mask.sum(1).tolist())) > 2  # greedy rows stop apart
-    handle.remove()
-    assert not decode_step.DecodeStep.supports(lm.half())
-
-
 def test_plain_engine_takes_the_weights_once_per_phase(monkeypatch):
     """`PlainEngine.ready` builds one `DecodeStep` (the stacked, reordered weight copies) for every generate call of a
     rollout phase, samples what per-call steps sample, drops the copies at the end of the phase and builds them anew
     from the changed weights in the next (a step kept across phases would sample from the old weights). generate
     refuses the step of another model or vocabulary size."""
-    lm, prompts = _eos_biased_model(105), toy_prompts()
+    lm, prompts = eos_biased_model(105), toy_prompts()
     engine = rollout.PlainEngine(lm, 2, 0, REAL_VOCAB)
     built = []
     monkeypatch.setattr(decode_step.DecodeStep, "__init__", lambda self, *a, init=decode_step.DecodeStep.__init__:
@@ -260,111 +137,6 @@ def test_plain_engine_takes_the_weights_once_per_phase(monkeypatch):
                      vocab_size=other["vocab_size"], written_out=step)
 
 
-def _captured(lm, rows: int, max_len: int, vocab_size=REAL_VOCAB, **kwargs) -> cuda_graphs.CapturedStep:
-    """The captured step of `lm` (its CPU stand-in unless kwargs say otherwise), length blocks of 16 positions."""
-    return cuda_graphs.CapturedStep(decode_step.DecodeStep(lm, vocab_size), rows, max_len, **{"block": 16, **kwargs})
-
-
-@pytest.mark.parametrize("temperature, top_p", [(0, 1.0), (1.0, 1.0), (0.8, 0.9)])
-def test_rollout_captured_step_same_tokens_as_eager(monkeypatch, temperature, top_p):
-    """The captured step (here its CPU stand-in: the same body, run eagerly on the static buffers) samples what the
-    eager sampler samples for the same generator: tokens equal, log-probs to 1e-5, greedy and sampled, on left-padded
-    prompts whose rows stop at very different lengths. Each step runs at the smallest batch bucket (powers of two,
-    and the phase's 24 rows) that holds the running rows, which shrink as rows finish (compaction), and reads the
-    cache up to the written position rounded up to the length block."""
-    lm = _eos_biased_model(73)
-    prompts = toy_prompts() * 6  # 24 rows
-    kwargs = dict(max_new_tokens=40, temperature=temperature, top_p=top_p, eos_token_id=2, pad_token_id=0,
-                  vocab_size=REAL_VOCAB if temperature else None)  # greedy: all rows, lengths 9..40
-    ref = generate(lm, prompts, **kwargs, generator=torch.Generator().manual_seed(3))
-    P = ref.prompt_ids.shape[1]
-    captured = _captured(lm, 24, P + 40, kwargs["vocab_size"])
-    assert captured.buckets == [1, 2, 4, 8, 16, 24]
-    seen = []
-    monkeypatch.setattr(cuda_graphs.CapturedStep, "_body", lambda self, b, L, body=cuda_graphs.CapturedStep._body:
-                        seen.append((b, L, self.kv.get_seq_length())) or body(self, b, L))
-    r = generate(lm, prompts, **kwargs, generator=torch.Generator().manual_seed(3), written_out=captured)
-    assert torch.equal(r.response_ids, ref.response_ids) and torch.equal(r.response_mask, ref.response_mask)
-    assert torch.equal(r.truncated, ref.truncated)
-    torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
-    lengths = ref.response_mask.sum(1)
-    assert lengths.min() <= 12 and ref.truncated.any() and len(set(lengths.tolist())) >= 4  # very different
-    assert r.prompt_mask.min() == 0  # left padding
-    # step t writes token t's keys at position P + t, for the rows still running (those longer than t + 1 tokens)
-    running = [int((lengths > t + 1).sum()) for t in range(int(lengths.max()) - 1)]
-    assert seen == [(next(b for b in (1, 2, 4, 8, 16, 24) if b >= R), min(P + 40, (P + t) // 16 * 16 + 16), P + t)
-                    for t, R in enumerate(running)]
-    assert len({L for _, L, _ in seen}) >= 3 and len({b for b, _, _ in seen}) >= (1 if temperature == 1 else 2)
-
-
-def test_rollout_captured_step_contract(monkeypatch):
-    """The captured step's contract: its attention equals SDPA over the key/value heads repeated per head group; its
-    static buffers (KV cache, mask, inputs, logits) are allocated once and never again over the generate calls of a
-    phase (the prefill writes into them too); each step copies the running rows' inputs in, runs the body on views of
-    the static buffers only, and hands back a view of the static logits. With capture on (a recording stand-in for
-    the CUDA graph, replaying the body eagerly) each (bucket, length) is captured once, at its first step, and
-    replayed at every step, with the stand-in's tokens. A call larger than the static cache, or for another model,
-    is refused."""
-    assert cuda_graphs.batch_buckets(1) == [1] and cuda_graphs.batch_buckets(16) == [1, 2, 4, 8, 16]
-    assert cuda_graphs.batch_buckets(24) == [1, 2, 4, 8, 16, 24]
-    g = torch.Generator().manual_seed(0)  # its attention: SDPA over the key/value heads repeated per head group
-    q, k, v = (torch.randn(5, heads, length, 16, generator=g) for heads, length in ((8, 1), (2, 37), (2, 37)))
-    mask = torch.zeros(5, 1, 1, 37).index_fill_(3, torch.arange(30, 37), float("-inf"))  # unfilled positions
-    mask[1, ..., :5] = float("-inf")  # padding
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
-                                                           attn_mask=mask, scale=0.3).transpose(1, 2)  # (R, 1, H, hd)
-    torch.testing.assert_close(decode_step._grouped_attention(q, k, v, mask, 0.3), ref, atol=1e-6, rtol=1e-5)
-    lm, prompts = _eos_biased_model(105), toy_prompts()
-    kwargs = dict(max_new_tokens=30, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
-    P = rollout.left_pad(prompts, 0)[0].shape[1]
-    captured = _captured(lm, 8, P + 30)
-    static = [captured.mask, captured.token, captured.position, captured.column, captured.logits] + [
-        t for layer in captured.kv.layers for t in (layer.key_buffer, layer.value_buffer)]
-    pointers = [t.data_ptr() for t in static]
-    inputs, outputs = [], []
-    step_call = decode_step.DecodeStep.__call__
-    monkeypatch.setattr(decode_step.DecodeStep, "__call__", lambda self, token, position, mask, cache, column=None:
-                        inputs.append((token, position, mask, cache, column)) or step_call(
-                            self, token, position, mask, cache, column))
-    call = cuda_graphs.CapturedStep.__call__
-    monkeypatch.setattr(cuda_graphs.CapturedStep, "__call__", lambda self, *args: outputs.append(call(self, *args))
-                        or outputs[-1])
-    first = [generate(lm, prompts * 2, generator=torch.Generator().manual_seed(s), written_out=captured, **kwargs)
-             for s in (0, 1)]  # two calls of one phase
-    assert [t.data_ptr() for t in static] == pointers  # nothing reallocated
-    assert captured.kv.layers[0].keys.data_ptr() == pointers[5]  # the prefill wrote into the static buffer
-    for token, position, mask, cache, column in inputs:
-        assert token.data_ptr() == captured.token.data_ptr() and position.data_ptr() == captured.position.data_ptr()
-        assert mask.shape[0] == len(token) and cache is captured.kv and column is captured.column
-    assert all(o.data_ptr() == captured.logits.data_ptr() for o in outputs) and len(outputs) == len(inputs) > 20
-    # with capture: once per (bucket, length), replayed at every step
-    captures, replays = [], []
-
-    class Graph:
-        def __init__(self, step, key):
-            self.step, self.key = step, key
-
-        def replay(self):
-            replays.append(self.key)
-            self.step._body(*self.key)
-    monkeypatch.setattr(cuda_graphs.CapturedStep, "_capture", lambda self, b, L: captures.append((b, L)) or
-                        Graph(self, (b, L)))
-    graphs = _captured(lm, 8, P + 30, capture=True)
-    inputs.clear()
-    again = [generate(lm, prompts * 2, generator=torch.Generator().manual_seed(s), written_out=graphs, **kwargs)
-             for s in (0, 1)]
-    keys = [(len(token), mask.shape[1]) for token, _, mask, _, _ in inputs]
-    assert replays == keys and captures == list(dict.fromkeys(keys)) and len(captures) < len(keys)
-    assert sorted(graphs.graphs) == sorted(captures)
-    for a, b in zip(first, again):
-        assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
-    for rows, tokens in ((9, 30), (8, 31)):
-        with pytest.raises(ValueError, match="exceeds the phase's static cache"):
-            generate(lm, (prompts * 3)[:rows], written_out=captured, **dict(kwargs, max_new_tokens=tokens))
-    with pytest.raises(ValueError, match="DecodeStep of another model"):
-        generate(tiny_model(), prompts, written_out=captured, **kwargs)
-
-
 def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
     """`PlainEngine` with `captured` (train.py's --cuda-graphs on CUDA; the CPU stand-in here) makes one
     `CapturedStep` per rollout
@@ -372,7 +144,7 @@ def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
     (`max_len`, which make_engine takes from max_model_len), uses it for every generate call of the phase, samples
     what the eager engine samples, and drops it with the phase; a later call of the phase that needs more rows makes
     a larger one."""
-    lm, prompts = _eos_biased_model(105), toy_prompts()
+    lm, prompts = eos_biased_model(105), toy_prompts()
     tok = tiny_tokenizer()
     engine = engines.make_engine("plain", lm, tok, True, max_model_len=200)
     assert engine.max_len == 200 and not engine.captured  # the default: the eager step
@@ -392,41 +164,8 @@ def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
     torch.testing.assert_close(r.logprobs, eager.logprobs, atol=1e-5, rtol=0)
 
 
-def test_rollout_grouped_sdpa_no_repeated_cache(monkeypatch):
-    """`model.grouped_sdpa` (on CPU, when a mask is given, under model.PACKED_SDPA, which PlainEngine and Policy
-    give the model) equals SDPA over the key/value heads repeated per head group; the sampler then samples
-    left-padded prompts as under transformers' SDPA (greedy token for token, log-probs to 1e-5) without ever copying
-    the cache per head group (transformers' repeat_kv, at the prefill and at every decode step)."""
-    from transformers.integrations import sdpa_attention
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(5, heads, length, 16, generator=g) for heads, length in ((4, 1), (2, 7), (2, 7)))
-    mask = torch.ones(5, 1, 1, 7, dtype=torch.bool)
-    mask[1, ..., :3] = False
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
-                                                           attn_mask=mask).transpose(1, 2)  # (R, 1, H, hd)
-    torch.testing.assert_close(model.grouped_sdpa(q, k, v, mask), ref, atol=1e-6, rtol=1e-5)
-    lm, prompts = _eos_biased_model(105), toy_prompts()  # prompts of different lengths: a padding mask
-    assert lm.config.num_key_value_heads < lm.config.num_attention_heads
-    kwargs = dict(max_new_tokens=48, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
-    runs = {}
-    for attention in ("sdpa", model.PACKED_SDPA):
-        lm.set_attn_implementation(attention)
-        calls = []
-        monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: calls.append(x.shape[2]) or
-                            x.repeat_interleave(n, 1))
-        runs[attention] = generate(lm, prompts, temperature=0, **kwargs, written_out=False), calls
-    (ref, ref_calls), (r, calls) = runs["sdpa"], runs[model.PACKED_SDPA]
-    assert torch.equal(r.response_ids, ref.response_ids) and len(set(r.response_mask.sum(1).tolist())) > 1
-    torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
-    assert calls == [] and len(ref_calls) > 2 * lm.config.num_hidden_layers  # transformers': every step
-    sampled = generate(lm, prompts, generator=torch.Generator().manual_seed(1), **kwargs, written_out=False)
-    recomputed = recomputed_logprobs(lm, sampled, 1.0, REAL_VOCAB)
-    torch.testing.assert_close(sampled.logprobs[sampled.response_mask.bool()],
-                               recomputed[sampled.response_mask.bool()], atol=1e-5, rtol=0)
-
-
 def test_rollout_response_mask_and_truncation():
-    lm = _eos_biased_model(73)
+    lm = eos_biased_model(73)
     r = generate(lm, toy_prompts(), 40, temperature=0, eos_token_id=2, pad_token_id=0)
     lengths = r.response_mask.sum(1)
     assert lengths.tolist() == [14, 9, 19, 40] and r.truncated.tolist() == [False, False, False, True]
@@ -503,7 +242,7 @@ def test_rollout_padding_rows_never_sampled():
 
 
 def test_rollout_logprobs_equal_recomputed_forward():
-    lm = _eos_biased_model(73)
+    lm = eos_biased_model(73)
     for temperature, top_p in [(1.0, 1.0), (0.7, 0.9)]:
         r = sample_groups(lm, toy_prompts(), 3, max_new_tokens=30, temperature=temperature, top_p=top_p,
                           eos_token_id=2, pad_token_id=0, generator=torch.Generator().manual_seed(2),
@@ -517,7 +256,7 @@ def test_rollout_logprobs_equal_recomputed_forward():
 def test_rollout_logprobs_equal_policy_forward():
     """With all vocabulary rows (vocab_size=None) the sampler's log-probs are model.Policy's (the training forward);
     with vocab_size set, the Policy must mask the same rows for the two to agree."""
-    lm = _eos_biased_model(73)
+    lm = eos_biased_model(73)
     r = generate(lm, toy_prompts(), 30, temperature=0.7, eos_token_id=2, pad_token_id=0,
                  generator=torch.Generator().manual_seed(4))
     assert not any(x.is_inference() for x in (r.response_ids, r.response_mask, r.logprobs, r.truncated))
@@ -570,7 +309,7 @@ _FSDP_SEEDS = (15, 3)  # rank r samples with seed _FSDP_SEEDS[r]: all rows stop 
 
 
 def _fsdp_model():
-    lm = _eos_biased_model(73)
+    lm = eos_biased_model(73)
     with torch.no_grad():
         lm.lm_head.weight.mul_(4.0)  # a peaked distribution: EOS gets sampled
     return lm
@@ -774,18 +513,3 @@ def test_rollout_stop_text_window_and_vocabulary_filter():
     assert stop.ends(rows, 0).tolist() == [3, 1, -1] and stop.ends(rows, 2).tolist() == [3, -1, -1]
     with pytest.raises(ValueError, match="non-empty"):
         rollout.StopText(tok, [""])
-
-
-def test_plain_engine_passes_the_stop_text():
-    """make_engine(stop_text=...) gives the plain engine the texts; its rows end where `generate`'s do."""
-    tok = tiny_tokenizer()
-    lm = tiny_model()
-    prompts = [format_prompt(tok, p, chat=False, instruction="") for p in ("12", "ab", "x y")]
-    engine = engines.make_engine("plain", lm, tok, chat=False, stop_text=["e", " t"])
-    with engine.ready(lm):
-        got = engine.sample(prompts, 2, [7], 3, 20, 1.0, 1.0)
-    want = sample_groups(lm, prompts, 2, max_new_tokens=20, eos_token_id=engine.eos, pad_token_id=engine.pad,
-                         vocab_size=REAL_VOCAB, generator=torch.Generator().manual_seed(7),
-                         stop_text=rollout.StopText(tok, ["e", " t"]))
-    assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.response_mask, want.response_mask)
-    assert any("e" in t or " t" in t for t in got.texts(tok))
