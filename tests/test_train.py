@@ -7,21 +7,28 @@ import subprocess
 import sys
 import warnings
 from contextlib import contextmanager
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
 
+import config
 import eval as ev
+import model
 import reward
 import rollout
+import s2t
+import stapo
 import train
 from command_line import errors
 from data import heldout_count, load_rows, read_rows
 from fast_decode import engines
-from model import tiny_model, tiny_tokenizer
+from model import Policy, tiny_model, tiny_tokenizer
 from rollout import format_prompt
+from tests.model_batches import packing_batch
 from tests.toy_task import (
     ANSWER,
     BUDGET_KEYS,
@@ -75,6 +82,59 @@ def test_train_token_budget_does_not_change_update(tmp_path, monkeypatch):
             pad, shared = [m["batch/pad_frac"] for m in first], [m["batch/shared_frac"] for m in first]
             assert pad[0] == 0 and 0 <= min(pad) and max(pad) < 0.1, pad  # one row each: no padding
             assert shared[0] == 0 and shared[1] <= shared[2] and 0 < shared[2] < 0.9, shared  # one row each: none
+
+
+def _rows_one_by_one(lm, batch, temperature):
+    """(logprobs, entropy), each (B, T): every row alone through the plain HF model (no packing, no padding)."""
+    logprobs, entropy = torch.zeros(batch.response_ids.shape), torch.zeros(batch.response_ids.shape)
+    for i in range(len(batch)):
+        ids = torch.cat([batch.prompt_ids[i][batch.prompt_mask[i].bool()],
+                         batch.response_ids[i][batch.response_mask[i].bool()]])[None]  # (1, l)
+        n, p = int(batch.response_mask[i].sum()), int(batch.prompt_mask[i].sum())
+        logp = (lm(input_ids=ids).logits[0, p - 1:-1] / temperature).log_softmax(-1)  # (n, V)
+        logprobs[i, :n] = logp.gather(1, ids[0, p:, None])[:, 0]
+        entropy[i, :n] = -(logp.exp() * logp).sum(-1).detach()
+    return logprobs, entropy
+
+
+@pytest.mark.parametrize("algo", stapo.ALGORITHMS)
+def test_train_packed_rows_match_each_row_alone(algo):
+    """Every algorithm: the gradient `train.accumulate_gradients` accumulates with rows packed into micro-batches
+    (model.Policy: one row of real tokens, a shared prompt once, attention kept within each sequence; budgets
+    10**6 = all rows in one packed row, 16, 1 = one row each) = the independent computation with each row alone
+    through the plain HF model and the loss of stapo.policy_loss on it: the same loss and gradients."""
+    torch.manual_seed(0)
+    lm = tiny_model()
+    policy, batch, T = Policy(lm), packing_batch(), 0.8
+    cfg = config.Config(algo=algo, temperature=T, tau_p=0.2, kl_beta=0.04 if algo == "grpo" else 0.0)
+    g = torch.Generator().manual_seed(1)
+    mask = batch.response_mask.float()
+    logprobs, entropy = _rows_one_by_one(lm, batch, T)
+    old = (logprobs.detach() + 0.15 * torch.randn(mask.shape, generator=g)) * mask  # ratios away from 1: clipping
+    ref = (logprobs.detach() + 0.1 * torch.randn(mask.shape, generator=g)) * mask if algo == "grpo" else None
+    adv = stapo.group_advantages(torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, -1.0]), 3)[:, None].expand_as(mask)
+    weights, _, _, den = stapo.token_weights(algo, logprobs.detach(), entropy, adv, mask, cfg.tau_p, cfg.quantile,
+                                             keys=s2t.random_keys(0, range(len(mask)), mask.shape[1]))
+    clip = stapo.clip_range(cfg.algo, cfg.clip_low, cfg.clip_high)
+    want, _ = stapo.policy_loss(logprobs, old, adv, weights, *clip, cfg.dual_clip, den)
+    if ref is not None:
+        want = want + cfg.kl_beta * (weights * stapo.kl_k3(logprobs, ref)).sum() / den
+    want_grads = torch.autograd.grad(want, list(lm.parameters()))
+    assert sum(g.abs().sum() for g in want_grads) > 0
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for budget in (10**6, 16, 1):
+            run = SimpleNamespace(cfg=replace(cfg, max_tokens_per_micro_batch=budget), device=torch.device("cpu"),
+                                  policy=policy, world=1)
+            lm.zero_grad(set_to_none=True)
+            mb = train.MiniBatch(batch, adv, model.TokenStats(old, None, None), ref,
+                                 torch.ones(len(batch), dtype=torch.bool))
+            loss = train.accumulate_gradients(run, mb, weights, float(den)).loss
+            assert loss == pytest.approx(want.item(), abs=1e-6), budget  # the KL term included
+            for p_, w_ in zip(lm.parameters(), want_grads):
+                torch.testing.assert_close(p_.grad, w_, atol=1e-6, rtol=1e-4)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_train_on_policy_forward_stands_in_for_the_pi_old_pass(tmp_path, monkeypatch):
