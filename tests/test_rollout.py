@@ -185,6 +185,22 @@ def test_rollout_response_mask_and_truncation():
     assert "<|im_end|>" in tok.decode(r.response_ids[0]) and "<|im_end|>" not in texts[0]
 
 
+def test_rollout_stop_ends_a_call_at_the_next_check():
+    """generate(stop=...): asked at every stop check (each decode step on CPU), a true answer ends the call there, so a
+    stop signal during a long rollout does not wait for it; without it the same call runs to its end."""
+    lm, prompts, asked = tiny_model(), toy_prompts(), []
+
+    def stop():
+        asked.append(1)
+        return len(asked) >= 3
+
+    whole = generate(lm, prompts, max_new_tokens=30, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    cut = generate(lm, prompts, max_new_tokens=30, temperature=1.0, generator=torch.Generator().manual_seed(0),
+                   stop=stop)
+    assert whole.response_ids.shape[1] > 10 and cut.response_ids.shape[1] == 3 and len(asked) == 3
+    assert torch.equal(cut.response_ids, whole.response_ids[:, :3].masked_fill(cut.response_mask == 0, 0))
+
+
 def test_rollout_sampling_frequencies_chi_square():
     """Frequencies of the first sampled token match softmax(z / temperature) over the real rows."""
     lm = tiny_model(vocab_size=8)

@@ -1,11 +1,15 @@
-"""train.py: the training loop end to end (learning, token budgets, on policy, console and samples, one-line errors,
-every algorithm, a policy on another device than the rollout engine).
+"""train.py: the training loop end to end (learning, token budgets, packed rows, on policy, console and samples,
+one-line errors, every algorithm, a policy on another device than the rollout engine, --entropy-change, the loggers).
+Its runs across one folder: tests/test_train_resume.py; on 2 processes: tests/test_train_distributed.py.
 """
+import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import warnings
+from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import replace
 from types import SimpleNamespace
@@ -28,6 +32,7 @@ from data import heldout_count, load_rows, read_rows
 from fast_decode import engines
 from model import Policy, tiny_model, tiny_tokenizer
 from rollout import format_prompt
+from step_metrics import step_log
 from tests.model_batches import packing_batch
 from tests.toy_task import (
     ANSWER,
@@ -638,3 +643,96 @@ def test_train_no_eval_before_and_the_evaluation_before_is_the_seeds(tmp_path, m
              for n in ("stapo", "justrl", "none")}
     assert evals["stapo"][0]["step"] == 0 and evals["stapo"][0] == evals["justrl"][0]
     assert [e["step"] for e in evals["none"]] == [1]
+
+
+def test_train_entropy_change_per_kind_of_token(tmp_path, monkeypatch):
+    """--entropy-change logs the mean entropy change an update made at silenced tokens, kept candidates and other
+    tokens. With lr 0 the policy does not move: every change is exactly 0 (the positions before and after are the
+    same); with lr 1e-2 the update moves them; without the flag the keys are absent."""
+    patch_toy_task(monkeypatch, EVEN)
+    data = toy_data(tmp_path)
+    keys = [f"entropy_change/{kind}" for kind in ("silenced", "candidate", "other")]
+    with one_thread():
+        for lr in (0.0, 1e-2):
+            assert train.main(toy_args(data, tmp_path / f"lr{lr}", steps=2, lr=lr, tau_p=0.5, entropy_change=True,
+                                        export_hf=False)) == 0
+        assert train.main(toy_args(data, tmp_path / "off", steps=1, export_hf=False)) == 0
+    still, moved = read_metrics(tmp_path / "lr0.0"), read_metrics(tmp_path / "lr0.01")
+    assert sum(m["updates"] for m in still) > 0 and sum(m["s2t/silenced"] for m in still) > 0
+    assert all(m[k] == 0.0 for m in still for k in keys), still
+    assert any(m["entropy_change/other"] != 0.0 for m in moved)
+    assert not any(k in read_metrics(tmp_path / "off")[0] for k in keys)
+    for m in still + moved:  # the kind x part split: shares of the gradient norm, tokens, entropy change
+        tokens = m["response/len_mean"] * 16  # 4 prompts x G 4, each in one mini-batch
+        assert sum(m[f"shares/n_{cell}"] for cell in step_log.CELLS) == pytest.approx(tokens)
+        assert sum(m[f"shares/grad_{cell}"] for cell in step_log.CELLS) == pytest.approx(1.0)
+    assert all(m[f"shares/dH_{cell}"] == 0.0 for m in still for cell in step_log.CELLS)
+    assert any(m[f"shares/dH_{cell}"] != 0.0 for m in moved for cell in step_log.CELLS)
+
+
+def test_train_sets_mkl_reproducibility_before_torch_loads():
+    """train.py asks MKL for conditional numerical reproducibility before torch loads it: without it, SmolLM2's
+    backward at 2 threads differed in the last bits from run to run (layers 0-20, 1e-6), so a resumed CPU run drifted
+    from the uninterrupted one (`python -m tools.bench preempt`); a value the user set is kept."""
+    code = "import os, sys; import train; print(os.environ['MKL_CBWR'], 'torch' in sys.modules)"
+    for env, expected in (({}, "AUTO,STRICT True"), ({"MKL_CBWR": "COMPATIBLE"}, "COMPATIBLE True")):
+        env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"} | env
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env)
+        assert out.stdout.strip() == expected, out.stderr[-2000:]
+    source = (ROOT / "train.py").read_text()
+    assert source.index('os.environ.setdefault("MKL_CBWR"') < source.index("\nimport torch")
+
+
+# ---------------------------------------------------------------- the loggers (run_folder.Logger)
+
+@pytest.mark.parametrize("name", ["tensorboard", "wandb"])
+def test_train_logger_gets_the_metrics_keys(tmp_path, monkeypatch, name):
+    """--logger receives exactly the keys of metrics.jsonl and eval.jsonl lines, at their steps."""
+    if importlib.util.find_spec(name) is None:
+        pytest.skip(f"{name} is not installed (optional: pip install {name})")
+    patch_toy_task(monkeypatch, EVEN)
+    logged = []
+    if name == "wandb":
+        import wandb
+
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        monkeypatch.setenv("WANDB_SILENT", "true")
+        log = wandb.sdk.wandb_run.Run.log
+        monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log",
+                            lambda self, data, step=None, **kw: (logged.append((step, dict(data))),
+                                                                 log(self, data, step=step, **kw))[1])
+    out = tmp_path / "run"
+    with one_thread():
+        assert train.main(toy_args(toy_data(tmp_path), out, steps=2, heldout=4, logger=name,
+                                    export_hf=False)) == 0
+    lines = read_metrics(out) + [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    expected = {key for line in lines for key in line if key != "step" and not isinstance(line[key], list)}
+    assert "eval/correct" not in expected  # the per-problem counts stay in eval.jsonl
+    if name == "tensorboard":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+        events.Reload()
+        assert set(events.Tags()["scalars"]) == expected
+        logged = [(e.step, {key: e.value}) for key in expected for e in events.Scalars(key)]
+    else:
+        assert list((out / "wandb").glob("offline-run-*"))
+    got = defaultdict(dict)
+    for step, data in logged:
+        got[step].update(data)
+    assert {key for data in got.values() for key in data} == expected
+    for line in lines:
+        for key, value in line.items():
+            if key != "step" and not isinstance(value, list):
+                assert got[line["step"]][key] == pytest.approx(value, rel=1e-6), key
+
+
+def test_train_logger_missing_package_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else find_spec(n, *a))
+    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", logger="tensorboard")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install tensorboard" in err[0] and not (tmp_path / "run").exists()
+    assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", logger="mlflow")) == 2
+    assert "unknown --logger 'mlflow'" in capsys.readouterr().err

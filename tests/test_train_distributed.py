@@ -1,5 +1,5 @@
-"""train.py on 2 processes (torchrun, gloo, FSDP2) against 1 process: losses, parameters, token budgets, micro-batch
-counts.
+"""train.py on 2 processes (train.py's tests, split by topic; torchrun, gloo, FSDP2) against 1 process: losses,
+parameters, token budgets, micro-batch counts; a bad input on one rank.
 """
 import importlib.util
 import json
@@ -126,3 +126,20 @@ def test_train_stop_text_and_quantile_window_two_processes_match_one(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     tensors_close(load_file(tmp_path / "one" / "hf" / "model.safetensors"),
            load_file(tmp_path / "two" / "hf" / "model.safetensors"), atol=1e-5)
+
+
+def test_train_bad_input_on_one_rank_is_one_line_naming_it(tmp_path):
+    """A data error on rank 1 only (a file one node cannot read): both ranks exit 2 and rank 0 prints it once,
+    naming rank 1. A step asking for more prompts than the data has is refused in one line. (Rank 1's errors were
+    never printed: the user saw a gloo 'Connection reset by peer' traceback.)"""
+    data = toy_data(tmp_path)
+    proc = run_train(tmp_path, toy_args(data, tmp_path / "run"), nproc=2, hook=("hook_data_unreadable_on_rank_1",),
+                expect=None)
+    errors = [x for x in proc.stderr.splitlines() if "train.py: error:" in x]
+    assert proc.returncode != 0 and errors == ["train.py: error: rank 1: toy.jsonl line 3: unreadable here"], errors
+    assert not (tmp_path / "run").exists()
+    proc = run_train(tmp_path, toy_args(data, tmp_path / "big", prompts_per_step=100, mini_batch_prompts=100),
+                expect=2)
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "train.py: error: --prompts-per-step 100 is more than the 55 training problems of "
+        f"{data} (a step takes each at most once): lower it")
