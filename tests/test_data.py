@@ -1,5 +1,5 @@
-"""data.py and tasks/: reading your own files (errors that name the line, the fields and the flag), the chain-sums
-task.
+"""data.py: reading your own files (errors that name the line, the fields and the flag, repeated rows), without the
+`datasets` package for a .jsonl file.
 """
 import json
 import subprocess
@@ -9,7 +9,7 @@ import pytest
 
 import eval as ev
 import model
-from data import answer_value, read_jsonl, read_rows, repeated_note
+from data import answer_value, read_rows, repeated_note
 from tests.toy_task import ROOT
 
 
@@ -73,21 +73,3 @@ def test_read_rows_of_a_jsonl_file_needs_no_datasets(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0 and done.stdout.strip() == (
         "([{'problem': '1+1?', 'answer': '2', 'fields': {'q': '1+1?', 'a': '2'}}], 0)"), done.stderr
-
-
-def test_chain_sums_task(tmp_path):
-    """tasks/chain_sums.py: worked answers, prompts of three examples and a question, the reward of the first block
-    only (not of the examples the model goes on to invent), and a data file its generator reproduces."""
-    from tasks import chain_sums
-
-    assert chain_sums.worked((3, 5, 2)) == "3 + 5 = 8, 8 + 2 = 10. The answer is 10."
-    row = chain_sums.problem((1, 2, 4))
-    assert row["answer"] == "7" and row["prompt"].endswith("\n\nQ: 1 + 2 + 4 = ?\nA:")
-    assert row["prompt"].count("The answer is") == 3
-    right, wrong = " 1 + 2 = 3, 3 + 4 = 7. The answer is 7.", " 1 + 2 = 3, 3 + 4 = 8. The answer is 8."
-    assert chain_sums.reward(right + "\n\nQ: 2 + 2 + 2 = ?\nA: The answer is 6.", "7") == 1
-    assert chain_sums.reward(wrong + "\n\nQ: 1 + 2 + 4 = ?\nA: The answer is 7.", "7") == -1
-    chain_sums.main(tmp_path / "sums.jsonl")
-    assert (tmp_path / "sums.jsonl").read_text() == (ROOT / "tasks" / "chain_sums.jsonl").read_text()
-    rows = [row for _, row in read_jsonl(str(ROOT / "tasks" / "chain_sums.jsonl"))]
-    assert len(rows) == 726 == len({r["prompt"] for r in rows})

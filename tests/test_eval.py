@@ -1,4 +1,5 @@
-"""eval.py: benchmarks and metrics, end to end on a tiny model, --run and --regrade, one-line errors."""
+"""eval.py: its command line, benchmarks and metrics, end to end on a tiny model, --run and --regrade, one-line
+errors."""
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ from data import builtin_task, load_rows
 from fast_decode import engines
 from memory.estimate import kv_cache_bytes
 from model import tiny_tokenizer
-from rollout import format_prompt
+from rollout import INSTRUCTION, format_prompt
 from tests.sampler_checks import REAL_VOCAB
 from tests.toy_task import EVEN, ROOT, TESTDATA, TOY_VOCAB, one_thread, patch_toy_task, reward_jsonl, toy_args, toy_data
 
@@ -28,6 +29,23 @@ from tests.toy_task import EVEN, ROOT, TESTDATA, TOY_VOCAB, one_thread, patch_to
 # eval.py: benchmarks and metrics
 # ==================================================================================================================
 DATA = TESTDATA / "benchmarks"
+
+
+def test_eval_cli_flags_and_help(capsys):
+    cfg = ev.parse_config(["--models", "a", "lbl=b", "--benchmarks", "gsm8k", "--no-chat", "--k", "8",
+                           "--preset", "justrl", "--max-new-tokens", "16"])
+    assert cfg == ev.Config(models=["a", "lbl=b"], benchmarks=["gsm8k"], chat=False, k=8, preset="justrl",
+                            max_new_tokens=16, temperature=0.7, top_p=0.9, instruction=INSTRUCTION, seed=0,
+                            out="out/eval")
+    assert ev.parse_config([]) == ev.Config(temperature=1.0, top_p=1.0, instruction=INSTRUCTION, seed=0,
+                                            out="out/eval")
+    assert ev.parse_config(["--preset", "justrl", "--temperature", "0.5"]).top_p == 0.9  # a flag beats the preset
+    assert ev.parse_config(["--instruction", ""]).instruction == ""  # no instruction, not the default one
+    with pytest.raises(SystemExit):
+        ev.parse_config(["--preset", "greedy"])
+    with pytest.raises(SystemExit):
+        ev.parse_config(["--help"])
+    assert "temperature 0.7, top-p 0.9" in capsys.readouterr().out
 
 
 def test_eval_every_local_benchmark_loads_with_gold():

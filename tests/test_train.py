@@ -736,3 +736,24 @@ def test_train_logger_missing_package_is_a_one_line_error(tmp_path, monkeypatch,
     assert len(err) == 1 and "pip install tensorboard" in err[0] and not (tmp_path / "run").exists()
     assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", logger="mlflow")) == 2
     assert "unknown --logger 'mlflow'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- randmask's keys (train.random_keys)
+
+def test_algo_randmask_keys_do_not_depend_on_the_ranks():
+    """train.random_keys: rank r of W holds rows r*b..r*b+b-1 of the mini-batch (train.rank_slice); its keys are those
+    rows' keys of one process, whatever T its rows were padded to."""
+    cfg = config.Config(seed=3, max_response_len=8)
+    whole = train.random_keys(SimpleNamespace(cfg=cfg, rank=0), 2, 1, _keys_mb(6, 8))  # (6, 8)
+    for world in (2, 3):
+        b = 6 // world
+        for rank in range(world):
+            T = 8 - rank  # ranks pad their rows to different lengths
+            got = train.random_keys(SimpleNamespace(cfg=cfg, rank=rank), 2, 1, _keys_mb(b, T))
+            assert torch.equal(got, whole[rank * b:(rank + 1) * b, :T])
+    assert not torch.equal(whole, train.random_keys(SimpleNamespace(cfg=cfg, rank=0), 2, 0, _keys_mb(6, 8)))
+    assert not torch.equal(whole, train.random_keys(SimpleNamespace(cfg=cfg, rank=0), 3, 1, _keys_mb(6, 8)))
+
+
+def _keys_mb(b, T):
+    return SimpleNamespace(rollout=SimpleNamespace(response_ids=torch.zeros(b, T, dtype=torch.long)))
