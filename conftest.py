@@ -1,7 +1,7 @@
 """The suite's settings, loaded by pytest before any test file: its own GGUF and kernel caches, removed
-when the process that made them exits. The helpers several test files share are modules named for
-them in tests/: toy_task.py (the toy task and its runs), sampler_checks.py (the sampler tests'
-prompts and references), run_hooks.py (what testdata/train_run.py calls before training).
+when the process that made them exits, and an idle machine's load for every test. The helpers several
+test files share are modules named for them in tests/ (toy_task.py, sampler_checks.py, model_batches.py,
+s2t_threshold.py, run_hooks.py), never names in this file.
 """
 import atexit
 import os

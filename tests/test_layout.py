@@ -1,5 +1,8 @@
-"""The layout (docs/layout.md): the tutorial at the top, the machinery in folders; no import circle; the budgets."""
+"""The layout (docs/layout.md): the tutorial at the top, the machinery in folders; no import circle; the budgets; one
+test file per code file, named for its path (docs/tests.md)."""
 import ast
+import re
+from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,3 +111,78 @@ def test_budgets():
         body = ast.parse((ROOT / path).read_text()).body
         if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
             assert body[0].end_lineno - body[0].lineno + 1 <= 20, path
+
+
+# ---------------------------------------------------------------- the tests follow the layout (docs/tests.md)
+CORE = {"stapo.py": "test_stapo.py", "s2t.py": "test_stapo.py"}  # the paper's core: one test file at the top
+SPLITS = {"tests/test_train_resume.py": "train.py", "tests/test_train_distributed.py": "train.py"}  # train.py's tests,
+# split by topic beside tests/test_train.py
+NOT_CODE = {"tests/test_layout.py": "docs/layout.md", "tests/test_readme.py": "README.md"}  # the layout, the README
+
+
+def rule_test_file(path: str) -> str:
+    """The test file of a code file: a/b.py -> tests/test_a_b.py, x.py -> tests/test_x.py, a package's a/__init__.py
+    -> tests/test_a.py; stapo.py and s2t.py -> test_stapo.py."""
+    p = Path(path)
+    parts = p.parent.parts if p.name == "__init__.py" else p.with_suffix("").parts
+    return CORE.get(path, f"tests/test_{'_'.join(parts)}.py")
+
+
+def _named_files() -> list[str]:
+    """The files test files are named for: every .py file of the repository but the tests (tests/, testdata/,
+    test_stapo.py): the top level, the folders, tools/, tasks/, examples/, conftest.py."""
+    return [p for p in _python_files() if not p.startswith(("tests/", "testdata/")) and p != "test_stapo.py"]
+
+
+def _holds_code(path: str) -> bool:
+    """More than a module docstring (a folder's __init__.py that only says what the folder holds has no tests)."""
+    body = ast.parse((ROOT / path).read_text()).body
+    return len(body) > (1 if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else 0)
+
+
+def files_tested() -> dict[str, list[str]]:
+    """{test file on disk: the files it tests by the rule}: [] for one named for no file, two for an ambiguous name."""
+    by_test = defaultdict(list)
+    for path in _named_files():
+        by_test[rule_test_file(path)].append(path)
+    for test, tested in {**SPLITS, **NOT_CODE}.items():
+        by_test[test].append(tested)
+    on_disk = ["test_stapo.py"] + [str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")]
+    return {test: sorted(by_test[test]) for test in sorted(on_disk)}
+
+
+def test_every_test_file_is_named_for_the_code_file_it_tests():
+    """tests/test_a_b.py tests a/b.py (the path with `/` written `_`) and nothing else; the exceptions are few and
+    named: test_stapo.py (stapo.py and s2t.py), train.py's files split by topic beside tests/test_train.py, and the
+    layout's and the README's own tests. No two files share a test file's name."""
+    tested = files_tested()
+    assert {test: files for test, files in tested.items() if len(files) != 1 and test != "test_stapo.py"} == {}
+    assert tested["test_stapo.py"] == ["s2t.py", "stapo.py"]
+    assert all((ROOT / rule_test_file(base)).is_file() for base in SPLITS.values())  # split from tests/test_train.py
+    names = [rule_test_file(p) for p in _named_files() if p not in CORE]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    # the rule itself, on names that exist and some that do not
+    assert [rule_test_file(p) for p in ("train.py", "run_folder/lock.py", "run_folder/__init__.py", "s2t.py")] == [
+        "tests/test_train.py", "tests/test_run_folder_lock.py", "tests/test_run_folder.py", "test_stapo.py"]
+
+
+def test_docs_list_every_code_files_tests():
+    """docs/tests.md's table gives every code file (a file with more than a docstring) the test files the rule names
+    for it, train.py's split files marked as split by topic, and says "none of its own" where there is none; what
+    follows "through" names other tests that reach it."""
+    text = (ROOT / "docs" / "tests.md").read_text()
+    rows = dict(re.findall(r"^\| `([^`]+)` \| (.*) \|$", text, re.M))
+    expected = defaultdict(list)
+    for test, files in files_tested().items():
+        for path in files:
+            expected[path].append(test)
+    files = sorted({p for p in _named_files() if _holds_code(p)} | set(expected))
+    assert sorted(rows) == files
+    for path in files:
+        own = rows[path].split("through")[0]
+        listed = sorted(t for t in re.findall(r"`([^`]+)`", own) if re.fullmatch(r"(tests/)?test_\w+\.py", t))
+        if expected[path]:
+            assert listed == sorted(expected[path]), path
+        else:
+            assert rows[path].startswith("none of its own"), path
+    assert "split by topic" in rows["train.py"]
