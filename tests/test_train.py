@@ -1,15 +1,13 @@
 """train.py: the training loop end to end (learning, token budgets, packed rows, on policy, console and samples,
-one-line errors, every algorithm, a policy on another device than the rollout engine, --entropy-change, the loggers).
+one-line errors, every algorithm, a policy on another device than the rollout engine, --entropy-change, MKL).
 Its runs across one folder: tests/test_train_resume.py; on 2 processes: tests/test_train_distributed.py.
 """
-import importlib.util
 import json
 import math
 import os
 import subprocess
 import sys
 import warnings
-from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import replace
 from types import SimpleNamespace
@@ -681,61 +679,6 @@ def test_train_sets_mkl_reproducibility_before_torch_loads():
         assert out.stdout.strip() == expected, out.stderr[-2000:]
     source = (ROOT / "train.py").read_text()
     assert source.index('os.environ.setdefault("MKL_CBWR"') < source.index("\nimport torch")
-
-
-# ---------------------------------------------------------------- the loggers (run_folder.Logger)
-
-@pytest.mark.parametrize("name", ["tensorboard", "wandb"])
-def test_train_logger_gets_the_metrics_keys(tmp_path, monkeypatch, name):
-    """--logger receives exactly the keys of metrics.jsonl and eval.jsonl lines, at their steps."""
-    if importlib.util.find_spec(name) is None:
-        pytest.skip(f"{name} is not installed (optional: pip install {name})")
-    patch_toy_task(monkeypatch, EVEN)
-    logged = []
-    if name == "wandb":
-        import wandb
-
-        monkeypatch.setenv("WANDB_MODE", "offline")
-        monkeypatch.setenv("WANDB_SILENT", "true")
-        log = wandb.sdk.wandb_run.Run.log
-        monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log",
-                            lambda self, data, step=None, **kw: (logged.append((step, dict(data))),
-                                                                 log(self, data, step=step, **kw))[1])
-    out = tmp_path / "run"
-    with one_thread():
-        assert train.main(toy_args(toy_data(tmp_path), out, steps=2, heldout=4, logger=name,
-                                    export_hf=False)) == 0
-    lines = read_metrics(out) + [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
-    expected = {key for line in lines for key in line if key != "step" and not isinstance(line[key], list)}
-    assert "eval/correct" not in expected  # the per-problem counts stay in eval.jsonl
-    if name == "tensorboard":
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-        events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
-        events.Reload()
-        assert set(events.Tags()["scalars"]) == expected
-        logged = [(e.step, {key: e.value}) for key in expected for e in events.Scalars(key)]
-    else:
-        assert list((out / "wandb").glob("offline-run-*"))
-    got = defaultdict(dict)
-    for step, data in logged:
-        got[step].update(data)
-    assert {key for data in got.values() for key in data} == expected
-    for line in lines:
-        for key, value in line.items():
-            if key != "step" and not isinstance(value, list):
-                assert got[line["step"]][key] == pytest.approx(value, rel=1e-6), key
-
-
-def test_train_logger_missing_package_is_a_one_line_error(tmp_path, monkeypatch, capsys):
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else find_spec(n, *a))
-    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
-    assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", logger="tensorboard")) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "pip install tensorboard" in err[0] and not (tmp_path / "run").exists()
-    assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", logger="mlflow")) == 2
-    assert "unknown --logger 'mlflow'" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- randmask's keys (train.random_keys)
