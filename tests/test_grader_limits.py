@@ -44,8 +44,6 @@ def test_reward_hostile_input_is_fast_and_harmless(name, tmp_path, monkeypatch):
 
 
 _GRADE_MARGIN_S = 1.5  # a bound with headroom for a busy machine, not a race: measured overshoot < 0.15 s
-
-
 # (open, close) of every nesting construct the grader reads; each is fed 10,000 deep, 5,000 wide and unclosed
 _REWARD_NESTING = {"box": ("\\boxed{", "}"), "fbox": ("\\fbox{", "}"), "brace": ("{", "}"),
                    "frac": ("\\frac{1}{", "}"), "frac numerator": ("\\frac{", "}{3}"), "sqrt": ("\\sqrt{", "}"),

@@ -359,8 +359,6 @@ def test_train_hf_export_reproduces_logprobs(tmp_path, monkeypatch):
 # logs, verified checkpoints, exports)
 # ==================================================================================================================
 _TIMES = {"time/rollout_s", "time/update_s", "tokens_per_s"}
-
-
 # what 1 and 2 processes compute alike (the micro-batch layout, batch/*, is per rank; evaluations are seeded per rank)
 _ANY_WORLD = ("reward/mean", "reward/acc", "response/len_mean", "loss/policy", "grad_norm", "entropy/mean",
               "s2t/candidates", "s2t/silenced", "updates")
