@@ -240,7 +240,7 @@ def test_eval_kv_cache_budget_bounds_every_call(tmp_path, monkeypatch, capsys):
         made.update(kwargs, row=kv_cache_bytes(lm.config, 1, kwargs["max_model_len"], 4))
         return Recording(lm, rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, REAL_VOCAB)
 
-    monkeypatch.setattr(engines, "make_engine", make_engine)
+    monkeypatch.setattr(choice, "make_engine", make_engine)
     _run_tiny(tmp_path)  # --batch-size 4: 2 problems x k 2 per call
     assert calls == [4, 2] * 2 and made["kv_cache_memory_bytes"] == 4 * made["row"], calls
     calls.clear()
@@ -292,10 +292,10 @@ def _record_sampling(monkeypatch) -> list[dict]:
     """Wrap rollout.sample_groups: each call's prompts and sampling arguments are appended to the returned list."""
     calls, sample = [], rollout.sample_groups
 
-    def recorded(lm, prompts, k, **kw):
-        calls.append({"prompts": prompts, "k": k, **{key: kw[key] for key in ("temperature", "top_p",
-                                                                              "max_new_tokens")}})
-        return sample(lm, prompts, k, **kw)
+    def recorded(lm, prompts, k, sampling, **kw):
+        calls.append({"prompts": prompts, "k": k, **{key: getattr(sampling, key) for key in (
+            "temperature", "top_p", "max_new_tokens")}})
+        return sample(lm, prompts, k, sampling, **kw)
 
     monkeypatch.setattr(rollout, "sample_groups", recorded)
     return calls

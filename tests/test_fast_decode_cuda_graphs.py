@@ -28,16 +28,17 @@ def test_rollout_captured_step_same_tokens_as_eager(monkeypatch, temperature, to
     cache up to the written position rounded up to the length block."""
     lm = eos_biased_model(73)
     prompts = toy_prompts() * 6  # 24 rows
-    kwargs = dict(max_new_tokens=40, temperature=temperature, top_p=top_p, eos_token_id=2, pad_token_id=0,
-                  vocab_size=REAL_VOCAB if temperature else None)  # greedy: all rows, lengths 9..40
-    ref = generate(lm, prompts, **kwargs, generator=torch.Generator().manual_seed(3))
+    sampling = Sampling(40, temperature, top_p, eos_token_id=2, pad_token_id=0,  # greedy: all rows,
+                        vocab_size=REAL_VOCAB if temperature else None)  # lengths 9..40
+    ref = generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(3))
     P = ref.prompt_ids.shape[1]
-    captured = _captured(lm, 24, P + 40, kwargs["vocab_size"])
+    captured = _captured(lm, 24, P + 40, sampling.vocab_size)
     assert captured.buckets == [1, 2, 4, 8, 16, 24]
     seen = []
     monkeypatch.setattr(cuda_graphs.CapturedStep, "_body", lambda self, b, L, body=cuda_graphs.CapturedStep._body:
                         seen.append((b, L, self.kv.get_seq_length())) or body(self, b, L))
-    r = generate(lm, prompts, **kwargs, generator=torch.Generator().manual_seed(3), written_out=captured)
+    r = generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(3),
+                 written_out=captured)
     assert torch.equal(r.response_ids, ref.response_ids) and torch.equal(r.response_mask, ref.response_mask)
     assert torch.equal(r.truncated, ref.truncated)
     torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
@@ -69,7 +70,7 @@ def test_rollout_captured_step_contract(monkeypatch):
                                                            attn_mask=mask, scale=0.3).transpose(1, 2)  # (R, 1, H, hd)
     torch.testing.assert_close(decode_step._grouped_attention(q, k, v, mask, 0.3), ref, atol=1e-6, rtol=1e-5)
     lm, prompts = eos_biased_model(105), toy_prompts()
-    kwargs = dict(max_new_tokens=30, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
+    sampling = Sampling(30, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
     P = rollout.left_pad(prompts, 0)[0].shape[1]
     captured = _captured(lm, 8, P + 30)
     static = [captured.mask, captured.token, captured.position, captured.column, captured.logits] + [
@@ -83,8 +84,8 @@ def test_rollout_captured_step_contract(monkeypatch):
     call = cuda_graphs.CapturedStep.__call__
     monkeypatch.setattr(cuda_graphs.CapturedStep, "__call__", lambda self, *args: outputs.append(call(self, *args))
                         or outputs[-1])
-    first = [generate(lm, prompts * 2, generator=torch.Generator().manual_seed(s), written_out=captured, **kwargs)
-             for s in (0, 1)]  # two calls of one phase
+    first = [generate(lm, prompts * 2, sampling, generator=torch.Generator().manual_seed(s),
+                      written_out=captured) for s in (0, 1)]  # two calls of one phase
     assert [t.data_ptr() for t in static] == pointers  # nothing reallocated
     assert captured.kv.layers[0].keys.data_ptr() == pointers[5]  # the prefill wrote into the static buffer
     for token, position, mask, cache, column in inputs:
@@ -105,8 +106,8 @@ def test_rollout_captured_step_contract(monkeypatch):
                         Graph(self, (b, L)))
     graphs = _captured(lm, 8, P + 30, capture=True)
     inputs.clear()
-    again = [generate(lm, prompts * 2, generator=torch.Generator().manual_seed(s), written_out=graphs, **kwargs)
-             for s in (0, 1)]
+    again = [generate(lm, prompts * 2, sampling, generator=torch.Generator().manual_seed(s),
+                      written_out=graphs) for s in (0, 1)]
     keys = [(len(token), mask.shape[1]) for token, _, mask, _, _ in inputs]
     assert replays == keys and captures == list(dict.fromkeys(keys)) and len(captures) < len(keys)
     assert sorted(graphs.graphs) == sorted(captures)
@@ -114,6 +115,7 @@ def test_rollout_captured_step_contract(monkeypatch):
         assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
     for rows, tokens in ((9, 30), (8, 31)):
         with pytest.raises(ValueError, match="exceeds the phase's static cache"):
-            generate(lm, (prompts * 3)[:rows], written_out=captured, **dict(kwargs, max_new_tokens=tokens))
+            generate(lm, (prompts * 3)[:rows], replace(sampling, max_new_tokens=tokens),
+                     written_out=captured)
     with pytest.raises(ValueError, match="DecodeStep of another model"):
-        generate(tiny_model(), prompts, written_out=captured, **kwargs)
+        generate(tiny_model(), prompts, sampling, written_out=captured)

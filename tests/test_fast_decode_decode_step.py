@@ -102,8 +102,9 @@ def test_rollout_written_out_decode_step(family):
         eos_row = lm.lm_head.weight[2].clone()
         for token in range(4, 128):
             lm.lm_head.weight[2] = 1.05 * lm.lm_head.weight[token]
-            lengths = generate(lm, prompts, max_new_tokens=40, temperature=0, eos_token_id=2, pad_token_id=0,
-                               vocab_size=REAL_VOCAB, written_out=False).response_mask.sum(1)
+            greedy = Sampling(40, temperature=0, eos_token_id=2, pad_token_id=0,
+                              vocab_size=REAL_VOCAB)
+            lengths = generate(lm, prompts, greedy, written_out=False).response_mask.sum(1)
             if len(set(lengths.tolist())) > 2 and lengths.max() > 8:
                 break
             lm.lm_head.weight[2] = eos_row
@@ -115,8 +116,9 @@ def test_rollout_written_out_decode_step(family):
         runs = []
         for written_out in (True, False):
             calls.clear()
-            runs.append(generate(lm, prompts, max_new_tokens=40, temperature=temperature, eos_token_id=2,
-                                 pad_token_id=0, vocab_size=REAL_VOCAB, generator=torch.Generator().manual_seed(1),
+            sampling = Sampling(40, temperature, eos_token_id=2, pad_token_id=0,
+                                vocab_size=REAL_VOCAB)
+            runs.append(generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(1),
                                  written_out=written_out))
             steps = int(runs[-1].response_mask.sum(1).max())
             assert len(calls) == (1 if written_out else steps)  # the prefill only; else the prefill and each step

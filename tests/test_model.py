@@ -283,19 +283,21 @@ def test_rollout_grouped_sdpa_no_repeated_cache(monkeypatch):
     torch.testing.assert_close(model.grouped_sdpa(q, k, v, mask), ref, atol=1e-6, rtol=1e-5)
     lm, prompts = eos_biased_model(105), toy_prompts()  # prompts of different lengths: a padding mask
     assert lm.config.num_key_value_heads < lm.config.num_attention_heads
-    kwargs = dict(max_new_tokens=48, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
+    sampling = Sampling(48, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
     runs = {}
     for attention in ("sdpa", model.PACKED_SDPA):
         lm.set_attn_implementation(attention)
         calls = []
         monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: calls.append(x.shape[2]) or
                             x.repeat_interleave(n, 1))
-        runs[attention] = generate(lm, prompts, temperature=0, **kwargs, written_out=False), calls
+        greedy = replace(sampling, temperature=0)
+        runs[attention] = generate(lm, prompts, greedy, written_out=False), calls
     (ref, ref_calls), (r, calls) = runs["sdpa"], runs[model.PACKED_SDPA]
     assert torch.equal(r.response_ids, ref.response_ids) and len(set(r.response_mask.sum(1).tolist())) > 1
     torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
     assert calls == [] and len(ref_calls) > 2 * lm.config.num_hidden_layers  # transformers': every step
-    sampled = generate(lm, prompts, generator=torch.Generator().manual_seed(1), **kwargs, written_out=False)
+    sampled = generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(1),
+                       written_out=False)
     recomputed = recomputed_logprobs(lm, sampled, 1.0, REAL_VOCAB)
     torch.testing.assert_close(sampled.logprobs[sampled.response_mask.bool()],
                                recomputed[sampled.response_mask.bool()], atol=1e-5, rtol=0)

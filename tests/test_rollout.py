@@ -32,7 +32,7 @@ def test_rollout_format_prompt():
 def test_rollout_greedy_equals_hf_generate():
     """Token-for-token equality with model.generate(do_sample=False), left padding, rows stopping early."""
     lm, prompts = eos_biased_model(105), toy_prompts()
-    r = generate(lm, prompts, 48, temperature=0, eos_token_id=2, pad_token_id=0)
+    r = generate(lm, prompts, Sampling(48, temperature=0, eos_token_id=2, pad_token_id=0))
     lengths = r.response_mask.sum(1)
     assert len({len(p) for p in prompts}) > 1 and len(set(lengths.tolist())) == len(prompts)  # all different
     assert not r.truncated.any() and r.response_ids.shape[1] == lengths.max() < 48  # every row stopped early
@@ -50,7 +50,7 @@ def test_rollout_prefills_each_prompt_once():
     lm, prompts = eos_biased_model(105), toy_prompts()
     seen = []
     handle = lm.get_decoder().embed_tokens.register_forward_pre_hook(lambda module, args: seen.append(len(args[0])))
-    r = sample_groups(lm, prompts, 3, max_new_tokens=48, temperature=0, eos_token_id=2, pad_token_id=0)
+    r = sample_groups(lm, prompts, 3, Sampling(48, temperature=0, eos_token_id=2, pad_token_id=0))
     handle.remove()
     assert seen[:2] == [4, 12] and len(r) == 12
     P = r.prompt_ids.shape[1]
@@ -76,13 +76,14 @@ def test_rollout_compaction_same_tokens(temperature, top_p):
     the sampler before compaction), for the same generator, with rows stopping at very different lengths."""
     lm = eos_biased_model(73)
     prompts = toy_prompts() * 6  # 24 rows
-    kwargs = dict(max_new_tokens=40, temperature=temperature, top_p=top_p, eos_token_id=2, pad_token_id=0,
-                  vocab_size=REAL_VOCAB if temperature else None)  # greedy: all rows, lengths 9..40
+    sampling = Sampling(40, temperature, top_p, eos_token_id=2, pad_token_id=0,  # greedy: all rows,
+                        vocab_size=REAL_VOCAB if temperature else None)  # lengths 9..40
     seen, handle = _cache_rows_per_step(lm)
     runs = {}
     for compact in (None, 0.15, 1e-9):
         seen.clear()
-        runs[compact] = generate(lm, prompts, **kwargs, compact=compact, generator=torch.Generator().manual_seed(3))
+        runs[compact] = generate(lm, prompts, sampling, compact=compact,
+                                 generator=torch.Generator().manual_seed(3))
         runs[compact].cache_rows = list(seen)
     handle.remove()
     ref = runs[None]
@@ -133,8 +134,8 @@ def test_plain_engine_takes_the_weights_once_per_phase(monkeypatch):
     step = decode_step.DecodeStep(lm, REAL_VOCAB)
     for other in (dict(model=tiny_model(), vocab_size=REAL_VOCAB), dict(model=lm, vocab_size=None)):
         with pytest.raises(ValueError, match="DecodeStep of another model or vocab_size"):
-            generate(other["model"], prompts, max_new_tokens=4, eos_token_id=2, pad_token_id=0,
-                     vocab_size=other["vocab_size"], written_out=step)
+            sampling = Sampling(4, eos_token_id=2, pad_token_id=0, vocab_size=other["vocab_size"])
+            generate(other["model"], prompts, sampling, written_out=step)
 
 
 def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
@@ -146,9 +147,9 @@ def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
     a larger one."""
     lm, prompts = eos_biased_model(105), toy_prompts()
     tok = tiny_tokenizer()
-    engine = engines.make_engine("plain", lm, tok, True, max_model_len=200)
+    engine = choice.make_engine("plain", lm, tok, True, max_model_len=200)
     assert engine.max_len == 200 and not engine.captured  # the default: the eager step
-    assert engines.make_engine("plain", lm, tok, True, captured=True).captured
+    assert choice.make_engine("plain", lm, tok, True, captured=True).captured
     eager = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)
     engine.captured, built = True, []
     monkeypatch.setattr(cuda_graphs.CapturedStep, "__init__", lambda self, *a, init=cuda_graphs.CapturedStep.__init__:
@@ -166,7 +167,7 @@ def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
 
 def test_rollout_response_mask_and_truncation():
     lm = eos_biased_model(73)
-    r = generate(lm, toy_prompts(), 40, temperature=0, eos_token_id=2, pad_token_id=0)
+    r = generate(lm, toy_prompts(), Sampling(40, temperature=0, eos_token_id=2, pad_token_id=0))
     lengths = r.response_mask.sum(1)
     assert lengths.tolist() == [14, 9, 19, 40] and r.truncated.tolist() == [False, False, False, True]
     for ids, mask, n, trunc in zip(r.response_ids, r.response_mask, lengths, r.truncated):
@@ -194,8 +195,8 @@ def test_rollout_stop_ends_a_call_at_the_next_check():
         asked.append(1)
         return len(asked) >= 3
 
-    whole = generate(lm, prompts, max_new_tokens=30, temperature=1.0, generator=torch.Generator().manual_seed(0))
-    cut = generate(lm, prompts, max_new_tokens=30, temperature=1.0, generator=torch.Generator().manual_seed(0),
+    whole = generate(lm, prompts, Sampling(30, 1.0), generator=torch.Generator().manual_seed(0))
+    cut = generate(lm, prompts, Sampling(30, 1.0), generator=torch.Generator().manual_seed(0),
                    stop=stop)
     assert whole.response_ids.shape[1] > 10 and cut.response_ids.shape[1] == 3 and len(asked) == 3
     assert torch.equal(cut.response_ids, whole.response_ids[:, :3].masked_fill(cut.response_mask == 0, 0))
@@ -207,8 +208,8 @@ def test_rollout_sampling_frequencies_chi_square():
     with torch.no_grad():
         lm.lm_head.weight.mul_(8.0)  # spread the logits so a wrong temperature is detectable
     n, temperature, real = 4000, 0.7, 6  # rows 6, 7 are "padding" rows
-    r = generate(lm, [[1, 5, 3]] * n, 1, temperature=temperature, eos_token_id=2, pad_token_id=0,
-                 generator=torch.Generator().manual_seed(0), vocab_size=real)
+    sampling = Sampling(1, temperature, eos_token_id=2, pad_token_id=0, vocab_size=real)
+    r = generate(lm, [[1, 5, 3]] * n, sampling, generator=torch.Generator().manual_seed(0))
     counts = torch.bincount(r.response_ids[:, 0], minlength=8).double()  # (8,)
     assert counts[real:].sum() == 0
     with torch.no_grad():
@@ -227,8 +228,9 @@ def test_rollout_sampling_frequencies_chi_square():
 
 def test_rollout_top_p_stays_in_nucleus():
     lm, top_p, temperature = tiny_model(), 0.6, 0.8
-    r = generate(lm, toy_prompts() * 4, 24, temperature=temperature, top_p=top_p, eos_token_id=2, pad_token_id=0,
-                 generator=torch.Generator().manual_seed(1), vocab_size=REAL_VOCAB)
+    sampling = Sampling(24, temperature, top_p, eos_token_id=2, pad_token_id=0,
+                        vocab_size=REAL_VOCAB)
+    r = generate(lm, toy_prompts() * 4, sampling, generator=torch.Generator().manual_seed(1))
     input_ids, attention_mask = r.training_inputs()
     with torch.no_grad():
         logits = lm(input_ids=input_ids, attention_mask=attention_mask,
@@ -250,19 +252,21 @@ def test_rollout_padding_rows_never_sampled():
     with torch.no_grad():
         lm.lm_head.weight[REAL_VOCAB:] = 20 * lm.lm_head.weight[REAL_VOCAB:]  # padding rows now dominate
     prompts = toy_prompts()
-    r = generate(lm, prompts, 16, eos_token_id=2, pad_token_id=0, generator=torch.Generator().manual_seed(0),
-                 vocab_size=REAL_VOCAB)
+    sampling = Sampling(16, eos_token_id=2, pad_token_id=0)
+    r = generate(lm, prompts, replace(sampling, vocab_size=REAL_VOCAB),
+                 generator=torch.Generator().manual_seed(0))
     assert r.response_ids.max() < REAL_VOCAB
-    unmasked = generate(lm, prompts, 16, eos_token_id=2, pad_token_id=0, generator=torch.Generator().manual_seed(0))
+    unmasked = generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(0))
     assert (unmasked.response_ids >= REAL_VOCAB).float().mean() > 0.5  # without vocab_size they would be
 
 
 def test_rollout_logprobs_equal_recomputed_forward():
     lm = eos_biased_model(73)
     for temperature, top_p in [(1.0, 1.0), (0.7, 0.9)]:
-        r = sample_groups(lm, toy_prompts(), 3, max_new_tokens=30, temperature=temperature, top_p=top_p,
-                          eos_token_id=2, pad_token_id=0, generator=torch.Generator().manual_seed(2),
-                          vocab_size=REAL_VOCAB)
+        sampling = Sampling(30, temperature, top_p, eos_token_id=2, pad_token_id=0,
+                            vocab_size=REAL_VOCAB)
+        r = sample_groups(lm, toy_prompts(), 3, sampling,
+                          generator=torch.Generator().manual_seed(2))
         assert len(r) == 12 and r.truncated.any() and not r.truncated.all()
         mask = r.response_mask.bool()
         recomputed = recomputed_logprobs(lm, r, temperature, REAL_VOCAB)
@@ -273,14 +277,14 @@ def test_rollout_logprobs_equal_policy_forward():
     """With all vocabulary rows (vocab_size=None) the sampler's log-probs are model.Policy's (the training forward);
     with vocab_size set, the Policy must mask the same rows for the two to agree."""
     lm = eos_biased_model(73)
-    r = generate(lm, toy_prompts(), 30, temperature=0.7, eos_token_id=2, pad_token_id=0,
-                 generator=torch.Generator().manual_seed(4))
+    sampling = Sampling(30, temperature=0.7, eos_token_id=2, pad_token_id=0)
+    r = generate(lm, toy_prompts(), sampling, generator=torch.Generator().manual_seed(4))
     assert not any(x.is_inference() for x in (r.response_ids, r.response_mask, r.logprobs, r.truncated))
     logprobs = Policy(lm)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]  # (B, T), with autograd
     logprobs.sum().backward()  # the rollout's tensors are usable in training
     torch.testing.assert_close(r.logprobs, logprobs.detach(), atol=1e-5, rtol=0)
     # The sampler drops rows >= vocab_size from its softmax; Policy(vocab_size=...) must drop the same rows.
-    r = generate(lm, toy_prompts(), 30, temperature=0.7, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB,
+    r = generate(lm, toy_prompts(), replace(sampling, vocab_size=REAL_VOCAB),
                  generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         masked = Policy(lm, vocab_size=REAL_VOCAB)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]
@@ -306,15 +310,15 @@ def test_rollout_same_seed_same_rollout():
     lm, prompts = tiny_model(), toy_prompts()
 
     def run(seed):
-        return generate(lm, prompts, 20, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB,
-                        generator=torch.Generator().manual_seed(seed))
+        sampling = Sampling(20, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
+        return generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(seed))
 
     with gathered(Policy(lm)):  # a no-op without FSDP
         a = run(7)
     b, c = run(7), run(8)
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
     assert not torch.equal(a.response_ids, c.response_ids)
-    groups = sample_groups(lm, prompts[:2], 4, max_new_tokens=20, eos_token_id=2, pad_token_id=0,
+    groups = sample_groups(lm, prompts[:2], 4, Sampling(20, eos_token_id=2, pad_token_id=0),
                            generator=torch.Generator().manual_seed(7))
     assert torch.equal(groups.prompt_ids[0], groups.prompt_ids[3]) and not torch.equal(groups.prompt_ids[3],
                                                                                      groups.prompt_ids[4])
@@ -332,8 +336,8 @@ def _fsdp_model():
 
 
 def _fsdp_generate(lm, seed):
-    return generate(lm, toy_prompts(), 40, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB,
-                    generator=torch.Generator().manual_seed(seed))
+    sampling = Sampling(40, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
+    return generate(lm, toy_prompts(), sampling, generator=torch.Generator().manual_seed(seed))
 
 
 def _fsdp_worker(rank: int, init_file: str, out_dir: str):
@@ -496,8 +500,9 @@ def test_rollout_stop_text_ends_rows_where_the_text_first_appears():
     kinds = set()
     for seed in range(6):
         for compact in (0.0, None):  # dropping finished rows changes no token
-            full, cut = (generate(lm, prompts, 30, temperature=1.0, eos_token_id=2, pad_token_id=0, vocab_size=V,
-                                  generator=torch.Generator().manual_seed(seed), compact=compact, stop_text=s)
+            full, cut = (generate(lm, prompts, Sampling(30, 1.0, eos_token_id=2, pad_token_id=0,
+                                                        vocab_size=V, stop_text=s),
+                                  generator=torch.Generator().manual_seed(seed), compact=compact)
                          for s in (None, stop))
             for i in range(len(prompts)):
                 ids = full.response_ids[i][full.response_mask[i].bool()].tolist()

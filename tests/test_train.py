@@ -116,8 +116,9 @@ def test_train_packed_rows_match_each_row_alone(algo):
     old = (logprobs.detach() + 0.15 * torch.randn(mask.shape, generator=g)) * mask  # ratios away from 1: clipping
     ref = (logprobs.detach() + 0.1 * torch.randn(mask.shape, generator=g)) * mask if algo == "grpo" else None
     adv = stapo.group_advantages(torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, -1.0]), 3)[:, None].expand_as(mask)
+    keys = s2t.random_keys(0, range(len(mask)), mask.shape[1])
     weights, _, _, den = stapo.token_weights(algo, logprobs.detach(), entropy, adv, mask, cfg.tau_p, cfg.quantile,
-                                             keys=s2t.random_keys(0, range(len(mask)), mask.shape[1]))
+                                             stapo.MiniBatchContext(keys=keys))
     clip = stapo.clip_range(cfg.algo, cfg.clip_low, cfg.clip_high)
     want, _ = stapo.policy_loss(logprobs, old, adv, weights, *clip, cfg.dual_clip, den)
     if ref is not None:
@@ -512,8 +513,10 @@ def test_train_policy_on_another_device_than_the_rollout_engine(tmp_path, monkey
     monkeypatch.setattr(train, "init_distributed", lambda timeout_min=60: (*start()[:2], _OTHER))
     monkeypatch.setattr(train, "load_model", lambda name, device=None, **kw: (
         tiny_model(vocab_size=TOY_VOCAB)._apply(OnOther if device == _OTHER else lambda t: t), tiny_tokenizer()))
-    monkeypatch.setattr(engines, "make_engine", lambda name, lm, tokenizer, chat, stop=None, **kw: _CPUCopyEngine(
-        tiny_model(vocab_size=TOY_VOCAB), rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, TOY_VOCAB))
+    monkeypatch.setattr(choice, "make_engine", lambda name, lm, tokenizer, chat, stop=None, **kw:
+                        _CPUCopyEngine(tiny_model(vocab_size=TOY_VOCAB),
+                                       rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id,
+                                       TOY_VOCAB))
     adamw = torch.optim.AdamW  # the fused kernel refuses the simulated device (meta); the update is the same
     monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kw: adamw(params, **{**kw, "fused": False}))
     data = varied_data(tmp_path)
@@ -549,13 +552,13 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
         "held-out accuracy before training", "held-out accuracy after 1 step"]
     metrics = read_metrics(tmp_path / "run")
     assert out[-3].startswith(f"stapo silenced {int(metrics[0]['s2t/silenced'])} tokens in ")
-    assert out[-2].startswith("logit-gradient norm vs p: Spearman ")  # RQ1's correlations (plots.correlation_line)
+    assert out[-2].startswith("logit-gradient norm vs p: Spearman ")  # figures.correlation_line
     steps = [{"s2t/silenced": 3.0, "s2t/candidates": 5.0}, {"s2t/silenced": 0.0, "s2t/candidates": 1.0},
              {"s2t/silenced": 2.0, "s2t/candidates": 2.0}]
-    assert plots.silenced_summary("stapo", steps, ["spurious.jsonl", "s2t.png"]) == (
+    assert figures.silenced_summary("stapo", steps, ["spurious.jsonl", "s2t.png"]) == (
         "stapo silenced 5 tokens in 2 of 3 steps; S2T candidates (A > 0, p < tau_p): 8 (metrics.jsonl s2t/*; see "
         "spurious.jsonl, s2t.png)")
-    assert plots.silenced_summary("justrl", [], []) == (
+    assert figures.silenced_summary("justrl", [], []) == (
         "justrl silenced 0 tokens in 0 of 0 steps; S2T candidates (A > 0, p < tau_p): 0 (metrics.jsonl s2t/*)")
     logs = [n for n in ("config.json", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl",
                         "tokens.jsonl") if (tmp_path / "run" / n).exists()]  # a log without lines is never made
