@@ -274,10 +274,10 @@ def _record_sampling(monkeypatch) -> list[dict]:
     """Wrap rollout.sample_groups: each call's prompts and sampling arguments are appended to the returned list."""
     calls, sample = [], rollout.sample_groups
 
-    def recorded(lm, prompts, k, **kw):
-        calls.append({"prompts": prompts, "k": k, **{key: kw[key] for key in ("temperature", "top_p",
-                                                                              "max_new_tokens")}})
-        return sample(lm, prompts, k, **kw)
+    def recorded(lm, prompts, k, sampling, **kw):
+        calls.append({"prompts": prompts, "k": k, **{key: getattr(sampling, key) for key in (
+            "temperature", "top_p", "max_new_tokens")}})
+        return sample(lm, prompts, k, sampling, **kw)
 
     monkeypatch.setattr(rollout, "sample_groups", recorded)
     return calls

@@ -15,7 +15,7 @@ import rollout
 from distributed.sharding import shard_policy
 from fast_decode import cuda_graphs, decode_step, engines
 from model import Policy, position_ids_from_mask, tiny_model, tiny_tokenizer
-from rollout import INSTRUCTION, Rollout, format_prompt, gathered, generate, sample_groups
+from rollout import INSTRUCTION, Rollout, Sampling, format_prompt, gathered, generate, sample_groups
 from tests.sampler_checks import REAL_VOCAB, recomputed_logprobs, toy_prompts, two_processes
 
 
@@ -42,7 +42,7 @@ def test_rollout_format_prompt():
 def test_rollout_greedy_equals_hf_generate():
     """Token-for-token equality with model.generate(do_sample=False), left padding, rows stopping early."""
     lm, prompts = _eos_biased_model(105), toy_prompts()
-    r = generate(lm, prompts, 48, temperature=0, eos_token_id=2, pad_token_id=0)
+    r = generate(lm, prompts, Sampling(48, temperature=0, eos_token_id=2, pad_token_id=0))
     lengths = r.response_mask.sum(1)
     assert len({len(p) for p in prompts}) > 1 and len(set(lengths.tolist())) == len(prompts)  # all different
     assert not r.truncated.any() and r.response_ids.shape[1] == lengths.max() < 48  # every row stopped early
@@ -60,7 +60,7 @@ def test_rollout_prefills_each_prompt_once():
     lm, prompts = _eos_biased_model(105), toy_prompts()
     seen = []
     handle = lm.get_decoder().embed_tokens.register_forward_pre_hook(lambda module, args: seen.append(len(args[0])))
-    r = sample_groups(lm, prompts, 3, max_new_tokens=48, temperature=0, eos_token_id=2, pad_token_id=0)
+    r = sample_groups(lm, prompts, 3, Sampling(48, temperature=0, eos_token_id=2, pad_token_id=0))
     handle.remove()
     assert seen[:2] == [4, 12] and len(r) == 12
     P = r.prompt_ids.shape[1]
@@ -86,13 +86,14 @@ def test_rollout_compaction_same_tokens(temperature, top_p):
     the sampler before compaction), for the same generator, with rows stopping at very different lengths."""
     lm = _eos_biased_model(73)
     prompts = toy_prompts() * 6  # 24 rows
-    kwargs = dict(max_new_tokens=40, temperature=temperature, top_p=top_p, eos_token_id=2, pad_token_id=0,
-                  vocab_size=REAL_VOCAB if temperature else None)  # greedy: all rows, lengths 9..40
+    sampling = Sampling(40, temperature, top_p, eos_token_id=2, pad_token_id=0,
+                        vocab_size=REAL_VOCAB if temperature else None)  # greedy: all rows, lengths 9..40
     seen, handle = _cache_rows_per_step(lm)
     runs = {}
     for compact in (None, 0.15, 1e-9):
         seen.clear()
-        runs[compact] = generate(lm, prompts, **kwargs, compact=compact, generator=torch.Generator().manual_seed(3))
+        runs[compact] = generate(lm, prompts, sampling, compact=compact,
+                                 generator=torch.Generator().manual_seed(3))
         runs[compact].cache_rows = list(seen)
     handle.remove()
     ref = runs[None]
@@ -199,8 +200,8 @@ def test_rollout_written_out_decode_step(family):
         eos_row = lm.lm_head.weight[2].clone()
         for token in range(4, 128):
             lm.lm_head.weight[2] = 1.05 * lm.lm_head.weight[token]
-            lengths = generate(lm, prompts, max_new_tokens=40, temperature=0, eos_token_id=2, pad_token_id=0,
-                               vocab_size=REAL_VOCAB, written_out=False).response_mask.sum(1)
+            greedy = Sampling(40, temperature=0, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
+            lengths = generate(lm, prompts, greedy, written_out=False).response_mask.sum(1)
             if len(set(lengths.tolist())) > 2 and lengths.max() > 8:
                 break
             lm.lm_head.weight[2] = eos_row
@@ -212,8 +213,8 @@ def test_rollout_written_out_decode_step(family):
         runs = []
         for written_out in (True, False):
             calls.clear()
-            runs.append(generate(lm, prompts, max_new_tokens=40, temperature=temperature, eos_token_id=2,
-                                 pad_token_id=0, vocab_size=REAL_VOCAB, generator=torch.Generator().manual_seed(1),
+            sampling = Sampling(40, temperature, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
+            runs.append(generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(1),
                                  written_out=written_out))
             steps = int(runs[-1].response_mask.sum(1).max())
             assert len(calls) == (1 if written_out else steps)  # the prefill only; else the prefill and each step
@@ -256,8 +257,8 @@ def test_plain_engine_takes_the_weights_once_per_phase(monkeypatch):
     step = decode_step.DecodeStep(lm, REAL_VOCAB)
     for other in (dict(model=tiny_model(), vocab_size=REAL_VOCAB), dict(model=lm, vocab_size=None)):
         with pytest.raises(ValueError, match="DecodeStep of another model or vocab_size"):
-            generate(other["model"], prompts, max_new_tokens=4, eos_token_id=2, pad_token_id=0,
-                     vocab_size=other["vocab_size"], written_out=step)
+            generate(other["model"], prompts, Sampling(4, eos_token_id=2, pad_token_id=0,
+                                                       vocab_size=other["vocab_size"]), written_out=step)
 
 
 def _captured(lm, rows: int, max_len: int, vocab_size=REAL_VOCAB, **kwargs) -> cuda_graphs.CapturedStep:
@@ -274,16 +275,16 @@ def test_rollout_captured_step_same_tokens_as_eager(monkeypatch, temperature, to
     cache up to the written position rounded up to the length block."""
     lm = _eos_biased_model(73)
     prompts = toy_prompts() * 6  # 24 rows
-    kwargs = dict(max_new_tokens=40, temperature=temperature, top_p=top_p, eos_token_id=2, pad_token_id=0,
-                  vocab_size=REAL_VOCAB if temperature else None)  # greedy: all rows, lengths 9..40
-    ref = generate(lm, prompts, **kwargs, generator=torch.Generator().manual_seed(3))
+    sampling = Sampling(40, temperature, top_p, eos_token_id=2, pad_token_id=0,
+                        vocab_size=REAL_VOCAB if temperature else None)  # greedy: all rows, lengths 9..40
+    ref = generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(3))
     P = ref.prompt_ids.shape[1]
-    captured = _captured(lm, 24, P + 40, kwargs["vocab_size"])
+    captured = _captured(lm, 24, P + 40, sampling.vocab_size)
     assert captured.buckets == [1, 2, 4, 8, 16, 24]
     seen = []
     monkeypatch.setattr(cuda_graphs.CapturedStep, "_body", lambda self, b, L, body=cuda_graphs.CapturedStep._body:
                         seen.append((b, L, self.kv.get_seq_length())) or body(self, b, L))
-    r = generate(lm, prompts, **kwargs, generator=torch.Generator().manual_seed(3), written_out=captured)
+    r = generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(3), written_out=captured)
     assert torch.equal(r.response_ids, ref.response_ids) and torch.equal(r.response_mask, ref.response_mask)
     assert torch.equal(r.truncated, ref.truncated)
     torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
@@ -315,7 +316,7 @@ def test_rollout_captured_step_contract(monkeypatch):
                                                            attn_mask=mask, scale=0.3).transpose(1, 2)  # (R, 1, H, hd)
     torch.testing.assert_close(decode_step._grouped_attention(q, k, v, mask, 0.3), ref, atol=1e-6, rtol=1e-5)
     lm, prompts = _eos_biased_model(105), toy_prompts()
-    kwargs = dict(max_new_tokens=30, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
+    sampling = Sampling(30, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
     P = rollout.left_pad(prompts, 0)[0].shape[1]
     captured = _captured(lm, 8, P + 30)
     static = [captured.mask, captured.token, captured.position, captured.column, captured.logits] + [
@@ -329,7 +330,7 @@ def test_rollout_captured_step_contract(monkeypatch):
     call = cuda_graphs.CapturedStep.__call__
     monkeypatch.setattr(cuda_graphs.CapturedStep, "__call__", lambda self, *args: outputs.append(call(self, *args))
                         or outputs[-1])
-    first = [generate(lm, prompts * 2, generator=torch.Generator().manual_seed(s), written_out=captured, **kwargs)
+    first = [generate(lm, prompts * 2, sampling, generator=torch.Generator().manual_seed(s), written_out=captured)
              for s in (0, 1)]  # two calls of one phase
     assert [t.data_ptr() for t in static] == pointers  # nothing reallocated
     assert captured.kv.layers[0].keys.data_ptr() == pointers[5]  # the prefill wrote into the static buffer
@@ -351,7 +352,7 @@ def test_rollout_captured_step_contract(monkeypatch):
                         Graph(self, (b, L)))
     graphs = _captured(lm, 8, P + 30, capture=True)
     inputs.clear()
-    again = [generate(lm, prompts * 2, generator=torch.Generator().manual_seed(s), written_out=graphs, **kwargs)
+    again = [generate(lm, prompts * 2, sampling, generator=torch.Generator().manual_seed(s), written_out=graphs)
              for s in (0, 1)]
     keys = [(len(token), mask.shape[1]) for token, _, mask, _, _ in inputs]
     assert replays == keys and captures == list(dict.fromkeys(keys)) and len(captures) < len(keys)
@@ -360,9 +361,9 @@ def test_rollout_captured_step_contract(monkeypatch):
         assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
     for rows, tokens in ((9, 30), (8, 31)):
         with pytest.raises(ValueError, match="exceeds the phase's static cache"):
-            generate(lm, (prompts * 3)[:rows], written_out=captured, **dict(kwargs, max_new_tokens=tokens))
+            generate(lm, (prompts * 3)[:rows], replace(sampling, max_new_tokens=tokens), written_out=captured)
     with pytest.raises(ValueError, match="DecodeStep of another model"):
-        generate(tiny_model(), prompts, written_out=captured, **kwargs)
+        generate(tiny_model(), prompts, sampling, written_out=captured)
 
 
 def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
@@ -407,19 +408,19 @@ def test_rollout_grouped_sdpa_no_repeated_cache(monkeypatch):
     torch.testing.assert_close(model.grouped_sdpa(q, k, v, mask), ref, atol=1e-6, rtol=1e-5)
     lm, prompts = _eos_biased_model(105), toy_prompts()  # prompts of different lengths: a padding mask
     assert lm.config.num_key_value_heads < lm.config.num_attention_heads
-    kwargs = dict(max_new_tokens=48, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
+    sampling = Sampling(48, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
     runs = {}
     for attention in ("sdpa", model.PACKED_SDPA):
         lm.set_attn_implementation(attention)
         calls = []
         monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: calls.append(x.shape[2]) or
                             x.repeat_interleave(n, 1))
-        runs[attention] = generate(lm, prompts, temperature=0, **kwargs, written_out=False), calls
+        runs[attention] = generate(lm, prompts, replace(sampling, temperature=0), written_out=False), calls
     (ref, ref_calls), (r, calls) = runs["sdpa"], runs[model.PACKED_SDPA]
     assert torch.equal(r.response_ids, ref.response_ids) and len(set(r.response_mask.sum(1).tolist())) > 1
     torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
     assert calls == [] and len(ref_calls) > 2 * lm.config.num_hidden_layers  # transformers': every step
-    sampled = generate(lm, prompts, generator=torch.Generator().manual_seed(1), **kwargs, written_out=False)
+    sampled = generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(1), written_out=False)
     recomputed = recomputed_logprobs(lm, sampled, 1.0, REAL_VOCAB)
     torch.testing.assert_close(sampled.logprobs[sampled.response_mask.bool()],
                                recomputed[sampled.response_mask.bool()], atol=1e-5, rtol=0)
@@ -427,7 +428,7 @@ def test_rollout_grouped_sdpa_no_repeated_cache(monkeypatch):
 
 def test_rollout_response_mask_and_truncation():
     lm = _eos_biased_model(73)
-    r = generate(lm, toy_prompts(), 40, temperature=0, eos_token_id=2, pad_token_id=0)
+    r = generate(lm, toy_prompts(), Sampling(40, temperature=0, eos_token_id=2, pad_token_id=0))
     lengths = r.response_mask.sum(1)
     assert lengths.tolist() == [14, 9, 19, 40] and r.truncated.tolist() == [False, False, False, True]
     for ids, mask, n, trunc in zip(r.response_ids, r.response_mask, lengths, r.truncated):
@@ -452,8 +453,8 @@ def test_rollout_sampling_frequencies_chi_square():
     with torch.no_grad():
         lm.lm_head.weight.mul_(8.0)  # spread the logits so a wrong temperature is detectable
     n, temperature, real = 4000, 0.7, 6  # rows 6, 7 are "padding" rows
-    r = generate(lm, [[1, 5, 3]] * n, 1, temperature=temperature, eos_token_id=2, pad_token_id=0,
-                 generator=torch.Generator().manual_seed(0), vocab_size=real)
+    r = generate(lm, [[1, 5, 3]] * n, Sampling(1, temperature, eos_token_id=2, pad_token_id=0, vocab_size=real),
+                 generator=torch.Generator().manual_seed(0))
     counts = torch.bincount(r.response_ids[:, 0], minlength=8).double()  # (8,)
     assert counts[real:].sum() == 0
     with torch.no_grad():
@@ -472,8 +473,8 @@ def test_rollout_sampling_frequencies_chi_square():
 
 def test_rollout_top_p_stays_in_nucleus():
     lm, top_p, temperature = tiny_model(), 0.6, 0.8
-    r = generate(lm, toy_prompts() * 4, 24, temperature=temperature, top_p=top_p, eos_token_id=2, pad_token_id=0,
-                 generator=torch.Generator().manual_seed(1), vocab_size=REAL_VOCAB)
+    sampling = Sampling(24, temperature, top_p, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
+    r = generate(lm, toy_prompts() * 4, sampling, generator=torch.Generator().manual_seed(1))
     input_ids, attention_mask = r.training_inputs()
     with torch.no_grad():
         logits = lm(input_ids=input_ids, attention_mask=attention_mask,
@@ -495,19 +496,18 @@ def test_rollout_padding_rows_never_sampled():
     with torch.no_grad():
         lm.lm_head.weight[REAL_VOCAB:] = 20 * lm.lm_head.weight[REAL_VOCAB:]  # padding rows now dominate
     prompts = toy_prompts()
-    r = generate(lm, prompts, 16, eos_token_id=2, pad_token_id=0, generator=torch.Generator().manual_seed(0),
-                 vocab_size=REAL_VOCAB)
+    sampling = Sampling(16, eos_token_id=2, pad_token_id=0)
+    r = generate(lm, prompts, replace(sampling, vocab_size=REAL_VOCAB), generator=torch.Generator().manual_seed(0))
     assert r.response_ids.max() < REAL_VOCAB
-    unmasked = generate(lm, prompts, 16, eos_token_id=2, pad_token_id=0, generator=torch.Generator().manual_seed(0))
+    unmasked = generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(0))
     assert (unmasked.response_ids >= REAL_VOCAB).float().mean() > 0.5  # without vocab_size they would be
 
 
 def test_rollout_logprobs_equal_recomputed_forward():
     lm = _eos_biased_model(73)
     for temperature, top_p in [(1.0, 1.0), (0.7, 0.9)]:
-        r = sample_groups(lm, toy_prompts(), 3, max_new_tokens=30, temperature=temperature, top_p=top_p,
-                          eos_token_id=2, pad_token_id=0, generator=torch.Generator().manual_seed(2),
-                          vocab_size=REAL_VOCAB)
+        sampling = Sampling(30, temperature, top_p, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
+        r = sample_groups(lm, toy_prompts(), 3, sampling, generator=torch.Generator().manual_seed(2))
         assert len(r) == 12 and r.truncated.any() and not r.truncated.all()
         mask = r.response_mask.bool()
         recomputed = recomputed_logprobs(lm, r, temperature, REAL_VOCAB)
@@ -518,14 +518,14 @@ def test_rollout_logprobs_equal_policy_forward():
     """With all vocabulary rows (vocab_size=None) the sampler's log-probs are model.Policy's (the training forward);
     with vocab_size set, the Policy must mask the same rows for the two to agree."""
     lm = _eos_biased_model(73)
-    r = generate(lm, toy_prompts(), 30, temperature=0.7, eos_token_id=2, pad_token_id=0,
-                 generator=torch.Generator().manual_seed(4))
+    sampling = Sampling(30, temperature=0.7, eos_token_id=2, pad_token_id=0)
+    r = generate(lm, toy_prompts(), sampling, generator=torch.Generator().manual_seed(4))
     assert not any(x.is_inference() for x in (r.response_ids, r.response_mask, r.logprobs, r.truncated))
     logprobs = Policy(lm)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]  # (B, T), with autograd
     logprobs.sum().backward()  # the rollout's tensors are usable in training
     torch.testing.assert_close(r.logprobs, logprobs.detach(), atol=1e-5, rtol=0)
     # The sampler drops rows >= vocab_size from its softmax; Policy(vocab_size=...) must drop the same rows.
-    r = generate(lm, toy_prompts(), 30, temperature=0.7, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB,
+    r = generate(lm, toy_prompts(), replace(sampling, vocab_size=REAL_VOCAB),
                  generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         masked = Policy(lm, vocab_size=REAL_VOCAB)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]
@@ -551,7 +551,7 @@ def test_rollout_same_seed_same_rollout():
     lm, prompts = tiny_model(), toy_prompts()
 
     def run(seed):
-        return generate(lm, prompts, 20, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB,
+        return generate(lm, prompts, Sampling(20, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB),
                         generator=torch.Generator().manual_seed(seed))
 
     with gathered(Policy(lm)):  # a no-op without FSDP
@@ -559,7 +559,7 @@ def test_rollout_same_seed_same_rollout():
     b, c = run(7), run(8)
     assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
     assert not torch.equal(a.response_ids, c.response_ids)
-    groups = sample_groups(lm, prompts[:2], 4, max_new_tokens=20, eos_token_id=2, pad_token_id=0,
+    groups = sample_groups(lm, prompts[:2], 4, Sampling(20, eos_token_id=2, pad_token_id=0),
                            generator=torch.Generator().manual_seed(7))
     assert torch.equal(groups.prompt_ids[0], groups.prompt_ids[3]) and not torch.equal(groups.prompt_ids[3],
                                                                                      groups.prompt_ids[4])
@@ -577,7 +577,7 @@ def _fsdp_model():
 
 
 def _fsdp_generate(lm, seed):
-    return generate(lm, toy_prompts(), 40, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB,
+    return generate(lm, toy_prompts(), Sampling(40, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB),
                     generator=torch.Generator().manual_seed(seed))
 
 
@@ -741,8 +741,9 @@ def test_rollout_stop_text_ends_rows_where_the_text_first_appears():
     kinds = set()
     for seed in range(6):
         for compact in (0.0, None):  # dropping finished rows changes no token
-            full, cut = (generate(lm, prompts, 30, temperature=1.0, eos_token_id=2, pad_token_id=0, vocab_size=V,
-                                  generator=torch.Generator().manual_seed(seed), compact=compact, stop_text=s)
+            full, cut = (generate(lm, prompts, Sampling(30, 1.0, eos_token_id=2, pad_token_id=0, vocab_size=V,
+                                                        stop_text=s),
+                                  generator=torch.Generator().manual_seed(seed), compact=compact)
                          for s in (None, stop))
             for i in range(len(prompts)):
                 ids = full.response_ids[i][full.response_mask[i].bool()].tolist()
@@ -784,8 +785,8 @@ def test_plain_engine_passes_the_stop_text():
     engine = engines.make_engine("plain", lm, tok, chat=False, stop_text=["e", " t"])
     with engine.ready(lm):
         got = engine.sample(prompts, 2, [7], 3, 20, 1.0, 1.0)
-    want = sample_groups(lm, prompts, 2, max_new_tokens=20, eos_token_id=engine.eos, pad_token_id=engine.pad,
-                         vocab_size=REAL_VOCAB, generator=torch.Generator().manual_seed(7),
-                         stop_text=rollout.StopText(tok, ["e", " t"]))
+    sampling = Sampling(20, eos_token_id=engine.eos, pad_token_id=engine.pad, vocab_size=REAL_VOCAB,
+                        stop_text=rollout.StopText(tok, ["e", " t"]))
+    want = sample_groups(lm, prompts, 2, sampling, generator=torch.Generator().manual_seed(7))
     assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.response_mask, want.response_mask)
     assert any("e" in t or " t" in t for t in got.texts(tok))

@@ -25,7 +25,7 @@ import run_folder.lock
 import run_folder.logs
 import train
 from model import Policy, tiny_model
-from rollout import generate
+from rollout import Sampling, generate
 from step_metrics import step_log
 from tests.sampler_checks import toy_prompts, two_processes
 from tests.toy_task import (
@@ -531,9 +531,8 @@ def test_rollout_stop_ends_a_call_at_the_next_check():
         asked.append(1)
         return len(asked) >= 3
 
-    whole = generate(lm, prompts, max_new_tokens=30, temperature=1.0, generator=torch.Generator().manual_seed(0))
-    cut = generate(lm, prompts, max_new_tokens=30, temperature=1.0, generator=torch.Generator().manual_seed(0),
-                   stop=stop)
+    whole = generate(lm, prompts, Sampling(30, 1.0), generator=torch.Generator().manual_seed(0))
+    cut = generate(lm, prompts, Sampling(30, 1.0), generator=torch.Generator().manual_seed(0), stop=stop)
     assert whole.response_ids.shape[1] > 10 and cut.response_ids.shape[1] == 3 and len(asked) == 3
     assert torch.equal(cut.response_ids, whole.response_ids[:, :3].masked_fill(cut.response_mask == 0, 0))
 
