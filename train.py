@@ -62,7 +62,7 @@ from distributed.process_group import all_gather_cat, all_max, all_sum, gather, 
 from distributed.sharding import from_rank0, shard_policy  # noqa: E402
 from fast_decode.engines import compute_dtype, prompts_per_call, rollout_engine  # noqa: E402
 from memory.allocator import keep_freed_memory  # noqa: E402
-from memory.estimate import memory_estimate, memory_line  # noqa: E402
+from memory.estimate import RolloutCall, memory_estimate, memory_line  # noqa: E402
 from model import Policy, TokenStats, lm_vocab_size, load_model  # noqa: E402
 from run_folder import plural, read_log, say  # noqa: E402
 from step_metrics import s2t_diagnostics  # noqa: E402
@@ -504,8 +504,8 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
         row, n_rows = prompt_len + cfg.max_response_len, cfg.mini_batch_prompts // world * cfg.group_size
         print(memory_line(memory_estimate(
             lm.config, world, min(max(cfg.max_tokens_per_micro_batch, row), n_rows * row), cfg.grad_checkpointing,
-            prompts_per_call(cfg, per_rank, lm.config, compute_dtype(cfg, device).itemsize) * cfg.group_size,
-            prompt_len, cfg.max_response_len,
+            RolloutCall(prompts_per_call(cfg, per_rank, lm.config, compute_dtype(cfg, device).itemsize)
+                        * cfg.group_size, prompt_len, cfg.max_response_len),
             fsdp=cfg.fsdp, compute_bytes=2 if cfg.fsdp and cfg.mixed_precision else 4,  # as in effect (in_effect)
             chunk_size=cfg.chunk_size)), flush=True)
 

@@ -45,7 +45,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from fast_decode import cuda_graphs, decode_step
 from fast_decode.engines import make_engine
-from memory.estimate import kv_cache_bytes, memory_estimate
+from memory.estimate import RolloutCall, kv_cache_bytes, memory_estimate
 import data
 import model
 import reward
@@ -669,8 +669,9 @@ def _gpu_train(sizes, cfg, state, device, flops_rate, out):
         tokens = n_seq * row
         update = metrics["time/update_s"]
         estimate = memory_estimate(  # the same arguments train.setup prints its memory line with
-            lm.config, 1, min(max(micro, row), n_seq * row), True, n_seq, sizes.prompt_len, T, fsdp=True,
-            compute_bytes=2 if device.type == "cuda" else 4, chunk_size=cfg.chunk_size)["train_peak"]
+            lm.config, 1, min(max(micro, row), n_seq * row), True, RolloutCall(n_seq, sizes.prompt_len, T),
+            fsdp=True, compute_bytes=2 if device.type == "cuda" else 4,
+            chunk_size=cfg.chunk_size)["train_peak"]
         out.append({"part": "train", "T": T, "sequences": n_seq, "micro_batch": micro, "tokens": tokens,
                     "updates": metrics["updates"], "update_s": update, "step_s": seconds,
                     "pi_old_and_grading_s": metrics["time/rollout_s"], "tokens_per_s": tokens / update,
@@ -1107,8 +1108,9 @@ def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
             config = Qwen3Config(vocab_size=151_936, **shape)
             for world in (8, 64):
                 rows = min(8, 256 // world) * 8
-                on, off = (memory_estimate(config, world, rollout_rows=rows, checkpointing=c) for c in (1, 0))
-                one = memory_estimate(config, world, rollout_rows=8)
+                on, off = (memory_estimate(config, world, rollout_call=RolloutCall(rows), checkpointing=c)
+                           for c in (1, 0))
+                one = memory_estimate(config, world, rollout_call=RolloutCall(8))
                 print(f"| {name} | {world} | {on['params'] + on['grads'] + on['adam']:.1f} | {on['activations']:.1f} "
                       f"({off['activations']:.1f}) | {on['train_peak']:.1f} ({off['train_peak']:.1f}) | {rows} | "
                       f"{on['kv_cache']:.1f} | {on['rollout_peak']:.1f} | {one['rollout_peak']:.1f} |")
