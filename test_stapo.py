@@ -227,7 +227,8 @@ def test_s2t_quantile_window_pools_earlier_candidates():
     assert window.tolist() == [3.0, 4.0, 5.0, 6.0]
     assert s2t.window_after(window, torch.tensor([7.0]), 0).tolist() == window.tolist()  # 0: the paper's rule
     # stapo.token_weights hands the window to the rule (S2T and its controls)
-    weights = stapo.token_weights("stapo", lp, ent, one, one, earlier=torch.tensor([0.1, 0.2, 0.3]))
+    window = stapo.MiniBatchContext(earlier=torch.tensor([0.1, 0.2, 0.3]))
+    weights = stapo.token_weights("stapo", lp, ent, one, one, context=window)
     assert weights.silenced.all() and weights.threshold == pytest.approx(0.2625)
 
 
@@ -370,7 +371,8 @@ def _ranks(algo, batch, chunks, seed=5):
             seen[i].append(values)
             return values if every is None else every[len(seen[i]) - 1]
         parts = [stapo.token_weights(algo, logprobs[c], entropy[c], adv[c], mask[c], TAU_P, 0.75,
-                                     lambda v, i=i: gather(v, i), _keys(c, seed)) for i, c in enumerate(chunks)]
+                                     stapo.MiniBatchContext(lambda v, i=i: gather(v, i), _keys(c, seed)))
+                 for i, c in enumerate(chunks)]
         every = [torch.cat(values) for values in zip(*seen)]
     return parts
 
@@ -456,8 +458,9 @@ def test_algo_randmask_silences_s2t_count_at_random():
     assert 0 < n < cand.sum().item()
     chosen = []
     for seed in range(40):
+        context = stapo.MiniBatchContext(keys=s2t.random_keys(seed, range(6), 8))
         weights, silenced, tau, den = stapo.token_weights("randmask", logprobs, entropy, adv, mask, TAU_P, 0.75,
-                                                          keys=s2t.random_keys(seed, range(6), 8))
+                                                          context)
         assert silenced.sum().item() == n and not (silenced & ~cand).any()  # S2T's count, candidates only
         assert den.item() == mask.sum().item() - n and torch.equal(weights, (mask > 0).float() * ~silenced)
         for sizes in ([1, 2, 3], [3, 3]):  # the same tokens when the rows are split over ranks
@@ -501,8 +504,9 @@ def _randmask_worker(rank: int, init_file: str, out_dir: str):
     T = int(mask.sum(1).max())  # 8 on rank 0, 5 on rank 1
     out = {}
     for algo in ("randmask", "highmask", "stapo"):
+        keys = s2t.random_keys(5, range(3 * rank, 3 * rank + 3), 8)[:, :T]
         w = stapo.token_weights(algo, logprobs[:, :T], entropy[:, :T], adv[:, :T], mask[:, :T], TAU_P, 0.75,
-                                train.all_gather_cat, s2t.random_keys(5, range(3 * rank, 3 * rank + 3), 8)[:, :T])
+                                stapo.MiniBatchContext(train.all_gather_cat, keys))
         out[algo] = torch.nn.functional.pad(w.silenced, (0, 8 - T))
     torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
@@ -516,7 +520,8 @@ def test_algo_controls_two_processes_equal_one():
         parts = [torch.load(os.path.join(tmp, f"{rank}.pt")) for rank in range(2)]
     logprobs, entropy, old, ref, adv, mask = (x[_PERM] for x in _batch())
     for algo in ("randmask", "highmask", "stapo"):
-        one = stapo.token_weights(algo, logprobs, entropy, adv, mask, TAU_P, 0.75, keys=s2t.random_keys(5, range(6), 8))
+        context = stapo.MiniBatchContext(keys=s2t.random_keys(5, range(6), 8))
+        one = stapo.token_weights(algo, logprobs, entropy, adv, mask, TAU_P, 0.75, context)
         assert one.silenced.any(), algo
         assert torch.equal(torch.cat([p[algo] for p in parts]), one.silenced), algo
 

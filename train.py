@@ -134,7 +134,7 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
         keys = random_keys(run, step, k, mb) if stapo.ALGORITHMS[cfg.algo].silence == "random" else None  # (b, T)
         earlier = run.window if cfg.quantile_window else None  # --quantile-window: earlier candidates in tau_h
         weights = stapo.token_weights(cfg.algo, p, H, mb.advantages, mb.mask, cfg.tau_p, cfg.quantile,
-                                      gather=all_gather_cat, keys=keys, earlier=earlier)
+                                      stapo.MiniBatchContext(all_gather_cat, keys, earlier))
         denominator, nonzero = all_sum(weights.denominator, ((mb.advantages != 0) & (weights.weights > 0)).sum())
         loss_weights = weights.weights  # (b, T)
         if cfg.tis_cap is not None:  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token

@@ -306,8 +306,9 @@ def test_train_packed_rows_match_each_row_alone(algo):
     old = (logprobs.detach() + 0.15 * torch.randn(mask.shape, generator=g)) * mask  # ratios away from 1: clipping
     ref = (logprobs.detach() + 0.1 * torch.randn(mask.shape, generator=g)) * mask if algo == "grpo" else None
     adv = stapo.group_advantages(torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, -1.0]), 3)[:, None].expand_as(mask)
+    keys = s2t.random_keys(0, range(len(mask)), mask.shape[1])
     weights, _, _, den = stapo.token_weights(algo, logprobs.detach(), entropy, adv, mask, cfg.tau_p, cfg.quantile,
-                                             keys=s2t.random_keys(0, range(len(mask)), mask.shape[1]))
+                                             stapo.MiniBatchContext(keys=keys))
     clip = stapo.clip_range(cfg.algo, cfg.clip_low, cfg.clip_high)
     want, _ = stapo.policy_loss(logprobs, old, adv, weights, *clip, cfg.dual_clip, den)
     if ref is not None:
