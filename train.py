@@ -418,8 +418,9 @@ def evaluate(run: Run, done: int) -> tuple[dict | None, list[dict]]:
 def checkpoint(run: Run, done: int) -> int:
     """Write the checkpoint after `done` steps (every rank; run_folder.save_checkpoint); returns `done`."""
     cfg = run.cfg
-    run_folder.save_checkpoint(Path(cfg.out_dir), done, run.policy, run.optimizer, run.scheduler,
-                               run_folder.recipe(asdict(cfg)), run.rank, run.world, {"s2t_window": run.window})
+    trained = run_folder.ModelAndOptimizer(run.policy, run.optimizer, run.scheduler)
+    run_folder.save_checkpoint(Path(cfg.out_dir), done, trained, run_folder.recipe(asdict(cfg)),
+                               run.rank, run.world, {"s2t_window": run.window})
     return done
 
 
@@ -528,7 +529,8 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
     start, window = 0, torch.zeros(0)
     if checkpoint is not None:  # any number of ranks: DCP reshards (run_folder.load_checkpoint)
-        state = run_folder.load_checkpoint(checkpoint, policy, optimizer, scheduler)
+        trained = run_folder.ModelAndOptimizer(policy, optimizer, scheduler)
+        state = run_folder.load_checkpoint(checkpoint, trained)
         start, window = state["step"], state.get("s2t_window", window)
         say(f"resuming from {checkpoint} at step {start + 1} ({plural(start, 'step')} done)" if start < cfg.steps else
             f"{checkpoint}: all {plural(start, 'step')} done, nothing to train", rank)

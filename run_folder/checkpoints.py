@@ -10,6 +10,7 @@ import random
 import shutil
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,8 +56,17 @@ def _unique_names(state_dict: dict) -> dict:
     return unique
 
 
-def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, config: dict, rank: int, world: int,
-                    extra: dict | None = None) -> float:
+@dataclass
+class ModelAndOptimizer:
+    """The training objects a checkpoint saves and restores: the policy (FSDP2-sharded or not), its
+    AdamW optimizer and the optimizer's learning-rate scheduler."""
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+def save_checkpoint(out: Path, done: int, trained: ModelAndOptimizer, config: dict, rank: int,
+                    world: int, extra: dict | None = None) -> float:
     """Every rank: the checkpoint after `done` steps in OUT/checkpoint/step_<done>: DCP shards of the model (and of
     AdamW unless weights-only: config["save_optimizer"]), `state.pt` (step, scheduler, RNG states, config: the run's
     config.json values; `extra`: the trainer's own state, e.g. the S2T window), then `manifest.json` (every file's
@@ -68,6 +78,7 @@ def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, config: 
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    policy, optimizer, scheduler = trained.policy, trained.optimizer, trained.scheduler
     t0, save_optimizer, keep = time.time(), config["save_optimizer"], config["keep_checkpoints"]
     path, latest = out / "checkpoint" / f"step_{done}", out / "checkpoint" / "latest"
     if rank == 0:  # left by a failed write, or past a damaged checkpoint that a resume skipped
@@ -161,12 +172,13 @@ def _manifest(folder: Path) -> dict | None:
         return None
 
 
-def load_checkpoint(path: Path, policy, optimizer, scheduler) -> dict:
+def load_checkpoint(path: Path, trained: ModelAndOptimizer) -> dict:
     """Every rank: restore model, optimizer (when the checkpoint has it), scheduler and RNG states from the
     checkpoint folder `path` (any number of ranks: DCP reshards); returns its state.pt (step, config, ...)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 
+    policy, optimizer, scheduler = trained.policy, trained.optimizer, trained.scheduler
     state = torch.load(path / "state.pt", weights_only=False)
     model_sd, optim_sd = get_state_dict(policy, optimizer)
     loaded = {"model": _unique_names(model_sd), **({"optim": optim_sd} if state["optimizer"] else {})}

@@ -445,8 +445,9 @@ def test_checkpoint_stores_a_tied_weight_once_and_restores_it(tmp_path):
     saved = {k: v.clone() for k, v in policy.state_dict().items()}
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        run_folder.save_checkpoint(tmp_path, 1, policy, optimizer, scheduler, {"save_optimizer": True,
-                                                                              "keep_checkpoints": 1}, 0, 1)
+        trained = run_folder.ModelAndOptimizer(policy, optimizer, scheduler)
+        settings = {"save_optimizer": True, "keep_checkpoints": 1}
+        run_folder.save_checkpoint(tmp_path, 1, trained, settings, 0, 1)
         import torch.distributed.checkpoint as dcp
         names = dcp.FileSystemReader(str(tmp_path / "checkpoint" / "step_1")).read_metadata().state_dict_metadata
         assert "model.lm.model.embed_tokens.weight" in names and "model.lm.lm_head.weight" not in names, list(names)
@@ -455,7 +456,7 @@ def test_checkpoint_stores_a_tied_weight_once_and_restores_it(tmp_path):
                 p.zero_()
         done, path = run_folder.verified_checkpoint(tmp_path, 0, 1)
         assert (done, path.name) == (1, "step_1")
-        run_folder.load_checkpoint(path, policy, optimizer, scheduler)
+        run_folder.load_checkpoint(path, trained)
     finally:
         dist.destroy_process_group()
     for k, v in policy.state_dict().items():

@@ -241,8 +241,8 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     run = train.setup(cfg, train.read_inputs(cfg, 1), 0, 1, device, None, run_folder.Preemption())
     if step > 1:  # the state after step - 1: model, optimizer and scheduler (the replay makes the run's updates)
-        run_folder.load_checkpoint(run_dir / "checkpoint" / f"step_{step - 1}", run.policy, run.optimizer,
-                                   run.scheduler)
+        trained = run_folder.ModelAndOptimizer(run.policy, run.optimizer, run.scheduler)
+        run_folder.load_checkpoint(run_dir / "checkpoint" / f"step_{step - 1}", trained)
     batch, mine = train.sample(run, step)
     G, texts = cfg.group_size, batch.texts(run.tokenizer)
 
