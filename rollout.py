@@ -10,9 +10,10 @@ backbone forward and one head matmul, as `model.Policy` computes the training fo
 sampling distribution and the recomputed pi_old agree, up to the matmul kernel: difference 8), two
 passes over the vocabulary to sample, and writes into preallocated (B, T) buffers.
 
-The fast paths beside it return the same `Rollout`: fast_decode/ (the written-out decode step, CUDA
-graphs, the vLLM engine; `fast_decode.engines.make_engine` picks one by name). Deliberate
-differences 1-10: docs/paper.md, "Deliberate differences", rollout.py.
+Its fast decode step is fast_decode/ (written out layer by layer, or captured in CUDA graphs); the
+vLLM engine, which returns the same `Rollout`, and `make_engine`, which picks an engine by name, sit
+above this file in engines/. Deliberate differences 1-10: docs/paper.md, "Deliberate differences",
+rollout.py.
 """
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields

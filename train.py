@@ -60,7 +60,7 @@ from command_line.checks import read_inputs, too_few  # noqa: E402
 from data import problem_seed, prompt_indices, rank_slice  # noqa: E402
 from distributed.process_group import all_gather_cat, all_max, all_sum, gather, init_distributed  # noqa: E402
 from distributed.sharding import from_rank0, shard_policy  # noqa: E402
-from fast_decode.engines import compute_dtype, prompts_per_call, rollout_engine  # noqa: E402
+from engines.choice import compute_dtype, prompts_per_call, rollout_engine  # noqa: E402
 from memory.allocator import keep_freed_memory  # noqa: E402
 from memory.estimate import RolloutCall, memory_estimate, memory_line  # noqa: E402
 from model import Policy, TokenStats, lm_vocab_size, load_model  # noqa: E402

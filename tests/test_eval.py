@@ -17,7 +17,7 @@ import rollout
 import run_folder
 import train
 from data import builtin_task, load_rows
-from fast_decode import engines
+from engines import choice
 from memory.estimate import kv_cache_bytes
 from model import tiny_tokenizer
 from rollout import format_prompt
@@ -222,7 +222,7 @@ def test_eval_kv_cache_budget_bounds_every_call(tmp_path, monkeypatch, capsys):
         made.update(kwargs, row=kv_cache_bytes(lm.config, 1, kwargs["max_model_len"], 4))
         return Recording(lm, rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, REAL_VOCAB)
 
-    monkeypatch.setattr(engines, "make_engine", make_engine)
+    monkeypatch.setattr(choice, "make_engine", make_engine)
     _run_tiny(tmp_path)  # --batch-size 4: 2 problems x k 2 per call
     assert calls == [4, 2] * 2 and made["kv_cache_memory_bytes"] == 4 * made["row"], calls
     calls.clear()

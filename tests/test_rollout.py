@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor
 import model
 import rollout
 from distributed.sharding import shard_policy
-from fast_decode import cuda_graphs, decode_step, engines
+from engines import choice
+from fast_decode import cuda_graphs, decode_step
 from model import Policy, position_ids_from_mask, tiny_model, tiny_tokenizer
 from rollout import INSTRUCTION, Rollout, Sampling, format_prompt, gathered, generate, sample_groups
 from tests.sampler_checks import REAL_VOCAB, recomputed_logprobs, toy_prompts, two_processes
@@ -375,9 +376,9 @@ def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
     a larger one."""
     lm, prompts = _eos_biased_model(105), toy_prompts()
     tok = tiny_tokenizer()
-    engine = engines.make_engine("plain", lm, tok, True, max_model_len=200)
+    engine = choice.make_engine("plain", lm, tok, True, max_model_len=200)
     assert engine.max_len == 200 and not engine.captured  # the default: the eager step
-    assert engines.make_engine("plain", lm, tok, True, captured=True).captured
+    assert choice.make_engine("plain", lm, tok, True, captured=True).captured
     eager = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)
     engine.captured, built = True, []
     monkeypatch.setattr(cuda_graphs.CapturedStep, "__init__", lambda self, *a, init=cuda_graphs.CapturedStep.__init__:
@@ -782,7 +783,7 @@ def test_plain_engine_passes_the_stop_text():
     tok = tiny_tokenizer()
     lm = tiny_model()
     prompts = [format_prompt(tok, p, chat=False, instruction="") for p in ("12", "ab", "x y")]
-    engine = engines.make_engine("plain", lm, tok, chat=False, stop_text=["e", " t"])
+    engine = choice.make_engine("plain", lm, tok, chat=False, stop_text=["e", " t"])
     with engine.ready(lm):
         got = engine.sample(prompts, 2, [7], 3, 20, 1.0, 1.0)
     sampling = Sampling(20, eos_token_id=engine.eos, pad_token_id=engine.pad, vocab_size=REAL_VOCAB,

@@ -19,7 +19,7 @@ import rollout
 import train
 from command_line import errors
 from data import heldout_count, load_rows, read_rows
-from fast_decode import engines
+from engines import choice
 from model import tiny_model, tiny_tokenizer
 from rollout import format_prompt
 from tests.toy_task import (
@@ -449,7 +449,7 @@ def test_train_policy_on_another_device_than_the_rollout_engine(tmp_path, monkey
     monkeypatch.setattr(train, "init_distributed", lambda timeout_min=60: (*start()[:2], _OTHER))
     monkeypatch.setattr(train, "load_model", lambda name, device=None, **kw: (
         tiny_model(vocab_size=TOY_VOCAB)._apply(OnOther if device == _OTHER else lambda t: t), tiny_tokenizer()))
-    monkeypatch.setattr(engines, "make_engine", lambda name, lm, tokenizer, chat, stop=None, **kw: _CPUCopyEngine(
+    monkeypatch.setattr(choice, "make_engine", lambda name, lm, tokenizer, chat, stop=None, **kw: _CPUCopyEngine(
         tiny_model(vocab_size=TOY_VOCAB), rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, TOY_VOCAB))
     adamw = torch.optim.AdamW  # the fused kernel refuses the simulated device (meta); the update is the same
     monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kw: adamw(params, **{**kw, "fused": False}))

@@ -44,7 +44,7 @@ import torch.multiprocessing as mp
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from fast_decode import cuda_graphs, decode_step
-from fast_decode.engines import make_engine
+from engines.choice import make_engine
 from memory.estimate import RolloutCall, kv_cache_bytes, memory_estimate
 import data
 import model

