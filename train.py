@@ -56,7 +56,7 @@ import run_folder  # noqa: E402
 import s2t  # noqa: E402
 import stapo  # noqa: E402
 from command_line import errors  # noqa: E402
-from command_line.checks import read_inputs, too_few  # noqa: E402
+from config import read_inputs, too_few  # noqa: E402
 from data import problem_seed, prompt_indices, rank_slice  # noqa: E402
 from distributed.process_group import all_gather_cat, all_max, all_sum, gather, init_distributed  # noqa: E402
 from distributed.sharding import from_rank0, shard_policy  # noqa: E402

@@ -4,9 +4,9 @@ import os
 import sys
 import threading
 
+import config
 import rollout
 import train
-from command_line import checks
 
 
 def hook_count_micro_batches(log: str) -> None:
@@ -77,10 +77,10 @@ def hook_signal_then_hang(nth: int) -> None:
 
 def hook_data_unreadable_on_rank_1() -> None:
     """(testdata/train_run.py) Rank 1 cannot read the data (a file one node does not see)."""
-    load_rows = checks.load_rows
+    load_rows = config.load_rows
 
     def unreadable(cfg):
         if os.environ.get("RANK") == "1":
             raise ValueError("toy.jsonl line 3: unreadable here")
         return load_rows(cfg)
-    checks.load_rows = unreadable  # train.read_inputs reads the data
+    config.load_rows = unreadable  # train.read_inputs reads the data
