@@ -206,7 +206,7 @@ CPU_PRESET = dict(
 )
 
 
-# train.py --plot's line in --help (plots.main parses the rest)
+# train.py --plot's line in --help (run_folder.figures.main parses the rest)
 PLOT_HELP = ("redraw the figures of finished runs, RUN/metrics.png, s2t.png and gradient.png (several runs: overlaid), "
              "and print RQ1's correlations, without training (not --plots, which draws this run's at its end); "
              "`python train.py --plot RUN --help` lists --out, --table and --sensitivity")
@@ -227,7 +227,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
     import torch
 
     given = parse_flags(Config, argv, "train.py", notes={k: f"cpu preset: {v!r}" for k, v in CPU_PRESET.items()},
-                        modes={"plot": PLOT_HELP})  # --plot: main hands over to plots.main before this
+                        modes={"plot": PLOT_HELP})  # --plot: main hands over to figures.main before this
     if given.get("light"):
         given = {**LIGHT, **given}
     cuda = torch.cuda.is_available()

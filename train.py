@@ -4,7 +4,7 @@ Algorithm 1; the recipe of §6), on 1 CPU, 1 GPU or many GPU nodes with the same
     python train.py                               # no GPU: the CPU default (SmolLM2-135M, sums)
     torchrun --standalone --nproc_per_node=2 train.py --out-dir out/train-cpu-2   # 2 processes
     python train.py --model Qwen/Qwen3-1.7B-Base  # 1 GPU: the paper's recipe (DAPO-Math-17k, G = 8)
-    python train.py --plot runs/stapo runs/justrl # the runs' curves overlaid (tools/plots.py)
+    python train.py --plot runs/stapo runs/justrl # the runs' curves overlaid (run_folder/figures.py)
 
 Reading order: `train_step` (one RL step, numbered 1-4) and the functions it calls, in the order it
 calls them; `train`, the loop (held-out evaluations, checkpoints, stops, the closing lines); `setup`
@@ -64,11 +64,11 @@ from engines.choice import compute_dtype, prompts_per_call, rollout_engine  # no
 from memory.allocator import keep_freed_memory  # noqa: E402
 from memory.estimate import RolloutCall, memory_estimate, memory_line  # noqa: E402
 from model import Policy, TokenStats, lm_vocab_size, load_model  # noqa: E402
+from run_folder import figures  # noqa: E402
 from run_folder import plural, read_log, say  # noqa: E402
 from step_metrics import s2t_diagnostics  # noqa: E402
 from step_metrics.step_log import StepLog, StepResult, completions  # noqa: E402
 from step_metrics.step_warnings import busy, zero_gradient  # noqa: E402
-from tools import plots  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------- the step
@@ -449,13 +449,13 @@ def finish(run: Run) -> None:
     if run.logger:
         run.logger.close()
     if cfg.plots:
-        plots.figures([str(out)], str(out / "metrics.png"))
+        figures.figures([str(out)], str(out / "metrics.png"))
     shown = [n for n in ("spurious.jsonl", "s2t.png", "gradient.png") if (out / n).exists()]
     steps = read_log(out / "metrics.jsonl")  # resumed steps included
-    say(plots.silenced_summary(cfg.algo, steps, shown), run.rank)
-    if plots.correlation_line(str(out)):  # RQ1: the gradient norm against p and H (gradient.png)
-        say(plots.correlation_line(str(out)), run.rank)
-    diverged = plots.divergence(steps)
+    say(figures.silenced_summary(cfg.algo, steps, shown), run.rank)
+    if figures.correlation_line(str(out)):  # RQ1: the gradient norm against p and H (gradient.png)
+        say(figures.correlation_line(str(out)), run.rank)
+    diverged = figures.divergence(steps)
     if diverged:
         say(diverged + "; lower --lr (or raise --warmup-steps)", run.rank, warning=True)
     made = [name for name in run_folder.RUN_FILES if (out / name).is_file() and name != "stopped.json"]
@@ -551,8 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     one line), run_folder.STOPPED (a stop signal or Ctrl-C: a checkpoint was written, run the same command again),
     run_folder.INTERRUPTED (Ctrl-C again: left at once, the last checkpoint kept)."""
     argv = sys.argv[1:] if argv is None else argv
-    if "--plot" in argv:  # python train.py --plot RUN [RUN ...] [--out PNG]: figures only (tools/plots.py)
-        return plots.main(argv)
+    if "--plot" in argv:  # train.py --plot RUN [RUN ...] [--out PNG]: figures only (run_folder/figures.py)
+        return figures.main(argv)
     rank = int(os.environ.get("RANK", 0))  # until the process group exists: torchrun's env:// contract
     run = lock = None
     with run_folder.Preemption() as preemption:  # from here on, SIGTERM / SIGUSR1 / SIGINT: a checkpoint, exit

@@ -10,8 +10,9 @@ import torch
 
 import train
 from model import tiny_model
+from run_folder import figures
 from tests.toy_task import EVEN, one_thread, patch_toy_task, toy_args, toy_data
-from tools import counterfactual, plots
+from tools import counterfactual
 
 # ==================================================================================================================
 # tools/counterfactual.py and s2t_diagnostics.entropy_change: what the mask removes and what an update does to
@@ -155,16 +156,16 @@ def test_counterfactual_wilson_interval_and_pooled_groups(tmp_path, monkeypatch)
                                "+0.500 (+0.500, +0.500) | 0% (0%, 0%)")
     # the figure: each group's size and share under its tick label, nothing written inside the axes over the points
     import matplotlib.pyplot as plt
-    figures = []
-    monkeypatch.setattr(plt, "close", figures.append)
-    assert plots.plot_counterfactual_groups(groups, str(tmp_path / "groups.png"), counterfactual.cluster_interval)
+    closed = []
+    monkeypatch.setattr(plt, "close", closed.append)
+    assert figures.plot_counterfactual_groups(groups, str(tmp_path / "groups.png"), counterfactual.cluster_interval)
     monkeypatch.undo()
-    axes = figures[0].axes
+    axes = closed[0].axes
     assert [t.get_text() for t in axes[1].get_xticklabels()] == [
         "silenced\ngraded\nn = 2\n50% negl.", "cand., S2T\nsilences\nn = 1\n100% negl.",
         "cand., S2T\nkeeps\nn = 1\n0% negl."]
     assert all(not ax.texts for ax in axes)
-    plt.close(figures[0])
+    plt.close(closed[0])
 
 
 def test_counterfactual_differences_resample_responses():

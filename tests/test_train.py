@@ -21,6 +21,7 @@ from command_line import errors
 from data import heldout_count, load_rows, read_rows
 from engines import choice
 from model import tiny_model, tiny_tokenizer
+from run_folder import figures
 from rollout import format_prompt
 from tests.toy_task import (
     ANSWER,
@@ -40,7 +41,6 @@ from tests.toy_task import (
     toy_data,
     varied_data,
 )
-from tools import plots
 
 
 # ==================================================================================================================
@@ -486,13 +486,13 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
         "held-out accuracy before training", "held-out accuracy after 1 step"]
     metrics = read_metrics(tmp_path / "run")
     assert out[-3].startswith(f"stapo silenced {int(metrics[0]['s2t/silenced'])} tokens in ")
-    assert out[-2].startswith("logit-gradient norm vs p: Spearman ")  # RQ1's correlations (plots.correlation_line)
+    assert out[-2].startswith("logit-gradient norm vs p: Spearman ")  # RQ1's correlations (figures.correlation_line)
     steps = [{"s2t/silenced": 3.0, "s2t/candidates": 5.0}, {"s2t/silenced": 0.0, "s2t/candidates": 1.0},
              {"s2t/silenced": 2.0, "s2t/candidates": 2.0}]
-    assert plots.silenced_summary("stapo", steps, ["spurious.jsonl", "s2t.png"]) == (
+    assert figures.silenced_summary("stapo", steps, ["spurious.jsonl", "s2t.png"]) == (
         "stapo silenced 5 tokens in 2 of 3 steps; S2T candidates (A > 0, p < tau_p): 8 (metrics.jsonl s2t/*; see "
         "spurious.jsonl, s2t.png)")
-    assert plots.silenced_summary("justrl", [], []) == (
+    assert figures.silenced_summary("justrl", [], []) == (
         "justrl silenced 0 tokens in 0 of 0 steps; S2T candidates (A > 0, p < tau_p): 0 (metrics.jsonl s2t/*)")
     logs = [n for n in ("config.json", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl",
                         "tokens.jsonl") if (tmp_path / "run" / n).exists()]  # a log without lines is never made

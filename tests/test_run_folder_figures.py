@@ -1,4 +1,4 @@
-"""tools/plots.py: what S2T saw, the gradient analysis, overlaid runs and seeds, live curves."""
+"""run_folder/figures.py: what S2T saw, the gradient analysis, overlaid runs and seeds, live curves."""
 import json
 import math
 import subprocess
@@ -10,13 +10,13 @@ import torch
 
 import run_folder
 import train
+from run_folder import figures
 from step_metrics.step_warnings import oversubscribed, slow_step
 from tests.toy_task import EVEN, ROOT, one_thread, patch_toy_task, read_metrics, toy_args, toy_data
-from tools import plots
 
 
 # ==================================================================================================================
-# tools/plots.py and the loggers: what S2T saw, overlaid runs, live curves
+# run_folder/figures.py and the loggers: what S2T saw, overlaid runs, live curves
 # ==================================================================================================================
 def test_train_s2t_figure_and_tokens_file(tmp_path, monkeypatch, capsys):
     """A tiny run whose S2T mask fires (--tau-p 0.5: most tokens of a correct response are candidates): tokens.jsonl
@@ -68,7 +68,7 @@ def _token_records(n: int = 400, seed: int = 0, sign: float = -1.0) -> list[dict
 def test_plot_gradient_analysis_sign_and_bins():
     """RQ1's numbers on constructed tokens: the Spearman correlation has the sign built in (and ~0 against an
     unrelated H), weights count a token as the tokens it stands for, and the bins hold the medians of their tokens."""
-    falling, rising = plots.gradient_analysis(_token_records()), plots.gradient_analysis(_token_records(sign=1))
+    falling, rising = figures.gradient_analysis(_token_records()), figures.gradient_analysis(_token_records(sign=1))
     assert falling["rho_p"] < -0.9 and rising["rho_p"] > 0.9 and abs(falling["rho_h"]) < 0.15
     assert falling["n"] == 400 and falling["correct"]["n"] == falling["incorrect"]["n"] == 200
     bins = falling["correct"]["bins_p"]  # one bin per decade of p below 0.1 (centres -5.5 ... -1.5), finer above
@@ -79,15 +79,15 @@ def test_plot_gradient_analysis_sign_and_bins():
     logp = [math.log10(p) for r in records[1:] for p in r["p"]]
     norm = [v for r in records[1:] for v in r["grad_norm"]]
     low = sorted(v for v, x in zip(norm, logp) if x < -3)
-    assert plots.binned(logp, norm, [1.0] * len(norm), edges)[0][1] == low[(len(low) - 1) // 2]  # the median
+    assert figures.binned(logp, norm, [1.0] * len(norm), edges)[0][1] == low[(len(low) - 1) // 2]  # the median
     # a weight of 3 on a token counts it three times
-    assert plots.rank_correlation([1, 2, 3], [3, 2, 1]) == pytest.approx(-1)
-    assert plots.rank_correlation([1, 2, 3, 4], [1, 2, 4, 3], [1, 1, 1, 3]) == pytest.approx(
-        plots.rank_correlation([1, 2, 3, 4, 4, 4], [1, 2, 4, 3, 3, 3]))
-    assert plots.rank_correlation([1, 1, 1], [1, 2, 3]) is None  # a constant column
+    assert figures.rank_correlation([1, 2, 3], [3, 2, 1]) == pytest.approx(-1)
+    assert figures.rank_correlation([1, 2, 3, 4], [1, 2, 4, 3], [1, 1, 1, 3]) == pytest.approx(
+        figures.rank_correlation([1, 2, 3, 4, 4, 4], [1, 2, 4, 3, 3, 3]))
+    assert figures.rank_correlation([1, 1, 1], [1, 2, 3]) is None  # a constant column
     zero = _token_records()  # tokens without a gradient (zero advantage or clipped) are left out
     zero[0]["grad_norm"] = [0.0] * 200
-    assert plots.gradient_analysis(zero)["n"] == 200
+    assert figures.gradient_analysis(zero)["n"] == 200
     # at equal p: H tied to p (low p = high H, as in real runs) plus a factor that falls with H at fixed p, and
     # advantages of several sizes: the plain correlation with H is positive, the partial one at equal p negative
     g = torch.Generator().manual_seed(3)
@@ -97,9 +97,9 @@ def test_plot_gradient_analysis_sign_and_bins():
     factor = 1 - logp / 6 - 0.1 * (H + logp / 2)  # falls with p and, at equal p, with H
     tied = [{"p": (10 ** logp).tolist(), "H": H.tolist(), "A": A.tolist(), "grad_norm": (A * factor).tolist(),
              "weight": [1.0] * 400, "correct": [1] * 400}]
-    a = plots.gradient_analysis(tied)
+    a = figures.gradient_analysis(tied)
     assert a["rho_h"] > 0.3 and a["rho_h_at_p"] < -0.3, a
-    assert plots.partial_rank_correlation([1, 2, 3], [1, 2, 3], [1, 2, 3]) is None  # z determines x
+    assert figures.partial_rank_correlation([1, 2, 3], [1, 2, 3], [1, 2, 3]) is None  # z determines x
 
 
 def test_plot_gradient_figure_round_trips_from_the_run_folder(tmp_path, capsys):
@@ -108,7 +108,7 @@ def test_plot_gradient_figure_round_trips_from_the_run_folder(tmp_path, capsys):
     (run / "tokens.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _token_records()))
     assert train.main(["--plot", str(run)]) == 0
     out = capsys.readouterr().out
-    rho = plots.gradient_analysis(_token_records())["rho_p"]
+    rho = figures.gradient_analysis(_token_records())["rho_p"]
     assert f"{run}: logit-gradient norm vs p: Spearman {rho:+.2f}" in out and (run / "gradient.png").is_file()
 
 
@@ -122,8 +122,8 @@ def test_plot_figures_say_what_the_numbers_say(tmp_path, monkeypatch):
     every run under all its panels."""
     import matplotlib.pyplot as plt
 
-    figures = []
-    monkeypatch.setattr(plt, "close", figures.append)
+    closed = []
+    monkeypatch.setattr(plt, "close", closed.append)
     run = Path(_fake_run(tmp_path / "run", [0.1, 0.2], [0.1, 0.8]))
     g = torch.Generator().manual_seed(0)
     logp = torch.rand(600, generator=g) * -6  # p from 1e-6 to 1
@@ -137,20 +137,20 @@ def test_plot_figures_say_what_the_numbers_say(tmp_path, monkeypatch):
                         "correct": [1] * 100 + [0] * 100, "candidate": [int(x < 0.002) for x in p],
                         "silenced": [int(x < 1e-4) for x in p]})
     (run / "tokens.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    a = plots.gradient_analysis(records)
+    a = figures.gradient_analysis(records)
     assert a["rho_p"] < -0.3 and abs(a["rho_p_low"]) < 0.15, a  # the fall is above p = 0.1 only
-    assert f"({a['rho_p_low']:+.2f} below p = 0.1)" in plots.correlation_line(str(run))
+    assert f"({a['rho_p_low']:+.2f} below p = 0.1)" in figures.correlation_line(str(run))
 
-    assert plots.plot_metrics([str(run)], str(tmp_path / "m.png"))
-    held = next(ax for ax in figures[-1].axes if ax.get_title().startswith("held-out accuracy"))
+    assert figures.plot_metrics([str(run)], str(tmp_path / "m.png"))
+    held = next(ax for ax in closed[-1].axes if ax.get_title().startswith("held-out accuracy"))
     assert held.lines[0].get_linestyle() == "None" and [t.get_text() for t in held.texts] == ["0.100", "0.800"]
-    fig = figures[-1]
+    fig = closed[-1]
     fig.canvas.draw()
     legend = fig.legends[0].get_window_extent()
     assert all(ax.get_legend() is None and not legend.overlaps(ax.get_window_extent()) for ax in fig.axes)
 
-    assert plots.plot_tokens([str(run)], str(tmp_path / "s.png"))
-    fig = figures[-1]
+    assert figures.plot_tokens([str(run)], str(tmp_path / "s.png"))
+    fig = closed[-1]
     fig.canvas.draw()
     ax_h, ax_g = fig.axes
     legend = ax_g.get_legend()
@@ -162,12 +162,12 @@ def test_plot_figures_say_what_the_numbers_say(tmp_path, monkeypatch):
     assert "$" in ax_g.get_ylabel() and "sum p^2" not in ax_g.get_ylabel()
     assert f"600 drawn tokens ({a['n']} with a gradient)" in ax_h.get_title() and a["n"] == 597
 
-    assert plots.plot_gradient([str(run)], str(tmp_path / "g.png"))
-    ax_p, ax_H = figures[-1].axes
+    assert figures.plot_gradient([str(run)], str(tmp_path / "g.png"))
+    ax_p, ax_H = closed[-1].axes
     assert f"Spearman {a['rho_p']:+.2f} over all tokens, {a['rho_p_low']:+.2f} below p = 0.1" in ax_p.get_title()
     assert ax_p.get_xscale() == "logit" and ax_p.get_legend() is None
-    assert not any("Spearman" in t.get_text() for t in figures[-1].legends[0].get_texts())
-    assert min(t.get_fontsize() for t in figures[-1].legends[0].get_texts()) >= 9
+    assert not any("Spearman" in t.get_text() for t in closed[-1].legends[0].get_texts())
+    assert min(t.get_fontsize() for t in closed[-1].legends[0].get_texts()) >= 9
 
 
 def test_plot_tables_side_by_side_and_sensitivity_grid(tmp_path, monkeypatch, capsys):
@@ -186,7 +186,7 @@ def test_plot_tables_side_by_side_and_sensitivity_grid(tmp_path, monkeypatch, ca
     rows = {tuple(line.split("|")[1:3]): line.split("|")[3:-1] for line in table if line.startswith("| 0.")}
     assert list(rows) == [(" 0.2 ", " 0.5 "), (" 0.2 ", " 0.9 "), (" 0.5 ", " 0.5 "), (" 0.5 ", " 0.9 ")]
     assert [int(r[0]) for r in rows.values()] == [1, 1, 1, 2]  # seeds per cell
-    one = plots.run_summary(runs[0])
+    one = figures.run_summary(runs[0])
     steps = read_metrics(Path(runs[0]))
     assert one["silenced"] == sum(m["s2t/silenced"] for m in steps) and one["tau_p"] == 0.2
     assert one["silenced_of_candidates"] == pytest.approx(one["silenced"] / sum(m["s2t/candidates"] for m in steps))
@@ -224,16 +224,20 @@ def test_plot_cli_output_location_heldout_panel_and_errors(tmp_path, monkeypatch
     assert list((tmp_path / "cwd").iterdir()) == []
     assert "--plot RUN [RUN ...]" in " ".join(subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT,
                                                              capture_output=True, text=True).stdout.split())
+    out = str(tmp_path / "module.png")  # the same figures without train.py
+    module = subprocess.run([sys.executable, "-m", "run_folder.figures", a, b, "--out", out], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert module.returncode == 0 and (tmp_path / "module.png").is_file(), module.stderr
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         train.main(["--plot", a, str(tmp_path / "missing")])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("train.py: error:") and "missing" in err[0]
     # the held-out panel shows eval.jsonl; integer x ticks; identical curves are named and drawn differently
-    figures = []
-    monkeypatch.setattr(plt, "close", figures.append)
-    assert plots.plot_metrics([a, b], str(tmp_path / "m.png"))
-    fig = figures[0]
+    closed = []
+    monkeypatch.setattr(plt, "close", closed.append)
+    assert figures.plot_metrics([a, b], str(tmp_path / "m.png"))
+    fig = closed[0]
     fig.canvas.draw()
     held = next(ax for ax in fig.axes if ax.get_title().startswith("held-out accuracy"))
     assert [list(line.get_data()[1]) for line in held.lines] == [[0.2, 0.4], [0.2, 0.6]]
@@ -258,12 +262,12 @@ def test_plot_seeds_of_one_algorithm_share_a_colour_under_their_mean(tmp_path, m
     for run, seed in ((a1, 1), (a2, 2)):
         Path(run, "config.json").write_text(json.dumps({**json.loads(Path(run, "config.json").read_text()),
                                                         "seed": seed, "out_dir": run}))
-    assert plots.seed_groups([a0, b, a1, a2, c, a0]) == {f"stapo ({a0})": [a0, a1, a2], "justrl": [b],
+    assert figures.seed_groups([a0, b, a1, a2, c, a0]) == {f"stapo ({a0})": [a0, a1, a2], "justrl": [b],
                                                          f"stapo ({c})": [c]}
-    figures = []
-    monkeypatch.setattr(plt, "close", figures.append)
-    assert plots.plot_metrics([a0, b, a1, a2, c], str(tmp_path / "m.png"))
-    reward = next(ax for ax in figures[0].axes if ax.get_title().startswith("reward"))
+    closed = []
+    monkeypatch.setattr(plt, "close", closed.append)
+    assert figures.plot_metrics([a0, b, a1, a2, c], str(tmp_path / "m.png"))
+    reward = next(ax for ax in closed[0].axes if ax.get_title().startswith("reward"))
     lines = {line.get_label(): line for line in reward.lines}
     mean = lines[f"stapo ({a0}): mean of 2 runs (thin: each)"]
     assert list(mean.get_data()[0]) == [0, 1, 2] and list(mean.get_data()[1]) == pytest.approx([-0.4, 0.1, 0.3])
@@ -272,16 +276,16 @@ def test_plot_seeds_of_one_algorithm_share_a_colour_under_their_mean(tmp_path, m
     assert lines[f"{c} (stapo, seed 0)"].get_color() not in (mean.get_color(),
                                                              lines[f"{b} (justrl, seed 0)"].get_color())
     assert lines["_" + a0].get_linewidth() < mean.get_linewidth()
-    held = next(ax for ax in figures[0].axes if ax.get_title().startswith("held-out"))
+    held = next(ax for ax in closed[0].axes if ax.get_title().startswith("held-out"))
     held_mean = next(line for line in held.lines if line.get_label().startswith(f"stapo ({a0}): mean of 3 runs"))
     assert list(held_mean.get_data()[1]) == pytest.approx([1 / 3, 1.7 / 3])
     # one seed with data and one without common steps: each is drawn and named, no mean
     lone = _fake_run(tmp_path / "lone", [0.5], [0.5])
     late = _fake_run(tmp_path / "late", [], [0.5])
     Path(late, "metrics.jsonl").write_text(json.dumps({"step": 7, "reward/mean": 0.1}) + "\n")
-    figures.clear()
-    assert plots.plot_metrics([lone, late], str(tmp_path / "n.png"))
-    reward = next(ax for ax in figures[0].axes if ax.get_title().startswith("reward"))
+    closed.clear()
+    assert figures.plot_metrics([lone, late], str(tmp_path / "n.png"))
+    reward = next(ax for ax in closed[0].axes if ax.get_title().startswith("reward"))
     assert sorted(line.get_label() for line in reward.lines) == [f"{late} (stapo, seed 0)", f"{lone} (stapo, seed 0)"]
 
 
@@ -300,16 +304,16 @@ def test_plot_tokens_pools_the_seeds_of_an_algorithm(tmp_path, monkeypatch):
     b = tokens(_fake_run(tmp_path / "b", [0.0], [0.2], algo="fullmask"), [False], tau_h=None)
     bare = tokens(_fake_run(tmp_path / "bare", [0.0], [0.2]), [False])
     Path(bare, "config.json").unlink()  # no config.json, and given twice: its own row, once
-    figures = []
-    monkeypatch.setattr(plt, "close", figures.append)
-    assert plots.plot_tokens([a0, a1, b, bare, bare], str(tmp_path / "s.png"))
-    titles = [ax.get_title() for ax in figures[0].axes if ax.get_ylabel() == "entropy H"]
+    closed = []
+    monkeypatch.setattr(plt, "close", closed.append)
+    assert figures.plot_tokens([a0, a1, b, bare, bare], str(tmp_path / "s.png"))
+    titles = [ax.get_title() for ax in closed[0].axes if ax.get_ylabel() == "entropy H"]
     assert titles == ["2 runs of stapo:\n5 drawn tokens (5 with a gradient), 2 mini-batches",
                       f"{b} (fullmask, seed 0):\n1 drawn tokens (1 with a gradient), 1 mini-batches",
                       f"{bare}:\n1 drawn tokens (1 with a gradient), 1 mini-batches"]
-    legend = [t.get_text() for t in figures[0].axes[1].get_legend().get_texts()]  # beside the row's right panel
+    legend = [t.get_text() for t in closed[0].axes[1].get_legend().get_texts()]  # beside the row's right panel
     assert "silenced (3)" in legend and "tau_h of 2 mini-batches: median 1.00, 1.00-1.00" in legend
-    legend = [t.get_text() for t in figures[0].axes[3].get_legend().get_texts()]  # no entropy test: no tau_h
+    legend = [t.get_text() for t in closed[0].axes[3].get_legend().get_texts()]  # no entropy test: no tau_h
     assert "candidate, kept (0)" in legend and not any("tau_h" in t for t in legend)
 
 
@@ -332,11 +336,11 @@ def test_plot_entropy_change_per_kind_skips_steps_without_such_tokens(tmp_path, 
     stapo = [run("s0", "stapo", 0, [0.3, 0.1, 0.2], [0.1] * 3), run("s1", "stapo", 1, [0.1, 0.3, 0.0], [0.1] * 3),
              run("s2", "stapo", 2, [0.2, 0.0, 0.4], [0.1] * 3)]
     justrl = run("j0", "justrl", 0, [0.0] * 3, [0.2, 0.0, 0.0])
-    figures = []
-    monkeypatch.setattr(plt, "close", figures.append)
-    written = plots.figures([*stapo, justrl], str(tmp_path / "both.png"))
+    closed = []
+    monkeypatch.setattr(plt, "close", closed.append)
+    written = figures.figures([*stapo, justrl], str(tmp_path / "both.png"))
     assert str(tmp_path / "both_entropy_change.png") in written
-    axes = {ax.get_title(): ax for ax in figures[-1].axes}
+    axes = {ax.get_title(): ax for ax in closed[-1].axes}
     silenced = axes["entropy change per update: silenced tokens"]
     lines = {line.get_label(): line for line in silenced.lines}
     mean = lines["stapo: mean of the 2-3 runs with a value (thin: each)"]
@@ -345,18 +349,18 @@ def test_plot_entropy_change_per_kind_skips_steps_without_such_tokens(tmp_path, 
     assert list(lines["_" + stapo[1]].get_data()[0]) == [1, 2]
     candidate = {line.get_label(): line for line in axes["entropy change per update: kept candidates"].lines}
     assert list(candidate[f"{justrl} (justrl, seed 0)"].get_data()[0]) == [1]
-    legend = [t.get_text() for t in figures[-1].legends[0].get_texts()]  # under the panels: JustRL has points in one
+    legend = [t.get_text() for t in closed[-1].legends[0].get_texts()]  # under the panels: JustRL has points in one
     assert f"{justrl} (justrl, seed 0)" in legend and "stapo: mean of the 2-3 runs with a value (thin: each)" in legend
     assert any(line.get_linestyle() == "--" and list(line.get_ydata()) == [0, 0] for line in silenced.lines)
-    table = plots.summary_table([*stapo, justrl]).splitlines()
+    table = figures.summary_table([*stapo, justrl]).splitlines()
     head = [c.strip() for c in table[0].split("|")]
     rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")] for r in table[2:]}
     at = head.index("entropy change per update, silenced")
     assert rows["stapo"][at] == "+0.233 (+0.200-+0.300)" and rows["justrl"][at] == "-"
     assert rows["justrl"][head.index("entropy change per update, kept candidates")] == "+0.200"
-    figures.clear()
+    closed.clear()
     plain = _fake_run(tmp_path / "plain", [0.0, 0.5], [0.1, 0.2])  # made without --entropy-change: no such figure
-    assert [Path(x).name for x in plots.figures([plain], str(tmp_path / "plain.png"))] == ["plain.png"]
+    assert [Path(x).name for x in figures.figures([plain], str(tmp_path / "plain.png"))] == ["plain.png"]
 
 
 def test_plot_without_matplotlib_is_a_message(tmp_path, monkeypatch, capsys):
@@ -365,7 +369,7 @@ def test_plot_without_matplotlib_is_a_message(tmp_path, monkeypatch, capsys):
     assert train.main(["--plot", run]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "matplotlib is not installed" in err[0]
-    assert plots.figures([run], str(tmp_path / "a" / "metrics.png")) == []
+    assert figures.figures([run], str(tmp_path / "a" / "metrics.png")) == []
     assert not (tmp_path / "a" / "metrics.png").exists()
 
 
