@@ -64,8 +64,7 @@ from engines.choice import compute_dtype, prompts_per_call, rollout_engine  # no
 from memory.allocator import keep_freed_memory  # noqa: E402
 from memory.estimate import RolloutCall, memory_estimate, memory_line  # noqa: E402
 from model import Policy, TokenStats, lm_vocab_size, load_model  # noqa: E402
-from run_folder import figures  # noqa: E402
-from run_folder import plural, read_log, say  # noqa: E402
+from run_folder import ModelAndOptimizer, figures, plural, read_log, say  # noqa: E402
 from step_metrics import s2t_diagnostics  # noqa: E402
 from step_metrics.step_log import StepLog, StepResult, completions  # noqa: E402
 from step_metrics.step_warnings import busy, zero_gradient  # noqa: E402
@@ -417,9 +416,8 @@ def evaluate(run: Run, done: int) -> tuple[dict | None, list[dict]]:
 
 def checkpoint(run: Run, done: int) -> int:
     """Write the checkpoint after `done` steps (every rank; run_folder.save_checkpoint); returns `done`."""
-    cfg = run.cfg
-    trained = run_folder.ModelAndOptimizer(run.policy, run.optimizer, run.scheduler)
-    run_folder.save_checkpoint(Path(cfg.out_dir), done, trained, run_folder.recipe(asdict(cfg)),
+    trained = ModelAndOptimizer(run.policy, run.optimizer, run.scheduler)
+    run_folder.save_checkpoint(Path(run.cfg.out_dir), done, trained, run_folder.recipe(asdict(run.cfg)),
                                run.rank, run.world, {"s2t_window": run.window})
     return done
 
@@ -529,8 +527,7 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
     start, window = 0, torch.zeros(0)
     if checkpoint is not None:  # any number of ranks: DCP reshards (run_folder.load_checkpoint)
-        trained = run_folder.ModelAndOptimizer(policy, optimizer, scheduler)
-        state = run_folder.load_checkpoint(checkpoint, trained)
+        state = run_folder.load_checkpoint(checkpoint, ModelAndOptimizer(policy, optimizer, scheduler))
         start, window = state["step"], state.get("s2t_window", window)
         say(f"resuming from {checkpoint} at step {start + 1} ({plural(start, 'step')} done)" if start < cfg.steps else
             f"{checkpoint}: all {plural(start, 'step')} done, nothing to train", rank)

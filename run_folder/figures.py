@@ -1,7 +1,6 @@
 """Figures of training runs, drawn from the files train.py writes into a run folder (docs/outputs.md).
 
     python train.py --plot RUN [RUN ...] [--out PNG]    # redraw / overlay finished runs (train.py hands over here)
-    python -m run_folder.figures RUN [RUN ...] [--out PNG]    # the same
 
 - `metrics.png`: reward, entropy and silenced fraction per step (metrics.jsonl) and the held-out accuracy
   (eval.jsonl), one line per run.
@@ -15,9 +14,9 @@
 - `counterfactual.png` (`python -m tools.counterfactual RUN --plot`, RQ2): each analysed token's effect on the success
   rate against its probability, silenced vs kept candidates vs other tokens (counterfactual.jsonl).
 
-Runs are redrawn and overlaid after the fact from their files alone (no model). matplotlib is
-optional: without it every function prints one line on stderr and draws nothing. Choices 1-9:
-docs/paper.md, "Deliberate differences", run_folder/figures.py.
+Runs are redrawn and overlaid after the fact from their files alone (no model), also by `python -m
+run_folder.figures RUN ...`. matplotlib is optional: without it every function prints one line on
+stderr, draws nothing. Choices 1-9: docs/paper.md, "Deliberate differences", run_folder/figures.py.
 """
 import json
 import math
