@@ -15,7 +15,7 @@ checkpoint/step_N/, hf/ (the exported model) and run.lock. One concept per file,
     opening.py      a new run, or a resumed one checked against its recipe
 """
 # ruff: noqa: F401 (the names below are this package's interface)
-from run_folder.agreement import agree, agreed_failure, broadcast_failure
+from run_folder.agreement import agree, agreed_failure, agreed_write_failure, broadcast_failure
 from run_folder.checkpoints import (
                                    ModelAndOptimizer,
                                    crc32,

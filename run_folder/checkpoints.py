@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from run_folder.agreement import agreed_failure
+from run_folder.agreement import agreed_write_failure
 from run_folder.console import RunError, say
 from run_folder.files import _step_dirs, resumable, write_atomic
 from run_folder.logs import fsync_logs
@@ -99,7 +99,7 @@ def save_checkpoint(out: Path, done: int, trained: ModelAndOptimizer, config: di
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - OSError, torch's "[enforce fail at ...]"
         # DCP wraps each rank's error (a full disk in a shard) in a CheckpointException, a BaseException: its first
         failed = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
-    failed = agreed_failure(failed)
+    failed = agreed_write_failure(failed, path, rank)
     if failed is None:  # every file written: their sizes and checksums, then the manifest, then `latest`
         names = [sorted(p.name for p in path.iterdir()) if rank == 0 else None]
         dist.broadcast_object_list(names, src=0)  # one listing (a shared filesystem may list late elsewhere)
@@ -114,10 +114,8 @@ def save_checkpoint(out: Path, done: int, trained: ModelAndOptimizer, config: di
                 write_atomic(latest, path.name.encode())
         except OSError as e:
             failed = e
-        failed = agreed_failure(failed)
+        failed = agreed_write_failure(failed, path, rank)
     if failed is not None:
-        if rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
         raise RunError(f"could not write {path} (a full disk?): {failed}; {resumable(out)}")
     if rank == 0:  # the newest `keep` complete checkpoints stay (this one included), and nothing older
