@@ -4,7 +4,7 @@ effect on this machine; and train.py's first checks of them against the processe
 The flag builder and --config files are command_line/flags.py.
 
     cfg, recorded, notes = parse_config(argv)   # train.py: flags, preset, a resumed run's config.json
-    train_rows, heldout_rows = read_inputs(cfg, world)   # every rank, before the model and the folder
+    train_rows, heldout_rows = read_inputs(cfg, world)   # every rank, before the model loads
 
 No torch at import (parse_config and read_inputs import torch and the files whose rules they
 check, stapo.py, reward.py, run_folder, when they run), so that `eval.py --help` answers at once;
@@ -227,7 +227,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
     import torch
 
     given = parse_flags(Config, argv, "train.py", notes={k: f"cpu preset: {v!r}" for k, v in CPU_PRESET.items()},
-                        modes={"plot": PLOT_HELP})  # --plot: main hands over to figures.main before this
+                        modes={"plot": PLOT_HELP})  # --plot: train.main calls figures.main first
     if given.get("light"):
         given = {**LIGHT, **given}
     cuda = torch.cuda.is_available()
@@ -328,25 +328,29 @@ def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> tuple[Config,
 
 # ---------------------------------------------------------------------------- train.py's inputs
 def read_inputs(cfg: Config, world: int) -> tuple[list[dict], list[dict]]:
-    """The checks that need neither the model nor the run folder, made first (every rank): the number of processes,
-    the logger, the data -> (training rows, held-out rows) of data.load_rows."""
+    """The checks that need neither the model nor the run folder, made first (every rank): the
+    number of processes, the logger, the data -> (training rows, held-out rows) of
+    data.load_rows."""
     import torch.distributed as dist
 
     import run_folder
 
     if cfg.prompts_per_step % world or cfg.mini_batch_prompts % world:
-        raise ValueError(f"--prompts-per-step and --mini-batch-prompts must be multiples of the {world} ranks")
+        raise ValueError(f"--prompts-per-step and --mini-batch-prompts must be multiples of the "
+                         f"{world} ranks")
     run_folder.check_logger(cfg.logger)
     train_rows, test_rows, repeated = load_rows(cfg)
     if repeated and dist.get_rank() == 0:
-        print(f"train.py: note: {repeated_note(cfg.data, repeated, len(train_rows) + len(test_rows))}",
-              file=sys.stderr, flush=True)
+        note = repeated_note(cfg.data, repeated, len(train_rows) + len(test_rows))
+        print(f"train.py: note: {note}", file=sys.stderr, flush=True)
     too_few(cfg, len(train_rows))
     return train_rows, test_rows
 
 
 def too_few(cfg: Config, n_rows: int) -> None:
-    """A step takes each training problem at most once: refuse --prompts-per-step above the problems there are."""
+    """A step takes each training problem at most once: refuse --prompts-per-step above the problems
+    there are."""
     if cfg.prompts_per_step > n_rows:
-        raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is more than the {n_rows} training problems of "
-                         f"{cfg.data or 'the built-in task'} (a step takes each at most once): lower it")
+        raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is more than the {n_rows} "
+                         f"training problems of {cfg.data or 'the built-in task'} (a step takes "
+                         f"each at most once): lower it")

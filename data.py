@@ -208,13 +208,15 @@ def check_utf8(text: str, what: str) -> None:
                          f"is not UTF-8 text") from None
 
 
-# What a JSON text nested deeper than the json module reads (its recursion limit) is called in an error.
+# An error's words for JSON nested deeper than the json module reads (its recursion limit).
 TOO_DEEP = "nested too deeply to read (about 1,000 levels at most)"
 
 
-def parse_json(text: str, where: str, detail=lambda e: f"{e.msg} at character {e.pos + 1}", hint: str = ""):
+def parse_json(text: str, where: str, detail=lambda e: f"{e.msg} at character {e.pos + 1}",
+               hint: str = ""):
     """json.loads(text); a text that is not JSON raises ValueError `WHERE: not JSON (DETAIL)HINT`
-    (detail(e): where it breaks), one nested too deeply ValueError `WHERE: nested too deeply ...`."""
+    (detail(e): where it breaks), one nested too deeply ValueError `WHERE: nested too deeply
+    ...`."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:

@@ -527,8 +527,9 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, de
               flush=True)
     from engines import choice
 
-    engine = choice.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest, dtype=lm.dtype,
-                                 kv_cache_memory_bytes=max(min(need, budget), row_bytes), stop_text=cfg.stop_text)
+    engine = choice.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest,
+                                dtype=lm.dtype, stop_text=cfg.stop_text,
+                                kv_cache_memory_bytes=max(min(need, budget), row_bytes))
     return Opened(engine, lm, tokenizer, per_call)
 
 

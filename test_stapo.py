@@ -370,9 +370,10 @@ def _ranks(algo, batch, chunks, seed=5):
         def gather(values, i):
             seen[i].append(values)
             return values if every is None else every[len(seen[i]) - 1]
+        contexts = [stapo.MiniBatchContext(lambda v, i=i: gather(v, i), _keys(c, seed))
+                    for i, c in enumerate(chunks)]
         parts = [stapo.token_weights(algo, logprobs[c], entropy[c], adv[c], mask[c], TAU_P, 0.75,
-                                     stapo.MiniBatchContext(lambda v, i=i: gather(v, i), _keys(c, seed)))
-                 for i, c in enumerate(chunks)]
+                                     context) for c, context in zip(chunks, contexts)]
         every = [torch.cat(values) for values in zip(*seen)]
     return parts
 

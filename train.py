@@ -4,7 +4,7 @@ Algorithm 1; the recipe of §6), on 1 CPU, 1 GPU or many GPU nodes with the same
     python train.py                               # no GPU: the CPU default (SmolLM2-135M, sums)
     torchrun --standalone --nproc_per_node=2 train.py --out-dir out/train-cpu-2   # 2 processes
     python train.py --model Qwen/Qwen3-1.7B-Base  # 1 GPU: the paper's recipe (DAPO-Math-17k, G = 8)
-    python train.py --plot runs/stapo runs/justrl # the runs' curves overlaid (run_folder/figures.py)
+    python train.py --plot runs/stapo runs/justrl # the runs overlaid (run_folder/figures.py)
 
 Reading order: `train_step` (one RL step, numbered 1-4) and the functions it calls, in the order it
 calls them; `train`, the loop (held-out evaluations, checkpoints, stops, the closing lines); `setup`
@@ -416,8 +416,8 @@ def evaluate(run: Run, done: int) -> tuple[dict | None, list[dict]]:
 
 def checkpoint(run: Run, done: int) -> int:
     """Write the checkpoint after `done` steps (every rank; run_folder.save_checkpoint); returns `done`."""
-    trained = ModelAndOptimizer(run.policy, run.optimizer, run.scheduler)
-    run_folder.save_checkpoint(Path(run.cfg.out_dir), done, trained, run_folder.recipe(asdict(run.cfg)),
+    cfg, trained = run.cfg, ModelAndOptimizer(run.policy, run.optimizer, run.scheduler)
+    run_folder.save_checkpoint(Path(cfg.out_dir), done, trained, run_folder.recipe(asdict(cfg)),
                                run.rank, run.world, {"s2t_window": run.window})
     return done
 
@@ -501,10 +501,10 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
     if rank == 0:  # the memory model's estimate for this run (docs/memory.md), rows at their longest
         per_rank, prompt_len = cfg.prompts_per_step // world, max(map(len, train_prompts))
         row, n_rows = prompt_len + cfg.max_response_len, cfg.mini_batch_prompts // world * cfg.group_size
+        per_call = prompts_per_call(cfg, per_rank, lm.config, compute_dtype(cfg, device).itemsize)
         print(memory_line(memory_estimate(
             lm.config, world, min(max(cfg.max_tokens_per_micro_batch, row), n_rows * row), cfg.grad_checkpointing,
-            RolloutCall(prompts_per_call(cfg, per_rank, lm.config, compute_dtype(cfg, device).itemsize)
-                        * cfg.group_size, prompt_len, cfg.max_response_len),
+            RolloutCall(per_call * cfg.group_size, prompt_len, cfg.max_response_len),
             fsdp=cfg.fsdp, compute_bytes=2 if cfg.fsdp and cfg.mixed_precision else 4,  # as in effect (in_effect)
             chunk_size=cfg.chunk_size)), flush=True)
 
@@ -525,9 +525,9 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     # lr: linear warm-up over warmup_steps optimizer steps, then constant
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
-    start, window = 0, torch.zeros(0)
+    start, window, trained = 0, torch.zeros(0), ModelAndOptimizer(policy, optimizer, scheduler)
     if checkpoint is not None:  # any number of ranks: DCP reshards (run_folder.load_checkpoint)
-        state = run_folder.load_checkpoint(checkpoint, ModelAndOptimizer(policy, optimizer, scheduler))
+        state = run_folder.load_checkpoint(checkpoint, trained)
         start, window = state["step"], state.get("s2t_window", window)
         say(f"resuming from {checkpoint} at step {start + 1} ({plural(start, 'step')} done)" if start < cfg.steps else
             f"{checkpoint}: all {plural(start, 'step')} done, nothing to train", rank)
@@ -548,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     one line), run_folder.STOPPED (a stop signal or Ctrl-C: a checkpoint was written, run the same command again),
     run_folder.INTERRUPTED (Ctrl-C again: left at once, the last checkpoint kept)."""
     argv = sys.argv[1:] if argv is None else argv
-    if "--plot" in argv:  # train.py --plot RUN [RUN ...] [--out PNG]: figures only (run_folder/figures.py)
+    if "--plot" in argv:  # train.py --plot RUN [RUN ...]: figures only (run_folder/figures.py)
         return figures.main(argv)
     rank = int(os.environ.get("RANK", 0))  # until the process group exists: torchrun's env:// contract
     run = lock = None

@@ -19,8 +19,8 @@ def make_engine(name: str, lm, tokenizer, chat: bool, stop: Callable[[], bool] |
     """The rollout engine `name` ('plain' or 'vllm') for the HF model `lm`; vLLM is imported only for 'vllm'.
     stop: the plain sampler's early end (a vLLM generate call always finishes); captured: the plain engine decodes
     through CUDA graphs (difference 10); stop_text: texts that also end a response (--stop-text, `StopText`);
-    vllm_kwargs: VLLMSettings's max_model_len (also the plain engine's static cache length), kv_cache_memory_bytes,
-    dtype, seed."""
+    vllm_kwargs: VLLMSettings's max_model_len (also the plain engine's static cache length),
+    kv_cache_memory_bytes, dtype, seed."""
     args = (lm, eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, lm_vocab_size(tokenizer))
     texts = StopText(tokenizer, stop_text) if stop_text else None
     if name == "plain":

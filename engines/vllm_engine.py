@@ -97,14 +97,14 @@ class VLLMEngine:
     """
     name = "vllm"
 
-    def __init__(self, lm, eos_token_id, pad_token_id: int, vocab_size: int | None, settings: VLLMSettings,
-                 stop_text: StopText | None = None):
+    def __init__(self, lm, eos_token_id, pad_token_id: int, vocab_size: int | None,
+                 settings: VLLMSettings, stop_text: StopText | None = None):
         """stop_text: where responses also end (--stop-text): passed to vLLM as `stop`, with the tokenizer saved
         beside the config so that vLLM can detokenize."""
         import tempfile
 
-        max_model_len, kv_cache_memory_bytes = settings.max_model_len, settings.kv_cache_memory_bytes
-        dtype, seed = settings.dtype, settings.seed
+        max_model_len, dtype, seed = settings.max_model_len, settings.dtype, settings.seed
+        kv_cache_memory_bytes = settings.kv_cache_memory_bytes
         self.cuda, self.dtype = torch.cuda.is_available(), dtype
         head_dim = getattr(lm.config, "head_dim", None) or lm.config.hidden_size // lm.config.num_attention_heads
         if not self.cuda and head_dim not in VLLM_CPU_HEAD_SIZES:

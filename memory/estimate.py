@@ -16,16 +16,16 @@ def kv_cache_bytes(config, rows: int, tokens: int, dtype_bytes: int = 2) -> int:
 
 @dataclass(frozen=True)
 class RolloutCall:
-    """The largest generate call of a rollout phase: `rows` sequences of `prompt_len` + `response_len`
-    positions."""
+    """The largest generate call of a rollout phase: `rows` sequences of `prompt_len` +
+    `response_len` positions."""
     rows: int = 64
     prompt_len: int = 1024
     response_len: int = 15360
 
 
 def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: bool = True,
-                    rollout_call: RolloutCall = RolloutCall(), fsdp: bool = True, compute_bytes: int = 2,
-                    chunk_size: int = 1024) -> dict[str, float]:
+                    rollout_call: RolloutCall = RolloutCall(), fsdp: bool = True,
+                    compute_bytes: int = 2, chunk_size: int = 1024) -> dict[str, float]:
     """Estimated peak memory per rank, in GiB, term by term, of a Qwen3/Llama-shaped model (HF `config`: hidden,
     intermediate and head sizes, layers, heads, KV heads, vocabulary, tied embeddings) trained as train.py does.
 
@@ -33,8 +33,9 @@ def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: 
     `world` ranks. compute_bytes: 2 for bf16 mixed precision (CUDA), 4 for fp32. tokens: prompt + response tokens
     of one training micro-batch (--max-tokens-per-micro-batch). The rollout phase holds the sharded parameters and AdamW
     states (gradients are freed after each step), the gathered full copy (FSDP2, `rollout.gathered`), the KV cache
-    of one generate call (`rollout_call`: its rows at prompt_len + response_len positions), and the prefill's
-    activations. Returned keys: the terms, "train_peak", "rollout_peak" and "peak" (their max).
+    of one generate call (`rollout_call`: its rows at prompt_len + response_len positions), and the
+    prefill's activations. Returned keys: the terms, "train_peak", "rollout_peak" and "peak" (their
+    max).
     """
     D, I, layers, V = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
     H, KV = config.num_attention_heads, config.num_key_value_heads
@@ -63,7 +64,8 @@ def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: 
         "rollout_gathered": n * b / GiB if fsdp else 0.0,
         "kv_cache": kv_cache_bytes(config, call.rows, call.prompt_len + call.response_len, b) / GiB,
         # prefill: one layer's MLP and norm values for every prompt token; sampling: 4 fp32 (rows, V) buffers
-        "rollout_work": (call.rows * call.prompt_len * (2 * I + 4 * D) * b + 16 * call.rows * V) / GiB,
+        "rollout_work": (call.rows * call.prompt_len * (2 * I + 4 * D) * b
+                         + 16 * call.rows * V) / GiB,
     }
     states = terms["params"] + terms["adam"]
     terms["train_peak"] = states + sum(terms[k] for k in ("grads", "train_gathered", "activations", "head"))

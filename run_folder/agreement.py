@@ -22,8 +22,8 @@ def agreed_failure(failed: Exception | None) -> str | None:
 
 
 def agreed_write_failure(failed: Exception | None, partial: Path, rank: int) -> str | None:
-    """Every rank: `agreed_failure` of a write into the folder `partial`; after a failure on any rank,
-    rank 0 has removed `partial`, what the write left. A collective."""
+    """Every rank: `agreed_failure` of a write into the folder `partial`; after a failure on any
+    rank, rank 0 has removed `partial`, what the write left. A collective."""
     failed = agreed_failure(failed)
     if failed is not None and rank == 0:
         shutil.rmtree(partial, ignore_errors=True)

@@ -1,5 +1,6 @@
-"""What the sampler tests share (tests/test_rollout.py, tests/test_engines_vllm_engine.py, test_stapo.py): a
-few prompts of the tiny tokenizer, the log-probs a training forward recomputes, and a two-process run."""
+"""What the sampler tests share (tests/test_rollout.py, tests/test_engines_vllm_engine.py,
+test_stapo.py): a few prompts of the tiny tokenizer, the log-probs a training forward recomputes,
+and a two-process run."""
 import os
 import time
 

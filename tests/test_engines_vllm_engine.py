@@ -88,7 +88,8 @@ def test_vllm_engine_cuda_path_order_and_settings(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append(("empty_cache",)))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (60 * 2**30, 140 * 2**30))
     lm = tiny_model()  # head_dim 16: refused on CPU only
-    settings = vllm_engine.VLLMSettings(max_model_len=64, kv_cache_memory_bytes=10**9, dtype=torch.bfloat16)
+    settings = vllm_engine.VLLMSettings(max_model_len=64, kv_cache_memory_bytes=10**9,
+                                        dtype=torch.bfloat16)
     engine = vllm_engine.VLLMEngine(lm, 2, 0, REAL_VOCAB, settings)
     (_, kwargs), *rest = [e for e in events if e[0] != "empty_cache"]
     assert kwargs["enforce_eager"] is False and kwargs["enable_sleep_mode"] is True
@@ -191,7 +192,7 @@ lm, tok = model.load_model("tiny64")
 prompts = [rollout.format_prompt(tok, p, chat=False, instruction="") for p in ("1+1", "2+3", "4+4", "x")]
 stop = json.loads(sys.argv[1])
 engine = choice.make_engine(sys.argv[2], lm, tok, False, stop_text=stop, max_model_len=64,
-                             kv_cache_memory_bytes=32 << 20, dtype=torch.float32)
+                            kv_cache_memory_bytes=32 << 20, dtype=torch.float32)
 with engine.ready(lm):
     r = engine.sample(prompts, 1, [0], 4, 24, 0.0, 1.0)
 print(json.dumps([ids[m.bool()].tolist() for ids, m in zip(r.response_ids, r.response_mask)]))
@@ -267,8 +268,9 @@ class TestVLLMEngine:
         torch.manual_seed(123)
         before = (dict(os.environ), torch.get_num_threads(), torch.set_num_threads, gc.get_freeze_count(),
                   torch.get_rng_state())
-        engine = VLLMEngine(lm, 2, 0, None, VLLMSettings(max_model_len=256, kv_cache_memory_bytes=32 << 20,
-                                                         dtype=torch.float32, seed=0))
+        settings = VLLMSettings(max_model_len=256, kv_cache_memory_bytes=32 << 20,
+                                dtype=torch.float32, seed=0)
+        engine = VLLMEngine(lm, 2, 0, None, settings)
         yield engine, lm, before
         engine.close()
 

@@ -87,8 +87,8 @@ def test_rollout_compaction_same_tokens(temperature, top_p):
     the sampler before compaction), for the same generator, with rows stopping at very different lengths."""
     lm = _eos_biased_model(73)
     prompts = toy_prompts() * 6  # 24 rows
-    sampling = Sampling(40, temperature, top_p, eos_token_id=2, pad_token_id=0,
-                        vocab_size=REAL_VOCAB if temperature else None)  # greedy: all rows, lengths 9..40
+    sampling = Sampling(40, temperature, top_p, eos_token_id=2, pad_token_id=0,  # greedy: all rows,
+                        vocab_size=REAL_VOCAB if temperature else None)  # lengths 9..40
     seen, handle = _cache_rows_per_step(lm)
     runs = {}
     for compact in (None, 0.15, 1e-9):
@@ -201,7 +201,8 @@ def test_rollout_written_out_decode_step(family):
         eos_row = lm.lm_head.weight[2].clone()
         for token in range(4, 128):
             lm.lm_head.weight[2] = 1.05 * lm.lm_head.weight[token]
-            greedy = Sampling(40, temperature=0, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
+            greedy = Sampling(40, temperature=0, eos_token_id=2, pad_token_id=0,
+                              vocab_size=REAL_VOCAB)
             lengths = generate(lm, prompts, greedy, written_out=False).response_mask.sum(1)
             if len(set(lengths.tolist())) > 2 and lengths.max() > 8:
                 break
@@ -214,7 +215,8 @@ def test_rollout_written_out_decode_step(family):
         runs = []
         for written_out in (True, False):
             calls.clear()
-            sampling = Sampling(40, temperature, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
+            sampling = Sampling(40, temperature, eos_token_id=2, pad_token_id=0,
+                                vocab_size=REAL_VOCAB)
             runs.append(generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(1),
                                  written_out=written_out))
             steps = int(runs[-1].response_mask.sum(1).max())
@@ -258,8 +260,8 @@ def test_plain_engine_takes_the_weights_once_per_phase(monkeypatch):
     step = decode_step.DecodeStep(lm, REAL_VOCAB)
     for other in (dict(model=tiny_model(), vocab_size=REAL_VOCAB), dict(model=lm, vocab_size=None)):
         with pytest.raises(ValueError, match="DecodeStep of another model or vocab_size"):
-            generate(other["model"], prompts, Sampling(4, eos_token_id=2, pad_token_id=0,
-                                                       vocab_size=other["vocab_size"]), written_out=step)
+            sampling = Sampling(4, eos_token_id=2, pad_token_id=0, vocab_size=other["vocab_size"])
+            generate(other["model"], prompts, sampling, written_out=step)
 
 
 def _captured(lm, rows: int, max_len: int, vocab_size=REAL_VOCAB, **kwargs) -> cuda_graphs.CapturedStep:
@@ -276,8 +278,8 @@ def test_rollout_captured_step_same_tokens_as_eager(monkeypatch, temperature, to
     cache up to the written position rounded up to the length block."""
     lm = _eos_biased_model(73)
     prompts = toy_prompts() * 6  # 24 rows
-    sampling = Sampling(40, temperature, top_p, eos_token_id=2, pad_token_id=0,
-                        vocab_size=REAL_VOCAB if temperature else None)  # greedy: all rows, lengths 9..40
+    sampling = Sampling(40, temperature, top_p, eos_token_id=2, pad_token_id=0,  # greedy: all rows,
+                        vocab_size=REAL_VOCAB if temperature else None)  # lengths 9..40
     ref = generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(3))
     P = ref.prompt_ids.shape[1]
     captured = _captured(lm, 24, P + 40, sampling.vocab_size)
@@ -285,7 +287,8 @@ def test_rollout_captured_step_same_tokens_as_eager(monkeypatch, temperature, to
     seen = []
     monkeypatch.setattr(cuda_graphs.CapturedStep, "_body", lambda self, b, L, body=cuda_graphs.CapturedStep._body:
                         seen.append((b, L, self.kv.get_seq_length())) or body(self, b, L))
-    r = generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(3), written_out=captured)
+    r = generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(3),
+                 written_out=captured)
     assert torch.equal(r.response_ids, ref.response_ids) and torch.equal(r.response_mask, ref.response_mask)
     assert torch.equal(r.truncated, ref.truncated)
     torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
@@ -331,8 +334,8 @@ def test_rollout_captured_step_contract(monkeypatch):
     call = cuda_graphs.CapturedStep.__call__
     monkeypatch.setattr(cuda_graphs.CapturedStep, "__call__", lambda self, *args: outputs.append(call(self, *args))
                         or outputs[-1])
-    first = [generate(lm, prompts * 2, sampling, generator=torch.Generator().manual_seed(s), written_out=captured)
-             for s in (0, 1)]  # two calls of one phase
+    first = [generate(lm, prompts * 2, sampling, generator=torch.Generator().manual_seed(s),
+                      written_out=captured) for s in (0, 1)]  # two calls of one phase
     assert [t.data_ptr() for t in static] == pointers  # nothing reallocated
     assert captured.kv.layers[0].keys.data_ptr() == pointers[5]  # the prefill wrote into the static buffer
     for token, position, mask, cache, column in inputs:
@@ -353,8 +356,8 @@ def test_rollout_captured_step_contract(monkeypatch):
                         Graph(self, (b, L)))
     graphs = _captured(lm, 8, P + 30, capture=True)
     inputs.clear()
-    again = [generate(lm, prompts * 2, sampling, generator=torch.Generator().manual_seed(s), written_out=graphs)
-             for s in (0, 1)]
+    again = [generate(lm, prompts * 2, sampling, generator=torch.Generator().manual_seed(s),
+                      written_out=graphs) for s in (0, 1)]
     keys = [(len(token), mask.shape[1]) for token, _, mask, _, _ in inputs]
     assert replays == keys and captures == list(dict.fromkeys(keys)) and len(captures) < len(keys)
     assert sorted(graphs.graphs) == sorted(captures)
@@ -362,7 +365,8 @@ def test_rollout_captured_step_contract(monkeypatch):
         assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
     for rows, tokens in ((9, 30), (8, 31)):
         with pytest.raises(ValueError, match="exceeds the phase's static cache"):
-            generate(lm, (prompts * 3)[:rows], replace(sampling, max_new_tokens=tokens), written_out=captured)
+            generate(lm, (prompts * 3)[:rows], replace(sampling, max_new_tokens=tokens),
+                     written_out=captured)
     with pytest.raises(ValueError, match="DecodeStep of another model"):
         generate(tiny_model(), prompts, sampling, written_out=captured)
 
@@ -416,12 +420,14 @@ def test_rollout_grouped_sdpa_no_repeated_cache(monkeypatch):
         calls = []
         monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: calls.append(x.shape[2]) or
                             x.repeat_interleave(n, 1))
-        runs[attention] = generate(lm, prompts, replace(sampling, temperature=0), written_out=False), calls
+        greedy = replace(sampling, temperature=0)
+        runs[attention] = generate(lm, prompts, greedy, written_out=False), calls
     (ref, ref_calls), (r, calls) = runs["sdpa"], runs[model.PACKED_SDPA]
     assert torch.equal(r.response_ids, ref.response_ids) and len(set(r.response_mask.sum(1).tolist())) > 1
     torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
     assert calls == [] and len(ref_calls) > 2 * lm.config.num_hidden_layers  # transformers': every step
-    sampled = generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(1), written_out=False)
+    sampled = generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(1),
+                       written_out=False)
     recomputed = recomputed_logprobs(lm, sampled, 1.0, REAL_VOCAB)
     torch.testing.assert_close(sampled.logprobs[sampled.response_mask.bool()],
                                recomputed[sampled.response_mask.bool()], atol=1e-5, rtol=0)
@@ -454,8 +460,8 @@ def test_rollout_sampling_frequencies_chi_square():
     with torch.no_grad():
         lm.lm_head.weight.mul_(8.0)  # spread the logits so a wrong temperature is detectable
     n, temperature, real = 4000, 0.7, 6  # rows 6, 7 are "padding" rows
-    r = generate(lm, [[1, 5, 3]] * n, Sampling(1, temperature, eos_token_id=2, pad_token_id=0, vocab_size=real),
-                 generator=torch.Generator().manual_seed(0))
+    sampling = Sampling(1, temperature, eos_token_id=2, pad_token_id=0, vocab_size=real)
+    r = generate(lm, [[1, 5, 3]] * n, sampling, generator=torch.Generator().manual_seed(0))
     counts = torch.bincount(r.response_ids[:, 0], minlength=8).double()  # (8,)
     assert counts[real:].sum() == 0
     with torch.no_grad():
@@ -474,7 +480,8 @@ def test_rollout_sampling_frequencies_chi_square():
 
 def test_rollout_top_p_stays_in_nucleus():
     lm, top_p, temperature = tiny_model(), 0.6, 0.8
-    sampling = Sampling(24, temperature, top_p, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
+    sampling = Sampling(24, temperature, top_p, eos_token_id=2, pad_token_id=0,
+                        vocab_size=REAL_VOCAB)
     r = generate(lm, toy_prompts() * 4, sampling, generator=torch.Generator().manual_seed(1))
     input_ids, attention_mask = r.training_inputs()
     with torch.no_grad():
@@ -498,7 +505,8 @@ def test_rollout_padding_rows_never_sampled():
         lm.lm_head.weight[REAL_VOCAB:] = 20 * lm.lm_head.weight[REAL_VOCAB:]  # padding rows now dominate
     prompts = toy_prompts()
     sampling = Sampling(16, eos_token_id=2, pad_token_id=0)
-    r = generate(lm, prompts, replace(sampling, vocab_size=REAL_VOCAB), generator=torch.Generator().manual_seed(0))
+    r = generate(lm, prompts, replace(sampling, vocab_size=REAL_VOCAB),
+                 generator=torch.Generator().manual_seed(0))
     assert r.response_ids.max() < REAL_VOCAB
     unmasked = generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(0))
     assert (unmasked.response_ids >= REAL_VOCAB).float().mean() > 0.5  # without vocab_size they would be
@@ -507,8 +515,10 @@ def test_rollout_padding_rows_never_sampled():
 def test_rollout_logprobs_equal_recomputed_forward():
     lm = _eos_biased_model(73)
     for temperature, top_p in [(1.0, 1.0), (0.7, 0.9)]:
-        sampling = Sampling(30, temperature, top_p, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
-        r = sample_groups(lm, toy_prompts(), 3, sampling, generator=torch.Generator().manual_seed(2))
+        sampling = Sampling(30, temperature, top_p, eos_token_id=2, pad_token_id=0,
+                            vocab_size=REAL_VOCAB)
+        r = sample_groups(lm, toy_prompts(), 3, sampling,
+                          generator=torch.Generator().manual_seed(2))
         assert len(r) == 12 and r.truncated.any() and not r.truncated.all()
         mask = r.response_mask.bool()
         recomputed = recomputed_logprobs(lm, r, temperature, REAL_VOCAB)
@@ -552,8 +562,8 @@ def test_rollout_same_seed_same_rollout():
     lm, prompts = tiny_model(), toy_prompts()
 
     def run(seed):
-        return generate(lm, prompts, Sampling(20, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB),
-                        generator=torch.Generator().manual_seed(seed))
+        sampling = Sampling(20, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
+        return generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(seed))
 
     with gathered(Policy(lm)):  # a no-op without FSDP
         a = run(7)
@@ -578,8 +588,8 @@ def _fsdp_model():
 
 
 def _fsdp_generate(lm, seed):
-    return generate(lm, toy_prompts(), Sampling(40, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB),
-                    generator=torch.Generator().manual_seed(seed))
+    sampling = Sampling(40, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
+    return generate(lm, toy_prompts(), sampling, generator=torch.Generator().manual_seed(seed))
 
 
 def _fsdp_worker(rank: int, init_file: str, out_dir: str):
@@ -742,8 +752,8 @@ def test_rollout_stop_text_ends_rows_where_the_text_first_appears():
     kinds = set()
     for seed in range(6):
         for compact in (0.0, None):  # dropping finished rows changes no token
-            full, cut = (generate(lm, prompts, Sampling(30, 1.0, eos_token_id=2, pad_token_id=0, vocab_size=V,
-                                                        stop_text=s),
+            full, cut = (generate(lm, prompts, Sampling(30, 1.0, eos_token_id=2, pad_token_id=0,
+                                                        vocab_size=V, stop_text=s),
                                   generator=torch.Generator().manual_seed(seed), compact=compact)
                          for s in (None, stop))
             for i in range(len(prompts)):

@@ -533,7 +533,8 @@ def test_rollout_stop_ends_a_call_at_the_next_check():
         return len(asked) >= 3
 
     whole = generate(lm, prompts, Sampling(30, 1.0), generator=torch.Generator().manual_seed(0))
-    cut = generate(lm, prompts, Sampling(30, 1.0), generator=torch.Generator().manual_seed(0), stop=stop)
+    cut = generate(lm, prompts, Sampling(30, 1.0), generator=torch.Generator().manual_seed(0),
+                   stop=stop)
     assert whole.response_ids.shape[1] > 10 and cut.response_ids.shape[1] == 3 and len(asked) == 3
     assert torch.equal(cut.response_ids, whole.response_ids[:, :3].masked_fill(cut.response_mask == 0, 0))
 

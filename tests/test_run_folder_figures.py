@@ -1,4 +1,5 @@
-"""run_folder/figures.py: what S2T saw, the gradient analysis, overlaid runs and seeds, live curves."""
+"""run_folder/figures.py: what S2T saw, the gradient analysis, overlaid runs and seeds, live
+curves."""
 import json
 import math
 import subprocess
@@ -68,7 +69,8 @@ def _token_records(n: int = 400, seed: int = 0, sign: float = -1.0) -> list[dict
 def test_plot_gradient_analysis_sign_and_bins():
     """RQ1's numbers on constructed tokens: the Spearman correlation has the sign built in (and ~0 against an
     unrelated H), weights count a token as the tokens it stands for, and the bins hold the medians of their tokens."""
-    falling, rising = figures.gradient_analysis(_token_records()), figures.gradient_analysis(_token_records(sign=1))
+    falling = figures.gradient_analysis(_token_records())
+    rising = figures.gradient_analysis(_token_records(sign=1))
     assert falling["rho_p"] < -0.9 and rising["rho_p"] > 0.9 and abs(falling["rho_h"]) < 0.15
     assert falling["n"] == 400 and falling["correct"]["n"] == falling["incorrect"]["n"] == 200
     bins = falling["correct"]["bins_p"]  # one bin per decade of p below 0.1 (centres -5.5 ... -1.5), finer above
@@ -79,7 +81,8 @@ def test_plot_gradient_analysis_sign_and_bins():
     logp = [math.log10(p) for r in records[1:] for p in r["p"]]
     norm = [v for r in records[1:] for v in r["grad_norm"]]
     low = sorted(v for v, x in zip(norm, logp) if x < -3)
-    assert figures.binned(logp, norm, [1.0] * len(norm), edges)[0][1] == low[(len(low) - 1) // 2]  # the median
+    median = low[(len(low) - 1) // 2]
+    assert figures.binned(logp, norm, [1.0] * len(norm), edges)[0][1] == median
     # a weight of 3 on a token counts it three times
     assert figures.rank_correlation([1, 2, 3], [3, 2, 1]) == pytest.approx(-1)
     assert figures.rank_correlation([1, 2, 3, 4], [1, 2, 4, 3], [1, 1, 1, 3]) == pytest.approx(
@@ -99,7 +102,7 @@ def test_plot_gradient_analysis_sign_and_bins():
              "weight": [1.0] * 400, "correct": [1] * 400}]
     a = figures.gradient_analysis(tied)
     assert a["rho_h"] > 0.3 and a["rho_h_at_p"] < -0.3, a
-    assert figures.partial_rank_correlation([1, 2, 3], [1, 2, 3], [1, 2, 3]) is None  # z determines x
+    assert figures.partial_rank_correlation([1, 2, 3], [1, 2, 3], [1, 2, 3]) is None  # z gives x
 
 
 def test_plot_gradient_figure_round_trips_from_the_run_folder(tmp_path, capsys):
@@ -225,8 +228,8 @@ def test_plot_cli_output_location_heldout_panel_and_errors(tmp_path, monkeypatch
     assert "--plot RUN [RUN ...]" in " ".join(subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT,
                                                              capture_output=True, text=True).stdout.split())
     out = str(tmp_path / "module.png")  # the same figures without train.py
-    module = subprocess.run([sys.executable, "-m", "run_folder.figures", a, b, "--out", out], cwd=ROOT,
-                            capture_output=True, text=True)
+    module = subprocess.run([sys.executable, "-m", "run_folder.figures", a, b, "--out", out],
+                            cwd=ROOT, capture_output=True, text=True)
     assert module.returncode == 0 and (tmp_path / "module.png").is_file(), module.stderr
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
@@ -262,8 +265,8 @@ def test_plot_seeds_of_one_algorithm_share_a_colour_under_their_mean(tmp_path, m
     for run, seed in ((a1, 1), (a2, 2)):
         Path(run, "config.json").write_text(json.dumps({**json.loads(Path(run, "config.json").read_text()),
                                                         "seed": seed, "out_dir": run}))
-    assert figures.seed_groups([a0, b, a1, a2, c, a0]) == {f"stapo ({a0})": [a0, a1, a2], "justrl": [b],
-                                                         f"stapo ({c})": [c]}
+    assert figures.seed_groups([a0, b, a1, a2, c, a0]) == {f"stapo ({a0})": [a0, a1, a2],
+                                                           "justrl": [b], f"stapo ({c})": [c]}
     closed = []
     monkeypatch.setattr(plt, "close", closed.append)
     assert figures.plot_metrics([a0, b, a1, a2, c], str(tmp_path / "m.png"))
@@ -311,9 +314,9 @@ def test_plot_tokens_pools_the_seeds_of_an_algorithm(tmp_path, monkeypatch):
     assert titles == ["2 runs of stapo:\n5 drawn tokens (5 with a gradient), 2 mini-batches",
                       f"{b} (fullmask, seed 0):\n1 drawn tokens (1 with a gradient), 1 mini-batches",
                       f"{bare}:\n1 drawn tokens (1 with a gradient), 1 mini-batches"]
-    legend = [t.get_text() for t in closed[0].axes[1].get_legend().get_texts()]  # beside the row's right panel
+    legend = [t.get_text() for t in closed[0].axes[1].get_legend().get_texts()]  # right panel's
     assert "silenced (3)" in legend and "tau_h of 2 mini-batches: median 1.00, 1.00-1.00" in legend
-    legend = [t.get_text() for t in closed[0].axes[3].get_legend().get_texts()]  # no entropy test: no tau_h
+    legend = [t.get_text() for t in closed[0].axes[3].get_legend().get_texts()]  # no tau_h
     assert "candidate, kept (0)" in legend and not any("tau_h" in t for t in legend)
 
 
@@ -349,7 +352,8 @@ def test_plot_entropy_change_per_kind_skips_steps_without_such_tokens(tmp_path, 
     assert list(lines["_" + stapo[1]].get_data()[0]) == [1, 2]
     candidate = {line.get_label(): line for line in axes["entropy change per update: kept candidates"].lines}
     assert list(candidate[f"{justrl} (justrl, seed 0)"].get_data()[0]) == [1]
-    legend = [t.get_text() for t in closed[-1].legends[0].get_texts()]  # under the panels: JustRL has points in one
+    legend = [t.get_text() for t in closed[-1].legends[0].get_texts()]  # under the panels: JustRL
+    # has points in one
     assert f"{justrl} (justrl, seed 0)" in legend and "stapo: mean of the 2-3 runs with a value (thin: each)" in legend
     assert any(line.get_linestyle() == "--" and list(line.get_ydata()) == [0, 0] for line in silenced.lines)
     table = figures.summary_table([*stapo, justrl]).splitlines()
@@ -360,7 +364,8 @@ def test_plot_entropy_change_per_kind_skips_steps_without_such_tokens(tmp_path, 
     assert rows["justrl"][head.index("entropy change per update, kept candidates")] == "+0.200"
     closed.clear()
     plain = _fake_run(tmp_path / "plain", [0.0, 0.5], [0.1, 0.2])  # made without --entropy-change: no such figure
-    assert [Path(x).name for x in figures.figures([plain], str(tmp_path / "plain.png"))] == ["plain.png"]
+    written = figures.figures([plain], str(tmp_path / "plain.png"))
+    assert [Path(x).name for x in written] == ["plain.png"]
 
 
 def test_plot_without_matplotlib_is_a_message(tmp_path, monkeypatch, capsys):

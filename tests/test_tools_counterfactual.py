@@ -158,7 +158,8 @@ def test_counterfactual_wilson_interval_and_pooled_groups(tmp_path, monkeypatch)
     import matplotlib.pyplot as plt
     closed = []
     monkeypatch.setattr(plt, "close", closed.append)
-    assert figures.plot_counterfactual_groups(groups, str(tmp_path / "groups.png"), counterfactual.cluster_interval)
+    assert figures.plot_counterfactual_groups(groups, str(tmp_path / "groups.png"),
+                                              counterfactual.cluster_interval)
     monkeypatch.undo()
     axes = closed[0].axes
     assert [t.get_text() for t in axes[1].get_xticklabels()] == [

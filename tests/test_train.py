@@ -449,8 +449,10 @@ def test_train_policy_on_another_device_than_the_rollout_engine(tmp_path, monkey
     monkeypatch.setattr(train, "init_distributed", lambda timeout_min=60: (*start()[:2], _OTHER))
     monkeypatch.setattr(train, "load_model", lambda name, device=None, **kw: (
         tiny_model(vocab_size=TOY_VOCAB)._apply(OnOther if device == _OTHER else lambda t: t), tiny_tokenizer()))
-    monkeypatch.setattr(choice, "make_engine", lambda name, lm, tokenizer, chat, stop=None, **kw: _CPUCopyEngine(
-        tiny_model(vocab_size=TOY_VOCAB), rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, TOY_VOCAB))
+    monkeypatch.setattr(choice, "make_engine", lambda name, lm, tokenizer, chat, stop=None, **kw:
+                        _CPUCopyEngine(tiny_model(vocab_size=TOY_VOCAB),
+                                       rollout.eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id,
+                                       TOY_VOCAB))
     adamw = torch.optim.AdamW  # the fused kernel refuses the simulated device (meta); the update is the same
     monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kw: adamw(params, **{**kw, "fused": False}))
     data = varied_data(tmp_path)
@@ -486,7 +488,7 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
         "held-out accuracy before training", "held-out accuracy after 1 step"]
     metrics = read_metrics(tmp_path / "run")
     assert out[-3].startswith(f"stapo silenced {int(metrics[0]['s2t/silenced'])} tokens in ")
-    assert out[-2].startswith("logit-gradient norm vs p: Spearman ")  # RQ1's correlations (figures.correlation_line)
+    assert out[-2].startswith("logit-gradient norm vs p: Spearman ")  # figures.correlation_line
     steps = [{"s2t/silenced": 3.0, "s2t/candidates": 5.0}, {"s2t/silenced": 0.0, "s2t/candidates": 1.0},
              {"s2t/silenced": 2.0, "s2t/candidates": 2.0}]
     assert figures.silenced_summary("stapo", steps, ["spurious.jsonl", "s2t.png"]) == (

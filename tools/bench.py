@@ -193,7 +193,8 @@ def _prompt_ids(tokenizer, batch):
 
 def _ours(lm, prompts, steps, temperature, top_p, seed=0):
     never = lm.config.vocab_size  # an EOS id that is never sampled: decode exactly `steps` tokens
-    sampling = Sampling(steps, temperature, top_p, eos_token_id=never, pad_token_id=lm.config.pad_token_id)
+    sampling = Sampling(steps, temperature, top_p, eos_token_id=never,
+                        pad_token_id=lm.config.pad_token_id)
     return generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(seed))
 
 
@@ -669,9 +670,9 @@ def _gpu_train(sizes, cfg, state, device, flops_rate, out):
         tokens = n_seq * row
         update = metrics["time/update_s"]
         estimate = memory_estimate(  # the same arguments train.setup prints its memory line with
-            lm.config, 1, min(max(micro, row), n_seq * row), True, RolloutCall(n_seq, sizes.prompt_len, T),
-            fsdp=True, compute_bytes=2 if device.type == "cuda" else 4,
-            chunk_size=cfg.chunk_size)["train_peak"]
+            lm.config, 1, min(max(micro, row), n_seq * row), True,
+            RolloutCall(n_seq, sizes.prompt_len, T), fsdp=True,
+            compute_bytes=2 if device.type == "cuda" else 4, chunk_size=cfg.chunk_size)["train_peak"]
         out.append({"part": "train", "T": T, "sequences": n_seq, "micro_batch": micro, "tokens": tokens,
                     "updates": metrics["updates"], "update_s": update, "step_s": seconds,
                     "pi_old_and_grading_s": metrics["time/rollout_s"], "tokens_per_s": tokens / update,
@@ -758,12 +759,14 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
         kv_token_bytes = kv_cache_bytes(lm.config, 1, 1, next(lm.parameters()).element_size())
         step = decode_step.DecodeStep(lm, V_)
 
-        never_ends = Sampling(0, eos_token_id=V_, pad_token_id=tokenizer.pad_token_id, vocab_size=V_)  # EOS id V_
+        never_ends = Sampling(0, eos_token_id=V_, pad_token_id=tokenizer.pad_token_id,
+                              vocab_size=V_)  # EOS id V_: never sampled
 
         def ours(written_out):
             return lambda batch, n: generate(
                 lm, [prompt] * batch, replace(never_ends, max_new_tokens=n),
-                generator=torch.Generator(device).manual_seed(0), written_out=written_out).response_ids
+                generator=torch.Generator(device).manual_seed(0),
+                written_out=written_out).response_ids
         ids = torch.tensor([prompt], device=device)
 
         def hf(batch, n):
@@ -804,7 +807,8 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
         batch, n = sizes.decode_batches[0], min(64, n_new)
         a, b = (generate(lm, [prompt] * batch, replace(never_ends, max_new_tokens=n),
                          generator=torch.Generator(device).manual_seed(1), written_out=w)
-                for w in (captured, cuda_graphs.CapturedStep(step, batch, P + n_new, capture=False)))
+                for w in (captured,
+                          cuda_graphs.CapturedStep(step, batch, P + n_new, capture=False)))
         out.append({"part": "captured_check", "batch": batch, "new_tokens": n,
                     "same_tokens": torch.equal(a.response_ids, b.response_ids),
                     "logprob_max_abs_diff": (a.logprobs - b.logprobs).abs().max().item()})
@@ -1108,8 +1112,8 @@ def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
             config = Qwen3Config(vocab_size=151_936, **shape)
             for world in (8, 64):
                 rows = min(8, 256 // world) * 8
-                on, off = (memory_estimate(config, world, rollout_call=RolloutCall(rows), checkpointing=c)
-                           for c in (1, 0))
+                on, off = (memory_estimate(config, world, rollout_call=RolloutCall(rows),
+                                           checkpointing=c) for c in (1, 0))
                 one = memory_estimate(config, world, rollout_call=RolloutCall(8))
                 print(f"| {name} | {world} | {on['params'] + on['grads'] + on['adam']:.1f} | {on['activations']:.1f} "
                       f"({off['activations']:.1f}) | {on['train_peak']:.1f} ({off['train_peak']:.1f}) | {rows} | "
@@ -1266,10 +1270,11 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
         def sample(prompts, G, seed, T, **kwargs):
             settings = dict(max_new_tokens=T, eos_token_id=plain.eos, pad_token_id=plain.pad,
                             vocab_size=plain.vocab_size)
-            if hasattr(sampler, "Sampling"):  # a rollout.py before rollout.Sampling takes them as keywords
+            if hasattr(sampler, "Sampling"):  # else a rollout.py from before Sampling: keywords
                 settings = dict(sampling=sampler.Sampling(**settings))
-            return sampler.sample_groups(lm, prompts, G, **settings, generator=torch.Generator().manual_seed(seed),
-                                         **options, **kwargs)
+            return sampler.sample_groups(lm, prompts, G, **settings,
+                                         generator=torch.Generator().manual_seed(seed), **options,
+                                         **kwargs)
         return sample
     # Each engine takes the weights once, outside the timed runs, as once per rollout phase in training: the plain
     # sampler's DecodeStep (stacked, reordered copies: PlainEngine.ready), vLLM's copy (VLLMEngine.ready's push).

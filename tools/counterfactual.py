@@ -532,7 +532,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def table(argv: list[str]) -> int:
     """`python -m tools.counterfactual --table RUN [RUN ...] [--out PNG]`: the counterfactual.jsonl of several runs
-    pooled, per algorithm (`pooled_summary`), and with --out their figure (figures.plot_counterfactual_groups)."""
+    pooled, per algorithm (`pooled_summary`), and with --out their figure
+    (figures.plot_counterfactual_groups)."""
     out = argv[argv.index("--out") + 1] if "--out" in argv[:-1] else None
     runs = list(dict.fromkeys(a for i, a in enumerate(argv) if a != "--out" and (i == 0 or argv[i - 1] != "--out")))
     missing = [r for r in runs if not (Path(r) / "counterfactual.jsonl").is_file()]
