@@ -1,26 +1,29 @@
 """What a run is told (docs/paper.md §6, the recipe; docs/training.md): train.py's `Config`, whose
 fields (with the string under each as its --help) become the flags, the presets, and the values in
-effect on this machine. The flag builder and --config files are command_line/flags.py.
+effect on this machine; and train.py's first checks of them against the processes and the data.
+The flag builder and --config files are command_line/flags.py.
 
     cfg, recorded, notes = parse_config(argv)   # train.py: flags, preset, a resumed run's config.json
+    train_rows, heldout_rows = read_inputs(cfg, world)   # every rank, before the model loads
 
-No torch at import (parse_config imports torch and the files whose rules it checks, stapo.py,
-reward.py, run_folder, when it runs), so that `eval.py --help` answers at once; train.py is never
-imported: tools that need a Config import this file. Deliberate differences 1-5: docs/paper.md,
-"Deliberate differences", config.py.
+No torch at import (parse_config and read_inputs import torch and the files whose rules they
+check, stapo.py, reward.py, run_folder, when they run), so that `eval.py --help` answers at once;
+train.py is never imported: tools that need a Config import this file. Deliberate differences 1-5:
+docs/paper.md, "Deliberate differences", config.py.
 """
 from __future__ import annotations
 
 import importlib.util
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
 
 from command_line.errors import check_writable
 from command_line.flags import check_values, parse_flags
-from data import INSTRUCTION
+from data import INSTRUCTION, load_rows, repeated_note
 
 
 @dataclass
@@ -203,7 +206,7 @@ CPU_PRESET = dict(
 )
 
 
-# train.py --plot's line in --help (plots.main parses the rest)
+# train.py --plot's line in --help (run_folder.figures.main parses the rest)
 PLOT_HELP = ("redraw the figures of finished runs, RUN/metrics.png, s2t.png and gradient.png (several runs: overlaid), "
              "and print RQ1's correlations, without training (not --plots, which draws this run's at its end); "
              "`python train.py --plot RUN --help` lists --out, --table and --sensitivity")
@@ -224,7 +227,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
     import torch
 
     given = parse_flags(Config, argv, "train.py", notes={k: f"cpu preset: {v!r}" for k, v in CPU_PRESET.items()},
-                        modes={"plot": PLOT_HELP})  # --plot: main hands over to plots.main before this
+                        modes={"plot": PLOT_HELP})  # --plot: train.main calls figures.main first
     if given.get("light"):
         given = {**LIGHT, **given}
     cuda = torch.cuda.is_available()
@@ -323,3 +326,31 @@ def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> tuple[Config,
     return replace(cfg, **effective), notes
 
 
+# ---------------------------------------------------------------------------- train.py's inputs
+def read_inputs(cfg: Config, world: int) -> tuple[list[dict], list[dict]]:
+    """The checks that need neither the model nor the run folder, made first (every rank): the
+    number of processes, the logger, the data -> (training rows, held-out rows) of
+    data.load_rows."""
+    import torch.distributed as dist
+
+    import run_folder
+
+    if cfg.prompts_per_step % world or cfg.mini_batch_prompts % world:
+        raise ValueError(f"--prompts-per-step and --mini-batch-prompts must be multiples of the "
+                         f"{world} ranks")
+    run_folder.check_logger(cfg.logger)
+    train_rows, test_rows, repeated = load_rows(cfg)
+    if repeated and dist.get_rank() == 0:
+        note = repeated_note(cfg.data, repeated, len(train_rows) + len(test_rows))
+        print(f"train.py: note: {note}", file=sys.stderr, flush=True)
+    too_few(cfg, len(train_rows))
+    return train_rows, test_rows
+
+
+def too_few(cfg: Config, n_rows: int) -> None:
+    """A step takes each training problem at most once: refuse --prompts-per-step above the problems
+    there are."""
+    if cfg.prompts_per_step > n_rows:
+        raise ValueError(f"--prompts-per-step {cfg.prompts_per_step} is more than the {n_rows} "
+                         f"training problems of {cfg.data or 'the built-in task'} (a step takes "
+                         f"each at most once): lower it")

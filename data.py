@@ -208,6 +208,23 @@ def check_utf8(text: str, what: str) -> None:
                          f"is not UTF-8 text") from None
 
 
+# An error's words for JSON nested deeper than the json module reads (its recursion limit).
+TOO_DEEP = "nested too deeply to read (about 1,000 levels at most)"
+
+
+def parse_json(text: str, where: str, detail=lambda e: f"{e.msg} at character {e.pos + 1}",
+               hint: str = ""):
+    """json.loads(text); a text that is not JSON raises ValueError `WHERE: not JSON (DETAIL)HINT`
+    (detail(e): where it breaks), one nested too deeply ValueError `WHERE: nested too deeply
+    ...`."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({detail(e)}){hint}") from None
+    except RecursionError:
+        raise ValueError(f"{where}: {TOO_DEEP}") from None
+
+
 def read_jsonl(path: str) -> list[tuple[str, dict]]:
     """The rows of a JSON-lines file as ("line N", row), N counted from 1 as an editor does (blank lines skipped);
     a line that is not a UTF-8 JSON object raises ValueError naming the file and the line."""
@@ -220,12 +237,7 @@ def read_jsonl(path: str) -> list[tuple[str, dict]]:
                 raise ValueError(f"{path} line {n}: not UTF-8 ({e.reason} at byte {e.start})") from None
             if not text.strip():
                 continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {n}: not JSON ({e.msg} at character {e.pos + 1})") from None
-            except RecursionError:
-                raise ValueError(f"{path} line {n}: nested too deeply to read (about 1,000 levels at most)") from None
+            row = parse_json(text, f"{path} line {n}")
             if not isinstance(row, dict):
                 raise ValueError(f"{path} line {n}: not a JSON object")
             rows.append((f"line {n}", row))

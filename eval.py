@@ -10,7 +10,7 @@ row per checkpoint.
     python eval.py --run out/train-cpu     # a run's export, as train.py evaluated it
     python eval.py --models tiny --data easy=my.jsonl --prompt-key q --answer-key a   # your JSONL
 
-Sampling is a rollout engine (fast_decode.engines.make_engine), grading is reward.correct, your own
+Sampling is a rollout engine (engines.choice.make_engine), grading is reward.correct, your own
 files and a run's held-out set are read by data.py; this file loads the benchmarks, splits the
 problems across ranks, counts and writes OUT/results.json and OUT/table.md (docs/evaluation.md).
 Every input is checked before a model loads; an error is one line, exit status 2. Nothing here
@@ -490,7 +490,7 @@ def _joined(answer: str | list[str]) -> str:
 # --------------------------------------------------------------------------------------------------- evaluation
 class Opened(NamedTuple):
     """A checkpoint ready to sample (`open_engine`)."""
-    engine: object  # its rollout engine (engines.make_engine)
+    engine: object  # its rollout engine (engines.choice.make_engine)
     lm: object  # the model
     tokenizer: object
     per_call: dict[str, int]  # problems per generate call of each set
@@ -525,10 +525,11 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, de
         print(f"eval.py: {name}: problems x samples per generate call: {calls}; KV cache at most {kv / 2**30:.2f} GiB "
               f"per rank (--kv-cache-gb {cfg.kv_cache_gb:g} = {cfg.kv_cache_gb * 1e9 / 2**30:.2f} GiB{over})",
               flush=True)
-    from fast_decode import engines
+    from engines import choice
 
-    engine = engines.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest, dtype=lm.dtype,
-                                 kv_cache_memory_bytes=max(min(need, budget), row_bytes), stop_text=cfg.stop_text)
+    engine = choice.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest,
+                                dtype=lm.dtype, stop_text=cfg.stop_text,
+                                kv_cache_memory_bytes=max(min(need, budget), row_bytes))
     return Opened(engine, lm, tokenizer, per_call)
 
 

@@ -10,9 +10,10 @@ backbone forward and one head matmul, as `model.Policy` computes the training fo
 sampling distribution and the recomputed pi_old agree, up to the matmul kernel: difference 8), two
 passes over the vocabulary to sample, and writes into preallocated (B, T) buffers.
 
-The fast paths beside it return the same `Rollout`: fast_decode/ (the written-out decode step, CUDA
-graphs, the vLLM engine; `fast_decode.engines.make_engine` picks one by name). Deliberate
-differences 1-10: docs/paper.md, "Deliberate differences", rollout.py.
+Its fast decode step is fast_decode/ (written out layer by layer, or captured in CUDA graphs); the
+vLLM engine, which returns the same `Rollout`, and `make_engine`, which picks an engine by name, sit
+above this file in engines/. Deliberate differences 1-10: docs/paper.md, "Deliberate differences",
+rollout.py.
 """
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields
@@ -249,30 +250,45 @@ class StopText:
         return ids[i:]
 
 
-def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-             eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
-             generator: torch.Generator | None = None, vocab_size: int | None = None,
-             compact: float | None = COMPACT_FRACTION, stop: Callable[[], bool] | None = None,
-             written_out: "bool | DecodeStep | CapturedStep" = True, stop_text: StopText | None = None) -> Rollout:
-    """Sample one response per prompt from the HF causal LM `model` (under FSDP2: `policy.lm` inside `gathered`).
+@dataclass(frozen=True)
+class Sampling:
+    """How `generate` draws a response and where it ends: at most `max_new_tokens` tokens, at
+    `temperature` (0: greedy) from the nucleus `top_p` of the first `vocab_size` token ids (the real
+    ones; None: all rows), ending with one of `eos_token_id` or with the token that completes one of
+    `stop_text`'s texts (`StopText`, checked where EOS is), `pad_token_id` after the end.
+    eos_token_id/pad_token_id default to the model config's."""
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    vocab_size: int | None = None
+    stop_text: StopText | None = None
 
-    eos_token_id/pad_token_id default to the model config's. vocab_size = number of real token ids (rows >= it are
-    never sampled; None = all rows). temperature=0 is greedy. `generator` (on the model's device) makes the rollout
-    reproducible. Finished rows leave the running batch once they are a share `compact` of it (0: as soon as any
-    row finishes; None: never; the tokens are the same either way). `stop()`, asked at each stop check, ends the
+
+def generate(model, prompt_ids: list[list[int]], sampling: Sampling,
+             generator: torch.Generator | None = None, compact: float | None = COMPACT_FRACTION,
+             stop: Callable[[], bool] | None = None,
+             written_out: "bool | DecodeStep | CapturedStep" = True) -> Rollout:
+    """Sample one response per prompt from the HF causal LM `model` (under FSDP2: `policy.lm` inside
+    `gathered`), as `sampling` says.
+
+    `generator` (on the model's device) makes the rollout reproducible. Finished rows leave the
+    running batch once they are a share `compact` of it (0: as soon as any row finishes; None:
+    never; the tokens are the same either way). `stop()`, asked at each stop check, ends the
     call early (the trainer's stop signal, run_folder.Preemption): that rollout is incomplete, the caller drops it.
     `written_out`: decode through `DecodeStep` where it supports the model (difference 9), built for this call; a
     `DecodeStep` of this model built since its weights last changed (`PlainEngine` builds one per rollout phase):
     through that one; a `CapturedStep` of such a step: through its static cache and graphs (difference 10); False:
-    through the model's own forward at every step (the same tokens up to rounding). `stop_text`: a row also ends
-    with the token that completes one of its texts (`StopText`, checked where EOS is).
+    through the model's own forward at every step (the same tokens up to rounding).
     The KV cache goes in as `past_key_values` (transformers 5.17-5.19; later 5.x also call it `cache`).
     """
     device = next(model.parameters()).device
-    eos_ids = eos_token_id if eos_token_id is not None else model.config.eos_token_id
+    vocab_size, stop_text = sampling.vocab_size, sampling.stop_text
+    eos_ids = model.config.eos_token_id if sampling.eos_token_id is None else sampling.eos_token_id
     eos = torch.tensor([eos_ids] if isinstance(eos_ids, int) else list(eos_ids), device=device)
-    pad = pad_token_id if pad_token_id is not None else model.config.pad_token_id
-    B, T = len(prompt_ids), max_new_tokens
+    pad = model.config.pad_token_id if sampling.pad_token_id is None else sampling.pad_token_id
+    B, T = len(prompt_ids), sampling.max_new_tokens
     prompt, prompt_mask = (x.to(device) for x in left_pad(prompt_ids, pad))  # (B, P)
     P = prompt.shape[1]
     decoder = model.get_decoder()
@@ -316,9 +332,10 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
             cache.copy_rows(rows, slot, B)
             hidden = hidden[slot]  # (B, P, D)
         logits = head(hidden[:, -1])  # (R, V') real vocabulary rows only (difference 2)
+        greedy = sampling.temperature == 0
         for t in range(T):
-            u = None if temperature == 0 else torch.rand(B, generator=generator, device=device)[rows]  # (R,)
-            token, logprob = _sample(logits, temperature, top_p, u)  # (R,), (R,)
+            u = None if greedy else torch.rand(B, generator=generator, device=device)[rows]  # (R,)
+            token, logprob = _sample(logits, sampling.temperature, sampling.top_p, u)  # (R,), (R,)
             response_ids[rows, t], logprobs[rows, t] = token, logprob
             done[rows] = done[rows] | torch.isin(token, eos)
             if stop_text is not None and ((t + 1) % check_every == 0 or t + 1 == T):  # columns checked .. t
@@ -361,9 +378,10 @@ def generate(model, prompt_ids: list[list[int]], max_new_tokens: int, temperatur
     return Rollout(prompt, prompt_mask, response_ids, response_mask, logprobs, ~done)
 
 
-def sample_groups(model, prompt_ids: list[list[int]], group_size: int, **kwargs) -> Rollout:
+def sample_groups(model, prompt_ids: list[list[int]], group_size: int, sampling: Sampling,
+                  **kwargs) -> Rollout:
     """G = group_size responses per prompt in one batch; group i is rows i*G .. i*G+G-1."""
-    return generate(model, [p for p in prompt_ids for _ in range(group_size)], **kwargs)
+    return generate(model, [p for p in prompt_ids for _ in range(group_size)], sampling, **kwargs)
 
 
 def concat(parts: list[Rollout], pad: int) -> Rollout:
@@ -433,12 +451,12 @@ class PlainEngine:
                 self.static = None  # the smaller cache goes before the larger one is allocated
                 self.static = CapturedStep(step, rows, length)
             step = self.static
+        sampling = Sampling(max_new_tokens, temperature, top_p, self.eos, self.pad, self.vocab_size,
+                            self.stop_text)
         for c, seed in zip(range(0, len(prompts), chunk), seeds):
-            parts.append(sample_groups(
-                self.lm, prompts[c:c + chunk], group_size, max_new_tokens=max_new_tokens, temperature=temperature,
-                top_p=top_p, eos_token_id=self.eos, pad_token_id=self.pad, vocab_size=self.vocab_size,
-                generator=torch.Generator(device).manual_seed(seed), stop=self.stop, written_out=step,
-                stop_text=self.stop_text))
+            parts.append(sample_groups(self.lm, prompts[c:c + chunk], group_size, sampling,
+                                       generator=torch.Generator(device).manual_seed(seed),
+                                       stop=self.stop, written_out=step))
             if self.stop is not None and self.stop():
                 break
         return concat(parts, self.pad)

@@ -19,7 +19,7 @@ differs only in the token weights and the denominator (`ALGORITHMS`, the table a
 mini-batch through a `gather` over ranks). Deliberate differences 1-7: docs/paper.md, stapo.py.
 """
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -184,20 +184,31 @@ class TokenWeights(NamedTuple):
     denominator: torch.Tensor  # 0-d float: this rank's share of N (sum it over ranks)
 
 
+@dataclass(frozen=True)
+class MiniBatchContext:
+    """What this rank's rows of a mini-batch need from outside them; the default: one process
+    holds the whole mini-batch, and the paper's rule.
+    gather: concatenates a 1-D tensor over ranks (all_gather_cat), so entropy thresholds are over
+    the whole mini-batch; None: this process holds the whole mini-batch.
+    keys (B, T): randmask's random keys (s2t.random_keys of the rows' places in the whole
+    mini-batch); other algorithms ignore them.
+    earlier: entropies of the candidates before this mini-batch that S2T's tau_h pools
+    (--quantile-window, s2t.window_after); None: the paper's rule."""
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    keys: torch.Tensor | None = None
+    earlier: torch.Tensor | None = None
+
+
 def token_weights(algo: str, logprobs: torch.Tensor | None, entropy: torch.Tensor | None, advantages: torch.Tensor,
                   response_mask: torch.Tensor, tau_p: float = 0.002, quantile: float = 0.75,
-                  gather=None, keys: torch.Tensor | None = None, earlier: torch.Tensor | None = None) -> TokenWeights:
+                  context: MiniBatchContext = MiniBatchContext()) -> TokenWeights:
     """The token weights of one mini-batch (this rank's rows of it) and its share of the denominator N.
 
     logprobs, entropy (B, T) of the current policy (None for an algorithm that silences nothing: JustRL, GRPO);
-    advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1.
-    gather: concatenates a 1-D tensor over ranks (all_gather_cat), so entropy thresholds are over the whole
-    mini-batch; None: this process holds the whole mini-batch.
-    keys (B, T): randmask's random keys (s2t.random_keys of the rows' places in the whole mini-batch); other
-    algorithms ignore them. earlier: entropies of the candidates before this mini-batch that S2T's tau_h pools
-    (--quantile-window, s2t.window_after); None: the paper's rule.
+    advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1; context: the other ranks' rows,
+    randmask's keys, the earlier candidates (`MiniBatchContext`).
     """
-    a = algorithm(algo)
+    a, gather, keys, earlier = algorithm(algo), context.gather, context.keys, context.earlier
     mask = response_mask > 0  # (B, T)
     silenced, threshold = torch.zeros_like(mask), None
     if a.silence in ("s2t", "random", "high_entropy"):

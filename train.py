@@ -4,7 +4,7 @@ Algorithm 1; the recipe of §6), on 1 CPU, 1 GPU or many GPU nodes with the same
     python train.py                               # no GPU: the CPU default (SmolLM2-135M, sums)
     torchrun --standalone --nproc_per_node=2 train.py --out-dir out/train-cpu-2   # 2 processes
     python train.py --model Qwen/Qwen3-1.7B-Base  # 1 GPU: the paper's recipe (DAPO-Math-17k, G = 8)
-    python train.py --plot runs/stapo runs/justrl # the runs' curves overlaid (tools/plots.py)
+    python train.py --plot runs/stapo runs/justrl # the runs overlaid (run_folder/figures.py)
 
 Reading order: `train_step` (one RL step, numbered 1-4) and the functions it calls, in the order it
 calls them; `train`, the loop (held-out evaluations, checkpoints, stops, the closing lines); `setup`
@@ -56,19 +56,18 @@ import run_folder  # noqa: E402
 import s2t  # noqa: E402
 import stapo  # noqa: E402
 from command_line import errors  # noqa: E402
-from command_line.checks import read_inputs, too_few  # noqa: E402
+from config import read_inputs, too_few  # noqa: E402
 from data import problem_seed, prompt_indices, rank_slice  # noqa: E402
 from distributed.process_group import all_gather_cat, all_max, all_sum, gather, init_distributed  # noqa: E402
 from distributed.sharding import from_rank0, shard_policy  # noqa: E402
-from fast_decode.engines import compute_dtype, prompts_per_call, rollout_engine  # noqa: E402
+from engines.choice import compute_dtype, prompts_per_call, rollout_engine  # noqa: E402
 from memory.allocator import keep_freed_memory  # noqa: E402
-from memory.estimate import memory_estimate, memory_line  # noqa: E402
+from memory.estimate import RolloutCall, memory_estimate, memory_line  # noqa: E402
 from model import Policy, TokenStats, lm_vocab_size, load_model  # noqa: E402
-from run_folder import plural, read_log, say  # noqa: E402
+from run_folder import ModelAndOptimizer, figures, plural, read_log, say  # noqa: E402
 from step_metrics import s2t_diagnostics  # noqa: E402
 from step_metrics.step_log import StepLog, StepResult, completions  # noqa: E402
 from step_metrics.step_warnings import busy, zero_gradient  # noqa: E402
-from tools import plots  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------- the step
@@ -134,7 +133,7 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
         keys = random_keys(run, step, k, mb) if stapo.ALGORITHMS[cfg.algo].silence == "random" else None  # (b, T)
         earlier = run.window if cfg.quantile_window else None  # --quantile-window: earlier candidates in tau_h
         weights = stapo.token_weights(cfg.algo, p, H, mb.advantages, mb.mask, cfg.tau_p, cfg.quantile,
-                                      gather=all_gather_cat, keys=keys, earlier=earlier)
+                                      stapo.MiniBatchContext(all_gather_cat, keys, earlier))
         denominator, nonzero = all_sum(weights.denominator, ((mb.advantages != 0) & (weights.weights > 0)).sum())
         loss_weights = weights.weights  # (b, T)
         if cfg.tis_cap is not None:  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
@@ -417,9 +416,9 @@ def evaluate(run: Run, done: int) -> tuple[dict | None, list[dict]]:
 
 def checkpoint(run: Run, done: int) -> int:
     """Write the checkpoint after `done` steps (every rank; run_folder.save_checkpoint); returns `done`."""
-    cfg = run.cfg
-    run_folder.save_checkpoint(Path(cfg.out_dir), done, run.policy, run.optimizer, run.scheduler,
-                               run_folder.recipe(asdict(cfg)), run.rank, run.world, {"s2t_window": run.window})
+    cfg, trained = run.cfg, ModelAndOptimizer(run.policy, run.optimizer, run.scheduler)
+    run_folder.save_checkpoint(Path(cfg.out_dir), done, trained, run_folder.recipe(asdict(cfg)),
+                               run.rank, run.world, {"s2t_window": run.window})
     return done
 
 
@@ -448,13 +447,13 @@ def finish(run: Run) -> None:
     if run.logger:
         run.logger.close()
     if cfg.plots:
-        plots.figures([str(out)], str(out / "metrics.png"))
+        figures.figures([str(out)], str(out / "metrics.png"))
     shown = [n for n in ("spurious.jsonl", "s2t.png", "gradient.png") if (out / n).exists()]
     steps = read_log(out / "metrics.jsonl")  # resumed steps included
-    say(plots.silenced_summary(cfg.algo, steps, shown), run.rank)
-    if plots.correlation_line(str(out)):  # RQ1: the gradient norm against p and H (gradient.png)
-        say(plots.correlation_line(str(out)), run.rank)
-    diverged = plots.divergence(steps)
+    say(figures.silenced_summary(cfg.algo, steps, shown), run.rank)
+    if figures.correlation_line(str(out)):  # RQ1: the gradient norm against p and H (gradient.png)
+        say(figures.correlation_line(str(out)), run.rank)
+    diverged = figures.divergence(steps)
     if diverged:
         say(diverged + "; lower --lr (or raise --warmup-steps)", run.rank, warning=True)
     made = [name for name in run_folder.RUN_FILES if (out / name).is_file() and name != "stopped.json"]
@@ -502,10 +501,10 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
     if rank == 0:  # the memory model's estimate for this run (docs/memory.md), rows at their longest
         per_rank, prompt_len = cfg.prompts_per_step // world, max(map(len, train_prompts))
         row, n_rows = prompt_len + cfg.max_response_len, cfg.mini_batch_prompts // world * cfg.group_size
+        per_call = prompts_per_call(cfg, per_rank, lm.config, compute_dtype(cfg, device).itemsize)
         print(memory_line(memory_estimate(
             lm.config, world, min(max(cfg.max_tokens_per_micro_batch, row), n_rows * row), cfg.grad_checkpointing,
-            prompts_per_call(cfg, per_rank, lm.config, compute_dtype(cfg, device).itemsize) * cfg.group_size,
-            prompt_len, cfg.max_response_len,
+            RolloutCall(per_call * cfg.group_size, prompt_len, cfg.max_response_len),
             fsdp=cfg.fsdp, compute_bytes=2 if cfg.fsdp and cfg.mixed_precision else 4,  # as in effect (in_effect)
             chunk_size=cfg.chunk_size)), flush=True)
 
@@ -526,9 +525,9 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     # lr: linear warm-up over warmup_steps optimizer steps, then constant
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
-    start, window = 0, torch.zeros(0)
+    start, window, trained = 0, torch.zeros(0), ModelAndOptimizer(policy, optimizer, scheduler)
     if checkpoint is not None:  # any number of ranks: DCP reshards (run_folder.load_checkpoint)
-        state = run_folder.load_checkpoint(checkpoint, policy, optimizer, scheduler)
+        state = run_folder.load_checkpoint(checkpoint, trained)
         start, window = state["step"], state.get("s2t_window", window)
         say(f"resuming from {checkpoint} at step {start + 1} ({plural(start, 'step')} done)" if start < cfg.steps else
             f"{checkpoint}: all {plural(start, 'step')} done, nothing to train", rank)
@@ -549,8 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     one line), run_folder.STOPPED (a stop signal or Ctrl-C: a checkpoint was written, run the same command again),
     run_folder.INTERRUPTED (Ctrl-C again: left at once, the last checkpoint kept)."""
     argv = sys.argv[1:] if argv is None else argv
-    if "--plot" in argv:  # python train.py --plot RUN [RUN ...] [--out PNG]: figures only (tools/plots.py)
-        return plots.main(argv)
+    if "--plot" in argv:  # train.py --plot RUN [RUN ...]: figures only (run_folder/figures.py)
+        return figures.main(argv)
     rank = int(os.environ.get("RANK", 0))  # until the process group exists: torchrun's env:// contract
     run = lock = None
     with run_folder.Preemption() as preemption:  # from here on, SIGTERM / SIGUSR1 / SIGINT: a checkpoint, exit

@@ -11,7 +11,6 @@ import argparse
 import ast
 import difflib
 import inspect
-import json
 import textwrap
 import types
 import typing
@@ -19,7 +18,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Callable, Literal
 
-from data import describe
+from data import TOO_DEEP, describe, parse_json
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -111,14 +110,9 @@ def read_config(cls, path: str) -> dict:
         except yaml.YAMLError as e:
             raise ValueError(f"--config {path}: not YAML ({' '.join(str(e).split())})") from None
         except RecursionError:
-            raise ValueError(f"--config {path}: nested too deeply to read (about 1,000 levels at most)") from None
+            raise ValueError(f"--config {path}: {TOO_DEEP}") from None
     else:
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--config {path}: not JSON ({e}); a .yaml or .yml file is read as YAML") from None
-        except RecursionError:
-            raise ValueError(f"--config {path}: nested too deeply to read (about 1,000 levels at most)") from None
+        values = parse_json(text, f"--config {path}", str, "; a .yaml or .yml file is read as YAML")
     if not isinstance(values, dict):
         raise ValueError(f"--config {path}: not a mapping of flag names to values but {describe(values)}")
     return check_values(cls, values, path)

@@ -1,2 +1,3 @@
-"""The rollout's fast paths beside the reference sampler (rollout.py): the written-out decode step and in-place KV
-cache, CUDA graphs, the vLLM engine, and `make_engine`, which picks one by name."""
+"""The plain sampler's fast decode step, beside the reference one in rollout.py (which imports
+it): the written-out decode step and in-place KV cache (decode_step), and that step captured in
+CUDA graphs (cuda_graphs)."""

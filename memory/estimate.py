@@ -2,6 +2,8 @@
 optimizer state, activations and logits of an update per rank, before anything is allocated."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 def kv_cache_bytes(config, rows: int, tokens: int, dtype_bytes: int = 2) -> int:
     """Bytes of a KV cache holding `tokens` positions for `rows` sequences of a decoder with HF `config`:
@@ -12,9 +14,18 @@ def kv_cache_bytes(config, rows: int, tokens: int, dtype_bytes: int = 2) -> int:
     return rows * tokens * config.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes
 
 
-def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: bool = True, rollout_rows: int = 64,
-                    prompt_len: int = 1024, response_len: int = 15360, fsdp: bool = True, compute_bytes: int = 2,
-                    chunk_size: int = 1024) -> dict[str, float]:
+@dataclass(frozen=True)
+class RolloutCall:
+    """The largest generate call of a rollout phase: `rows` sequences of `prompt_len` +
+    `response_len` positions."""
+    rows: int = 64
+    prompt_len: int = 1024
+    response_len: int = 15360
+
+
+def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: bool = True,
+                    rollout_call: RolloutCall = RolloutCall(), fsdp: bool = True,
+                    compute_bytes: int = 2, chunk_size: int = 1024) -> dict[str, float]:
     """Estimated peak memory per rank, in GiB, term by term, of a Qwen3/Llama-shaped model (HF `config`: hidden,
     intermediate and head sizes, layers, heads, KV heads, vocabulary, tied embeddings) trained as train.py does.
 
@@ -22,13 +33,14 @@ def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: 
     `world` ranks. compute_bytes: 2 for bf16 mixed precision (CUDA), 4 for fp32. tokens: prompt + response tokens
     of one training micro-batch (--max-tokens-per-micro-batch). The rollout phase holds the sharded parameters and AdamW
     states (gradients are freed after each step), the gathered full copy (FSDP2, `rollout.gathered`), the KV cache
-    of one generate call of `rollout_rows` rows at prompt_len + response_len positions, and the prefill's
-    activations. Returned keys: the terms, "train_peak", "rollout_peak" and "peak" (their max).
+    of one generate call (`rollout_call`: its rows at prompt_len + response_len positions), and the
+    prefill's activations. Returned keys: the terms, "train_peak", "rollout_peak" and "peak" (their
+    max).
     """
     D, I, layers, V = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
     H, KV = config.num_attention_heads, config.num_key_value_heads
     hd = getattr(config, "head_dim", None) or D // H
-    b, shards, GiB = compute_bytes, world if fsdp else 1, 2**30
+    b, shards, GiB, call = compute_bytes, world if fsdp else 1, 2**30, rollout_call
     layer_params = 2 * D * H * hd + 2 * D * KV * hd + 3 * D * I + 2 * D + 2 * hd  # q, o, k, v, MLP, norms
     root_params = V * D * (1 if config.tie_word_embeddings else 2) + D  # embeddings, LM head, final norm
     n = layers * layer_params + root_params
@@ -50,9 +62,10 @@ def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: 
         "activations": tokens * (saved + 4 * D) * b / GiB,
         "head": (2 * chunk_size * V + V * D) * 4 / GiB,  # two fp32 (C, V) logit buffers, fp32 head gradient
         "rollout_gathered": n * b / GiB if fsdp else 0.0,
-        "kv_cache": kv_cache_bytes(config, rollout_rows, prompt_len + response_len, b) / GiB,
+        "kv_cache": kv_cache_bytes(config, call.rows, call.prompt_len + call.response_len, b) / GiB,
         # prefill: one layer's MLP and norm values for every prompt token; sampling: 4 fp32 (rows, V) buffers
-        "rollout_work": (rollout_rows * prompt_len * (2 * I + 4 * D) * b + 16 * rollout_rows * V) / GiB,
+        "rollout_work": (call.rows * call.prompt_len * (2 * I + 4 * D) * b
+                         + 16 * call.rows * V) / GiB,
     }
     states = terms["params"] + terms["adam"]
     terms["train_peak"] = states + sum(terms[k] for k in ("grads", "train_gathered", "activations", "head"))

@@ -13,10 +13,17 @@ checkpoint/step_N/, hf/ (the exported model) and run.lock. One concept per file,
     export.py       atomic, dated, verified Hugging Face exports
     signals.py      stop signals: every rank stops at the same point, writes a checkpoint, exits STOPPED
     opening.py      a new run, or a resumed one checked against its recipe
+    figures.py      the figures of runs, imported on its own (`from run_folder import figures`)
 """
 # ruff: noqa: F401 (the names below are this package's interface)
-from run_folder.agreement import agree, agreed_failure, broadcast_failure
-from run_folder.checkpoints import crc32, load_checkpoint, save_checkpoint, verified_checkpoint
+from run_folder.agreement import agree, agreed_failure, agreed_write_failure, broadcast_failure
+from run_folder.checkpoints import (
+                                   ModelAndOptimizer,
+                                   crc32,
+                                   load_checkpoint,
+                                   save_checkpoint,
+                                   verified_checkpoint,
+)
 from run_folder.console import RunError, plural, say
 from run_folder.export import export, export_damage, export_id, export_step, recover_export
 from run_folder.files import (

@@ -2,6 +2,9 @@
 at the same point, in one line, instead of leaving the others waiting in a collective."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch.distributed as dist
 
 from command_line.errors import BAD_INPUT, one_line
@@ -16,6 +19,15 @@ def agreed_failure(failed: Exception | None) -> str | None:
     if not bad:
         return None
     return bad[0][1] if len(bad) == len(parts) else f"rank {bad[0][0]}: {bad[0][1]}"
+
+
+def agreed_write_failure(failed: Exception | None, partial: Path, rank: int) -> str | None:
+    """Every rank: `agreed_failure` of a write into the folder `partial`; after a failure on any
+    rank, rank 0 has removed `partial`, what the write left. A collective."""
+    failed = agreed_failure(failed)
+    if failed is not None and rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    return failed
 
 
 def agree(work, *args):

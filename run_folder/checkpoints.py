@@ -10,12 +10,13 @@ import random
 import shutil
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from run_folder.agreement import agreed_failure
+from run_folder.agreement import agreed_write_failure
 from run_folder.console import RunError, say
 from run_folder.files import _step_dirs, resumable, write_atomic
 from run_folder.logs import fsync_logs
@@ -55,8 +56,17 @@ def _unique_names(state_dict: dict) -> dict:
     return unique
 
 
-def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, config: dict, rank: int, world: int,
-                    extra: dict | None = None) -> float:
+@dataclass
+class ModelAndOptimizer:
+    """The training objects a checkpoint saves and restores: the policy (FSDP2-sharded or not), its
+    AdamW optimizer and the optimizer's learning-rate scheduler."""
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+def save_checkpoint(out: Path, done: int, trained: ModelAndOptimizer, config: dict, rank: int,
+                    world: int, extra: dict | None = None) -> float:
     """Every rank: the checkpoint after `done` steps in OUT/checkpoint/step_<done>: DCP shards of the model (and of
     AdamW unless weights-only: config["save_optimizer"]), `state.pt` (step, scheduler, RNG states, config: the run's
     config.json values; `extra`: the trainer's own state, e.g. the S2T window), then `manifest.json` (every file's
@@ -68,6 +78,7 @@ def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, config: 
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    policy, optimizer, scheduler = trained.policy, trained.optimizer, trained.scheduler
     t0, save_optimizer, keep = time.time(), config["save_optimizer"], config["keep_checkpoints"]
     path, latest = out / "checkpoint" / f"step_{done}", out / "checkpoint" / "latest"
     if rank == 0:  # left by a failed write, or past a damaged checkpoint that a resume skipped
@@ -88,7 +99,7 @@ def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, config: 
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - OSError, torch's "[enforce fail at ...]"
         # DCP wraps each rank's error (a full disk in a shard) in a CheckpointException, a BaseException: its first
         failed = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
-    failed = agreed_failure(failed)
+    failed = agreed_write_failure(failed, path, rank)
     if failed is None:  # every file written: their sizes and checksums, then the manifest, then `latest`
         names = [sorted(p.name for p in path.iterdir()) if rank == 0 else None]
         dist.broadcast_object_list(names, src=0)  # one listing (a shared filesystem may list late elsewhere)
@@ -103,10 +114,8 @@ def save_checkpoint(out: Path, done: int, policy, optimizer, scheduler, config: 
                 write_atomic(latest, path.name.encode())
         except OSError as e:
             failed = e
-        failed = agreed_failure(failed)
+        failed = agreed_write_failure(failed, path, rank)
     if failed is not None:
-        if rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
         dist.barrier()
         raise RunError(f"could not write {path} (a full disk?): {failed}; {resumable(out)}")
     if rank == 0:  # the newest `keep` complete checkpoints stay (this one included), and nothing older
@@ -161,12 +170,13 @@ def _manifest(folder: Path) -> dict | None:
         return None
 
 
-def load_checkpoint(path: Path, policy, optimizer, scheduler) -> dict:
+def load_checkpoint(path: Path, trained: ModelAndOptimizer) -> dict:
     """Every rank: restore model, optimizer (when the checkpoint has it), scheduler and RNG states from the
     checkpoint folder `path` (any number of ranks: DCP reshards); returns its state.pt (step, config, ...)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 
+    policy, optimizer, scheduler = trained.policy, trained.optimizer, trained.scheduler
     state = torch.load(path / "state.pt", weights_only=False)
     model_sd, optim_sd = get_state_dict(policy, optimizer)
     loaded = {"model": _unique_names(model_sd), **({"optim": optim_sd} if state["optimizer"] else {})}

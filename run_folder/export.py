@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from run_folder.agreement import agreed_failure
+from run_folder.agreement import agreed_write_failure
 from run_folder.checkpoints import crc32
 from run_folder.console import RunError
 from run_folder.files import write_atomic
@@ -43,12 +43,10 @@ def export(policy, tokenizer, out: Path, step: int, dtype: torch.dtype, rank: in
             shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
         failed = e
-    failed = agreed_failure(failed)
+    failed = agreed_write_failure(failed, partial, rank)
     if failed is not None:
-        if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            if old.exists() and not final.exists():
-                os.replace(old, final)
+        if rank == 0 and old.exists() and not final.exists():
+            os.replace(old, final)
         raise RunError(f"could not export the model to {final} ({failed}); the checkpoint is kept: python train.py "
                        f"--resume auto --out-dir {out} exports it again")
 

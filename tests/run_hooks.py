@@ -4,9 +4,9 @@ import os
 import sys
 import threading
 
+import config
 import rollout
 import train
-from command_line import checks
 
 
 def hook_count_micro_batches(log: str) -> None:

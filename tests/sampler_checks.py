@@ -1,4 +1,4 @@
-"""What the sampler tests share (tests/test_rollout.py, tests/test_fast_decode_*.py, tests/test_model.py,
+"""What the sampler tests share (tests/test_rollout.py, tests/test_fast_decode_*.py, tests/test_engines_*.py, tests/test_model.py,
 test_stapo.py): a few prompts of the tiny tokenizer, the log-probs a training forward recomputes, a two-process run,
 and the tiny model with EOS made to win where a chosen token would (`eos_biased_model`)."""
 import os

@@ -1,16 +1,16 @@
-"""fast_decode/engines.py: the rollout engine by name (make_engine) and what it hands the engine.
+"""engines/choice.py: the rollout engine by name (make_engine) and what it hands the engine.
 """
 import torch
 
 import rollout
-from fast_decode import engines
+from engines import choice
 from model import tiny_model, tiny_tokenizer
-from rollout import format_prompt, sample_groups
+from rollout import Sampling, format_prompt, sample_groups
 from tests.sampler_checks import REAL_VOCAB
 
 
 # ==================================================================================================================
-# fast_decode/engines.py: make_engine
+# engines/choice.py: make_engine
 # ==================================================================================================================
 def test_plain_engine_passes_the_stop_text():
     """make_engine(stop_text=...) gives the plain engine the texts; its rows end where `generate`'s do."""

@@ -14,7 +14,7 @@ import torch
 
 import eval as ev
 import train
-from fast_decode import vllm_engine
+from engines import vllm_engine
 from model import Policy, tiny_model, tiny_tokenizer
 from tests.sampler_checks import REAL_VOCAB, recomputed_logprobs, toy_prompts
 from tests.toy_task import (
@@ -187,12 +187,12 @@ def test_eval_vllm_engine_end_to_end(tmp_path):
 _STOP_SCRIPT = """
 import json, sys, torch
 import model, rollout
-from fast_decode import engines
+from engines import choice
 lm, tok = model.load_model("tiny64")
 prompts = [rollout.format_prompt(tok, p, chat=False, instruction="") for p in ("1+1", "2+3", "4+4", "x")]
 stop = json.loads(sys.argv[1])
-engine = engines.make_engine(sys.argv[2], lm, tok, False, stop_text=stop, max_model_len=64,
-                             kv_cache_memory_bytes=32 << 20, dtype=torch.float32)
+engine = choice.make_engine(sys.argv[2], lm, tok, False, stop_text=stop, max_model_len=64,
+                            kv_cache_memory_bytes=32 << 20, dtype=torch.float32)
 with engine.ready(lm):
     r = engine.sample(prompts, 1, [0], 4, 24, 0.0, 1.0)
 print(json.dumps([ids[m.bool()].tolist() for ids, m in zip(r.response_ids, r.response_mask)]))

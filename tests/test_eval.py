@@ -18,7 +18,7 @@ import rollout
 import run_folder
 import train
 from data import builtin_task, load_rows
-from fast_decode import engines
+from engines import choice
 from memory.estimate import kv_cache_bytes
 from model import tiny_tokenizer
 from rollout import INSTRUCTION, format_prompt

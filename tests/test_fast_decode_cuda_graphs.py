@@ -1,13 +1,15 @@
 """fast_decode/cuda_graphs.py: the captured decode step (its CPU stand-in here): the eager sampler's tokens, static
 buffers allocated once, one capture per (bucket, length) replayed at every step.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
 import rollout
 from fast_decode import cuda_graphs, decode_step
 from model import tiny_model
-from rollout import generate
+from rollout import Sampling, generate
 from tests.sampler_checks import REAL_VOCAB, eos_biased_model, toy_prompts
 
 

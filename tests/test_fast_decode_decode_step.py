@@ -8,7 +8,7 @@ import torch
 import rollout
 from fast_decode import decode_step
 from model import position_ids_from_mask, tiny_model
-from rollout import generate
+from rollout import Sampling, generate
 from tests.sampler_checks import REAL_VOCAB, toy_prompts
 
 

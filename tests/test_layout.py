@@ -92,6 +92,30 @@ def test_no_import_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check finds one
 
 
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The import graph collapsed to rooms: a room is a top-level file or a top-level folder (the
+    first part of a module's name: fast_decode/ is one room), importing the rooms its modules
+    import."""
+    rooms = {m.split(".")[0]: set() for m in graph}
+    for m, targets in graph.items():
+        rooms[m.split(".")[0]] |= {t.split(".")[0] for t in targets} - {m.split(".")[0]}
+    return rooms
+
+
+def test_no_import_circle_between_rooms():
+    """No room imports one that imports it back, directly or through others: imports run one way
+    between the tutorial's files and the folders (command_line/checks.py importing config and
+    run_folder, the vLLM engine in fast_decode/ importing rollout.py, train.py importing
+    tools/plots.py once closed three)."""
+    rooms = room_graph(import_graph())
+    assert {"command_line", "config", "engines", "fast_decode", "rollout", "run_folder",
+            "train"} <= set(rooms)
+    assert cycles(rooms) == []
+    modules = {"a": {"b.x"}, "b.x": set(), "b.y": {"a"}, "c": {"b.y"}}  # no circle of modules, ...
+    assert cycles(modules) == [] and room_graph(modules) == {"a": {"b"}, "b": {"a"}, "c": {"b"}}
+    assert cycles(room_graph(modules)) == [["a", "b"]]  # ... one of rooms a, b: the check finds it
+
+
 def test_machinery_imports_no_tutorial_file_that_imports_it():
     """The error type and one-line messages are a leaf: command_line/errors.py imports nothing of the project."""
     assert import_graph()["command_line.errors"] == set()

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import model
 from model import Policy, tiny_model
-from rollout import generate
+from rollout import Sampling, generate
 from tests.model_batches import model_batch, packing_batch
 from tests.sampler_checks import REAL_VOCAB, eos_biased_model, recomputed_logprobs, toy_prompts
 from tests.toy_task import ROOT

@@ -1,4 +1,4 @@
-"""tools/plots.py: what S2T saw, the gradient analysis, overlaid runs and seeds, live curves."""
+"""run_folder/figures.py: what S2T saw, the gradient analysis, overlaid runs and seeds, live curves."""
 import json
 import math
 import subprocess
@@ -10,12 +10,12 @@ import torch
 
 import run_folder
 import train
+from run_folder import figures
 from tests.toy_task import EVEN, ROOT, one_thread, patch_toy_task, read_metrics, toy_args, toy_data
-from tools import plots
 
 
 # ==================================================================================================================
-# tools/plots.py and the loggers: what S2T saw, overlaid runs, live curves
+# run_folder/figures.py and the loggers: what S2T saw, overlaid runs, live curves
 # ==================================================================================================================
 def test_train_s2t_figure_and_tokens_file(tmp_path, monkeypatch, capsys):
     """A tiny run whose S2T mask fires (--tau-p 0.5: most tokens of a correct response are candidates): tokens.jsonl

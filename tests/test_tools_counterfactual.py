@@ -10,8 +10,9 @@ import torch
 
 import train
 from model import tiny_model
+from run_folder import figures
 from tests.toy_task import EVEN, one_thread, patch_toy_task, toy_args, toy_data
-from tools import counterfactual, plots
+from tools import counterfactual
 
 # ==================================================================================================================
 # tools/counterfactual.py and s2t_diagnostics.entropy_change: what the mask removes and what an update does to

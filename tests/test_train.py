@@ -27,9 +27,10 @@ import stapo
 import train
 from command_line import errors
 from data import heldout_count, load_rows, read_rows
-from fast_decode import engines
+from engines import choice
 from model import Policy, tiny_model, tiny_tokenizer
 from rollout import format_prompt
+from run_folder import figures
 from step_metrics import step_log
 from tests.model_batches import packing_batch
 from tests.toy_task import (
@@ -50,7 +51,6 @@ from tests.toy_task import (
     toy_data,
     varied_data,
 )
-from tools import plots
 
 
 # ==================================================================================================================

@@ -44,8 +44,8 @@ import torch.multiprocessing as mp
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from fast_decode import cuda_graphs, decode_step
-from fast_decode.engines import make_engine
-from memory.estimate import kv_cache_bytes, memory_estimate
+from engines.choice import make_engine
+from memory.estimate import RolloutCall, kv_cache_bytes, memory_estimate
 import data
 import model
 import reward
@@ -55,7 +55,7 @@ import train
 from config import CPU_PRESET, Config, parse_config
 from model import Policy, load_model
 from distributed.sharding import shard_policy
-from rollout import Rollout, format_prompt, gathered, generate
+from rollout import Rollout, Sampling, format_prompt, gathered, generate
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: tools/ sits in it
 
@@ -193,8 +193,9 @@ def _prompt_ids(tokenizer, batch):
 
 def _ours(lm, prompts, steps, temperature, top_p, seed=0):
     never = lm.config.vocab_size  # an EOS id that is never sampled: decode exactly `steps` tokens
-    return generate(lm, prompts, steps, temperature=temperature, top_p=top_p, eos_token_id=never,
-                    pad_token_id=lm.config.pad_token_id, generator=torch.Generator().manual_seed(seed))
+    sampling = Sampling(steps, temperature, top_p, eos_token_id=never,
+                        pad_token_id=lm.config.pad_token_id)
+    return generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(seed))
 
 
 def _hf(lm, prompts, steps, temperature, top_p):
@@ -669,7 +670,8 @@ def _gpu_train(sizes, cfg, state, device, flops_rate, out):
         tokens = n_seq * row
         update = metrics["time/update_s"]
         estimate = memory_estimate(  # the same arguments train.setup prints its memory line with
-            lm.config, 1, min(max(micro, row), n_seq * row), True, n_seq, sizes.prompt_len, T, fsdp=True,
+            lm.config, 1, min(max(micro, row), n_seq * row), True,
+            RolloutCall(n_seq, sizes.prompt_len, T), fsdp=True,
             compute_bytes=2 if device.type == "cuda" else 4, chunk_size=cfg.chunk_size)["train_peak"]
         out.append({"part": "train", "T": T, "sequences": n_seq, "micro_batch": micro, "tokens": tokens,
                     "updates": metrics["updates"], "update_s": update, "step_s": seconds,
@@ -757,10 +759,14 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
         kv_token_bytes = kv_cache_bytes(lm.config, 1, 1, next(lm.parameters()).element_size())
         step = decode_step.DecodeStep(lm, V_)
 
+        never_ends = Sampling(0, eos_token_id=V_, pad_token_id=tokenizer.pad_token_id,
+                              vocab_size=V_)  # EOS id V_: never sampled
+
         def ours(written_out):
             return lambda batch, n: generate(
-                lm, [prompt] * batch, n, eos_token_id=V_, pad_token_id=tokenizer.pad_token_id, vocab_size=V_,
-                generator=torch.Generator(device).manual_seed(0), written_out=written_out).response_ids  # EOS id V_
+                lm, [prompt] * batch, replace(never_ends, max_new_tokens=n),
+                generator=torch.Generator(device).manual_seed(0),
+                written_out=written_out).response_ids
         ids = torch.tensor([prompt], device=device)
 
         def hf(batch, n):
@@ -799,9 +805,10 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
         # the graphs' replay against the same body run eagerly (capture=False) on the same seeds, at the same bucket
         # and length blocks (the same cache length): the same tokens
         batch, n = sizes.decode_batches[0], min(64, n_new)
-        kwargs = dict(eos_token_id=V_, pad_token_id=tokenizer.pad_token_id, vocab_size=V_)
-        a, b = (generate(lm, [prompt] * batch, n, generator=torch.Generator(device).manual_seed(1), written_out=w,
-                         **kwargs) for w in (captured, cuda_graphs.CapturedStep(step, batch, P + n_new, capture=False)))
+        a, b = (generate(lm, [prompt] * batch, replace(never_ends, max_new_tokens=n),
+                         generator=torch.Generator(device).manual_seed(1), written_out=w)
+                for w in (captured,
+                          cuda_graphs.CapturedStep(step, batch, P + n_new, capture=False)))
         out.append({"part": "captured_check", "batch": batch, "new_tokens": n,
                     "same_tokens": torch.equal(a.response_ids, b.response_ids),
                     "logprob_max_abs_diff": (a.logprobs - b.logprobs).abs().max().item()})
@@ -1105,8 +1112,9 @@ def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
             config = Qwen3Config(vocab_size=151_936, **shape)
             for world in (8, 64):
                 rows = min(8, 256 // world) * 8
-                on, off = (memory_estimate(config, world, rollout_rows=rows, checkpointing=c) for c in (1, 0))
-                one = memory_estimate(config, world, rollout_rows=8)
+                on, off = (memory_estimate(config, world, rollout_call=RolloutCall(rows),
+                                           checkpointing=c) for c in (1, 0))
+                one = memory_estimate(config, world, rollout_call=RolloutCall(8))
                 print(f"| {name} | {world} | {on['params'] + on['grads'] + on['adam']:.1f} | {on['activations']:.1f} "
                       f"({off['activations']:.1f}) | {on['train_peak']:.1f} ({off['train_peak']:.1f}) | {rows} | "
                       f"{on['kv_cache']:.1f} | {on['rollout_peak']:.1f} | {one['rollout_peak']:.1f} |")
@@ -1260,9 +1268,13 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
 
     def plain_engine(sampler, lm, **options):
         def sample(prompts, G, seed, T, **kwargs):
-            return sampler.sample_groups(lm, prompts, G, max_new_tokens=T, eos_token_id=plain.eos,
-                                         pad_token_id=plain.pad, vocab_size=plain.vocab_size,
-                                         generator=torch.Generator().manual_seed(seed), **options, **kwargs)
+            settings = dict(max_new_tokens=T, eos_token_id=plain.eos, pad_token_id=plain.pad,
+                            vocab_size=plain.vocab_size)
+            if hasattr(sampler, "Sampling"):  # else a rollout.py from before Sampling: keywords
+                settings = dict(sampling=sampler.Sampling(**settings))
+            return sampler.sample_groups(lm, prompts, G, **settings,
+                                         generator=torch.Generator().manual_seed(seed), **options,
+                                         **kwargs)
         return sample
     # Each engine takes the weights once, outside the timed runs, as once per rollout phase in training: the plain
     # sampler's DecodeStep (stacked, reordered copies: PlainEngine.ready), vLLM's copy (VLLMEngine.ready's push).

@@ -27,11 +27,11 @@ import torch
 
 from command_line import errors, flags
 import config
-from tools import plots
 import reward
 import run_folder
 import s2t
 import stapo
+from run_folder import figures
 
 
 # ------------------------------------------------------------------------------------------- the estimator
@@ -241,8 +241,8 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     run = train.setup(cfg, train.read_inputs(cfg, 1), 0, 1, device, None, run_folder.Preemption())
     if step > 1:  # the state after step - 1: model, optimizer and scheduler (the replay makes the run's updates)
-        run_folder.load_checkpoint(run_dir / "checkpoint" / f"step_{step - 1}", run.policy, run.optimizer,
-                                   run.scheduler)
+        trained = run_folder.ModelAndOptimizer(run.policy, run.optimizer, run.scheduler)
+        run_folder.load_checkpoint(run_dir / "checkpoint" / f"step_{step - 1}", trained)
     batch, mine = train.sample(run, step)
     G, texts = cfg.group_size, batch.texts(run.tokenizer)
 
@@ -441,7 +441,7 @@ def pooled_groups(lines: list[dict]) -> dict[str, dict[str, list[dict]]]:
     out = {}
     for algo in dict.fromkeys(x["algo"] for x in lines):
         mine = [x for x in lines if x["algo"] == algo]
-        steps = plots.step_spans(sorted({x["step"] for x in mine}))
+        steps = figures.step_spans(sorted({x["step"] for x in mine}))
         name = f"{algo} ({len({x['seed'] for x in mine})} seeds, steps {steps})"
         out[name] = {f"{kind}, {part}": [x for x in mine if x["kind"] == kind and x["part"] == part]
                      for kind in KINDS for part in PARTS}
@@ -526,13 +526,14 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text("".join(json.dumps(x) + "\n" for x in lines))
     print(f"{out}: {len(lines)} tokens, K = {cfg.k}, steps {', '.join(map(str, cfg.steps))}\n{summary(lines)}")
     if cfg.plot:
-        plots.plot_counterfactual(lines, str(run_dir / "counterfactual.png"))
+        figures.plot_counterfactual(lines, str(run_dir / "counterfactual.png"))
     return 0
 
 
 def table(argv: list[str]) -> int:
     """`python -m tools.counterfactual --table RUN [RUN ...] [--out PNG]`: the counterfactual.jsonl of several runs
-    pooled, per algorithm (`pooled_summary`), and with --out their figure (plots.plot_counterfactual_groups)."""
+    pooled, per algorithm (`pooled_summary`), and with --out their figure
+    (figures.plot_counterfactual_groups)."""
     out = argv[argv.index("--out") + 1] if "--out" in argv[:-1] else None
     runs = list(dict.fromkeys(a for i, a in enumerate(argv) if a != "--out" and (i == 0 or argv[i - 1] != "--out")))
     missing = [r for r in runs if not (Path(r) / "counterfactual.jsonl").is_file()]
@@ -544,7 +545,7 @@ def table(argv: list[str]) -> int:
     print(pooled_summary(lines))
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-    if out and plots.plot_counterfactual_groups(pooled_groups(lines), out, cluster_interval):
+    if out and figures.plot_counterfactual_groups(pooled_groups(lines), out, cluster_interval):
         print(out)
     return 0
 

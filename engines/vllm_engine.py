@@ -7,6 +7,7 @@ import gc
 import math
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -59,6 +60,16 @@ def vllm_memory_share(free_bytes: int, total_bytes: int, margin_bytes: int = 2**
     return max(0.01, min(0.9, math.floor(100 * (free_bytes - margin_bytes) / total_bytes) / 100))
 
 
+@dataclass(frozen=True)
+class VLLMSettings:
+    """What vLLM itself is told when the engine is made: the longest prompt + response it holds
+    (`max_model_len`), its KV cache in bytes, the dtype of its weights and KV cache, its seed."""
+    max_model_len: int
+    kv_cache_memory_bytes: int
+    dtype: torch.dtype
+    seed: int = 0
+
+
 class VLLMEngine:
     """A colocated vLLM `LLM` in this process (tensor parallel 1, one per rank, as TRL's colocate mode), created
     once; `ready(policy)` pushes the current weights into it in place before each rollout phase.
@@ -86,12 +97,14 @@ class VLLMEngine:
     """
     name = "vllm"
 
-    def __init__(self, lm, eos_token_id, pad_token_id: int, vocab_size: int | None, max_model_len: int,
-                 kv_cache_memory_bytes: int, dtype: torch.dtype, seed: int = 0, stop_text: StopText | None = None):
+    def __init__(self, lm, eos_token_id, pad_token_id: int, vocab_size: int | None,
+                 settings: VLLMSettings, stop_text: StopText | None = None):
         """stop_text: where responses also end (--stop-text): passed to vLLM as `stop`, with the tokenizer saved
         beside the config so that vLLM can detokenize."""
         import tempfile
 
+        max_model_len, dtype, seed = settings.max_model_len, settings.dtype, settings.seed
+        kv_cache_memory_bytes = settings.kv_cache_memory_bytes
         self.cuda, self.dtype = torch.cuda.is_available(), dtype
         head_dim = getattr(lm.config, "head_dim", None) or lm.config.hidden_size // lm.config.num_attention_heads
         if not self.cuda and head_dim not in VLLM_CPU_HEAD_SIZES:

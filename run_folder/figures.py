@@ -14,9 +14,9 @@
 - `counterfactual.png` (`python -m tools.counterfactual RUN --plot`, RQ2): each analysed token's effect on the success
   rate against its probability, silenced vs kept candidates vs other tokens (counterfactual.jsonl).
 
-Runs are redrawn and overlaid after the fact from their files alone (no model). matplotlib is
-optional: without it every function prints one line on stderr and draws nothing. Choices 1-9:
-docs/paper.md, "Deliberate differences", tools/plots.py.
+Runs are redrawn and overlaid after the fact from their files alone (no model), also by `python -m
+run_folder.figures RUN ...`. matplotlib is optional: without it every function prints one line on
+stderr, draws nothing. Choices 1-9: docs/paper.md, "Deliberate differences", run_folder/figures.py.
 """
 import json
 import math
@@ -25,7 +25,8 @@ from pathlib import Path
 
 from command_line.errors import check_writable
 from command_line.flags import OneLineParser
-from run_folder import plural, read_log
+from run_folder.console import plural
+from run_folder.logs import read_log
 
 METRIC_PANELS = (("metrics.jsonl", "reward/mean", "reward (+-1 mean)"), ("metrics.jsonl", "entropy/mean", "entropy"),
                  ("metrics.jsonl", "s2t/silenced_frac", "silenced fraction"),
@@ -659,3 +660,8 @@ def main(argv: list[str]) -> int:
             print(f"{run}: {correlation_line(run)}")
     print("\n".join(written))
     return 0 if written else 1
+
+
+if __name__ == "__main__":  # python -m run_folder.figures RUN [RUN ...]: train.py --plot's figures
+    arguments = sys.argv[1:]
+    sys.exit(main(arguments if "--plot" in arguments else ["--plot", *arguments]))

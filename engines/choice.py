@@ -7,8 +7,8 @@ from typing import Callable
 
 import torch
 
-from fast_decode.vllm_engine import VLLMEngine
 import config
+from engines.vllm_engine import VLLMEngine, VLLMSettings
 from memory.estimate import kv_cache_bytes
 from model import lm_vocab_size
 from rollout import PlainEngine, StopText, eos_ids
@@ -19,15 +19,15 @@ def make_engine(name: str, lm, tokenizer, chat: bool, stop: Callable[[], bool] |
     """The rollout engine `name` ('plain' or 'vllm') for the HF model `lm`; vLLM is imported only for 'vllm'.
     stop: the plain sampler's early end (a vLLM generate call always finishes); captured: the plain engine decodes
     through CUDA graphs (difference 10); stop_text: texts that also end a response (--stop-text, `StopText`);
-    vllm_kwargs: VLLMEngine's max_model_len (also the plain engine's static cache length), kv_cache_memory_bytes,
-    dtype, seed."""
+    vllm_kwargs: VLLMSettings's max_model_len (also the plain engine's static cache length),
+    kv_cache_memory_bytes, dtype, seed."""
     args = (lm, eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, lm_vocab_size(tokenizer))
     texts = StopText(tokenizer, stop_text) if stop_text else None
     if name == "plain":
         return PlainEngine(*args, stop=stop, max_len=vllm_kwargs.get("max_model_len"), captured=captured,
                            stop_text=texts)
     if name == "vllm":
-        return VLLMEngine(*args, **vllm_kwargs, stop_text=texts)
+        return VLLMEngine(*args, VLLMSettings(**vllm_kwargs), stop_text=texts)
     raise ValueError(f"unknown rollout engine {name!r}; valid: plain, vllm")
 
 
