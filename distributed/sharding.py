@@ -1,5 +1,6 @@
-"""FSDP2 sharding of the policy (docs/model.md): every decoder layer and the whole model sharded over the ranks,
-mixed precision on CUDA, the weights loaded on rank 0 only and broadcast while sharding (`from_rank0`)."""
+"""FSDP2 sharding of the policy (docs/model.md): every decoder layer and the whole model sharded
+over the ranks, mixed precision on CUDA, the weights loaded on rank 0 only and broadcast while
+sharding (`from_rank0`)."""
 from __future__ import annotations
 
 import torch
@@ -12,10 +13,11 @@ from model import Policy
 
 
 def from_rank0(load):
-    """`load()` (e.g. `load_model(name)` on the CPU) called on rank 0 only, its `(lm, tokenizer)` on every rank of
-    the process group: the other ranks receive its config, generation config and tokenizer and build the model on
-    the meta device, without memory; `shard_policy(..., from_rank0=True)` then gives every rank its shards of rank
-    0's weights. (Every rank reading the full fp32 model holds 8 x 32 GB of host memory on an 8-GPU node for
+    """`load()` (e.g. `load_model(name)` on the CPU) called on rank 0 only, its `(lm, tokenizer)` on
+    every rank of the process group: the other ranks receive its config, generation config and
+    tokenizer and build the model on the meta device, without memory;
+    `shard_policy(..., from_rank0=True)` then gives every rank its shards of rank 0's weights.
+    (Every rank reading the full fp32 model holds 8 x 32 GB of host memory on an 8-GPU node for
     Qwen3-8B.) An exception of `load` is raised on every rank."""
     lm = tokenizer = None
     if dist.get_rank() == 0:
@@ -38,18 +40,22 @@ def from_rank0(load):
     return lm, tokenizer
 
 
-def shard_policy(policy: Policy, mixed_precision: bool = True, from_rank0: bool = False, device=None) -> Policy:
-    """FSDP2: `fully_shard` each decoder layer, then the Policy root (embeddings, final norm, LM head).
+def shard_policy(policy: Policy, mixed_precision: bool = True, from_rank0: bool = False,
+                 device=None) -> Policy:
+    """FSDP2: `fully_shard` each decoder layer, then the Policy root (embeddings, final norm, LM
+    head).
 
-    Needs an initialized process group. With `mixed_precision` on CUDA, parameters are all-gathered and computed in
-    bf16 and gradients reduced in fp32 (the sharded master weights stay in their own dtype, fp32 by default); on CPU
-    (gloo) everything is fp32. Call it on a Policy whose parameters are already on this rank's `device`, or with
-    `from_rank0` on the models of `from_rank0()`: the weights are then broadcast from rank 0 (which holds them on
-    the CPU) shard by shard (`set_model_state_dict(..., broadcast_from_rank0=True)`, as verl and torchtitan do), and
-    so are the buffers (rotary inv_freq is not in the state dict).
+    Needs an initialized process group. With `mixed_precision` on CUDA, parameters are all-gathered
+    and computed in bf16 and gradients reduced in fp32 (the sharded master weights stay in their own
+    dtype, fp32 by default); on CPU (gloo) everything is fp32. Call it on a Policy whose parameters
+    are already on this rank's `device`, or with `from_rank0` on the models of `from_rank0()`: the
+    weights are then broadcast from rank 0 (which holds them on the CPU) shard by shard
+    (`set_model_state_dict(..., broadcast_from_rank0=True)`, as verl and torchtitan do), and so are
+    the buffers (rotary inv_freq is not in the state dict).
     """
     device = torch.device(device) if device is not None else next(policy.parameters()).device
-    full = policy.state_dict() if from_rank0 and dist.get_rank() == 0 else {}  # rank 0: the full CPU weights
+    # rank 0: the full CPU weights
+    full = policy.state_dict() if from_rank0 and dist.get_rank() == 0 else {}
     if mixed_precision and device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
@@ -61,8 +67,10 @@ def shard_policy(policy: Policy, mixed_precision: bool = True, from_rank0: bool 
         if dist.get_rank() == 0:
             policy.to(device)
         else:
-            policy.to_empty(device=device)  # (meta) shards -> uninitialized memory on this rank's device
-        set_model_state_dict(policy, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            # (meta) shards -> uninitialized memory on this rank's device
+            policy.to_empty(device=device)
+        set_model_state_dict(policy, full, options=StateDictOptions(full_state_dict=True,
+                                                                    broadcast_from_rank0=True))
         for buffer in policy.buffers():
             dist.broadcast(buffer, src=0)
     return policy

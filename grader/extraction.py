@@ -1,36 +1,44 @@
-"""Where the final answer sits in a response (docs/grader.md): the last \\boxed{...} (hedges and retractions read),
-"the answer is ..." phrases, a final sentence stating one value. Texts in, answer texts out; reward.extract_final
-picks among them."""
+"""Where the final answer sits in a response (docs/grader.md): the last \\boxed{...} (hedges and
+retractions read), "the answer is ..." phrases, a final sentence stating one value. Texts in, answer
+texts out; reward.extract_final picks among them."""
 import re
 
 from grader.limits import MAX_ANSWER_CHARS, tick
 
-# ------------------------------------------------------------------------------------------------ extraction
-_BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*(\{)?|(?<![a-zA-Z\\])boxed(\{)")  # also a bare boxed{5}
+# --------------------------------------------------------------------------------------- extraction
+# also a bare boxed{5}
+_BOX = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])\s*(\{)?|(?<![a-zA-Z\\])boxed(\{)")
 
 
-_LAYOUT = re.compile(r"\\(?:text|mathrm|textbf|mbox)\s*\{([^{}]*)\}|\\[,;:! ()\[\]]|\\q?quad|[\s$*().]")
+_LAYOUT = re.compile(r"\\(?:text|mathrm|textbf|mbox)\s*\{([^{}]*)\}|\\[,;:! ()\[\]]|\\q?quad|"
+                     r"[\s$*().]")
 
 
-# what may stand between two boxes of one answer, once _LAYOUT is removed: "3, 5", "3 or 4", "x = 3 or x = 4"
+# what may stand between two boxes of one answer, once _LAYOUT is removed: "3, 5", "3 or 4",
+# "x = 3 or x = 4"
 _JOINED = re.compile(r"(?:,|;|&|/|and|or)?(?:maybe|possibly|perhaps)?(?:[a-zA-Z](?:_\w)?=)?")
 
 
-# right after an answer, a second value: "\boxed{3} (or maybe 4)", "The answer is 3. Or it could be 4." (a hedge); not
-# "Alternatively, we could solve ..." (another method)
-HEDGE = re.compile(r"[\s$.,;:)\]}*]*\(?\s*(?:or|maybe|possibly|perhaps|alternatively),?\s+(?:maybe\s+|possibly\s+|"
-                    r"perhaps\s+|it (?:could|might) be\s+)?[$\\(]*\s*-?\.?\d", re.I)
+# right after an answer, a second value: "\boxed{3} (or maybe 4)",
+# "The answer is 3. Or it could be 4." (a hedge); not "Alternatively, we could solve ..." (another
+# method)
+HEDGE = re.compile(r"[\s$.,;:)\]}*]*\(?\s*(?:or|maybe|possibly|perhaps|alternatively),?\s+"
+                   r"(?:maybe\s+|possibly\s+|perhaps\s+|it (?:could|might) be\s+)?"
+                   r"[$\\(]*\s*-?\.?\d", re.I)
 
 
-PHRASE = re.compile(r"(?:(?:final\s+)?answer(?:\s*\*\*)?\s*(?:is\b|:|=|(?:should|would|must|will) be\b)|"
-                     r"final\s+answer\b|(?P<bare>(?:^|(?<=\n))[ \t*#]*answer\**[ \t]+(?=[-$\\(\d]))|"  # "Answer 5"
-                     r"####|答案\s*(?:是|为|:|：)|r[ée]ponse\s*(?:est\b|:))[\s*:]*", re.I)
+PHRASE = re.compile(r"(?:(?:final\s+)?answer(?:\s*\*\*)?\s*"
+                    r"(?:is\b|:|=|(?:should|would|must|will) be\b)|final\s+answer\b|"
+                    r"(?P<bare>(?:^|(?<=\n))[ \t*#]*answer\**[ \t]+(?=[-$\\(\d]))|"  # "Answer 5"
+                    r"####|答案\s*(?:是|为|:|：)|r[ée]ponse\s*(?:est\b|:))[\s*:]*", re.I)
 
 
-_SENTENCE = re.compile(r"the\s.{0,80}?\s(?:is|are)\s+(.+)", re.I | re.DOTALL)  # Minerva's "The largest $n$ is 34."
+# Minerva's "The largest $n$ is 34."
+_SENTENCE = re.compile(r"the\s.{0,80}?\s(?:is|are)\s+(.+)", re.I | re.DOTALL)
 
 
-_CUT = re.compile(r"\.(?=\s|$)|。|\n|,?\s+(?:since|because|as|which|where|so)\b|,\s*(?:since|because|which|so)\b|"
+_CUT = re.compile(r"\.(?=\s|$)|。|\n|,?\s+(?:since|because|as|which|where|so)\b|"
+                  r",\s*(?:since|because|which|so)\b|"
                   r"\s\((?:i\.e\.|e\.g\.|that is|approx|about|rounded)")
 
 
@@ -40,27 +48,34 @@ _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s?\\?%)?")  # 35, 1,234, 2.5, 100
 _HOPE = re.compile(r"\s*I hope it is correct\.?$", re.I)  # Minerva's closing sentence
 
 
-# "... is 2/3.", "... is $(7, 6)$" (a closed $...$ needs no period), Geometry3K's "The angle is [90]."
+# "... is 2/3.", "... is $(7, 6)$" (a closed $...$ needs no period), Geometry3K's
+# "The angle is [90]."
 _STATED = re.compile(r"\s(?:is|are|equals|=)\s+(?:\$([^$]{1,200})\$[.!]?|(-?\d+(?:\.\d+)?/\d+)[.!]|"
                      r"\[\s*([^\[\]a-zA-Z]{1,50}?)\s*\][.!])$")
 
 
-# a value in math delimiters: $...$, \(...\), \[...\] (a sentence's one span is its answer: "We find that $x < 3$.")
-SPAN = re.compile(r"\$\$([^$]{1,300})\$\$|\$([^$]{1,300})\$|\\\((.{1,300}?)\\\)|\\\[(.{1,300}?)\\\]", re.DOTALL)
+# a value in math delimiters: $...$, \(...\), \[...\] (a sentence's one span is its answer:
+# "We find that $x < 3$.")
+SPAN = re.compile(r"\$\$([^$]{1,300})\$\$|\$([^$]{1,300})\$|"
+                  r"\\\((.{1,300}?)\\\)|\\\[(.{1,300}?)\\\]", re.DOTALL)
 
 
-_BOLD = re.compile(r"\*\*([^*]{1,60})\*\*")  # a value in bold: "... هو **92**.", "一共有**858颗**糖果。"
+# a value in bold: "... هو **92**.", "一共有**858颗**糖果。"
+_BOLD = re.compile(r"\*\*([^*]{1,60})\*\*")
 
 
-_RELATION = re.compile(r"[<>≤≥≠]|!=|\\(?:le|ge|ne|lt|gt|leq|geq|neq)(?![a-zA-Z])")  # x >= 5 is no number's answer
+# x >= 5 is no number's answer
+_RELATION = re.compile(r"[<>≤≥≠]|!=|\\(?:le|ge|ne|lt|gt|leq|geq|neq)(?![a-zA-Z])")
 
 
-# English, Chinese and Hindi sentence ends; a capital word after a math span ("... = 6$ So, the pair is ...")
+# English, Chinese and Hindi sentence ends; a capital word after a math span
+# ("... = 6$ So, the pair is ...")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[。！？।])|(?<=\$)\s+(?=[A-Z][a-z])")
 
 
-_PLAN = re.compile(r"(?:let|first|next|then|to|we (?:need|want|must)|find|compute|calculate|determine|suppose|given|"
-                   r"if|consider|or|maybe|perhaps|possibly|alternatively)\b", re.I)
+_PLAN = re.compile(r"(?:let|first|next|then|to|we (?:need|want|must)|find|compute|calculate|"
+                   r"determine|suppose|given|if|consider|or|maybe|perhaps|possibly|alternatively)\b",
+                   re.I)
 
 
 def _brace(m):
@@ -69,8 +84,9 @@ def _brace(m):
 
 
 def find_boxes(text, deadline):
-    """(start, end, content) of every top-level \\boxed{...} / \\fbox{...} / \\boxed x in order; content None: never
-    closed. A box inside another box is part of its content, so contents never overlap and slicing them is linear;
+    """(start, end, content) of every top-level \\boxed{...} / \\fbox{...} / \\boxed x in order;
+    content None: never closed. A box inside another box is part of its content, so contents never
+    overlap and slicing them is linear;
     a box that holds only a box (\\boxed{\\boxed{5}}) is its inner box."""
     closer, stack = {}, []
     for m in re.finditer(r"[{}]", text):  # one linear pass of brace matching
@@ -86,21 +102,24 @@ def find_boxes(text, deadline):
         brace = _brace(m)
         if brace is None:
             word = re.match(r"[^\s$\\,]+", text[m.end() : m.end() + 100])
-            out.append((m.start(), m.end() + len(word.group()), word.group().rstrip(".")) if word else (0, 0, None))
+            out.append((m.start(), m.end() + len(word.group()), word.group().rstrip("."))
+                       if word else (0, 0, None))
         elif closer.get(brace) is None:
             out.append((m.start(), None, None))
         else:
             lo, inside = brace + 1, closer[brace]
             hi = inside
-            while (inner := _BOX.match(text, lo)) and _brace(inner) is not None and closer.get(_brace(inner)) == hi - 1:
+            while (inner := _BOX.match(text, lo)) and _brace(inner) is not None and \
+                    closer.get(_brace(inner)) == hi - 1:
                 lo, hi = _brace(inner) + 1, hi - 1
             out.append((m.start(), inside + 1, text[lo:hi]))
     return out
 
 
 def from_boxes(text, boxes, deadline):
-    """The last box, joined with the boxes just before it that only a comma, "and" or "or" separates from it
-    ("\\boxed{3} and \\boxed{5}" -> "3, 5"; "\\boxed{3} or \\boxed{4}" -> "3 or 4", a hedge)."""
+    """The last box, joined with the boxes just before it that only a comma, "and" or "or" separates
+    from it ("\\boxed{3} and \\boxed{5}" -> "3, 5"; "\\boxed{3} or \\boxed{4}" -> "3 or 4", a
+    hedge)."""
     start, end, answer = boxes[-1]
     if answer is None:
         return None  # the response was cut inside its last box
@@ -110,7 +129,8 @@ def from_boxes(text, boxes, deadline):
     for begin, end, content in reversed(boxes[:-1]):
         tick(deadline)
         between = text[end:start]
-        if content is None or len(between) > 40 or not _JOINED.fullmatch(_LAYOUT.sub(r"\1", between).lower()):
+        if content is None or len(between) > 40 or \
+                not _JOINED.fullmatch(_LAYOUT.sub(r"\1", between).lower()):
             break
         sep = " or " if "or" in between else sep
         if content not in seen:
@@ -123,8 +143,9 @@ def from_boxes(text, boxes, deadline):
 
 
 def from_phrase(text):
-    """Without a box: the text after the last "the answer is" / "Answer:" / "####", to the end of its sentence; a bare
-    "Answer 5" (no colon) only on the last line, not as a heading ("Answer 2. The value is 7.\n...")."""
+    """Without a box: the text after the last "the answer is" / "Answer:" / "####", to the end of
+    its sentence; a bare "Answer 5" (no colon) only on the last line, not as a heading
+    ("Answer 2. The value is 7.\n...")."""
     phrases = list(PHRASE.finditer(text))
     rest = text[phrases[-1].end() :].strip() if phrases else ""
     display = re.fullmatch(r"\\\[.*\\\]|\$\$.*\$\$", rest, re.DOTALL)
@@ -139,21 +160,24 @@ def from_phrase(text):
         return ""  # "3. Or maybe 4." is a hedge: no answer
     sentence = _SENTENCE.fullmatch(answer)
     answer = (sentence.group(1) if sentence else answer).strip(" *")
-    if len(re.findall(r"(?<![\\a-zA-Z])[a-zA-Z]{3,}", answer)) >= 3:  # "Jane started growing Sphere 3 hours ago"
+    # "Jane started growing Sphere 3 hours ago"
+    if len(re.findall(r"(?<![\\a-zA-Z])[a-zA-Z]{3,}", answer)) >= 3:
         return from_conclusion(answer + ".") or answer  # a sentence: the one value it states
     return answer
 
 
 def from_conclusion(text):
-    """Without a box or phrase: a complete final sentence that states one value: its one math span ("We find that $x <
-    3$."), one bold value ("... هو **92**."), a value after "is" ("... the probability that Alice wins is 2/3.", "The
-    result is $3$", "The angle is [90]."), or its one number ("So Tom has 35 apples left."; not one in a relation: "x
-    >= 5"). Minerva's closing "I hope it is correct." is skipped. Not "the last number in the text": truncated,
-    hedged, multi-value or planning ("Let ...") endings give None."""
+    """Without a box or phrase: a complete final sentence that states one value: its one math span
+    ("We find that $x < 3$."), one bold value ("... هو **92**."), a value after "is" ("... the
+    probability that Alice wins is 2/3.", "The result is $3$", "The angle is [90]."), or its one
+    number ("So Tom has 35 apples left."; not one in a relation: "x >= 5"). Minerva's closing
+    "I hope it is correct." is skipped. Not "the last number in the text": truncated, hedged,
+    multi-value or planning ("Let ...") endings give None."""
     last = _HOPE.sub("", text.strip()).rsplit("\n", 1)[-1].strip()
     sentence = [s for s in _SENTENCE_END.split(last) if s.strip()][-1:] or [""]
     sentence = sentence[0].strip()
-    if _PLAN.match(sentence) or re.search(r"\b(?:or|maybe|possibly|perhaps|not|never|cannot)\b|n't\b", sentence, re.I):
+    if _PLAN.match(sentence) or \
+            re.search(r"\b(?:or|maybe|possibly|perhaps|not|never|cannot)\b|n't\b", sentence, re.I):
         return None  # a plan, a hedge or a negation ("It is not 5.")
     stated = _STATED.search(sentence[-300:])
     if stated:
@@ -161,7 +185,8 @@ def from_conclusion(text):
     complete = sentence.endswith((".", "!", "。", "！", "।")) and len(sentence) <= 300
     spans = [next(g for g in m.groups() if g is not None) for m in SPAN.finditer(sentence)]
     bold = [m.group(1) for m in _BOLD.finditer(sentence) if _NUMBER.search(m.group(1))]
-    if len(spans) + len(bold) > 1 or not (complete or spans and sentence.endswith(("$", "\\)", "\\]"))):
+    if len(spans) + len(bold) > 1 or \
+            not (complete or spans and sentence.endswith(("$", "\\)", "\\]"))):
         return None
     if spans or bold:
         return (spans or bold)[0].strip()

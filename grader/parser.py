@@ -1,6 +1,7 @@
-"""The math answer parser (docs/grader.md): a small hand-written tokenizer and recursive-descent parser that builds
-sympy objects directly: numbers, expressions, tuples, intervals, sets, matrices, equations and relations. Model
-output never reaches eval, exec, sympify or parse_expr; every size is capped (grader/limits.py)."""
+"""The math answer parser (docs/grader.md): a small hand-written tokenizer and recursive-descent
+parser that builds sympy objects directly: numbers, expressions, tuples, intervals, sets, matrices,
+equations and relations. Model output never reaches eval, exec, sympify or parse_expr; every size is
+capped (grader/limits.py)."""
 import math
 import re
 from collections import namedtuple
@@ -21,18 +22,21 @@ from grader.limits import (
     tick,
 )
 
-# ------------------------------------------------------------------------------------------------ parser
-Seq = namedtuple("Seq", "kind items")  # kind: "()" "[]" "(]" "[)" tuples/intervals, "{}" set, "mat" matrix rows
+# ------------------------------------------------------------------------------------------- parser
+# kind: "()" "[]" "(]" "[)" tuples/intervals, "{}" set, "mat" matrix rows
+Seq = namedtuple("Seq", "kind items")
 
 
-Eqn = namedtuple("Eqn", "lhs rhs named")  # named: the left side is a name (x, AB, y_1, f(x)), so x=5 also means 5
+# named: the left side is a name (x, AB, y_1, f(x)), so x=5 also means 5
+Eqn = namedtuple("Eqn", "lhs rhs named")
 
 
-Rel = namedtuple("Rel", "expr strict")  # expr > 0 (strict) or expr >= 0, for relations that are not an interval
+# expr > 0 (strict) or expr >= 0, for relations that are not an interval
+Rel = namedtuple("Rel", "expr strict")
 
 
-_TOKEN = re.compile(r"\s*(\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?|\\[a-zA-Z]+|\\[{}|]|[a-zA-Z]+|"
-                    r"<=|>=|!=|[-+*/^_()\[\]{}=<>!|,;:&])")
+_TOKEN = re.compile(r"\s*(\d+\.?\d*(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?|\\[a-zA-Z]+|\\[{}|]|"
+                    r"[a-zA-Z]+|<=|>=|!=|[-+*/^_()\[\]{}=<>!|,;:&])")
 
 
 _FUNCS = {"sin": sp.sin, "cos": sp.cos, "tan": sp.tan, "cot": sp.cot, "sec": sp.sec, "csc": sp.csc,
@@ -40,20 +44,23 @@ _FUNCS = {"sin": sp.sin, "cos": sp.cos, "tan": sp.tan, "cot": sp.cot, "sec": sp.
           "tanh": sp.tanh, "exp": sp.exp, "ln": sp.log, "log": sp.log}
 
 
-_CONSTS = {"pi": sp.pi, "infty": sp.oo, "infinity": sp.oo, "inf": sp.oo, "emptyset": sp.EmptySet, "reals": sp.Reals}
+_CONSTS = {"pi": sp.pi, "infty": sp.oo, "infinity": sp.oo, "inf": sp.oo, "emptyset": sp.EmptySet,
+           "reals": sp.Reals}
 
 
-WORDS = {"sin", "cos", "tan", "cot", "sec", "csc", "arcsin", "arccos", "arctan", "ln", "log", "exp", "sqrt", "pi",
-          "inf", "infinity", "and", "or"}  # words read as one token; other words are letters (xy = x*y) or text
+# words read as one token; other words are letters (xy = x*y) or text
+WORDS = {"sin", "cos", "tan", "cot", "sec", "csc", "arcsin", "arccos", "arctan", "ln", "log", "exp",
+         "sqrt", "pi", "inf", "infinity", "and", "or"}
 
 
-_GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi rho sigma "
-             "tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Sigma Phi Psi Omega".split())
+_GREEK = set("alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda "
+             "mu nu xi rho sigma tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi "
+             "Sigma Phi Psi Omega".split())
 
 
-_RELOPS = {"=": "=", "\\approx": "~", "<": "<", "\\lt": "<", ">": ">", "\\gt": ">", "<=": "<=", "\\le": "<=",
-           "\\leq": "<=", "\\leqslant": "<=", ">=": ">=", "\\ge": ">=", "\\geq": ">=", "\\geqslant": ">=",
-           "\\in": "in", "\\ne": "!=", "\\neq": "!=", "!=": "!="}
+_RELOPS = {"=": "=", "\\approx": "~", "<": "<", "\\lt": "<", ">": ">", "\\gt": ">", "<=": "<=",
+           "\\le": "<=", "\\leq": "<=", "\\leqslant": "<=", ">=": ">=", "\\ge": ">=", "\\geq": ">=",
+           "\\geqslant": ">=", "\\in": "in", "\\ne": "!=", "\\neq": "!=", "!=": "!="}
 
 
 _SEPARATORS = {",", ";", "and", "or"}
@@ -63,7 +70,8 @@ _LETTERS = r"(?:[a-zA-Z]|\\[a-zA-Z]+)+(?:_(?:\{[^{}]*\}|\w))?"  # x, AB, y_1, \t
 
 
 # a name as the left side of an answer (x, f(x), a length |AB|, \frac{NO}{BO}): x = 5 also means 5
-_NAME = re.compile(rf"{_LETTERS}(?:\([^()+\-*/^]*\))?|\|[A-Z]{{2,}}\||\\frac\{{{_LETTERS}\}}\{{{_LETTERS}\}}")
+_NAME = re.compile(rf"{_LETTERS}(?:\([^()+\-*/^]*\))?|\|[A-Z]{{2,}}\||"
+                   rf"\\frac\{{{_LETTERS}\}}\{{{_LETTERS}\}}")
 
 
 def _tokenize(s):
@@ -103,7 +111,7 @@ def _magnitude(v):
 
 def _pow(b, e):
     if b.is_number and e.is_number:
-        if b.is_Rational and e.is_Integer:  # exact: refuse results over MAX_BITS before computing them
+        if b.is_Rational and e.is_Integer:  # exact: refuse results over MAX_BITS before computing
             bits = max(abs(b.p).bit_length(), b.q.bit_length())
             if bits > 1 and abs(int(e)) * bits > MAX_BITS:
                 raise Refused("power too large")
@@ -118,9 +126,10 @@ def _pow(b, e):
 
 class _Parser:
     """Recursive descent over the tokens. Grammar (loosest first):
-    items := relation (sep relation)* ; relation := setexpr (relop setexpr)* ; setexpr := sum (\\cup sum)* ;
-    sum := [+-] term ([+-] term)* ; term := power ((* / \\cdot \\times \\div | implicit) power)* ;
-    power := postfix [^ arg] ; postfix := primary [!]* ; primary := number | letter | command | group."""
+    items := relation (sep relation)* ; relation := setexpr (relop setexpr)* ;
+    setexpr := sum (\\cup sum)* ; sum := [+-] term ([+-] term)* ;
+    term := power ((* / \\cdot \\times \\div | implicit) power)* ; power := postfix [^ arg] ;
+    postfix := primary [!]* ; primary := number | letter | command | group."""
 
     def __init__(self, text, deadline):
         self.toks, self.i, self.depth, self.deadline = _tokenize(text), 0, 0, deadline
@@ -164,10 +173,12 @@ class _Parser:
             sides.append(self.ratio())
             spans.append((start, self.i))
         named = [bool(_NAME.fullmatch("".join(self.toks[a:b]))) for a, b in spans]
-        if ops[:1] == ["~"] and named[0] and isinstance(sides[0], sp.Expr) and sides[0].free_symbols:
+        if ops[:1] == ["~"] and named[0] and isinstance(sides[0], sp.Expr) and \
+                sides[0].free_symbols:
             # x \approx 11: the value stated, as x = 11 (\pi \approx 3.14 stays \pi)
             sides, ops = sides[:2], ["="]
-        elif "~" in ops:  # x = 5\sqrt{2} \approx 7.07: what comes after the first \approx is only an approximation
+        # x = 5\sqrt{2} \approx 7.07: what comes after the first \approx is only an approximation
+        elif "~" in ops:
             sides, ops = sides[: ops.index("~") + 1], ops[: ops.index("~")]
         if not ops:
             return sides[0]
@@ -175,11 +186,13 @@ class _Parser:
             return as_set(sides[1])
         if set(ops) == {"="}:
             lhs, rhs = sides[0], sides[-1]
-            if len(sides) == 2 and named[1] and not named[0] and isinstance(lhs, sp.Expr) and not lhs.free_symbols:
+            if len(sides) == 2 and named[1] and not named[0] and isinstance(lhs, sp.Expr) and \
+                    not lhs.free_symbols:
                 lhs, rhs, named = rhs, lhs, named[::-1]  # 2 = x: the value on the left
-            if len(sides) > 2 or not (isinstance(rhs, sp.Expr) and isinstance(lhs, sp.Expr)) or not (
-                    lhs.free_symbols or rhs.free_symbols):
-                return rhs  # x = 2 + 3 = 5, 6/8 = 3/4, (a, b) = (1, 2), S_1:S = 7:32, A:B = 1: the last side
+            if len(sides) > 2 or not (isinstance(rhs, sp.Expr) and isinstance(lhs, sp.Expr)) or \
+                    not (lhs.free_symbols or rhs.free_symbols):
+                # x = 2 + 3 = 5, 6/8 = 3/4, (a, b) = (1, 2), S_1:S = 7:32, A:B = 1: the last side
+                return rhs
             return Eqn(lhs, rhs, named[0])
         try:
             return _interval(sides, ops, named)
@@ -200,7 +213,8 @@ class _Parser:
         value = self.sum()
         while self.peek() in ("\\cup", "\\cap", "\\setminus"):
             op, left, right = self.take(), as_set(value), as_set(self.sum())
-            value = {"\\cup": sp.Union, "\\cap": sp.Intersection, "\\setminus": sp.Complement}[op](left, right)
+            value = {"\\cup": sp.Union, "\\cap": sp.Intersection,
+                     "\\setminus": sp.Complement}[op](left, right)
         return value
 
     def sum(self):
@@ -215,7 +229,8 @@ class _Parser:
     def term(self):
         value = self.power()
         while True:
-            if self.peek() in ("*", "\\cdot", "\\times") and self.take() or self._starts_factor(self.peek()):
+            if self.peek() in ("*", "\\cdot", "\\times") and self.take() or \
+                    self._starts_factor(self.peek()):
                 value = _check(value * self.power())
             elif self.peek() in ("/", "\\div") and self.take():
                 value = _check(value / self.power())
@@ -225,14 +240,16 @@ class _Parser:
                 return value
 
     def _starts_factor(self, tok):
-        """Implicit multiplication (2x, 3(x+1), 2\\pi, x\\sqrt{2}); a number only after a non-number (12 34: none)."""
+        """Implicit multiplication (2x, 3(x+1), 2\\pi, x\\sqrt{2}); a number only after a non-number
+        (12 34: none)."""
         if tok is None or tok in _SEPARATORS:
             return False
         if tok[0].isdigit():
             return not self.toks[self.i - 1][0].isdigit()
         name = tok[1:] if tok[0] == "\\" else None
-        return tok[0].isalpha() or tok in ("(", "\\lfloor", "\\lceil", "\\frac", "\\sqrt", "\\binom") or (
-            name in _FUNCS or name in _CONSTS or name in _GREEK)
+        return tok[0].isalpha() or \
+            tok in ("(", "\\lfloor", "\\lceil", "\\frac", "\\sqrt", "\\binom") or \
+            (name in _FUNCS or name in _CONSTS or name in _GREEK)
 
     def power(self):
         base = self.postfix()
@@ -281,10 +298,12 @@ class _Parser:
             return _check(self.arg() / self.arg())
         if tok == "\\binom":
             n, k = self.arg(), self.arg()
-            if not (n.free_symbols or k.free_symbols or n.is_Integer and k.is_Integer and 0 <= n <= MAX_FACTORIAL):
+            if not (n.free_symbols or k.free_symbols or n.is_Integer and k.is_Integer
+                    and 0 <= n <= MAX_FACTORIAL):
                 raise Refused("binomial")
             return _check(sp.binomial(n, k))
-        if (len(tok) == 1 and tok.isalpha()) or name in _GREEK or name == "angle":  # \angle APC: a name
+        # \angle APC: a name
+        if (len(tok) == 1 and tok.isalpha()) or name in _GREEK or name == "angle":
             return self.symbol(name)
         if tok in ("(", "["):
             items = self.items(separators={",", ";"})  # (0;0;0): a tuple
@@ -326,12 +345,15 @@ class _Parser:
         return {"i": sp.I, "e": sp.E}.get(name) or sp.Symbol(name)
 
     def function(self, name):
-        """\\sin x, \\sin^2 x, \\log_2 8, \\ln(x+1), \\sin 2x \\cos x: the argument is a product of plain factors."""
+        """\\sin x, \\sin^2 x, \\log_2 8, \\ln(x+1), \\sin 2x \\cos x: the argument is a product of
+        plain factors."""
         base = self.arg() if name == "log" and self.skip("_") else None
         exponent = self.arg(signed=True) if self.skip("^") else None
         grouped = self.peek() in ("(", "{")
-        arg = self.postfix() if grouped else self.power()  # \sin(x)^2 = (\sin x)^2, \sin x^2 = \sin(x^2)
-        while not grouped and self._starts_factor(self.peek()) and self.peek().lstrip("\\") not in _FUNCS:
+        # \sin(x)^2 = (\sin x)^2, \sin x^2 = \sin(x^2)
+        arg = self.postfix() if grouped else self.power()
+        while not grouped and self._starts_factor(self.peek()) and \
+                self.peek().lstrip("\\") not in _FUNCS:
             arg = _check(arg * self.power())
         if name in ("exp", "sinh", "cosh", "tanh"):
             _pow(sp.E, arg)  # the same size guard as e^{...}
@@ -352,30 +374,35 @@ def _number(tok):
 
 
 def as_set(v):
-    """Sets for \\cup, \\in and comparisons: {..} -> FiniteSet, a 2-element bracket pair -> Interval."""
+    """Sets for \\cup, \\in and comparisons: {..} -> FiniteSet, a 2-element bracket
+    pair -> Interval."""
     if isinstance(v, sp.Set):
         return v
     if isinstance(v, Seq) and v.kind == "{}" and all(isinstance(x, sp.Expr) for x in v.items):
         return sp.FiniteSet(*v.items)
     if isinstance(v, Seq) and v.kind in ("()", "[]", "(]", "[)") and len(v.items) == 2:
         lo, hi = v.items
-        if isinstance(lo, sp.Expr) and isinstance(hi, sp.Expr) and not (lo.free_symbols or hi.free_symbols):
+        if isinstance(lo, sp.Expr) and isinstance(hi, sp.Expr) and \
+                not (lo.free_symbols or hi.free_symbols):
             return sp.Interval(lo, hi, v.kind[0] == "(", v.kind[1] == ")")
     raise Refused("not a set")
 
 
 def _interval(sides, ops, named):
-    """0 < x <= 5, x >= 3, 5 > x, x != 1, -x > -1, |x - 3| < 2, 0 < f(x) < 1: the set of the one variable (its name
-    is dropped, like x = 5 -> 5). The varying side is a symbol, a name of several letters (f(x), |AB|: the set of its
-    values) or an expression of one symbol for _preimage (the set of that symbol)."""
-    varying = [k for k, side in enumerate(sides) if not isinstance(side, sp.Expr) or side.free_symbols]
+    """0 < x <= 5, x >= 3, 5 > x, x != 1, -x > -1, |x - 3| < 2, 0 < f(x) < 1: the set of the one
+    variable (its name is dropped, like x = 5 -> 5). The varying side is a symbol, a name of several
+    letters (f(x), |AB|: the set of its values) or an expression of one symbol for _preimage (the
+    set of that symbol)."""
+    varying = [k for k, side in enumerate(sides)
+               if not isinstance(side, sp.Expr) or side.free_symbols]
     if len(varying) != 1 or not isinstance(sides[varying[0]], sp.Expr) or {"=", "in"} & set(ops):
         raise Refused("relation")
     k = varying[0]
     var = sides[k]
     if ops == ["!="] and isinstance(var, sp.Symbol):
         return sp.Complement(sp.Reals, sp.FiniteSet(sides[1 - k]))
-    if "!=" in ops or any(j not in (k - 1, k) for j in range(len(ops))):  # 1 < 2 < x: a side without the variable
+    # 1 < 2 < x: a side without the variable
+    if "!=" in ops or any(j not in (k - 1, k) for j in range(len(ops))):
         raise Refused("relation")
     lo, hi, lo_open, hi_open = -sp.oo, sp.oo, True, True
     for j, op in enumerate(ops):
@@ -393,9 +420,9 @@ def _interval(sides, ops, named):
 
 
 def _preimage(expr, values):
-    """The set of the one symbol x of `expr` where `expr` takes `values` (an interval or a union of intervals), for
-    `expr` affine in x or in one |u| with u of the same kind: -x > -1 -> x < 1, 1 <= |z| <= 3/2 -> [-3/2,-1] U [1,3/2].
-    Anything else is refused."""
+    """The set of the one symbol x of `expr` where `expr` takes `values` (an interval or a union of
+    intervals), for `expr` affine in x or in one |u| with u of the same kind: -x > -1 -> x < 1,
+    1 <= |z| <= 3/2 -> [-3/2,-1] U [1,3/2]. Anything else is refused."""
     if len(expr.free_symbols) != 1:
         raise Refused("relation")
     (x,) = expr.free_symbols
@@ -410,14 +437,17 @@ def _preimage(expr, values):
         pieces = []  # {(y - b) / a : y in values}
         for v in values.args if isinstance(values, sp.Union) else [values]:
             ends = ((v.start - b) / a, (v.end - b) / a, v.left_open, v.right_open)
-            pieces.append(sp.Interval(*ends) if a.is_positive else sp.Interval(ends[1], ends[0], ends[3], ends[2]))
+            pieces.append(sp.Interval(*ends) if a.is_positive
+                          else sp.Interval(ends[1], ends[0], ends[3], ends[2]))
         values = sp.Union(*pieces)
         if inner == x:
             return values
-        values = sp.Intersection(values, sp.Interval(0, sp.oo))  # |u| in values  <->  u in values or -values
-        values = sp.Union(values, sp.Union(*[sp.Interval(-v.end, -v.start, v.right_open, v.left_open)
-                                             for v in (values.args if isinstance(values, sp.Union) else [values])
-                                             if isinstance(v, sp.Interval)]))
+        # |u| in values  <->  u in values or -values
+        values = sp.Intersection(values, sp.Interval(0, sp.oo))
+        values = sp.Union(values, sp.Union(*[
+            sp.Interval(-v.end, -v.start, v.right_open, v.left_open)
+            for v in (values.args if isinstance(values, sp.Union) else [values])
+            if isinstance(v, sp.Interval)]))
         expr = inner.args[0]
     raise Refused("relation")
 
@@ -432,9 +462,12 @@ def parse_answer(text, deadline):
     try:
         return [item for v in variants for item in _Parser(v, deadline).parse()]
     except Refused:
-        last = text.rsplit("=", 1)[-1]  # \lim_{x \to 0} \frac{\sin x}{x} = 1: a left side it cannot read, a value
-        words = re.findall(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}", text)  # not "f(x) = 3 \text{ when } x = 5"
-        readable = "=" in text and not re.search(r"[,;]|\\pm", text) and all(w in WORDS for w in words)
+        # \lim_{x \to 0} \frac{\sin x}{x} = 1: a left side it cannot read, a value
+        last = text.rsplit("=", 1)[-1]
+        # not "f(x) = 3 \text{ when } x = 5"
+        words = re.findall(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}", text)
+        readable = "=" in text and not re.search(r"[,;]|\\pm", text) and \
+            all(w in WORDS for w in words)
         items = _Parser(last, deadline).parse() if readable else []
         if len(items) == 1 and isinstance(items[0], sp.Expr) and not items[0].free_symbols:
             return items

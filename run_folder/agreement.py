@@ -1,5 +1,6 @@
-"""Every rank agrees on a failure (docs/outputs.md): a write that failed on one rank fails the run on every rank
-at the same point, in one line, instead of leaving the others waiting in a collective."""
+"""Every rank agrees on a failure (docs/outputs.md): a write that failed on one rank fails the run
+on every rank at the same point, in one line, instead of leaving the others waiting in a
+collective."""
 from __future__ import annotations
 
 import shutil
@@ -11,8 +12,8 @@ from command_line.errors import BAD_INPUT, one_line
 
 
 def agreed_failure(failed: Exception | None) -> str | None:
-    """Every rank: one line describing the first failure of any rank (naming it when not every rank failed), None
-    when every rank succeeded; a collective."""
+    """Every rank: one line describing the first failure of any rank (naming it when not every rank
+    failed), None when every rank succeeded; a collective."""
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, None if failed is None else one_line(failed))
     bad = [(r, m) for r, m in enumerate(parts) if m is not None]
@@ -31,8 +32,9 @@ def agreed_write_failure(failed: Exception | None, partial: Path, rank: int) -> 
 
 
 def agree(work, *args):
-    """work(*args) on every rank; a bad input on any rank raises on every rank (naming the rank unless all
-    failed), so that rank 0 prints it once and no rank waits in a collective for one that failed."""
+    """work(*args) on every rank; a bad input on any rank raises on every rank (naming the rank
+    unless all failed), so that rank 0 prints it once and no rank waits in a collective for one that
+    failed."""
     try:
         result, failed = work(*args), None
     except BAD_INPUT as e:
@@ -44,7 +46,8 @@ def agree(work, *args):
 
 
 def broadcast_failure(failed: Exception | None, rank: int) -> str | None:
-    """Every rank: rank 0's failure as one line (None without one); a collective. For work only rank 0 does."""
+    """Every rank: rank 0's failure as one line (None without one); a collective. For work only
+    rank 0 does."""
     message = [None if failed is None else one_line(failed)]
     dist.broadcast_object_list(message, src=0)
     return message[0]

@@ -1,5 +1,6 @@
-"""A run's console lines and its error type: `say` prints rank 0's line above train.py's progress bar (warnings
-on stderr); `RunError` is a failure the user can act on (a full disk, a folder in use, no usable checkpoint)."""
+"""A run's console lines and its error type: `say` prints rank 0's line above train.py's progress
+bar (warnings on stderr); `RunError` is a failure the user can act on (a full disk, a folder in use,
+no usable checkpoint)."""
 from __future__ import annotations
 
 import sys
@@ -10,7 +11,8 @@ from command_line.errors import InputError
 
 
 class RunError(InputError):
-    """A failure the user can act on (a full disk, a folder in use, no usable checkpoint): one line, exit 2."""
+    """A failure the user can act on (a full disk, a folder in use, no usable checkpoint): one line,
+    exit 2."""
 
 
 def say(message: str, rank: int = 0, warning: bool = False) -> None:

@@ -1,25 +1,29 @@
-"""Live curves (--logger tensorboard | wandb; docs/outputs.md): each metrics line also sent to a logger, which is
-imported only when chosen."""
+"""Live curves (--logger tensorboard | wandb; docs/outputs.md): each metrics line also sent to a
+logger, which is imported only when chosen."""
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
-# ----------------------------------------------------------------------------------------------- live curves
-LOGGERS = {"": None, "tensorboard": "tensorboard", "wandb": "wandb"}  # --logger -> the package it needs
+# -------------------------------------------------------------------------------------- live curves
+# --logger -> the package it needs
+LOGGERS = {"": None, "tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 def check_logger(name: str) -> None:
-    """A one-line error for an unknown --logger or one whose package is missing (before anything loads)."""
+    """A one-line error for an unknown --logger or one whose package is missing (before anything
+    loads)."""
     if name not in LOGGERS:
         raise ValueError(f"unknown --logger {name!r}; valid: '', tensorboard, wandb")
     if name and importlib.util.find_spec(LOGGERS[name]) is None:
-        raise ImportError(f"--logger {name} needs the {LOGGERS[name]} package: pip install {LOGGERS[name]}")
+        raise ImportError(f"--logger {name} needs the {LOGGERS[name]} package: "
+                          f"pip install {LOGGERS[name]}")
 
 
 class Logger:
-    """--logger: live curves in OUT/tensorboard or OUT/wandb of every metrics.jsonl and eval.jsonl line, each
-    logged at its `step` with all its other keys. The package is imported only when chosen."""
+    """--logger: live curves in OUT/tensorboard or OUT/wandb of every metrics.jsonl and eval.jsonl
+    line, each logged at its `step` with all its other keys. The package is imported only when
+    chosen."""
 
     def __init__(self, name: str, out: Path, config: dict):
         if name == "tensorboard":
@@ -32,7 +36,8 @@ class Logger:
             self.writer = wandb.init(project="stapo", name=out.name, dir=str(out), config=config)
 
     def log(self, record: dict) -> None:
-        values = {k: v for k, v in record.items() if k != "step" and not isinstance(v, list)}  # scalars only
+        # scalars only
+        values = {k: v for k, v in record.items() if k != "step" and not isinstance(v, list)}
         if hasattr(self.writer, "add_scalar"):  # tensorboard
             for key, value in values.items():
                 self.writer.add_scalar(key, value, record["step"])
@@ -40,7 +45,8 @@ class Logger:
             self.writer.log(values, step=record["step"])
 
     def close(self) -> None:
-        (self.writer.close if hasattr(self.writer, "close") else self.writer.finish)()  # tensorboard, wandb
+        # tensorboard, wandb
+        (self.writer.close if hasattr(self.writer, "close") else self.writer.finish)()
 
 
 def open_logger(name: str, out: Path, config: dict) -> Logger | None:

@@ -1,5 +1,6 @@
-"""The run's logs (docs/outputs.md): one JSON object per line, appended whole; a resume drops a torn last line with
-a warning and cuts the lines past its checkpoint by writing a new file and renaming it over the old one."""
+"""The run's logs (docs/outputs.md): one JSON object per line, appended whole; a resume drops a torn
+last line with a warning and cuts the lines past its checkpoint by writing a new file and renaming
+it over the old one."""
 from __future__ import annotations
 
 import json
@@ -13,8 +14,9 @@ from run_folder.live_curves import Logger
 
 
 def append(out: Path, name: str, records: list[dict]) -> None:
-    """Append records to the log OUT/name as whole lines (one write). A failure (a full disk) is a RunError that
-    says the run can be resumed; a line it tore is dropped by the resume (`cut_logs`)."""
+    """Append records to the log OUT/name as whole lines (one write). A failure (a full disk) is a
+    RunError that says the run can be resumed; a line it tore is dropped by the resume
+    (`cut_logs`)."""
     if not records:
         return
     data = "".join(json.dumps(r) + "\n" for r in records).encode()
@@ -22,12 +24,15 @@ def append(out: Path, name: str, records: list[dict]) -> None:
         with open(out / name, "ab") as f:
             f.write(data)
     except OSError as e:
-        raise RunError(f"could not write {out / name} ({e.strerror or e}); {resumable(out)}") from None
+        raise RunError(f"could not write {out / name} ({e.strerror or e}); "
+                       f"{resumable(out)}") from None
 
 
-def write_logs(out: Path, records: dict[str, list[dict]], rank: int, logger: Logger | None = None) -> None:
-    """Every rank: rank 0 appends each log's records ({file name: lines}; `append`); a failure there raises RunError
-    on every rank. Then the metrics.jsonl and eval.jsonl lines go to `logger` (--logger, rank 0) when given."""
+def write_logs(out: Path, records: dict[str, list[dict]], rank: int,
+               logger: Logger | None = None) -> None:
+    """Every rank: rank 0 appends each log's records ({file name: lines}; `append`); a failure there
+    raises RunError on every rank. Then the metrics.jsonl and eval.jsonl lines go to `logger`
+    (--logger, rank 0) when given."""
     failed = None
     if rank == 0:
         try:
@@ -44,8 +49,9 @@ def write_logs(out: Path, records: dict[str, list[dict]], rank: int, logger: Log
 
 
 def read_log(path: Path, torn: list[int] | None = None) -> list[dict]:
-    """The records of a log ([] if it does not exist): its lines that are whole JSON objects. The 1-based numbers of
-    the others (torn writes: a last line without its newline, a damaged line) are appended to `torn` when given."""
+    """The records of a log ([] if it does not exist): its lines that are whole JSON objects. The
+    1-based numbers of the others (torn writes: a last line without its newline, a damaged line) are
+    appended to `torn` when given."""
     path, records, torn = Path(path), [], [] if torn is None else torn
     if path.is_file():
         with open(path, "rb") as f:
@@ -62,9 +68,10 @@ def read_log(path: Path, torn: list[int] | None = None) -> list[dict]:
 
 
 def cut_logs(out: Path, done: int) -> None:
-    """A resume after `done` steps: drop each log's lines past step `done`, and lines torn by an interrupted write
-    (with a warning naming the file). A log that needs no cut is not touched; another is rewritten whole
-    (`write_atomic`), so a kill during the resume leaves it as it was or as it should be."""
+    """A resume after `done` steps: drop each log's lines past step `done`, and lines torn by an
+    interrupted write (with a warning naming the file). A log that needs no cut is not touched;
+    another is rewritten whole (`write_atomic`), so a kill during the resume leaves it as it was or
+    as it should be."""
     for name in LOGS:
         path = out / name
         torn = []
@@ -77,7 +84,8 @@ def cut_logs(out: Path, done: int) -> None:
 
 
 def fsync_logs(out: Path) -> None:
-    """Flush the logs to disk (before a checkpoint is named, so that a machine crash keeps the lines it covers)."""
+    """Flush the logs to disk (before a checkpoint is named, so that a machine crash keeps the lines
+    it covers)."""
     for name in LOGS:
         if (out / name).exists():
             with open(out / name, "rb") as f:

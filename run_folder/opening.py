@@ -1,6 +1,6 @@
-"""Opening a run folder (docs/outputs.md): a new run writes config.json and its logs; a resumed run checks the
-recipe against config.json, verifies its checkpoint, recovers an interrupted export and cuts its logs back to the
-checkpoint's step."""
+"""Opening a run folder (docs/outputs.md): a new run writes config.json and its logs; a resumed run
+checks the recipe against config.json, verifies its checkpoint, recovers an interrupted export and
+cuts its logs back to the checkpoint's step."""
 from __future__ import annotations
 
 import json
@@ -17,15 +17,16 @@ from run_folder.lock import Lock
 from run_folder.logs import append, cut_logs
 
 
-# ---------------------------------------------------------------------------------------------- opening a run
+# ------------------------------------------------------------------------------------ opening a run
 def recipe(config: dict) -> dict:
-    """What config.json records: the values in effect, without the flags that only say how this command starts
-    (--resume, --overwrite), so that `--config OUT/config.json` reruns the recipe."""
+    """What config.json records: the values in effect, without the flags that only say how this
+    command starts (--resume, --overwrite), so that `--config OUT/config.json` reruns the recipe."""
     return {**config, "resume": "", "overwrite": False}
 
 
 def recorded_config(out: Path) -> dict:
-    """The config.json of the run in OUT, as a dict (one-line errors for a missing or unreadable file)."""
+    """The config.json of the run in OUT, as a dict (one-line errors for a missing or unreadable
+    file)."""
     path = out / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no run to resume: {path} does not exist")
@@ -39,30 +40,33 @@ def recorded_config(out: Path) -> dict:
 
 
 def resume_changes(recorded: dict, config: dict) -> dict:
-    """{flag: [recorded, now]} of what a resume changes; ValueError for a flag outside RESUMABLE (a resumed run keeps
-    its recipe). fsdp may change with the number of processes."""
+    """{flag: [recorded, now]} of what a resume changes; ValueError for a flag outside RESUMABLE (a
+    resumed run keeps its recipe). fsdp may change with the number of processes."""
     changed = {k: [recorded.get(k), v] for k, v in recipe(config).items()
                if k not in ("out_dir", "fsdp") and recorded.get(k) != v}
-    refused = [k for k in changed if k not in RESUMABLE or (k == "kv_cache_gb" and config["rollout_chunk"] == 0)]
+    refused = [k for k in changed if k not in RESUMABLE
+               or (k == "kv_cache_gb" and config["rollout_chunk"] == 0)]
     if refused:
         k = refused[0]
-        raise ValueError(f"--{k.replace('_', '-')} {config[k]!r} differs from the resumed run's {recorded.get(k)!r}: "
-                         f"a resumed run keeps its recipe (on resume only "
-                         f"{', '.join('--' + r.replace('_', '-') for r in RESUMABLE)} may change); start a new run "
-                         f"with --out-dir to change it")
+        raise ValueError(f"--{k.replace('_', '-')} {config[k]!r} differs from the resumed run's "
+                         f"{recorded.get(k)!r}: a resumed run keeps its recipe (on resume only "
+                         f"{', '.join('--' + r.replace('_', '-') for r in RESUMABLE)} may change); "
+                         f"start a new run with --out-dir to change it")
     return changed
 
 
 def open_run(config: dict, recorded: dict | None, rank: int, world: int, command: str
              ) -> tuple[int, Path | None, Lock | None] | None:
-    """Every rank, after the inputs are read and before the model loads (command: `continue_command`, for a refusal
-    to name): rank 0 locks OUT (`Lock`), then
-    - a new run (recorded None): refuses a folder that holds a run, unless --overwrite or `--resume auto` (a run
-      without a checkpoint: it starts anew), clears it, writes config.json;
-    - a resume: picks the newest verified checkpoint (`verified_checkpoint`), refuses --steps below its steps,
-      drops the log lines past it (`cut_logs`), records what changed in resumes.jsonl, rewrites config.json.
-    Returns (steps done, the checkpoint folder or None, the lock on rank 0), or None when a resume has nothing left
-    to do (every step done, not stopped, the export up to date): then nothing in OUT is touched."""
+    """Every rank, after the inputs are read and before the model loads (command:
+    `continue_command`, for a refusal to name): rank 0 locks OUT (`Lock`), then
+    - a new run (recorded None): refuses a folder that holds a run, unless --overwrite or
+      `--resume auto` (a run without a checkpoint: it starts anew), clears it, writes config.json;
+    - a resume: picks the newest verified checkpoint (`verified_checkpoint`), refuses --steps below
+      its steps, drops the log lines past it (`cut_logs`), records what changed in resumes.jsonl,
+      rewrites config.json.
+    Returns (steps done, the checkpoint folder or None, the lock on rank 0), or None when a resume
+    has nothing left to do (every step done, not stopped, the export up to date): then nothing in
+    OUT is touched."""
     out = Path(config["out_dir"])
     if recorded is not None and finished_read_only(out, config):
         return None  # nothing to lock, verify or repair
@@ -81,7 +85,8 @@ def open_run(config: dict, recorded: dict | None, rank: int, world: int, command
             return 0, None, lock
         done, path = verified_checkpoint(out, rank, world)
         if config["steps"] < done:
-            raise RunError(f"--steps {config['steps']} is less than the {done} steps {out} has done")
+            raise RunError(f"--steps {config['steps']} is less than the {done} steps {out} "
+                           f"has done")
         if finished(out, config, done):
             if lock is not None:
                 lock.release()
@@ -95,15 +100,16 @@ def open_run(config: dict, recorded: dict | None, rank: int, world: int, command
 
 
 def finished(out: Path, config: dict, done: int | None) -> bool:
-    """Whether a resume of the run in OUT, with a checkpoint of `done` steps, has nothing to do: every step of
-    `config` done, not stopped by a signal, its export (if any) up to date."""
+    """Whether a resume of the run in OUT, with a checkpoint of `done` steps, has nothing to do:
+    every step of `config` done, not stopped by a signal, its export (if any) up to date."""
     return done == config["steps"] and not (out / "stopped.json").exists() and (
         not config["export_hf"] or export_step(out / "hf") == done)
 
 
 def finished_read_only(out: Path, config: dict) -> bool:
-    """A finished run (`finished`, by its newest complete checkpoint, unverified) in a folder this process cannot
-    write (a read-only mount): a resume has nothing to do, and cannot lock, verify or repair it."""
+    """A finished run (`finished`, by its newest complete checkpoint, unverified) in a folder this
+    process cannot write (a read-only mount): a resume has nothing to do, and cannot lock, verify or
+    repair it."""
     steps = complete_steps(out)
     if not steps or not finished(out, config, steps[0]):
         return False
@@ -128,17 +134,21 @@ def _on_rank0(rank: int, work) -> None:
 
 
 def _start(out: Path, config: dict, command: str) -> None:
-    """Rank 0, a new run: refuse or clear a folder that holds a run, then write config.json. command: the user's
-    command with --resume auto (`continue_command`), which starts anew a run without a checkpoint."""
+    """Rank 0, a new run: refuse or clear a folder that holds a run, then write config.json.
+    command: the user's command with --resume auto (`continue_command`), which starts anew a run
+    without a checkpoint."""
     found = [name for name in RUN_FILES if (out / name).exists()]
     if found and not config["overwrite"] and config["resume"] != "auto" and not complete_steps(out):
-        raise RunError(f"--out-dir {out} holds a run that stopped before its first checkpoint ({', '.join(found)}): "
-                       f"start it again with {command}, choose another --out-dir, or replace it with --overwrite")
+        raise RunError(f"--out-dir {out} holds a run that stopped before its first checkpoint "
+                       f"({', '.join(found)}): start it again with {command}, choose another "
+                       f"--out-dir, or replace it with --overwrite")
     if found and not config["overwrite"] and config["resume"] != "auto":
-        raise RunError(f"--out-dir {out} holds a run ({', '.join(found)}): continue it with --resume {out} (or "
-                       f"--resume auto), choose another --out-dir, or replace it with --overwrite")
+        raise RunError(f"--out-dir {out} holds a run ({', '.join(found)}): continue it with "
+                       f"--resume {out} (or --resume auto), choose another --out-dir, or replace "
+                       f"it with --overwrite")
     if found and not config["overwrite"]:
-        say(f"{out} holds a run without a checkpoint (it stopped before its first): starting it anew", warning=True)
+        say(f"{out} holds a run without a checkpoint (it stopped before its first): "
+            f"starting it anew", warning=True)
     for name in found:
         if (out / name).is_dir():
             shutil.rmtree(out / name)
@@ -148,7 +158,8 @@ def _start(out: Path, config: dict, command: str) -> None:
 
 
 def _continue(out: Path, config: dict, recorded: dict, done: int) -> None:
-    """Rank 0, a resume after `done` steps: the folder as the checkpoint left it, what changed recorded."""
+    """Rank 0, a resume after `done` steps: the folder as the checkpoint left it, what changed
+    recorded."""
     recover_export(out)
     (out / "stopped.json").unlink(missing_ok=True)
     cut_logs(out, done)

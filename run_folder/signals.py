@@ -1,6 +1,7 @@
-"""Stop signals (docs/outputs.md#preemption): SIGTERM, SIGUSR1 or SIGINT on any rank makes every rank stop at the
-same point, write a checkpoint and exit with status STOPPED; a second Ctrl-C leaves at once (INTERRUPTED); the same
-command with --resume auto continues (docs/paper.md, "Deliberate differences": run folder 2)."""
+"""Stop signals (docs/outputs.md#preemption): SIGTERM, SIGUSR1 or SIGINT on any rank makes every
+rank stop at the same point, write a checkpoint and exit with status STOPPED; a second Ctrl-C leaves
+at once (INTERRUPTED); the same command with --resume auto continues (docs/paper.md,
+"Deliberate differences": run folder 2)."""
 from __future__ import annotations
 
 import json
@@ -19,41 +20,50 @@ from tqdm import tqdm
 from run_folder.console import plural, say
 from run_folder.files import complete_steps, write_atomic
 
-STOPPED = 75  # exit status after a stop by signal, with a checkpoint written: run the same command again
+# exit status after a stop by signal, with a checkpoint written: run the same command again
+# (sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry")
+STOPPED = 75
 
 
-#               (sysexits.h EX_TEMPFAIL: "a temporary failure; the user is invited to retry")
-INTERRUPTED = 130  # exit status after a second Ctrl-C, which leaves at once (128 + SIGINT, as a shell reports it)
+# exit status after a second Ctrl-C, which leaves at once (128 + SIGINT, as a shell reports it)
+INTERRUPTED = 130
 
 
-# ------------------------------------------------------------------------------------------------- preemption
+# --------------------------------------------------------------------------------------- preemption
 class Preemption:
-    """SIGTERM, SIGUSR1 and SIGINT (SLURM sends one of the first two before it preempts or at --signal=USR1@SECONDS;
-    torchrun forwards SIGINT, SIGTERM and others to its workers; Ctrl-C in a terminal is SIGINT) set a flag instead of
-    killing the process; the training loop stops at its next agreed point (`agreed`), writes a checkpoint and exits
-    with STOPPED. A second stop signal with SIGINT among the two (Ctrl-C pressed again, or torchrun's SIGTERM after
-    its SIGINT) leaves at once (`on_leave`), the last complete checkpoint kept.
+    """SIGTERM, SIGUSR1 and SIGINT (SLURM sends one of the first two before it preempts or at
+    --signal=USR1@SECONDS; torchrun forwards SIGINT, SIGTERM and others to its workers; Ctrl-C in a
+    terminal is SIGINT) set a flag instead of killing the process; the training loop stops at its
+    next agreed point (`agreed`), writes a checkpoint and exits with STOPPED. A second stop signal
+    with SIGINT among the two (Ctrl-C pressed again, or torchrun's SIGTERM after its SIGINT) leaves
+    at once (`on_leave`), the last complete checkpoint kept.
 
-    Any rank may receive the signal: `requested()` (polled by the sampler at every decode step, so a long rollout
-    ends early) posts it in the process group's store and reads the other ranks' posts from it, at most once a
-    second; `agreed()` is an all-reduce at the points where every rank stops together. Installed for the duration of
-    a `with` block (the previous handlers come back after it).
+    Any rank may receive the signal: `requested()` (polled by the sampler at every decode step, so a
+    long rollout ends early) posts it in the process group's store and reads the other ranks' posts
+    from it, at most once a second; `agreed()` is an all-reduce at the points where every rank stops
+    together. Installed for the duration of a `with` block (the previous handlers come back after
+    it).
 
-    A watchdog thread sees each signal through `signal.set_wakeup_fd`, which the C-level handler writes even while
-    the main thread is blocked in a collective or a long kernel (where the Python handler cannot run): it leaves at
-    once at a second Ctrl-C, and calls `on_deadline` when a stop has not ended the run `deadline_s` seconds after its
-    signal (`arm`; a frozen rank holds every other one in a collective, up to --collective-timeout-min)."""
+    A watchdog thread sees each signal through `signal.set_wakeup_fd`, which the C-level handler
+    writes even while the main thread is blocked in a collective or a long kernel (where the Python
+    handler cannot run): it leaves at once at a second Ctrl-C, and calls `on_deadline` when a stop
+    has not ended the run `deadline_s` seconds after its signal (`arm`; a frozen rank holds every
+    other one in a collective, up to --collective-timeout-min)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     KEY = "stapo/stop"
     POLL_S = 1.0
 
     def __init__(self):
-        self.signal, self.received, self.posted, self.polled, self.previous = None, None, False, 0.0, {}
-        self.deadline_s, self.on_deadline, self.armed, self.done = None, None, threading.Event(), threading.Event()
+        self.signal, self.received, self.posted, self.polled, self.previous = \
+            None, None, False, 0.0, {}
+        self.deadline_s, self.on_deadline, self.armed, self.done = \
+            None, None, threading.Event(), threading.Event()
         self.first, self.leaving = None, threading.Lock()  # the first signal's number on this rank
-        self.command = "the same command with --resume auto"  # what continues the run (main: continue_command)
-        self.on_leave = self._leave_before_start  # called with the second signal's name (main: run_folder.leave)
+        # what continues the run (main: continue_command)
+        self.command = "the same command with --resume auto"
+        # called with the second signal's name (main: run_folder.leave)
+        self.on_leave = self._leave_before_start
 
     def __enter__(self) -> Preemption:
         for s in self.SIGNALS:
@@ -61,8 +71,10 @@ class Preemption:
         read, self.wakeup = os.pipe()
         os.set_blocking(self.wakeup, False)
         self.previous_wakeup = signal.set_wakeup_fd(self.wakeup)
-        threading.Thread(target=self._watch, args=(read,), daemon=True, name="stop-watchdog").start()
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)  # one that came during startup (train.py) is kept
+        threading.Thread(target=self._watch, args=(read,), daemon=True,
+                         name="stop-watchdog").start()
+        # one that came during startup (train.py) is kept
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -74,14 +86,15 @@ class Preemption:
         os.close(self.wakeup)  # the watchdog reads the end of the pipe and ends
 
     def arm(self, deadline_s: float, on_deadline) -> None:
-        """From now on, on_deadline() runs (in the watchdog thread) when a stop signal has not ended the `with` block
-        within deadline_s seconds."""
+        """From now on, on_deadline() runs (in the watchdog thread) when a stop signal has not ended
+        the `with` block within deadline_s seconds."""
         self.deadline_s, self.on_deadline = deadline_s, on_deadline
         self.armed.set()
 
     def _watch(self, read: int) -> None:
-        """The watchdog thread: reads each signal's byte from the wakeup pipe; after a first stop signal it waits for
-        `arm` and the deadline, and leaves at once at a second one with SIGINT among the two."""
+        """The watchdog thread: reads each signal's byte from the wakeup pipe; after a first stop
+        signal it waits for `arm` and the deadline, and leaves at once at a second one with SIGINT
+        among the two."""
         started = first = None
         try:
             while True:
@@ -103,65 +116,75 @@ class Preemption:
                 if started is None:
                     started, first = time.monotonic(), byte[0]
                 elif signal.SIGINT in (first, byte[0]):
-                    self.signal = self.signal or signal.Signals(first).name  # the main thread may not have run yet
+                    # the main thread may not have run yet
+                    self.signal = self.signal or signal.Signals(first).name
                     self._leave(byte[0])
         finally:
             os.close(read)
 
     def _on_signal(self, signum, frame) -> None:
         if self.signal is None:
-            self.signal, self.received, self.first = signal.Signals(signum).name, time.monotonic(), signum
-        elif signal.SIGINT in (signum, self.first):  # Ctrl-C again (a stop posted by another rank has no `first`)
+            self.signal, self.received, self.first = \
+                signal.Signals(signum).name, time.monotonic(), signum
+        # Ctrl-C again (a stop posted by another rank has no `first`)
+        elif signal.SIGINT in (signum, self.first):
             self._leave(signum)
 
     def _leave(self, signum: int) -> None:
-        """A second stop signal with SIGINT among the two: `on_leave` ends the process (once, from whichever of the
-        main thread and the watchdog sees it first)."""
+        """A second stop signal with SIGINT among the two: `on_leave` ends the process (once, from
+        whichever of the main thread and the watchdog sees it first)."""
         if self.leaving.acquire(blocking=False):
             self.on_leave(signal.Signals(signum).name)
 
     @staticmethod
     def _leave_before_start(name: str) -> None:
-        print(f"train.py: {name} again before the run started: leaving at once (nothing was written)",
-              file=sys.stderr, flush=True)
+        print(f"train.py: {name} again before the run started: leaving at once "
+              f"(nothing was written)", file=sys.stderr, flush=True)
         os._exit(INTERRUPTED)
 
     def requested(self) -> bool:
-        """Whether this rank or (read at most once per POLL_S from the store) another one received a stop signal."""
+        """Whether this rank or (read at most once per POLL_S from the store) another one received a
+        stop signal."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self.signal is not None
-        store = dist.distributed_c10d._get_default_store()  # the group's key-value store (no public accessor)
+        # the group's key-value store (no public accessor)
+        store = dist.distributed_c10d._get_default_store()
         if self.signal and not self.posted:
             store.set(self.KEY, self.signal)
             self.posted = True
         elif not self.signal and time.monotonic() - self.polled > self.POLL_S:
             self.polled = time.monotonic()
             if store.check([self.KEY]):
-                self.signal, self.received = store.get(self.KEY).decode() + " (to another rank)", time.monotonic()
+                self.signal, self.received = \
+                    store.get(self.KEY).decode() + " (to another rank)", time.monotonic()
         return self.signal is not None
 
     def agreed(self) -> bool:
         """Every rank at the same point: whether any rank was asked to stop (one all-reduce)."""
         flag = torch.tensor([self.requested()], dtype=torch.long)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and self.signal is None:  # the rank that got it posted its name before this all-reduce
+        # the rank that got it posted its name before this all-reduce
+        if flag.item() and self.signal is None:
             store = dist.distributed_c10d._get_default_store()
-            self.signal, self.received = store.get(self.KEY).decode() + " (to another rank)", time.monotonic()
+            self.signal, self.received = \
+                store.get(self.KEY).decode() + " (to another rank)", time.monotonic()
         return bool(flag.item())
 
 
 def write_stopped(out: Path, signal_name: str, saved: int | None) -> None:
-    """OUT/stopped.json: the run was stopped by a signal, with the checkpoint of `saved` steps (None: stopped
-    before its first step); removed when the run goes on. A requeue script tests it (torchrun exits 1 whatever
-    its workers' status; `python train.py` exits with STOPPED)."""
-    write_atomic(out / "stopped.json", json.dumps({"signal": signal_name, "steps_done": saved or 0, "checkpoint":
-                                                   f"checkpoint/step_{saved}" if saved else None}).encode())
+    """OUT/stopped.json: the run was stopped by a signal, with the checkpoint of `saved` steps
+    (None: stopped before its first step); removed when the run goes on. A requeue script tests it
+    (torchrun exits 1 whatever its workers' status; `python train.py` exits with STOPPED)."""
+    write_atomic(out / "stopped.json", json.dumps({
+        "signal": signal_name, "steps_done": saved or 0,
+        "checkpoint": f"checkpoint/step_{saved}" if saved else None}).encode())
 
 
 def stopped(out_dir: str, steps: int, rank: int, preemption: Preemption, saved: int, where: str,
             done: int | None = None) -> int:
-    """OUT/stopped.json and the one line of a run of `steps` steps in `out_dir` stopped by a signal after `done` steps
-    (default: `saved`), with the checkpoint of `saved` steps (0: none); returns STOPPED."""
+    """OUT/stopped.json and the one line of a run of `steps` steps in `out_dir` stopped by a signal
+    after `done` steps (default: `saved`), with the checkpoint of `saved` steps (0: none); returns
+    STOPPED."""
     done = saved if done is None else done
     if rank == 0:
         write_stopped(Path(out_dir), preemption.signal, saved or None)
@@ -172,32 +195,37 @@ def stopped(out_dir: str, steps: int, rank: int, preemption: Preemption, saved: 
     return STOPPED
 
 
-def leave(out_dir: str, rank: int, preemption: Preemption, why: str, status: int, every_rank: bool) -> None:
-    """Leave now, without a checkpoint of this stop (the watchdog thread of `Preemption`, or its signal handler):
-    stopped.json (rank 0) naming the newest complete checkpoint, one line (on every rank when `every_rank`, else on
-    rank 0), exit `status`. `why` begins the line: what made the rank leave."""
+def leave(out_dir: str, rank: int, preemption: Preemption, why: str, status: int,
+          every_rank: bool) -> None:
+    """Leave now, without a checkpoint of this stop (the watchdog thread of `Preemption`, or its
+    signal handler): stopped.json (rank 0) naming the newest complete checkpoint, one line (on every
+    rank when `every_rank`, else on rank 0), exit `status`. `why` begins the line: what made the
+    rank leave."""
     out, kept = Path(out_dir), complete_steps(Path(out_dir))
     if rank == 0:
         write_stopped(out, preemption.signal or "a stop signal", kept[0] if kept else None)
     then = (f"checkpoint/step_{kept[0]} is kept; continue with: {preemption.command}" if kept else
             f"no checkpoint was kept; {preemption.command} starts the run again")
     if every_rank or rank == 0:
-        bar = "\n" if rank == 0 and tqdm._instances else ""  # below a progress bar's unfinished line
-        print(f"{bar}train.py: warning: {'rank %d: ' % rank if every_rank else ''}{why}: leaving without a checkpoint "
-              f"of this stop; {then}", file=sys.stderr, flush=True)
+        # below a progress bar's unfinished line
+        bar = "\n" if rank == 0 and tqdm._instances else ""
+        print(f"{bar}train.py: warning: {'rank %d: ' % rank if every_rank else ''}{why}: leaving "
+              f"without a checkpoint of this stop; {then}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(status)
 
 
 def leave_at_deadline(out_dir: str, deadline_s: float, rank: int, preemption: Preemption) -> None:
-    """--stop-deadline-s (deadline_s) passed since a stop signal and the ranks have not stopped together: leave now
-    with exit status STOPPED, one line on every rank (the frozen one may be rank 0)."""
-    leave(out_dir, rank, preemption, f"{preemption.signal or 'a stop signal'} came {deadline_s:g} s ago "
-          f"(--stop-deadline-s) and the ranks have not stopped together (a rank frozen, or its network down?)",
-          STOPPED, every_rank=True)
+    """--stop-deadline-s (deadline_s) passed since a stop signal and the ranks have not stopped
+    together: leave now with exit status STOPPED, one line on every rank (the frozen one may be
+    rank 0)."""
+    leave(out_dir, rank, preemption, f"{preemption.signal or 'a stop signal'} came {deadline_s:g} "
+          f"s ago (--stop-deadline-s) and the ranks have not stopped together (a rank frozen, or "
+          f"its network down?)", STOPPED, every_rank=True)
 
 
 def leave_at_interrupt(out_dir: str, rank: int, preemption: Preemption, name: str) -> None:
-    """A second stop signal with Ctrl-C among the two (`Preemption`): leave at once with exit status INTERRUPTED,
-    one line on rank 0 (torchrun signals every rank)."""
-    leave(out_dir, rank, preemption, f"{name} after {preemption.signal}", INTERRUPTED, every_rank=False)
+    """A second stop signal with Ctrl-C among the two (`Preemption`): leave at once with exit status
+    INTERRUPTED, one line on rank 0 (torchrun signals every rank)."""
+    leave(out_dir, rank, preemption, f"{name} after {preemption.signal}", INTERRUPTED,
+          every_rank=False)

@@ -1,6 +1,7 @@
-"""A step's metrics (docs/outputs.md, Metrics glossary): `StepLog` keeps this rank's sums over sequences and
-tokens, reduces them over ranks once, in `close`, into the metrics.jsonl line, with the step's spurious.jsonl,
-samples.jsonl and tokens.jsonl records (`StepResult`). train.train_step feeds it."""
+"""A step's metrics (docs/outputs.md, Metrics glossary): `StepLog` keeps this rank's sums over
+sequences and tokens, reduces them over ranks once, in `close`, into the metrics.jsonl line, with
+the step's spurious.jsonl, samples.jsonl and tokens.jsonl records (`StepResult`). train.train_step
+feeds it."""
 from __future__ import annotations
 
 import math
@@ -28,14 +29,15 @@ class StepResult(NamedTuple):
     tokens: list[dict]
 
 
-ENTROPY_KINDS = ("silenced", "candidate", "other")  # s2t_diagnostics.entropy_change's kinds of token
+ENTROPY_KINDS = ("silenced", "candidate", "other")  # s2t_diagnostics.entropy_change's token kinds
 # s2t_diagnostics.token_cells' keys
-CELLS = tuple(f"{kind}_{part}" for kind in s2t_diagnostics.TOKEN_KINDS for part in s2t_diagnostics.PARTS)
+CELLS = tuple(f"{kind}_{part}" for kind in s2t_diagnostics.TOKEN_KINDS
+              for part in s2t_diagnostics.PARTS)
 
 
 def graded_tokens(batch: Rollout, tokenizer, mode: str) -> torch.Tensor:
-    """(B, T) bool: each response's graded part (reward.graded_count), the rest of it being the text after the
-    answer."""
+    """(B, T) bool: each response's graded part (reward.graded_count), the rest of it being the text
+    after the answer."""
     graded = torch.zeros(batch.response_ids.shape, dtype=torch.bool)
     for i, (ids, mask) in enumerate(zip(batch.response_ids, batch.response_mask)):
         graded[i, :reward.graded_count(tokenizer, ids[mask.bool()].tolist(), mode)] = True
@@ -43,70 +45,87 @@ def graded_tokens(batch: Rollout, tokenizer, mode: str) -> torch.Tensor:
 
 
 class StepLog:
-    """The metric bookkeeping of one step: sums over this rank's sequences and tokens, reduced over ranks once, in
-    `close`, into the metrics.jsonl line (docs/outputs.md, Metrics glossary), and the step's spurious.jsonl,
-    samples.jsonl and tokens.jsonl records."""
+    """The metric bookkeeping of one step: sums over this rank's sequences and tokens, reduced over
+    ranks once, in `close`, into the metrics.jsonl line (docs/outputs.md, Metrics glossary), and the
+    step's spurious.jsonl, samples.jsonl and tokens.jsonl records."""
 
     def __init__(self, run, step: int, batch: Rollout, rewards, advantages, t_rollout: float,
                  samples: list[dict]):
         self.run, self.step, self.batch, self.t_rollout = run, step, batch, t_rollout
         mask = batch.response_mask.float()  # (B, T)
-        self.sums = {"reward": rewards.sum(), "correct": (rewards > 0).sum(),  # a positive reward is correct
+        # "correct": a positive reward is correct
+        self.sums = {"reward": rewards.sum(), "correct": (rewards > 0).sum(),
                      "seqs": len(batch), "tokens": mask.sum(), "truncated": batch.truncated.sum(),
                      "zero_adv": (advantages == 0).sum()}
-        self.sums |= dict.fromkeys(["entropy", "logprob_diff", "candidates", "silenced", "kept", "rule_silenced",
-                                    "silenced_p", "silenced_h", "gn_silenced", "gn_kept", "loss/policy", "loss/kl",
-                                    "loss_tokens", *stapo.CLIP_STATS, "computed_tokens", "attention_cells",
+        self.sums |= dict.fromkeys(["entropy", "logprob_diff", "candidates", "silenced", "kept",
+                                    "rule_silenced", "silenced_p", "silenced_h", "gn_silenced",
+                                    "gn_kept", "loss/policy", "loss/kl", "loss_tokens",
+                                    *stapo.CLIP_STATS, "computed_tokens", "attention_cells",
                                     "real_tokens"], 0.0)
-        self.sums |= dict.fromkeys([f"entropy_change/{kind}_{x}" for kind in ENTROPY_KINDS for x in ("sum", "n")],
-                                   0.0)
-        self.counts = {"updates": 0, "skipped/zero_adv": 0, "skipped/nonfinite": 0}  # equal on every rank
+        self.sums |= dict.fromkeys([f"entropy_change/{kind}_{x}" for kind in ENTROPY_KINDS
+                                    for x in ("sum", "n")], 0.0)
+        # equal on every rank
+        self.counts = {"updates": 0, "skipped/zero_adv": 0, "skipped/nonfinite": 0}
         if run.cfg.gradient_share:
             self.counts["grad_share/n"] = 0
-        self.grad_share = {"all": 0.0, "candidates": 0.0, "without": 0.0}  # summed norms, global (gradient_share)
+        # summed norms, global (gradient_share)
+        self.grad_share = {"all": 0.0, "candidates": 0.0, "without": 0.0}
         self.grad_norm_sum = 0.0
-        self.graded = None  # --entropy-change: (B, T) bool, the graded part of each response (graded_tokens)
+        # --entropy-change: (B, T) bool, the graded part of each response (graded_tokens)
+        self.graded = None
         if run.cfg.entropy_change:
             self.graded = graded_tokens(batch, run.tokenizer, run.cfg.reward)
-            self.sums |= dict.fromkeys([f"shares/{x}_{cell}" for x in ("grad", "n", "dH", "dHn") for cell in CELLS],
-                                       0.0)
-        self.pi_old_logprobs = torch.zeros_like(batch.logprobs)  # (B, T) pi_old over the step's rows
+            self.sums |= dict.fromkeys([f"shares/{x}_{cell}" for x in ("grad", "n", "dH", "dHn")
+                                        for cell in CELLS], 0.0)
+        self.pi_old_logprobs = torch.zeros_like(batch.logprobs)  # (B, T) pi_old of the step's rows
         self.pi_old_entropy = torch.zeros_like(batch.logprobs)
-        self.spurious, self.samples, self.tokens = [], samples, []  # samples: samples.jsonl records (`completions`)
+        # samples: samples.jsonl records (`completions`)
+        self.spurious, self.samples, self.tokens = [], samples, []
 
     def s2t(self, k: int, mb, pi_theta: TokenStats, weights: stapo.TokenWeights) -> None:
-        """What the mask did in mini-batch k, from p, H of the policy it saw (pi_theta) and pi_old (mb.pi_old):
-        counts, p, H and closed-form logit-gradient norms (w = r A, 0 where clipped) of silenced vs kept tokens, up
-        to --spurious-per-step spurious.jsonl lines and a tokens.jsonl record; pi_old's entropy and its distance
-        from the sampler over the rows (summed in `close`)."""
+        """What the mask did in mini-batch k, from p, H of the policy it saw (pi_theta) and pi_old
+        (mb.pi_old): counts, p, H and closed-form logit-gradient norms (w = r A, 0 where clipped) of
+        silenced vs kept tokens, up to --spurious-per-step spurious.jsonl lines and a tokens.jsonl
+        record; pi_old's entropy and its distance from the sampler over the rows (summed in
+        `close`)."""
         cfg, tokenizer, ids = self.run.cfg, self.run.tokenizer, mb.rollout.response_ids
         first = k * len(mb.rollout)  # the rows of mini-batch k in the step's batch
         self.pi_old_logprobs[first:first + len(mb.rollout)] = mb.pi_old.logprobs
         self.pi_old_entropy[first:first + len(mb.rollout)] = mb.pi_old.entropy
         w = stapo.surrogate_weight(pi_theta.logprobs, mb.pi_old.logprobs, mb.advantages,  # (b, T)
-                                   *stapo.clip_range(cfg.algo, cfg.clip_low, cfg.clip_high), cfg.dual_clip)
+                                   *stapo.clip_range(cfg.algo, cfg.clip_low, cfg.clip_high),
+                                   cfg.dual_clip)
         g = s2t.grad_norm_logits(w, pi_theta.logprobs, pi_theta.collision)  # (b, T)
-        diag = s2t_diagnostics.diagnostics(pi_theta, mb.advantages, mb.mask, weights.silenced, cfg.tau_p, grad_norm=g)
-        rule, _ = s2t.spurious_mask(pi_theta.logprobs, pi_theta.entropy, mb.advantages, mb.mask, cfg.tau_p,  # (b, T)
-                                    cfg.quantile, all_gather_cat, self.run.window if cfg.quantile_window else None)
-        self.sums["rule_silenced"] += rule.sum().item()  # what S2T silences here, whatever --algo does
-        if self.graded is not None:  # the closed-form logit-gradient norm per kind of token and part of the response
+        diag = s2t_diagnostics.diagnostics(pi_theta, mb.advantages, mb.mask, weights.silenced,
+                                           cfg.tau_p, grad_norm=g)
+        rule, _ = s2t.spurious_mask(pi_theta.logprobs, pi_theta.entropy, mb.advantages, mb.mask,
+                                    cfg.tau_p, cfg.quantile, all_gather_cat,
+                                    self.run.window if cfg.quantile_window else None)  # (b, T)
+        self.sums["rule_silenced"] += rule.sum().item()  # what S2T silences, whatever --algo does
+        # the closed-form logit-gradient norm per kind of token and part of the response
+        if self.graded is not None:
             for cell, sel in self.cells(k, mb, pi_theta).items():
                 self.sums[f"shares/grad_{cell}"] += g[sel].sum().item()
                 self.sums[f"shares/n_{cell}"] += sel.sum().item()
         for key, value in diag.items():  # sums and counts, divided in `close`
             self.sums[key] += value
         left = max(cfg.spurious_per_step - len(self.spurious), 0)
-        self.spurious += [{"step": self.step, "mini_batch": k, "token": tokenizer.decode([int(ids[i, t])]),
+        self.spurious += [{"step": self.step, "mini_batch": k,
+                           "token": tokenizer.decode([int(ids[i, t])]),
                            "context": tokenizer.decode(ids[i, max(0, t - 12):t].tolist()),
-                           "p": math.exp(float(pi_theta.logprobs[i, t])), "H": float(pi_theta.entropy[i, t]),
+                           "p": math.exp(float(pi_theta.logprobs[i, t])),
+                           "H": float(pi_theta.entropy[i, t]),
                            "advantage": float(mb.advantages[i, t])}
                           for i, t in weights.silenced.nonzero().tolist()[:left]]
-        if cfg.token_sample:  # what S2T saw: a seeded sample of the mini-batch's tokens for OUT/tokens.jsonl
-            gen = torch.Generator().manual_seed(hash((cfg.seed, self.step - 1, k, self.run.rank)) % 2**62)
-            sampled = s2t_diagnostics.token_sample(pi_theta, mb.advantages, mb.mask, weights.silenced,
-                                                   cfg.token_sample, gen, cfg.tau_p, w)
-            self.tokens.append(s2t_diagnostics.token_record(self.step, k, weights.threshold, sampled, mb.correct))
+        # what S2T saw: a seeded sample of the mini-batch's tokens for OUT/tokens.jsonl
+        if cfg.token_sample:
+            gen = torch.Generator().manual_seed(
+                hash((cfg.seed, self.step - 1, k, self.run.rank)) % 2**62)
+            sampled = s2t_diagnostics.token_sample(pi_theta, mb.advantages, mb.mask,
+                                                   weights.silenced, cfg.token_sample, gen,
+                                                   cfg.tau_p, w)
+            self.tokens.append(s2t_diagnostics.token_record(self.step, k, weights.threshold,
+                                                            sampled, mb.correct))
 
     def add(self, sums: dict) -> None:
         """Token counts and clip statistics of a mini-batch's forward (accumulate_gradients)."""
@@ -114,18 +133,21 @@ class StepLog:
             self.sums[key] += value
 
     def gradient_share(self, part: list[torch.Tensor]) -> None:
-        """--gradient-share: the parameter-gradient norms of the whole objective g, of its terms at the candidates
-        g_c (`candidate_gradient`) and of the rest g - g_c, before the clip (cancellation counted: these are norms
-        of sums, unlike the per-token logit-gradient norms of shares/*)."""
+        """--gradient-share: the parameter-gradient norms of the whole objective g, of its terms at
+        the candidates g_c (`candidate_gradient`) and of the rest g - g_c, before the clip
+        (cancellation counted: these are norms of sums, unlike the per-token logit-gradient norms of
+        shares/*)."""
         whole = [p.grad.detach() for p in self.run.policy.parameters()]
-        norms = [torch.nn.utils.get_total_norm(g) for g in (whole, part, [a - b for a, b in zip(whole, part)])]
+        norms = [torch.nn.utils.get_total_norm(g)
+                 for g in (whole, part, [a - b for a, b in zip(whole, part)])]
         g, g_c, rest = (float(n.full_tensor() if hasattr(n, "full_tensor") else n) for n in norms)
         self.counts["grad_share/n"] += 1  # equal on every rank: the norms are global
         for key, value in (("all", g), ("candidates", g_c), ("without", rest)):
             self.grad_share[key] += value
 
     def skipped(self, why: str) -> None:
-        """A mini-batch made no optimizer step: why is "zero_adv" or "nonfinite" (skipped/* in metrics.jsonl)."""
+        """A mini-batch made no optimizer step: why is "zero_adv" or "nonfinite" (skipped/* in
+        metrics.jsonl)."""
         self.counts[f"skipped/{why}"] += 1
 
     def updated(self, grad_norm: float, update) -> None:
@@ -137,11 +159,13 @@ class StepLog:
 
     def entropy_change(self, k: int, mb, pi_theta: TokenStats, entropy_after: torch.Tensor,
                        weights: stapo.TokenWeights) -> None:
-        """--entropy-change: the entropy at mini-batch k's positions before its update (with the p that makes
-        the candidates) and after it (b, T), summed per kind of token (s2t_diagnostics.entropy_change) and per
-        kind x part (s2t_diagnostics.token_cells)."""
-        candidates = s2t.candidates(pi_theta.logprobs, mb.advantages, mb.mask, self.run.cfg.tau_p)  # (b, T)
-        change = s2t_diagnostics.entropy_change(pi_theta.entropy, entropy_after, mb.mask, weights.silenced, candidates)
+        """--entropy-change: the entropy at mini-batch k's positions before its update (with the p
+        that makes the candidates) and after it (b, T), summed per kind of token
+        (s2t_diagnostics.entropy_change) and per kind x part (s2t_diagnostics.token_cells)."""
+        candidates = s2t.candidates(pi_theta.logprobs, mb.advantages, mb.mask,  # (b, T)
+                                    self.run.cfg.tau_p)
+        change = s2t_diagnostics.entropy_change(pi_theta.entropy, entropy_after, mb.mask,
+                                                weights.silenced, candidates)
         for key, value in change.items():
             self.sums[key] += value
         delta = (entropy_after - pi_theta.entropy).float()  # (b, T) dH
@@ -150,16 +174,20 @@ class StepLog:
             self.sums[f"shares/dHn_{cell}"] += sel.sum().item()
 
     def cells(self, k: int, mb, pi_theta: TokenStats) -> dict[str, torch.Tensor]:
-        """Mini-batch k's response tokens split into kind x part (s2t_diagnostics.token_cells), each (b, T) bool."""
+        """Mini-batch k's response tokens split into kind x part (s2t_diagnostics.token_cells), each
+        (b, T) bool."""
         b = len(mb.rollout)
         graded = self.graded[k * b:(k + 1) * b].to(mb.mask.device)  # (b, T)
-        return s2t_diagnostics.token_cells(pi_theta.logprobs, mb.advantages, mb.mask, graded, self.run.cfg.tau_p)
+        return s2t_diagnostics.token_cells(pi_theta.logprobs, mb.advantages, mb.mask, graded,
+                                           self.run.cfg.tau_p)
 
     def close(self, t_update: float) -> StepResult:
         """The step's metrics.jsonl line from the sums of all ranks, and its other records."""
-        mask = self.batch.response_mask.float()  # (B, T) pi_old's entropy and distance from the sampler, all rows
+        # pi_old's entropy and distance from the sampler, all rows
+        mask = self.batch.response_mask.float()  # (B, T)
         self.sums["entropy"] += (self.pi_old_entropy * mask).sum()
-        self.sums["logprob_diff"] += ((self.pi_old_logprobs - self.batch.logprobs).abs() * mask).sum()
+        self.sums["logprob_diff"] += \
+            ((self.pi_old_logprobs - self.batch.logprobs).abs() * mask).sum()
         tot = dict(zip(self.sums, all_sum(*self.sums.values())))
         counts, updates = self.counts, self.counts["updates"]
 
@@ -169,21 +197,30 @@ class StepLog:
         n_seq, n_tok, n_loss = tot["seqs"], tot["tokens"], tot["loss_tokens"]
         n_sil, n_kept, t_rollout = tot["silenced"], tot["kept"], self.t_rollout
         metrics = {
-            "step": self.step, "reward/mean": mean("reward", n_seq), "reward/acc": mean("correct", n_seq),
-            "response/len_mean": mean("tokens", n_seq), "response/truncated_frac": mean("truncated", n_seq),
-            "entropy/mean": mean("entropy", n_tok), "rollout/logprob_diff": mean("logprob_diff", n_tok),
+            "step": self.step, "reward/mean": mean("reward", n_seq),
+            "reward/acc": mean("correct", n_seq), "response/len_mean": mean("tokens", n_seq),
+            "response/truncated_frac": mean("truncated", n_seq),
+            "entropy/mean": mean("entropy", n_tok),
+            "rollout/logprob_diff": mean("logprob_diff", n_tok),
             "adv/zero_frac": mean("zero_adv", n_seq),
-            "s2t/candidates": tot["candidates"], "s2t/silenced": n_sil, "s2t/rule_silenced": tot["rule_silenced"],
+            "s2t/candidates": tot["candidates"], "s2t/silenced": n_sil,
+            "s2t/rule_silenced": tot["rule_silenced"],
             "s2t/silenced_frac": mean("silenced", n_sil + n_kept),
-            "s2t/silenced_p_mean": mean("silenced_p", n_sil), "s2t/silenced_h_mean": mean("silenced_h", n_sil),
-            "s2t/grad_norm_silenced": mean("gn_silenced", n_sil), "s2t/grad_norm_kept": mean("gn_kept", n_kept),
+            "s2t/silenced_p_mean": mean("silenced_p", n_sil),
+            "s2t/silenced_h_mean": mean("silenced_h", n_sil),
+            "s2t/grad_norm_silenced": mean("gn_silenced", n_sil),
+            "s2t/grad_norm_kept": mean("gn_kept", n_kept),
             "loss/policy": mean("loss/policy", updates), "loss/kl": mean("loss/kl", updates),
-            "clip/frac_low": mean("clip/frac_low", n_loss), "clip/frac_high": mean("clip/frac_high", n_loss),
+            "clip/frac_low": mean("clip/frac_low", n_loss),
+            "clip/frac_high": mean("clip/frac_high", n_loss),
             "clip/frac_dual": mean("clip/frac_dual", n_loss),
-            "batch/pad_frac": 1 - tot["real_tokens"] / tot["attention_cells"] if tot["attention_cells"] else 0.0,
-            "batch/shared_frac": 1 - tot["computed_tokens"] / tot["real_tokens"] if tot["real_tokens"] else 0.0,
+            "batch/pad_frac":
+                1 - tot["real_tokens"] / tot["attention_cells"] if tot["attention_cells"] else 0.0,
+            "batch/shared_frac":
+                1 - tot["computed_tokens"] / tot["real_tokens"] if tot["real_tokens"] else 0.0,
             "ratio/mean": mean("ratio/mean", n_loss), "kl/approx": mean("kl/approx", n_loss),
-            "grad_norm": self.grad_norm_sum / max(updates, 1), "lr": self.run.scheduler.get_last_lr()[0],
+            "grad_norm": self.grad_norm_sum / max(updates, 1),
+            "lr": self.run.scheduler.get_last_lr()[0],
             **{k: float(v) for k, v in counts.items()},
             "time/rollout_s": t_rollout, "time/update_s": t_update,
             "tokens_per_s": n_tok / max(t_rollout + t_update, 1e-9),
@@ -191,23 +228,29 @@ class StepLog:
         if self.run.cfg.gradient_share:  # mean norms over the mini-batches with candidates
             metrics |= {f"grad_share/{key}": value / max(counts["grad_share/n"], 1)
                         for key, value in self.grad_share.items()}
-        if self.run.cfg.entropy_change:  # mean H_after - H_before over the step's updates, per kind of token
-            metrics |= {f"entropy_change/{kind}": mean(f"entropy_change/{kind}_sum", tot[f"entropy_change/{kind}_n"])
+        # mean H_after - H_before over the step's updates, per kind of token
+        if self.run.cfg.entropy_change:
+            metrics |= {f"entropy_change/{kind}": mean(f"entropy_change/{kind}_sum",
+                                                       tot[f"entropy_change/{kind}_n"])
                         for kind in ENTROPY_KINDS}
             g_all = sum(tot[f"shares/grad_{cell}"] for cell in CELLS)
-            for cell in CELLS:  # share of the summed logit-gradient norm, tokens, mean entropy change per update
-                metrics[f"shares/grad_{cell}"] = tot[f"shares/grad_{cell}"] / g_all if g_all else 0.0
+            # share of the summed logit-gradient norm, tokens, mean entropy change per update
+            for cell in CELLS:
+                metrics[f"shares/grad_{cell}"] = \
+                    tot[f"shares/grad_{cell}"] / g_all if g_all else 0.0
                 metrics[f"shares/n_{cell}"] = tot[f"shares/n_{cell}"]
                 metrics[f"shares/dH_{cell}"] = mean(f"shares/dH_{cell}", tot[f"shares/dHn_{cell}"])
         return StepResult(metrics, self.spurious, self.samples, self.tokens)
 
 
-def completions(run, step: int, split: str, texts: list[str], rewards: list[float], prompt_rows: list[int],
-                group_size: int) -> list[dict]:
-    """samples.jsonl records of the first response to each of the first --samples-per-step prompts of `split`
-    ("train" or "heldout"): the prompt as the model saw it, the response, the gold answer and the reward
-    (texts[i] answers prompt_rows[i // group_size])."""
-    rows, prompts = (run.rows, run.prompts) if split == "train" else (run.test_rows, run.test_prompts)
+def completions(run, step: int, split: str, texts: list[str], rewards: list[float],
+                prompt_rows: list[int], group_size: int) -> list[dict]:
+    """samples.jsonl records of the first response to each of the first --samples-per-step prompts
+    of `split` ("train" or "heldout"): the prompt as the model saw it, the response, the gold answer
+    and the reward (texts[i] answers prompt_rows[i // group_size])."""
+    rows, prompts = (run.rows, run.prompts) if split == "train" else \
+        (run.test_rows, run.test_prompts)
     return [{"step": step, "split": split, "prompt": run.tokenizer.decode(prompts[r]),
-             "response": texts[j * group_size], "answer": rows[r]["answer"], "reward": rewards[j * group_size]}
+             "response": texts[j * group_size], "answer": rows[r]["answer"],
+             "reward": rewards[j * group_size]}
             for j, r in enumerate(prompt_rows[:run.cfg.samples_per_step])]

@@ -1,9 +1,10 @@
-"""The counterfactual contribution of a response token to the reward: does a silenced token matter? (RQ2,
-docs/paper.md §8 and §4)
+"""The counterfactual contribution of a response token to the reward: does a silenced token matter?
+(RQ2, docs/paper.md §8 and §4)
 
-    python -m tools.counterfactual RUN                      # step 1 of a train.py run, K = 32, 16 tokens of each kind
+    python -m tools.counterfactual RUN  # step 1 of a train.py run, K = 32, 16 tokens of each kind
     python -m tools.counterfactual RUN --steps 1 11 --k 16 --tokens 8 --plot
-    python -m tools.counterfactual --table RUN [RUN ...] [--out PNG]   # many analysed runs pooled per algorithm
+    python -m tools.counterfactual --table RUN [RUN ...] [--out PNG]
+        # many analysed runs pooled per algorithm
 
 S2T silences low-probability, low-entropy tokens of correct responses because, the paper says,
 they "contribute negligibly to the correct reasoning outcome". This file measures that
@@ -34,7 +35,7 @@ import stapo
 from run_folder import figures
 
 
-# ------------------------------------------------------------------------------------------- the estimator
+# ------------------------------------------------------------------------------------ the estimator
 class Effect(NamedTuple):
     """The estimate for one token y_t of response `row`."""
     row: int
@@ -44,7 +45,8 @@ class Effect(NamedTuple):
     resample: float  # success rate of K continuations of x, y_<t (the policy redraws position t)
     effect: float  # keep - resample
     stderr: float  # sqrt(s_keep^2 / K + s_resample^2 / K)
-    exclude: float  # success rate of K continuations of x, y_<t, z (z: the policy's redraw, never y_t)
+    # success rate of K continuations of x, y_<t, z (z: the policy's redraw, never y_t)
+    exclude: float
     contrast: float  # keep - exclude: Q(y_t) - Q(not y_t)
     contrast_ci: tuple[float, float]  # Newcombe's 95% interval of the contrast
 
@@ -59,15 +61,19 @@ class _Prefix(NamedTuple):
 def token_effects(sample: Callable, grade: Callable, rows: list[tuple[list[int], list[int]]],
                   tokens: list[tuple[int, int]], k: int, max_response_len: int, seed: int = 0,
                   prefixes_per_call: int = 16) -> list[Effect]:
-    """The effect of each token (row, t) of `tokens` on the success of its response, in the order of `tokens`.
+    """The effect of each token (row, t) of `tokens` on the success of its response, in the order of
+    `tokens`.
 
-    sample(prefixes, k, max_new_tokens, seed, exclude=None) -> list of k * len(prefixes) continuations (token id
-        lists, prefix i's at [i k, (i + 1) k), each ending at EOS (included) or after max_new_tokens): the policy
-        that sampled the responses, continuing each prefix (a prompt followed by response tokens) k times; with
-        exclude (one token id per prefix), no continuation of prefix i starts with exclude[i] (the policy's next-token
-        distribution without it, renormalized).
-    grade(row, response) -> float: the reward of a whole response (token ids) to prompt `row`; > 0 is a success.
-    rows[row] = (prompt, response): token ids (a response: its generated tokens, EOS included, no padding).
+    sample(prefixes, k, max_new_tokens, seed, exclude=None) -> list of k * len(prefixes)
+        continuations (token id lists, prefix i's at [i k, (i + 1) k), each ending at EOS (included)
+        or after max_new_tokens): the policy that sampled the responses, continuing each prefix (a
+        prompt followed by response tokens) k times; with exclude (one token id per prefix), no
+        continuation of prefix i starts with exclude[i] (the policy's next-token distribution
+        without it, renormalized).
+    grade(row, response) -> float: the reward of a whole response (token ids) to prompt
+    `row`; > 0 is a success.
+    rows[row] = (prompt, response): token ids (a response: its generated tokens, EOS included, no
+    padding).
     """
     if k < 2:
         raise ValueError(f"k must be >= 2 (a standard error needs two outcomes), got {k}")
@@ -76,7 +82,8 @@ def token_effects(sample: Callable, grade: Callable, rows: list[tuple[list[int],
         y = rows[row][1]
         if not 0 <= t < len(y):
             raise ValueError(f"token {t} of row {row} is outside its {len(y)}-token response")
-        ends = t + 1 == len(y)  # y_t is the response's EOS or its last token at the budget (choice 3)
+        # y_t is the response's EOS or its last token at the budget (choice 3)
+        ends = t + 1 == len(y)
         prefixes += [_Prefix(j, "keep", y[:t + 1], 0 if ends else max_response_len - (t + 1)),
                      _Prefix(j, "resample", y[:t], max_response_len - t),
                      _Prefix(j, "exclude", y[:t], max_response_len - t)]
@@ -90,20 +97,23 @@ def token_effects(sample: Callable, grade: Callable, rows: list[tuple[list[int],
                       key=lambda p: -p.budget)
         calls += [todo[i:i + prefixes_per_call] for i in range(0, len(todo), prefixes_per_call)]
     for c, part in enumerate(calls):
-        exclude = [rows[tokens[p.token][0]][1][tokens[p.token][1]] for p in part] if part[0].side == "exclude" \
-            else None
-        continuations = sample([rows[tokens[p.token][0]][0] + p.response for p in part], k, part[0].budget,
-                               hash((seed, c)) % 2**62, exclude)
+        exclude = [rows[tokens[p.token][0]][1][tokens[p.token][1]] for p in part] \
+            if part[0].side == "exclude" else None
+        continuations = sample([rows[tokens[p.token][0]][0] + p.response for p in part], k,
+                               part[0].budget, hash((seed, c)) % 2**62, exclude)
         for i, p in enumerate(part):
             row = tokens[p.token][0]
             outcomes[p.token, p.side] = [float(grade(row, p.response + list(cont[:p.budget])) > 0)
                                          for cont in continuations[i * k:(i + 1) * k]]
     effects = []
     for j, (row, t) in enumerate(tokens):
-        keep, resample, exclude = outcomes[j, "keep"], outcomes[j, "resample"], outcomes[j, "exclude"]
-        effects.append(Effect(row, t, k, _mean(keep), _mean(resample), _mean(keep) - _mean(resample),
-                              math.sqrt(_variance(keep) / k + _variance(resample) / k), _mean(exclude),
-                              _mean(keep) - _mean(exclude), newcombe(int(sum(keep)), int(sum(exclude)), k)))
+        keep, resample, exclude = \
+            outcomes[j, "keep"], outcomes[j, "resample"], outcomes[j, "exclude"]
+        effects.append(Effect(row, t, k, _mean(keep), _mean(resample),
+                              _mean(keep) - _mean(resample),
+                              math.sqrt(_variance(keep) / k + _variance(resample) / k),
+                              _mean(exclude), _mean(keep) - _mean(exclude),
+                              newcombe(int(sum(keep)), int(sum(exclude)), k)))
     return effects
 
 
@@ -118,28 +128,35 @@ def _variance(xs: list[float]) -> float:
 
 
 def newcombe(keep: int, exclude: int, k: int, z: float = 1.96) -> tuple[float, float]:
-    """Newcombe's hybrid score interval (1998, method 10) of p1 - p2 for p1 = keep / k, p2 = exclude / k, from the
-    two Wilson intervals (l_i, u_i): (d - sqrt((p1 - l1)^2 + (u2 - p2)^2), d + sqrt((u1 - p1)^2 + (p2 - l2)^2))."""
+    """Newcombe's hybrid score interval (1998, method 10) of p1 - p2 for p1 = keep / k,
+    p2 = exclude / k, from the two Wilson intervals (l_i, u_i):
+    (d - sqrt((p1 - l1)^2 + (u2 - p2)^2), d + sqrt((u1 - p1)^2 + (p2 - l2)^2))."""
     p1, p2 = keep / k, exclude / k
     (l1, u1), (l2, u2) = wilson(keep, k, z), wilson(exclude, k, z)
     d = p1 - p2
-    return d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2), d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)
+    return (d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2),
+            d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2))
 
 
 def engine_sampler(engine, temperature: float, top_p: float) -> Callable:
-    """`token_effects`'s sample() from a rollout engine (rollout.PlainEngine or VLLMEngine, inside its `ready`): the
-    prefixes are prompts, one generate call for all of them (the K rows of a prefix share its prefill). With
-    `exclude`, the first token of each continuation comes from `redraw_without` (the plain engine's model), the rest
-    from the engine."""
+    """`token_effects`'s sample() from a rollout engine (rollout.PlainEngine or VLLMEngine, inside
+    its `ready`): the prefixes are prompts, one generate call for all of them (the K rows of a
+    prefix share its prefill). With `exclude`, the first token of each continuation comes from
+    `redraw_without` (the plain engine's model), the rest from the engine."""
     def sample(prefixes: list[list[int]], k: int, max_new_tokens: int, seed: int,
                exclude: list[int] | None = None) -> list[list[int]]:
         if exclude is not None:
             if not hasattr(engine, "lm"):
-                raise ValueError("the contrast (a redraw without the token) needs the plain rollout engine")
-            firsts = redraw_without(engine.lm, prefixes, exclude, k, temperature, top_p, engine.vocab_size, seed)
-            heads = [[z] for row in firsts for z in row]  # (n k) first tokens, prefix i's at [i k, (i + 1) k)
-            go = [j for j, h in enumerate(heads) if h[0] != engine.eos and max_new_tokens > 1]  # to be continued
-            rest = sample([prefixes[j // k] + heads[j] for j in go], 1, max_new_tokens - 1, seed + 1) if go else []
+                raise ValueError("the contrast (a redraw without the token) needs the plain "
+                                 "rollout engine")
+            firsts = redraw_without(engine.lm, prefixes, exclude, k, temperature, top_p,
+                                    engine.vocab_size, seed)
+            # (n k) first tokens, prefix i's at [i k, (i + 1) k)
+            heads = [[z] for row in firsts for z in row]
+            # to be continued
+            go = [j for j, h in enumerate(heads) if h[0] != engine.eos and max_new_tokens > 1]
+            rest = sample([prefixes[j // k] + heads[j] for j in go], 1, max_new_tokens - 1,
+                          seed + 1) if go else []
             for j, tail in zip(go, rest):
                 heads[j] += tail
             return heads
@@ -148,36 +165,43 @@ def engine_sampler(engine, temperature: float, top_p: float) -> Callable:
     return sample
 
 
-def redraw_without(lm, prefixes: list[list[int]], exclude: list[int], k: int, temperature: float, top_p: float,
-                   vocab_size: int | None, seed: int) -> list[list[int]]:
-    """k draws of the token after each prefix from the sampler's distribution (logits / temperature, then the
-    top-p nucleus, rollout._sample's rule) with exclude[i] removed and the rest renormalized (the whole tempered
-    softmax without it when the nucleus held nothing else). Never returns exclude[i]."""
+def redraw_without(lm, prefixes: list[list[int]], exclude: list[int], k: int, temperature: float,
+                   top_p: float, vocab_size: int | None, seed: int) -> list[list[int]]:
+    """k draws of the token after each prefix from the sampler's distribution (logits / temperature,
+    then the top-p nucleus, rollout._sample's rule) with exclude[i] removed and the rest
+    renormalized (the whole tempered softmax without it when the nucleus held nothing else). Never
+    returns exclude[i]."""
     device, g, out = next(lm.parameters()).device, torch.Generator().manual_seed(seed), []
     for prefix, token in zip(prefixes, exclude):
         ids = torch.tensor([prefix], device=device)  # (1, L)
         with torch.no_grad():
-            z = lm(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, -1, :vocab_size].float().cpu()
+            z = lm(input_ids=ids,
+                   attention_mask=torch.ones_like(ids)).logits[0, -1, :vocab_size].float().cpu()
         probs = torch.softmax(z / temperature, dim=-1)  # (V,)
-        if top_p < 1.0:  # the nucleus: most likely tokens until the mass before a token reaches top_p
+        # the nucleus: most likely tokens until the mass before a token reaches top_p
+        if top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
-            probs = torch.zeros_like(probs).scatter(0, order, sorted_p * (sorted_p.cumsum(0) - sorted_p < top_p))
+            probs = torch.zeros_like(probs).scatter(
+                0, order, sorted_p * (sorted_p.cumsum(0) - sorted_p < top_p))
         probs[token] = 0.0
         if probs.sum() <= 0:  # the nucleus was the token alone
             probs = torch.softmax(z / temperature, dim=-1).index_fill(0, torch.tensor([token]), 0.0)
-        out.append(torch.multinomial(probs / probs.sum(), k, replacement=True, generator=g).tolist())
+        out.append(torch.multinomial(probs / probs.sum(), k, replacement=True,
+                                     generator=g).tolist())
     return out
 
 
-# ------------------------------------------------------------------------------------------- the tokens
+# --------------------------------------------------------------------------------------- the tokens
 KINDS = ("silenced", "candidate", "other")
 
 
 def pick_tokens(silenced: torch.Tensor, candidates: torch.Tensor, response_mask: torch.Tensor,
-                correct: torch.Tensor, n: int, generator: torch.Generator) -> list[tuple[str, int, int]]:
-    """(kind, row, t) of at most n tokens of each kind, drawn uniformly (`generator`), in (kind, row, t) order:
-    'silenced' (the algorithm's mask), 'candidate' (A > 0, p < tau_p, kept) and 'other' (the remaining response
-    tokens of correct responses). silenced, candidates, response_mask (B, T); correct (B,) bool."""
+                correct: torch.Tensor, n: int,
+                generator: torch.Generator) -> list[tuple[str, int, int]]:
+    """(kind, row, t) of at most n tokens of each kind, drawn uniformly (`generator`), in (kind,
+    row, t) order: 'silenced' (the algorithm's mask), 'candidate' (A > 0, p < tau_p, kept) and
+    'other' (the remaining response tokens of correct responses). silenced, candidates,
+    response_mask (B, T); correct (B,) bool."""
     mask = response_mask.bool()  # (B, T)
     silenced = silenced & mask
     kinds = {"silenced": silenced, "candidate": candidates & mask & ~silenced,
@@ -190,10 +214,11 @@ def pick_tokens(silenced: torch.Tensor, candidates: torch.Tensor, response_mask:
     return picked
 
 
-# ------------------------------------------------------------------------------------------- one step of a run
+# -------------------------------------------------------------------------------- one step of a run
 @dataclass
 class Step:
-    """What the policy of a run saw and decided in one step, every mini-batch (`regenerate_step`); B = its rows."""
+    """What the policy of a run saw and decided in one step, every mini-batch (`regenerate_step`);
+    B = its rows."""
     cfg: object  # the run's config.Config
     tokenizer: object
     policy: object  # pi_old of the step (model.Policy): the policy that sampled the rollout
@@ -206,47 +231,57 @@ class Step:
     score: Callable  # score(text, b) -> the run's reward of text answering batch row b
     rewards: torch.Tensor  # (B,)
     advantages: torch.Tensor  # (B,)
-    logprobs: torch.Tensor  # (B, T) log p of the policy the mask saw (pi_old in mini-batch 0, then after k updates)
+    # (B, T) log p of the policy the mask saw (pi_old in mini-batch 0, then after k updates)
+    logprobs: torch.Tensor
     entropy: torch.Tensor  # (B, T) H, the same
     response_mask: torch.Tensor  # (B, T)
     silenced: torch.Tensor  # (B, T) bool: the algorithm's mask
     candidates: torch.Tensor  # (B, T) bool: A > 0, p < tau_p
-    s2t_rule: torch.Tensor  # (B, T) bool: what the S2T rule (the run's tau_p, q) silences, whatever the algorithm
-    matches_run: bool | None  # the regenerated rollout and masks agree with the run's logs (None: no line)
+    # (B, T) bool: what the S2T rule (the run's tau_p, q) silences, whatever the algorithm
+    s2t_rule: torch.Tensor
+    # the regenerated rollout and masks agree with the run's logs (None: no line)
+    matches_run: bool | None
 
 
 def regenerate_step(run_dir: Path, step: int) -> Step:
     """Step `step` (from 1) of the train.py run in `run_dir`, every mini-batch, as the run made it.
 
-    The one function of this file that reaches into train.py's internals (`setup`, the checkpoint layout, `sample`,
-    `train_step`, the reward call; the run's Config is config.py's), so that a change of them is adapted here only.
-    It rebuilds the run in this process (one process, the run's recipe and rollout engine), loads the policy that
-    made the step's decisions (the model, optimizer and scheduler of checkpoint/step_<step - 1>, or the initial ones
-    for step 1), regenerates the step's rollout (seeded per generate call from (seed, step, prompt index)), then
-    replays the step's updates with `train.train_step` to see each mini-batch's p, H and mask as the run computed
-    them (mini-batch k after k updates), and puts the policy back to pi_old, which samples the continuations."""
+    The one function of this file that reaches into train.py's internals (`setup`, the checkpoint
+    layout, `sample`, `train_step`, the reward call; the run's Config is config.py's), so that a
+    change of them is adapted here only. It rebuilds the run in this process (one process, the run's
+    recipe and rollout engine), loads the policy that made the step's decisions (the model,
+    optimizer and scheduler of checkpoint/step_<step - 1>, or the initial ones for step 1),
+    regenerates the step's rollout (seeded per generate call from (seed, step, prompt index)), then
+    replays the step's updates with `train.train_step` to see each mini-batch's p, H and mask as the
+    run computed them (mini-batch k after k updates), and puts the policy back to pi_old, which
+    samples the continuations."""
     import train
 
-    recorded = config.Config(**flags.check_values(config.Config, run_folder.recorded_config(run_dir), str(run_dir)))
-    cfg = replace(recorded, entropy_change=False)  # the replay needs the masks only (the flag moves nothing)
+    recorded = config.Config(**flags.check_values(config.Config,
+                                                  run_folder.recorded_config(run_dir),
+                                                  str(run_dir)))
+    # the replay needs the masks only (the flag moves nothing)
+    cfg = replace(recorded, entropy_change=False)
     if step > 1 and step - 1 not in run_folder.complete_steps(run_dir):
         kept = sorted(run_folder.complete_steps(run_dir))
-        raise FileNotFoundError(f"step {step} needs the policy after step {step - 1}, checkpoint/step_{step - 1}, "
-                                f"which the run did not keep (its checkpoints: "
-                                f"{', '.join(f'step_{s}' for s in kept) or 'none'}; so steps "
-                                f"{', '.join(str(s + 1) for s in [0, *kept])} can be analysed; keep more with "
-                                f"--save-every 1 --keep-checkpoints N)")
+        raise FileNotFoundError(f"step {step} needs the policy after step {step - 1}, "
+                                f"checkpoint/step_{step - 1}, which the run did not keep (its "
+                                f"checkpoints: {', '.join(f'step_{s}' for s in kept) or 'none'}; "
+                                f"so steps {', '.join(str(s + 1) for s in [0, *kept])} can be "
+                                f"analysed; keep more with --save-every 1 --keep-checkpoints N)")
     if not train.dist.is_initialized():
         train.init_distributed()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     run = train.setup(cfg, train.read_inputs(cfg, 1), 0, 1, device, None, run_folder.Preemption())
-    if step > 1:  # the state after step - 1: model, optimizer and scheduler (the replay makes the run's updates)
+    # the state after step - 1: model, optimizer and scheduler (the replay makes the run's updates)
+    if step > 1:
         trained = run_folder.ModelAndOptimizer(run.policy, run.optimizer, run.scheduler)
         run_folder.load_checkpoint(run_dir / "checkpoint" / f"step_{step - 1}", trained)
     batch, mine = train.sample(run, step)
     G, texts = cfg.group_size, batch.texts(run.tokenizer)
 
-    def score(text: str, b: int) -> float:  # the reward of `text` answering batch row b (its data row's fields too)
+    # the reward of `text` answering batch row b (its data row's fields too)
+    def score(text: str, b: int) -> float:
         row = run.rows[mine[b // G]]
         return reward.rewards([text], [row["answer"]], cfg.reward, [row])[0]  # as train.py calls it
 
@@ -255,84 +290,98 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
 
     def keep(k, mb, pi_theta, weights):
         adv, mask, first = mb.advantages, mb.mask, sum(x[1] for x in seen)
-        if not torch.equal(mb.rollout.response_ids.cpu(), batch.response_ids[first:first + len(mb.rollout)].cpu()):
-            raise ValueError(f"step {step}: the replayed rollout differs from the regenerated one (not seeded?)")
-        seen.append((k, len(mb.rollout), pi_theta.logprobs.cpu(), pi_theta.entropy.cpu(), mask.cpu(),
-                     weights.silenced.cpu(), s2t.candidates(pi_theta.logprobs, adv, mask, cfg.tau_p).cpu(),
-                     s2t.spurious_mask(pi_theta.logprobs, pi_theta.entropy, adv, mask, cfg.tau_p, cfg.quantile,
-                                       earlier=run.window if cfg.quantile_window else None)[0].cpu()))  # choice 8
+        if not torch.equal(mb.rollout.response_ids.cpu(),
+                           batch.response_ids[first:first + len(mb.rollout)].cpu()):
+            raise ValueError(f"step {step}: the replayed rollout differs from the regenerated one "
+                             f"(not seeded?)")
+        seen.append((k, len(mb.rollout), pi_theta.logprobs.cpu(), pi_theta.entropy.cpu(),
+                     mask.cpu(), weights.silenced.cpu(),
+                     s2t.candidates(pi_theta.logprobs, adv, mask, cfg.tau_p).cpu(),
+                     s2t.spurious_mask(pi_theta.logprobs, pi_theta.entropy, adv, mask, cfg.tau_p,
+                                       cfg.quantile, earlier=run.window  # choice 8
+                                       if cfg.quantile_window else None)[0].cpu()))
 
     pi_old = {name: x.detach().clone() for name, x in run.policy.state_dict().items()}
-    train.train_step(run, step, on_mask=keep)  # the same rollout again (seeded), then the step's updates
+    # the same rollout again (seeded), then the step's updates
+    train.train_step(run, step, on_mask=keep)
     run.policy.load_state_dict(pi_old)
     k, sizes, logprobs, entropy, mask, silenced, candidates, rule = zip(*seen)
-    matches = _matches_run(run_dir, step, cfg, rewards, batch, texts, sum(int(x.sum()) for x in candidates),
+    matches = _matches_run(run_dir, step, cfg, rewards, batch, texts,
+                           sum(int(x.sum()) for x in candidates),
                            sum(int(x.sum()) for x in silenced))
     return Step(cfg, run.tokenizer, run.policy, run.engine,
                 [ids[m.bool()].tolist() for ids, m in zip(batch.prompt_ids, batch.prompt_mask)],
                 [ids[m.bool()].tolist() for ids, m in zip(batch.response_ids, batch.response_mask)],
                 [run.rows[mine[i // G]]["answer"] for i in range(len(batch))],
                 [mine[i // G] for i in range(len(batch))],
-                [j for j, n in zip(k, sizes) for _ in range(n)], score, rewards, stapo.group_advantages(rewards, G),
-                *(torch.cat(x) for x in (logprobs, entropy, mask)), *(torch.cat(x).bool() for x in
-                                                                        (silenced, candidates, rule)), matches)
+                [j for j, n in zip(k, sizes) for _ in range(n)], score, rewards,
+                stapo.group_advantages(rewards, G),
+                *(torch.cat(x) for x in (logprobs, entropy, mask)),
+                *(torch.cat(x).bool() for x in (silenced, candidates, rule)), matches)
 
 
 def _matches_run(run_dir: Path, step: int, cfg, rewards, batch, texts: list[str], candidates: int,
                  silenced: int) -> bool | None:
-    """Whether a regenerated step is the run's (config `cfg`): its mean reward, length and S2T candidate and silenced
-    counts against the step's metrics.jsonl line, and the first response of its first prompts against samples.jsonl
-    (None: the run never made the step)."""
+    """Whether a regenerated step is the run's (config `cfg`): its mean reward, length and S2T
+    candidate and silenced counts against the step's metrics.jsonl line, and the first response of
+    its first prompts against samples.jsonl (None: the run never made the step)."""
     G, n_samples = cfg.group_size, cfg.samples_per_step
-    line = next((m for m in run_folder.read_log(run_dir / "metrics.jsonl") if m["step"] == step), None)
+    line = next((m for m in run_folder.read_log(run_dir / "metrics.jsonl")
+                 if m["step"] == step), None)
     if line is None:
         return None
     samples = [s["response"] for s in run_folder.read_log(run_dir / "samples.jsonl")
                if s["step"] == step and s["split"] == "train"]
     return (math.isclose(line["reward/mean"], rewards.mean().item(), abs_tol=1e-6)
-            and math.isclose(line["response/len_mean"], batch.response_mask.sum(1).float().mean().item(), abs_tol=1e-4)
+            and math.isclose(line["response/len_mean"],
+                             batch.response_mask.sum(1).float().mean().item(), abs_tol=1e-4)
             and (line["s2t/candidates"], line["s2t/silenced"]) == (candidates, silenced)
             and samples == texts[::G][:min(n_samples, len(samples))])
 
 
 def analyse_step(st: Step, step: int, k: int, n_tokens: int, seed: int, prefixes_per_call: int,
                  delta: float) -> list[dict]:
-    """counterfactual.jsonl lines of `n_tokens` tokens of each kind of one regenerated step; a token is negligible
-    when its contrast's interval lies inside (-delta, delta)."""
+    """counterfactual.jsonl lines of `n_tokens` tokens of each kind of one regenerated step; a token
+    is negligible when its contrast's interval lies inside (-delta, delta)."""
     cfg, tok = st.cfg, st.tokenizer
     gen = torch.Generator().manual_seed(hash((seed, step)) % 2**62)
-    picked = pick_tokens(st.silenced, st.candidates, st.response_mask, st.rewards > 0, n_tokens, gen)
+    picked = pick_tokens(st.silenced, st.candidates, st.response_mask, st.rewards > 0,
+                         n_tokens, gen)
     sample = engine_sampler(st.engine, cfg.temperature, cfg.top_p)
 
     def grade(row: int, response: list[int]) -> float:
         return st.score(tok.decode(response, skip_special_tokens=True), row)
 
     with st.engine.ready(st.policy):
-        effects = token_effects(sample, grade, list(zip(st.prompts, st.responses)), [(r, t) for _, r, t in picked], k,
-                                cfg.max_response_len, hash((seed, step, 1)) % 2**62, prefixes_per_call)
+        effects = token_effects(sample, grade, list(zip(st.prompts, st.responses)),
+                                [(r, t) for _, r, t in picked], k, cfg.max_response_len,
+                                hash((seed, step, 1)) % 2**62, prefixes_per_call)
     lines, graded = [], {}
     for (kind, row, t), e in zip(picked, effects):
         y = st.responses[row]
         if row not in graded:
             graded[row] = reward.graded_count(tok, y, cfg.reward)
         lines.append({
-            "algo": cfg.algo, "seed": cfg.seed, "step": step, "kind": kind, "effect": e.effect, "stderr": e.stderr,
-            "k": e.k, "keep": e.keep, "resample": e.resample, "exclude": e.exclude, "contrast": e.contrast,
-            "contrast_ci": list(e.contrast_ci), "negligible": -delta < e.contrast_ci[0] and e.contrast_ci[1] < delta,
-            "delta": delta, "part": "graded" if t < graded[row] else "after", "row": row, "t": t,
-            "token": tok.decode([y[t]]),
-            "context": tok.decode(y[max(0, t - 12):t]), "after": tok.decode(y[t + 1:t + 13]),
-            "p": math.exp(float(st.logprobs[row, t])), "H": float(st.entropy[row, t]),
-            "candidate": bool(st.candidates[row, t]), "s2t_rule": bool(st.s2t_rule[row, t]),
-            "A": float(st.advantages[row]), "reward": float(st.rewards[row]), "response_len": len(y),
-            "data_index": st.data_index[row], "mini_batch": st.mini_batch[row], "rollout_matches_run": st.matches_run})
+            "algo": cfg.algo, "seed": cfg.seed, "step": step, "kind": kind, "effect": e.effect,
+            "stderr": e.stderr, "k": e.k, "keep": e.keep, "resample": e.resample,
+            "exclude": e.exclude, "contrast": e.contrast, "contrast_ci": list(e.contrast_ci),
+            "negligible": -delta < e.contrast_ci[0] and e.contrast_ci[1] < delta, "delta": delta,
+            "part": "graded" if t < graded[row] else "after", "row": row, "t": t,
+            "token": tok.decode([y[t]]), "context": tok.decode(y[max(0, t - 12):t]),
+            "after": tok.decode(y[t + 1:t + 13]), "p": math.exp(float(st.logprobs[row, t])),
+            "H": float(st.entropy[row, t]), "candidate": bool(st.candidates[row, t]),
+            "s2t_rule": bool(st.s2t_rule[row, t]), "A": float(st.advantages[row]),
+            "reward": float(st.rewards[row]), "response_len": len(y),
+            "data_index": st.data_index[row], "mini_batch": st.mini_batch[row],
+            "rollout_matches_run": st.matches_run})
     return lines
 
 
-# ------------------------------------------------------------------------------------------- the summary
-PARTS = ("graded", "after")  # the token sits in the graded part of its response, or in the text after the answer
-HEAD = ("tokens (responses) | mean effect (95% CI) | mean contrast (95% CI) | negligible (95% CI) | effect <= 0 | "
-        "outcome settled | success kept / redrawn / without |")
+# -------------------------------------------------------------------------------------- the summary
+# the token sits in the graded part of its response, or in the text after the answer
+PARTS = ("graded", "after")
+HEAD = ("tokens (responses) | mean effect (95% CI) | mean contrast (95% CI) | "
+        "negligible (95% CI) | effect <= 0 | outcome settled | success kept / redrawn / without |")
 
 
 def summary(lines: list[dict]) -> str:
@@ -344,12 +393,13 @@ def summary(lines: list[dict]) -> str:
 
 
 def summary_row(lines: list[dict]) -> str:
-    """The cells of one group of tokens: its count (and its responses'), the mean effect and the mean contrast with
-    95% intervals that resample whole responses (`cluster_interval`), the share negligible by the equivalence test
-    (the contrast's Newcombe interval inside +-delta; the paper's "negligible contribution", the S2T rule's precision
-    when the group is what it silenced) with its clustered interval, the share of effects <= 0, the share whose
-    outcome was settled before the token (all 2K continuations agree: the answer was already written, or already
-    missed), and the mean success rates with the token kept, redrawn, and redrawn without it."""
+    """The cells of one group of tokens: its count (and its responses'), the mean effect and the
+    mean contrast with 95% intervals that resample whole responses (`cluster_interval`), the share
+    negligible by the equivalence test (the contrast's Newcombe interval inside +-delta; the paper's
+    "negligible contribution", the S2T rule's precision when the group is what it silenced) with its
+    clustered interval, the share of effects <= 0, the share whose outcome was settled before the
+    token (all 2K continuations agree: the answer was already written, or already missed), and the
+    mean success rates with the token kept, redrawn, and redrawn without it."""
     n = len(lines)
     if not n:
         return "0 | - | - | - | - | - | - |"
@@ -359,19 +409,23 @@ def summary_row(lines: list[dict]) -> str:
         lo, hi = cluster_interval(values, clusters)
         return f"{fmt.format(_mean(values))} ({fmt.format(lo)}, {fmt.format(hi)})"
 
-    settled = sum(x["keep"] == x["resample"] == x["exclude"] and x["keep"] in (0.0, 1.0) for x in lines)
+    settled = sum(x["keep"] == x["resample"] == x["exclude"] and x["keep"] in (0.0, 1.0)
+                  for x in lines)
     return (f"{n} ({len(set(clusters))}) | {cell([x['effect'] for x in lines], '{:+.3f}')} | "
             f"{cell([x['contrast'] for x in lines], '{:+.3f}')} | "
-            f"{cell([float(x['negligible']) for x in lines], '{:.0%}')} (delta {lines[0]['delta']:g}) | "
+            f"{cell([float(x['negligible']) for x in lines], '{:.0%}')} "
+            f"(delta {lines[0]['delta']:g}) | "
             f"{sum(x['effect'] <= 0 for x in lines) / n:.0%} | {settled / n:.0%} | "
-            f"{_mean([x['keep'] for x in lines]):.2f} / {_mean([x['resample'] for x in lines]):.2f} / "
+            f"{_mean([x['keep'] for x in lines]):.2f} / "
+            f"{_mean([x['resample'] for x in lines]):.2f} / "
             f"{_mean([x['exclude'] for x in lines]):.2f} |")
 
 
 def cluster_interval(values: list[float], clusters: list, n: int = 2000, seed: int = 0,
                      level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of `values` resampling whole clusters (the tokens of one response)
-    with replacement: the mean of a replicate is over all tokens of its drawn clusters. One cluster: (mean, mean)."""
+    """Percentile bootstrap interval of the mean of `values` resampling whole clusters (the tokens
+    of one response) with replacement: the mean of a replicate is over all tokens of its drawn
+    clusters. One cluster: (mean, mean)."""
     keys = list(dict.fromkeys(clusters))
     index = {key: i for i, key in enumerate(keys)}
     sums, counts = np.zeros(len(keys)), np.zeros(len(keys))
@@ -384,12 +438,13 @@ def cluster_interval(values: list[float], clusters: list, n: int = 2000, seed: i
     return float(lo), float(hi)
 
 
-def cluster_difference(a: list[float], a_clusters: list, b: list[float], b_clusters: list, n: int = 2000,
-                       seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
-    """mean(a) - mean(b) and its percentile bootstrap interval resampling whole clusters (responses) of both groups
-    at once: a drawn response brings its tokens of each group, so tokens of one response, in one group or in both,
-    are never counted as independent. Replicates that draw no token of a group are dropped. (nan, nan, nan) when a
-    group is empty."""
+def cluster_difference(a: list[float], a_clusters: list, b: list[float], b_clusters: list,
+                       n: int = 2000, seed: int = 0,
+                       level: float = 0.95) -> tuple[float, float, float]:
+    """mean(a) - mean(b) and its percentile bootstrap interval resampling whole clusters (responses)
+    of both groups at once: a drawn response brings its tokens of each group, so tokens of one
+    response, in one group or in both, are never counted as independent. Replicates that draw no
+    token of a group are dropped. (nan, nan, nan) when a group is empty."""
     if not a or not b:
         return math.nan, math.nan, math.nan
     keys = list(dict.fromkeys([*a_clusters, *b_clusters]))
@@ -408,8 +463,9 @@ def cluster_difference(a: list[float], a_clusters: list, b: list[float], b_clust
 
 
 def difference_row(a: list[dict], b: list[dict]) -> str:
-    """The cells of group a minus group b (token lines): the counts, and the differences of the mean effect, the
-    mean contrast and the share negligible with 95% intervals resampling responses (`cluster_difference`)."""
+    """The cells of group a minus group b (token lines): the counts, and the differences of the mean
+    effect, the mean contrast and the share negligible with 95% intervals resampling responses
+    (`cluster_difference`)."""
     if not a or not b:
         return f"{len(a)} - {len(b)} | - | - | - | - | - | - |"
 
@@ -422,22 +478,24 @@ def difference_row(a: list[dict], b: list[dict]) -> str:
         return f"{fmt.format(d)} ({fmt.format(lo)}, {fmt.format(hi)})"
 
     responses = len({key(x) for x in a + b})
-    return (f"{len(a)} - {len(b)} ({responses}) | {cell('effect', '{:+.3f}')} | {cell('contrast', '{:+.3f}')} | "
-            f"{cell('negligible', '{:+.2f}')} | - | - | - |")
+    return (f"{len(a)} - {len(b)} ({responses}) | {cell('effect', '{:+.3f}')} | "
+            f"{cell('contrast', '{:+.3f}')} | {cell('negligible', '{:+.2f}')} | - | - | - |")
 
 
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The Wilson score interval of a proportion successes / n (95% at z = 1.96): (p + z^2/2n -+ z sqrt(p(1-p)/n +
-    z^2/4n^2)) / (1 + z^2/n); it stays inside [0, 1] and is not empty at 0 or n successes."""
+    """The Wilson score interval of a proportion successes / n (95% at z = 1.96):
+    (p + z^2/2n -+ z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n); it stays inside [0, 1] and is not
+    empty at 0 or n successes."""
     p = successes / n
     centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     return (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
 
 
 def pooled_groups(lines: list[dict]) -> dict[str, dict[str, list[dict]]]:
-    """{algorithm (its seeds and steps): {group: lines}} of many runs' lines: per algorithm the three kinds, then its
-    candidates (A > 0, p < tau_p) split by the S2T rule (`s2t_rule`: what STAPO's mask silences in that mini-batch,
-    whatever the run's algorithm), i.e. the rule's precision against the candidates it keeps, on the same tokens."""
+    """{algorithm (its seeds and steps): {group: lines}} of many runs' lines: per algorithm the
+    three kinds, then its candidates (A > 0, p < tau_p) split by the S2T rule (`s2t_rule`: what
+    STAPO's mask silences in that mini-batch, whatever the run's algorithm), i.e. the rule's
+    precision against the candidates it keeps, on the same tokens."""
     out = {}
     for algo in dict.fromkeys(x["algo"] for x in lines):
         mine = [x for x in lines if x["algo"] == algo]
@@ -445,36 +503,41 @@ def pooled_groups(lines: list[dict]) -> dict[str, dict[str, list[dict]]]:
         name = f"{algo} ({len({x['seed'] for x in mine})} seeds, steps {steps})"
         out[name] = {f"{kind}, {part}": [x for x in mine if x["kind"] == kind and x["part"] == part]
                      for kind in KINDS for part in PARTS}
-        out[name] |= {f"candidates the S2T rule {verb}": [x for x in mine if x["candidate"] and x["s2t_rule"] == rule]
+        out[name] |= {f"candidates the S2T rule {verb}":
+                      [x for x in mine if x["candidate"] and x["s2t_rule"] == rule]
                       for verb, rule in (("silences", True), ("keeps", False))}
     return out
 
 
 def pooled_summary(lines: list[dict]) -> str:
-    """RQ2 over many runs (`python -m tools.counterfactual --table RUN ...`): a `summary_row` per group of
-    `pooled_groups`, then per algorithm the candidates the S2T rule silences minus those it keeps (`difference_row`), in
-    the graded part, after it and in both: the entropy condition's effect, within a part (the part alone decides much of
-    a token's effect), with intervals over responses."""
+    """RQ2 over many runs (`python -m tools.counterfactual --table RUN ...`): a `summary_row` per
+    group of `pooled_groups`, then per algorithm the candidates the S2T rule silences minus those it
+    keeps (`difference_row`), in the graded part, after it and in both: the entropy condition's
+    effect, within a part (the part alone decides much of a token's effect), with intervals over
+    responses."""
     rows = []
     for name, groups in pooled_groups(lines).items():
         rows += [f"| {name if i == 0 else ''} | {group} | {summary_row(g)}"
                  for i, (group, g) in enumerate(groups.items())]
-        silences, keeps = groups["candidates the S2T rule silences"], groups["candidates the S2T rule keeps"]
+        silences, keeps = \
+            groups["candidates the S2T rule silences"], groups["candidates the S2T rule keeps"]
         for part in (*PARTS, None):
             a, b = ([x for x in g if part in (None, x["part"])] for g in (silences, keeps))
-            rows.append(f"|  | S2T rule, silences - keeps, {part or 'both'} | {difference_row(a, b)}")
-    return "\n".join(["| algorithm | which tokens | " + HEAD, "|---" * (HEAD.count("|") + 2) + "|", *rows])
+            rows.append(f"|  | S2T rule, silences - keeps, {part or 'both'} | "
+                        f"{difference_row(a, b)}")
+    return "\n".join(["| algorithm | which tokens | " + HEAD, "|---" * (HEAD.count("|") + 2) + "|",
+                      *rows])
 
 
-# ------------------------------------------------------------------------------------------- command line
+# ------------------------------------------------------------------------------------- command line
 @dataclass
 class Config:
-    """Estimate each token's causal effect on the reward (RQ2) for tokens a training step silenced, the candidates
-    it kept and other tokens of correct responses: python -m tools.counterfactual RUN [flags]. Writes
-    RUN/counterfactual.jsonl and prints the summary per kind."""
+    """Estimate each token's causal effect on the reward (RQ2) for tokens a training step silenced,
+    the candidates it kept and other tokens of correct responses: python -m tools.counterfactual RUN
+    [flags]. Writes RUN/counterfactual.jsonl and prints the summary per kind."""
     steps: list[int] = field(default_factory=lambda: [1])
-    """steps to analyse (from 1): step s needs the policy after step s - 1, RUN/checkpoint/step_<s - 1> (step 1: the
-    initial model)"""
+    """steps to analyse (from 1): step s needs the policy after step s - 1,
+    RUN/checkpoint/step_<s - 1> (step 1: the initial model)"""
     k: int = 32
     """continuations per prefix (each token: K with it kept, K with its position redrawn)"""
     tokens: int = 16
@@ -484,8 +547,9 @@ class Config:
     prefixes_per_call: int = 16
     """prefixes sampled per generate call (x K rows)"""
     delta: float = 0.2
-    """equivalence margin: a token is negligible when the 95% interval of its contrast lies inside (-delta, delta);
-    with K draws a side the interval is at least +-(1 - Wilson's lower bound at K of K) wide (K 16: 0.19, 32: 0.11)"""
+    """equivalence margin: a token is negligible when the 95% interval of its contrast lies inside
+    (-delta, delta); with K draws a side the interval is at least +-(1 - Wilson's lower bound at K
+    of K) wide (K 16: 0.19, 32: 0.11)"""
     plot: bool = False
     """also draw RUN/counterfactual.png (needs matplotlib)"""
 
@@ -497,24 +561,28 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0].startswith("-"):
         if "-h" in argv or "--help" in argv:
             flags.parse_flags(Config, argv, "tools.counterfactual RUN")
-        return errors.error("tools.counterfactual",
-                            "give a train.py run folder first: python -m tools.counterfactual RUN [flags]")
-    run_dir, cfg = Path(argv[0]), Config(**flags.parse_flags(Config, argv[1:], "tools.counterfactual RUN"))
+        return errors.error("tools.counterfactual", "give a train.py run folder first: "
+                            "python -m tools.counterfactual RUN [flags]")
+    run_dir, cfg = Path(argv[0]), Config(**flags.parse_flags(Config, argv[1:],
+                                                             "tools.counterfactual RUN"))
     if not (run_dir / "config.json").is_file():
-        return errors.error("tools.counterfactual", f"{run_dir} is not a train.py run folder (no config.json)")
+        return errors.error("tools.counterfactual",
+                            f"{run_dir} is not a train.py run folder (no config.json)")
     lines, owned = [], not torch.distributed.is_initialized()
     try:
         for step in cfg.steps:
             st = regenerate_step(run_dir, step)
             if st.matches_run is False:
-                print(f"tools.counterfactual: warning: the regenerated rollout of step {step} differs from the run's "
-                      f"logs (run this with the run's OMP_NUM_THREADS; a run of several processes needs "
-                      f"--rollout-chunk 1): the same policy's rollout is analysed, not the run's tokens",
-                      file=sys.stderr)
+                print(f"tools.counterfactual: warning: the regenerated rollout of step {step} "
+                      f"differs from the run's logs (run this with the run's OMP_NUM_THREADS; a "
+                      f"run of several processes needs --rollout-chunk 1): the same policy's "
+                      f"rollout is analysed, not the run's tokens", file=sys.stderr)
             t0 = time.time()
-            new = analyse_step(st, step, cfg.k, cfg.tokens, cfg.seed, cfg.prefixes_per_call, cfg.delta)
+            new = analyse_step(st, step, cfg.k, cfg.tokens, cfg.seed, cfg.prefixes_per_call,
+                               cfg.delta)
             print(f"step {step}: {len(new)} tokens in {time.time() - t0:.0f} s "
-                  f"({(time.time() - t0) / max(len(new), 1):.1f} s per token, K = {cfg.k})", flush=True)
+                  f"({(time.time() - t0) / max(len(new), 1):.1f} s per token, K = {cfg.k})",
+                  flush=True)
             lines += new
             st.engine.close()
     except (FileNotFoundError, ValueError) as e:
@@ -524,23 +592,25 @@ def main(argv: list[str] | None = None) -> int:
             torch.distributed.destroy_process_group()
     out = run_dir / "counterfactual.jsonl"
     out.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    print(f"{out}: {len(lines)} tokens, K = {cfg.k}, steps {', '.join(map(str, cfg.steps))}\n{summary(lines)}")
+    print(f"{out}: {len(lines)} tokens, K = {cfg.k}, steps {', '.join(map(str, cfg.steps))}\n"
+          f"{summary(lines)}")
     if cfg.plot:
         figures.plot_counterfactual(lines, str(run_dir / "counterfactual.png"))
     return 0
 
 
 def table(argv: list[str]) -> int:
-    """`python -m tools.counterfactual --table RUN [RUN ...] [--out PNG]`: the counterfactual.jsonl of several runs
-    pooled, per algorithm (`pooled_summary`), and with --out their figure
+    """`python -m tools.counterfactual --table RUN [RUN ...] [--out PNG]`: the counterfactual.jsonl
+    of several runs pooled, per algorithm (`pooled_summary`), and with --out their figure
     (figures.plot_counterfactual_groups)."""
     out = argv[argv.index("--out") + 1] if "--out" in argv[:-1] else None
-    runs = list(dict.fromkeys(a for i, a in enumerate(argv) if a != "--out" and (i == 0 or argv[i - 1] != "--out")))
+    runs = list(dict.fromkeys(a for i, a in enumerate(argv)
+                              if a != "--out" and (i == 0 or argv[i - 1] != "--out")))
     missing = [r for r in runs if not (Path(r) / "counterfactual.jsonl").is_file()]
     if not runs or missing or any(r.startswith("-") for r in runs):
         why = f" (no counterfactual.jsonl in {', '.join(missing)})" if missing else ""
-        return errors.error("tools.counterfactual", f"--table RUN [RUN ...] [--out PNG] needs runs analysed by "
-                                              f"tools/counterfactual.py{why}")
+        return errors.error("tools.counterfactual", f"--table RUN [RUN ...] [--out PNG] needs runs "
+                            f"analysed by tools/counterfactual.py{why}")
     lines = [x for run in runs for x in run_folder.read_log(Path(run) / "counterfactual.jsonl")]
     print(pooled_summary(lines))
     if out:
