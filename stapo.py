@@ -6,15 +6,15 @@
 Every algorithm is this clipped surrogate, `loss = sum(weights * per_token_loss) / denominator`, and
 differs only in the token weights and the denominator (`ALGORITHMS`, the table as data):
 
-    algo        weights w_it (on response tokens)           denominator       clip (low, high)
-    stapo       1 if not S2T-silenced else 0                kept tokens       0.2, 0.28
-    justrl      1                                           response tokens   0.2, 0.28
-    grpo        1 / |y_i| (per-sequence mean)               sequences         0.2, 0.2 (+ beta k3 KL)
-    20-entropy  1 if H_it >= 0.8-quantile of all H else 0   response tokens   0.2, 0.28
-    fullmask    0 if A_i > 0 and p_it < tau_p else 1        kept tokens       0.2, 0.28
-    randmask    0 on a random subset of the candidates of   kept tokens       0.2, 0.28
+    algo        weights w_it (on response tokens)          denominator      clip (low, high)
+    stapo       1 if not S2T-silenced else 0               kept tokens      0.2, 0.28
+    justrl      1                                          response tokens  0.2, 0.28
+    grpo        1 / |y_i| (per-sequence mean)              sequences        0.2, 0.2 (+ k3 KL)
+    20-entropy  1 if H_it >= 0.8-quantile of all H else 0  response tokens  0.2, 0.28
+    fullmask    0 if A_i > 0 and p_it < tau_p else 1       kept tokens      0.2, 0.28
+    randmask    0 on a random subset of the candidates of  kept tokens      0.2, 0.28
                 S2T's size, else 1 (control)
-    highmask    0 on the candidates S2T keeps, else 1       kept tokens       0.2, 0.28
+    highmask    0 on the candidates S2T keeps, else 1      kept tokens      0.2, 0.28
 `token_weights` makes one mini-batch's weights and this rank's share of N (thresholds over the whole
 mini-batch through a `gather` over ranks). Deliberate differences 1-7: docs/paper.md, stapo.py.
 """
@@ -31,9 +31,10 @@ import s2t
 class Algorithm:
     """One row of the table above."""
     clip: tuple[float, float]  # (eps_low, eps_high) of the ratio clip
-    silence: str | None  # weight 0 for: "s2t" (the S2T mask), "candidates" (FullMask: every A > 0, p < tau_p token),
-    #                      "low_entropy" (20-Entropy: H below the 0.8-quantile of the mini-batch), "random" (as many
-    #                      candidates as S2T silences, at random), "high_entropy" (the candidates S2T keeps), None
+    # weight 0 for: "s2t" (the S2T mask), "candidates" (FullMask: every A > 0, p < tau_p token),
+    # "low_entropy" (20-Entropy: H below the 0.8-quantile of the mini-batch), "random" (as many
+    # candidates as S2T silences, at random), "high_entropy" (the candidates S2T keeps), None
+    silence: str | None
     denominator: str  # N = "kept" tokens, "response" tokens, or "sequences" (GRPO: weights 1/|y_i|)
 
 
@@ -44,9 +45,9 @@ ALGORITHMS = {
     "20-entropy": Algorithm((0.2, 0.28), "low_entropy", "response"),
     "fullmask": Algorithm((0.2, 0.28), "candidates", "kept"),
     "randmask": Algorithm((0.2, 0.28), "random", "kept"),  # the paper's random-masking control
-    "highmask": Algorithm((0.2, 0.28), "high_entropy", "kept"),  # the paper's high-entropy-masking control
+    "highmask": Algorithm((0.2, 0.28), "high_entropy", "kept"),  # the high-entropy-masking control
 }
-ENTROPY_TOP_FRACTION = 0.2  # 20-Entropy keeps the top 20% highest-entropy response tokens of the mini-batch
+ENTROPY_TOP_FRACTION = 0.2  # 20-Entropy keeps the mini-batch's 20% highest-entropy response tokens
 LOG_RATIO_CLAMP = 20.0
 
 
@@ -57,32 +58,38 @@ def algorithm(name: str) -> Algorithm:
     return ALGORITHMS[name]
 
 
-def clip_range(algo: str, clip_low: float | None = None, clip_high: float | None = None) -> tuple[float, float]:
-    """(eps_low, eps_high) of the ratio clip: clip_low / clip_high (--clip-low, --clip-high), or where None the
-    algorithm's (ALGORITHMS)."""
+def clip_range(algo: str, clip_low: float | None = None,
+               clip_high: float | None = None) -> tuple[float, float]:
+    """(eps_low, eps_high) of the ratio clip: clip_low / clip_high (--clip-low, --clip-high), or
+    where None the algorithm's (ALGORITHMS)."""
     low, high = algorithm(algo).clip
     return low if clip_low is None else clip_low, high if clip_high is None else clip_high
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """(N,) rewards ordered group by group (rows i*G .. i*G+G-1) -> (N,) advantages (R - mean) / (std + eps).
+    """(N,) rewards ordered group by group (rows i*G .. i*G+G-1) -> (N,) advantages
+    (R - mean) / (std + eps).
 
-    std is the unbiased sample std of each group; a group whose rewards are all equal gets exactly 0.
+    std is the unbiased sample std of each group; a group whose rewards are all equal gets
+    exactly 0.
     """
     n = rewards.numel()
     if group_size < 2:
-        raise ValueError(f"group_size must be >= 2 (the std of one reward is undefined), got {group_size}")
+        raise ValueError(f"group_size must be >= 2 (the std of one reward is undefined), "
+                         f"got {group_size}")
     if n % group_size != 0:
         raise ValueError(f"{n} rewards is not a multiple of group_size={group_size}")
     r = rewards.detach().float().reshape(-1, group_size)  # (N/G, G)
     centered = r - r.mean(dim=1, keepdim=True)  # (N/G, G)
     adv = centered / (r.std(dim=1, unbiased=True, keepdim=True) + eps)
-    adv = torch.where((r == r[:, :1]).all(dim=1, keepdim=True), torch.zeros_like(adv), adv)  # equal rewards -> 0
+    tied = (r == r[:, :1]).all(dim=1, keepdim=True)  # equal rewards -> 0
+    adv = torch.where(tied, torch.zeros_like(adv), adv)
     return adv.reshape(-1)  # (N,)
 
 
 def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
-    # log r = log p - log p_old, clamped so that exp() cannot overflow (zero gradient beyond +-20, never reached)
+    # log r = log p - log p_old, clamped so that exp() cannot overflow (zero gradient beyond +-20,
+    # never reached)
     return (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
 
 
@@ -90,13 +97,16 @@ def _clip_active(ratio, advantages, clip_low, clip_high, dual_clip):
     """bool (B, T) masks of tokens whose gradient the clip zeroes: (low, high, dual)."""
     low = (advantages < 0) & (ratio < 1 - clip_low)  # min() picks (1 - eps_low) A, a constant
     high = (advantages > 0) & (ratio > 1 + clip_high)  # min() picks (1 + eps_high) A, a constant
-    dual = (advantages < 0) & (ratio > dual_clip) if dual_clip is not None else torch.zeros_like(low)
+    dual = (advantages < 0) & (ratio > dual_clip) if dual_clip is not None \
+        else torch.zeros_like(low)
     return low, high, dual
 
 
 def surrogate_weight(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                     clip_low: float = 0.2, clip_high: float = 0.28, dual_clip: float | None = None) -> torch.Tensor:
-    """w (B, T), detached: d(objective)/d(log p) per token = r A, or 0 where a clip is active (for s2t diagnostics)."""
+                     clip_low: float = 0.2, clip_high: float = 0.28,
+                     dual_clip: float | None = None) -> torch.Tensor:
+    """w (B, T), detached: d(objective)/d(log p) per token = r A, or 0 where a clip is active (for
+    s2t diagnostics)."""
     ratio = _log_ratio(logprobs.detach(), old_logprobs).exp()  # (B, T)
     low, high, dual = _clip_active(ratio, advantages, clip_low, clip_high, dual_clip)
     return torch.where(low | high | dual, torch.zeros_like(ratio), ratio * advantages)  # (B, T)
@@ -107,34 +117,38 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 dual_clip: float | None = None, denominator=None) -> tuple[torch.Tensor, dict]:
     """Negated clipped surrogate, aggregated as sum(loss_mask * per_token_loss) / denominator.
 
-    logprobs (B, T) differentiable, old_logprobs (B, T) of the rollout policy, advantages (B, T) (or (B, 1)),
-    loss_mask (B, T) float weights (0/1, or 1/|y_i| for GRPO). denominator: float or 0-d tensor, the global number
-    from `token_weights` summed over ranks; default loss_mask.sum() (one-batch use).
+    logprobs (B, T) differentiable, old_logprobs (B, T) of the rollout policy, advantages (B, T) (or
+    (B, 1)), loss_mask (B, T) float weights (0/1, or 1/|y_i| for GRPO). denominator: float or 0-d
+    tensor, the global number from `token_weights` summed over ranks; default loss_mask.sum()
+    (one-batch use).
         per_token_loss = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)
         dual clip (A < 0): per_token_loss = min(per_token_loss, -dual_clip A)      (dual_clip > 1)
-    stats: 0-d detached tensors on the input's device (no host sync; call .item() when logging), computed over
-    the tokens with loss_mask > 0 of this call (unweighted token fractions):
-        clip/frac_low   fraction with A < 0 and r < 1 - clip_low: the lower clip is active (zero gradient)
-        clip/frac_high  fraction with A > 0 and r > 1 + clip_high: the upper clip is active (zero gradient)
-        clip/frac_dual  (only with dual_clip) fraction with A < 0 and r > dual_clip: dual clip active
+    stats: 0-d detached tensors on the input's device (no host sync; call .item() when logging),
+    computed over the tokens with loss_mask > 0 of this call (unweighted token fractions):
+        clip/frac_low   fraction with A < 0 and r < 1 - clip_low: the lower clip active (no grad)
+        clip/frac_high  fraction with A > 0 and r > 1 + clip_high: the upper clip active (no grad)
+        clip/frac_dual  (with dual_clip only) fraction with A < 0 and r > dual_clip: dual clip on
         ratio/mean      mean r
         kl/approx       mean k3 estimate of KL(pi_old || pi_theta): r - 1 - log r
-        loss/tokens     number of tokens with loss_mask > 0 (to weight these means across micro-batches)
+        loss/tokens     number of tokens with loss_mask > 0 (weighs these means over micro-batches)
     """
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     log_ratio = _log_ratio(logprobs, old_logprobs)  # (B, T)
     ratio = log_ratio.exp()
     # min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
-    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
+    surrogate = torch.minimum(ratio * advantages,
+                              ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
     per_token_loss = -surrogate  # (B, T)
     if dual_clip is not None:
-        per_token_loss = torch.where(advantages < 0, torch.minimum(per_token_loss, -dual_clip * advantages),
+        per_token_loss = torch.where(advantages < 0,
+                                     torch.minimum(per_token_loss, -dual_clip * advantages),
                                      per_token_loss)
     if denominator is None:
         denominator = loss_mask.sum()
-    denominator = torch.as_tensor(denominator, device=per_token_loss.device).float()  # never a bf16 count
-    loss = (loss_mask * per_token_loss).sum() / denominator.clamp(min=1)  # -1/N sum_it I_it min(...)
+    # never a bf16 count
+    denominator = torch.as_tensor(denominator, device=per_token_loss.device).float()
+    loss = (loss_mask * per_token_loss).sum() / denominator.clamp(min=1)  # -1/N sum I_it min(...)
 
     with torch.no_grad():
         sel = loss_mask > 0  # (B, T)
@@ -154,33 +168,40 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     return loss, stats
 
 
-CLIP_STATS = ("clip/frac_low", "clip/frac_high", "clip/frac_dual", "ratio/mean", "kl/approx")  # policy_loss's means
+# policy_loss's means
+CLIP_STATS = ("clip/frac_low", "clip/frac_high", "clip/frac_dual", "ratio/mean", "kl/approx")
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """(B, T) k3 estimate of KL(pi_theta || pi_ref) (DeepSeekMath): exp(ref - logp) - (ref - logp) - 1 >= 0.
+    """(B, T) k3 estimate of KL(pi_theta || pi_ref) (DeepSeekMath):
+    exp(ref - logp) - (ref - logp) - 1 >= 0.
 
-    Differentiable in logprobs. GRPO adds `beta * (weights * kl_k3(...)).sum() / denominator` to the policy loss.
+    Differentiable in logprobs. GRPO adds `beta * (weights * kl_k3(...)).sum() / denominator` to the
+    policy loss.
     """
     d = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
     return d.exp() - d - 1
 
 
-def tis_weight(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
-    """(B, T) truncated importance-sampling weight for the mismatch between the rollout engine and the trainer's
-    pi_old (verl's / TRL's TIS, Yao et al. 2025), a constant (no gradient flows through it):
+def tis_weight(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+               cap: float) -> torch.Tensor:
+    """(B, T) truncated importance-sampling weight for the mismatch between the rollout engine and
+    the trainer's pi_old (verl's / TRL's TIS, Yao et al. 2025), a constant (no gradient flows
+    through it):
 
         w_t = min(pi_old(y_t) / pi_sampler(y_t), C)
 
-    train.py multiplies the loss weights by it after the denominator is counted (the token mean stays over tokens)."""
-    d = (old_logprobs - sampler_logprobs).detach().clamp(max=LOG_RATIO_CLAMP)  # (B, T) log pi_old / pi_sampler
+    train.py multiplies the loss weights by it after the denominator is counted (the token mean
+    stays over tokens)."""
+    # (B, T) log pi_old / pi_sampler
+    d = (old_logprobs - sampler_logprobs).detach().clamp(max=LOG_RATIO_CLAMP)
     return d.exp().clamp(max=cap)
 
 
 class TokenWeights(NamedTuple):
     weights: torch.Tensor  # (B, T) float: I_it (GRPO: I_it / |y_i|)
     silenced: torch.Tensor  # (B, T) bool: response tokens the algorithm removes
-    threshold: float | None  # the mini-batch entropy threshold (S2T's tau_h, 20-Entropy's), None if none is used
+    threshold: float | None  # the mini-batch's entropy threshold (S2T's tau_h, 20-Entropy's), None
     denominator: torch.Tensor  # 0-d float: this rank's share of N (sum it over ranks)
 
 
@@ -199,36 +220,41 @@ class MiniBatchContext:
     earlier: torch.Tensor | None = None
 
 
-def token_weights(algo: str, logprobs: torch.Tensor | None, entropy: torch.Tensor | None, advantages: torch.Tensor,
-                  response_mask: torch.Tensor, tau_p: float = 0.002, quantile: float = 0.75,
+def token_weights(algo: str, logprobs: torch.Tensor | None, entropy: torch.Tensor | None,
+                  advantages: torch.Tensor, response_mask: torch.Tensor, tau_p: float = 0.002,
+                  quantile: float = 0.75,
                   context: MiniBatchContext = MiniBatchContext()) -> TokenWeights:
-    """The token weights of one mini-batch (this rank's rows of it) and its share of the denominator N.
+    """The token weights of one mini-batch (this rank's rows of it) and its share of the denominator
+    N.
 
-    logprobs, entropy (B, T) of the current policy (None for an algorithm that silences nothing: JustRL, GRPO);
-    advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1; context: the other ranks' rows,
-    randmask's keys, the earlier candidates (`MiniBatchContext`).
+    logprobs, entropy (B, T) of the current policy (None for an algorithm that silences nothing:
+    JustRL, GRPO); advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1; context: the other
+    ranks' rows, randmask's keys, the earlier candidates (`MiniBatchContext`).
     """
     a, gather, keys, earlier = algorithm(algo), context.gather, context.keys, context.earlier
     mask = response_mask > 0  # (B, T)
     silenced, threshold = torch.zeros_like(mask), None
     if a.silence in ("s2t", "random", "high_entropy"):
-        silenced, threshold = s2t.spurious_mask(logprobs, entropy, advantages, response_mask, tau_p, quantile, gather,
-                                                earlier)
-    if a.silence == "random":  # S2T's count over the whole mini-batch, silenced at random candidates
+        silenced, threshold = s2t.spurious_mask(logprobs, entropy, advantages, response_mask, tau_p,
+                                                quantile, gather, earlier)
+    if a.silence == "random":  # S2T's count over the whole mini-batch, at random candidates
         if keys is None:
             raise ValueError("randmask needs the random keys of the rows (s2t.random_keys)")
         count = silenced.sum().float().reshape(1)  # (1,) this rank's S2T count
         n = int((count if gather is None else gather(count)).sum().item())
-        silenced = s2t.random_subset(s2t.candidates(logprobs, advantages, response_mask, tau_p), n, keys, gather)
+        silenced = s2t.random_subset(s2t.candidates(logprobs, advantages, response_mask, tau_p), n,
+                                     keys, gather)
     elif a.silence == "high_entropy":  # the candidates S2T keeps: H >= tau_h
         silenced = s2t.candidates(logprobs, advantages, response_mask, tau_p) & ~silenced
     elif a.silence == "candidates":
-        silenced = s2t.candidates(logprobs, advantages, response_mask, tau_p)  # every candidate, no entropy test
+        # every candidate, no entropy test
+        silenced = s2t.candidates(logprobs, advantages, response_mask, tau_p)
     elif a.silence == "low_entropy":
         values = entropy.detach()[mask]  # (n,) every response token's entropy
-        threshold = s2t.quantile_of(values if gather is None else gather(values), 1 - ENTROPY_TOP_FRACTION)
+        threshold = s2t.quantile_of(values if gather is None else gather(values),
+                                    1 - ENTROPY_TOP_FRACTION)
         if threshold is not None:  # None only if the mini-batch has no response tokens
-            silenced = mask & (entropy.detach() < threshold)  # keep H >= tau: the top 20% (choice 4)
+            silenced = mask & (entropy.detach() < threshold)  # keep H >= tau: top 20% (choice 4)
     weights = (mask & ~silenced).float()  # (B, T): I_it
     if a.denominator == "sequences":  # GRPO: 1/|y_i| per token, N = sequences with a response token
         weights = weights / mask.float().sum(dim=1, keepdim=True).clamp(min=1)

@@ -1,5 +1,5 @@
-"""Train a causal LM with STAPO or a baseline by RL on verifiable math rewards (docs/paper.md §3-§4 and
-Algorithm 1; the recipe of §6), on 1 CPU, 1 GPU or many GPU nodes with the same code.
+"""Train a causal LM with STAPO or a baseline by RL on verifiable math rewards (docs/paper.md §3-§4
+and Algorithm 1; the recipe of §6), on 1 CPU, 1 GPU or many GPU nodes with the same code.
 
     python train.py                               # no GPU: the CPU default (SmolLM2-135M, sums)
     torchrun --standalone --nproc_per_node=2 train.py --out-dir out/train-cpu-2   # 2 processes
@@ -9,9 +9,9 @@ Algorithm 1; the recipe of §6), on 1 CPU, 1 GPU or many GPU nodes with the same
 Reading order: `train_step` (one RL step, numbered 1-4) and the functions it calls, in the order it
 calls them; `train`, the loop (held-out evaluations, checkpoints, stops, the closing lines); `setup`
 and `main`. The machinery it calls: config.py (what a run is told), run_folder/ (checkpoints, logs,
-resume, stop signals), step_metrics/ (the metrics line), distributed/ (`all_sum`, `gather`, FSDP2),
-fast_decode/ (the rollout engines). Deliberate differences 1-9: docs/paper.md, "Deliberate
-differences", train.py.
+resume, stop signals, figures), step_metrics/ (the metrics line), distributed/ (`all_sum`,
+`gather`, FSDP2), engines/ (the rollout engines), eval.py (the held-out evaluation). Deliberate
+differences 1-9: docs/paper.md, "Deliberate differences", train.py.
 """
 from __future__ import annotations
 
@@ -28,21 +28,24 @@ from typing import Callable, NamedTuple
 
 
 def _interrupted(signum, frame):
-    """Ctrl-C before main's run_folder.Preemption takes SIGINT over: nothing to save yet, so leave at once."""
-    print("train.py: interrupted (SIGINT) before the run began: nothing was written", file=sys.stderr, flush=True)
+    """Ctrl-C before main's run_folder.Preemption takes SIGINT over: nothing to save yet, so leave
+    at once."""
+    print("train.py: interrupted (SIGINT) before the run began: nothing was written",
+          file=sys.stderr, flush=True)
     os._exit(130)
 
 
-# A stop signal that comes while the modules below load (seconds on a busy machine) waits, blocked, until main's
-# run_folder.Preemption takes it over; without this it killed the run (exit 143, no stopped.json). Ctrl-C leaves at
-# once, in one line (it printed a KeyboardInterrupt traceback).
+# A stop signal that comes while the modules below load (seconds on a busy machine) waits, blocked,
+# until main's run_folder.Preemption takes it over; without this it killed the run (exit 143, no
+# stopped.json). Ctrl-C leaves at once, in one line (it printed a KeyboardInterrupt traceback).
 if __name__ == "__main__":
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
     signal.signal(signal.SIGINT, _interrupted)
 
-# MKL's conditional numerical reproducibility, set before torch loads MKL: without it MKL may pick, per call, a
-# summation order that depends on memory alignment. With the deterministic kernels of `setup`, two runs of one
-# command (or a run and its resume) agree bit for bit at a fixed thread count (docs/training.md, Reproducibility).
+# MKL's conditional numerical reproducibility, set before torch loads MKL: without it MKL may pick,
+# per call, a summation order that depends on memory alignment. With the deterministic kernels of
+# `setup`, two runs of one command (or a run and its resume) agree bit for bit at a fixed thread
+# count (docs/training.md, Reproducibility).
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 import torch  # noqa: E402 - after MKL_CBWR
@@ -57,12 +60,14 @@ import s2t  # noqa: E402
 import stapo  # noqa: E402
 from command_line import errors  # noqa: E402
 from config import read_inputs, too_few  # noqa: E402
-from data import problem_seed, prompt_indices, rank_slice  # noqa: E402
-from distributed.process_group import all_gather_cat, all_max, all_sum, gather, init_distributed  # noqa: E402
+from data import prompt_indices, rank_slice  # noqa: E402
+from distributed.process_group import (  # noqa: E402
+    all_gather_cat, all_max, all_sum, gather, init_distributed)
 from distributed.sharding import from_rank0, shard_policy  # noqa: E402
 from engines.choice import compute_dtype, prompts_per_call, rollout_engine  # noqa: E402
+from eval import evaluate_heldout  # noqa: E402
 from memory.allocator import keep_freed_memory  # noqa: E402
-from memory.estimate import RolloutCall, memory_estimate, memory_line  # noqa: E402
+from memory.estimate import memory_line, run_estimate  # noqa: E402
 from model import Policy, TokenStats, lm_vocab_size, load_model  # noqa: E402
 from run_folder import ModelAndOptimizer, figures, plural, read_log, say  # noqa: E402
 from step_metrics import s2t_diagnostics  # noqa: E402
@@ -70,10 +75,11 @@ from step_metrics.step_log import StepLog, StepResult, completions  # noqa: E402
 from step_metrics.step_warnings import busy, zero_gradient  # noqa: E402
 
 
-# ------------------------------------------------------------------------------------------------- the step
+# ----------------------------------------------------------------------------------------- the step
 @dataclass
 class Run:
-    """A run's state between steps (`setup` makes it): the configuration, the process, the models, the data."""
+    """A run's state between steps (`setup` makes it): the configuration, the process, the models,
+    the data."""
     cfg: config.Config
     rank: int
     world: int
@@ -84,36 +90,40 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     engine: object  # the rollout engine (engines.make_engine)
-    rows: list[dict]  # training problems {"problem", "answer"} (data.py) and their prompts (token ids)
+    rows: list[dict]  # training problems {"problem", "answer"} (data.py), their prompts (token ids)
     prompts: list[list[int]]
     test_rows: list[dict]  # held-out problems and their prompts
     test_prompts: list[list[int]]
     preemption: run_folder.Preemption  # stop signals (SIGTERM, SIGUSR1) on any rank
     logger: run_folder.Logger | None  # --logger (rank 0)
     start: int = 0  # steps already done (a resumed run)
-    window: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # --quantile-window: s2t.window_after
+    # --quantile-window's earlier candidates (s2t.window_after)
+    window: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
 
 
 def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResult | None:
-    """Step `step` (counted from 1): one rollout batch and its mini-batch updates (paper Algorithm 1); None when a
-    stop signal came during the rollout (nothing was updated). on_mask(k, mb, pi_theta, weights), if given, sees each
-    mini-batch's decision (tools/counterfactual.py replays a step with it)."""
+    """Step `step` (counted from 1): one rollout batch and its mini-batch updates (paper
+    Algorithm 1); None when a stop signal came during the rollout (nothing was updated). on_mask(k,
+    mb, pi_theta, weights), if given, sees each mini-batch's decision (tools/counterfactual.py
+    replays a step with it)."""
     cfg, G, device, policy = run.cfg, run.cfg.group_size, run.device, run.policy
     t0 = time.time()
-    # 1. G responses to each of this rank's prompts of the step (difference 3: seeded per generate call).
+    # 1. G responses to each of this rank's prompts (difference 3: seeded per generate call).
     batch, prompt_rows = sample(run, step)  # prompt_rows: the training row of each prompt
-    if run.preemption.agreed():  # a stop signal came during the rollout: drop the step (run_folder.Preemption)
+    if run.preemption.agreed():  # a stop signal came during the rollout: drop the step
         return None
-    # 2. Rewards R_i and group advantages A_i = (R_i - mean_j R_j) / (std_j R_j + eps); groups never span ranks.
+    # 2. Rewards R_i, advantages A_i = (R_i - mean_j R_j) / (std_j R_j + eps); a group: one rank.
     texts = batch.texts(run.tokenizer)
-    rows = [run.rows[prompt_rows[i // G]] for i in range(len(texts))]  # the data row each response answers
-    rewards = torch.tensor(reward.rewards(texts, [r["answer"] for r in rows], cfg.reward, rows))  # (B,)
+    rows = [run.rows[prompt_rows[i // G]] for i in range(len(texts))]  # each response's data row
+    rewards = torch.tensor(reward.rewards(texts, [r["answer"] for r in rows], cfg.reward, rows))
     advantages = stapo.group_advantages(rewards, G).to(device)  # (B,)
     adv = advantages[:, None].expand_as(batch.logprobs)  # (B, T): every token of y_i gets A_i
-    # 3. pi_old: log-probs, entropy and collision of the policy that sampled, before the step's updates
-    #    (difference 2): one no-grad pass, or None on policy, where each mini-batch's update gives them.
-    pi_old = None if on_policy(cfg) else token_stats(policy, batch, cfg, device)  # TokenStats of (B, T) each
-    ref_logprobs = token_stats(run.ref_policy, batch, cfg, device).logprobs if run.ref_policy else None
+    # 3. pi_old: log-probs, entropy and collision of the policy that sampled, before the step's
+    #    updates (difference 2): one no-grad pass, or None on policy, where each mini-batch's update
+    #    gives them. TokenStats of (B, T) each.
+    pi_old = None if on_policy(cfg) else token_stats(policy, batch, cfg, device)
+    ref = run.ref_policy
+    ref_logprobs = token_stats(ref, batch, cfg, device).logprobs if ref else None
     log = StepLog(run, step, batch, rewards, advantages, time.time() - t0,
                   completions(run, step, "train", texts, rewards.tolist(), prompt_rows, G))
 
@@ -125,20 +135,27 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
         rows = slice(first, first + rows_per_mb)
         mb = MiniBatch(batch.select(rows), adv[rows], None if pi_old is None else pi_old.rows(rows),
                        None if ref_logprobs is None else ref_logprobs[rows], rewards[rows] > 0)
-        # pi_theta: p, H (and collision) of the current policy, pi_old's before the first update (on policy: not
-        # needed for the weights, and known from the update's own forward)
+        # pi_theta: p, H (and collision) of the current policy, pi_old's before the first update (on
+        # policy: not needed for the weights, and known from the update's own forward)
         pi_theta = mb.pi_old if k == 0 else token_stats(policy, mb.rollout, cfg, device)
-        # The algorithm's token weights I_it (S2T: the mask, tau_h over the whole mini-batch) and the global N.
-        p, H = (None, None) if pi_theta is None else (pi_theta.logprobs, pi_theta.entropy)  # None: not needed
-        keys = random_keys(run, step, k, mb) if stapo.ALGORITHMS[cfg.algo].silence == "random" else None  # (b, T)
-        earlier = run.window if cfg.quantile_window else None  # --quantile-window: earlier candidates in tau_h
-        weights = stapo.token_weights(cfg.algo, p, H, mb.advantages, mb.mask, cfg.tau_p, cfg.quantile,
+        # The algorithm's token weights I_it (S2T: the mask, tau_h over the whole mini-batch) and
+        # the global N; p, H None: not needed; randmask's keys (b, T); --quantile-window: earlier
+        # candidates in tau_h.
+        p, H = (None, None) if pi_theta is None else (pi_theta.logprobs, pi_theta.entropy)
+        randmask = stapo.ALGORITHMS[cfg.algo].silence == "random"
+        keys = random_keys(run, step, k, mb) if randmask else None
+        earlier = run.window if cfg.quantile_window else None
+        weights = stapo.token_weights(cfg.algo, p, H, mb.advantages, mb.mask, cfg.tau_p,
+                                      cfg.quantile,
                                       stapo.MiniBatchContext(all_gather_cat, keys, earlier))
-        denominator, nonzero = all_sum(weights.denominator, ((mb.advantages != 0) & (weights.weights > 0)).sum())
+        denominator, nonzero = all_sum(weights.denominator,
+                                       ((mb.advantages != 0) & (weights.weights > 0)).sum())
         loss_weights = weights.weights  # (b, T)
-        if cfg.tis_cap is not None:  # truncated importance sampling: min(pi_old / pi_sampler, cap) per token
-            loss_weights = loss_weights * stapo.tis_weight(mb.pi_old.logprobs, mb.rollout.logprobs, cfg.tis_cap)
-        skip = nonzero == 0 and run.ref_policy is None  # all-zero advantages, no KL term: no update (diff. 6)
+        if cfg.tis_cap is not None:  # truncated importance sampling: min(pi_old / pi_sampler, cap)
+            loss_weights = loss_weights * stapo.tis_weight(mb.pi_old.logprobs, mb.rollout.logprobs,
+                                                           cfg.tis_cap)
+        # all-zero advantages and no KL term: no update (difference 6)
+        skip = nonzero == 0 and run.ref_policy is None
         run.optimizer.zero_grad(set_to_none=True)
         part = None  # --gradient-share: the gradient of the candidates' terms alone, made first
         if cfg.gradient_share and not skip and pi_theta is not None:
@@ -147,19 +164,21 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
         if part is not None:
             log.gradient_share(part)
         mb.pi_old = pi_old_after(run, mb, update)  # (b, T) each; on policy known only now
-        pi_theta = mb.pi_old if pi_theta is None else pi_theta  # what the mask saw (on policy: pi_old)
+        pi_theta = mb.pi_old if pi_theta is None else pi_theta  # what the mask saw (on policy)
         log.s2t(k, mb, pi_theta, weights)
         if on_mask:
             on_mask(k, mb, pi_theta, weights)
-        if cfg.quantile_window:  # this mini-batch's candidates join the window (all ranks, in row order)
+        if cfg.quantile_window:  # the mini-batch's candidates join the window (ranks in order)
             cand = s2t.candidates(pi_theta.logprobs, mb.advantages, mb.mask, cfg.tau_p)  # (b, T)
-            run.window = s2t.window_after(run.window, all_gather_cat(pi_theta.entropy[cand]), cfg.quantile_window)
+            run.window = s2t.window_after(run.window, all_gather_cat(pi_theta.entropy[cand]),
+                                          cfg.quantile_window)
         if skip:
             log.skipped("zero_adv")
             continue
         log.add(update.sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
+                          else grad_norm)
         if not math.isfinite(grad_norm):  # the norm is global, so every rank skips together
             warnings.warn(f"step {step} mini-batch {k}: non-finite gradient norm, update skipped")
             run.optimizer.zero_grad(set_to_none=True)
@@ -168,43 +187,48 @@ def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResu
         run.optimizer.step()
         run.scheduler.step()
         log.updated(grad_norm, update)
-        if cfg.entropy_change:  # what the update did to the entropy of the mini-batch's positions, per kind
-            log.entropy_change(k, mb, pi_theta, token_stats(policy, mb.rollout, cfg, device).entropy, weights)
+        if cfg.entropy_change:  # what the update did to the entropy at each kind of position
+            log.entropy_change(k, mb, pi_theta,
+                               token_stats(policy, mb.rollout, cfg, device).entropy, weights)
     run.optimizer.zero_grad(set_to_none=True)
     return log.close(time.time() - t0)
 
 
 def random_keys(run: Run, step: int, k: int, mb: MiniBatch) -> torch.Tensor:
-    """(b, T) randmask's keys for this rank's rows of mini-batch k of step `step`: seeded from (seed, step, k) and
-    each row's place in the whole mini-batch (rank_slice: rank r holds rows r*b .. r*b+b-1), so the silenced
-    positions are the same on every number of ranks."""
+    """(b, T) randmask's keys for this rank's rows of mini-batch k of step `step`: seeded from
+    (seed, step, k) and each row's place in the whole mini-batch (rank_slice: rank r holds rows r*b
+    .. r*b+b-1), so the silenced positions are the same on every number of ranks."""
     b, T = mb.rollout.response_ids.shape
     rows = range(run.rank * b, (run.rank + 1) * b)
-    return s2t.random_keys(hash((run.cfg.seed, step, k)) % 2**62, rows, run.cfg.max_response_len)[:, :T]
+    return s2t.random_keys(hash((run.cfg.seed, step, k)) % 2**62, rows,
+                           run.cfg.max_response_len)[:, :T]
 
 
 def on_policy(cfg: config.Config) -> bool:
-    """Whether the update's own forward stands in for the pi_old pass: one mini-batch per step (the policy has
-    not moved when that forward runs, so pi_old = its log-probs, detached: ratio 1), weights that need no p or H
-    before it (JustRL, GRPO) and no TIS (which weighs by pi_old before the loss)."""
-    return cfg.mini_batch_prompts == cfg.prompts_per_step and stapo.ALGORITHMS[cfg.algo].silence is None and \
-        cfg.tis_cap is None
+    """Whether the update's own forward stands in for the pi_old pass: one mini-batch per step (the
+    policy has not moved when that forward runs, so pi_old = its log-probs, detached: ratio 1),
+    weights that need no p or H before it (JustRL, GRPO) and no TIS (which weighs by pi_old before
+    the loss)."""
+    return (cfg.mini_batch_prompts == cfg.prompts_per_step
+            and stapo.ALGORITHMS[cfg.algo].silence is None and cfg.tis_cap is None)
 
 
 def sample(run: Run, step: int) -> tuple[rollout.Rollout, list[int]]:
-    """(this rank's rollout batch of step `step` on the policy's device, the training row of each prompt): its
-    prompts in mini-batch order (`rank_slice`), each generate call seeded from (seed, step, global index of its
-    first prompt) (difference 3)."""
+    """(this rank's rollout batch of step `step` on the policy's device, the training row of each
+    prompt): its prompts in mini-batch order (`rank_slice`), each generate call seeded from (seed,
+    step, global index of its first prompt) (difference 3)."""
     cfg, position = run.cfg, step - 1  # the steps before this one: the data position
     indices = prompt_indices(position, len(run.rows), cfg)
     positions = rank_slice(len(indices), cfg, run.rank, run.world)
     prompt_rows = [indices[i] for i in positions]
-    chunk = prompts_per_call(cfg, len(prompt_rows), run.policy.lm.config, compute_dtype(cfg, run.device).itemsize)
-    seeds = [hash((cfg.seed, position, position * cfg.prompts_per_step + i)) % 2**62 for i in positions[::chunk]]
+    chunk = prompts_per_call(cfg, len(prompt_rows), run.policy.lm.config,
+                             compute_dtype(cfg, run.device).itemsize)
+    seeds = [hash((cfg.seed, position, position * cfg.prompts_per_step + i)) % 2**62
+             for i in positions[::chunk]]
     run.policy.eval()
     with run.engine.ready(run.policy):  # plain: parameters gathered; vllm: current weights pushed
-        batch = run.engine.sample([run.prompts[i] for i in prompt_rows], cfg.group_size, seeds, chunk,
-                                  cfg.max_response_len, cfg.temperature, cfg.top_p)
+        batch = run.engine.sample([run.prompts[i] for i in prompt_rows], cfg.group_size, seeds,
+                                  chunk, cfg.max_response_len, cfg.temperature, cfg.top_p)
     return batch.to(run.device), prompt_rows  # the engine's device (vLLM: the CPU) -> the policy's
 
 
@@ -213,7 +237,7 @@ class MiniBatch:
     """This rank's rows of one mini-batch and what their update reads."""
     rollout: rollout.Rollout
     advantages: torch.Tensor  # (b, T): A_i on every token of y_i
-    pi_old: TokenStats | None  # pi_old's p, H and collision, (b, T) each; None on policy until its update
+    pi_old: TokenStats | None  # p, H, collision, (b, T) each; None on policy until its update
     ref_logprobs: torch.Tensor | None  # (b, T) GRPO's reference model with --kl-beta > 0, else None
     correct: torch.Tensor  # (b,) bool: a positive reward
 
@@ -227,17 +251,22 @@ class Update(NamedTuple):
     loss: float  # the policy loss -J of this rank's rows
     kl: float  # GRPO's KL term (0 without --kl-beta)
     sums: dict  # token counts and token-weighted clip statistics, for StepLog
-    pi_old: TokenStats | None  # on policy: pi_old, the p, H, collision of the forward, detached, (b, T) each
+    pi_old: TokenStats | None  # on policy: the forward's p, H, collision, detached, (b, T) each
 
 
-def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor, denominator: float) -> Update:
-    """The gradient of one mini-batch's objective J (paper Eq. 3, stapo.policy_loss) accumulated over token-budget
-    micro-batches, no optimizer step: sum_micro sum_ranks (world * loss_part) / world = J's gradient, however the
-    rows are grouped. weights (b, T): the token weights I_it; denominator: the global N."""
-    cfg, device, clip = run.cfg, run.device, stapo.clip_range(run.cfg.algo, run.cfg.clip_low, run.cfg.clip_high)
-    sums = dict.fromkeys(("computed_tokens", "attention_cells", "real_tokens", "loss_tokens", *stapo.CLIP_STATS),
+def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor,
+                         denominator: float) -> Update:
+    """The gradient of one mini-batch's objective J (paper Eq. 3, stapo.policy_loss) accumulated
+    over token-budget micro-batches, no optimizer step: sum_micro sum_ranks
+    (world * loss_part) / world = J's gradient, however the rows are grouped. weights (b, T): the
+    token weights I_it; denominator: the global N."""
+    cfg, device, clip = run.cfg, run.device, stapo.clip_range(run.cfg.algo, run.cfg.clip_low,
+                                                              run.cfg.clip_high)
+    sums = dict.fromkeys(("computed_tokens", "attention_cells", "real_tokens", "loss_tokens",
+                          *stapo.CLIP_STATS),
                          0.0)
-    micro = mb.rollout.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max)  # same count on every rank
+    # the same count on every rank
+    micro = mb.rollout.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max)
     for rows in micro:  # tokens the backbone runs (a shared prompt once), cells attention lays out
         computed, cells = mb.rollout.select(rows).packed_sizes()
         sums["computed_tokens"] += computed
@@ -247,16 +276,19 @@ def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor, denomin
         *(torch.zeros_like(mb.rollout.logprobs) for _ in range(3)))
     loss_sum = kl_sum = 0.0
     for rows in micro:
-        pi_theta = policy_forward(run.policy, mb.rollout.select(rows), cfg, device)  # TokenStats, (b', T') each
+        # TokenStats, (b', T') each
+        pi_theta = policy_forward(run.policy, mb.rollout.select(rows), cfg, device)
         cut = (rows, slice(0, pi_theta.logprobs.shape[1]))
-        if on_policy_pi_old is not None:  # on policy: pi_old is this forward's log-probs, detached (ratio 1)
+        if on_policy_pi_old is not None:  # on policy: pi_old is this forward's, detached (ratio 1)
             for whole, piece in zip(on_policy_pi_old, pi_theta):
                 whole[cut] = piece.detach()
         pi_old = (mb.pi_old if on_policy_pi_old is None else on_policy_pi_old).logprobs
-        loss, stats = stapo.policy_loss(pi_theta.logprobs, pi_old[cut].to(device), mb.advantages[cut].to(device),
-                                        weights[cut].to(device), *clip, cfg.dual_clip, denominator)
+        loss, stats = stapo.policy_loss(pi_theta.logprobs, pi_old[cut].to(device),
+                                        mb.advantages[cut].to(device), weights[cut].to(device),
+                                        *clip, cfg.dual_clip, denominator)
         if mb.ref_logprobs is not None:  # GRPO with --kl-beta > 0: + beta * sum(I * k3) / N
-            kl = (weights[cut].to(device) * stapo.kl_k3(pi_theta.logprobs, mb.ref_logprobs[cut].to(device))).sum()
+            kl = (weights[cut].to(device) * stapo.kl_k3(pi_theta.logprobs,
+                                                        mb.ref_logprobs[cut].to(device))).sum()
             kl = kl / max(denominator, 1.0)
             loss = loss + cfg.kl_beta * kl
             kl_sum += kl.item()
@@ -271,10 +303,12 @@ def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor, denomin
 
 def candidate_gradient(run: Run, mb: MiniBatch, pi_theta: TokenStats, weights: torch.Tensor,
                        denominator: float) -> list[torch.Tensor] | None:
-    """--gradient-share: the parameter gradient of the objective's terms at the candidates it keeps (A > 0, p <
-    tau_p, weight > 0), with the same N, one parameter's tensor each (on every rank; None, and nothing computed,
-    when the mini-batch has no such candidate on any rank); the gradients are zeroed again after."""
-    kept = s2t.candidates(pi_theta.logprobs, mb.advantages, mb.mask, run.cfg.tau_p) & (weights > 0)  # (b, T)
+    """--gradient-share: the parameter gradient of the objective's terms at the candidates it keeps
+    (A > 0, p < tau_p, weight > 0), with the same N, one parameter's tensor each (on every rank;
+    None, and nothing computed, when the mini-batch has no such candidate on any rank); the
+    gradients are zeroed again after."""
+    kept = s2t.candidates(pi_theta.logprobs, mb.advantages, mb.mask, run.cfg.tau_p)  # (b, T)
+    kept &= weights > 0
     if all_sum(kept.sum())[0] == 0:
         return None
     accumulate_gradients(run, mb, weights * kept, denominator)
@@ -284,45 +318,50 @@ def candidate_gradient(run: Run, mb: MiniBatch, pi_theta: TokenStats, weights: t
 
 
 def pi_old_after(run: Run, mb: MiniBatch, update: Update | None) -> TokenStats:
-    """pi_old's p, H and collision on the mini-batch's rows after its update, (b, T) each (difference 2): the
-    step's pass before its updates (`mb.pi_old`), or on policy the update's own forward, detached (a pass of its
-    own where it made none)."""
+    """pi_old's p, H and collision on the mini-batch's rows after its update, (b, T) each
+    (difference 2): the step's pass before its updates (`mb.pi_old`), or on policy the update's own
+    forward, detached (a pass of its own where it made none)."""
     if mb.pi_old is not None:
         return mb.pi_old
     return update.pi_old if update else token_stats(run.policy, mb.rollout, run.cfg, run.device)
 
 
 def policy_forward(policy, rows: rollout.Rollout, cfg: config.Config, device) -> TokenStats:
-    """p, H and collision of `policy` on `rows`, each (B, T') with T' <= T: all-padding prompt columns (left) and
-    response columns (right) are dropped first."""
+    """p, H and collision of `policy` on `rows`, each (B, T') with T' <= T: all-padding prompt
+    columns (left) and response columns (right) are dropped first."""
     P = rows.prompt_ids.shape[1]
     p0 = int((rows.prompt_mask.sum(0) > 0).nonzero()[0])
     t1 = int((rows.response_mask.sum(0) > 0).nonzero()[-1]) + 1
-    input_ids, attention_mask = (x[:, p0:P + t1].to(device) for x in rows.training_inputs())  # (B, P - p0 + T')
-    return policy(input_ids, attention_mask, rows.response_mask[:, :t1].to(device), temperature=cfg.temperature,
-                  chunk_size=cfg.chunk_size)
+    # (B, P - p0 + T') each
+    input_ids, attention_mask = (x[:, p0:P + t1].to(device) for x in rows.training_inputs())
+    return policy(input_ids, attention_mask, rows.response_mask[:, :t1].to(device),
+                  temperature=cfg.temperature, chunk_size=cfg.chunk_size)
 
 
 def token_stats(policy, batch: rollout.Rollout, cfg: config.Config, device) -> TokenStats:
-    """p, H and collision of the current policy, each (B, T) of the rollout's T on `device`, micro-batch by
-    micro-batch without gradients."""
+    """p, H and collision of the current policy, each (B, T) of the rollout's T on `device`,
+    micro-batch by micro-batch without gradients."""
     whole = TokenStats(*(torch.zeros(batch.response_ids.shape, device=device) for _ in range(3)))
     with torch.no_grad():
-        for rows in batch.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max):  # same count on every rank
-            for values, piece in zip(whole, policy_forward(policy, batch.select(rows), cfg, device)):
+        # the same count on every rank
+        for rows in batch.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max):
+            for values, piece in zip(whole,
+                                     policy_forward(policy, batch.select(rows), cfg, device)):
                 values[rows, :piece.shape[1]] = piece.float()
     return whole
 
 
-# ------------------------------------------------------------------------------------------------- the loop
+# ----------------------------------------------------------------------------------------- the loop
 def train(run: Run) -> int:
-    """The training loop: steps, their logs, evaluations, checkpoints, the export. Returns the exit status: 0, or
-    run_folder.STOPPED when a stop signal ended the run early (with a checkpoint). Step N (from 1) is the same N
-    in the console, every log (eval.jsonl: evaluated after N steps, 0 = before training) and checkpoint/step_N."""
+    """The training loop: steps, their logs, evaluations, checkpoints, the export. Returns the exit
+    status: 0, or run_folder.STOPPED when a stop signal ended the run early (with a checkpoint).
+    Step N (from 1) is the same N in the console, every log (eval.jsonl: evaluated after N
+    steps, 0 = before training) and checkpoint/step_N."""
     cfg, start = run.cfg, run.start
     evaluated = {r["step"] for r in read_log(Path(cfg.out_dir) / "eval.jsonl")}
-    stopped = eval_due(run, start) and start not in evaluated and not run_eval(run, start)  # a resume's due one
-    where = f"in the evaluation after {plural(start, 'step')} (it runs again on resume)"  # where a stop came
+    # a resume's due evaluation; where a stop came
+    stopped = eval_due(run, start) and start not in evaluated and not evaluate_heldout(run, start)
+    where = f"in the evaluation after {plural(start, 'step')} (it runs again on resume)"
     saved = done = start  # the steps of the last checkpoint (a new run has none: 0), the steps done
     speeds = []  # tokens_per_s of this attempt's steps (a step far slower than the others: `busy`)
     with tqdm(total=cfg.steps, initial=start, desc=f"{cfg.algo} steps", dynamic_ncols=True,
@@ -339,21 +378,25 @@ def train(run: Run) -> int:
                        "samples.jsonl": gather(result.samples)[:cfg.samples_per_step],
                        "tokens.jsonl": s2t_diagnostics.ranks_joined(gather([result.tokens])),
                        "metrics.jsonl": [result.metrics]}
-            run_folder.write_logs(Path(cfg.out_dir), records, run.rank, run.logger)  # and to --logger
-            bar.set_postfix({"train_acc": f"{result.metrics['reward/acc']:.2f}",  # silenced: tokens, as at the end
+            run_folder.write_logs(Path(cfg.out_dir), records, run.rank, run.logger)  # and --logger
+            # silenced: tokens, as at the end
+            bar.set_postfix({"train_acc": f"{result.metrics['reward/acc']:.2f}",
                              "H": f"{result.metrics['entropy/mean']:.2f}",
                              "silenced": int(result.metrics["s2t/silenced"])}, refresh=False)
             bar.update()
             if step == cfg.steps:
                 bar.close()  # the final bar once, above the closing lines
-            if zero := zero_gradient(result.metrics, cfg.group_size):  # every group had equal rewards
+            if zero := zero_gradient(result.metrics, cfg.group_size):  # all groups' rewards tied
                 say(zero, run.rank, warning=True)
             speeds.append(result.metrics["tokens_per_s"])
             busy(run.device, run.rank, speeds)
-            stopped, where = run.preemption.agreed(), f"in step {step} (its updates finished)"  # one all-reduce
-            if not stopped and eval_due(run, step) and not run_eval(run, step):
-                stopped, where = True, f"in the evaluation after {plural(step, 'step')} (it runs again on resume)"
-            if not stopped and (step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0)):
+            # one all-reduce
+            stopped, where = run.preemption.agreed(), f"in step {step} (its updates finished)"
+            if not stopped and eval_due(run, step) and not evaluate_heldout(run, step):
+                stopped, where = True, (f"in the evaluation after {plural(step, 'step')} "
+                                        "(it runs again on resume)")
+            if not stopped and (step == cfg.steps
+                                or (cfg.save_every and step % cfg.save_every == 0)):
                 saved = checkpoint(run, step)  # a stop writes its own (`stop`)
     if stopped:
         return stop(run, done, saved, where)
@@ -362,60 +405,18 @@ def train(run: Run) -> int:
 
 
 def eval_due(run: Run, done: int) -> bool:
-    """Whether the held-out set is evaluated after `done` steps: before training (unless --no-eval-before), every
-    --eval-every steps and after the last one (when there is a held-out set)."""
+    """Whether the held-out set is evaluated after `done` steps: before training (unless
+    --no-eval-before), every --eval-every steps and after the last one (when there is a held-out
+    set)."""
     cfg = run.cfg
     return bool(run.test_rows and cfg.eval_samples) and (
-        (done == 0 and cfg.eval_before) or done == cfg.steps or bool(cfg.eval_every and done % cfg.eval_every == 0))
-
-
-def run_eval(run: Run, done: int) -> bool:
-    """Evaluate the held-out set after `done` steps and write eval.jsonl; False when a stop signal came during it
-    (nothing is written: the resume evaluates again)."""
-    result, samples = evaluate(run, done)
-    if result is None:
-        return False
-    run_folder.write_logs(Path(run.cfg.out_dir), {"eval.jsonl": [{"step": done, **result}],
-                                                  "samples.jsonl": gather(samples)[:run.cfg.samples_per_step]},
-                          run.rank, run.logger)
-    when = f"after {plural(done, 'step')}" if done else "before training"
-    say(f"held-out accuracy {when}: {result['eval/acc']:.4f} = {100 * result['eval/acc']:.2f}% as eval.py "
-        f"reports it ({int(result['eval/n'])} samples)", run.rank)
-    return True
-
-
-def evaluate(run: Run, done: int) -> tuple[dict | None, list[dict]]:
-    """Mean accuracy over --eval-samples samples per held-out problem after `done` steps, and this rank's
-    samples.jsonl records; (None, []) when a stop signal came during it. Each problem is one generate call seeded by
-    the problem (data.problem_seed of --seed + 1 and its index) and the ranks hold consecutive shares, so the
-    results and the records (gathered in rank order) are the same on any number of processes."""
-    cfg, prompts = run.cfg, run.test_prompts
-    rank_rows = list(range(len(prompts) * run.rank // run.world, len(prompts) * (run.rank + 1) // run.world))
-    correct = total = length = 0.0
-    samples = []
-    run.policy.eval()
-    with run.engine.ready(run.policy):  # a collective: every rank enters, also one without held-out problems
-        out = run.engine.sample([prompts[i] for i in rank_rows], cfg.eval_samples,
-                                [problem_seed(cfg.seed + 1, i) for i in rank_rows], 1, cfg.max_response_len,
-                                cfg.temperature, cfg.top_p) if rank_rows else None
-    if run.preemption.agreed():  # a stop signal came during it
-        return None, []
-    if rank_rows:
-        texts = out.texts(run.tokenizer)
-        rows = [run.test_rows[rank_rows[j // cfg.eval_samples]] for j in range(len(texts))]
-        rewards = reward.rewards(texts, [r["answer"] for r in rows], cfg.reward, rows)  # the training reward
-        verdicts = [float(r > 0) for r in rewards]  # correct: a positive reward
-        correct, total, length = sum(verdicts), len(texts), float(out.response_mask.sum())
-        samples = completions(run, done, "heldout", texts, rewards, rank_rows, cfg.eval_samples)
-    S = cfg.eval_samples
-    per_problem = [(row, int(sum(verdicts[j * S:(j + 1) * S]))) for j, row in enumerate(rank_rows)] if rank_rows else []
-    correct, total, length = all_sum(correct, total, length)
-    return {"eval/acc": correct / max(total, 1), "eval/len_mean": length / max(total, 1), "eval/n": total,
-            "eval/correct": [n for _, n in sorted(gather(per_problem))]}, samples  # correct samples per problem
+        (done == 0 and cfg.eval_before) or done == cfg.steps
+        or bool(cfg.eval_every and done % cfg.eval_every == 0))
 
 
 def checkpoint(run: Run, done: int) -> int:
-    """Write the checkpoint after `done` steps (every rank; run_folder.save_checkpoint); returns `done`."""
+    """Write the checkpoint after `done` steps (every rank; run_folder.save_checkpoint); returns
+    `done`."""
     cfg, trained = run.cfg, ModelAndOptimizer(run.policy, run.optimizer, run.scheduler)
     run_folder.save_checkpoint(Path(cfg.out_dir), done, trained, run_folder.recipe(asdict(cfg)),
                                run.rank, run.world, {"s2t_window": run.window})
@@ -423,9 +424,9 @@ def checkpoint(run: Run, done: int) -> int:
 
 
 def stop(run: Run, done: int, saved: int, where: str) -> int:
-    """A stop signal ended the run after `done` steps: the checkpoint (unless the last one is of `done` steps; one
-    that cannot be written, a full disk, is a warning: the previous one stays), then `stopped`; returns
-    run_folder.STOPPED."""
+    """A stop signal ended the run after `done` steps: the checkpoint (unless the last one is of
+    `done` steps; one that cannot be written, a full disk, is a warning: the previous one stays),
+    then `stopped`; returns run_folder.STOPPED."""
     if saved != done:
         try:
             saved = checkpoint(run, done)
@@ -433,127 +434,114 @@ def stop(run: Run, done: int, saved: int, where: str) -> int:
             say(str(e), run.rank, warning=True)
     if run.rank == 0 and run.logger:
         run.logger.close()
-    return run_folder.stopped(run.cfg.out_dir, run.cfg.steps, run.rank, run.preemption, saved, where, done)
+    return run_folder.stopped(run.cfg.out_dir, run.cfg.steps, run.rank, run.preemption, saved,
+                              where, done)
 
 
 def finish(run: Run) -> None:
-    """After the last step: the export (unless up to date), the figures, and the closing lines (what the mask
-    silenced, RQ1's correlations, a divergence, what the run wrote)."""
+    """After the last step: the export (unless up to date), the figures, and the closing lines (what
+    the mask silenced, RQ1's correlations, a divergence, what the run wrote)."""
     cfg, out = run.cfg, Path(run.cfg.out_dir)
     if cfg.export_hf and run_folder.export_step(out / "hf") != cfg.steps:
-        run_folder.export(run.policy, run.tokenizer, out, cfg.steps, compute_dtype(cfg, run.device), run.rank)
+        run_folder.export(run.policy, run.tokenizer, out, cfg.steps, compute_dtype(cfg, run.device),
+                          run.rank)
     if run.rank != 0:
         return
     if run.logger:
         run.logger.close()
-    if cfg.plots:
-        figures.figures([str(out)], str(out / "metrics.png"))
-    shown = [n for n in ("spurious.jsonl", "s2t.png", "gradient.png") if (out / n).exists()]
-    steps = read_log(out / "metrics.jsonl")  # resumed steps included
-    say(figures.silenced_summary(cfg.algo, steps, shown), run.rank)
-    if figures.correlation_line(str(out)):  # RQ1: the gradient norm against p and H (gradient.png)
-        say(figures.correlation_line(str(out)), run.rank)
-    diverged = figures.divergence(steps)
-    if diverged:
-        say(diverged + "; lower --lr (or raise --warmup-steps)", run.rank, warning=True)
-    made = [name for name in run_folder.RUN_FILES if (out / name).is_file() and name != "stopped.json"]
-    if not read_log(out / "eval.jsonl"):  # no accuracy before and after: say why and how to get it
-        say("no held-out evaluation: " + ("--eval-samples 0" if not cfg.eval_samples else
-            f"no held-out rows (--heldout N keeps N rows of {cfg.data} out of training)"), run.rank)
-    kept = run_folder.complete_steps(out)
-    made += [f"checkpoint/step_{kept[0]}"] if kept else []
-    made += [f"hf/ (python eval.py --run {out})"] if cfg.export_hf else []
-    say(f"outputs in {out}/: {', '.join(made)}; " + (f"{diverged}; " if diverged else "")
-        + f"continue with python train.py --resume {out} --steps N", run.rank)
+    figures.closing_lines(cfg, out)
 
 
 def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, world: int, device,
           checkpoint: Path | None, preemption: run_folder.Preemption) -> Run:
-    """The model, its sharding, the optimizer, the rollout engine, and the checkpoint a resume continues from."""
+    """The model, its sharding, the optimizer, the rollout engine, and the checkpoint a resume
+    continues from."""
     if device.type == "cpu":
         keep_freed_memory()
-        # Deterministic kernels: without them the backward on several threads sums in a varying order, so two
-        # runs of one command at 2 threads, or a run and its resume, differ from the first update on
-        # (docs/training.md, Reproducibility). CUDA keeps its fast kernels.
+        # Deterministic kernels: without them the backward on several threads sums in a varying
+        # order, so two runs of one command at 2 threads, or a run and its resume, differ from the
+        # first update on (docs/training.md, Reproducibility). CUDA keeps its fast kernels.
         torch.use_deterministic_algorithms(True, warn_only=True)
     train_rows, test_rows = rows
-    # one process: read onto its device; several: read once on rank 0, the others build it on the meta device and
-    # receive their shards of the weights from rank 0 in shard_policy (sharding.from_rank0)
+    # one process: read onto its device; several: read once on rank 0, the others build it on the
+    # meta device and receive their shards of the weights from rank 0 in shard_policy
+    # (sharding.from_rank0)
     load = (lambda: load_model(cfg.model, device=device)) if world == 1 else (lambda: from_rank0(
         lambda: load_model(cfg.model)))
     lm, tokenizer = load()
     if cfg.chat and not tokenizer.chat_template:
         raise ValueError(f"the tokenizer of {cfg.model!r} has no chat template; use --no-chat")
     # the rows whose prompt fits --max-prompt-len, their prompts, how many did not (difference 7)
-    train_rows, train_prompts, dropped = rollout.fitting_prompts(tokenizer, train_rows, cfg.chat, cfg.instruction,
+    train_rows, train_prompts, dropped = rollout.fitting_prompts(tokenizer, train_rows, cfg.chat,
+                                                                 cfg.instruction,
                                                                  cfg.max_prompt_len)
-    test_rows, test_prompts, dropped_test = rollout.fitting_prompts(tokenizer, test_rows, cfg.chat, cfg.instruction,
+    test_rows, test_prompts, dropped_test = rollout.fitting_prompts(tokenizer, test_rows, cfg.chat,
+                                                                    cfg.instruction,
                                                                     cfg.max_prompt_len)
     if not train_prompts:
-        raise ValueError(f"every prompt of {cfg.data or 'the built-in task'} is longer than --max-prompt-len")
+        raise ValueError(f"every prompt of {cfg.data or 'the built-in task'} is longer than "
+                         "--max-prompt-len")
     too_few(cfg, len(train_prompts))
     if (dropped or dropped_test) and rank == 0:
-        print(f"train.py: dropped {dropped} of {dropped + len(train_prompts)} training prompts and {dropped_test} of "
-              f"{dropped_test + len(test_prompts)} held-out prompts longer than --max-prompt-len {cfg.max_prompt_len} "
-              f"tokens", file=sys.stderr, flush=True)
+        print(f"train.py: dropped {dropped} of {dropped + len(train_prompts)} training prompts and "
+              f"{dropped_test} of {dropped_test + len(test_prompts)} held-out prompts longer than "
+              f"--max-prompt-len {cfg.max_prompt_len} tokens", file=sys.stderr, flush=True)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    if rank == 0:  # the memory model's estimate for this run (docs/memory.md), rows at their longest
-        per_rank, prompt_len = cfg.prompts_per_step // world, max(map(len, train_prompts))
-        row, n_rows = prompt_len + cfg.max_response_len, cfg.mini_batch_prompts // world * cfg.group_size
-        per_call = prompts_per_call(cfg, per_rank, lm.config, compute_dtype(cfg, device).itemsize)
-        print(memory_line(memory_estimate(
-            lm.config, world, min(max(cfg.max_tokens_per_micro_batch, row), n_rows * row), cfg.grad_checkpointing,
-            RolloutCall(per_call * cfg.group_size, prompt_len, cfg.max_response_len),
-            fsdp=cfg.fsdp, compute_bytes=2 if cfg.fsdp and cfg.mixed_precision else 4,  # as in effect (in_effect)
-            chunk_size=cfg.chunk_size)), flush=True)
+    if rank == 0:  # the memory model's estimate (docs/memory.md), every row at its longest
+        per_call = prompts_per_call(cfg, cfg.prompts_per_step // world, lm.config,
+                                    compute_dtype(cfg, device).itemsize)
+        print(memory_line(run_estimate(cfg, lm.config, world, max(map(len, train_prompts)),
+                                       per_call)), flush=True)
 
     def make_policy(model_lm):
         policy = Policy(model_lm, vocab_size=lm_vocab_size(tokenizer))  # the sampler's rows only
         if cfg.grad_checkpointing:
             model_lm.gradient_checkpointing_enable({"use_reentrant": False})
         if cfg.fsdp:  # in_effect: on with several processes or CUDA
-            shard_policy(policy, mixed_precision=cfg.mixed_precision, from_rank0=world > 1, device=device)
+            shard_policy(policy, mixed_precision=cfg.mixed_precision, from_rank0=world > 1,
+                         device=device)
         return policy
 
     policy = make_policy(lm)
     ref_policy = None
     if cfg.algo == "grpo" and cfg.kl_beta > 0:
         ref_policy = make_policy(load()[0]).requires_grad_(False)
-    # fused: one kernel over all parameters (CPU: 4-5x faster than the foreach loop at SmolLM2's 135M, tools/bench.py
-    # flops)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    # fused: one kernel over all parameters (CPU: 4-5x faster than the foreach loop at SmolLM2's
+    # 135M, tools/bench.py flops)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  fused=True)
     # lr: linear warm-up over warmup_steps optimizer steps, then constant
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
-    start, window, trained = 0, torch.zeros(0), ModelAndOptimizer(policy, optimizer, scheduler)
+    warmup = lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1))  # noqa: E731
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+    start, window = 0, torch.zeros(0)
     if checkpoint is not None:  # any number of ranks: DCP reshards (run_folder.load_checkpoint)
-        state = run_folder.load_checkpoint(checkpoint, trained)
-        start, window = state["step"], state.get("s2t_window", window)
-        say(f"resuming from {checkpoint} at step {start + 1} ({plural(start, 'step')} done)" if start < cfg.steps else
-            f"{checkpoint}: all {plural(start, 'step')} done, nothing to train", rank)
-        if not state["optimizer"] and start < cfg.steps:  # an export-only resume restarts nothing
-            say(f"{checkpoint} holds weights only (--no-save-optimizer): AdamW restarts from zero moments, "
-                f"so the resumed run differs from an uninterrupted one", rank, warning=True)
+        trained = ModelAndOptimizer(policy, optimizer, scheduler)
+        start, window = run_folder.resume(checkpoint, trained, cfg.steps, rank)
     engine = rollout_engine(cfg, lm, tokenizer, train_prompts + test_prompts, rank, world, device,
                             preemption.requested)  # the plain sampler stops at a signal
-    logger = run_folder.open_logger(cfg.logger, Path(cfg.out_dir), asdict(cfg)) if rank == 0 else None
+    logger = run_folder.open_logger(cfg.logger, Path(cfg.out_dir), asdict(cfg)) if rank == 0 \
+        else None
     return Run(cfg=cfg, rank=rank, world=world, device=device, policy=policy, ref_policy=ref_policy,
-               tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, engine=engine, rows=train_rows,
-               prompts=train_prompts, test_rows=test_rows, test_prompts=test_prompts, preemption=preemption,
-               logger=logger, start=start, window=window)
+               tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, engine=engine,
+               rows=train_rows, prompts=train_prompts, test_rows=test_rows,
+               test_prompts=test_prompts, preemption=preemption, logger=logger, start=start,
+               window=window)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python train.py [flags]`: exit status 0 (trained, or nothing left to do), 2 (a bad input or a full disk:
-    one line), run_folder.STOPPED (a stop signal or Ctrl-C: a checkpoint was written, run the same command again),
-    run_folder.INTERRUPTED (Ctrl-C again: left at once, the last checkpoint kept)."""
+    """`python train.py [flags]`: exit status 0 (trained, or nothing left to do), 2 (a bad input or
+    a full disk: one line), run_folder.STOPPED (a stop signal or Ctrl-C: a checkpoint was written,
+    run the same command again), run_folder.INTERRUPTED (Ctrl-C again: left at once, the last
+    checkpoint kept)."""
     argv = sys.argv[1:] if argv is None else argv
     if "--plot" in argv:  # train.py --plot RUN [RUN ...]: figures only (run_folder/figures.py)
         return figures.main(argv)
-    rank = int(os.environ.get("RANK", 0))  # until the process group exists: torchrun's env:// contract
+    rank = int(os.environ.get("RANK", 0))  # until the process group exists: torchrun's env://
     run = lock = None
-    with run_folder.Preemption() as preemption:  # from here on, SIGTERM / SIGUSR1 / SIGINT: a checkpoint, exit
-        preemption.command = run_folder.continue_command(argv)  # the user's command with --resume auto
+    # from here on, SIGTERM / SIGUSR1 / SIGINT: a checkpoint, exit
+    with run_folder.Preemption() as preemption:
+        preemption.command = run_folder.continue_command(argv)  # the command with --resume auto
         try:
             cfg, recorded, notes = config.parse_config(argv)
             rank, world, device = init_distributed(cfg.collective_timeout_min)
@@ -562,27 +550,32 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_folder.agree(read_inputs, cfg, world)  # the inputs before the folder
             opened = run_folder.open_run(asdict(cfg), recorded, rank, world, preemption.command)
             if opened is None:
-                say(f"{cfg.out_dir} has done its {plural(cfg.steps, 'step')}" + (
-                    " and its export is up to date" if cfg.export_hf else "") + ": nothing to do", rank)
+                up_to_date = " and its export is up to date" if cfg.export_hf else ""
+                say(f"{cfg.out_dir} has done its {plural(cfg.steps, 'step')}{up_to_date}: "
+                    "nothing to do", rank)
                 return 0
             start, checkpoint_path, lock = opened
-            preemption.on_leave = lambda name: run_folder.leave_at_interrupt(cfg.out_dir, rank, preemption, name)
+            preemption.on_leave = lambda name: run_folder.leave_at_interrupt(cfg.out_dir, rank,
+                                                                             preemption, name)
             if cfg.stop_deadline_s:
                 preemption.arm(cfg.stop_deadline_s, lambda: run_folder.leave_at_deadline(
                     cfg.out_dir, cfg.stop_deadline_s, rank, preemption))
             if preemption.agreed():  # a stop signal during startup: stop before the model loads
-                return run_folder.stopped(cfg.out_dir, cfg.steps, rank, preemption, start, "during startup")
+                return run_folder.stopped(cfg.out_dir, cfg.steps, rank, preemption, start,
+                                          "during startup")
             busy(device, rank, [])
             run = setup(cfg, rows, rank, world, device, checkpoint_path, preemption)
             return train(run)
-        except reward.RewardError as e:  # your --reward function failed: fixed, the same command continues
-            return errors.error("train.py", f"{errors.one_line(e)}; fix it, then continue with: {preemption.command}",
+        except reward.RewardError as e:  # your --reward function failed: fix it and continue
+            return errors.error("train.py", f"{errors.one_line(e)}; fix it, then continue with: "
+                                f"{preemption.command}",
                                 rank)
         except errors.BAD_INPUT as e:
             return errors.error("train.py", e, rank)
         finally:
             if run is not None:
-                run.engine.close()  # the rollout engine; deleting a vLLM engine may already tear down the group
+                # the rollout engine; deleting a vLLM engine may already tear down the group
+                run.engine.close()
             if lock is not None:
                 lock.release()
             if dist.is_initialized():
@@ -592,8 +585,9 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     code = main()
     # Leave without interpreter teardown. FSDP's DTensors keep torch's process group alive past
-    # destroy_process_group, and when a gloo worker thread is still releasing the last collective's tensors as Python
-    # finalizes, it aborts the finished run ("terminate called without an active exception", ~1 run in 20 on CPU).
+    # destroy_process_group, and when a gloo worker thread is still releasing the last collective's
+    # tensors as Python finalizes, it aborts the finished run ("terminate called without an active
+    # exception", ~1 run in 20 on CPU).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

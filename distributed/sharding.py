@@ -1,12 +1,14 @@
 """FSDP2 sharding of the policy (docs/model.md): every decoder layer and the whole model sharded
 over the ranks, mixed precision on CUDA, the weights loaded on rank 0 only and broadcast while
-sharding (`from_rank0`)."""
+sharding (`from_rank0`), and the gathered copy the rollout decodes (`gathered`)."""
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
 from model import Policy
@@ -74,3 +76,33 @@ def shard_policy(policy: Policy, mixed_precision: bool = True, from_rank0: bool 
         for buffer in policy.buffers():
             dist.broadcast(buffer, src=0)
     return policy
+
+
+@contextmanager
+def gathered(policy: torch.nn.Module):
+    """Under FSDP2, hold every FSDP module of `policy` unsharded for the duration (one all-gather
+    per module at entry, one reshard at exit) with FSDP's forward hooks detached, so decoding
+    `policy.lm` is a plain model: no collective and no FSDP bookkeeping per token. A no-op without
+    FSDP.
+
+    Memory: a full copy of the parameters on every rank while inside (e.g. 3.4 GB for 1.7B params in
+    bf16), plus the KV cache. Uses FSDP2 internals (the state's forward hooks; torch 2.11-2.13, 2.11
+    in the GPU run of docs/gpu.md), as no public API detaches them.
+    """
+    modules = [m for m in policy.modules() if isinstance(m, FSDPModule)]
+    states = [m._get_fsdp_state() for m in modules]
+    for m in modules:
+        m.unshard()  # all-gather: every rank enters `gathered` in the same order
+    # each hook would otherwise cost ~0.3 ms per layer and token (and reshard after forward)
+    for state in states:
+        state._pre_forward_hook_handle.remove()
+        state._post_forward_hook_handle.remove()
+    try:
+        yield policy
+    finally:
+        for m, state in zip(modules, states):  # re-attach the hooks exactly as fully_shard does
+            state._pre_forward_hook_handle = m.register_forward_pre_hook(
+                state._pre_forward, prepend=True, with_kwargs=True)
+            state._post_forward_hook_handle = m.register_forward_hook(state._post_forward,
+                                                                      prepend=False)
+            m.reshard()

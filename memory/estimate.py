@@ -81,3 +81,15 @@ def memory_line(est: dict[str, float]) -> str:
             f"params + grads + AdamW {est['params'] + est['grads'] + est['adam']:.1f}, activations "
             f"{est['activations']:.1f}; rollout {est['rollout_peak']:.1f}: gathered copy "
             f"{est['rollout_gathered']:.1f}, KV cache {est['kv_cache']:.1f}; memory.estimate.memory_estimate)")
+
+
+def run_estimate(cfg, lm_config, world: int, prompt_len: int, per_call: int) -> dict:
+    """memory_estimate for train.py's settings `cfg` (a config.Config) on `world` ranks: its
+    micro-batches by --max-tokens-per-micro-batch, its generate calls of `per_call` prompts x G,
+    every row at its longest (`prompt_len` + --max-response-len)."""
+    row, n_rows = prompt_len + cfg.max_response_len, cfg.mini_batch_prompts // world * cfg.group_size
+    return memory_estimate(
+        lm_config, world, min(max(cfg.max_tokens_per_micro_batch, row), n_rows * row),
+        cfg.grad_checkpointing, RolloutCall(per_call * cfg.group_size, prompt_len, cfg.max_response_len),
+        fsdp=cfg.fsdp, compute_bytes=2 if cfg.fsdp and cfg.mixed_precision else 4,  # as in effect
+        chunk_size=cfg.chunk_size)

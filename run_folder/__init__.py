@@ -21,6 +21,7 @@ from run_folder.checkpoints import (
                                    ModelAndOptimizer,
                                    crc32,
                                    load_checkpoint,
+                                   resume,
                                    save_checkpoint,
                                    verified_checkpoint,
 )

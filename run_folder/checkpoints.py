@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from run_folder.agreement import agreed_write_failure
-from run_folder.console import RunError, say
+from run_folder.console import RunError, plural, say
 from run_folder.files import _step_dirs, resumable, write_atomic
 from run_folder.logs import fsync_logs
 
@@ -191,3 +191,18 @@ def load_checkpoint(path: Path, trained: ModelAndOptimizer) -> dict:
     if state["cuda_rng"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda_rng"])
     return state
+
+
+def resume(checkpoint: Path, trained: ModelAndOptimizer, steps: int, rank: int
+           ) -> tuple[int, torch.Tensor]:
+    """A resumed run's start from `checkpoint` (load_checkpoint), said in one line: the steps done
+    and the --quantile-window's earlier candidates (a warning when it holds weights only)."""
+    state = load_checkpoint(checkpoint, trained)
+    start = state["step"]
+    say(f"resuming from {checkpoint} at step {start + 1} ({plural(start, 'step')} done)"
+        if start < steps else f"{checkpoint}: all {plural(start, 'step')} done, nothing to train",
+        rank)
+    if not state["optimizer"] and start < steps:  # an export-only resume restarts nothing
+        say(f"{checkpoint} holds weights only (--no-save-optimizer): AdamW restarts from zero "
+            f"moments, so the resumed run differs from an uninterrupted one", rank, warning=True)
+    return start, state.get("s2t_window", torch.zeros(0))

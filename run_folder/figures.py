@@ -25,7 +25,8 @@ from pathlib import Path
 
 from command_line.errors import check_writable
 from command_line.flags import OneLineParser
-from run_folder.console import plural
+from run_folder.console import plural, say
+from run_folder.files import RUN_FILES, complete_steps
 from run_folder.logs import read_log
 
 METRIC_PANELS = (("metrics.jsonl", "reward/mean", "reward (+-1 mean)"), ("metrics.jsonl", "entropy/mean", "entropy"),
@@ -660,6 +661,30 @@ def main(argv: list[str]) -> int:
             print(f"{run}: {correlation_line(run)}")
     print("\n".join(written))
     return 0 if written else 1
+
+
+def closing_lines(cfg, out: Path) -> None:
+    """A finished run's figures and closing lines, on rank 0 (train.py): what the mask silenced,
+    RQ1's correlations, a divergence, what the run wrote and how to continue it."""
+    if cfg.plots:
+        figures([str(out)], str(out / "metrics.png"))
+    shown = [n for n in ("spurious.jsonl", "s2t.png", "gradient.png") if (out / n).exists()]
+    steps = read_log(out / "metrics.jsonl")  # resumed steps included
+    say(silenced_summary(cfg.algo, steps, shown))
+    if correlation_line(str(out)):  # RQ1: the gradient norm against p and H (gradient.png)
+        say(correlation_line(str(out)))
+    diverged = divergence(steps)
+    if diverged:
+        say(diverged + "; lower --lr (or raise --warmup-steps)", warning=True)
+    made = [name for name in RUN_FILES if (out / name).is_file() and name != "stopped.json"]
+    if not read_log(out / "eval.jsonl"):  # no accuracy before and after: say why and how to get it
+        say("no held-out evaluation: " + ("--eval-samples 0" if not cfg.eval_samples else
+            f"no held-out rows (--heldout N keeps N rows of {cfg.data} out of training)"))
+    kept = complete_steps(out)
+    made += [f"checkpoint/step_{kept[0]}"] if kept else []
+    made += [f"hf/ (python eval.py --run {out})"] if cfg.export_hf else []
+    say(f"outputs in {out}/: {', '.join(made)}; " + (f"{diverged}; " if diverged else "")
+        + f"continue with python train.py --resume {out} --steps N")
 
 
 if __name__ == "__main__":  # python -m run_folder.figures RUN [RUN ...]: train.py --plot's figures
