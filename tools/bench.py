@@ -142,7 +142,8 @@ def _same_process_times(N=1024, repeats=2):
     """Best-of-`repeats` wall time of naive, chunked with one chunk (no recomputation) and with 4
     chunks."""
     hidden, weight, targets = _inputs(N)
-    impls = {"naive": _naive, "chunked": _chunked, "chunked x4": lambda *a: _chunked(*a, chunk_size=N // 4)}
+    impls = {"naive": _naive, "chunked": _chunked,
+             "chunked x4": lambda *a: _chunked(*a, chunk_size=N // 4)}
     times = {name: [] for name in impls}
     for _ in range(repeats):
         for name, impl in impls.items():  # alternating, so load changes hit all three alike
@@ -191,8 +192,9 @@ def bench_model(sizes=(1024, 4096, 16384), max_gb=12.0):
 
 # --------------------------------------------------------------------------------------------------
 # `python -m tools.bench generate`: rollout.generate vs transformers' model.generate; under FSDP2
-_PROBLEMS = ["What is 12*13?", "Solve x^2 = 49 for x > 0.", "How many primes are below 30?", "Simplify 3/9.",
-             "What is the sum of the interior angles of a hexagon?", "Compute 2^10.", "Find gcd(84, 36).", "1+1"]
+_PROBLEMS = ["What is 12*13?", "Solve x^2 = 49 for x > 0.", "How many primes are below 30?",
+             "Simplify 3/9.", "What is the sum of the interior angles of a hexagon?",
+             "Compute 2^10.", "Find gcd(84, 36).", "1+1"]
 
 
 def _prompt_ids(tokenizer, batch):
@@ -211,9 +213,9 @@ def _hf(lm, prompts, steps, temperature, top_p):
     pad = lm.config.pad_token_id
     input_ids = torch.tensor([[pad] * (P - len(p)) + p for p in prompts])  # (B, P) left-padded
     attention_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])  # (B, P)
-    return lm.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=steps, do_sample=True,
-                       temperature=temperature, top_p=top_p, top_k=0, eos_token_id=lm.config.vocab_size,
-                       pad_token_id=pad)
+    return lm.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=steps,
+                       do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                       eos_token_id=lm.config.vocab_size, pad_token_id=pad)
 
 
 def _timed(fn):
@@ -239,7 +241,8 @@ def _machine_limits() -> tuple[float, float]:
     count."""
     src = torch.randn(64 * 2**20)  # 256 MiB
     dst = torch.empty_like(src)
-    bandwidth = 2 * src.numel() * 4 / statistics.median(_timed(lambda: dst.copy_(src)) for _ in range(5))
+    bandwidth = 2 * src.numel() * 4 / statistics.median(_timed(lambda: dst.copy_(src))
+                                                        for _ in range(5))
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     flops = 2 * 1024**3 / statistics.median(_timed(lambda: a @ b) for _ in range(5))
     return bandwidth, flops
@@ -259,7 +262,8 @@ def _compare(name, lm, prompts, steps, temperature, top_p, reps, limits):
             f"{step_limit * 1e3:.1f} ms ({100 * step_limit / per_step:.0f}%) |")
 
 
-def _fsdp_worker(rank: int, init_file: str, out_dir: str, name: str, batch: int, steps: int, reps: int):
+def _fsdp_worker(rank: int, init_file: str, out_dir: str, name: str, batch: int, steps: int,
+                 reps: int):
     """Each rank decodes its own batch twice, interleaved: with the FSDP2-sharded Policy inside
     `gathered`, and with an unsharded copy of the same model (the 1-process baseline under the same
     load)."""
@@ -281,8 +285,9 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str, name: str, batch: int,
 
 def _fsdp_row(name, batch, steps, reps):
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_fsdp_worker, args=(os.path.join(tmp, "init"), tmp, name, batch, steps, reps), nprocs=2,
-                           start_method="spawn")
+        mp.start_processes(_fsdp_worker,
+                           args=(os.path.join(tmp, "init"), tmp, name, batch, steps, reps),
+                           nprocs=2, start_method="spawn")
         results = [torch.load(os.path.join(tmp, f"{rank}.pt")) for rank in range(2)]
     fsdp = max(r["fsdp"] for r in results) / steps  # the slower rank sets the pace
     plain = max(r["plain"] for r in results) / steps
@@ -319,8 +324,10 @@ def bench_rollout():
         print(_compare("tiny", lm, _prompt_ids(tokenizer, 8), 64, 1.0, 1.0, 7, limits), flush=True)
         print(_compare("tiny", lm, _prompt_ids(tokenizer, 8), 64, 0.7, 0.9, 7, limits), flush=True)
         lm, tokenizer = load_model("smollm2")
-        print(_compare("SmolLM2-135M", lm, _prompt_ids(tokenizer, 8), 32, 1.0, 1.0, 5, limits), flush=True)
-        print(_compare("SmolLM2-135M", lm, _prompt_ids(tokenizer, 1), 32, 1.0, 1.0, 5, limits), flush=True)
+        print(_compare("SmolLM2-135M", lm, _prompt_ids(tokenizer, 8), 32, 1.0, 1.0, 5, limits),
+              flush=True)
+        print(_compare("SmolLM2-135M", lm, _prompt_ids(tokenizer, 1), 32, 1.0, 1.0, 5, limits),
+              flush=True)
         del lm
         print("\nFSDP2 (gloo, 2 processes, 1 thread each): time per decoding step inside `gathered` vs the same rank "
               "decoding an unsharded copy\n")
@@ -344,10 +351,12 @@ def _reward_hostile():
                "1 MB response": "x = 1 + 1. " * 100_000 + "\\boxed{5}", "unclosed boxes": "\\boxed{" * 50_000,
                "regex bait": "a" * 100_000 + "!",
                "20,000 joined boxes": ", ".join(f"\\boxed{{{k}}}" for k in range(20_000)),
-               "100 nested radicals": "\\boxed{" + "+".join(f"\\sqrt{{{k}+\\sqrt{{{k + 1}}}}}" for k in range(100))
+               "100 nested radicals": "\\boxed{" + "+".join(f"\\sqrt{{{k}+\\sqrt{{{k + 1}}}}}"
+                                                            for k in range(100))
                                       + "}"}
-    for name, (open_, close) in {"boxes": ("\\boxed{", "}"), "braces": ("{", "}"), "\\frac": ("\\frac{1}{", "}"),
-                                 "\\sqrt": ("\\sqrt{", "}"), "\\left(": ("\\left(", "\\right)"),
+    for name, (open_, close) in {"boxes": ("\\boxed{", "}"), "braces": ("{", "}"),
+                                 "\\frac": ("\\frac{1}{", "}"), "\\sqrt": ("\\sqrt{", "}"),
+                                 "\\left(": ("\\left(", "\\right)"),
                                  "\\text": ("\\text{", "}")}.items():
         hostile[f"10,000 nested {name}"] = "\\boxed{" + open_ * 10_000 + "1" + close * 10_000 + "}"
     return hostile
@@ -359,18 +368,23 @@ def _reward_corpora():
     data = _REWARD_DATA if (_REWARD_DATA / "grader_cases.jsonl").exists() else _REWARD_FALLBACK
     if data == _REWARD_FALLBACK:
         print(f"{_REWARD_DATA} not found: using the repository's {data} (fewer cases, smaller benchmark files)\n")
-    cases = [json.loads(line) for line in (data / "grader_cases.jsonl").read_text().splitlines() if line.strip()]
+    cases = [json.loads(line) for line in (data / "grader_cases.jsonl").read_text().splitlines()
+             if line.strip()]
     golds = []
-    for name, field in (("aime24", "answer"), ("aime25", "answer"), ("amc23", "answer"), ("math500", "answer")):
+    for name, field in (("aime24", "answer"), ("aime25", "answer"), ("amc23", "answer"),
+                        ("math500", "answer")):
         for line in (data / "benchmarks" / f"{name}.jsonl").read_text().splitlines():
             golds.append(str(json.loads(line)[field]))
     for line in (data / "benchmarks" / "olympiadbench.jsonl").read_text().splitlines():
         golds.append(", ".join(json.loads(line)["final_answer"]))
     return {
         f"grader_cases ({data.parent.name}/{data.name})": [
-            (c["response"], c["gold"], c["id"], None if c["ambiguous"] else c["correct"]) for c in cases],
-        "benchmark golds": [(f"So the answer is $\\boxed{{{g}}}$.", g, g[:30], True) for g in golds],
-        "hostile inputs": [(text, "5", name, name == "1 MB response") for name, text in _reward_hostile().items()],
+            (c["response"], c["gold"], c["id"], None if c["ambiguous"] else c["correct"])
+            for c in cases],
+        "benchmark golds": [(f"So the answer is $\\boxed{{{g}}}$.", g, g[:30], True)
+                            for g in golds],
+        "hostile inputs": [(text, "5", name, name == "1 MB response")
+                           for name, text in _reward_hostile().items()],
     }
 
 
@@ -411,7 +425,8 @@ def bench_reward(repeats=3):
     print("|---|---|---|---|---|---|---|")
     for name, items in corpora.items():
         rate, (worst, case), wrong = _reward_run(items, reward.grade, repeats)
-        strict, _, _ = _reward_run(items, lambda r, g: reward.reward(r, g, mode="strict") > 0, repeats)
+        strict, _, _ = _reward_run(items, lambda r, g: reward.reward(r, g, mode="strict") > 0,
+                                   repeats)
         print(f"| {name} | {len(items)} | {rate:,.0f} | {strict:,.0f} | {worst * 1e3:.1f} | {case} | {wrong} |")
 
 # --------------------------------------------------------------------------------------------------
@@ -430,7 +445,8 @@ def _math_verify():
         if gold is None:
             return False
         gold = ", ".join(gold) if isinstance(gold, list) else gold
-        return bool(verify(parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$"), parse(response)))
+        return bool(verify(parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$"),
+                           parse(response)))
     return grade
 
 
@@ -462,11 +478,13 @@ def _compare_cells(items, verdicts, disputed):
 def _compare_table(groups, graders, verdicts, disputed=frozenset()):
     """One markdown table: a row per group of (response, gold, id, label) items, each grader's three
     cells."""
-    print("| cases | n | labelled wrong | " + " | ".join(f"{g} agree | {g} FP | {g} slowest (ms)" for g in graders)
+    print("| cases | n | labelled wrong | " + " | ".join(f"{g} agree | {g} FP | {g} slowest (ms)"
+                                                         for g in graders)
           + " |")
     print("|---|---|---|" + "---|---|---|" * len(graders))
     for name, items in groups.items():
-        cells = [c for g in graders for c in _compare_cells(items, [verdicts[g][i[2]] for i in items], disputed)]
+        cells = [c for g in graders
+                 for c in _compare_cells(items, [verdicts[g][i[2]] for i in items], disputed)]
         wrong = sum(not label for *_, label in items)
         print(f"| {name} | {len(items)} | {wrong} | " + " | ".join(cells) + " |", flush=True)
     print()
@@ -508,16 +526,20 @@ def bench_grader_compare(against: str | None = None):
     peers = [json.loads(line) for line in (_REWARD_FALLBACK / "peer_cases.jsonl").read_text().splitlines() if line]
     groups = {}
     for c in sorted(peers, key=lambda c: c["suite"] != "peers"):  # the peers' suites first, then the last round's
-        groups.setdefault((c["suite"], c["source"]), []).append((c["response"], c["gold"], c["id"], c["correct"]))
+        groups.setdefault((c["suite"], c["source"]), []).append((c["response"], c["gold"], c["id"],
+                                                                 c["correct"]))
     for suite in ("peers", "last round"):
-        groups[(suite, "**together**")] = [i for (s, _), items in list(groups.items()) if s == suite for i in items]
-    everything = [i for (_, source), items in groups.items() if source != "**together**" for i in items]
-    verdicts = {g: {item[2]: v for item, v in zip(everything, _verdicts(everything, fn))} for g, fn in graders.items()}
+        groups[(suite, "**together**")] = [i for (s, _), items in list(groups.items()) if s == suite
+                                           for i in items]
+    everything = [i for (_, source), items in groups.items() if source != "**together**"
+                  for i in items]
+    verdicts = {g: {item[2]: v for item, v in zip(everything, _verdicts(everything, fn))}
+                for g, fn in graders.items()}
     deliberate = {c["id"]: c["deliberate_no"] for c in peers}
     print("testdata/peer_cases.jsonl: agree / cases, false positives (accepted, labelled wrong; disputed: the label "
           "is a deliberate \"no\" of docs/grader.md), slowest case\n")
-    _compare_table({f"{suite}: {source}": items for (suite, source), items in groups.items()}, graders, verdicts,
-                   {i for i, why in deliberate.items() if why})
+    _compare_table({f"{suite}: {source}": items for (suite, source), items in groups.items()},
+                   graders, verdicts, {i for i, why in deliberate.items() if why})
     for g in graders:
         fps = [c for c in peers if verdicts[g][c["id"]][0] and not c["correct"]]
         real = sum(not deliberate[c["id"]] for c in fps)
@@ -535,11 +557,13 @@ def bench_grader_compare(against: str | None = None):
         by_category = {}
         for c in (json.loads(line) for line in path.read_text().splitlines() if line.strip()):
             if not c["ambiguous"]:
-                by_category.setdefault(c["category"], []).append((c["response"], c["gold"], c["id"], c["correct"]))
+                by_category.setdefault(c["category"], []).append((c["response"], c["gold"], c["id"],
+                                                                  c["correct"]))
         by_category = dict(sorted(by_category.items()))
         by_category["**all**"] = [item for items in by_category.values() for item in items]
         items = by_category["**all**"]
-        verdicts = {g: {item[2]: v for item, v in zip(items, _verdicts(items, fn))} for g, fn in graders.items()}
+        verdicts = {g: {item[2]: v for item, v in zip(items, _verdicts(items, fn))}
+                    for g, fn in graders.items()}
         print(f"{where}: agree / cases, false positives (of the cases labelled wrong), slowest case\n")
         _compare_table(by_category, graders, verdicts)
 
@@ -552,14 +576,18 @@ def bench_grader_compare(against: str | None = None):
 # 1e-6, tied embeddings) and slime's scripts/models/qwen3-1.7B.sh (the same numbers);
 # max_position_embeddings 40960 as in the Qwen3 dense models' configs.
 QWEN3 = {  # the config.json numbers of the Qwen3 base models the paper trains (vocabulary 151,936; used by `update`)
-    "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
-    "Qwen3-14B": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40,
-                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       tie_word_embeddings=True),
+    "Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     tie_word_embeddings=False),
+    "Qwen3-14B": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                      num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                      tie_word_embeddings=False),
 }
-QWEN3_1_7B = dict(QWEN3["Qwen3-1.7B"], vocab_size=151_936, max_position_embeddings=40_960, rms_norm_eps=1e-6,
+QWEN3_1_7B = dict(QWEN3["Qwen3-1.7B"], vocab_size=151_936, max_position_embeddings=40_960,
+                  rms_norm_eps=1e-6,
                   rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
 
 
@@ -576,8 +604,8 @@ class GpuSizes:
 
 
 GPU_FULL = GpuSizes(QWEN3_1_7B, 120, ((1024, 4, 8, 32768), (4096, 1, 8, 32768), (16384, 1, 2, 32768)), (4, 1024),
-                    4096, (64, 256), 512, dict(steps=2, prompts_per_step=4, group_size=8, mini_batch_prompts=2,
-                                               max_response_len=512))
+                    4096, (64, 256), 512, dict(steps=2, prompts_per_step=4, group_size=8,
+                                               mini_batch_prompts=2, max_response_len=512))
 GPU_SMOKE = GpuSizes(dict(QWEN3_1_7B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16), 8,
                      ((16, 2, 2, 48), (32, 1, 2, 48), (64, 1, 2, 48)), (2, 16), 64, (2, 4), 8,
@@ -597,8 +625,9 @@ def _wide_tokenizer(vocab_size):
     vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(vocab_size - len(words))])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
-                                        unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>",
+                                        eos_token="<|im_end|>", unk_token="<unk>",
+                                        additional_special_tokens=["<|im_start|>"])
     tokenizer.chat_template = model.CHATML_TEMPLATE
     return tokenizer
 
@@ -633,7 +662,8 @@ def _device_limits(device, dtype):
     dst = torch.empty_like(src)
     copy = statistics.median(_dev_timed(lambda: dst.copy_(src), device)[0] for _ in range(5))
     m = 16384 if device.type == "cuda" else 512
-    a, b = torch.randn(m, m, device=device, dtype=dtype), torch.randn(m, m, device=device, dtype=dtype)
+    a, b = (torch.randn(m, m, device=device, dtype=dtype),
+            torch.randn(m, m, device=device, dtype=dtype))
     a @ b  # warm-up (cuBLAS handles, kernel choice)
     mm = statistics.median(_dev_timed(lambda: a @ b, device)[0] for _ in range(5))
     return 2 * n * src.element_size() / copy, 2 * m**3 / mm
@@ -650,7 +680,8 @@ class _SyntheticEngine:
     def ready(self, policy):
         yield self
 
-    def sample(self, prompts, group_size, seeds, chunk=None, max_new_tokens=None, temperature=None, top_p=None):
+    def sample(self, prompts, group_size, seeds, chunk=None, max_new_tokens=None, temperature=None,
+               top_p=None):
         T, device, tokenizer = self.T, self.device, self.tokenizer
         rows = [p for p in prompts for _ in range(group_size)]
         B, P, pad = len(rows), max(len(p) for p in rows), tokenizer.pad_token_id
@@ -686,8 +717,9 @@ def _gpu_train(sizes, cfg, state, device, flops_rate, out):
     policy, tokenizer = state.policy, state.tokenizer
     lm = policy.lm
     for k, (T, n_prompts, G, micro) in enumerate(((sizes.train[0],) + sizes.train)):  # the first: warm-up
-        step_cfg = replace(cfg, max_response_len=T, prompts_per_step=n_prompts, mini_batch_prompts=n_prompts,
-                           group_size=G, max_tokens_per_micro_batch=micro)
+        step_cfg = replace(cfg, max_response_len=T, prompts_per_step=n_prompts,
+                           mini_batch_prompts=n_prompts, group_size=G,
+                           max_tokens_per_micro_batch=micro)
         _reset_peak(device)
         engine = _SyntheticEngine(T, device, tokenizer)
         seconds, (metrics, *_) = _dev_timed(lambda: train.train_step(replace(state, cfg=step_cfg, engine=engine), k),
@@ -700,13 +732,15 @@ def _gpu_train(sizes, cfg, state, device, flops_rate, out):
         estimate = memory_estimate(  # the same arguments train.setup prints its memory line with
             lm.config, 1, min(max(micro, row), n_seq * row), True,
             RolloutCall(n_seq, sizes.prompt_len, T), fsdp=True,
-            compute_bytes=2 if device.type == "cuda" else 4, chunk_size=cfg.chunk_size)["train_peak"]
-        out.append({"part": "train", "T": T, "sequences": n_seq, "micro_batch": micro, "tokens": tokens,
-                    "updates": metrics["updates"], "update_s": update, "step_s": seconds,
-                    "pi_old_and_grading_s": metrics["time/rollout_s"], "tokens_per_s": tokens / update,
+            compute_bytes=2 if device.type == "cuda" else 4,
+            chunk_size=cfg.chunk_size)["train_peak"]
+        out.append({"part": "train", "T": T, "sequences": n_seq, "micro_batch": micro,
+                    "tokens": tokens, "updates": metrics["updates"], "update_s": update,
+                    "step_s": seconds, "pi_old_and_grading_s": metrics["time/rollout_s"],
+                    "tokens_per_s": tokens / update,
                     "mfu": _train_flops(lm, sizes.prompt_len, T, n_seq) / update / flops_rate,
-                    "peak_gb": _peak_gb(device), "estimate_gb": estimate, "loss": metrics["loss/policy"],
-                    "grad_norm": metrics["grad_norm"]})
+                    "peak_gb": _peak_gb(device), "estimate_gb": estimate,
+                    "loss": metrics["loss/policy"], "grad_norm": metrics["grad_norm"]})
         print(f"train T={T}: {out[-1]['tokens_per_s']:,.0f} tokens/s, MFU {out[-1]['mfu']:.1%}, "
               f"peak {out[-1]['peak_gb']:.1f} GiB (memory model: {estimate:.1f} GiB)", flush=True)
 
@@ -720,7 +754,8 @@ def _gpu_numerics(sizes, cfg, state, device, out):
     full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))  # the fp32 master weights
     with torch.device(device):
         ref_lm = Qwen3ForCausalLM(policy.lm.config).float()
-    missing, unexpected = ref_lm.load_state_dict({k.removeprefix("lm."): v.float() for k, v in full.items()},
+    missing, unexpected = ref_lm.load_state_dict({k.removeprefix("lm."): v.float()
+                                                  for k, v in full.items()},
                                                  strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied: one tensor
     ref = Policy(ref_lm.eval(), vocab_size=policy.vocab_size)
@@ -728,13 +763,14 @@ def _gpu_numerics(sizes, cfg, state, device, out):
     prompts = state.prompts[:1] * (n_seq // 2)
     batch = _SyntheticEngine(T, device, tokenizer).sample(prompts, 2, [0])
     policy.eval()
-    got, want = train.token_stats(policy, batch, cfg, device), train.token_stats(ref, batch, cfg, device)
+    got, want = (train.token_stats(policy, batch, cfg, device),
+                 train.token_stats(ref, batch, cfg, device))
     mask = batch.response_mask.bool()
     for name, a, b in (("logprobs", got[0], want[0]), ("entropy", got[1], want[1])):
         diff = (a - b)[mask].abs()
-        out.append({"part": "numerics", "what": f"{name}: policy forward vs fp32 forward", "tokens": int(mask.sum()),
-                    "max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(),
-                    "fp32_mean": b[mask].mean().item()})
+        out.append({"part": "numerics", "what": f"{name}: policy forward vs fp32 forward",
+                    "tokens": int(mask.sum()), "max_abs_diff": diff.max().item(),
+                    "mean_abs_diff": diff.mean().item(), "fp32_mean": b[mask].mean().item()})
         print(f"numerics {name}: max abs diff {out[-1]['max_abs_diff']:.2e}, mean {out[-1]['mean_abs_diff']:.2e} "
               f"(fp32 mean {out[-1]['fp32_mean']:.3f})", flush=True)
     del ref, ref_lm, full
@@ -760,8 +796,8 @@ def _gpu_numerics(sizes, cfg, state, device, out):
                 lp.float().sum().backward()
                 return lp, ent
             seconds, (lp, ent) = _dev_timed(fwd_bwd, device)
-            out.append({"part": "head", "impl": name, "dtype": str(dtype).removeprefix("torch."), "N": N,
-                        "seconds": seconds, "peak_extra_gb": _peak_gb(device) - base,
+            out.append({"part": "head", "impl": name, "dtype": str(dtype).removeprefix("torch."),
+                        "N": N, "seconds": seconds, "peak_extra_gb": _peak_gb(device) - base,
                         "logprob_max_abs_diff": (lp.double() - ref_lp).abs().max().item(),
                         "entropy_max_abs_diff": (ent.double() - ref_h).abs().max().item()})
             print(f"LM head {name} {out[-1]['dtype']}: {seconds:.3f} s, log-prob max diff "
@@ -799,9 +835,11 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
         ids = torch.tensor([prompt], device=device)
 
         def hf(batch, n):
-            return lm.generate(ids.expand(batch, -1), attention_mask=torch.ones_like(ids).expand(batch, -1),
-                               do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=n,
-                               min_new_tokens=n, pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:]
+            return lm.generate(ids.expand(batch, -1),
+                               attention_mask=torch.ones_like(ids).expand(batch, -1),
+                               do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                               max_new_tokens=n, min_new_tokens=n,
+                               pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:]
 
         def measure(name, fn, batch, n, eager=None, first=(None, None)):
             """Seconds of fn(batch, n); a row of the table unless `name` is None (a warm-up or a
@@ -811,11 +849,13 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
             assert response.shape == (batch, n), response.shape
             if name is not None:
                 roofline = (weight_bytes + batch * (P + n / 2) * kv_token_bytes) / bandwidth  # s a step
-                out.append({"part": "rollout", "sampler": name, "batch": batch, "new_tokens": n, "seconds": seconds,
-                            "tokens_per_s": batch * n / seconds, "step_ms": 1e3 * seconds / n,
-                            "roofline_ms": 1e3 * roofline, "weight_gb": weight_bytes / 2**30,
-                            "speedup": eager / seconds if eager else None, "peak_gb": _peak_gb(device),
-                            "first_call_s": first[0], "graphs": first[1]})
+                out.append({"part": "rollout", "sampler": name, "batch": batch, "new_tokens": n,
+                            "seconds": seconds, "tokens_per_s": batch * n / seconds,
+                            "step_ms": 1e3 * seconds / n, "roofline_ms": 1e3 * roofline,
+                            "weight_gb": weight_bytes / 2**30,
+                            "speedup": eager / seconds if eager else None,
+                            "peak_gb": _peak_gb(device), "first_call_s": first[0],
+                            "graphs": first[1]})
                 print(f"{name} batch {batch}: {batch * n / seconds:,.0f} tokens/s, {1e3 * seconds / n:.2f} ms/step "
                       f"(roofline {1e3 * roofline:.2f} ms)", flush=True)
             return seconds
@@ -828,8 +868,8 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
         for batch in sizes.decode_batches:
             graphs = len(captured.graphs)
             seconds = measure(None, ours(captured), batch, n_new)  # the call that captures this batch's graphs
-            measure("CapturedStep", ours(captured), batch, n_new, eager if batch == largest else None,
-                    (seconds, len(captured.graphs) - graphs))
+            measure("CapturedStep", ours(captured), batch, n_new,
+                    eager if batch == largest else None, (seconds, len(captured.graphs) - graphs))
         measure(None, hf, sizes.decode_batches[0], 16)
         measure("model.generate", hf, sizes.decode_batches[0], n_new)
         # the graphs' replay against the same body run eagerly (capture=False) on the same seeds, at
@@ -852,8 +892,9 @@ def _gpu_e2e(sizes, model_dir, data, device, work, out):
     random model's responses are never right, and all-wrong groups skip every update)."""
     from unittest import mock
 
-    flags = dict(sizes.e2e, model=model_dir, data=data, prompt_key="prompt", answer_key="answer", instruction="",
-                 preset="paper", out_dir=str(work / "e2e"), save_every=0, warmup_steps=0)
+    flags = dict(sizes.e2e, model=model_dir, data=data, prompt_key="prompt", answer_key="answer",
+                 instruction="", preset="paper", out_dir=str(work / "e2e"), save_every=0,
+                 warmup_steps=0)
     argv = ["--no-chat", "--no-export-hf", "--no-plots", "--grad-checkpointing", "--cuda-graphs"] + (
         ["--fsdp"] if device.type == "cpu" else [])  # --cuda-graphs: the captured sampler's first run inside train.py
     for key, value in flags.items():
@@ -864,9 +905,11 @@ def _gpu_e2e(sizes, model_dir, data, device, work, out):
     with mock.patch.object(reward, "reward", parity):
         seconds, code = _dev_timed(lambda: train.main(argv), device)
     assert code == 0, f"train.main exited with {code}"
-    lines = [json.loads(x) for x in (work / "e2e" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    keys = ("step", "reward/mean", "response/len_mean", "entropy/mean", "rollout/logprob_diff", "loss/policy",
-            "grad_norm", "updates", "time/rollout_s", "time/update_s", "tokens_per_s")
+    lines = [json.loads(x) for x in (work / "e2e" / "metrics.jsonl").read_text().splitlines()
+             if x.strip()]
+    keys = ("step", "reward/mean", "response/len_mean", "entropy/mean", "rollout/logprob_diff",
+            "loss/policy", "grad_norm", "updates", "time/rollout_s", "time/update_s",
+            "tokens_per_s")
     for m in lines:
         out.append({"part": "e2e", **{k: m[k] for k in keys}, "wall_s": seconds})
         print("train.py metrics: " + ", ".join(f"{k}={m[k]:.4g}" if isinstance(m[k], float) else f"{k}={m[k]}"
@@ -895,7 +938,8 @@ def _gpu_table(rows, header):
                               f"{r['step_ms']:.2f} ms | {r['roofline_ms']:.2f} ms | "
                               f"{r['roofline_ms'] / r['step_ms']:.0%} | "
                               + (f"{r['speedup']:.1f}x" if r["speedup"] else "") + " | "
-                              + (f"{r['first_call_s']:.1f} ({r['graphs']} graphs)" if r["first_call_s"] else "")
+                              + (f"{r['first_call_s']:.1f} ({r['graphs']} graphs)"
+                                 if r["first_call_s"] else "")
                               + f" | {r['peak_gb']:.1f} |"),
         "captured_check": ("| CapturedStep replayed vs its body run eagerly (same seeds) | rows x new tokens | same "
                            "tokens | log-prob max abs diff |\n|---|---|---|---|",
@@ -1002,16 +1046,18 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
                                                       "total_s": time.perf_counter() - start, "vllm": skip}, indent=1))
         return table
 
-    cfg = Config(preset="paper", model=model_dir, data=str(data), prompt_key="prompt", answer_key="answer",
-                 instruction="", chat=False, grad_checkpointing=True, fsdp=True, warmup_steps=0, save_every=0,
-                 rollout="plain", out_dir=str(work / "train"), prompts_per_step=1, mini_batch_prompts=1)
+    cfg = Config(preset="paper", model=model_dir, data=str(data), prompt_key="prompt",
+                 answer_key="answer", instruction="", chat=False, grad_checkpointing=True,
+                 fsdp=True, warmup_steps=0, save_every=0, rollout="plain",
+                 out_dir=str(work / "train"), prompts_per_step=1, mini_batch_prompts=1)
     if {"train", "numerics", "rollout"} & set(parts):
         train.init_distributed()
         try:
             state = _train_run(cfg, device)  # load_model(dir), Policy, gradient checkpointing, FSDP2, AdamW
-            for part, fn, args in (("train", _gpu_train, (sizes, cfg, state, device, flops_rate, rows)),
-                                   ("numerics", _gpu_numerics, (sizes, cfg, state, device, rows)),
-                                   ("rollout", _gpu_rollouts, (sizes, state, device, bandwidth, rows))):
+            for part, fn, args in (
+                    ("train", _gpu_train, (sizes, cfg, state, device, flops_rate, rows)),
+                    ("numerics", _gpu_numerics, (sizes, cfg, state, device, rows)),
+                    ("rollout", _gpu_rollouts, (sizes, state, device, bandwidth, rows))):
                 if part in parts:
                     fn(*args)
                     write()
@@ -1032,8 +1078,9 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
 def _scaled_qwen3(layers=4, vocab=1024):
     """A scaled-down Qwen3 (hidden 128, MLP 384, one 32-wide head): the shape of the real one,
     CPU-sized."""
-    return Qwen3Config(vocab_size=vocab, hidden_size=128, intermediate_size=384, num_hidden_layers=layers,
-                       num_attention_heads=1, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False)
+    return Qwen3Config(vocab_size=vocab, hidden_size=128, intermediate_size=384,
+                       num_hidden_layers=layers, num_attention_heads=1, num_key_value_heads=1,
+                       head_dim=32, tie_word_embeddings=False)
 
 
 def _memory_worker(length, checkpointing):
@@ -1066,7 +1113,8 @@ def _memory_row(length, checkpointing):
     # tracks live tensors (what a GPU's max_memory_allocated counts) instead of glibc's heap, which
     # keeps freed blocks of up to 32 MiB
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=env)
     measured = json.loads(out.stdout.strip().splitlines()[-1])["peak_gb"]
     est = memory_estimate(_scaled_qwen3(), tokens=length, checkpointing=checkpointing, fsdp=False,
                                 compute_bytes=4)["train_peak"]
@@ -1088,8 +1136,8 @@ def _mix_rollout(rows, seed=0):
     response_mask = (torch.arange(T) < response_len[:, None]).long()  # (B, T)
     g = torch.Generator().manual_seed(seed)
     return Rollout(torch.randint(4, 1024, (rows, P), generator=g), prompt_mask,
-                   torch.randint(4, 1024, (rows, T), generator=g), response_mask, torch.zeros(rows, T),
-                   torch.zeros(rows, dtype=torch.bool))
+                   torch.randint(4, 1024, (rows, T), generator=g), response_mask,
+                   torch.zeros(rows, T), torch.zeros(rows, dtype=torch.bool))
 
 
 def _update_pass(policy, batch, micro, cfg):
@@ -1175,14 +1223,16 @@ def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
 # --------------------------------------------------------------------------------------------------
 # `python -m tools.bench engines`: the plain sampler vs vLLM-CPU, and vs the decode step's matmuls
 def _sums_prompts(tokenizer, n):
-    return [format_prompt(tokenizer, f"What is {i % 10} + {i * 7 % 10}?", chat=False, instruction="The answer is")
+    return [format_prompt(tokenizer, f"What is {i % 10} + {i * 7 % 10}?", chat=False,
+                          instruction="The answer is")
             for i in range(n)]
 
 
 def _cpu_default_prompts(tokenizer, n):
     """The first `n` prompts of the CPU default (train.py's cpu preset: the built-in sums, raw
     text)."""
-    return [format_prompt(tokenizer, row["problem"], chat=False, instruction=CPU_PRESET["instruction"])
+    return [format_prompt(tokenizer, row["problem"], chat=False,
+                          instruction=CPU_PRESET["instruction"])
             for row in data.builtin_task("train")[:n]]
 
 
@@ -1207,7 +1257,8 @@ class _DecodeMatmuls:
 
     def __init__(self, lm, vocab_size):
         head = lm.get_output_embeddings().weight[:vocab_size].detach()
-        weights = [m.weight.detach() for m in lm.get_decoder().modules() if isinstance(m, torch.nn.Linear)]
+        weights = [m.weight.detach() for m in lm.get_decoder().modules()
+                   if isinstance(m, torch.nn.Linear)]
         self.parts = {"backbone": [(w, decode_step.packed(w)) for w in weights],
                       "head": [(head, decode_step.packed(head))]}
         self.cache = {}
@@ -1215,7 +1266,8 @@ class _DecodeMatmuls:
     def seconds(self, part: str, rows: int) -> float:
         if (part, rows) not in self.cache:
             x = {w.shape[1]: torch.randn(rows, w.shape[1]) for w, _ in self.parts[part]}
-            kernels = [lambda: [torch.nn.functional.linear(x[w.shape[1]], w) for w, _ in self.parts[part]],
+            kernels = [lambda: [torch.nn.functional.linear(x[w.shape[1]], w)
+                                for w, _ in self.parts[part]],
                        lambda: [packed(x[w.shape[1]]) for w, packed in self.parts[part]]]
             self.cache[part, rows] = min(_best(k, 5)[0] for k in kernels)
         return self.cache[part, rows]
@@ -1264,8 +1316,9 @@ def _rollout_profile(sampler, run) -> dict[str, float]:
                mock.patch.object(DynamicLayer, "batch_select_indices", marked("cache", select))]
     for cls, method in (("InPlaceLayer", "update"), ("InPlaceCache", "copy_rows")):
         if hasattr(sampler, cls):
-            patches.append(mock.patch.object(getattr(sampler, cls), method,
-                                             marked("cache", getattr(getattr(sampler, cls), method))))
+            patches.append(
+                mock.patch.object(getattr(sampler, cls), method,
+                                  marked("cache", getattr(getattr(sampler, cls), method))))
     for p in patches:
         p.start()
     try:
@@ -1329,17 +1382,20 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
     engines["plain, model forward"] = plain_engine(rollout, lm, written_out=False)  # without decode_step.DecodeStep
     if importlib.util.find_spec("vllm") is not None:
         tokens = 64 + 64  # the longest prompt (the chat ones: <= 63 tokens) + response
-        vllm = make_engine("vllm", lm, tokenizer, chat=False, max_model_len=tokens, dtype=torch.float32,
-                                   kv_cache_memory_bytes=kv_cache_bytes(lm.config, 128, tokens, 4))
+        vllm = make_engine("vllm", lm, tokenizer, chat=False, max_model_len=tokens,
+                           dtype=torch.float32,
+                           kv_cache_memory_bytes=kv_cache_bytes(lm.config, 128, tokens, 4))
         prepare["vLLM-CPU"] = _best(lambda: vllm.push_weights(lm), 3)  # what VLLMEngine.ready does on CPU
-        engines["vLLM-CPU"] = lambda prompts, G, seed, T: vllm.sample(prompts, G, [seed], len(prompts), T, 1.0, 1.0)
+        engines["vLLM-CPU"] = lambda prompts, G, seed, T: vllm.sample(prompts, G, [seed],
+                                                                      len(prompts), T, 1.0, 1.0)
     print("\nTaking the weights, once per rollout phase (best of 3): " +
           ", ".join(f"{name} {seconds:.2f} s" for name, (seconds, _) in prepare.items()))
     assert torch.get_num_threads() == threads
     matmuls = _DecodeMatmuls(lm, plain.vocab_size)
-    workloads = {"issue: 32 x G 4, <= 64 tokens": (_sums_prompts(tokenizer, 32), 4, 64),
-                 "CPU default: 16 x G 8, <= 24 tokens": (_cpu_default_prompts(tokenizer, 16), 8, 24),
-                 "left-padded: 8 chat prompts x G 4, <= 64 tokens": (_prompt_ids(tokenizer, 8), 4, 64)}
+    workloads = {
+        "issue: 32 x G 4, <= 64 tokens": (_sums_prompts(tokenizer, 32), 4, 64),
+        "CPU default: 16 x G 8, <= 24 tokens": (_cpu_default_prompts(tokenizer, 16), 8, 24),
+        "left-padded: 8 chat prompts x G 4, <= 64 tokens": (_prompt_ids(tokenizer, 8), 4, 64)}
     print(f"\nUseful tokens/s (tokens up to and including EOS per second of rollout), SmolLM2-135M-Instruct fp32, CPU, "
           f"{threads} thread(s), T = 1.0, top-p 1.0, best of {reps} alternating runs (seeds 0..{reps - 1}, the same "
           f"for every engine); of limit = the decode-step matmuls' least time for the same rows / the rollout's "
@@ -1360,24 +1416,29 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
                 seconds = time.perf_counter() - start
                 rate = int(r.response_mask.sum()) / seconds
                 if rate > best.get(name, (0,))[0]:
-                    best[name] = (rate, matmuls.rollout_seconds(r) / seconds, r.response_mask.sum(1).float())
+                    best[name] = (rate, matmuls.rollout_seconds(r) / seconds,
+                                  r.response_mask.sum(1).float())
         lengths = best["plain"][2]
         row = f"| {label} | " + " | ".join(f"{best[n][0]:.0f} ({best[n][1]:.2f})" for n in names) + " | "
         if "vLLM-CPU" in engines:
             row += " | ".join(f"{best[n][0] / best['vLLM-CPU'][0]:.2f}x" for n in names[:-1]) + " | "
-        print(row + f"{lengths.min():.0f} / {lengths.median():.0f} / {lengths.max():.0f} |", flush=True)
+        print(row + f"{lengths.min():.0f} / {lengths.median():.0f} / {lengths.max():.0f} |",
+              flush=True)
     prompts, G, T = workloads["issue: 32 x G 4, <= 64 tokens"]
     print("\nWhere a rollout's time goes: the issue's workload, seed 0, PyTorch profiler (seconds, share)\n")
-    parts = ("matmuls", "attention", "cache writes / copies", "sampling", "other ops", "Python and host")
+    parts = ("matmuls", "attention", "cache writes / copies", "sampling", "other ops",
+             "Python and host")
     print("| sampler | wall s | " + " | ".join(parts) + " |")
     print("|---|---|" + "---|" * len(parts))
     for name, (sampler, _) in samplers.items():
         p = _rollout_profile(sampler, lambda: engines[name](prompts, G, 0, T))
-        print(f"| {name} | {p['wall']:.2f} | " + " | ".join(f"{p[k]:.2f} ({p[k] / p['wall']:.0%})" for k in parts)
-              + " |", flush=True)
+        print(f"| {name} | {p['wall']:.2f} | "
+              + " | ".join(f"{p[k]:.2f} ({p[k] / p['wall']:.0%})" for k in parts) + " |",
+              flush=True)
     print("\nDropping finished rows: when (`generate`'s `compact`), the plain sampler, the issue's workload, "
           f"best of {reps} alternating runs (the same tokens each way)\n")
-    cadences = {"never (fixed batch)": None, "a quarter of the batch": 0.25, "any (the default)": 0.0}
+    cadences = {"never (fixed batch)": None, "a quarter of the batch": 0.25,
+                "any (the default)": 0.0}
     times = {c: float("inf") for c in cadences}
     for rep in range(reps):
         for c in (list(cadences) if rep % 2 == 0 else list(cadences)[::-1]):
@@ -1390,7 +1451,8 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
         vllm.close()
 
 
-def bench_engines(reps: int = 5, threads=(2, 1), against: str | None = None, one: int | None = None):
+def bench_engines(reps: int = 5, threads=(2, 1), against: str | None = None,
+                  one: int | None = None):
     """The plain sampler (`rollout.generate`) against vLLM-CPU (`vllm_engine.VLLMEngine`,
     `LLM.generate`, enforce_eager, fp32, weights pushed from the same model) on
     SmolLM2-135M-Instruct: useful tokens/s on the issue's workload (32 raw-text prompts
@@ -1448,7 +1510,8 @@ def bench_decode_step(rows=(1, 4, 32, 128), threads=(2, 1), steps=16, reps=5):
                     step = decode_step.DecodeStep(lm) if written_out else None
                     head = step.head if step else decode_step.packed(lm.get_output_embeddings().weight)
                     cache = decode_step.InPlaceCache(lm.config, R, 12 + steps)
-                    hidden = decoder(input_ids=prompt, past_key_values=cache, use_cache=True).last_hidden_state
+                    hidden = decoder(input_ids=prompt, past_key_values=cache,
+                                     use_cache=True).last_hidden_state
                     tokens, start = [], time.perf_counter()
                     for t in range(steps):
                         tokens.append(head(hidden[:, -1]).argmax(-1))  # (R,)
@@ -1495,7 +1558,8 @@ def bench_train_step(steps=4):
 
 # --------------------------------------------------------------------------------------------------
 # `python -m tools.bench flops`: the update's achieved FLOP/s vs matmuls of the model's own shapes
-def _forward_flops(config, lengths: list[int], responses: list[int], computed: int | None = None) -> float:
+def _forward_flops(config, lengths: list[int], responses: list[int],
+                   computed: int | None = None) -> float:
     """FLOPs of one forward of `model.Policy` over rows of `lengths` real tokens
     (prompt + response), `responses` response tokens each: 2 per weight and token in the decoder
     layers (every real token, or the `computed` tokens the backbone runs when rows share a prompt:
@@ -1517,7 +1581,8 @@ def _shape_matmul_rate(config, tokens: int, reps: int = 3) -> float:
     D, I = config.hidden_size, config.intermediate_size
     H, KV = config.num_attention_heads, config.num_key_value_heads
     hd = getattr(config, "head_dim", None) or D // H
-    shapes = [(H * hd, D), (KV * hd, D), (KV * hd, D), (D, H * hd), (I, D), (I, D), (D, I), (config.vocab_size, D)]
+    shapes = [(H * hd, D), (KV * hd, D), (KV * hd, D), (D, H * hd), (I, D), (I, D), (D, I),
+              (config.vocab_size, D)]
     x = {n: torch.randn(tokens, n) for n in {D, H * hd, I}}
     weights = [torch.randn(out, inp) for out, inp in shapes]
     grads = [torch.randn(tokens, out) for out, _ in shapes]
@@ -1554,7 +1619,8 @@ def _long_tail_batch(tokenizer, rows: int = 128, cap: int = 256, seed: int = 0) 
     built-in task (~12 tokens, 8 rows each), responses lognormal with median ~20 tokens and a tail
     to `cap`; random token ids (timing only)."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [format_prompt(tokenizer, f"What is {i // 32} + {i // 8 % 4}?", False, "The answer is")
+    prompts = [format_prompt(tokenizer, f"What is {i // 32} + {i // 8 % 4}?", False,
+                             "The answer is")
                for i in range(rows)]  # G = 8 rows per prompt
     response = (torch.randn(rows, generator=g) * 1.0 + 3.0).exp().clamp(2, cap).long()  # (B,) median ~20
     ids, mask = rollout.left_pad(prompts, tokenizer.pad_token_id)
@@ -1597,7 +1663,8 @@ def _packing_table(policy, batch: Rollout, cfg, budgets=(768, 32768), reps=3):
     print("| --max-tokens-per-micro-batch | micro-batches | padding of rows x longest | padded rows s | packed s | "
           "packed + shared prompts s | padded / shared | packed / shared |")
     print("|---|---|---|---|---|---|---|---|")
-    alone = mock.patch.object(model, "first_with_same_prompt", lambda ids, mask: torch.arange(len(ids)))
+    alone = mock.patch.object(model, "first_with_same_prompt",
+                              lambda ids, mask: torch.arange(len(ids)))
     for budget in budgets:
         micro = mb.micro_batches(budget)
         fed = sum(len(mi) * int(mb.lengths()[mi].max()) for mi in micro)
@@ -1606,7 +1673,8 @@ def _packing_table(policy, batch: Rollout, cfg, budgets=(768, 32768), reps=3):
         def unshared(m):
             with alone:
                 return packed(m)
-        forwards = {"padded": lambda m: _padded_forward(policy, m, cfg), "packed": unshared, "shared": packed}
+        forwards = {"padded": lambda m: _padded_forward(policy, m, cfg), "packed": unshared,
+                    "shared": packed}
         t = _interleaved({name: (lambda f=f: [f(mb.select(mi)).sum().backward() for mi in micro])
                           for name, f in forwards.items()}, reps=reps)
         policy.zero_grad(set_to_none=True)
@@ -1678,7 +1746,8 @@ def _update_profile(run_step) -> dict[str, float]:
         with record_function("step"):
             run_step()
         wall = time.perf_counter() - start
-    totals = {"lm_head": 0.0, "optimizer": 0.0, "grad_clip": 0.0, "attention": 0.0, "host syncs": 0.0}
+    totals = {"lm_head": 0.0, "optimizer": 0.0, "grad_clip": 0.0, "attention": 0.0,
+              "host syncs": 0.0}
     for e in prof.events():
         if e.name in ("lm_head", "grad_clip"):
             totals[e.name] += e.cpu_time_total / 1e6
@@ -1693,7 +1762,8 @@ def _update_profile(run_step) -> dict[str, float]:
     return totals
 
 
-def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256), long_tail: bool = True):
+def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256),
+                long_tail: bool = True):
     """The update of `train.py --preset cpu` (SmolLM2-135M, 16 prompts x G 8, <= 24 tokens, 2
     mini-batches) and of a long-tail batch (responses up to 256 tokens), run by `train.train_step`
     on a fixed rollout batch (rewards by response-length parity, so every mini-batch updates): the
@@ -1705,7 +1775,8 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
     (`_update_profile`)."""
     from unittest import mock
 
-    cfg = parse_config(["--preset", "cpu", "--out-dir", tempfile.mkdtemp(prefix="bench-flops-"), "--overwrite"])[0]
+    cfg = parse_config(["--preset", "cpu", "--out-dir", tempfile.mkdtemp(prefix="bench-flops-"),
+                        "--overwrite"])[0]
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1) if not dist.is_initialized() else None
     state = _train_run(cfg, torch.device("cpu"))
     config = state.policy.lm.config
@@ -1768,7 +1839,8 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
     print("|---|---|---|---|")
     for budget in (32768, 768):
         t = {keep: _malloc_row(keep, budget, steps) for keep in (False, True)}
-        print(f"| {budget} | {t[False]:.2f} | {t[True]:.2f} | {t[False] / t[True]:.2f}x |", flush=True)
+        print(f"| {budget} | {t[False]:.2f} | {t[True]:.2f} | {t[False] / t[True]:.2f}x |",
+              flush=True)
     print("\nwhere the update's time goes (one train_step, PyTorch profiler; seconds and share of the step)\n")
     print("| workload | budget | step s | LM head | attention | backbone (rest of fwd/bwd) | optimizer | grad clip | "
           "host syncs (count) |")
@@ -1810,7 +1882,8 @@ def _stopped_run(cmd: list[str], delay: float, rank: int | None, sig) -> tuple[f
     t0 = time.time()
     out = proc.communicate()[0]
     seconds = time.time() - t0
-    return seconds, next((x for x in out.splitlines() if x.startswith("stopped by")), f"exit {proc.returncode}")
+    return seconds, next((x for x in out.splitlines() if x.startswith("stopped by")),
+                         f"exit {proc.returncode}")
 
 
 def _same_metrics(a: Path, b: Path) -> bool:
@@ -1840,8 +1913,8 @@ def bench_preempt(delays=(25, 50, 75), delays_two=(60,), steps=4):
     work = Path(tempfile.mkdtemp(prefix="bench-preempt-"))
     train_py = str(ROOT / "train.py")
     python = [sys.executable, train_py, "--resume", "auto", "--steps", str(steps)]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", train_py,
-                "--resume", "auto", "--steps", str(steps)]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                train_py, "--resume", "auto", "--steps", str(steps)]
     print(f"the CPU default (`python train.py --steps {steps}`), {torch.get_num_threads()} threads per process, "
           f"load average {os.getloadavg()[0]:.1f} at the start\n")
     print("| processes | signal | sent after s | where it came | signal -> exit s | resumed run = uninterrupted |")
@@ -1862,8 +1935,8 @@ def bench_preempt(delays=(25, 50, 75), delays_two=(60,), steps=4):
 
 BENCHES = {"logprobs": bench_model, "generate": bench_rollout, "grader": bench_reward,
            "grader-compare": bench_grader_compare, "update": bench_update,
-           "gpu": bench_gpu, "engines": bench_engines, "train-step": bench_train_step, "flops": bench_flops,
-           "preempt": bench_preempt, "decode-step": bench_decode_step}
+           "gpu": bench_gpu, "engines": bench_engines, "train-step": bench_train_step,
+           "flops": bench_flops, "preempt": bench_preempt, "decode-step": bench_decode_step}
 
 
 
@@ -1872,8 +1945,10 @@ def main(argv: list[str] | None = None) -> None:
     but gpu)."""
     parser = argparse.ArgumentParser(prog="tools.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("modes", nargs="*", metavar="MODE", help=f"{', '.join(BENCHES)} (default: all but gpu)")
-    parser.add_argument("--smoke", action="store_true", help="gpu: the same code at toy shapes on the CPU")
+    parser.add_argument("modes", nargs="*", metavar="MODE",
+                        help=f"{', '.join(BENCHES)} (default: all but gpu)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="gpu: the same code at toy shapes on the CPU")
     parser.add_argument("--out", metavar="DIR", help="gpu: also write DIR/gpu.md and DIR/gpu.json")
     parser.add_argument("--parts", type=lambda text: text.split(","), default=GPU_PARTS,
                         help=f"gpu: some of its parts, comma-separated ({','.join(GPU_PARTS)})")
@@ -1886,7 +1961,8 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         sys.exit(f"tools.bench: unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHES)}")
     options = {"gpu": dict(smoke=args.smoke, out=args.out, parts=args.parts),
-               "engines": dict(against=args.against, one=args.threads), "grader-compare": dict(against=args.against)}
+               "engines": dict(against=args.against, one=args.threads),
+               "grader-compare": dict(against=args.against)}
     for name in args.modes or [n for n in BENCHES if n != "gpu"]:  # `gpu` needs a GPU: only when named
         print(f"\n## {name}\n", flush=True)
         BENCHES[name](**options.get(name, {}))
