@@ -169,8 +169,8 @@ def bench_model(sizes=(1024, 4096, 16384), max_gb=12.0):
        too. With one chunk the chunked code recomputes nothing; with 4 chunks of 256 it recomputes 3
        of them, the cost at any N > chunk_size.
     """
-    print(f"chunked_logprobs_entropy vs naive, forward + backward, V={V}, D={D}, fp32 CPU, chunk_size=1024, "
-          f"{torch.get_num_threads()} threads")
+    print(f"chunked_logprobs_entropy vs naive, forward + backward, V={V}, D={D}, fp32 CPU, "
+          f"chunk_size=1024, {torch.get_num_threads()} threads")
     print("| N tokens | naive peak extra GiB | chunked peak extra GiB | naive s | chunked s |")
     print("|---|---|---|---|---|", flush=True)
     naive_per_token = None
@@ -184,11 +184,13 @@ def bench_model(sizes=(1024, 4096, 16384), max_gb=12.0):
             naive_mem, naive_time = f"{naive['peak_gb']:.2f}", f"{naive['seconds']:.1f}"
         else:
             naive_mem, naive_time = f"does not fit (needs ~{predicted:.1f})", "-"
-        print(f"| {N} | {naive_mem} | {chunked['peak_gb']:.2f} | {naive_time} | {chunked['seconds']:.1f} |", flush=True)
+        print(f"| {N} | {naive_mem} | {chunked['peak_gb']:.2f} | {naive_time} | "
+              f"{chunked['seconds']:.1f} |", flush=True)
     best = _same_process_times()
-    print(f"\nSame process, N=1024, best of 2: naive {best['naive']:.1f} s; chunked, 1 chunk of 1024 (no "
-          f"recomputation) {best['chunked']:.1f} s = {best['chunked'] / best['naive']:.2f}x; chunked, 4 chunks of 256 "
-          f"(3 recomputed) {best['chunked x4']:.1f} s = {best['chunked x4'] / best['naive']:.2f}x")
+    print(f"\nSame process, N=1024, best of 2: naive {best['naive']:.1f} s; chunked, 1 chunk of "
+          f"1024 (no recomputation) {best['chunked']:.1f} s = "
+          f"{best['chunked'] / best['naive']:.2f}x; chunked, 4 chunks of 256 (3 recomputed) "
+          f"{best['chunked x4']:.1f} s = {best['chunked x4'] / best['naive']:.2f}x")
 
 # --------------------------------------------------------------------------------------------------
 # `python -m tools.bench generate`: rollout.generate vs transformers' model.generate; under FSDP2
@@ -257,8 +259,9 @@ def _compare(name, lm, prompts, steps, temperature, top_p, reps, limits):
     weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())
     step_limit = max(weight_bytes / bandwidth, 2 * n_params * batch / flops)  # roofline: one step reads all weights
     per_step = t["ours"] / steps  # includes the prefill, amortized
-    return (f"| {name} | {batch} x {steps}, T={temperature}, top-p={top_p} | {batch * steps / t['ours']:.0f} | "
-            f"{batch * steps / t['hf']:.0f} | {t['hf'] / t['ours']:.2f}x | {per_step * 1e3:.1f} ms | "
+    return (f"| {name} | {batch} x {steps}, T={temperature}, top-p={top_p} | "
+            f"{batch * steps / t['ours']:.0f} | {batch * steps / t['hf']:.0f} | "
+            f"{t['hf'] / t['ours']:.2f}x | {per_step * 1e3:.1f} ms | "
             f"{step_limit * 1e3:.1f} ms ({100 * step_limit / per_step:.0f}%) |")
 
 
@@ -292,8 +295,8 @@ def _fsdp_row(name, batch, steps, reps):
     fsdp = max(r["fsdp"] for r in results) / steps  # the slower rank sets the pace
     plain = max(r["plain"] for r in results) / steps
     enter = max(r["enter"] for r in results)
-    return (f"| {name} | 2 ranks x {batch} x {steps} | {fsdp * 1e3:.2f} ms | {plain * 1e3:.2f} ms | "
-            f"{fsdp / plain:.2f}x | {enter * 1e3:.0f} ms |")
+    return (f"| {name} | 2 ranks x {batch} x {steps} | {fsdp * 1e3:.2f} ms | "
+            f"{plain * 1e3:.2f} ms | {fsdp / plain:.2f}x | {enter * 1e3:.0f} ms |")
 
 
 def bench_rollout():
@@ -315,10 +318,11 @@ def bench_rollout():
     torch.set_num_threads(1)
     try:
         limits = _machine_limits()
-        print(f"\nrollout.generate vs model.generate, CPU, 1 thread; copy bandwidth {limits[0] / 1e9:.1f} GB/s, "
-              f"matmul {limits[1] / 1e9:.0f} GFLOP/s (medians of interleaved repetitions)\n")
-        print("| model | batch x new tokens, sampling | ours tok/s | generate tok/s | speed-up | ours per step | "
-              "roofline per step (% reached) |")
+        print("\nrollout.generate vs model.generate, CPU, 1 thread; copy bandwidth "
+              f"{limits[0] / 1e9:.1f} GB/s, matmul {limits[1] / 1e9:.0f} GFLOP/s (medians of "
+              "interleaved repetitions)\n")
+        print("| model | batch x new tokens, sampling | ours tok/s | generate tok/s | speed-up | "
+              "ours per step | roofline per step (% reached) |")
         print("|---|---|---|---|---|---|---|")
         lm, tokenizer = load_model("tiny")
         print(_compare("tiny", lm, _prompt_ids(tokenizer, 8), 64, 1.0, 1.0, 7, limits), flush=True)
@@ -329,8 +333,8 @@ def bench_rollout():
         print(_compare("SmolLM2-135M", lm, _prompt_ids(tokenizer, 1), 32, 1.0, 1.0, 5, limits),
               flush=True)
         del lm
-        print("\nFSDP2 (gloo, 2 processes, 1 thread each): time per decoding step inside `gathered` vs the same rank "
-              "decoding an unsharded copy\n")
+        print("\nFSDP2 (gloo, 2 processes, 1 thread each): time per decoding step inside "
+              "`gathered` vs the same rank decoding an unsharded copy\n")
         print("| model | work | FSDP2 per step | unsharded per step | ratio | unshard at entry |")
         print("|---|---|---|---|---|---|")
         print(_fsdp_row("tiny", 8, 64, 5), flush=True)
@@ -367,7 +371,8 @@ def _reward_corpora():
     counted)."""
     data = _REWARD_DATA if (_REWARD_DATA / "grader_cases.jsonl").exists() else _REWARD_FALLBACK
     if data == _REWARD_FALLBACK:
-        print(f"{_REWARD_DATA} not found: using the repository's {data} (fewer cases, smaller benchmark files)\n")
+        print(f"{_REWARD_DATA} not found: using the repository's {data} (fewer cases, smaller "
+              "benchmark files)\n")
     cases = [json.loads(line) for line in (data / "grader_cases.jsonl").read_text().splitlines()
              if line.strip()]
     golds = []
@@ -421,13 +426,15 @@ def bench_reward(repeats=3):
     reward.grade("\\boxed{\\sqrt{2}}", "\\sqrt{2}+0")  # warm sympy's caches once
     corpora = _reward_corpora()
     print(f"timeout {reward.TIMEOUT_S} s per grade\n")
-    print("| corpus | responses | grade /s | strict /s | slowest grade (ms) | slowest case | verdicts != label |")
+    print("| corpus | responses | grade /s | strict /s | slowest grade (ms) | slowest case | "
+          "verdicts != label |")
     print("|---|---|---|---|---|---|---|")
     for name, items in corpora.items():
         rate, (worst, case), wrong = _reward_run(items, reward.grade, repeats)
         strict, _, _ = _reward_run(items, lambda r, g: reward.reward(r, g, mode="strict") > 0,
                                    repeats)
-        print(f"| {name} | {len(items)} | {rate:,.0f} | {strict:,.0f} | {worst * 1e3:.1f} | {case} | {wrong} |")
+        print(f"| {name} | {len(items)} | {rate:,.0f} | {strict:,.0f} | {worst * 1e3:.1f} | "
+              f"{case} | {wrong} |")
 
 # --------------------------------------------------------------------------------------------------
 # `python -m tools.bench grader-compare [--against OLD_REWARD_PY]`: reward.grade against math-verify
@@ -536,15 +543,15 @@ def bench_grader_compare(against: str | None = None):
     verdicts = {g: {item[2]: v for item, v in zip(everything, _verdicts(everything, fn))}
                 for g, fn in graders.items()}
     deliberate = {c["id"]: c["deliberate_no"] for c in peers}
-    print("testdata/peer_cases.jsonl: agree / cases, false positives (accepted, labelled wrong; disputed: the label "
-          "is a deliberate \"no\" of docs/grader.md), slowest case\n")
+    print("testdata/peer_cases.jsonl: agree / cases, false positives (accepted, labelled wrong; "
+          "disputed: the label is a deliberate \"no\" of docs/grader.md), slowest case\n")
     _compare_table({f"{suite}: {source}": items for (suite, source), items in groups.items()},
                    graders, verdicts, {i for i, why in deliberate.items() if why})
     for g in graders:
         fps = [c for c in peers if verdicts[g][c["id"]][0] and not c["correct"]]
         real = sum(not deliberate[c["id"]] for c in fps)
-        print(f"{g}: {len(fps)} false positives, {real} of them on a label docs/grader.md does not dispute" +
-              (":" if fps else ""))
+        print(f"{g}: {len(fps)} false positives, {real} of them on a label docs/grader.md does not "
+              "dispute" + (":" if fps else ""))
         for c in fps:
             why = f"disputed: {deliberate[c['id']]}" if deliberate[c["id"]] else "FALSE POSITIVE"
             print(f"- {c['id']}: {c['response'][-70:]!r} for gold {str(c['gold'])[:40]!r} ({why})")
@@ -564,7 +571,8 @@ def bench_grader_compare(against: str | None = None):
         items = by_category["**all**"]
         verdicts = {g: {item[2]: v for item, v in zip(items, _verdicts(items, fn))}
                     for g, fn in graders.items()}
-        print(f"{where}: agree / cases, false positives (of the cases labelled wrong), slowest case\n")
+        print(f"{where}: agree / cases, false positives (of the cases labelled wrong), slowest "
+              "case\n")
         _compare_table(by_category, graders, verdicts)
 
 # --------------------------------------------------------------------------------------------------
@@ -771,8 +779,8 @@ def _gpu_numerics(sizes, cfg, state, device, out):
         out.append({"part": "numerics", "what": f"{name}: policy forward vs fp32 forward",
                     "tokens": int(mask.sum()), "max_abs_diff": diff.max().item(),
                     "mean_abs_diff": diff.mean().item(), "fp32_mean": b[mask].mean().item()})
-        print(f"numerics {name}: max abs diff {out[-1]['max_abs_diff']:.2e}, mean {out[-1]['mean_abs_diff']:.2e} "
-              f"(fp32 mean {out[-1]['fp32_mean']:.3f})", flush=True)
+        print(f"numerics {name}: max abs diff {out[-1]['max_abs_diff']:.2e}, mean "
+              f"{out[-1]['mean_abs_diff']:.2e} (fp32 mean {out[-1]['fp32_mean']:.3f})", flush=True)
     del ref, ref_lm, full
     # the LM head alone: chunked vs naive (N, V) logits, forward + backward, fp32 reference
     N, V_, D_ = sizes.head_tokens, policy.lm.config.vocab_size, policy.lm.config.hidden_size
@@ -856,8 +864,9 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
                             "speedup": eager / seconds if eager else None,
                             "peak_gb": _peak_gb(device), "first_call_s": first[0],
                             "graphs": first[1]})
-                print(f"{name} batch {batch}: {batch * n / seconds:,.0f} tokens/s, {1e3 * seconds / n:.2f} ms/step "
-                      f"(roofline {1e3 * roofline:.2f} ms)", flush=True)
+                print(f"{name} batch {batch}: {batch * n / seconds:,.0f} tokens/s, "
+                      f"{1e3 * seconds / n:.2f} ms/step (roofline "
+                      f"{1e3 * roofline:.2f} ms)", flush=True)
             return seconds
 
         measure(None, ours(False), largest, 16)
@@ -882,8 +891,9 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
         out.append({"part": "captured_check", "batch": batch, "new_tokens": n,
                     "same_tokens": torch.equal(a.response_ids, b.response_ids),
                     "logprob_max_abs_diff": (a.logprobs - b.logprobs).abs().max().item()})
-        print(f"CapturedStep replayed vs its body run eagerly, {batch} x {n}: same tokens {out[-1]['same_tokens']}, "
-              f"log-prob max diff {out[-1]['logprob_max_abs_diff']:.2e}", flush=True)
+        print(f"CapturedStep replayed vs its body run eagerly, {batch} x {n}: same tokens "
+              f"{out[-1]['same_tokens']}, log-prob max diff "
+              f"{out[-1]['logprob_max_abs_diff']:.2e}", flush=True)
         del captured, step
 
 
@@ -919,37 +929,44 @@ def _gpu_e2e(sizes, model_dir, data, device, work, out):
 def _gpu_table(rows, header):
     lines = [header, ""]
     parts = {
-        "train": ("| one mini-batch update | sequences x T | tokens per micro-batch | tokens | update s | tokens/s | "
-                  "MFU | peak GiB | memory model GiB |\n|---|---|---|---|---|---|---|---|---|",
-                  lambda r: f"| T = {r['T']} | {r['sequences']} x {r['T']} | {r['micro_batch']} | {r['tokens']} | "
-                            f"{r['update_s']:.2f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | {r['peak_gb']:.1f} | "
-                            f"{r['estimate_gb']:.1f} |"),
-        "numerics": ("| numerics | tokens | max abs diff | mean abs diff | fp32 mean |\n|---|---|---|---|---|",
+        "train": ("| one mini-batch update | sequences x T | tokens per micro-batch | tokens | "
+                  "update s | tokens/s | MFU | peak GiB | memory model GiB |\n"
+                  "|---|---|---|---|---|---|---|---|---|",
+                  lambda r: f"| T = {r['T']} | {r['sequences']} x {r['T']} | {r['micro_batch']} | "
+                            f"{r['tokens']} | {r['update_s']:.2f} | {r['tokens_per_s']:,.0f} | "
+                            f"{r['mfu']:.1%} | {r['peak_gb']:.1f} | {r['estimate_gb']:.1f} |"),
+        "numerics": ("| numerics | tokens | max abs diff | mean abs diff | fp32 mean |\n"
+                     "|---|---|---|---|---|",
                      lambda r: f"| {r['what']} | {r['tokens']} | {r['max_abs_diff']:.2e} | "
                                f"{r['mean_abs_diff']:.2e} | {r['fp32_mean']:.3f} |"),
-        "head": ("| LM head (N x V) | dtype | fwd+bwd s | peak extra GiB | log-prob max diff | entropy max diff |\n"
-                 "|---|---|---|---|---|---|",
+        "head": ("| LM head (N x V) | dtype | fwd+bwd s | peak extra GiB | log-prob max diff | "
+                 "entropy max diff |\n|---|---|---|---|---|---|",
                  lambda r: f"| {r['impl']}, N = {r['N']} | {r['dtype']} | {r['seconds']:.3f} | "
                            f"{r['peak_extra_gb']:.2f} | {r['logprob_max_abs_diff']:.2e} | "
                            f"{r['entropy_max_abs_diff']:.2e} |"),
-        "rollout": ("| sampler (EOS never sampled) | rows x new tokens | tokens/s | per step | roofline | of roofline "
-                    "| x eager | first call s (captures) | peak GiB |\n|---|---|---|---|---|---|---|---|---|",
-                    lambda r: f"| {r['sampler']} | {r['batch']} x {r['new_tokens']} | {r['tokens_per_s']:,.0f} | "
-                              f"{r['step_ms']:.2f} ms | {r['roofline_ms']:.2f} ms | "
+        "rollout": ("| sampler (EOS never sampled) | rows x new tokens | tokens/s | per step | "
+                    "roofline | of roofline | x eager | first call s (captures) | peak GiB |\n"
+                    "|---|---|---|---|---|---|---|---|---|",
+                    lambda r: f"| {r['sampler']} | {r['batch']} x {r['new_tokens']} | "
+                              f"{r['tokens_per_s']:,.0f} | {r['step_ms']:.2f} ms | "
+                              f"{r['roofline_ms']:.2f} ms | "
                               f"{r['roofline_ms'] / r['step_ms']:.0%} | "
                               + (f"{r['speedup']:.1f}x" if r["speedup"] else "") + " | "
                               + (f"{r['first_call_s']:.1f} ({r['graphs']} graphs)"
                                  if r["first_call_s"] else "")
                               + f" | {r['peak_gb']:.1f} |"),
-        "captured_check": ("| CapturedStep replayed vs its body run eagerly (same seeds) | rows x new tokens | same "
-                           "tokens | log-prob max abs diff |\n|---|---|---|---|",
-                           lambda r: f"| graphs vs eager | {r['batch']} x {r['new_tokens']} | {r['same_tokens']} | "
-                                     f"{r['logprob_max_abs_diff']:.2e} |"),
-        "e2e": ("| train.py step | reward/mean | response/len_mean | loss/policy | grad_norm | updates | rollout s | "
-                "update s | tokens/s |\n|---|---|---|---|---|---|---|---|---|",
-                lambda r: f"| {r['step']} | {r['reward/mean']:.3f} | {r['response/len_mean']:.0f} | "
-                          f"{r['loss/policy']:.4f} | {r['grad_norm']:.3f} | {r['updates']} | "
-                          f"{r['time/rollout_s']:.1f} | {r['time/update_s']:.1f} | {r['tokens_per_s']:,.0f} |"),
+        "captured_check": ("| CapturedStep replayed vs its body run eagerly (same seeds) | "
+                           "rows x new tokens | same tokens | log-prob max abs diff |\n"
+                           "|---|---|---|---|",
+                           lambda r: f"| graphs vs eager | {r['batch']} x {r['new_tokens']} | "
+                                     f"{r['same_tokens']} | {r['logprob_max_abs_diff']:.2e} |"),
+        "e2e": ("| train.py step | reward/mean | response/len_mean | loss/policy | grad_norm | "
+                "updates | rollout s | update s | tokens/s |\n"
+                "|---|---|---|---|---|---|---|---|---|",
+                lambda r: f"| {r['step']} | {r['reward/mean']:.3f} | "
+                          f"{r['response/len_mean']:.0f} | {r['loss/policy']:.4f} | "
+                          f"{r['grad_norm']:.3f} | {r['updates']} | {r['time/rollout_s']:.1f} | "
+                          f"{r['time/update_s']:.1f} | {r['tokens_per_s']:,.0f} |"),
     }
     for part, (head, fmt) in parts.items():
         lines += [head] + [fmt(r) for r in rows if r["part"] == part] + [""]
@@ -1001,11 +1018,13 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
 
     unknown = set(parts) - set(GPU_PARTS)
     if unknown:
-        sys.exit(f"tools.bench gpu: unknown part(s) {sorted(unknown)}; choose from {', '.join(GPU_PARTS)}")
+        sys.exit(f"tools.bench gpu: unknown part(s) {sorted(unknown)}; choose from "
+                 f"{', '.join(GPU_PARTS)}")
     start = time.perf_counter()
     cuda = torch.cuda.is_available() and not smoke
     if not cuda and not smoke:
-        sys.exit("tools.bench gpu: no CUDA GPU here; `python -m tools.bench gpu --smoke` runs the same code on the CPU")
+        sys.exit("tools.bench gpu: no CUDA GPU here; `python -m tools.bench gpu --smoke` runs the "
+                 "same code on the CPU")
     sizes, device = (GPU_FULL, torch.device("cuda")) if cuda else (GPU_SMOKE, torch.device("cpu"))
     out_dir = Path(out or ("out/bench-gpu" if cuda else "out/bench-gpu-smoke"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -1028,11 +1047,11 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
     dtype = torch.bfloat16 if cuda else torch.float32
     bandwidth, flops_rate = _device_limits(device, dtype)
     device_name = torch.cuda.get_device_name(device) if cuda else "CPU"
-    header = (f"tools/bench.py gpu{' --smoke' if smoke else ''}: {device_name}, "
-              f"torch {torch.__version__}, transformers {__import__('transformers').__version__}, Python "
+    header = (f"tools/bench.py gpu{' --smoke' if smoke else ''}: {device_name}, torch "
+              f"{torch.__version__}, transformers {__import__('transformers').__version__}, Python "
               f"{sys.version.split()[0]}; random Qwen3 model of {n_params:,} parameters "
-              f"(vocabulary {config.vocab_size}); measured copy bandwidth {bandwidth / 1e9:.0f} GB/s, "
-              f"{str(dtype).removeprefix('torch.')} matmul {flops_rate / 1e12:.3g} TFLOP/s")
+              f"(vocabulary {config.vocab_size}); measured copy bandwidth {bandwidth / 1e9:.0f} "
+              f"GB/s, {str(dtype).removeprefix('torch.')} matmul {flops_rate / 1e12:.3g} TFLOP/s")
     print(header, flush=True)
     rows = []
     skip = "vLLM: not measured (" + ("not installed here" if importlib.util.find_spec("vllm") is None else
@@ -1182,7 +1201,8 @@ def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
         base = next(iter(schemes))
         median = int(batch.response_mask.sum(1).median())
         print(f"update forward + backward, {rows} rows (response lengths: median {median}, max "
-              f"{batch.response_mask.shape[1]}), scaled-down Qwen3 (2 layers), fp32 CPU, 1 thread, median of 3\n")
+              f"{batch.response_mask.shape[1]}), scaled-down Qwen3 (2 layers), fp32 CPU, 1 thread, "
+              "median of 3\n")
         print("| micro-batches | count | largest (tokens) | batch/pad_frac | time per real token | "
               "vs 8 sequences |")
         print("|---|---|---|---|---|---|")
@@ -1191,10 +1211,12 @@ def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
             print(f"| {name} | {len(micro)} | {largest} | {1 - real / laid[name]:.3f} | "
                   f"{t[name] / real * 1e6:.1f} us | {t[name] / t[base]:.2f}x |", flush=True)
 
-        print("\nmodel.memory_estimate at the paper's recipe (256 prompts x G=8 per step, --rollout-chunk 8, prompt "
-              "1024 + response 15360, 32768 tokens per micro-batch, bf16 compute, FSDP2), GiB per rank\n")
-        print("| model | GPUs | params + grads + AdamW | activations, ckpt on (off) | training peak, ckpt on (off) | "
-              "rows per generate call | KV cache | rollout peak | rollout peak, --rollout-chunk 1 |")
+        print("\nmodel.memory_estimate at the paper's recipe (256 prompts x G=8 per step, "
+              "--rollout-chunk 8, prompt 1024 + response 15360, 32768 tokens per micro-batch, bf16 "
+              "compute, FSDP2), GiB per rank\n")
+        print("| model | GPUs | params + grads + AdamW | activations, ckpt on (off) | "
+              "training peak, ckpt on (off) | rows per generate call | KV cache | rollout peak | "
+              "rollout peak, --rollout-chunk 1 |")
         print("|---|---|---|---|---|---|---|---|---|")
         for name, shape in QWEN3.items():
             config = Qwen3Config(vocab_size=151_936, **shape)
@@ -1203,12 +1225,15 @@ def bench_update(rows=64, lengths=(2048, 4096, 8192, 16384)):
                 on, off = (memory_estimate(config, world, rollout_call=RolloutCall(rows),
                                            checkpointing=c) for c in (1, 0))
                 one = memory_estimate(config, world, rollout_call=RolloutCall(8))
-                print(f"| {name} | {world} | {on['params'] + on['grads'] + on['adam']:.1f} | {on['activations']:.1f} "
-                      f"({off['activations']:.1f}) | {on['train_peak']:.1f} ({off['train_peak']:.1f}) | {rows} | "
-                      f"{on['kv_cache']:.1f} | {on['rollout_peak']:.1f} | {one['rollout_peak']:.1f} |")
+                print(f"| {name} | {world} | {on['params'] + on['grads'] + on['adam']:.1f} | "
+                      f"{on['activations']:.1f} ({off['activations']:.1f}) | "
+                      f"{on['train_peak']:.1f} ({off['train_peak']:.1f}) | {rows} | "
+                      f"{on['kv_cache']:.1f} | {on['rollout_peak']:.1f} | "
+                      f"{one['rollout_peak']:.1f} |")
 
-        print("\npeak memory of one training step vs length (1 row; fp32 model + AdamW + forward + backward), "
-              "scaled-down Qwen3 (4 layers), CPU, each in its own process; estimate: estimate.memory_estimate\n")
+        print("\npeak memory of one training step vs length (1 row; fp32 model + AdamW + forward + "
+              "backward), scaled-down Qwen3 (4 layers), CPU, each in its own process; estimate: "
+              "estimate.memory_estimate\n")
         print("| tokens | checkpointing | measured GiB | estimate GiB | estimate / measured |")
         print("|---|---|---|---|---|")
         for L in lengths:
@@ -1396,10 +1421,11 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
         "issue: 32 x G 4, <= 64 tokens": (_sums_prompts(tokenizer, 32), 4, 64),
         "CPU default: 16 x G 8, <= 24 tokens": (_cpu_default_prompts(tokenizer, 16), 8, 24),
         "left-padded: 8 chat prompts x G 4, <= 64 tokens": (_prompt_ids(tokenizer, 8), 4, 64)}
-    print(f"\nUseful tokens/s (tokens up to and including EOS per second of rollout), SmolLM2-135M-Instruct fp32, CPU, "
-          f"{threads} thread(s), T = 1.0, top-p 1.0, best of {reps} alternating runs (seeds 0..{reps - 1}, the same "
-          f"for every engine); of limit = the decode-step matmuls' least time for the same rows / the rollout's "
-          f"time. The matmuls of one 128-row decode step allow {128 / matmuls.step(128):.0f} tokens/s here.\n")
+    print("\nUseful tokens/s (tokens up to and including EOS per second of rollout), "
+          f"SmolLM2-135M-Instruct fp32, CPU, {threads} thread(s), T = 1.0, top-p 1.0, best of "
+          f"{reps} alternating runs (seeds 0..{reps - 1}, the same for every engine); of limit = "
+          "the decode-step matmuls' least time for the same rows / the rollout's time. The matmuls "
+          f"of one 128-row decode step allow {128 / matmuls.step(128):.0f} tokens/s here.\n")
     names = list(engines)
     print("| workload | " + " | ".join(f"{n} tok/s (of limit)" for n in names) + " | " +
           " | ".join(f"{n} / vLLM-CPU" for n in names[:-1] if "vLLM-CPU" in engines) +
@@ -1425,7 +1451,8 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
         print(row + f"{lengths.min():.0f} / {lengths.median():.0f} / {lengths.max():.0f} |",
               flush=True)
     prompts, G, T = workloads["issue: 32 x G 4, <= 64 tokens"]
-    print("\nWhere a rollout's time goes: the issue's workload, seed 0, PyTorch profiler (seconds, share)\n")
+    print("\nWhere a rollout's time goes: the issue's workload, seed 0, PyTorch profiler (seconds, "
+          "share)\n")
     parts = ("matmuls", "attention", "cache writes / copies", "sampling", "other ops",
              "Python and host")
     print("| sampler | wall s | " + " | ".join(parts) + " |")
@@ -1435,8 +1462,8 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
         print(f"| {name} | {p['wall']:.2f} | "
               + " | ".join(f"{p[k]:.2f} ({p[k] / p['wall']:.0%})" for k in parts) + " |",
               flush=True)
-    print("\nDropping finished rows: when (`generate`'s `compact`), the plain sampler, the issue's workload, "
-          f"best of {reps} alternating runs (the same tokens each way)\n")
+    print("\nDropping finished rows: when (`generate`'s `compact`), the plain sampler, the issue's "
+          f"workload, best of {reps} alternating runs (the same tokens each way)\n")
     cadences = {"never (fixed batch)": None, "a quarter of the batch": 0.25,
                 "any (the default)": 0.0}
     times = {c: float("inf") for c in cadences}
@@ -1496,8 +1523,8 @@ def bench_decode_step(rows=(1, 4, 32, 128), threads=(2, 1), steps=16, reps=5):
     same greedy tokens."""
     lm, _ = load_model("smollm2")
     decoder, matmuls = lm.get_decoder(), _DecodeMatmuls(lm, None)
-    print("| threads | rows | model forward ms (of its matmuls) | written out ms (of its matmuls) | its matmuls ms |"
-          "\n|---|---|---|---|---|")
+    print("| threads | rows | model forward ms (of its matmuls) | "
+          "written out ms (of its matmuls) | its matmuls ms |\n|---|---|---|---|---|")
     for n in threads:
         torch.set_num_threads(n)
         matmuls.cache.clear()
@@ -1527,10 +1554,12 @@ def bench_decode_step(rows=(1, 4, 32, 128), threads=(2, 1), steps=16, reps=5):
                     seconds, tokens[written_out] = decode(written_out)
                     best[written_out] = min(best[written_out], seconds)
             if not torch.equal(tokens[True], tokens[False]):
-                raise AssertionError("the written-out decode step gave other greedy tokens than the model's forward")
+                raise AssertionError("the written-out decode step gave other greedy tokens than "
+                                     "the model's forward")
             limit = matmuls.step(R)
-            print(f"| {n} | {R} | {best[False] * 1e3:.1f} ({limit / best[False]:.2f}) | {best[True] * 1e3:.1f} "
-                  f"({limit / best[True]:.2f}) | {limit * 1e3:.1f} |", flush=True)
+            print(f"| {n} | {R} | {best[False] * 1e3:.1f} ({limit / best[False]:.2f}) | "
+                  f"{best[True] * 1e3:.1f} ({limit / best[True]:.2f}) | "
+                  f"{limit * 1e3:.1f} |", flush=True)
 
 
 def bench_train_step(steps=4):
@@ -1549,11 +1578,13 @@ def bench_train_step(steps=4):
             rows[engine] = [statistics.mean(m[k] for m in lines) for k in ("time/rollout_s", "time/update_s")] + [
                 statistics.mean(m["rollout/logprob_diff"] for m in lines)]
     print(f"\n`train.py --preset cpu`, mean of steps 2..{steps}\n")
-    print("| engine | rollout + pi_old s | update s | step s | step vs plain | rollout/logprob_diff |")
+    print("| engine | rollout + pi_old s | update s | step s | step vs plain | "
+          "rollout/logprob_diff |")
     print("|---|---|---|---|---|---|")
     for engine, (roll, upd, diff) in rows.items():
         ratio = (roll + upd) / sum(rows["plain"][:2]) if "plain" in rows else float("nan")
-        print(f"| {engine} | {roll:.2f} | {upd:.2f} | {roll + upd:.2f} | {ratio:.2f}x | {diff:.1e} |")
+        print(f"| {engine} | {roll:.2f} | {upd:.2f} | {roll + upd:.2f} | {ratio:.2f}x | "
+              f"{diff:.1e} |")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1658,10 +1689,11 @@ def _packing_table(policy, batch: Rollout, cfg, budgets=(768, 32768), reps=3):
 
     rows = cfg.mini_batch_prompts * cfg.group_size
     mb = batch.select(slice(0, rows))
-    print("\npadded rows, packed rows, packed rows with shared prompts: forward + backward of the first mini-batch, "
-          f"same process, median of {reps}\n")
-    print("| --max-tokens-per-micro-batch | micro-batches | padding of rows x longest | padded rows s | packed s | "
-          "packed + shared prompts s | padded / shared | packed / shared |")
+    print("\npadded rows, packed rows, packed rows with shared prompts: forward + backward of the "
+          f"first mini-batch, same process, median of {reps}\n")
+    print("| --max-tokens-per-micro-batch | micro-batches | padding of rows x longest | "
+          "padded rows s | packed s | packed + shared prompts s | padded / shared | "
+          "packed / shared |")
     print("|---|---|---|---|---|---|---|---|")
     alone = mock.patch.object(model, "first_with_same_prompt",
                               lambda ids, mask: torch.arange(len(ids)))
@@ -1678,9 +1710,9 @@ def _packing_table(policy, batch: Rollout, cfg, budgets=(768, 32768), reps=3):
         t = _interleaved({name: (lambda f=f: [f(mb.select(mi)).sum().backward() for mi in micro])
                           for name, f in forwards.items()}, reps=reps)
         policy.zero_grad(set_to_none=True)
-        print(f"| {budget} | {len(micro)} | {1 - int(mb.lengths().sum()) / fed:.3f} | {t['padded']:.2f} | "
-              f"{t['packed']:.2f} | {t['shared']:.2f} | {t['padded'] / t['shared']:.2f}x | "
-              f"{t['packed'] / t['shared']:.2f}x |", flush=True)
+        print(f"| {budget} | {len(micro)} | {1 - int(mb.lengths().sum()) / fed:.3f} | "
+              f"{t['padded']:.2f} | {t['packed']:.2f} | {t['shared']:.2f} | "
+              f"{t['padded'] / t['shared']:.2f}x | {t['packed'] / t['shared']:.2f}x |", flush=True)
 
 
 _MALLOC_PROBE = """import statistics, sys, tempfile
@@ -1782,17 +1814,19 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
     config = state.policy.lm.config
     square = torch.randn(2048, 2048)
     square_rate = 2 * 2048 ** 3 / _best(lambda: square @ square, 5)[0]
-    print(f"\nthe update of train.py --preset cpu: SmolLM2-135M-Instruct fp32, CPU, {torch.get_num_threads()} threads; "
-          f"2048 x 2048 fp32 matmul: {square_rate / 1e9:.0f} GFLOP/s\n")
+    print("\nthe update of train.py --preset cpu: SmolLM2-135M-Instruct fp32, CPU, "
+          f"{torch.get_num_threads()} threads; 2048 x 2048 fp32 matmul: {square_rate / 1e9:.0f} "
+          "GFLOP/s\n")
     parity = _parity
     workloads = {"CPU default (sampled)": None}
     if long_tail:
         workloads["long tail (<= 256 tokens)"] = _long_tail_batch(state.tokenizer)
-    print("FLOPs: the update's work counted over each row's real tokens (the same update without shared prompts) and, "
-          "in parentheses, what the backbone computes (a shared prompt once)\n")
-    print("| workload | --max-tokens-per-micro-batch | micro-batches per mini-batch | batch/pad_frac | "
-          "batch/shared_frac | update s | update GFLOP | GFLOP/s | of shape matmul | of 2048^2 matmul | "
-          "pi_old pass s |")
+    print("FLOPs: the update's work counted over each row's real tokens (the same update without "
+          "shared prompts) and, in parentheses, what the backbone computes "
+          "(a shared prompt once)\n")
+    print("| workload | --max-tokens-per-micro-batch | micro-batches per mini-batch | "
+          "batch/pad_frac | batch/shared_frac | update s | update GFLOP | GFLOP/s | "
+          "of shape matmul | of 2048^2 matmul | pi_old pass s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, batch in workloads.items():
         engine = _CachedEngine(state.engine, batch)
@@ -1826,24 +1860,28 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
             shape_rate = _shape_matmul_rate(config, min(tokens, 2048))
             update_s = statistics.median(t[0] for t in times)
             print(f"| {label} | {budget} | {micro} | {metrics['batch/pad_frac']:.3f} | "
-                  f"{metrics['batch/shared_frac']:.3f} | {update_s:.2f} | {row_flops / 1e9:.0f} ({flops / 1e9:.0f}) | "
+                  f"{metrics['batch/shared_frac']:.3f} | {update_s:.2f} | "
+                  f"{row_flops / 1e9:.0f} ({flops / 1e9:.0f}) | "
                   f"{row_flops / update_s / 1e9:.0f} ({flops / update_s / 1e9:.0f}) | "
-                  f"{row_flops / update_s / shape_rate:.2f} ({flops / update_s / shape_rate:.2f}) | "
-                  f"{row_flops / update_s / square_rate:.2f} ({flops / update_s / square_rate:.2f}) | "
+                  f"{row_flops / update_s / shape_rate:.2f} "
+                  f"({flops / update_s / shape_rate:.2f}) | {row_flops / update_s / square_rate:.2f} "
+                  f"({flops / update_s / square_rate:.2f}) | "
                   f"{statistics.median(t[1] for t in times):.2f} |", flush=True)
     _packing_table(state.policy, sampled.batch, cfg)
-    print("\nfreed memory kept (allocator.keep_freed_memory, as train.py runs on CPU) or glibc's malloc as it comes: "
-          f"the update of the CPU default, each in a fresh process, alternating, median of {steps} steps after a "
-          "warm-up step\n")
-    print("| --max-tokens-per-micro-batch | glibc's malloc: update s | kept: update s | glibc / kept |")
+    print("\nfreed memory kept (allocator.keep_freed_memory, as train.py runs on CPU) or glibc's "
+          "malloc as it comes: the update of the CPU default, each in a fresh process, "
+          f"alternating, median of {steps} steps after a warm-up step\n")
+    print("| --max-tokens-per-micro-batch | glibc's malloc: update s | kept: update s | "
+          "glibc / kept |")
     print("|---|---|---|---|")
     for budget in (32768, 768):
         t = {keep: _malloc_row(keep, budget, steps) for keep in (False, True)}
         print(f"| {budget} | {t[False]:.2f} | {t[True]:.2f} | {t[False] / t[True]:.2f}x |",
               flush=True)
-    print("\nwhere the update's time goes (one train_step, PyTorch profiler; seconds and share of the step)\n")
-    print("| workload | budget | step s | LM head | attention | backbone (rest of fwd/bwd) | optimizer | grad clip | "
-          "host syncs (count) |")
+    print("\nwhere the update's time goes (one train_step, PyTorch profiler; seconds and share of "
+          "the step)\n")
+    print("| workload | budget | step s | LM head | attention | backbone (rest of fwd/bwd) | "
+          "optimizer | grad clip | host syncs (count) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for label, batch in workloads.items():
         engine = _CachedEngine(state.engine, batch)
@@ -1853,9 +1891,9 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
                 p = _update_profile(lambda: train.train_step(run, 0))
             rest = p["wall"] - p["lm_head"] - p["attention"] - p["optimizer"] - p["grad_clip"]
             share = lambda x: f"{x:.2f} ({x / p['wall']:.0%})"  # noqa: E731
-            print(f"| {label} | {budget} | {p['wall']:.2f} | {share(p['lm_head'])} | {share(p['attention'])} | "
-                  f"{share(rest)} | {share(p['optimizer'])} | {share(p['grad_clip'])} | "
-                  f"{p['host syncs']:.3f} ({p['syncs']}) |", flush=True)
+            print(f"| {label} | {budget} | {p['wall']:.2f} | {share(p['lm_head'])} | "
+                  f"{share(p['attention'])} | {share(rest)} | {share(p['optimizer'])} | "
+                  f"{share(p['grad_clip'])} | {p['host syncs']:.3f} ({p['syncs']}) |", flush=True)
     dist.destroy_process_group()
 
 
@@ -1915,9 +1953,10 @@ def bench_preempt(delays=(25, 50, 75), delays_two=(60,), steps=4):
     python = [sys.executable, train_py, "--resume", "auto", "--steps", str(steps)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                 train_py, "--resume", "auto", "--steps", str(steps)]
-    print(f"the CPU default (`python train.py --steps {steps}`), {torch.get_num_threads()} threads per process, "
-          f"load average {os.getloadavg()[0]:.1f} at the start\n")
-    print("| processes | signal | sent after s | where it came | signal -> exit s | resumed run = uninterrupted |")
+    print(f"the CPU default (`python train.py --steps {steps}`), {torch.get_num_threads()} threads "
+          f"per process, load average {os.getloadavg()[0]:.1f} at the start\n")
+    print("| processes | signal | sent after s | where it came | signal -> exit s | "
+          "resumed run = uninterrupted |")
     print("|---|---|---|---|---|---|")
     for launcher, name, delays_, rank, sig in ((python, "1", delays, None, signal.SIGTERM),
                                                (torchrun, "2", delays_two, 1, signal.SIGUSR1)):
@@ -1928,8 +1967,8 @@ def bench_preempt(delays=(25, 50, 75), delays_two=(60,), steps=4):
             seconds, line = _stopped_run(launcher + ["--out-dir", str(out)], delay, rank, sig)
             subprocess.run(launcher + ["--out-dir", str(out)], check=True, capture_output=True)
             where = line.split(",")[0].removeprefix("stopped by ")
-            print(f"| {name} | {sig.name}{' to rank 1' if rank else ''} | {delay} | {where} | {seconds:.1f} | "
-                  f"{'yes' if _same_metrics(out, full) else 'NO'} |", flush=True)
+            print(f"| {name} | {sig.name}{' to rank 1' if rank else ''} | {delay} | {where} | "
+                  f"{seconds:.1f} | {'yes' if _same_metrics(out, full) else 'NO'} |", flush=True)
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -1952,10 +1991,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", metavar="DIR", help="gpu: also write DIR/gpu.md and DIR/gpu.json")
     parser.add_argument("--parts", type=lambda text: text.split(","), default=GPU_PARTS,
                         help=f"gpu: some of its parts, comma-separated ({','.join(GPU_PARTS)})")
-    parser.add_argument("--against", metavar="FILE", help="grader-compare: also another reward.py; engines: also "
-                        "another rollout.py (the code before a change)")
-    parser.add_argument("--threads", type=int, metavar="N", help="engines: the tables of one process at N threads "
-                        "(without it, engines starts one process per thread count)")
+    parser.add_argument("--against", metavar="FILE",
+                        help="grader-compare: also another reward.py; engines: also another "
+                        "rollout.py (the code before a change)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="engines: the tables of one process at N threads (without it, "
+                        "engines starts one process per thread count)")
     args = parser.parse_intermixed_args(argv)
     unknown = [n for n in args.modes if n not in BENCHES]
     if unknown:
