@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # benchmarks never download (the GPU machine has no network)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # benchmarks never download (GPU machine: no network)
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch
@@ -76,7 +76,8 @@ V, D = 151_936, 2048  # Qwen3 vocabulary, Qwen3-1.7B hidden size
 def _inputs(N, seed=0):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(N, D, generator=g).requires_grad_()  # (N, D)
-    weight = torch.randn(V, D, generator=g).mul_(0.02).requires_grad_()  # (V, D), in place: no temporary
+    # (V, D), scaled in place: no temporary
+    weight = torch.randn(V, D, generator=g).mul_(0.02).requires_grad_()
     return hidden, weight, torch.randint(V, (N,), generator=g)
 
 
@@ -108,7 +109,8 @@ def _peak_rss_gb():
     resident size at fork into a child's ru_maxrss, so a child of a large bench process reported the
     parent's size."""
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**20  # KiB -> GiB
+        return next(int(line.split()[1]) for line in f
+                    if line.startswith("VmHWM")) / 2**20  # KiB -> GiB
 
 
 def _rss_gb():
@@ -120,7 +122,8 @@ def _worker(name, N):
     """Run in a fresh process: peak extra memory (GiB) and time of one forward + backward."""
     hidden, weight, targets = _inputs(N)
     base = _rss_gb()
-    assert _peak_rss_gb() < base + 0.1, "making the inputs must not leave a higher peak than the inputs"
+    assert _peak_rss_gb() < base + 0.1, \
+        "making the inputs must not leave a higher peak than the inputs"
     seconds = _step({"naive": _naive, "chunked": _chunked}[name], hidden, weight, targets)
     print(json.dumps({"peak_gb": _peak_rss_gb() - base, "seconds": seconds}))
 
@@ -128,7 +131,8 @@ def _worker(name, N):
 def _measure(name, N):
     """`_worker(name, N)` in a fresh Python process (imports this file as a module, whatever its
     name)."""
-    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tools import bench as b; b._worker({name!r}, {N})"
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tools import bench as b; "
+            f"b._worker({name!r}, {N})")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -257,7 +261,8 @@ def _compare(name, lm, prompts, steps, temperature, top_p, reps, limits):
     bandwidth, flops = limits
     n_params = sum(p.numel() for p in lm.parameters())  # tied embeddings are counted once
     weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())
-    step_limit = max(weight_bytes / bandwidth, 2 * n_params * batch / flops)  # roofline: one step reads all weights
+    # roofline: one step reads all weights
+    step_limit = max(weight_bytes / bandwidth, 2 * n_params * batch / flops)
     per_step = t["ours"] / steps  # includes the prefill, amortized
     return (f"| {name} | {batch} x {steps}, T={temperature}, top-p={top_p} | "
             f"{batch * steps / t['ours']:.0f} | {batch * steps / t['hf']:.0f} | "
@@ -352,8 +357,8 @@ def _reward_hostile():
     """Hostile inputs: size guards, regex bait, and six nesting constructs 10,000 deep (a subset of
     test_reward's)."""
     hostile = {"power tower": "\\boxed{9^{9^{9^{9}}}}", "100000!": "\\boxed{100000!}",
-               "1 MB response": "x = 1 + 1. " * 100_000 + "\\boxed{5}", "unclosed boxes": "\\boxed{" * 50_000,
-               "regex bait": "a" * 100_000 + "!",
+               "1 MB response": "x = 1 + 1. " * 100_000 + "\\boxed{5}",
+               "unclosed boxes": "\\boxed{" * 50_000, "regex bait": "a" * 100_000 + "!",
                "20,000 joined boxes": ", ".join(f"\\boxed{{{k}}}" for k in range(20_000)),
                "100 nested radicals": "\\boxed{" + "+".join(f"\\sqrt{{{k}+\\sqrt{{{k + 1}}}}}"
                                                             for k in range(100))
@@ -446,7 +451,8 @@ def _math_verify():
         from math_verify import parse, verify
     except ImportError:
         return None
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # a "Timeout during comparison" warning per late case
+    # a "Timeout during comparison" warning per late case
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
 
     def grade(response, gold):
         if gold is None:
@@ -465,7 +471,7 @@ def _verdicts(items, fn):
         t = time.perf_counter()
         try:
             verdict = bool(fn(response, gold))
-        except Exception:  # noqa: BLE001 - a peer grader that raises has given no verdict: counted as "no"
+        except Exception:  # noqa: BLE001 - a peer grader that raises gave no verdict: counted "no"
             verdict = False
         out.append((verdict, time.perf_counter() - t))
     return out
@@ -524,15 +530,18 @@ def bench_grader_compare(against: str | None = None):
         graders["before"] = _load_file(against).grade
     peer = _math_verify()
     if peer is None:
-        print("math-verify is not installed (`pip install math-verify`): its columns are left out\n")
+        print("math-verify is not installed (`pip install math-verify`): "
+              "its columns are left out\n")
     else:
         graders["math-verify"] = peer
         print(f"math-verify {importlib.metadata.version('math-verify')}\n")
     for grader in graders.values():
         grader("\\boxed{\\sqrt{2}}", "\\sqrt{2}")  # warm caches and imports
-    peers = [json.loads(line) for line in (_REWARD_FALLBACK / "peer_cases.jsonl").read_text().splitlines() if line]
+    peers = [json.loads(line)
+             for line in (_REWARD_FALLBACK / "peer_cases.jsonl").read_text().splitlines() if line]
     groups = {}
-    for c in sorted(peers, key=lambda c: c["suite"] != "peers"):  # the peers' suites first, then the last round's
+    # the peers' suites first, then the last round's
+    for c in sorted(peers, key=lambda c: c["suite"] != "peers"):
         groups.setdefault((c["suite"], c["source"]), []).append((c["response"], c["gold"], c["id"],
                                                                  c["correct"]))
     for suite in ("peers", "last round"):
@@ -583,7 +592,7 @@ def bench_grader_compare(against: str | None = None):
 # query / 8 KV heads, hidden 2048, head_dim 128, intermediate 6144, rope wavelength 1e6, norm eps
 # 1e-6, tied embeddings) and slime's scripts/models/qwen3-1.7B.sh (the same numbers);
 # max_position_embeddings 40960 as in the Qwen3 dense models' configs.
-QWEN3 = {  # the config.json numbers of the Qwen3 base models the paper trains (vocabulary 151,936; used by `update`)
+QWEN3 = {  # the paper's Qwen3 base models, from config.json (vocabulary 151,936; used by `update`)
     "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        tie_word_embeddings=True),
@@ -603,23 +612,28 @@ QWEN3_1_7B = dict(QWEN3["Qwen3-1.7B"], vocab_size=151_936, max_position_embeddin
 class GpuSizes:
     shape: dict  # Qwen3Config fields
     prompt_len: int  # words (= tokens) of each synthetic prompt
-    train: tuple  # (response length T, prompts, G, --max-tokens-per-micro-batch) of each one-mini-batch update
+    # (response length T, prompts, G, --max-tokens-per-micro-batch) of each one-mini-batch update
+    train: tuple
     numerics: tuple  # (sequences, response length) of the bf16-vs-fp32 forward
     head_tokens: int  # N of the chunked-vs-naive LM-head comparison
-    decode_batches: tuple  # batch sizes of the captured sampler (the first also `model.generate`, the largest eager)
+    # batch sizes of the captured sampler (the first also `model.generate`, the largest eager)
+    decode_batches: tuple
     decode_tokens: int  # new tokens per sampled row (EOS never sampled: fixed work)
     e2e: dict  # train.py flags of the end-to-end run
 
 
-GPU_FULL = GpuSizes(QWEN3_1_7B, 120, ((1024, 4, 8, 32768), (4096, 1, 8, 32768), (16384, 1, 2, 32768)), (4, 1024),
+GPU_FULL = GpuSizes(QWEN3_1_7B, 120,
+                    ((1024, 4, 8, 32768), (4096, 1, 8, 32768), (16384, 1, 2, 32768)), (4, 1024),
                     4096, (64, 256), 512, dict(steps=2, prompts_per_step=4, group_size=8,
                                                mini_batch_prompts=2, max_response_len=512))
-GPU_SMOKE = GpuSizes(dict(QWEN3_1_7B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16), 8,
+GPU_SMOKE = GpuSizes(dict(QWEN3_1_7B, vocab_size=512, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16), 8,
                      ((16, 2, 2, 48), (32, 1, 2, 48), (64, 1, 2, 48)), (2, 16), 64, (2, 4), 8,
                      dict(steps=2, prompts_per_step=2, group_size=2, mini_batch_prompts=1,
                           max_tokens_per_micro_batch=48, max_response_len=8))
-_BOX_WORDS = ["\\boxed{1}", "\\boxed{2}"]  # the last token of a synthetic response: graded right / wrong for gold 1
+# the last token of a synthetic response: graded right / wrong for gold 1
+_BOX_WORDS = ["\\boxed{1}", "\\boxed{2}"]
 
 
 def _wide_tokenizer(vocab_size):
@@ -654,7 +668,8 @@ def _dev_timed(fn, device):
 
 
 def _peak_gb(device):
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    return (torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda"
+            else float("nan"))
 
 
 def _reset_peak(device):
@@ -693,14 +708,17 @@ class _SyntheticEngine:
         T, device, tokenizer = self.T, self.device, self.tokenizer
         rows = [p for p in prompts for _ in range(group_size)]
         B, P, pad = len(rows), max(len(p) for p in rows), tokenizer.pad_token_id
-        prompt_ids = torch.tensor([[pad] * (P - len(p)) + p for p in rows], device=device)  # (B, P) left-padded
-        prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], device=device)  # (B, P)
+        # (B, P) each, left-padded
+        prompt_ids = torch.tensor([[pad] * (P - len(p)) + p for p in rows], device=device)
+        prompt_mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in rows], device=device)
         g = torch.Generator(device).manual_seed(seeds[0])
         first_word = len(_BOX_WORDS) + 4
-        response = torch.randint(first_word, len(tokenizer), (B, T), generator=g, device=device)  # (B, T)
+        response = torch.randint(first_word, len(tokenizer), (B, T), generator=g,
+                                 device=device)  # (B, T)
         box = tokenizer.convert_tokens_to_ids(_BOX_WORDS)
         response[:, -1] = torch.tensor([box[i % 2] for i in range(B)], device=device)
-        ones = torch.ones(B, T, dtype=torch.long, device=device)  # (B, T) no EOS: every token is a response token
+        # (B, T) no EOS: every token is a response token
+        ones = torch.ones(B, T, dtype=torch.long, device=device)
         logprobs = torch.full((B, T), -math.log(len(tokenizer)), device=device)  # (B, T)
         return rollout.Rollout(prompt_ids, prompt_mask, response, ones, logprobs,
                                torch.ones(B, dtype=torch.bool, device=device))
@@ -724,14 +742,15 @@ def _gpu_train(sizes, cfg, state, device, flops_rate, out):
     checkpointing)."""
     policy, tokenizer = state.policy, state.tokenizer
     lm = policy.lm
-    for k, (T, n_prompts, G, micro) in enumerate(((sizes.train[0],) + sizes.train)):  # the first: warm-up
+    # the first (sizes.train[0] twice): warm-up
+    for k, (T, n_prompts, G, micro) in enumerate(((sizes.train[0],) + sizes.train)):
         step_cfg = replace(cfg, max_response_len=T, prompts_per_step=n_prompts,
                            mini_batch_prompts=n_prompts, group_size=G,
                            max_tokens_per_micro_batch=micro)
         _reset_peak(device)
         engine = _SyntheticEngine(T, device, tokenizer)
-        seconds, (metrics, *_) = _dev_timed(lambda: train.train_step(replace(state, cfg=step_cfg, engine=engine), k),
-                                            device)
+        seconds, (metrics, *_) = _dev_timed(
+            lambda: train.train_step(replace(state, cfg=step_cfg, engine=engine), k), device)
         if k == 0:
             continue
         n_seq, row = n_prompts * G, sizes.prompt_len + T
@@ -759,13 +778,15 @@ def _gpu_numerics(sizes, cfg, state, device, out):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     policy, tokenizer = state.policy, state.tokenizer
-    full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))  # the fp32 master weights
+    # the fp32 master weights
+    full = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True))
     with torch.device(device):
         ref_lm = Qwen3ForCausalLM(policy.lm.config).float()
     missing, unexpected = ref_lm.load_state_dict({k.removeprefix("lm."): v.float()
                                                   for k, v in full.items()},
                                                  strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied: one tensor
+    # lm_head.weight missing: tied, one tensor
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     ref = Policy(ref_lm.eval(), vocab_size=policy.vocab_size)
     n_seq, T = sizes.numerics
     prompts = state.prompts[:1] * (n_seq // 2)
@@ -797,7 +818,8 @@ def _gpu_numerics(sizes, cfg, state, device, out):
             impl(hidden, weight, y)  # warm-up
             hidden.grad = weight.grad = None
             _reset_peak(device)
-            base = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+            base = (torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda"
+                    else float("nan"))
 
             def fwd_bwd():
                 lp, ent = impl(hidden, weight, y)
@@ -824,11 +846,13 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
     step reads, its filled length averaged over the call's steps) / the measured copy bandwidth."""
     policy, tokenizer = state.policy, state.tokenizer
     prompt = state.prompts[0]
-    V_, P, n_new, largest = len(tokenizer), len(state.prompts[0]), sizes.decode_tokens, max(sizes.decode_batches)
+    V_, P, n_new, largest = (len(tokenizer), len(state.prompts[0]), sizes.decode_tokens,
+                             max(sizes.decode_batches))
     policy.eval()
     with gathered(policy):
         lm = policy.lm
-        weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())  # gathered: the compute dtype
+        # gathered: the compute dtype
+        weight_bytes = sum(p.numel() * p.element_size() for p in lm.parameters())
         kv_token_bytes = kv_cache_bytes(lm.config, 1, 1, next(lm.parameters()).element_size())
         step = decode_step.DecodeStep(lm, V_)
 
@@ -856,7 +880,8 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
             seconds, response = _dev_timed(lambda: fn(batch, n), device)
             assert response.shape == (batch, n), response.shape
             if name is not None:
-                roofline = (weight_bytes + batch * (P + n / 2) * kv_token_bytes) / bandwidth  # s a step
+                # seconds a step
+                roofline = (weight_bytes + batch * (P + n / 2) * kv_token_bytes) / bandwidth
                 out.append({"part": "rollout", "sampler": name, "batch": batch, "new_tokens": n,
                             "seconds": seconds, "tokens_per_s": batch * n / seconds,
                             "step_ms": 1e3 * seconds / n, "roofline_ms": 1e3 * roofline,
@@ -873,10 +898,12 @@ def _gpu_rollouts(sizes, state, device, bandwidth, out):
         eager = measure("model forward, eager", ours(False), largest, n_new)
         measure(None, ours(step), largest, 16)
         measure("DecodeStep, eager", ours(step), largest, n_new, eager)
-        captured = cuda_graphs.CapturedStep(step, largest, P + n_new)  # one static cache for every batch, as in a phase
+        # one static cache for every batch, as in a phase
+        captured = cuda_graphs.CapturedStep(step, largest, P + n_new)
         for batch in sizes.decode_batches:
             graphs = len(captured.graphs)
-            seconds = measure(None, ours(captured), batch, n_new)  # the call that captures this batch's graphs
+            # the call that captures this batch's graphs
+            seconds = measure(None, ours(captured), batch, n_new)
             measure("CapturedStep", ours(captured), batch, n_new,
                     eager if batch == largest else None, (seconds, len(captured.graphs) - graphs))
         measure(None, hf, sizes.decode_batches[0], 16)
@@ -905,8 +932,9 @@ def _gpu_e2e(sizes, model_dir, data, device, work, out):
     flags = dict(sizes.e2e, model=model_dir, data=data, prompt_key="prompt", answer_key="answer",
                  instruction="", preset="paper", out_dir=str(work / "e2e"), save_every=0,
                  warmup_steps=0)
-    argv = ["--no-chat", "--no-export-hf", "--no-plots", "--grad-checkpointing", "--cuda-graphs"] + (
-        ["--fsdp"] if device.type == "cpu" else [])  # --cuda-graphs: the captured sampler's first run inside train.py
+    # --cuda-graphs: the captured sampler's first run inside train.py
+    argv = (["--no-chat", "--no-export-hf", "--no-plots", "--grad-checkpointing", "--cuda-graphs"]
+            + (["--fsdp"] if device.type == "cpu" else []))
     for key, value in flags.items():
         argv += ["--" + key.replace("_", "-"), str(value)]
     def parity(response, gold, mode="dapo"):
@@ -922,8 +950,9 @@ def _gpu_e2e(sizes, model_dir, data, device, work, out):
             "tokens_per_s")
     for m in lines:
         out.append({"part": "e2e", **{k: m[k] for k in keys}, "wall_s": seconds})
-        print("train.py metrics: " + ", ".join(f"{k}={m[k]:.4g}" if isinstance(m[k], float) else f"{k}={m[k]}"
-                                               for k in keys), flush=True)
+        print("train.py metrics: "
+              + ", ".join(f"{k}={m[k]:.4g}" if isinstance(m[k], float) else f"{k}={m[k]}"
+                          for k in keys), flush=True)
 
 
 def _gpu_table(rows, header):
@@ -973,7 +1002,8 @@ def _gpu_table(rows, header):
     return "\n".join(lines)
 
 
-GPU_PARTS = ("train", "numerics", "rollout", "e2e")  # `--parts` chooses among them (default: all, in this order)
+# `--parts` chooses among them (default: all, in this order)
+GPU_PARTS = ("train", "numerics", "rollout", "e2e")
 
 
 def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
@@ -1037,13 +1067,14 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
         lm = Qwen3ForCausalLM(config)
     tokenizer = _wide_tokenizer(config.vocab_size)
     model_dir = str(work / "model")
-    lm.to(torch.bfloat16).save_pretrained(model_dir)  # bf16 on disk (half the bytes); loaded as fp32
+    lm.to(torch.bfloat16).save_pretrained(model_dir)  # bf16 on disk (half the bytes); loads as fp32
     tokenizer.save_pretrained(model_dir)
     n_params = sum(p.numel() for p in lm.parameters())
     del lm
     data = work / "data.jsonl"  # distinct prompts of prompt_len words, gold "1"
-    data.write_text("".join(json.dumps({"prompt": " ".join(f"w{(i * 7919 + j) % 1000}" for j in range(
-        sizes.prompt_len)), "answer": "1"}) + "\n" for i in range(16)))
+    data.write_text("".join(json.dumps({"prompt": " ".join(f"w{(i * 7919 + j) % 1000}"
+                                                           for j in range(sizes.prompt_len)),
+                                        "answer": "1"}) + "\n" for i in range(16)))
     dtype = torch.bfloat16 if cuda else torch.float32
     bandwidth, flops_rate = _device_limits(device, dtype)
     device_name = torch.cuda.get_device_name(device) if cuda else "CPU"
@@ -1054,15 +1085,18 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
               f"GB/s, {str(dtype).removeprefix('torch.')} matmul {flops_rate / 1e12:.3g} TFLOP/s")
     print(header, flush=True)
     rows = []
-    skip = "vLLM: not measured (" + ("not installed here" if importlib.util.find_spec("vllm") is None else
-                                     "installed; this check measures the plain sampler") + ")"
+    skip = "vLLM: not measured (" + ("not installed here"
+                                     if importlib.util.find_spec("vllm") is None
+                                     else "installed; this check measures the plain sampler") + ")"
 
     def write():  # the table so far, after every part
         table = _gpu_table(rows, header) + f"{skip}\n\nparts: {', '.join(parts)}; whole run: " \
             f"{time.perf_counter() - start:.0f} s\n"
         (out_dir / "gpu.md").write_text(table)
-        (out_dir / "gpu.json").write_text(json.dumps({"header": header, "rows": rows, "parts": list(parts),
-                                                      "total_s": time.perf_counter() - start, "vllm": skip}, indent=1))
+        (out_dir / "gpu.json").write_text(json.dumps({"header": header, "rows": rows,
+                                                      "parts": list(parts),
+                                                      "total_s": time.perf_counter() - start,
+                                                      "vllm": skip}, indent=1))
         return table
 
     cfg = Config(preset="paper", model=model_dir, data=str(data), prompt_key="prompt",
@@ -1072,7 +1106,8 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
     if {"train", "numerics", "rollout"} & set(parts):
         train.init_distributed()
         try:
-            state = _train_run(cfg, device)  # load_model(dir), Policy, gradient checkpointing, FSDP2, AdamW
+            # load_model(dir), Policy, gradient checkpointing, FSDP2, AdamW
+            state = _train_run(cfg, device)
             for part, fn, args in (
                     ("train", _gpu_train, (sizes, cfg, state, device, flops_rate, rows)),
                     ("numerics", _gpu_numerics, (sizes, cfg, state, device, rows)),
@@ -1144,7 +1179,8 @@ def _length_mix(rows, seed=0):
     """Response lengths of a rollout batch at 1/8 of the paper's scale: most short, a long tail up
     to the cap (15360 / 8 = 1920), as math RL responses are; prompts 20-128 tokens."""
     g = torch.Generator().manual_seed(seed)
-    response = (torch.randn(rows, generator=g) * 0.8 + 5.5).exp().clamp(8, 1920).long()  # median ~245
+    # response lengths, median ~245
+    response = (torch.randn(rows, generator=g) * 0.8 + 5.5).exp().clamp(8, 1920).long()
     return torch.randint(20, 129, (rows,), generator=g), response
 
 
@@ -1305,7 +1341,8 @@ class _DecodeMatmuls:
         first = model.first_with_same_prompt(r.prompt_ids, r.prompt_mask)
         prompt_tokens = int(r.prompt_mask[first.unique()].sum())
         rows = [int((lengths > t).sum()) for t in range(1, int(lengths.max()))]
-        return self.seconds("backbone", prompt_tokens) + self.seconds("head", len(r)) + sum(map(self.step, rows))
+        return (self.seconds("backbone", prompt_tokens) + self.seconds("head", len(r))
+                + sum(map(self.step, rows)))
 
 
 def _load_file(path: str):
@@ -1354,10 +1391,12 @@ def _rollout_profile(sampler, run) -> dict[str, float]:
     finally:
         for p in patches:
             p.stop()
-    totals = dict.fromkeys(("matmuls", "attention", "cache writes / copies", "sampling", "other ops"), 0.0)
+    totals = dict.fromkeys(("matmuls", "attention", "cache writes / copies", "sampling",
+                            "other ops"), 0.0)
     for e in prof.events():
         if e.name in ("cache", "sampling"):
-            totals["cache writes / copies" if e.name == "cache" else "sampling"] += e.cpu_time_total / 1e6
+            totals["cache writes / copies" if e.name == "cache"
+                   else "sampling"] += e.cpu_time_total / 1e6
             continue
         if e.name.startswith("aten::") or e.name.startswith("mkldnn::"):
             parents, p = set(), e.cpu_parent
@@ -1385,7 +1424,8 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
     lm, tokenizer = load_model("smollm2")
     plain = make_engine("plain", lm, tokenizer, chat=False)
     samplers = {"plain": (rollout, lm)}
-    if against:  # its own copy of the model, with transformers' attention as loaded (PlainEngine sets lm's)
+    if against:
+        # its own copy of the model, with transformers' attention as loaded (PlainEngine sets lm's)
         samplers["plain, before"] = (_load_file(against), load_model("smollm2")[0])
 
     def plain_engine(sampler, lm, **options):
@@ -1404,13 +1444,15 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
     prepare = {"plain": _best(lambda: decode_step.DecodeStep(lm, plain.vocab_size), 3)}
     engines = {name: plain_engine(*s) for name, s in samplers.items()}
     engines["plain"] = plain_engine(rollout, lm, written_out=prepare["plain"][1])
-    engines["plain, model forward"] = plain_engine(rollout, lm, written_out=False)  # without decode_step.DecodeStep
+    # without decode_step.DecodeStep
+    engines["plain, model forward"] = plain_engine(rollout, lm, written_out=False)
     if importlib.util.find_spec("vllm") is not None:
         tokens = 64 + 64  # the longest prompt (the chat ones: <= 63 tokens) + response
         vllm = make_engine("vllm", lm, tokenizer, chat=False, max_model_len=tokens,
                            dtype=torch.float32,
                            kv_cache_memory_bytes=kv_cache_bytes(lm.config, 128, tokens, 4))
-        prepare["vLLM-CPU"] = _best(lambda: vllm.push_weights(lm), 3)  # what VLLMEngine.ready does on CPU
+        # what VLLMEngine.ready does on CPU
+        prepare["vLLM-CPU"] = _best(lambda: vllm.push_weights(lm), 3)
         engines["vLLM-CPU"] = lambda prompts, G, seed, T: vllm.sample(prompts, G, [seed],
                                                                       len(prompts), T, 1.0, 1.0)
     print("\nTaking the weights, once per rollout phase (best of 3): " +
@@ -1445,9 +1487,11 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
                     best[name] = (rate, matmuls.rollout_seconds(r) / seconds,
                                   r.response_mask.sum(1).float())
         lengths = best["plain"][2]
-        row = f"| {label} | " + " | ".join(f"{best[n][0]:.0f} ({best[n][1]:.2f})" for n in names) + " | "
+        row = (f"| {label} | " + " | ".join(f"{best[n][0]:.0f} ({best[n][1]:.2f})" for n in names)
+               + " | ")
         if "vLLM-CPU" in engines:
-            row += " | ".join(f"{best[n][0] / best['vLLM-CPU'][0]:.2f}x" for n in names[:-1]) + " | "
+            row += " | ".join(f"{best[n][0] / best['vLLM-CPU'][0]:.2f}x"
+                              for n in names[:-1]) + " | "
         print(row + f"{lengths.min():.0f} / {lengths.median():.0f} / {lengths.max():.0f} |",
               flush=True)
     prompts, G, T = workloads["issue: 32 x G 4, <= 64 tokens"]
@@ -1469,7 +1513,8 @@ def _engines_tables(threads: int, reps: int, against: str | None) -> None:
     times = {c: float("inf") for c in cadences}
     for rep in range(reps):
         for c in (list(cadences) if rep % 2 == 0 else list(cadences)[::-1]):
-            times[c] = min(times[c], _best(lambda: engines["plain"](prompts, G, rep, T, compact=cadences[c]), 1)[0])
+            times[c] = min(times[c], _best(lambda: engines["plain"](prompts, G, rep, T,
+                                                                     compact=cadences[c]), 1)[0])
     print("| finished rows leave once they are | seconds | vs never |")
     print("|---|---|---|")
     for c, t in times.items():
@@ -1535,7 +1580,8 @@ def bench_decode_step(rows=(1, 4, 32, 128), threads=(2, 1), steps=16, reps=5):
                 with torch.inference_mode(), contextlib.nullcontext() if written_out else \
                         decode_step.onednn_linears(decoder):
                     step = decode_step.DecodeStep(lm) if written_out else None
-                    head = step.head if step else decode_step.packed(lm.get_output_embeddings().weight)
+                    head = (step.head if step
+                            else decode_step.packed(lm.get_output_embeddings().weight))
                     cache = decode_step.InPlaceCache(lm.config, R, 12 + steps)
                     hidden = decoder(input_ids=prompt, past_key_values=cache,
                                      use_cache=True).last_hidden_state
@@ -1544,8 +1590,8 @@ def bench_decode_step(rows=(1, 4, 32, 128), threads=(2, 1), steps=16, reps=5):
                         tokens.append(head(hidden[:, -1]).argmax(-1))  # (R,)
                         position = torch.full((R, 1), 12 + t)
                         hidden = step(tokens[-1], position, None, cache) if step else decoder(
-                            input_ids=tokens[-1][:, None], position_ids=position, past_key_values=cache,
-                            use_cache=True).last_hidden_state  # (R, 1, D)
+                            input_ids=tokens[-1][:, None], position_ids=position,
+                            past_key_values=cache, use_cache=True).last_hidden_state  # (R, 1, D)
                     return (time.perf_counter() - start) / steps, torch.stack(tokens)
 
             best, tokens = {False: float("inf"), True: float("inf")}, {}
@@ -1575,7 +1621,8 @@ def bench_train_step(steps=4):
                 print(f"{engine}: failed: {proc.stderr.strip().splitlines()[-1:]}")
                 continue
             lines = [json.loads(x) for x in Path(out, "metrics.jsonl").read_text().splitlines()][1:]
-            rows[engine] = [statistics.mean(m[k] for m in lines) for k in ("time/rollout_s", "time/update_s")] + [
+            rows[engine] = [statistics.mean(m[k] for m in lines)
+                            for k in ("time/rollout_s", "time/update_s")] + [
                 statistics.mean(m["rollout/logprob_diff"] for m in lines)]
     print(f"\n`train.py --preset cpu`, mean of steps 2..{steps}\n")
     print("| engine | rollout + pi_old s | update s | step s | step vs plain | "
@@ -1597,12 +1644,15 @@ def _forward_flops(config, lengths: list[int], responses: list[int],
     `Rollout.packed_sizes`), causal attention (QK^T and PV over each row's l (l + 1) / 2 token
     pairs), the LM head (2 V D) on response tokens only. Padding, recomputation and elementwise work
     are not counted: this is the work the update needs."""
-    D, I, layers, V = config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.vocab_size
+    D, I, layers, V = (config.hidden_size, config.intermediate_size, config.num_hidden_layers,
+                       config.vocab_size)
     H, KV = config.num_attention_heads, config.num_key_value_heads
     hd = getattr(config, "head_dim", None) or D // H
-    per_token = layers * 2 * (2 * D * H * hd + 2 * D * KV * hd + 3 * D * I)  # q and o; k and v; gate, up, down
+    # q and o; k and v; gate, up, down
+    per_token = layers * 2 * (2 * D * H * hd + 2 * D * KV * hd + 3 * D * I)
     attention = layers * 4 * H * hd * sum(n * (n + 1) / 2 for n in lengths)
-    return per_token * (sum(lengths) if computed is None else computed) + attention + 2 * V * D * sum(responses)
+    return (per_token * (sum(lengths) if computed is None else computed) + attention
+            + 2 * V * D * sum(responses))
 
 
 def _shape_matmul_rate(config, tokens: int, reps: int = 3) -> float:
@@ -1653,11 +1703,13 @@ def _long_tail_batch(tokenizer, rows: int = 128, cap: int = 256, seed: int = 0) 
     prompts = [format_prompt(tokenizer, f"What is {i // 32} + {i // 8 % 4}?", False,
                              "The answer is")
                for i in range(rows)]  # G = 8 rows per prompt
-    response = (torch.randn(rows, generator=g) * 1.0 + 3.0).exp().clamp(2, cap).long()  # (B,) median ~20
+    # (B,) median ~20
+    response = (torch.randn(rows, generator=g) * 1.0 + 3.0).exp().clamp(2, cap).long()
     ids, mask = rollout.left_pad(prompts, tokenizer.pad_token_id)
     T = int(response.max())
     response_mask = (torch.arange(T) < response[:, None]).long()  # (B, T)
-    return Rollout(ids, mask, torch.randint(3, len(tokenizer), (rows, T), generator=g) * response_mask,
+    return Rollout(ids, mask,
+                   torch.randint(3, len(tokenizer), (rows, T), generator=g) * response_mask,
                    response_mask, torch.zeros(rows, T), response == cap)
 
 
@@ -1671,7 +1723,8 @@ def _padded_forward(policy, mb: Rollout, cfg) -> torch.Tensor:
     shift, length = P - attention_mask[:, :P].sum(1), attention_mask.sum(1)  # (B,), (B,)
     cols = torch.arange(int(length.max()))  # (L,)
     src = (cols + shift[:, None]).clamp(max=input_ids.shape[1] - 1)  # (B, L)
-    hidden = policy.lm.get_decoder()(input_ids=input_ids.gather(1, src), position_ids=cols.expand(B, -1),
+    hidden = policy.lm.get_decoder()(input_ids=input_ids.gather(1, src),
+                                     position_ids=cols.expand(B, -1),
                                      use_cache=False).last_hidden_state  # (B, L, D)
     mask = mb.response_mask.bool()
     b, t = mask.nonzero(as_tuple=True)
@@ -1700,7 +1753,8 @@ def _packing_table(policy, batch: Rollout, cfg, budgets=(768, 32768), reps=3):
     for budget in budgets:
         micro = mb.micro_batches(budget)
         fed = sum(len(mi) * int(mb.lengths()[mi].max()) for mi in micro)
-        packed = lambda m: train.policy_forward(policy, m, cfg, torch.device("cpu"))[0]  # noqa: E731
+        packed = lambda m: train.policy_forward(policy, m, cfg,  # noqa: E731
+                                                torch.device("cpu"))[0]
 
         def unshared(m):
             with alone:
@@ -1715,7 +1769,7 @@ def _packing_table(policy, batch: Rollout, cfg, budgets=(768, 32768), reps=3):
               f"{t['padded'] / t['shared']:.2f}x | {t['packed'] / t['shared']:.2f}x |", flush=True)
 
 
-_MALLOC_PROBE = """import statistics, sys, tempfile
+_MALLOC_PROBE = ("""import statistics, sys, tempfile
 sys.path.insert(0, {root!r})
 from dataclasses import replace
 from unittest import mock
@@ -1724,16 +1778,19 @@ import torch.distributed as dist
 import config, reward, train
 from tools import bench
 if not {keep}:
-    train.keep_freed_memory = lambda: None  # glibc's malloc as it comes (train.setup calls allocator.keep_freed_memory)
-cfg = config.parse_config(["--preset", "cpu", "--max-tokens-per-micro-batch", "{budget}", "--out-dir",
+    train.keep_freed_memory = lambda: None  # glibc's malloc as it comes (train.setup calls"""
+                 """ allocator.keep_freed_memory)
+cfg = config.parse_config(["--preset", "cpu", "--max-tokens-per-micro-batch", "{budget}","""
+                 """ "--out-dir",
                            tempfile.mkdtemp(prefix="bench-malloc-"), "--overwrite"])[0]
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 state = bench._train_run(cfg, torch.device("cpu"))
 run = replace(state, engine=bench._CachedEngine(state.engine))
 with mock.patch.object(reward, "reward", bench._parity):
-    times = [train.train_step(run, 0)[0]["time/update_s"] for _ in range({steps} + 1)][1:]  # after a warm-up
+    times = [train.train_step(run, 0)[0]["time/update_s"] for _ in range({steps} + 1)][1:]"""
+                 """  # after a warm-up
 print(statistics.median(times))
-"""
+""")
 
 
 def _parity(response, gold, mode="dapo"):
@@ -1772,7 +1829,8 @@ def _update_profile(run_step) -> dict[str, float]:
 
     with mock.patch.object(head, "forward", staticmethod(marked("lm_head", head.forward))), \
             mock.patch.object(head, "backward", staticmethod(marked("lm_head", head.backward))), \
-            mock.patch.object(torch.nn.utils, "clip_grad_norm_", marked("grad_clip", torch.nn.utils.clip_grad_norm_)), \
+            mock.patch.object(torch.nn.utils, "clip_grad_norm_",
+                              marked("grad_clip", torch.nn.utils.clip_grad_norm_)), \
             profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         with record_function("step"):
@@ -1785,7 +1843,8 @@ def _update_profile(run_step) -> dict[str, float]:
             totals[e.name] += e.cpu_time_total / 1e6
         elif e.name.startswith("Optimizer.step#"):  # torch's own label of every optimizer step
             totals["optimizer"] += e.cpu_time_total / 1e6
-        elif "scaled_dot_product" in e.name and "backward" not in e.name.lower() or "flash_attention" in e.name:
+        elif ("scaled_dot_product" in e.name and "backward" not in e.name.lower()
+              or "flash_attention" in e.name):
             totals["attention"] += e.self_cpu_time_total / 1e6
         elif e.name == "aten::_local_scalar_dense":
             totals["host syncs"] += e.cpu_time_total / 1e6
@@ -1809,7 +1868,8 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
 
     cfg = parse_config(["--preset", "cpu", "--out-dir", tempfile.mkdtemp(prefix="bench-flops-"),
                         "--overwrite"])[0]
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1) if not dist.is_initialized() else None
+    (dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+     if not dist.is_initialized() else None)
     state = _train_run(cfg, torch.device("cpu"))
     config = state.policy.lm.config
     square = torch.randn(2048, 2048)
@@ -1832,7 +1892,8 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
         engine = _CachedEngine(state.engine, batch)
         if batch is None:
             sampled = engine  # the CPU default's batch, for the packing table
-        with mock.patch.object(reward, "reward", parity):  # warm-up (first touch of every buffer), not timed
+        # warm-up (first touch of every buffer), not timed
+        with mock.patch.object(reward, "reward", parity):
             train.train_step(replace(state, engine=engine), 0)
         for budget in budgets:
             run = replace(state, cfg=replace(cfg, max_tokens_per_micro_batch=budget), engine=engine)
@@ -1845,26 +1906,30 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
             rows = cfg.mini_batch_prompts * cfg.group_size
             lengths, responses = b.lengths().tolist(), b.response_mask.sum(1).tolist()
 
-            def mb_flops(s, shared=True):  # one forward of mini-batch s (shared: a shared prompt once)
+            # one forward of mini-batch s (shared: a shared prompt once)
+            def mb_flops(s, shared=True):
                 mb = b.select(slice(s, s + rows))
-                computed = sum(mb.select(mi).packed_sizes()[0] for mi in mb.micro_batches(budget)) if shared else None
+                computed = (sum(mb.select(mi).packed_sizes()[0] for mi in mb.micro_batches(budget))
+                            if shared else None)
                 return _forward_flops(config, lengths[s:s + rows], responses[s:s + rows], computed)
 
-            def update_flops(shared):  # forward + backward of every mini-batch, p, H of the later ones
+            # forward + backward of every mini-batch, p, H of the later ones
+            def update_flops(shared):
                 return sum(3 * mb_flops(s, shared) for s in range(0, len(b), rows)) + \
                     sum(mb_flops(s, shared) for s in range(rows, len(b), rows))
             flops, row_flops = update_flops(True), update_flops(False)
             micro = len(b.select(slice(0, rows)).micro_batches(budget))
             first = b.select(slice(0, rows))
-            tokens = max(first.select(mi).packed_sizes()[0] for mi in first.micro_batches(budget))  # matmul rows
+            # matmul rows
+            tokens = max(first.select(mi).packed_sizes()[0] for mi in first.micro_batches(budget))
             shape_rate = _shape_matmul_rate(config, min(tokens, 2048))
             update_s = statistics.median(t[0] for t in times)
             print(f"| {label} | {budget} | {micro} | {metrics['batch/pad_frac']:.3f} | "
                   f"{metrics['batch/shared_frac']:.3f} | {update_s:.2f} | "
                   f"{row_flops / 1e9:.0f} ({flops / 1e9:.0f}) | "
                   f"{row_flops / update_s / 1e9:.0f} ({flops / update_s / 1e9:.0f}) | "
-                  f"{row_flops / update_s / shape_rate:.2f} "
-                  f"({flops / update_s / shape_rate:.2f}) | {row_flops / update_s / square_rate:.2f} "
+                  f"{row_flops / update_s / shape_rate:.2f} ({flops / update_s / shape_rate:.2f}) "
+                  f"| {row_flops / update_s / square_rate:.2f} "
                   f"({flops / update_s / square_rate:.2f}) | "
                   f"{statistics.median(t[1] for t in times):.2f} |", flush=True)
     _packing_table(state.policy, sampled.batch, cfg)
@@ -1931,8 +1996,9 @@ def _same_metrics(a: Path, b: Path) -> bool:
     drop = {"time/rollout_s", "time/update_s", "tokens_per_s"}
     x, y = ([{k: v for k, v in json.loads(line).items() if k not in drop}
              for line in (f / "metrics.jsonl").read_text().splitlines()] for f in (a, b))
-    same = len(x) == len(y) and all(r.keys() == q.keys() and all(math.isclose(r[k], q[k], rel_tol=1e-6, abs_tol=1e-9)
-                                                                  for k in r) for r, q in zip(x, y))
+    same = len(x) == len(y) and all(r.keys() == q.keys()
+                                    and all(math.isclose(r[k], q[k], rel_tol=1e-6, abs_tol=1e-9)
+                                            for k in r) for r, q in zip(x, y))
     wa, wb = (load_file(f / "hf" / "model.safetensors") for f in (a, b))
     return same and all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-6) for k in wa)
 
@@ -2004,7 +2070,8 @@ def main(argv: list[str] | None = None) -> None:
     options = {"gpu": dict(smoke=args.smoke, out=args.out, parts=args.parts),
                "engines": dict(against=args.against, one=args.threads),
                "grader-compare": dict(against=args.against)}
-    for name in args.modes or [n for n in BENCHES if n != "gpu"]:  # `gpu` needs a GPU: only when named
+    # `gpu` needs a GPU: only when named
+    for name in args.modes or [n for n in BENCHES if n != "gpu"]:
         print(f"\n## {name}\n", flush=True)
         BENCHES[name](**options.get(name, {}))
 
