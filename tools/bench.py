@@ -580,8 +580,8 @@ def bench_grader_compare(against: str | None = None):
         items = by_category["**all**"]
         verdicts = {g: {item[2]: v for item, v in zip(items, _verdicts(items, fn))}
                     for g, fn in graders.items()}
-        print(f"{where}: agree / cases, false positives (of the cases labelled wrong), slowest "
-              "case\n")
+        print(f"{where}: agree / cases, false positives (of the cases labelled wrong), "
+              "slowest case\n")
         _compare_table(by_category, graders, verdicts)
 
 # --------------------------------------------------------------------------------------------------
@@ -1059,8 +1059,7 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
     out_dir = Path(out or ("out/bench-gpu" if cuda else "out/bench-gpu-smoke"))
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
-    # the random model and the tokenizer, saved like a checkpoint (train.py and eval.py load it by
-    # path)
+    # the random model and tokenizer, saved like a checkpoint (train.py and eval.py load it by path)
     torch.manual_seed(0)
     config = Qwen3Config(**sizes.shape, bos_token_id=None, eos_token_id=2, pad_token_id=0)
     with torch.device(device):
