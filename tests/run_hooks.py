@@ -1,5 +1,6 @@
-"""The hooks testdata/train_run.py calls by name before training, in a fresh process: a stop signal at a chosen
-call, a kill between a checkpoint's files and `latest`, a count of micro-batches, data one rank cannot read."""
+"""The hooks testdata/train_run.py calls by name before training, in a fresh process: a stop signal
+at a chosen call, a kill between a checkpoint's files and `latest`, a count of micro-batches, data
+one rank cannot read."""
 import os
 import sys
 import threading
@@ -10,8 +11,8 @@ import train
 
 
 def hook_count_micro_batches(log: str) -> None:
-    """(testdata/train_run.py) Every rank appends (its own micro-batch count, the agreed count) of each split to
-    LOG/rank<R>."""
+    """(testdata/train_run.py) Every rank appends (its own micro-batch count, the agreed count) of
+    each split to LOG/rank<R>."""
     all_max = train.all_max
 
     def logged_max(value):
@@ -23,7 +24,8 @@ def hook_count_micro_batches(log: str) -> None:
 
 
 def hook_kill_in_the_second_checkpoint() -> None:
-    """(testdata/train_run.py) The process dies (exit 9) between the second checkpoint's files and `latest`."""
+    """(testdata/train_run.py) The process dies (exit 9) between the second checkpoint's files and
+    `latest`."""
     replace_file, named = os.replace, []
 
     def dies_before_latest(src, dst):
@@ -35,15 +37,16 @@ def hook_kill_in_the_second_checkpoint() -> None:
     os.replace = dies_before_latest
 
 
-# ==================================================================================================================
-# run_folder/: runs that survive a cluster (stop signals, --resume auto, world sizes, one writer, logs,
-# verified checkpoints, exports)
-# ==================================================================================================================
-def hook_signal_at(owner: str, name: str, nth: int, rank: str = "0", sig: str = "SIGTERM", times: int = 1,
-                    parent: bool = False) -> None:
-    """(testdata/train_run.py) A stop signal from inside the run at a chosen call (deterministic: no timing):
-    `sig` `times` times to this process (or, `parent`, to the one that started it: torchrun) at the nth call of
-    OWNER.NAME (owner: "train" or "rollout.PlainEngine"), on rank `rank`."""
+# ==================================================================================================
+# run_folder/: runs that survive a cluster (stop signals, --resume auto, world sizes, one writer,
+# logs, verified checkpoints, exports)
+# ==================================================================================================
+def hook_signal_at(owner: str, name: str, nth: int, rank: str = "0", sig: str = "SIGTERM",
+                   times: int = 1, parent: bool = False) -> None:
+    """(testdata/train_run.py) A stop signal from inside the run at a chosen call (deterministic: no
+    timing): `sig` `times` times to this process (or, `parent`, to the one that started it:
+    torchrun) at the nth call of OWNER.NAME (owner: "train" or "rollout.PlainEngine"), on rank
+    `rank`."""
     import signal
 
     module, _, cls = owner.partition(".")
@@ -60,8 +63,8 @@ def hook_signal_at(owner: str, name: str, nth: int, rank: str = "0", sig: str = 
 
 
 def hook_signal_then_hang(nth: int) -> None:
-    """(testdata/train_run.py) SIGTERM at the nth rollout, and then the rollout never returns, as a rank waits in a
-    collective for a frozen one (SIGSTOP, a dead network)."""
+    """(testdata/train_run.py) SIGTERM at the nth rollout, and then the rollout never returns, as a
+    rank waits in a collective for a frozen one (SIGSTOP, a dead network)."""
     import signal
 
     sample, calls = rollout.PlainEngine.sample, []

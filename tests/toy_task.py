@@ -1,6 +1,7 @@
-"""The toy task the training tests share: a tiny random model whose 14-row vocabulary is the digits, toy data,
-the flags of a small run, the reward patched to a rule (`patch_toy_task`), a run in a fresh process
-(`run_train`, testdata/train_run.py), and what the tests read back (metrics, checksums, one-line errors)."""
+"""The toy task the training tests share: a tiny random model whose 14-row vocabulary is the digits,
+toy data, the flags of a small run, the reward patched to a rule (`patch_toy_task`), a run in a
+fresh process (`run_train`, testdata/train_run.py), and what the tests read back (metrics,
+checksums, one-line errors)."""
 import json
 import os
 import subprocess
@@ -16,29 +17,30 @@ import reward
 import train
 from model import tiny_model, tiny_tokenizer
 
-# ==================================================================================================================
+# ==================================================================================================
 # reward.py: answer extraction and grading
-# ==================================================================================================================
+# ==================================================================================================
 
 
 def reward_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-# ==================================================================================================================
+# ==================================================================================================
 # train.py: the training loop end to end
-# ==================================================================================================================
+# ==================================================================================================
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 TESTDATA = ROOT / "testdata"
 
 
-# The toy task: "ab" -> the digit a+b (sums <= 9). The tiny model gets a 14-row vocabulary: the 4 special tokens
-# and the 10 digits (ids 0..13 of the tiny tokenizer), so a random model is right about 7% of the time.
+# The toy task: "ab" -> the digit a+b (sums <= 9). The tiny model gets a 14-row vocabulary: the 4
+# special tokens and the 10 digits (ids 0..13 of the tiny tokenizer), so a random model is right
+# about 7% of the time.
 TOY_VOCAB = 14
 
 
-# The reward (testdata/train_run.py's TOY_REWARD): the first emitted character is the answer digit, or an even
-# digit (~1/2 right: groups of mixed rewards, for the equality tests).
+# The reward (testdata/train_run.py's TOY_REWARD): the first emitted character is the answer digit,
+# or an even digit (~1/2 right: groups of mixed rewards, for the equality tests).
 ANSWER = "answer"
 
 
@@ -58,28 +60,32 @@ def toy_data(tmp_path: Path) -> str:
 
 def toy_args(data: str, out: Path, **flags) -> list[str]:
     base = dict(model="tiny", data=data, answer_key="answer", instruction="", algo="stapo", steps=1,
-                prompts_per_step=4, group_size=4, mini_batch_prompts=2, max_tokens_per_micro_batch=20,
-                max_response_len=3, lr=1e-3, warmup_steps=0, rollout_chunk=1, save_every=0, out_dir=str(out),
-                preset="cpu", plots=False, heldout=0)  # no held-out set unless asked (the default holds out a tenth)
+                prompts_per_step=4, group_size=4, mini_batch_prompts=2,
+                max_tokens_per_micro_batch=20, max_response_len=3, lr=1e-3, warmup_steps=0,
+                rollout_chunk=1, save_every=0, out_dir=str(out), preset="cpu", plots=False,
+                heldout=0)  # no held-out set unless asked (the default holds out a tenth)
     base.update(flags)
     args = ["--no-chat"]
     for key, value in base.items():
         flag = "--" + key.replace("_", "-")
-        args += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
+        args += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False \
+            else [flag, str(value)]
     return args
 
 
 def patch_toy_task(monkeypatch, check: str = ANSWER) -> None:
     """The toy task in this process (testdata/train_run.py sets it up in another)."""
-    monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo": 1.0 if CHECKS[check](response, gold)
-                        else -1.0)
+    monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo":
+                        1.0 if CHECKS[check](response, gold) else -1.0)
     monkeypatch.setattr(train, "lm_vocab_size", lambda tokenizer: TOY_VOCAB)
-    monkeypatch.setattr(train, "load_model", lambda name, **kw: (tiny_model(vocab_size=TOY_VOCAB), tiny_tokenizer()))
+    monkeypatch.setattr(train, "load_model",
+                        lambda name, **kw: (tiny_model(vocab_size=TOY_VOCAB), tiny_tokenizer()))
 
 
 @contextmanager
 def one_thread():
-    """One intra-op thread while training the tiny model: its tiny ops are ~20x faster on a busy machine."""
+    """One intra-op thread while training the tiny model: its tiny ops are ~20x faster on a busy
+    machine."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -92,17 +98,20 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def run_train(tmp_path: Path, args: list[str], nproc: int = 1, check: str = EVEN, head_dim: int = 16,
-         hook: tuple | None = None, expect: int | None = 0) -> subprocess.CompletedProcess:
-    """train.py with `args` on the toy task (or check="real": none) in a fresh process, testdata/train_run.py
-    (torchrun for nproc > 1), after the test hook (name, *args) of this file; its exit status must be `expect`
-    (None: any)."""
+def run_train(tmp_path: Path, args: list[str], nproc: int = 1, check: str = EVEN,
+              head_dim: int = 16, hook: tuple | None = None,
+              expect: int | None = 0) -> subprocess.CompletedProcess:
+    """train.py with `args` on the toy task (or check="real": none) in a fresh process,
+    testdata/train_run.py (torchrun for nproc > 1), after the test hook (name, *args) of this file;
+    its exit status must be `expect` (None: any)."""
     runner = [str(ROOT / "testdata" / "train_run.py")]
     cmd = [sys.executable, *runner] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *runner]
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        *runner]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOY_REWARD": check, "TOY_HEAD_DIM": str(head_dim),
            "TOY_HOOK": json.dumps([hook[0], list(hook[1:])]) if hook else ""}
-    proc = subprocess.run(cmd + args, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    proc = subprocess.run(cmd + args, capture_output=True, text=True, timeout=600, env=env,
+                          cwd=ROOT)
     assert expect is None or proc.returncode == expect, proc.stderr[-3000:]
     return proc
 
@@ -114,24 +123,28 @@ def tensors_close(a: dict, b: dict, atol: float) -> None:
 
 
 def varied_data(tmp_path: Path) -> str:
-    """Toy prompts of 2-6 digits, so that rollouts left-pad them and rows differ in prompt and response length."""
+    """Toy prompts of 2-6 digits, so that rollouts left-pad them and rows differ in prompt and
+    response length."""
     path = tmp_path / "varied.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"{a}{b}" + "0" * ((a + b) % 5), "answer": str(a + b)}) + "\n"
+    path.write_text("".join(json.dumps({"prompt": f"{a}{b}" + "0" * ((a + b) % 5),
+                                        "answer": str(a + b)}) + "\n"
                             for a in range(10) for b in range(10 - a)))
     return str(path)
 
 
-EVERY_ALGO = [("stapo", {}), ("justrl", {}), ("grpo", {"kl_beta": 0.04}), ("20-entropy", {}), ("fullmask", {})]
+EVERY_ALGO = [("stapo", {}), ("justrl", {}), ("grpo", {"kl_beta": 0.04}), ("20-entropy", {}),
+              ("fullmask", {})]
 
 
-BUDGET_KEYS = ("loss/policy", "loss/kl", "grad_norm", "s2t/candidates", "s2t/silenced", "clip/frac_high",
-                "ratio/mean", "kl/approx", "entropy/mean")
+BUDGET_KEYS = ("loss/policy", "loss/kl", "grad_norm", "s2t/candidates", "s2t/silenced",
+               "clip/frac_high", "ratio/mean", "kl/approx", "entropy/mean")
 
 
 def budget_args(data, out, algo, flags, budget):
-    # tau_p 0.2: the random model's probabilities are ~1/14, so S2T and FullMask find candidates to silence.
-    # lr 1e-4: Adam's first steps are ~lr * sign(g), so a rounding-level gradient difference of a parameter whose
-    # gradient is ~0 can move it by up to lr; atol 1e-5 is then a tenth of a step.
+    # tau_p 0.2: the random model's probabilities are ~1/14, so S2T and FullMask find candidates to
+    # silence.
+    # lr 1e-4: Adam's first steps are ~lr * sign(g), so a rounding-level gradient difference of a
+    # parameter whose gradient is ~0 can move it by up to lr; atol 1e-5 is then a tenth of a step.
     return toy_args(data, out, algo=algo, max_response_len=8, tau_p=0.2, lr=1e-4,
                      max_tokens_per_micro_batch=budget, **flags)
 
@@ -141,23 +154,28 @@ def same_update(a: Path, b: Path) -> None:
     assert ma["updates"] == 2
     for key in BUDGET_KEYS:
         assert ma[key] == pytest.approx(mb[key], rel=1e-4, abs=1e-6), key
-    tensors_close(load_file(a / "hf" / "model.safetensors"), load_file(b / "hf" / "model.safetensors"), atol=1e-5)
+    tensors_close(load_file(a / "hf" / "model.safetensors"),
+                  load_file(b / "hf" / "model.safetensors"), atol=1e-5)
 
 
 def read_counts(log: Path, rank: int) -> list[tuple[int, int]]:
-    return [tuple(map(int, line.split())) for line in (log / f"rank{rank}").read_text().splitlines()]
+    return [tuple(map(int, line.split()))
+            for line in (log / f"rank{rank}").read_text().splitlines()]
 
 
 def md5s(folder: Path) -> dict[str, str]:
-    """{relative path: md5} of every file under folder but run.lock (it names the last process that opened it)."""
+    """{relative path: md5} of every file under folder but run.lock (it names the last process that
+    opened it)."""
     import hashlib
 
-    return {str(p.relative_to(folder)): hashlib.md5(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != "run.lock"}
+    return {str(p.relative_to(folder)): hashlib.md5(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "run.lock"}
 
 
 def one_line_error(capsys, expected: str) -> None:
-    """stderr holds one error line (beside progress bars and warnings), with `expected` in it, and no traceback."""
+    """stderr holds one error line (beside progress bars and warnings), with `expected` in it, and
+    no traceback."""
     err = capsys.readouterr().err
     errors = [x for x in err.splitlines() if x.startswith("train.py: error:")]
-    assert len(errors) == 1 and expected in errors[0] and "Traceback" not in err, (expected, err[-2000:])
+    assert len(errors) == 1 and expected in errors[0] and "Traceback" not in err, \
+        (expected, err[-2000:])
