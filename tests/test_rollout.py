@@ -1,5 +1,6 @@
-"""rollout.py: the KV-cache sampler (greedy = model.generate, sampled frequencies, dropping rows, stopping early, the
-plain engine's phases) and token-budget micro-batches; its fast decode steps: tests/test_fast_decode_*.py.
+"""rollout.py: the KV-cache sampler (greedy = model.generate, sampled frequencies, dropping rows,
+stopping early, the plain engine's phases) and token-budget micro-batches; its fast decode steps:
+tests/test_fast_decode_*.py.
 """
 import os
 import tempfile
@@ -16,12 +17,13 @@ from engines import choice
 from fast_decode import cuda_graphs, decode_step
 from model import Policy, position_ids_from_mask, tiny_model, tiny_tokenizer
 from rollout import INSTRUCTION, Rollout, Sampling, format_prompt, gathered, generate, sample_groups
-from tests.sampler_checks import REAL_VOCAB, eos_biased_model, recomputed_logprobs, toy_prompts, two_processes
+from tests.sampler_checks import (REAL_VOCAB, eos_biased_model, recomputed_logprobs, toy_prompts,
+                                  two_processes)
 
 
-# ==================================================================================================================
+# ==================================================================================================
 # rollout.py: the KV-cache sampler
-# ==================================================================================================================
+# ==================================================================================================
 def test_rollout_format_prompt():
     tok = tiny_tokenizer()
     ids = format_prompt(tok, "1+1")
@@ -31,38 +33,43 @@ def test_rollout_format_prompt():
 
 
 def test_rollout_greedy_equals_hf_generate():
-    """Token-for-token equality with model.generate(do_sample=False), left padding, rows stopping early."""
+    """Token-for-token equality with model.generate(do_sample=False), left padding, rows stopping
+    early."""
     lm, prompts = eos_biased_model(105), toy_prompts()
     r = generate(lm, prompts, Sampling(48, temperature=0, eos_token_id=2, pad_token_id=0))
     lengths = r.response_mask.sum(1)
-    assert len({len(p) for p in prompts}) > 1 and len(set(lengths.tolist())) == len(prompts)  # all different
-    assert not r.truncated.any() and r.response_ids.shape[1] == lengths.max() < 48  # every row stopped early
+    # all different
+    assert len({len(p) for p in prompts}) > 1 and len(set(lengths.tolist())) == len(prompts)
+    # every row stopped early
+    assert not r.truncated.any() and r.response_ids.shape[1] == lengths.max() < 48
     P = r.prompt_ids.shape[1]
-    hf = lm.generate(input_ids=r.prompt_ids, attention_mask=r.prompt_mask, max_new_tokens=48, do_sample=False,
-                     eos_token_id=2, pad_token_id=0)[:, P:]  # (B, T)
+    hf = lm.generate(input_ids=r.prompt_ids, attention_mask=r.prompt_mask, max_new_tokens=48,
+                     do_sample=False, eos_token_id=2, pad_token_id=0)[:, P:]  # (B, T)
     assert hf.shape == r.response_ids.shape
     assert torch.equal(hf, r.response_ids)
 
 
 def test_rollout_prefills_each_prompt_once():
-    """The G rows of a prompt are prefilled once and decode from copies of its KV cache: the prefill sees the 4
-    distinct prompts, the first decode step all 12 rows, and the greedy tokens are model.generate's on the 12 rows
-    (which prefills every row)."""
+    """The G rows of a prompt are prefilled once and decode from copies of its KV cache: the prefill
+    sees the 4 distinct prompts, the first decode step all 12 rows, and the greedy tokens are
+    model.generate's on the 12 rows (which prefills every row)."""
     lm, prompts = eos_biased_model(105), toy_prompts()
     seen = []
-    handle = lm.get_decoder().embed_tokens.register_forward_pre_hook(lambda module, args: seen.append(len(args[0])))
+    handle = lm.get_decoder().embed_tokens.register_forward_pre_hook(
+        lambda module, args: seen.append(len(args[0])))
     r = sample_groups(lm, prompts, 3, Sampling(48, temperature=0, eos_token_id=2, pad_token_id=0))
     handle.remove()
     assert seen[:2] == [4, 12] and len(r) == 12
     P = r.prompt_ids.shape[1]
-    hf = lm.generate(input_ids=r.prompt_ids, attention_mask=r.prompt_mask, max_new_tokens=48, do_sample=False,
-                     eos_token_id=2, pad_token_id=0)[:, P:]  # (B, T)
-    assert torch.equal(hf[:, :r.response_ids.shape[1]], r.response_ids) and (hf[:, r.response_ids.shape[1]:] == 0).all()
+    hf = lm.generate(input_ids=r.prompt_ids, attention_mask=r.prompt_mask, max_new_tokens=48,
+                     do_sample=False, eos_token_id=2, pad_token_id=0)[:, P:]  # (B, T)
+    assert torch.equal(hf[:, :r.response_ids.shape[1]], r.response_ids) \
+        and (hf[:, r.response_ids.shape[1]:] == 0).all()
 
 
 def _cache_rows_per_step(lm):
-    """Records the running rows at every decode step of lm's backbone (the rows of its one-token embedding calls;
-    the prefill embeds whole prompts); returns (list, hook handle)."""
+    """Records the running rows at every decode step of lm's backbone (the rows of its one-token
+    embedding calls; the prefill embeds whole prompts); returns (list, hook handle)."""
     seen = []
 
     def hook(module, args):
@@ -73,8 +80,9 @@ def _cache_rows_per_step(lm):
 
 @pytest.mark.parametrize("temperature, top_p", [(0, 1.0), (1.0, 1.0), (0.8, 0.9)])
 def test_rollout_compaction_same_tokens(temperature, top_p):
-    """Dropping finished rows (at any cadence) gives token for token the rollout of the fixed batch (compact=None,
-    the sampler before compaction), for the same generator, with rows stopping at very different lengths."""
+    """Dropping finished rows (at any cadence) gives token for token the rollout of the fixed batch
+    (compact=None, the sampler before compaction), for the same generator, with rows stopping at
+    very different lengths."""
     lm = eos_biased_model(73)
     prompts = toy_prompts() * 6  # 24 rows
     sampling = Sampling(40, temperature, top_p, eos_token_id=2, pad_token_id=0,  # greedy: all rows,
@@ -89,15 +97,18 @@ def test_rollout_compaction_same_tokens(temperature, top_p):
     handle.remove()
     ref = runs[None]
     lengths = ref.response_mask.sum(1)
-    assert lengths.min() <= 12 and ref.truncated.any() and len(set(lengths.tolist())) >= 4  # very different
+    # very different
+    assert lengths.min() <= 12 and ref.truncated.any() and len(set(lengths.tolist())) >= 4
     assert set(ref.cache_rows) == {24}  # the fixed batch never shrinks
     for compact in (0.15, 1e-9):
         r = runs[compact]
-        assert torch.equal(r.response_ids, ref.response_ids) and torch.equal(r.response_mask, ref.response_mask)
+        assert torch.equal(r.response_ids, ref.response_ids) \
+            and torch.equal(r.response_mask, ref.response_mask)
         assert torch.equal(r.truncated, ref.truncated) and torch.equal(r.prompt_ids, ref.prompt_ids)
         torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
-    # The KV cache shrinks as rows finish. compact=1e-9 drops every row right after its EOS: before decoding token
-    # t+1 the cache holds the rows longer than t+1; compact=0.15 drops 15% of the running batch or more at a time.
+    # The KV cache shrinks as rows finish. compact=1e-9 drops every row right after its EOS: before
+    # decoding token t+1 the cache holds the rows longer than t+1; compact=0.15 drops 15% of the
+    # running batch or more at a time.
     assert runs[1e-9].cache_rows == [int((lengths > t + 1).sum()) for t in range(39)]
     sizes = sorted(set(runs[0.15].cache_rows), reverse=True)
     assert runs[0.15].cache_rows == sorted(runs[0.15].cache_rows, reverse=True)
@@ -105,14 +116,16 @@ def test_rollout_compaction_same_tokens(temperature, top_p):
 
 
 def test_plain_engine_takes_the_weights_once_per_phase(monkeypatch):
-    """`PlainEngine.ready` builds one `DecodeStep` (the stacked, reordered weight copies) for every generate call of a
-    rollout phase, samples what per-call steps sample, drops the copies at the end of the phase and builds them anew
-    from the changed weights in the next (a step kept across phases would sample from the old weights). generate
-    refuses the step of another model or vocabulary size."""
+    """`PlainEngine.ready` builds one `DecodeStep` (the stacked, reordered weight copies) for every
+    generate call of a rollout phase, samples what per-call steps sample, drops the copies at the
+    end of the phase and builds them anew from the changed weights in the next (a step kept across
+    phases would sample from the old weights). generate refuses the step of another model or
+    vocabulary size."""
     lm, prompts = eos_biased_model(105), toy_prompts()
     engine = rollout.PlainEngine(lm, 2, 0, REAL_VOCAB)
     built = []
-    monkeypatch.setattr(decode_step.DecodeStep, "__init__", lambda self, *a, init=decode_step.DecodeStep.__init__:
+    monkeypatch.setattr(decode_step.DecodeStep, "__init__",
+                        lambda self, *a, init=decode_step.DecodeStep.__init__:
                         built.append(1) or init(self, *a))
 
     def phase():
@@ -121,7 +134,8 @@ def test_plain_engine_takes_the_weights_once_per_phase(monkeypatch):
             assert isinstance(engine.step, decode_step.DecodeStep)
             r = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)  # four generate calls
         assert len(built) == 1 and engine.step is True
-        per_call = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)  # outside a phase: a step per call
+        # outside a phase: a step per call
+        per_call = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)
         assert len(built) == 1 + len(prompts)
         assert torch.equal(r.response_ids, per_call.response_ids)
         torch.testing.assert_close(r.logprobs, per_call.logprobs, atol=1e-6, rtol=0)
@@ -140,12 +154,12 @@ def test_plain_engine_takes_the_weights_once_per_phase(monkeypatch):
 
 
 def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
-    """`PlainEngine` with `captured` (train.py's --cuda-graphs on CUDA; the CPU stand-in here) makes one
-    `CapturedStep` per rollout
-    phase at its first sample call, for its largest generate call's rows and the run's longest prompt + response
-    (`max_len`, which make_engine takes from max_model_len), uses it for every generate call of the phase, samples
-    what the eager engine samples, and drops it with the phase; a later call of the phase that needs more rows makes
-    a larger one."""
+    """`PlainEngine` with `captured` (train.py's --cuda-graphs on CUDA; the CPU stand-in here) makes
+    one `CapturedStep` per rollout phase at its first sample call, for its largest generate call's
+    rows and the run's longest prompt + response (`max_len`, which make_engine takes from
+    max_model_len), uses it for every generate call of the phase, samples what the eager engine
+    samples, and drops it with the phase; a later call of the phase that needs more rows makes a
+    larger one."""
     lm, prompts = eos_biased_model(105), toy_prompts()
     tok = tiny_tokenizer()
     engine = choice.make_engine("plain", lm, tok, True, max_model_len=200)
@@ -153,10 +167,11 @@ def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
     assert choice.make_engine("plain", lm, tok, True, captured=True).captured
     eager = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)
     engine.captured, built = True, []
-    monkeypatch.setattr(cuda_graphs.CapturedStep, "__init__", lambda self, *a, init=cuda_graphs.CapturedStep.__init__:
+    monkeypatch.setattr(cuda_graphs.CapturedStep, "__init__",
+                        lambda self, *a, init=cuda_graphs.CapturedStep.__init__:
                         built.append(a[1:]) or init(self, *a))
     with engine.ready(lm):
-        r = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)  # four generate calls of 2 rows
+        r = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)  # 4 generate calls of 2 rows
         held = engine.static
         assert built == [(2, 200)] and isinstance(held, cuda_graphs.CapturedStep)
         engine.sample(prompts[:2], 2, [7], 2, 24, 1.0, 1.0)  # 4 rows: a larger cache
@@ -170,12 +185,14 @@ def test_rollout_response_mask_and_truncation():
     lm = eos_biased_model(73)
     r = generate(lm, toy_prompts(), Sampling(40, temperature=0, eos_token_id=2, pad_token_id=0))
     lengths = r.response_mask.sum(1)
-    assert lengths.tolist() == [14, 9, 19, 40] and r.truncated.tolist() == [False, False, False, True]
+    assert lengths.tolist() == [14, 9, 19, 40] \
+        and r.truncated.tolist() == [False, False, False, True]
     for ids, mask, n, trunc in zip(r.response_ids, r.response_mask, lengths, r.truncated):
         assert mask[:n].all() and not mask[n:].any()  # contiguous, from the first token
         assert (ids[n - 1] == 2) != bool(trunc)  # the last masked token is the EOS unless truncated
         assert (ids[:n - 1] != 2).all() and (ids[n:] == 0).all()  # no EOS before, only pad after
-    assert (r.logprobs[r.response_mask == 0] == 0).all() and (r.logprobs[r.response_mask == 1] < 0).all()
+    assert (r.logprobs[r.response_mask == 0] == 0).all() \
+        and (r.logprobs[r.response_mask == 1] < 0).all()
     input_ids, attention_mask = r.training_inputs()
     assert input_ids.shape == attention_mask.shape == (4, r.prompt_ids.shape[1] + 40)
     assert torch.equal(attention_mask.sum(1), r.prompt_mask.sum(1) + lengths)
@@ -183,13 +200,15 @@ def test_rollout_response_mask_and_truncation():
     assert len(sub) == 2 and torch.equal(sub.response_ids[1], r.response_ids[1])
     tok = tiny_tokenizer()
     texts = r.texts(tok)
-    assert texts == [tok.decode(ids[:n], skip_special_tokens=True) for ids, n in zip(r.response_ids, lengths)]
+    assert texts == [tok.decode(ids[:n], skip_special_tokens=True)
+                     for ids, n in zip(r.response_ids, lengths)]
     assert "<|im_end|>" in tok.decode(r.response_ids[0]) and "<|im_end|>" not in texts[0]
 
 
 def test_rollout_stop_ends_a_call_at_the_next_check():
-    """generate(stop=...): asked at every stop check (each decode step on CPU), a true answer ends the call there, so a
-    stop signal during a long rollout does not wait for it; without it the same call runs to its end."""
+    """generate(stop=...): asked at every stop check (each decode step on CPU), a true answer ends
+    the call there, so a stop signal during a long rollout does not wait for it; without it the same
+    call runs to its end."""
     lm, prompts, asked = tiny_model(), toy_prompts(), []
 
     def stop():
@@ -200,7 +219,8 @@ def test_rollout_stop_ends_a_call_at_the_next_check():
     cut = generate(lm, prompts, Sampling(30, 1.0), generator=torch.Generator().manual_seed(0),
                    stop=stop)
     assert whole.response_ids.shape[1] > 10 and cut.response_ids.shape[1] == 3 and len(asked) == 3
-    assert torch.equal(cut.response_ids, whole.response_ids[:, :3].masked_fill(cut.response_mask == 0, 0))
+    assert torch.equal(cut.response_ids,
+                       whole.response_ids[:, :3].masked_fill(cut.response_mask == 0, 0))
 
 
 def test_rollout_sampling_frequencies_chi_square():
@@ -239,26 +259,30 @@ def test_rollout_top_p_stays_in_nucleus():
     P = r.prompt_ids.shape[1]
     probs = torch.softmax(logits[:, P - 1:-1, :REAL_VOCAB] / temperature, -1)  # (B, T, V')
     chosen = probs.gather(-1, r.response_ids[..., None]).squeeze(-1)  # (B, T)
-    mass_above = (probs * (probs > chosen[..., None])).sum(-1)  # mass of strictly more likely tokens (B, T)
+    # mass of strictly more likely tokens (B, T)
+    mass_above = (probs * (probs > chosen[..., None])).sum(-1)
     in_nucleus = mass_above < top_p
     mask = r.response_mask.bool()
     assert in_nucleus[mask].all()
     sorted_p = torch.sort(probs, -1, descending=True).values  # (B, T, V')
     nucleus_mass = (sorted_p * ((sorted_p.cumsum(-1) - sorted_p) < top_p)).sum(-1)  # (B, T)
-    assert (1 - nucleus_mass[mask]).mean() > 0.3  # sampling from the full softmax would leave the nucleus often
+    # sampling from the full softmax would leave the nucleus often
+    assert (1 - nucleus_mass[mask]).mean() > 0.3
 
 
 def test_rollout_padding_rows_never_sampled():
     lm = tiny_model()
     with torch.no_grad():
-        lm.lm_head.weight[REAL_VOCAB:] = 20 * lm.lm_head.weight[REAL_VOCAB:]  # padding rows now dominate
+        # padding rows now dominate
+        lm.lm_head.weight[REAL_VOCAB:] = 20 * lm.lm_head.weight[REAL_VOCAB:]
     prompts = toy_prompts()
     sampling = Sampling(16, eos_token_id=2, pad_token_id=0)
     r = generate(lm, prompts, replace(sampling, vocab_size=REAL_VOCAB),
                  generator=torch.Generator().manual_seed(0))
     assert r.response_ids.max() < REAL_VOCAB
     unmasked = generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(0))
-    assert (unmasked.response_ids >= REAL_VOCAB).float().mean() > 0.5  # without vocab_size they would be
+    # without vocab_size they would be
+    assert (unmasked.response_ids >= REAL_VOCAB).float().mean() > 0.5
 
 
 def test_rollout_logprobs_equal_recomputed_forward():
@@ -275,28 +299,34 @@ def test_rollout_logprobs_equal_recomputed_forward():
 
 
 def test_rollout_logprobs_equal_policy_forward():
-    """With all vocabulary rows (vocab_size=None) the sampler's log-probs are model.Policy's (the training forward);
-    with vocab_size set, the Policy must mask the same rows for the two to agree."""
+    """With all vocabulary rows (vocab_size=None) the sampler's log-probs are model.Policy's (the
+    training forward); with vocab_size set, the Policy must mask the same rows for the two to
+    agree."""
     lm = eos_biased_model(73)
     sampling = Sampling(30, temperature=0.7, eos_token_id=2, pad_token_id=0)
     r = generate(lm, toy_prompts(), sampling, generator=torch.Generator().manual_seed(4))
-    assert not any(x.is_inference() for x in (r.response_ids, r.response_mask, r.logprobs, r.truncated))
-    logprobs = Policy(lm)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]  # (B, T), with autograd
+    assert not any(x.is_inference()
+                   for x in (r.response_ids, r.response_mask, r.logprobs, r.truncated))
+    # (B, T), with autograd
+    logprobs = Policy(lm)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]
     logprobs.sum().backward()  # the rollout's tensors are usable in training
     torch.testing.assert_close(r.logprobs, logprobs.detach(), atol=1e-5, rtol=0)
-    # The sampler drops rows >= vocab_size from its softmax; Policy(vocab_size=...) must drop the same rows.
+    # The sampler drops rows >= vocab_size from its softmax; Policy(vocab_size=...) must drop the
+    # same rows.
     r = generate(lm, toy_prompts(), replace(sampling, vocab_size=REAL_VOCAB),
                  generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        masked = Policy(lm, vocab_size=REAL_VOCAB)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]
+        masked = Policy(lm, vocab_size=REAL_VOCAB)(*r.training_inputs(), r.response_mask,
+                                                   temperature=0.7)[0]
         unmasked = Policy(lm)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]
     torch.testing.assert_close(r.logprobs, masked, atol=1e-5, rtol=0)
-    assert (r.logprobs - unmasked).abs().max() > 1e-3  # the extra rows do carry mass in the tiny model
+    # the extra rows do carry mass in the tiny model
+    assert (r.logprobs - unmasked).abs().max() > 1e-3
 
 
 def test_rollout_eos_ids_end_chat_turns_of_base_models():
-    """A base model's tokenizer and generation config end on <|endoftext|>; chat prompts must also stop at the
-    ChatML end of turn <|im_end|>, raw prompts must not."""
+    """A base model's tokenizer and generation config end on <|endoftext|>; chat prompts must also
+    stop at the ChatML end of turn <|im_end|>, raw prompts must not."""
     from rollout import eos_ids
     tok, lm = tiny_tokenizer(), tiny_model()
     tok.eos_token = "<|endoftext|>"  # like Qwen3-Base: EOS id 0, <|im_end|> is id 2
@@ -321,12 +351,14 @@ def test_rollout_same_seed_same_rollout():
     assert not torch.equal(a.response_ids, c.response_ids)
     groups = sample_groups(lm, prompts[:2], 4, Sampling(20, eos_token_id=2, pad_token_id=0),
                            generator=torch.Generator().manual_seed(7))
-    assert torch.equal(groups.prompt_ids[0], groups.prompt_ids[3]) and not torch.equal(groups.prompt_ids[3],
-                                                                                     groups.prompt_ids[4])
-    assert not torch.equal(groups.response_ids[0], groups.response_ids[1])  # samples in a group differ
+    assert torch.equal(groups.prompt_ids[0], groups.prompt_ids[3]) \
+        and not torch.equal(groups.prompt_ids[3], groups.prompt_ids[4])
+    # samples in a group differ
+    assert not torch.equal(groups.response_ids[0], groups.response_ids[1])
 
 
-_FSDP_SEEDS = (15, 3)  # rank r samples with seed _FSDP_SEEDS[r]: all rows stop after 25 tokens / run to 40
+# rank r samples with seed _FSDP_SEEDS[r]: all rows stop after 25 tokens / run to 40
+_FSDP_SEEDS = (15, 3)
 
 
 def _fsdp_model():
@@ -349,17 +381,22 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str):
     assert all(isinstance(p, DTensor) for p in policy.parameters())
     with gathered(policy):
         for (name, p), q in zip(policy.lm.named_parameters(), full.parameters()):
-            assert not isinstance(p, DTensor) and torch.equal(p, q), name  # the full parameters, as plain tensors
-        rollout = _fsdp_generate(policy.lm, _FSDP_SEEDS[rank])  # the HF model itself, not through the root
+            # the full parameters, as plain tensors
+            assert not isinstance(p, DTensor) and torch.equal(p, q), name
+        # the HF model itself, not through the root
+        rollout = _fsdp_generate(policy.lm, _FSDP_SEEDS[rank])
     assert all(isinstance(p, DTensor) for p in policy.parameters())  # resharded
-    logprobs = policy(*rollout.training_inputs(), rollout.response_mask)[0]  # FSDP training works afterwards
+    # FSDP training works afterwards
+    logprobs = policy(*rollout.training_inputs(), rollout.response_mask)[0]
     logprobs.sum().backward()
-    assert all(isinstance(p.grad, DTensor) for p in policy.parameters())  # sharded gradients, reduce-scattered
+    # sharded gradients, reduce-scattered
+    assert all(isinstance(p.grad, DTensor) for p in policy.parameters())
     logprobs = logprobs.detach()
     with gathered(policy):  # and so does a second rollout phase
         again = _fsdp_generate(policy.lm, _FSDP_SEEDS[rank])
     assert torch.equal(again.response_ids, rollout.response_ids)
-    torch.save({"rollout": rollout, "policy_logprobs": logprobs}, os.path.join(out_dir, f"{rank}.pt"))
+    torch.save({"rollout": rollout, "policy_logprobs": logprobs},
+               os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
     os._exit(0)  # as train.py does: no interpreter teardown racing torch's gloo threads
 
@@ -367,7 +404,8 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str):
 def test_rollout_fsdp2_two_processes_equal_one():
     with tempfile.TemporaryDirectory() as tmp:
         two_processes(_fsdp_worker, tmp, "2-process rollout hung")
-        results = [torch.load(os.path.join(tmp, f"{rank}.pt"), weights_only=False) for rank in range(2)]
+        results = [torch.load(os.path.join(tmp, f"{rank}.pt"), weights_only=False)
+                   for rank in range(2)]
     lm = _fsdp_model()
     lengths = set()
     for seed, result in zip(_FSDP_SEEDS, results):
@@ -382,10 +420,11 @@ def test_rollout_fsdp2_two_processes_equal_one():
     assert lengths == {25, 40}  # the ranks stopped decoding at different steps and neither hung
 
 
-# ---------------------------------------------------------------- token-budget micro-batches (Rollout.micro_batches)
+# ----------------------------------------------- token-budget micro-batches (Rollout.micro_batches)
 
 def _rows_of_lengths(lengths: list[int]) -> Rollout:
-    """A Rollout whose rows have these prompt + response lengths (prompt 1 token, the rest response)."""
+    """A Rollout whose rows have these prompt + response lengths (prompt 1 token, the rest
+    response)."""
     B, T = len(lengths), max(lengths)
     response_mask = (torch.arange(T) < torch.tensor(lengths)[:, None] - 1).long()  # (B, T)
     return Rollout(torch.zeros(B, 1, dtype=torch.long), torch.ones(B, 1, dtype=torch.long),
@@ -394,33 +433,37 @@ def _rows_of_lengths(lengths: list[int]) -> Rollout:
 
 
 def _group_order(lengths: list[int], groups: list[int]) -> list[int]:
-    """The row order micro_batches promises: rows of one prompt together, groups by their longest row (ties: the
-    group first seen first), longest first within a group."""
+    """The row order micro_batches promises: rows of one prompt together, groups by their longest
+    row (ties: the group first seen first), longest first within a group."""
     longest = {g: max(n for n, h in zip(lengths, groups) if h == g) for g in groups}
     seen = {g: groups.index(g) for g in groups}
-    return sorted(range(len(lengths)), key=lambda i: (-longest[groups[i]], seen[groups[i]], -lengths[i]))
+    return sorted(range(len(lengths)),
+                  key=lambda i: (-longest[groups[i]], seen[groups[i]], -lengths[i]))
 
 
 def _grouped_rows(lengths: list[int], groups: list[int]) -> Rollout:
-    """A Rollout whose rows have these prompt + response lengths and prompts (group g: a 1-token prompt id g + 4)."""
+    """A Rollout whose rows have these prompt + response lengths and prompts (group g: a 1-token
+    prompt id g + 4)."""
     base = _rows_of_lengths(lengths)
     return replace(base, prompt_ids=torch.tensor(groups)[:, None] + 4)
 
 
 def test_rollout_micro_batches_respect_the_token_budget():
-    """Token-budget micro-batches: a partition of the rows in group order (the rows of one prompt together, groups
-    longest row first, longest first within a group); the rows' prompt + response tokens <= budget unless a single
-    row is longer; as few micro-batches as the budget allows for that order (one more row would not fit)."""
+    """Token-budget micro-batches: a partition of the rows in group order (the rows of one prompt
+    together, groups longest row first, longest first within a group); the rows' prompt + response
+    tokens <= budget unless a single row is longer; as few micro-batches as the budget allows for
+    that order (one more row would not fit)."""
     g = torch.Generator().manual_seed(0)
     B, P, T, G = 40, 6, 30, 4
-    prompt_len, response_len = torch.randint(1, P + 1, (B // G,), generator=g), torch.randint(1, T + 1, (B,),
-                                                                                             generator=g)
+    prompt_len, response_len = (torch.randint(1, P + 1, (B // G,), generator=g),
+                                torch.randint(1, T + 1, (B,), generator=g))
     prompt_len = prompt_len.repeat_interleave(G)  # (B,) G rows per prompt
     prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()  # (B, P) left-padded
-    prompt_ids = torch.randint(4, 100, (B // G, P), generator=g).repeat_interleave(G, 0) * prompt_mask
+    prompt_ids = torch.randint(4, 100, (B // G, P), generator=g).repeat_interleave(G, 0) \
+        * prompt_mask
     response_mask = (torch.arange(T) < response_len[:, None]).long()  # (B, T) right-padded
-    batch = Rollout(prompt_ids, prompt_mask, torch.zeros(B, T, dtype=torch.long), response_mask, torch.zeros(B, T),
-                    torch.zeros(B, dtype=torch.bool))
+    batch = Rollout(prompt_ids, prompt_mask, torch.zeros(B, T, dtype=torch.long), response_mask,
+                    torch.zeros(B, T), torch.zeros(B, dtype=torch.bool))
     lengths = (prompt_len + response_len).tolist()
     assert batch.lengths().tolist() == lengths
     want = _group_order(lengths, [i // G for i in range(B)])
@@ -440,16 +483,18 @@ def test_rollout_micro_batches_respect_the_token_budget():
 
 
 def test_rollout_micro_batches_agreed_count_is_balanced_and_within_budget():
-    """With agree(): exactly the agreed number of micro-batches (at least what the rows need), a partition of the
-    rows in group order, every micro-batch within the budget unless it is one over-long row, and the largest padded
-    size as small as any split of the ordered rows into that many consecutive runs allows (brute force)."""
+    """With agree(): exactly the agreed number of micro-batches (at least what the rows need), a
+    partition of the rows in group order, every micro-batch within the budget unless it is one
+    over-long row, and the largest padded size as small as any split of the ordered rows into that
+    many consecutive runs allows (brute force)."""
     import itertools
 
     g = torch.Generator().manual_seed(3)
     for trial in range(60):
         n = int(torch.randint(1, 9, (1,), generator=g))
         lengths = torch.randint(2, 40, (n,), generator=g).tolist()
-        groups = torch.randint(0, 1 + trial % 4, (n,), generator=g).tolist()  # 1 to 4 prompts, rows in any order
+        # 1 to 4 prompts, rows in any order
+        groups = torch.randint(0, 1 + trial % 4, (n,), generator=g).tolist()
         batch = _grouped_rows(lengths, groups)
         budget = int(torch.randint(1, 120, (1,), generator=g))
         need = len(batch.micro_batches(budget))
@@ -459,10 +504,12 @@ def test_rollout_micro_batches_agreed_count_is_balanced_and_within_budget():
             assert len(parts) == count and all(parts)
             assert [i for p in parts for i in p] == _group_order(lengths, groups)
             cost = [sum(lengths[i] for i in p) for p in parts]
-            assert all(c <= budget or len(p) == 1 for c, p in zip(cost, parts)), (lengths, budget, count, parts)
+            assert all(c <= budget or len(p) == 1 for c, p in zip(cost, parts)), \
+                (lengths, budget, count, parts)
             best = min(max(sum(srt[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
                        for cuts in itertools.combinations(range(1, n), count - 1)
-                       if all(sum(srt[a:b]) <= budget or b - a == 1 for a, b in zip((0, *cuts), (*cuts, n))))
+                       if all(sum(srt[a:b]) <= budget or b - a == 1
+                              for a, b in zip((0, *cuts), (*cuts, n))))
             assert max(cost) == best, (lengths, groups, budget, count, parts)
     with pytest.raises(ValueError, match="cannot cut 3 rows into 4 micro-batches"):
         _rows_of_lengths([5, 4, 3]).micro_batches(100, agree=lambda own: 4)
@@ -471,28 +518,31 @@ def test_rollout_micro_batches_agreed_count_is_balanced_and_within_budget():
         _rows_of_lengths([5, 4, 3]).micro_batches(5, agree=lambda own: 1)
 
 
-# ==================================================================================================================
+# ==================================================================================================
 # rollout.py: --stop-text
-# ==================================================================================================================
+# ==================================================================================================
 def _piece_tokenizer():
-    """A tokenizer of multi-character pieces (ids 0-3 special, as tiny_tokenizer's), so that a stop text can be
-    spelled inside one token or across several: "\\n\\n" is one piece, "a\\n" + "\\nb" another spelling of it."""
+    """A tokenizer of multi-character pieces (ids 0-3 special, as tiny_tokenizer's), so that a stop
+    text can be spelled inside one token or across several: "\\n\\n" is one piece, "a\\n" + "\\nb"
+    another spelling of it."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    pieces = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "a", "b", "\n", "a\n", "\nb", "\n\n", " ",
-              "x", "ab", "b\n", "é"]
+    pieces = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "a", "b", "\n", "a\n", "\nb",
+              "\n\n", " ", "x", "ab", "b\n", "é"]
     tok = Tokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
-                                   unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>",
+                                   eos_token="<|im_end|>", unk_token="<unk>",
+                                   additional_special_tokens=["<|im_start|>"])
 
 
 def test_rollout_stop_text_ends_rows_where_the_text_first_appears():
-    """Against the unstopped sampler with the same seed, decoded naively: each row is the unstopped row cut after
-    the first token at which a stop text appears in the whole decoded response (special tokens skipped, as
-    Rollout.texts), or at its EOS if that comes first; the tokens before are the same. Matches inside one token and
-    across token boundaries (and across special tokens) both occur."""
+    """Against the unstopped sampler with the same seed, decoded naively: each row is the unstopped
+    row cut after the first token at which a stop text appears in the whole decoded response
+    (special tokens skipped, as Rollout.texts), or at its EOS if that comes first; the tokens before
+    are the same. Matches inside one token and across token boundaries (and across special tokens)
+    both occur."""
     tok = _piece_tokenizer()
     V, texts = len(tok), ["\n\n", "ab"]
     lm = tiny_model(vocab_size=V)
@@ -508,7 +558,8 @@ def test_rollout_stop_text_ends_rows_where_the_text_first_appears():
             for i in range(len(prompts)):
                 ids = full.response_ids[i][full.response_mask[i].bool()].tolist()
                 end = next((t + 1 for t in range(len(ids))
-                            if any(s in tok.decode(ids[:t + 1], skip_special_tokens=True) for s in texts)), None)
+                            if any(s in tok.decode(ids[:t + 1], skip_special_tokens=True)
+                                   for s in texts)), None)
                 got = cut.response_ids[i][cut.response_mask[i].bool()].tolist()
                 assert got == ids[:end or len(ids)], (seed, i)
                 assert torch.equal(cut.logprobs[i, :len(got)], full.logprobs[i, :len(got)])
@@ -516,22 +567,25 @@ def test_rollout_stop_text_ends_rows_where_the_text_first_appears():
                 if end:
                     alone = tok.decode(ids[end - 1:end])
                     kinds.add("inside" if any(s in alone for s in texts) else "across")
-                    kinds.add("special" if any(t in (0, 1) for t in ids[max(0, end - 3):end]) else "plain")
+                    kinds.add("special" if any(t in (0, 1) for t in ids[max(0, end - 3):end])
+                              else "plain")
     assert kinds == {"inside", "across", "special", "plain"}, kinds
 
 
 def test_rollout_stop_text_window_and_vocabulary_filter():
-    """A text of n bytes is looked for in the last n + 1 tokens that are not special; a token can end a match only if
-    it spells the text's last character or no whole character (a byte of a multi-byte one); a special token, which
-    the decoded text skips, never ends one."""
+    """A text of n bytes is looked for in the last n + 1 tokens that are not special; a token can
+    end a match only if it spells the text's last character or no whole character (a byte of a
+    multi-byte one); a special token, which the decoded text skips, never ends one."""
     tok = tiny_tokenizer()
     stop = rollout.StopText(tok, ["ab", "é"])
     assert stop.window == 3  # "é" is 2 bytes in UTF-8
     ids = tok("xab").input_ids
-    assert stop.tail([0, *ids, 1, 0]) == [*ids, 1, 0]  # special tokens do not count towards the window
+    # special tokens do not count towards the window
+    assert stop.tail([0, *ids, 1, 0]) == [*ids, 1, 0]
     may = {tok.convert_ids_to_tokens(i): bool(stop.may_end[i]) for i in range(len(tok))}
     assert may["b"] and not may["a"] and not may["<|im_end|>"]
-    rows = torch.tensor([tok("xxab").input_ids, tok("abxx").input_ids, tok("xxxx").input_ids])  # (3, 4)
+    rows = torch.tensor([tok("xxab").input_ids, tok("abxx").input_ids,
+                         tok("xxxx").input_ids])  # (3, 4)
     assert stop.ends(rows, 0).tolist() == [3, 1, -1] and stop.ends(rows, 2).tolist() == [3, -1, -1]
     with pytest.raises(ValueError, match="non-empty"):
         rollout.StopText(tok, [""])

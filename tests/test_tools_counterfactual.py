@@ -1,5 +1,5 @@
-"""tools/counterfactual.py (RQ2): the estimator on a tabular policy with known effects, token picks, Wilson intervals,
-the command on a tiny run. """
+"""tools/counterfactual.py (RQ2): the estimator on a tabular policy with known effects, token picks,
+Wilson intervals, the command on a tiny run."""
 import importlib.util
 import json
 import math
@@ -14,13 +14,14 @@ from run_folder import figures
 from tests.toy_task import EVEN, one_thread, patch_toy_task, toy_args, toy_data
 from tools import counterfactual
 
-# ==================================================================================================================
-# tools/counterfactual.py and s2t_diagnostics.entropy_change: what the mask removes and what an update does to
-# entropy (RQ2)
-# ==================================================================================================================
-# A tabular policy whose tokens' effects on success are known exactly. Prompt [gold]; response: a hint A or B (1/2
-# each), then the answer digit (gold with probability 0.9 after A, 0.2 after B, else one of the 9 other digits),
-# then filler tokens that cannot change anything, never EOS (so every response runs to the budget).
+# ==================================================================================================
+# tools/counterfactual.py and s2t_diagnostics.entropy_change: what the mask removes and what an
+# update does to entropy (RQ2)
+# ==================================================================================================
+# A tabular policy whose tokens' effects on success are known exactly. Prompt [gold]; response: a
+# hint A or B (1/2 each), then the answer digit (gold with probability 0.9 after A, 0.2 after B,
+# else one of the 9 other digits), then filler tokens that cannot change anything, never EOS (so
+# every response runs to the budget).
 _HINT_A, _HINT_B, _FILL = 10, 11, 12
 _P_RIGHT = {_HINT_A: 0.9, _HINT_B: 0.2}
 _CF_LEN = 6  # max_response_len: hint, answer, 4 fillers
@@ -46,7 +47,8 @@ def _tabular_sampler(calls: list):
                         token = gold if rng.random() < _P_RIGHT[hint] else rng.choice(others)
                     else:
                         token = _FILL
-                    if not cont and exclude is not None and token == exclude[i]:  # the redraw without the token
+                    # the redraw without the token
+                    if not cont and exclude is not None and token == exclude[i]:
                         if t < 2:
                             continue  # the hint or the answer: draw again (rejection)
                         token = _FILL + 1  # the filler's only alternative: another filler
@@ -58,40 +60,46 @@ def _tabular_sampler(calls: list):
 
 def _tabular_grade(prompts):
     def grade(row, response):
-        assert len(response) == _CF_LEN, response  # every continuation got exactly the budget its prefix left
+        # every continuation got exactly the budget its prefix left
+        assert len(response) == _CF_LEN, response
         return 1.0 if response[1] == prompts[row][0] else -1.0
     return grade
 
 
 def test_counterfactual_estimator_on_a_known_policy():
-    """effect = P(success | y_<=t) - P(success | y_<t) lands within 3 standard errors of the exact value for a hint
-    token (+0.35 / -0.35), a deciding token (+0.1, +0.8, -0.2) and tokens that cannot change the answer (0, also the
-    last one); comparing with the response's own reward instead (a wrong estimator) misses by far more."""
+    """effect = P(success | y_<=t) - P(success | y_<t) lands within 3 standard errors of the exact
+    value for a hint token (+0.35 / -0.35), a deciding token (+0.1, +0.8, -0.2) and tokens that
+    cannot change the answer (0, also the last one); comparing with the response's own reward
+    instead (a wrong estimator) misses by far more."""
     prompts = [[7], [3], [3]]
     f = [_FILL] * 4
     responses = [[_HINT_A, 7] + f, [_HINT_B, 3] + f, [_HINT_B, 5] + f]  # right, right, wrong
     v = 0.5 * 0.9 + 0.5 * 0.2  # P(success) before the hint
-    exact = {(0, 0): 0.9 - v, (0, 1): 1 - 0.9, (0, 3): 0.0, (0, 5): 0.0, (1, 0): 0.2 - v, (1, 1): 1 - 0.2,
-             (2, 1): 0 - 0.2}
+    exact = {(0, 0): 0.9 - v, (0, 1): 1 - 0.9, (0, 3): 0.0, (0, 5): 0.0, (1, 0): 0.2 - v,
+             (1, 1): 1 - 0.2, (2, 1): 0 - 0.2}
     calls = []
     effects = counterfactual.token_effects(_tabular_sampler(calls), _tabular_grade(prompts),
                                            list(zip(prompts, responses)), list(exact), k=2000,
                                            max_response_len=_CF_LEN, seed=3, prefixes_per_call=4)
-    contrast = {(0, 0): 0.9 - 0.2, (0, 1): 1.0, (0, 3): 0.0, (0, 5): 0.0, (1, 0): 0.2 - 0.9, (1, 1): 1.0,
-                (2, 1): 0 - 0.2}  # Q(a) - Q(not a): effect = (1 - p) contrast, p = 0.5 (hints), 0.9 / 0.2 (answers)
+    # Q(a) - Q(not a): effect = (1 - p) contrast, p = 0.5 (hints), 0.9 / 0.2 (answers)
+    contrast = {(0, 0): 0.9 - 0.2, (0, 1): 1.0, (0, 3): 0.0, (0, 5): 0.0, (1, 0): 0.2 - 0.9,
+                (1, 1): 1.0, (2, 1): 0 - 0.2}
     for e in effects:
         truth = exact[e.row, e.t]
         assert e.k == 2000 and abs(e.effect - truth) <= 3 * e.stderr + 1e-12, (e, truth)
-        assert e.contrast_ci[0] <= contrast[e.row, e.t] <= e.contrast_ci[1], (e, contrast[e.row, e.t])
+        assert e.contrast_ci[0] <= contrast[e.row, e.t] <= e.contrast_ci[1], \
+            (e, contrast[e.row, e.t])
         assert e.contrast == pytest.approx(e.keep - e.exclude)
         assert e.effect == pytest.approx(e.keep - e.resample) and e.stderr < 0.03
         if truth == 0:
             assert e.effect == 0 and e.stderr == 0  # nothing after the answer can change it
         reward_of_response = 1.0 if responses[e.row][1] == prompts[e.row][0] else 0.0
-        if (e.row, e.t) in ((0, 0), (1, 0)):  # the response's reward is not the success with y_t kept
+        # the response's reward is not the success with y_t kept
+        if (e.row, e.t) in ((0, 0), (1, 0)):
             assert abs(reward_of_response - e.resample - truth) > 3 * e.stderr + 0.05
-    # one call per group of <= 4 prefixes (the last token's kept prefix is the response itself: no call), longest
-    # budget first, each call seeded differently; then the redraws without the token, in calls of their own
+    # one call per group of <= 4 prefixes (the last token's kept prefix is the response itself: no
+    # call), longest budget first, each call seeded differently; then the redraws without the token,
+    # in calls of their own
     assert [n for n, _, _ in calls] == [4, 4, 4, 1, 4, 3] and len({s for _, _, s in calls}) == 6
     assert all([m for _, m, _ in part] == sorted((m for _, m, _ in part), reverse=True)
                for part in (calls[:4], calls[4:]))
@@ -102,59 +110,69 @@ def test_counterfactual_estimator_on_a_known_policy():
 
 
 def test_counterfactual_pick_tokens_and_summary():
-    """Silenced tokens, the candidates kept and other tokens of correct responses only, at most n of each; the
-    summary table has a row per kind."""
+    """Silenced tokens, the candidates kept and other tokens of correct responses only, at most n of
+    each; the summary table has a row per kind."""
     silenced = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]]).bool()
     cand = torch.tensor([[1, 1, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0]]).bool()
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]])
     correct = torch.tensor([True, True, False])
-    picked = counterfactual.pick_tokens(silenced, cand, mask, correct, 2, torch.Generator().manual_seed(0))
+    picked = counterfactual.pick_tokens(silenced, cand, mask, correct, 2,
+                                        torch.Generator().manual_seed(0))
     kinds = {k: [(r, t) for kk, r, t in picked if kk == k] for k in counterfactual.KINDS}
     assert kinds["silenced"] == [(0, 1), (0, 2)] and kinds["candidate"] == [(0, 0), (1, 1)]
-    assert len(kinds["other"]) == 2 and set(kinds["other"]) <= {(0, 3), (1, 0), (1, 2)}  # row 2 is wrong
+    # row 2 is wrong
+    assert len(kinds["other"]) == 2 and set(kinds["other"]) <= {(0, 3), (1, 0), (1, 2)}
     def line(kind, row, keep, resample, exclude, negligible, part="graded"):
-        return {"kind": kind, "row": row, "part": part, "keep": keep, "resample": resample, "exclude": exclude,
-                "effect": keep - resample, "contrast": keep - exclude, "negligible": negligible, "delta": 0.2}
+        return {"kind": kind, "row": row, "part": part, "keep": keep, "resample": resample,
+                "exclude": exclude, "effect": keep - resample, "contrast": keep - exclude,
+                "negligible": negligible, "delta": 0.2}
 
     lines = [line("silenced", 0, 1.0, 1.0, 1.0, True), line("silenced", 1, 0.5, 1.0, 1.0, False),
              line("other", 0, 1.0, 0.75, 0.5, False, "after")]
     table = counterfactual.summary(lines)
-    # two responses: the intervals resample them; 1 of 2 negligible, both effects <= 0, 1 of 2 settled
-    assert "| silenced, graded | 2 (2) | -0.250 (-0.500, +0.000) | -0.250 (-0.500, +0.000) | 50% (0%, 100%) " \
-           "(delta 0.2) | 100% | 50% | 0.75 / 1.00 / 1.00 |" in table
+    # two responses: intervals resample them; 1 of 2 negligible, both effects <= 0, 1 of 2 settled
+    assert "| silenced, graded | 2 (2) | -0.250 (-0.500, +0.000) | -0.250 (-0.500, +0.000) | " \
+           "50% (0%, 100%) (delta 0.2) | 100% | 50% | 0.75 / 1.00 / 1.00 |" in table
     assert "| candidate, graded | 0 |" in table and "| silenced, after | 0 |" in table
-    assert "| other, after | 1 (1) | +0.250 (+0.250, +0.250) | +0.500 (+0.500, +0.500) | 0% (0%, 0%)" in table
+    assert "| other, after | 1 (1) | +0.250 (+0.250, +0.250) | +0.500 (+0.500, +0.500) | " \
+           "0% (0%, 0%)" in table
     assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines())
 
 
 def test_counterfactual_wilson_interval_and_pooled_groups(tmp_path, monkeypatch):
-    """The Wilson interval against published values (Newcombe 1998: 81/263 -> 0.2553-0.3662; 0/10 -> 0-0.2775);
-    pooled groups per algorithm: its kinds, then its candidates split by the S2T rule, whatever mask it trained with."""
+    """The Wilson interval against published values (Newcombe 1998: 81/263 -> 0.2553-0.3662;
+    0/10 -> 0-0.2775); pooled groups per algorithm: its kinds, then its candidates split by the S2T
+    rule, whatever mask it trained with."""
     assert counterfactual.wilson(81, 263) == pytest.approx((0.2553, 0.3662), abs=1e-4)
     assert counterfactual.wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
 
     def line(algo, seed, step, kind, candidate, rule, effect=0.0, part="graded"):
         return {"algo": algo, "seed": seed, "step": step, "row": step, "kind": kind, "part": part,
-                "candidate": candidate, "s2t_rule": rule, "effect": effect, "stderr": 0.1, "keep": 0.5,
-                "resample": 0.5 - effect, "exclude": 0.5 - effect, "contrast": effect, "negligible": effect == 0,
-                "delta": 0.2}
+                "candidate": candidate, "s2t_rule": rule, "effect": effect, "stderr": 0.1,
+                "keep": 0.5, "resample": 0.5 - effect, "exclude": 0.5 - effect, "contrast": effect,
+                "negligible": effect == 0, "delta": 0.2}
 
-    lines = [line("justrl", 0, 1, "candidate", True, True), line("justrl", 0, 2, "candidate", True, False, 0.5),
+    lines = [line("justrl", 0, 1, "candidate", True, True),
+             line("justrl", 0, 2, "candidate", True, False, 0.5),
              line("justrl", 1, 3, "other", False, False, part="after"),
-             line("fullmask", 0, 1, "silenced", True, False, 0.5), line("fullmask", 0, 1, "silenced", True, True)]
+             line("fullmask", 0, 1, "silenced", True, False, 0.5),
+             line("fullmask", 0, 1, "silenced", True, True)]
     groups = counterfactual.pooled_groups(lines)
     assert list(groups) == ["justrl (2 seeds, steps 1-3)", "fullmask (1 seeds, steps 1)"]
     justrl, fullmask = groups.values()
-    assert [len(justrl[f"{k}, {p}"]) for k in counterfactual.KINDS for p in counterfactual.PARTS] == [0, 0, 2, 0, 0, 1]
+    assert [len(justrl[f"{k}, {p}"])
+            for k in counterfactual.KINDS for p in counterfactual.PARTS] == [0, 0, 2, 0, 0, 1]
     assert [x["step"] for x in justrl["candidates the S2T rule silences"]] == [1]
     assert [x["step"] for x in justrl["candidates the S2T rule keeps"]] == [2]
     assert [x["effect"] for x in fullmask["candidates the S2T rule keeps"]] == [0.5]
     table = counterfactual.pooled_summary(lines).splitlines()
-    assert len(table) == 2 + 2 * (8 + 3)  # 8 groups and 3 differences (graded, after, both) per algorithm
+    # 8 groups and 3 differences (graded, after, both) per algorithm
+    assert len(table) == 2 + 2 * (8 + 3)
     assert table[2].startswith("| justrl (2 seeds, steps 1-3) | silenced, graded | 0 |")
-    assert table[9].startswith("|  | candidates the S2T rule keeps | 1 (1) | +0.500 (+0.500, +0.500) | "
-                               "+0.500 (+0.500, +0.500) | 0% (0%, 0%)")
-    # the figure: each group's size and share under its tick label, nothing written inside the axes over the points
+    assert table[9].startswith("|  | candidates the S2T rule keeps | 1 (1) | "
+                               "+0.500 (+0.500, +0.500) | +0.500 (+0.500, +0.500) | 0% (0%, 0%)")
+    # the figure: each group's size and share under its tick label, nothing written inside the axes
+    # over the points
     import matplotlib.pyplot as plt
     closed = []
     monkeypatch.setattr(plt, "close", closed.append)
@@ -170,30 +188,37 @@ def test_counterfactual_wilson_interval_and_pooled_groups(tmp_path, monkeypatch)
 
 
 def test_counterfactual_differences_resample_responses():
-    """The difference between two groups of tokens (the candidates the S2T rule silences minus those it keeps)
-    resamples responses, not tokens: 20 agreeing tokens of one response widen the interval well beyond the one that
-    counts them as 20 responses, and tokens of one response in both groups move together (the same values: a
-    difference of exactly 0 in every replicate); `--table` prints it per part and for both."""
+    """The difference between two groups of tokens (the candidates the S2T rule silences minus those
+    it keeps) resamples responses, not tokens: 20 agreeing tokens of one response widen the interval
+    well beyond the one that counts them as 20 responses, and tokens of one response in both groups
+    move together (the same values: a difference of exactly 0 in every replicate); `--table` prints
+    it per part and for both."""
     a, b = [1.0] * 20 + [0.0] * 10, [1.0] * 5 + [0.0] * 5
-    a_responses, b_responses = ["r0"] * 20 + [f"r{i}" for i in range(1, 11)], [f"s{i}" for i in range(10)]
+    a_responses, b_responses = (["r0"] * 20 + [f"r{i}" for i in range(1, 11)],
+                                [f"s{i}" for i in range(10)])
     d, lo, hi = counterfactual.cluster_difference(a, a_responses, b, b_responses)
-    d_tokens, lo_tokens, hi_tokens = counterfactual.cluster_difference(a, list(range(30)), b, b_responses)
+    d_tokens, lo_tokens, hi_tokens = counterfactual.cluster_difference(a, list(range(30)), b,
+                                                                       b_responses)
     assert d == d_tokens == pytest.approx(20 / 30 - 0.5) and lo < lo_tokens < d < hi
     assert hi - lo > 1.5 * (hi_tokens - lo_tokens)  # 1.30 against 0.73
     v, shared = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0], list("abcdef")
     assert counterfactual.cluster_difference(v, shared, v, shared) == (0.0, 0.0, 0.0)
-    assert counterfactual.cluster_difference(v, shared, v, list("ghijkl"))[1] < -0.3  # apart: they vary apart
+    # apart: they vary apart
+    assert counterfactual.cluster_difference(v, shared, v, list("ghijkl"))[1] < -0.3
     assert all(math.isnan(x) for x in counterfactual.cluster_difference(v, shared, [], []))
 
     def line(row, rule, negligible, part):
         contrast = 0.0 if negligible else 0.5
-        return {"algo": "stapo", "seed": 0, "step": 1, "row": row, "kind": "silenced" if rule else "candidate",
-                "part": part, "candidate": True, "s2t_rule": rule, "effect": contrast, "stderr": 0.1, "keep": 1.0,
+        return {"algo": "stapo", "seed": 0, "step": 1, "row": row,
+                "kind": "silenced" if rule else "candidate", "part": part, "candidate": True,
+                "s2t_rule": rule, "effect": contrast, "stderr": 0.1, "keep": 1.0,
                 "resample": 1.0 - contrast, "exclude": 1.0 - contrast, "contrast": contrast,
                 "negligible": negligible, "delta": 0.2}
 
-    lines = [line(0, True, True, "after")] * 20 + [line(r, True, False, "after") for r in range(1, 11)] + \
-        [line(r, False, r % 2 == 0, "after") for r in range(11, 21)] + [line(21, True, False, "graded")]
+    lines = [line(0, True, True, "after")] * 20 \
+        + [line(r, True, False, "after") for r in range(1, 11)] \
+        + [line(r, False, r % 2 == 0, "after") for r in range(11, 21)] \
+        + [line(21, True, False, "graded")]
     rows = counterfactual.pooled_summary(lines).splitlines()[-3:]
     assert rows[0] == "|  | S2T rule, silences - keeps, graded | 1 - 0 | - | - | - | - | - | - |"
     assert rows[1].startswith("|  | S2T rule, silences - keeps, after | 30 - 10 (21) | -0.083 (")
@@ -203,9 +228,10 @@ def test_counterfactual_differences_resample_responses():
 
 
 def test_counterfactual_contrast_redraw_and_equivalence():
-    """The redraw without the token never returns it, even where the policy puts almost all its mass on it; the
-    equivalence test: Newcombe's interval against the published example (56/70 - 48/80: 0.0524 to 0.3339, method 10)
-    and "negligible" only when the interval lies inside +-delta (all K draws agreeing at K = 8 is not enough)."""
+    """The redraw without the token never returns it, even where the policy puts almost all its mass
+    on it; the equivalence test: Newcombe's interval against the published example
+    (56/70 - 48/80: 0.0524 to 0.3339, method 10) and "negligible" only when the interval lies inside
+    +-delta (all K draws agreeing at K = 8 is not enough)."""
     torch.manual_seed(0)
     lm = tiny_model(vocab_size=32)
     with torch.no_grad():
@@ -216,28 +242,34 @@ def test_counterfactual_contrast_redraw_and_equivalence():
         logits = lm(input_ids=torch.tensor([prefix])).logits[0, -1]
     top = int(logits.argmax())
     for top_p in (1.0, 0.5):
-        draws = counterfactual.redraw_without(lm, [prefix, prefix], [top, 3], 400, 1.0, top_p, 32, seed=1)
+        draws = counterfactual.redraw_without(lm, [prefix, prefix], [top, 3], 400, 1.0, top_p, 32,
+                                              seed=1)
         assert top not in draws[0] and 3 not in draws[1] and len(draws[0]) == 400
         assert top in draws[1] or top_p == 1.0  # the other row may draw it
     # the nucleus that holds the token alone: the rest of the softmax, renormalized
     draws = counterfactual.redraw_without(lm, [prefix], [top], 50, 0.01, 0.5, 32, seed=1)
     assert top not in draws[0]
-    p1, p2 = 56 / 70, 48 / 80  # Newcombe's example has unequal n: the formula with the two Wilson intervals
+    # Newcombe's example has unequal n: the formula with the two Wilson intervals
+    p1, p2 = 56 / 70, 48 / 80
     (l1, u1), (l2, u2) = counterfactual.wilson(56, 70), counterfactual.wilson(48, 80)
     d = p1 - p2
-    assert (d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2), d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)) == \
+    assert (d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2),
+            d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)) == \
         pytest.approx((0.0524, 0.3339), abs=1e-4)
-    assert counterfactual.newcombe(8, 8, 8) == pytest.approx((-0.3244, 0.3244), abs=1e-4)  # unanimous: not 0 wide
+    # unanimous: not 0 wide
+    assert counterfactual.newcombe(8, 8, 8) == pytest.approx((-0.3244, 0.3244), abs=1e-4)
     assert counterfactual.newcombe(32, 32, 32)[1] == pytest.approx(0.1072, abs=1e-4)
-    lo, hi = counterfactual.newcombe(16, 14, 32)  # a large interval around a small difference: not negligible
+    # a large interval around a small difference: not negligible
+    lo, hi = counterfactual.newcombe(16, 14, 32)
     assert lo < 0.0625 < 0.2 < hi  # 0.0625 is inside +-0.2, its interval is not
 
 
 def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
-    """`python -m tools.counterfactual RUN --steps 1 2` on a toy run (step 2 from the checkpoint of step 1): it
-    regenerates both steps exactly, both mini-batches' masks by replaying the updates (checked against the run's
-    logs: rewards, lengths, candidate and silenced counts), writes one line per token with the fields a
-    reader needs, for every kind, prints the summary, and the same command writes the same file again."""
+    """`python -m tools.counterfactual RUN --steps 1 2` on a toy run (step 2 from the checkpoint of
+    step 1): it regenerates both steps exactly, both mini-batches' masks by replaying the updates
+    (checked against the run's logs: rewards, lengths, candidate and silenced counts), writes one
+    line per token with the fields a reader needs, for every kind, prints the summary, and the same
+    command writes the same file again."""
     patch_toy_task(monkeypatch, EVEN)
     run = tmp_path / "run"
     args = toy_args(toy_data(tmp_path), run, tau_p=0.08, export_hf=False)
@@ -252,11 +284,14 @@ def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
         first = (run / "counterfactual.jsonl").read_text()
         assert counterfactual.main(cmd) == 0
     assert (run / "counterfactual.jsonl").read_text() == first
-    assert {x["step"] for x in lines} == {1, 2} and {x["kind"] for x in lines} == set(counterfactual.KINDS)
+    assert {x["step"] for x in lines} == {1, 2} \
+        and {x["kind"] for x in lines} == set(counterfactual.KINDS)
     for x in lines:
-        assert {"kind", "effect", "stderr", "k", "step", "row", "t", "token", "p", "H", "A", "keep", "resample",
-                "reward", "context", "exclude", "contrast", "contrast_ci", "negligible", "part"} <= x.keys()
-        assert x["contrast"] == pytest.approx(x["keep"] - x["exclude"]) and x["part"] in ("graded", "after")
+        assert {"kind", "effect", "stderr", "k", "step", "row", "t", "token", "p", "H", "A", "keep",
+                "resample", "reward", "context", "exclude", "contrast", "contrast_ci", "negligible",
+                "part"} <= x.keys()
+        assert x["contrast"] == pytest.approx(x["keep"] - x["exclude"]) \
+            and x["part"] in ("graded", "after")
         lo, hi = x["contrast_ci"]
         assert x["negligible"] == (-0.2 < lo and hi < 0.2) and lo <= x["contrast"] <= hi
         assert x["k"] == 4 and x["rollout_matches_run"] is True and -1 <= x["effect"] <= 1
@@ -269,29 +304,37 @@ def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
                for kind in counterfactual.KINDS for step in (1, 2))
     assert {x["mini_batch"] for x in lines} == {0, 1}
     out = capsys.readouterr().out
-    assert "| kind | tokens (responses) | mean effect (95% CI) | mean contrast" in out and "| silenced, " in out
+    assert "| kind | tokens (responses) | mean effect (95% CI) | mean contrast" in out \
+        and "| silenced, " in out
     assert (run / "counterfactual.png").is_file() or importlib.util.find_spec("matplotlib") is None
     assert counterfactual.main([str(run), "--steps", "4"]) == 2  # no checkpoint of step 3 exists
-    assert "step_3" in capsys.readouterr().err and (run / "counterfactual.jsonl").read_text() == first
+    assert "step_3" in capsys.readouterr().err \
+        and (run / "counterfactual.jsonl").read_text() == first
     # --table: runs pooled per algorithm (a run given twice counts once)
-    assert counterfactual.main(["--table", str(run), str(run), "--out", str(tmp_path / "new" / "pooled.png")]) == 0
+    assert counterfactual.main(["--table", str(run), str(run),
+                                "--out", str(tmp_path / "new" / "pooled.png")]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[2].startswith(f"| stapo (1 seeds, steps 1-2) | silenced, graded | "
-                                          f"{sum(x['kind'] == 'silenced' and x['part'] == 'graded' for x in lines)} ")
-    assert (tmp_path / "new" / "pooled.png").is_file() or importlib.util.find_spec("matplotlib") is None
+    assert out.splitlines()[2].startswith(
+        f"| stapo (1 seeds, steps 1-2) | silenced, graded | "
+        f"{sum(x['kind'] == 'silenced' and x['part'] == 'graded' for x in lines)} ")
+    assert (tmp_path / "new" / "pooled.png").is_file() \
+        or importlib.util.find_spec("matplotlib") is None
     assert counterfactual.main(["--table", str(tmp_path)]) == 2
     assert "no counterfactual.jsonl in" in capsys.readouterr().err
 
 
 def test_counterfactual_reward_that_reads_the_row(tmp_path, monkeypatch):
-    """A --reward FILE.py:FUNCTION that needs a field of the data row: tools/counterfactual.py grades the regenerated
-    step and every continuation with the row, as train.py did (it called the reward with the text and answer only)."""
+    """A --reward FILE.py:FUNCTION that needs a field of the data row: tools/counterfactual.py
+    grades the regenerated step and every continuation with the row, as train.py did (it called the
+    reward with the text and answer only)."""
     patch_toy_task(monkeypatch, EVEN)
     data = tmp_path / "toy.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{a}{b}", "answer": str(a + b), "wanted": "02468"[a % 5]}) + "\n"
+    data.write_text("".join(json.dumps({"prompt": f"{a}{b}", "answer": str(a + b),
+                                        "wanted": "02468"[a % 5]}) + "\n"
                             for a in range(10) for b in range(10 - a)))
-    (tmp_path / "row_reward.py").write_text("def first(response, answer, wanted):\n"
-                                            "    return 1.0 if response.strip()[:1] <= wanted else -1.0\n")
+    (tmp_path / "row_reward.py").write_text(
+        "def first(response, answer, wanted):\n"
+        "    return 1.0 if response.strip()[:1] <= wanted else -1.0\n")
     run = tmp_path / "run"
     args = toy_args(str(data), run, tau_p=0.08, export_hf=False, steps=1)
     with one_thread():
