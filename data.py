@@ -1,21 +1,21 @@
-"""The problem sets: the built-in task, your own files and Hub datasets, as rows {"problem", "answer"}, the paper's
-instruction appended to each (`INSTRUCTION`), and the order in which train.py takes them (docs/paper.md §6: the
-training data; docs/training.md#your-own-data).
-
-    train_rows, heldout_rows, repeated = load_rows(cfg)          # train.py --data (and eval.py --run's heldout)
-    rows = prompt_indices(step - 1, len(train_rows), cfg)        # the training rows of a step, every epoch shuffled
-    rows, repeated = read_rows("my.jsonl", "question", "gold")   # eval.py --data
+"""The problem sets: the built-in task, your own files and Hub datasets, as rows
+{"problem", "answer"}, the paper's instruction appended to each (`INSTRUCTION`), and the order in
+which train.py takes them (docs/paper.md §6: the training data; docs/training.md#your-own-data).
+    train_rows, heldout_rows, repeated = load_rows(cfg)
+        # train.py --data (and eval.py --run's heldout)
+    rows = prompt_indices(step - 1, len(train_rows), cfg)
+        # the training rows of a step, every epoch shuffled
+    rows, repeated = read_rows("my.jsonl", "question", "gold")  # eval.py --data
 
 Deliberate differences from the paper's veRL setup:
-1. The CPU default trains on a built-in task, every one-digit sum (`builtin_task`), chosen by measuring
-   SmolLM2-135M-Instruct; the paper trains Qwen3 on DAPO-Math-17k.
-2. Rows repeating an earlier row's (problem, answer) are dropped and counted (the Hub DAPO-Math-17k repeats each of
-   its problems 100 times); DAPO-Math-17k's own answer-format instructions are stripped, since the paper's \boxed{}
-   instruction is appended to every problem (as JustRL does).
-3. A held-out set is kept out of --data by default (a tenth of the rows, at most 20; `heldout_count`), so every run
-   has a before/after accuracy.
+1. The CPU default trains on a built-in task, every one-digit sum (`builtin_task`), chosen by
+   measuring SmolLM2-135M-Instruct; the paper trains Qwen3 on DAPO-Math-17k.
+2. Rows repeating an earlier row's (problem, answer) are dropped and counted (the Hub DAPO-Math-17k
+   repeats each of its problems 100 times); DAPO-Math-17k's own answer-format instructions are
+   stripped, since the paper's \boxed{} instruction is appended to every problem (as JustRL does).
+3. A held-out set is kept out of --data by default (a tenth of the rows, at most 20;
+   `heldout_count`), so every run has a before/after accuracy.
 4. A bad row is an error naming the file and its 1-based line (.jsonl) or row, never a silent skip.
-
 Every function here is pure but for reading files; torch and datasets are imported only when needed.
 """
 import json
@@ -24,13 +24,14 @@ import os
 import random
 
 
-# The built-in task: every one-digit sum "What is a + b?" (100 problems, 20 held out), deterministic. Chosen by
-# measuring SmolLM2-135M-Instruct (docs/training.md): with the raw-text prompt "...\nThe answer is" it is right on
-# ~12% of them at T = 1.0 (~20% at 0.7; ~2% for word problems or a chat prompt with the \boxed{} instruction), so many
-# groups of 8 have mixed rewards.
+# The built-in task: every one-digit sum "What is a + b?" (100 problems, 20 held out),
+# deterministic. Chosen by measuring SmolLM2-135M-Instruct (docs/training.md): with the raw-text
+# prompt "...\nThe answer is" it is right on ~12% of them at T = 1.0 (~20% at 0.7; ~2% for word
+# problems or a chat prompt with the \boxed{} instruction), so many groups of 8 have mixed rewards.
 def builtin_task(split: str) -> list[dict]:
     """The built-in problems of `split` ('train': 80, 'test': 20), each {"problem", "answer"}."""
-    rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(10) for b in range(10)]
+    rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)}
+            for a in range(10) for b in range(10)]
     random.Random(1234).shuffle(rows)
     return rows[20:] if split == "train" else rows[:20]
 
@@ -42,34 +43,40 @@ def _at_path(row: dict, key: str):
     return row
 
 
-# DAPO-Math-17k wraps each problem in its own instructions ("... of the form Answer: $Answer ..."); we strip them and
-# append the paper's \boxed{} instruction like JustRL does.
-_DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response should be of the form "
-                "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+# DAPO-Math-17k wraps each problem in its own instructions ("... of the form Answer: $Answer ...");
+# we strip them and append the paper's \boxed{} instruction like JustRL does.
+_DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response "
+                "should be of the form Answer: $Answer (without quotes) where $Answer is the "
+                "answer to the problem.\n\n")
 _DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
-# The paper's instruction, appended to every problem (rollout.format_prompt; train.py's and eval.py's default).
+# The paper's instruction, appended to every problem (rollout.format_prompt; train.py's and
+# eval.py's default).
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
-HELDOUT_MAX = 20  # --heldout's default: a tenth of the rows of --data, at most this many (none below 10 rows)
+# --heldout's default: a tenth of the rows of --data, at most this many (none below 10 rows)
+HELDOUT_MAX = 20
 
 
 def heldout_count(n_rows: int, heldout: int | None) -> int:
-    """Rows of --data held out of n_rows: --heldout N, or by default (None) n_rows // 10, at most HELDOUT_MAX."""
+    """Rows of --data held out of n_rows: --heldout N, or by default (None) n_rows // 10, at most
+    HELDOUT_MAX."""
     return min(HELDOUT_MAX, n_rows // 10) if heldout is None else heldout
 
 
 def problem_seed(seed: int, index: int) -> int:
-    """The sampling seed of the generate call that starts at problem `index` (0-based) of an evaluated set (train.py's
-    held-out evaluation: one call per problem; eval.py): a function of the problem, never of the rank that samples
-    it, so an evaluation on any number of processes samples the same (as training seeds by the global prompt index)."""
+    """The sampling seed of the generate call that starts at problem `index` (0-based) of an
+    evaluated set (train.py's held-out evaluation: one call per problem; eval.py): a function of the
+    problem, never of the rank that samples it, so an evaluation on any number of processes samples
+    the same (as training seeds by the global prompt index)."""
     return hash((seed, index)) % 2**62
 
 
 def load_rows(cfg) -> tuple[list[dict], list[dict], int]:
-    """(train, held-out) lists of {"problem", "answer"} of a train.py config (its data, prompt_key, answer_key, split,
-    heldout and seed), and the number of repeated rows dropped: the rows of --data, shuffled by the seed, the first
-    `heldout_count` held out; or the built-in task when --data is ''."""
+    """(train, held-out) lists of {"problem", "answer"} of a train.py config (its data, prompt_key,
+    answer_key, split, heldout and seed), and the number of repeated rows dropped: the rows of
+    --data, shuffled by the seed, the first `heldout_count` held out; or the built-in task when
+    --data is ''."""
     import torch
 
     if not cfg.data:
@@ -77,41 +84,47 @@ def load_rows(cfg) -> tuple[list[dict], list[dict], int]:
     rows, repeated = read_rows(cfg.data, cfg.prompt_key, cfg.answer_key, cfg.split)
     heldout = heldout_count(len(rows), cfg.heldout)
     if heldout >= len(rows):
-        raise ValueError(f"--heldout {heldout} leaves no training rows ({len(rows)} rows in {cfg.data})")
+        raise ValueError(f"--heldout {heldout} leaves no training rows ({len(rows)} rows in "
+                         f"{cfg.data})")
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     rows = [rows[i] for i in order]
     return rows[heldout:], rows[:heldout], repeated
 
 
 def prompt_indices(position: int, n_rows: int, cfg) -> list[int]:
-    """Training rows of the --prompts-per-step prompts of the step after `position` steps (all ranks; a train.py
-    config's prompts_per_step and seed): a fresh permutation of the rows every epoch."""
+    """Training rows of the --prompts-per-step prompts of the step after `position` steps (all
+    ranks; a train.py config's prompts_per_step and seed): a fresh permutation of the rows
+    every epoch."""
     import torch
 
     perms, out = {}, []
     for pos in range(position * cfg.prompts_per_step, (position + 1) * cfg.prompts_per_step):
         epoch, i = divmod(pos, n_rows)
         if epoch not in perms:
-            perms[epoch] = torch.randperm(n_rows, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
+            perms[epoch] = torch.randperm(
+                n_rows, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
         out.append(int(perms[epoch][i]))
     return out
 
 
 def rank_slice(n: int, cfg, rank: int, world: int) -> list[int]:
-    """Positions (0..n-1 in the step's prompt list) this rank handles: the rank-th slice of every mini-batch of
-    --mini-batch-prompts, so a mini-batch is the same set of prompts for any number of ranks (train.py, difference
-    4)."""
+    """Positions (0..n-1 in the step's prompt list) this rank handles: the rank-th slice of every
+    mini-batch of --mini-batch-prompts, so a mini-batch is the same set of prompts for any number of
+    ranks (train.py, difference 4)."""
     m = cfg.mini_batch_prompts // world
-    return [k * cfg.mini_batch_prompts + rank * m + j for k in range(n // cfg.mini_batch_prompts) for j in range(m)]
+    return [k * cfg.mini_batch_prompts + rank * m + j
+            for k in range(n // cfg.mini_batch_prompts) for j in range(m)]
 
 
-def read_rows(data: str, prompt_key: str, answer_key: str, split: str = "train") -> tuple[list[dict], int]:
-    """(rows {"problem", "answer", "fields": the row as read, for a reward function that reads it (reward.py)} of a
-    local .jsonl/.json/.parquet file or a Hub dataset, in file order; the number of rows dropped because they repeat
-    an earlier row's problem and answer (difference 2)).
-    `prompt_key`/`answer_key` are dotted paths; a chat message list gives its last user turn; an answer is a string,
-    a finite number or a list of strings (`answer_value`). A bad row raises ValueError naming its line (.jsonl) or
-    row (1-based) and what is wrong. train.py's --data and eval.py's --data."""
+def read_rows(data: str, prompt_key: str, answer_key: str,
+              split: str = "train") -> tuple[list[dict], int]:
+    """(rows {"problem", "answer", "fields": the row as read, for a reward function that reads it
+    (reward.py)} of a local .jsonl/.json/.parquet file or a Hub dataset, in file order; the number
+    of rows dropped because they repeat an earlier row's problem and answer (difference 2)).
+    `prompt_key`/`answer_key` are dotted paths; a chat message list gives its last user turn; an
+    answer is a string, a finite number or a list of strings (`answer_value`). A bad row raises
+    ValueError naming its line (.jsonl) or row (1-based) and what is wrong. train.py's --data and
+    eval.py's --data."""
     suffix = next((s for s in (".jsonl", ".json", ".parquet") if data.endswith(s)), None)
     if suffix and not os.path.isfile(data):
         raise FileNotFoundError(f"data file not found: {data}")
@@ -122,10 +135,11 @@ def read_rows(data: str, prompt_key: str, answer_key: str, split: str = "train")
 
         datasets.disable_progress_bars()
         if suffix:
-            datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error log line: ours is the one line
+            # its own error log line: ours is the one line
+            datasets.logging.set_verbosity(datasets.logging.CRITICAL)
             try:
-                table = datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=data,
-                                              split="train")
+                table = datasets.load_dataset("parquet" if suffix == ".parquet" else "json",
+                                              data_files=data, split="train")
             except Exception as e:  # noqa: BLE001 - datasets wraps every reason (empty file: StopIteration)
                 raise ValueError(f"{data}: not a readable {suffix[1:]} file ({type(e).__name__}: "
                                  f"{(str(e).strip().splitlines() or [''])[0][:200]})") from None
@@ -142,29 +156,33 @@ def read_rows(data: str, prompt_key: str, answer_key: str, split: str = "train")
                             and m.get("role") == "user"), None)
         fields_hint = f"the row's fields: {', '.join(row) or 'none'}"
         if problem is None or problem == "":
-            raise ValueError(f"{data} {where}: no prompt in field {prompt_key!r} ({fields_hint}); name the field "
-                             f"with --prompt-key")
+            raise ValueError(f"{data} {where}: no prompt in field {prompt_key!r} ({fields_hint}); "
+                             f"name the field with --prompt-key")
         if not isinstance(problem, str) or not problem.strip():
-            raise ValueError(f"{data} {where}: the prompt in field {prompt_key!r} is {describe(problem)}, not text")
+            raise ValueError(f"{data} {where}: the prompt in field {prompt_key!r} is "
+                             f"{describe(problem)}, not text")
         if answer is None or answer == "" or answer == []:
-            raise ValueError(f"{data} {where}: no answer in field {answer_key!r} ({fields_hint}); name the field "
-                             f"with --answer-key")
+            raise ValueError(f"{data} {where}: no answer in field {answer_key!r} ({fields_hint}); "
+                             f"name the field with --answer-key")
         try:
             answer = answer_value(answer)
             check_utf8(problem, "prompt")
         except ValueError as e:
             raise ValueError(f"{data} {where}: {e}") from None
         problem = problem.removeprefix(_DAPO_PREFIX).removesuffix(_DAPO_SUFFIX)
-        if (problem, str(answer)) not in seen:  # DAPO-Math-17k repeats each of its 17k problems 100 times
+        # DAPO-Math-17k repeats each of its 17k problems 100 times
+        if (problem, str(answer)) not in seen:
             seen.add((problem, str(answer)))
-            rows.append({"problem": problem, "answer": answer, "fields": row})  # fields: for a reward function
+            # fields: for a reward function
+            rows.append({"problem": problem, "answer": answer, "fields": row})
     return rows, len(numbered) - len(rows)
 
 
 def repeated_note(data: str, repeated: int, kept: int) -> str:
-    """The console note for rows of `data` dropped because they repeat an earlier row (kept: the rows left)."""
-    return (f"{data}: dropped {repeated:,} of {repeated + kept:,} rows that repeat an earlier row's problem and "
-            f"answer; {kept:,} rows remain")
+    """The console note for rows of `data` dropped because they repeat an earlier row (kept: the
+    rows left)."""
+    return (f"{data}: dropped {repeated:,} of {repeated + kept:,} rows that repeat an earlier "
+            f"row's problem and answer; {kept:,} rows remain")
 
 
 def describe(value) -> str:
@@ -181,9 +199,10 @@ def describe(value) -> str:
 
 
 def answer_value(value) -> str | list[str]:
-    """A gold answer as reward.grade takes it: a string, a finite number as a string (27.0 -> "27.0") or a list of
-    strings (several answers). Anything else (a JSON object, a boolean, NaN, a list of numbers, an empty or
-    unencodable string) raises ValueError saying what it is."""
+    """A gold answer as reward.grade takes it: a string, a finite number as a string
+    (27.0 -> "27.0") or a list of strings (several answers). Anything else (a JSON object, a
+    boolean, NaN, a list of numbers, an empty or unencodable string) raises ValueError saying
+    what it is."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if not math.isfinite(value):
             raise ValueError(f"the answer is {value}, not a finite number")
@@ -195,17 +214,20 @@ def answer_value(value) -> str | list[str]:
         for a in value:
             check_utf8(a, "answer")
         return value
-    what = "a list that is not all non-empty strings" if isinstance(value, list) else describe(value)
-    raise ValueError(f"the answer is {what}; an answer is a string, a finite number or a list of strings")
+    what = ("a list that is not all non-empty strings" if isinstance(value, list)
+            else describe(value))
+    raise ValueError(f"the answer is {what}; an answer is a string, a finite number "
+                     f"or a list of strings")
 
 
 def check_utf8(text: str, what: str) -> None:
-    """Raise ValueError when `text` cannot be written as UTF-8 (a lone surrogate such as \\ud800 is valid JSON)."""
+    """Raise ValueError when `text` cannot be written as UTF-8 (a lone surrogate such as \\ud800 is
+    valid JSON)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"the {what} holds the lone surrogate {text[e.start]!r} at character {e.start + 1}, which "
-                         f"is not UTF-8 text") from None
+        raise ValueError(f"the {what} holds the lone surrogate {text[e.start]!r} at character "
+                         f"{e.start + 1}, which is not UTF-8 text") from None
 
 
 # An error's words for JSON nested deeper than the json module reads (its recursion limit).
@@ -226,15 +248,17 @@ def parse_json(text: str, where: str, detail=lambda e: f"{e.msg} at character {e
 
 
 def read_jsonl(path: str) -> list[tuple[str, dict]]:
-    """The rows of a JSON-lines file as ("line N", row), N counted from 1 as an editor does (blank lines skipped);
-    a line that is not a UTF-8 JSON object raises ValueError naming the file and the line."""
+    """The rows of a JSON-lines file as ("line N", row), N counted from 1 as an editor does (blank
+    lines skipped); a line that is not a UTF-8 JSON object raises ValueError naming the file
+    and the line."""
     rows = []
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(f"{path} line {n}: not UTF-8 ({e.reason} at byte {e.start})") from None
+                raise ValueError(f"{path} line {n}: not UTF-8 "
+                                 f"({e.reason} at byte {e.start})") from None
             if not text.strip():
                 continue
             row = parse_json(text, f"{path} line {n}")

@@ -1,6 +1,6 @@
 """Evaluate checkpoints the way the paper does (docs/paper.md §7): k sampled answers per problem on
-AIME24, AIME25, AMC23 (avg@32) and MATH500, Minerva, OlympiadBench (avg@4), graded by rule, one table
-row per checkpoint.
+AIME24, AIME25, AMC23 (avg@32) and MATH500, Minerva, OlympiadBench (avg@4), graded by rule, one
+table row per checkpoint.
 
     python eval.py --models smollm2 --benchmarks gsm8k math500 --data-dir testdata/benchmarks \
         --limit 30 --k 4 --max-new-tokens 512                       # CPU, minutes
@@ -29,20 +29,23 @@ from typing import Callable, Literal, NamedTuple
 
 from command_line import errors, flags
 import reward
-from data import answer_value, check_utf8, describe, load_rows, problem_seed, read_jsonl, read_rows, repeated_note
+from data import (answer_value, check_utf8, describe, load_rows, problem_seed, read_jsonl,
+                  read_rows, repeated_note)
 
 PAPER_BENCHMARKS = ("aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench")
-TITLES = {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "MATH500", "minerva": "Minerva",
-          "olympiadbench": "Olympiad", "gsm8k": "GSM8K"}
-DEFAULT_K = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4, "olympiadbench": 4, "gsm8k": 4}
+TITLES = {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "MATH500",
+          "minerva": "Minerva", "olympiadbench": "Olympiad", "gsm8k": "GSM8K"}
+DEFAULT_K = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4,
+             "olympiadbench": 4, "gsm8k": 4}
 OTHER_K = 4  # samples per problem of --data sets (and of heldout for a run without --eval-samples)
-PRESETS = {"train-aligned": (1.0, 1.0), "justrl": (0.7, 0.9)}  # (temperature, top_p), docs/paper.md §7
+# (temperature, top_p), docs/paper.md §7
+PRESETS = {"train-aligned": (1.0, 1.0), "justrl": (0.7, 0.9)}
 
 
-# ---------------------------------------------------------------------------------------------------- benchmarks
+# --------------------------------------------------------------------------------------- benchmarks
 def _gold_field(key: str) -> Callable[[dict], str | list[str] | None]:
-    """The gold is a field as it is (AMC's floats such as 27.0 become "27.0": the grader compares numbers); a JSON
-    object, a boolean or NaN raises ValueError (answer_value)."""
+    """The gold is a field as it is (AMC's floats such as 27.0 become "27.0": the grader compares
+    numbers); a JSON object, a boolean or NaN raises ValueError (answer_value)."""
     def gold(row):
         value = None if row.get(key) is None else answer_value(row[key])
         return value.strip() if isinstance(value, str) else value
@@ -50,24 +53,29 @@ def _gold_field(key: str) -> Callable[[dict], str | list[str] | None]:
 
 
 def _last_box(key: str) -> Callable[[dict], str | None]:
-    """The gold is the content of the last \\boxed{...} of a solution (reward.extract_answer's brace matching)."""
+    """The gold is the content of the last \\boxed{...} of a solution
+    (reward.extract_answer's brace matching)."""
     return lambda row: reward.extract_answer(row.get(key) or "")
 
 
 def _box_or_text(key: str) -> Callable[[dict], str | None]:
-    """math-ai/aime24 keeps the answer in `solution`, boxed or bare: take the last box, else the text."""
+    """math-ai/aime24 keeps the answer in `solution`, boxed or bare: take the last box,
+    else the text."""
     return lambda row: reward.extract_answer(row.get(key) or "") or _gold_field(key)(row)
 
 
 def _after_hashes(key: str) -> Callable[[dict], str | None]:
-    """GSM8K: the gold is the number after the final '####' of the worked answer, thousands commas removed."""
-    return lambda row: row[key].split("####")[-1].strip().replace(",", "") if "####" in (row.get(key) or "") else None
+    """GSM8K: the gold is the number after the final '####' of the worked answer,
+    thousands commas removed."""
+    return lambda row: row[key].split("####")[-1].strip().replace(",", "") \
+        if "####" in (row.get(key) or "") else None
 
 
 def _answer_list(key: str) -> Callable[[dict], list[str] | None]:
-    """OlympiadBench: `final_answer` is a list of LaTeX strings; reward.grade takes the list as it is."""
-    return lambda row: [a.strip() for a in answer_value(row[key])] if isinstance(row.get(key), list) and row[key] \
-        else _gold_field(key)(row)
+    """OlympiadBench: `final_answer` is a list of LaTeX strings; reward.grade takes the list
+    as it is."""
+    return lambda row: [a.strip() for a in answer_value(row[key])] \
+        if isinstance(row.get(key), list) and row[key] else _gold_field(key)(row)
 
 
 @dataclass(frozen=True)
@@ -98,20 +106,23 @@ BENCHMARKS = {
                          "HuggingFaceH4/MATH-500", Source("problem", _gold_field("answer"))),
     "minerva": Benchmark("minerva_math.jsonl", Source("problem", _last_box("solution")),
                          "math-ai/minervamath", Source("question", _gold_field("answer"))),
-    "olympiadbench": Benchmark("olympiadbench.jsonl", Source("question", _answer_list("final_answer")),
-                               "math-ai/olympiadbench", Source("question", _answer_list("final_answer"))),
+    "olympiadbench": Benchmark(
+        "olympiadbench.jsonl", Source("question", _answer_list("final_answer")),
+        "math-ai/olympiadbench", Source("question", _answer_list("final_answer"))),
     "gsm8k": Benchmark("gsm8k.jsonl", Source("question", _after_hashes("answer")),
-                       "openai/gsm8k", Source("question", _after_hashes("answer")), hub_config="main"),
+                       "openai/gsm8k", Source("question", _after_hashes("answer")),
+                       hub_config="main"),
 }
 
 
 def load_benchmark(name: str, data_dir: str | Path | None = None) -> list[dict]:
-    """Rows {"problem": str, "answer": str, "gold": str | list[str], "fields": the row as read} of a benchmark, in
-    file order.
+    """Rows {"problem": str, "answer": str, "gold": str | list[str], "fields": the row as read} of a
+    benchmark, in file order.
 
-    `answer` is the gold as one string (OlympiadBench's list joined by ", "); `gold` is what reward.grade gets
-    (the list for OlympiadBench). From `<data_dir>/<file>.jsonl` if data_dir is given, else from the Hub through
-    `datasets.load_dataset` (ids in BENCHMARKS). A row without a problem or a gold raises ValueError naming it.
+    `answer` is the gold as one string (OlympiadBench's list joined by ", "); `gold` is what
+    reward.grade gets (the list for OlympiadBench). From `<data_dir>/<file>.jsonl` if data_dir is
+    given, else from the Hub through `datasets.load_dataset` (ids in BENCHMARKS). A row without a
+    problem or a gold raises ValueError naming it.
     """
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}")
@@ -137,30 +148,33 @@ def load_benchmark(name: str, data_dir: str | Path | None = None) -> list[dict]:
         except ValueError as e:
             raise ValueError(f"benchmark {name}: {at(where)}: {e}") from None
         if not isinstance(problem, str) or not problem.strip() or not gold:
-            missing = "problem" if not isinstance(problem, str) or not problem.strip() else "gold answer"
+            missing = ("problem" if not isinstance(problem, str) or not problem.strip()
+                       else "gold answer")
             raise ValueError(f"benchmark {name}: {at(where)} has no {missing}: {str(row)[:200]}")
         answer = _joined(gold)
-        rows.append({"problem": problem, "answer": answer, "gold": gold, "fields": dict(row)})  # fields: for --reward
+        # fields: for --reward
+        rows.append({"problem": problem, "answer": answer, "gold": gold, "fields": dict(row)})
     return rows
 
 
-# ------------------------------------------------------------------------------------------------------- metrics
+# ------------------------------------------------------------------------------------------ metrics
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021) from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    """Unbiased pass@k (Chen et al. 2021) from n samples of which c are correct:
+    1 - C(n-c, k) / C(n, k)."""
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def benchmark_metrics(problems: list[dict]) -> dict:
-    """avg@k = mean over problems of the fraction of correct samples; pass@k with k = samples per problem;
-    mean length (tokens) and truncation rate over all samples. Accuracies in percent."""
+    """avg@k = mean over problems of the fraction of correct samples; pass@k with k = samples per
+    problem; mean length (tokens) and truncation rate over all samples. Accuracies in percent."""
     samples = [s for p in problems for s in p["samples"]]
     k = min(len(p["samples"]) for p in problems)
     return {
         "problems": len(problems), "k": k,
-        "avg@k": 100 * sum(sum(s["correct"] for s in p["samples"]) / len(p["samples"]) for p in problems)
-        / len(problems),
+        "avg@k": 100 * sum(sum(s["correct"] for s in p["samples"]) / len(p["samples"])
+                           for p in problems) / len(problems),
         "pass@k": 100 * sum(pass_at_k(len(p["samples"]), sum(s["correct"] for s in p["samples"]), k)
                             for p in problems) / len(problems),
         "mean_length": sum(s["length"] for s in samples) / len(samples),
@@ -169,8 +183,9 @@ def benchmark_metrics(problems: list[dict]) -> dict:
 
 
 def read_results(path: str | Path) -> dict:
-    """The results.json at `path`, checked to be what eval.py writes (a config with the settings table.md names, and
-    per model and benchmark the problems, each with its gold and samples); otherwise ValueError in one line."""
+    """The results.json at `path`, checked to be what eval.py writes (a config with the settings
+    table.md names, and per model and benchmark the problems, each with its gold and samples);
+    otherwise ValueError in one line."""
     try:
         results = json.loads(Path(path).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -178,7 +193,8 @@ def read_results(path: str | Path) -> dict:
     if not isinstance(results, dict):
         raise ValueError(f"--regrade {path}: not an eval.py results.json ({describe(results)})")
     if not isinstance(results.get("config"), dict) or not isinstance(results.get("models"), dict):
-        raise ValueError(f"--regrade {path}: not an eval.py results.json (without 'config' and 'models')")
+        raise ValueError(f"--regrade {path}: not an eval.py results.json "
+                         f"(without 'config' and 'models')")
     missing = [k for k in ("chat", "instruction", "run", "temperature", "top_p", "max_new_tokens")
                if k not in results["config"]]
     if missing:
@@ -187,156 +203,184 @@ def read_results(path: str | Path) -> dict:
         raise ValueError(f"--regrade {path}: no models, so no samples to grade")
     for label, model in results["models"].items():
         benchmarks = model.get("benchmarks") if isinstance(model, dict) else None
-        for b, bench in (benchmarks.items() if isinstance(benchmarks, dict) and benchmarks else [(None, None)]):
+        for b, bench in (benchmarks.items() if isinstance(benchmarks, dict) and benchmarks
+                         else [(None, None)]):
             problems = bench.get("problems") if isinstance(bench, dict) else None
-            if not problems or not all(isinstance(p, dict) and "gold" in p and p.get("samples") and all(
-                    isinstance(s, dict) and isinstance(s.get("text"), str) for s in p["samples"]) for p in problems):
-                raise ValueError(f"--regrade {path}: model {label}" + (f", benchmark {b}" if b else "") +
-                                 " has no samples to grade")
+            if not problems or not all(
+                    isinstance(p, dict) and "gold" in p and p.get("samples")
+                    and all(isinstance(s, dict) and isinstance(s.get("text"), str)
+                            for s in p["samples"]) for p in problems):
+                raise ValueError(f"--regrade {path}: model {label}"
+                                 + (f", benchmark {b}" if b else "") + " has no samples to grade")
     return results
 
 
 def regrade(results: dict) -> dict:
-    """Grade every stored sample again with the current reward.py, and the reward its config names, and recompute
-    the metrics (in place)."""
+    """Grade every stored sample again with the current reward.py, and the reward its config names,
+    and recompute the metrics (in place)."""
     mode = results["config"].get("reward", "dapo")
     for model in results["models"].values():
         for bench in model["benchmarks"].values():
             for p in bench["problems"]:
                 for s in p["samples"]:
                     s["extracted"] = reward.extract_answer(s["text"])
-                    s["correct"] = reward.correct(s["text"], p["gold"], mode, p)  # p: its problem and fields
+                    # p: its problem and fields
+                    s["correct"] = reward.correct(s["text"], p["gold"], mode, p)
             bench["metrics"] = benchmark_metrics(bench["problems"])
     return results
 
 
 def table(results: dict) -> str:
-    """The paper's layout (rows = models, columns = benchmarks + Avg of the paper benchmarks evaluated), avg@k in
-    percent; then one line per model and benchmark with pass@k, length and truncation."""
+    """The paper's layout (rows = models, columns = benchmarks + Avg of the paper benchmarks
+    evaluated), avg@k in percent; then one line per model and benchmark with pass@k,
+    length and truncation."""
     seen = [b for m in results["models"].values() for b in m["benchmarks"]]
-    benches = [b for b in BENCHMARKS if b in seen] + list(dict.fromkeys(b for b in seen if b not in BENCHMARKS))
+    benches = ([b for b in BENCHMARKS if b in seen]
+               + list(dict.fromkeys(b for b in seen if b not in BENCHMARKS)))
     paper = [b for b in benches if b in PAPER_BENCHMARKS]
     cfg = results["config"]
-    prompt = f"{'chat template' if cfg['chat'] else 'raw text'} + instruction {cfg['instruction']!r}"
+    prompt = (f"{'chat template' if cfg['chat'] else 'raw text'} + instruction "
+              f"{cfg['instruction']!r}")
     source = f" (settings of the run {cfg['run']})" if cfg["run"] else ""
-    correct = "" if cfg.get("reward", "dapo") == "dapo" else f", correct = a positive reward of {cfg['reward']}"
+    correct = ("" if cfg.get("reward", "dapo") == "dapo"
+               else f", correct = a positive reward of {cfg['reward']}")
     average = (f" Avg = mean over the {len(paper)} of the paper's six benchmarks evaluated here "
-               f"({', '.join(TITLES[b] for b in paper)}); GSM8K and your own sets are never averaged." if paper else
-               "")  # no paper benchmark: no Avg column
+               f"({', '.join(TITLES[b] for b in paper)}); GSM8K and your own sets are never "
+               f"averaged." if paper else "")  # no paper benchmark: no Avg column
+    # train.py exports
     exports = [f"{label} is the export after {e['step']} steps (checksum {e['checksum']})"
-               for label, model in results["models"].items() if (e := model.get("export"))]  # train.py exports
-    lines = [f"avg@k (%), temperature {cfg['temperature']}, top-p {cfg['top_p']}, max {cfg['max_new_tokens']} new "
-             f"tokens, {prompt}{source}{correct}.{average}" + (f" {'; '.join(exports)}." if exports else ""), "",
-             "| Model | " + " | ".join(TITLES.get(b, b) for b in benches) + (" | Avg |" if paper else " |"),
+               for label, model in results["models"].items() if (e := model.get("export"))]
+    lines = [f"avg@k (%), temperature {cfg['temperature']}, top-p {cfg['top_p']}, "
+             f"max {cfg['max_new_tokens']} new tokens, {prompt}{source}{correct}.{average}"
+             + (f" {'; '.join(exports)}." if exports else ""), "",
+             "| Model | " + " | ".join(TITLES.get(b, b) for b in benches)
+             + (" | Avg |" if paper else " |"),
              "|---" * (len(benches) + 1 + bool(paper)) + "|"]
     for label, model in results["models"].items():
         got = model["benchmarks"]
         cells = [f"{got[b]['metrics']['avg@k']:.2f}" if b in got else "-" for b in benches]
         done = [got[b]["metrics"]["avg@k"] for b in paper if b in got]
-        avg = [f"{sum(done) / len(done):.2f}" if done and len(done) == len(paper) else "-"] if paper else []
+        avg = ([f"{sum(done) / len(done):.2f}" if done and len(done) == len(paper) else "-"]
+               if paper else [])
         lines.append(f"| {label} | " + " | ".join(cells + avg) + " |")
-    lines += ["", "| Model | Benchmark | problems | k | avg@k | pass@k | mean length | truncated % |",
+    lines += ["",
+              "| Model | Benchmark | problems | k | avg@k | pass@k | mean length | truncated % |",
               "|---|---|---|---|---|---|---|---|"]
     for label, model in results["models"].items():
         for b, bench in model["benchmarks"].items():
             m = bench["metrics"]
-            lines.append(f"| {label} | {TITLES.get(b, b)} | {m['problems']} | {m['k']} | {m['avg@k']:.2f} | "
-                         f"{m['pass@k']:.2f} | {m['mean_length']:.1f} | {m['truncated']:.1f} |")
+            lines.append(f"| {label} | {TITLES.get(b, b)} | {m['problems']} | {m['k']} | "
+                         f"{m['avg@k']:.2f} | {m['pass@k']:.2f} | {m['mean_length']:.1f} | "
+                         f"{m['truncated']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
 def write_outputs(results: dict, out: str | Path) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False, default=str))  # a row's date
+    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False,
+                                                 default=str))  # a row's date
     (out / "table.md").write_text(table(results))
 
 
 @dataclass
 class Config:
-    """Evaluate checkpoints on the STAPO benchmarks or your own files (avg@k, pass@k); write results.json, table.md.
-    With --run (or --models RUN/hf) prompts and sampling follow the training run's config.json."""
+    """Evaluate checkpoints on the STAPO benchmarks or your own files (avg@k, pass@k); write
+    results.json, table.md. With --run (or --models RUN/hf) prompts and sampling follow the training
+    run's config.json."""
     models: list[str] = field(default_factory=lambda: ["smollm2"])
-    """checkpoints, one table row each: Hub id, local HF dir, .gguf file, 'smollm2' (packaged SmolLM2-135M-Instruct)
-    or 'tiny' (random, tests); LABEL=NAME sets the row label; with --run: RUN/hf"""
+    """checkpoints, one table row each: Hub id, local HF dir, .gguf file, 'smollm2' (packaged
+    SmolLM2-135M-Instruct) or 'tiny' (random, tests); LABEL=NAME sets the row label; with --run:
+    RUN/hf"""
     run: str | None = None
-    """a train.py output folder: evaluate RUN/hf with the run's prompt format (chat, instruction), sampling
-    (temperature, top-p) and response budget (max_response_len), unless flags say otherwise; also found from
-    --models RUN/hf"""
+    """a train.py output folder: evaluate RUN/hf with the run's prompt format (chat, instruction),
+    sampling (temperature, top-p) and response budget (max_response_len), unless flags say
+    otherwise; also found from --models RUN/hf"""
     benchmarks: list[str] = field(default_factory=lambda: list(PAPER_BENCHMARKS))
-    """aime24 aime25 amc23 math500 minerva olympiadbench gsm8k, or heldout (the run's held-out problems, as
-    train.py evaluated them); default: the six paper ones, none with --data, heldout with --run"""
+    """aime24 aime25 amc23 math500 minerva olympiadbench gsm8k, or heldout (the run's held-out
+    problems, as train.py evaluated them); default: the six paper ones, none with --data, heldout
+    with --run"""
     data: list[str] = field(default_factory=list)
-    """your own eval sets: .jsonl/.json/.parquet files or Hub ids, read like train.py's --data (--prompt-key,
-    --answer-key; dotted paths, chat message lists); NAME=FILE names its column (default: the file name)"""
+    """your own eval sets: .jsonl/.json/.parquet files or Hub ids, read like train.py's --data
+    (--prompt-key, --answer-key; dotted paths, chat message lists); NAME=FILE names its column
+    (default: the file name)"""
     prompt_key: str = "problem"
     """field of the problem text in --data (default: the run's --prompt-key with --run)"""
     answer_key: str = "answer"
-    """field of the gold answer in --data, a string or a list of strings (default: the run's with --run)"""
+    """field of the gold answer in --data, a string or a list of strings (default: the run's with
+    --run)"""
     split: str = "test"
     """split of --data Hub ids"""
     data_dir: str | None = None
-    """folder with one .jsonl per benchmark, named and laid out like the repository's testdata/benchmarks (3 rows of
-    each); default None = the HF Hub"""
+    """folder with one .jsonl per benchmark, named and laid out like the repository's
+    testdata/benchmarks (3 rows of each); default None = the HF Hub"""
     preset: Literal["train-aligned", "justrl"] = "train-aligned"
-    """decoding when neither --temperature/--top-p nor a run set it: train-aligned = temperature 1.0, top-p 1.0;
-    justrl = temperature 0.7, top-p 0.9"""
+    """decoding when neither --temperature/--top-p nor a run set it:
+    train-aligned = temperature 1.0, top-p 1.0; justrl = temperature 0.7, top-p 0.9"""
     temperature: float | None = None
     """sampling temperature; default: the run's, else the preset's"""
     top_p: float | None = None
     """nucleus sampling; default: the run's, else the preset's"""
     chat: bool = True
-    """format prompts with the tokenizer's chat template (--no-chat: raw problem + instruction, for base models);
-    default: the run's"""
+    """format prompts with the tokenizer's chat template (--no-chat: raw problem + instruction, for
+    base models); default: the run's"""
     instruction: str | None = None
-    """text appended to every problem; default: the run's, else the paper's \\boxed{} sentence (rollout.INSTRUCTION)"""
+    """text appended to every problem; default: the run's, else the paper's \\boxed{} sentence
+    (rollout.INSTRUCTION)"""
     k: int | None = None
-    """samples per problem for every benchmark; default 32 for AIME24/AIME25/AMC23, the run's --eval-samples for
-    heldout, 4 for the others"""
+    """samples per problem for every benchmark; default 32 for AIME24/AIME25/AMC23, the run's
+    --eval-samples for heldout, 4 for the others"""
     max_new_tokens: int = 20480
-    """response budget in tokens; longer responses are cut and counted as truncated; default: the run's
-    --max-response-len with --run"""
+    """response budget in tokens; longer responses are cut and counted as truncated; default: the
+    run's --max-response-len with --run"""
     stop_text: list[str] = field(default_factory=list)
-    """a response also ends with the token at which this text first appears (repeatable; train.py's --stop-text,
-    vLLM's `stop`); default: the run's with --run"""
+    """a response also ends with the token at which this text first appears (repeatable; train.py's
+    --stop-text, vLLM's `stop`); default: the run's with --run"""
     limit: int | None = None
     """evaluate only the first LIMIT problems of each benchmark"""
     batch_size: int | None = None
-    """sequences per generate call on each rank (problems per call = max(1, batch_size // k)); default 64, and for
-    heldout one problem per call, as train.py's held-out evaluation samples them"""
+    """sequences per generate call on each rank (problems per call = max(1, batch_size // k));
+    default 64, and for heldout one problem per call, as train.py's held-out evaluation
+    samples them"""
     seed: int | None = None
-    """sampling seed (the call that starts at problem i uses data.problem_seed(seed, i), on any number of ranks);
-    default: the run's --seed + 1 with --run, as train.py's held-out evaluation, else 0"""
+    """sampling seed (the call that starts at problem i uses data.problem_seed(seed, i), on any
+    number of ranks); default: the run's --seed + 1 with --run, as train.py's held-out evaluation,
+    else 0"""
     reward: str = "dapo"
-    """what counts as correct, a positive reward (reward.correct): dapo or binary (reward.grade), strict (last-box
-    string match) or your own FILE.py:FUNCTION / MODULE:FUNCTION; default: the run's --reward with --run"""
+    """what counts as correct, a positive reward (reward.correct): dapo or binary (reward.grade),
+    strict (last-box string match) or your own FILE.py:FUNCTION / MODULE:FUNCTION; default: the
+    run's --reward with --run"""
     out: str | None = None
-    """output folder for results.json and table.md; default: RUN/eval with --run (or --models RUN/hf), else
-    out/eval"""
+    """output folder for results.json and table.md; default: RUN/eval with --run (or --models
+    RUN/hf), else out/eval"""
     overwrite: bool = False
-    """replace the results.json and table.md already in --out (without it, an --out that holds them is refused)"""
+    """replace the results.json and table.md already in --out (without it, an --out that holds them
+    is refused)"""
     regrade: str | None = None
-    """path of an existing results.json: re-grade its samples with its --reward, rewrite it and table.md next to it,
-    sample nothing"""
+    """path of an existing results.json: re-grade its samples with its --reward, rewrite it and
+    table.md next to it, sample nothing"""
     rollout: Literal["plain", "vllm"] = "plain"
-    """plain | vllm: sampling engine (vllm: a vLLM engine in this process, fed with the loaded weights;
-    docs/rollouts.md)"""
+    """plain | vllm: sampling engine (vllm: a vLLM engine in this process, fed with the loaded
+    weights; docs/rollouts.md)"""
     kv_cache_gb: float = 40.0
-    """KV-cache budget per rank in GB (worst case: every row at the longest prompt + --max-new-tokens): bounds the
-    problems per generate call below --batch-size, and is vLLM's KV cache"""
+    """KV-cache budget per rank in GB (worst case: every row at the longest
+    prompt + --max-new-tokens): bounds the problems per generate call below --batch-size, and is
+    vLLM's KV cache"""
     collective_timeout_min: float = 60.0
     """with torchrun: minutes a rank waits for the others at the gather after each benchmark"""
 
 
-# eval.py field <- the train.py config.json field it takes its default from (how the run formats and samples)
-RUN_FIELDS = {"chat": "chat", "instruction": "instruction", "temperature": "temperature", "top_p": "top_p",
-              "max_new_tokens": "max_response_len", "prompt_key": "prompt_key", "answer_key": "answer_key",
-              "reward": "reward", "stop_text": "stop_text"}
+# eval.py field <- the train.py config.json field it takes its default from (how the run
+# formats and samples)
+RUN_FIELDS = {"chat": "chat", "instruction": "instruction", "temperature": "temperature",
+              "top_p": "top_p", "max_new_tokens": "max_response_len", "prompt_key": "prompt_key",
+              "answer_key": "answer_key", "reward": "reward", "stop_text": "stop_text"}
 BATCH_SIZE = 64  # --batch-size's default, but for heldout
 
 
 def train_run(folder: str | Path) -> dict | None:
-    """The config of a train.py output folder (its config.json), or None when `folder` is not one."""
+    """The config of a train.py output folder (its config.json), or None when `folder` is
+    not one."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         return None
@@ -345,37 +389,43 @@ def train_run(folder: str | Path) -> dict | None:
 
 
 def stale_export(run: Path) -> str | None:
-    """The warning when a run's export RUN/hf holds fewer steps than its newest checkpoint (run_folder/), else
-    None."""
+    """The warning when a run's export RUN/hf holds fewer steps than its newest checkpoint
+    (run_folder/), else None."""
     import run_folder
 
     exported, kept = run_folder.export_step(run / "hf"), run_folder.complete_steps(run)
     if exported is not None and kept and kept[0] > exported:
-        return (f"{run / 'hf'} holds the model after {exported} steps, but the run's newest checkpoint is after "
-                f"{kept[0]} (python train.py --resume {run} --export-hf exports it)")
+        return (f"{run / 'hf'} holds the model after {exported} steps, but the run's newest "
+                f"checkpoint is after {kept[0]} "
+                f"(python train.py --resume {run} --export-hf exports it)")
     return None
 
 
 def export_command(run: Path, recorded: dict) -> str:
-    """What exports a run's model without training (for a run made with --no-export-hf): its newest checkpoint."""
+    """What exports a run's model without training (for a run made with --no-export-hf): its newest
+    checkpoint."""
     import run_folder
 
     kept = run_folder.complete_steps(run)
     if not kept:
         return "the run has no checkpoint to export"
-    steps = "" if kept[0] == recorded["steps"] else f" --steps {kept[0]}"  # a run stopped early: its checkpoint
-    return f"export its checkpoint after {kept[0]} steps with: python train.py --resume {run}{steps} --export-hf"
+    # a run stopped early: its checkpoint
+    steps = "" if kept[0] == recorded["steps"] else f" --steps {kept[0]}"
+    return (f"export its checkpoint after {kept[0]} steps with: "
+            f"python train.py --resume {run}{steps} --export-hf")
 
 
 def _label_name(spec: str) -> tuple[str, str]:
     """LABEL=NAME -> (LABEL, NAME); NAME alone -> (NAME, NAME)."""
-    label, _, name = spec.partition("=") if "=" in spec and not os.path.exists(spec) else (spec, "", spec)
+    label, _, name = (spec.partition("=") if "=" in spec and not os.path.exists(spec)
+                      else (spec, "", spec))
     return label or name, name
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
-    """argv -> Config. Each value: the flag given, else the training run's (--run, or the run folder an --models HF
-    directory sits in), else the default. Checks names and paths; loads no data and no model."""
+    """argv -> Config. Each value: the flag given, else the training run's (--run, or the run folder
+    an --models HF directory sits in), else the default. Checks names and paths; loads no data and
+    no model."""
     given = flags.parse_flags(Config, argv, "eval.py")
     if given.get("regrade"):
         if not os.path.isfile(given["regrade"]):
@@ -385,32 +435,39 @@ def parse_config(argv: list[str] | None = None) -> Config:
     if given.get("run"):
         run = train_run(given["run"])
         if run is None:
-            raise FileNotFoundError(f"--run {given['run']}: not a train.py output folder (no config.json)")
+            raise FileNotFoundError(f"--run {given['run']}: not a train.py output folder "
+                                    f"(no config.json)")
         hf = Path(given["run"]) / "hf"
         if "models" not in given:
             if not hf.is_dir():
-                raise FileNotFoundError(f"--run: {hf} not found (train.py writes it at the end unless --no-export-hf)"
-                                        f"; {export_command(Path(given['run']), run)}")
+                raise FileNotFoundError(
+                    f"--run: {hf} not found (train.py writes it at the end unless --no-export-hf)"
+                    f"; {export_command(Path(given['run']), run)}")
             values["models"] = [str(hf)]
     else:  # an HF export inside a run folder brings the run's settings
         runs = {str(Path(name).parent): train_run(Path(name).parent)
-                for name in (_label_name(spec)[1] for spec in given.get("models", [])) if os.path.isdir(name)}
+                for name in (_label_name(spec)[1] for spec in given.get("models", []))
+                if os.path.isdir(name)}
         runs = {folder: c for folder, c in runs.items() if c is not None}
         if len({json.dumps([c.get(t) for t in RUN_FIELDS.values()]) for c in runs.values()}) > 1:
-            raise ValueError(f"--models come from runs with different prompt or sampling settings ({', '.join(runs)})"
-                             f"; evaluate them separately or give --run")
+            raise ValueError(f"--models come from runs with different prompt or sampling settings "
+                             f"({', '.join(runs)}); evaluate them separately or give --run")
         if runs:
             values["run"], run = next(iter(runs.items()))
     if run:
-        inherited = {k: run[t] for k, t in RUN_FIELDS.items()  # a run older than a field: that field's default
+        # a run older than a field: that field's default
+        inherited = {k: run[t] for k, t in RUN_FIELDS.items()
                      if t in run and (run["data"] or not k.endswith("_key"))}
-        values = {**inherited, **values}  # the field names of a built-in-task run say nothing about --data
+        # the field names of a built-in-task run say nothing about --data
+        values = {**inherited, **values}
         if "preset" in given:  # an explicit --preset beats the run's sampling
             values = {**values, **dict(zip(("temperature", "top_p"), PRESETS[given["preset"]])),
                       **{k: given[k] for k in ("temperature", "top_p") if k in given}}
     if "benchmarks" not in given:
-        has_heldout = run and (not run["data"] or run["heldout"] != 0)  # null: the default share (data.py)
-        values["benchmarks"] = [] if given.get("data") else ["heldout"] if has_heldout else list(PAPER_BENCHMARKS)
+        # null: the default share (data.py)
+        has_heldout = run and (not run["data"] or run["heldout"] != 0)
+        values["benchmarks"] = ([] if given.get("data") else ["heldout"] if has_heldout
+                                else list(PAPER_BENCHMARKS))
     preset_t, preset_p = PRESETS[values.get("preset", "train-aligned")]
     if values.get("temperature") is None:
         values["temperature"] = preset_t
@@ -419,28 +476,32 @@ def parse_config(argv: list[str] | None = None) -> Config:
     if values.get("instruction") is None:
         import rollout
         values["instruction"] = rollout.INSTRUCTION
-    if values.get("seed") is None:  # train.py seeds its held-out evaluation with --seed + 1 (train.evaluate)
+    # train.py seeds its held-out evaluation with --seed + 1 (train.evaluate)
+    if values.get("seed") is None:
         values["seed"] = run["seed"] + 1 if run else 0
-    if values.get("out") is None:  # a run's export after N steps: RUN/eval/step_N, so a newer one gets its own
+    # a run's export after N steps: RUN/eval/step_N, so a newer one gets its own
+    if values.get("out") is None:
         import run_folder
 
         step = run_folder.export_step(Path(values["run"]) / "hf") if run else None
-        values["out"] = ("out/eval" if not run else str(Path(values["run"]) / "eval") if step is None else
-                         str(Path(values["run"]) / "eval" / f"step_{step}"))
+        values["out"] = ("out/eval" if not run else str(Path(values["run"]) / "eval")
+                         if step is None else str(Path(values["run"]) / "eval" / f"step_{step}"))
     if not values["out"].strip():  # Path("") is the working directory
         raise ValueError("--out '' names no folder: give one, e.g. --out out/eval")
     cfg = Config(**values)
-    reward.load_reward(cfg.reward)  # an unknown mode or a broken FILE.py:FUNCTION: one line, before any model
+    # an unknown mode or a broken FILE.py:FUNCTION: one line, before any model
+    reward.load_reward(cfg.reward)
     for b in cfg.benchmarks:
         if b not in BENCHMARKS and b != "heldout":
-            raise ValueError(f"unknown benchmark {b!r}; choose from {', '.join(BENCHMARKS)}, heldout (with --run); "
-                             f"your own files: --data FILE")
+            raise ValueError(f"unknown benchmark {b!r}; choose from {', '.join(BENCHMARKS)}, "
+                             f"heldout (with --run); your own files: --data FILE")
     if "heldout" in cfg.benchmarks and not run:
         raise ValueError("benchmark 'heldout' is a training run's held-out set: give --run RUN")
     if cfg.data_dir is not None and not os.path.isdir(cfg.data_dir):
         raise FileNotFoundError(f"--data-dir {cfg.data_dir}: no such folder")
     for name, rule in (("temperature", cfg.temperature > 0), ("top_p", 0 < cfg.top_p <= 1),
-                       ("k", cfg.k is None or cfg.k >= 1), ("max_new_tokens", cfg.max_new_tokens >= 1),
+                       ("k", cfg.k is None or cfg.k >= 1),
+                       ("max_new_tokens", cfg.max_new_tokens >= 1),
                        ("limit", cfg.limit is None or cfg.limit >= 1),
                        ("batch_size", cfg.batch_size is None or cfg.batch_size >= 1),
                        ("kv_cache_gb", cfg.kv_cache_gb > 0),
@@ -453,32 +514,37 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 def load_sets(cfg: Config) -> dict[str, dict]:
-    """{name: {"k", "rows"}} for every benchmark and --data file of cfg, in order, cut to --limit. Rows are
-    {"problem", "answer", "gold"} as load_benchmark gives them; --data files are read by read_rows (the field
-    logic of train.py's --data), heldout is load_rows of the run's config."""
+    """{name: {"k", "rows"}} for every benchmark and --data file of cfg, in order, cut to --limit.
+    Rows are {"problem", "answer", "gold"} as load_benchmark gives them; --data files are read by
+    read_rows (the field logic of train.py's --data), heldout is load_rows of the run's config."""
     sets = {}
     for b in cfg.benchmarks:
         if b == "heldout":
             run = train_run(cfg.run)
             rows = [{"problem": r["problem"], "answer": _joined(r["answer"]), "gold": r["answer"],
-                     "fields": r.get("fields", {})} for r in load_rows(types.SimpleNamespace(**run))[1]]  # held out
+                     "fields": r.get("fields", {})}
+                    for r in load_rows(types.SimpleNamespace(**run))[1]]  # held out
             if not rows:
-                raise ValueError(f"the run {cfg.run} has no held-out problems (train.py --heldout N keeps some)")
+                raise ValueError(f"the run {cfg.run} has no held-out problems "
+                                 f"(train.py --heldout N keeps some)")
             sets[b] = {"k": cfg.k or run["eval_samples"] or OTHER_K, "rows": rows}
         else:
             sets[b] = {"k": cfg.k or DEFAULT_K[b], "rows": load_benchmark(b, cfg.data_dir)}
     for spec in cfg.data:
-        name, path = spec.split("=", 1) if "=" in spec and not os.path.exists(spec) else (Path(spec).stem, spec)
+        name, path = (spec.split("=", 1) if "=" in spec and not os.path.exists(spec)
+                      else (Path(spec).stem, spec))
         if name in sets:
             raise ValueError(f"--data {spec}: the name {name!r} is taken; name it with NAME={path}")
         rows, repeated = read_rows(path, cfg.prompt_key, cfg.answer_key, cfg.split)
-        if repeated and os.environ.get("RANK", "0") == "0":  # before the process group: torchrun's RANK
-            print(f"eval.py: note: {repeated_note(path, repeated, len(rows))}", file=sys.stderr, flush=True)
+        # before the process group: torchrun's RANK
+        if repeated and os.environ.get("RANK", "0") == "0":
+            print(f"eval.py: note: {repeated_note(path, repeated, len(rows))}", file=sys.stderr,
+                  flush=True)
         if not rows:
             raise ValueError(f"--data {path}: no rows")
         sets[name] = {"k": cfg.k or OTHER_K,
-                      "rows": [{"problem": r["problem"], "answer": _joined(r["answer"]), "gold": r["answer"],
-                                "fields": r["fields"]} for r in rows]}
+                      "rows": [{"problem": r["problem"], "answer": _joined(r["answer"]),
+                                "gold": r["answer"], "fields": r["fields"]} for r in rows]}
     return {name: {"k": s["k"], "rows": s["rows"][: cfg.limit]} for name, s in sets.items()}
 
 
@@ -487,7 +553,7 @@ def _joined(answer: str | list[str]) -> str:
     return ", ".join(answer) if isinstance(answer, list) else answer
 
 
-# --------------------------------------------------------------------------------------------------- evaluation
+# --------------------------------------------------------------------------------------- evaluation
 class Opened(NamedTuple):
     """A checkpoint ready to sample (`open_engine`)."""
     engine: object  # its rollout engine (engines.choice.make_engine)
@@ -496,9 +562,10 @@ class Opened(NamedTuple):
     per_call: dict[str, int]  # problems per generate call of each set
 
 
-def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, device=None) -> Opened:
-    """The checkpoint `name` ready to sample: the model loaded, its KV-cache budget applied, its rollout engine made
-    (raises on a checkpoint that cannot load or sample here)."""
+def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0,
+                device=None) -> Opened:
+    """The checkpoint `name` ready to sample: the model loaded, its KV-cache budget applied, its
+    rollout engine made (raises on a checkpoint that cannot load or sample here)."""
     import torch
 
     import model as model_lib
@@ -507,24 +574,29 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, de
 
     device = torch.device("cpu") if device is None else device
     dtype = torch.bfloat16 if device.type == "cuda" else None
-    lm, tokenizer = model_lib.load_model(name, dtype=dtype, device=device, require_chat_template=cfg.chat)
+    lm, tokenizer = model_lib.load_model(name, dtype=dtype, device=device,
+                                         require_chat_template=cfg.chat)
     lm.eval()
     longest = max(len(rollout.format_prompt(tokenizer, r["problem"], cfg.chat, cfg.instruction))
                   for s in sets.values() for r in s["rows"]) + cfg.max_new_tokens
-    # problems per generate call: --batch-size rows, fewer where their worst-case KV cache would exceed
-    # --kv-cache-gb, but at least one problem's k rows (the plain sampler holds them at once; vLLM queues what does
-    # not fit its KV cache of at most --kv-cache-gb)
-    row_bytes, budget = kv_cache_bytes(lm.config, 1, longest, lm.dtype.itemsize), int(cfg.kv_cache_gb * 1e9)
-    per_call = {b: 1 if b == "heldout" and cfg.batch_size is None else  # as train.evaluate: a call per problem
-                max(1, min(cfg.batch_size or BATCH_SIZE, budget // row_bytes) // s["k"]) for b, s in sets.items()}
-    need = max(per_call[b] * s["k"] for b, s in sets.items()) * row_bytes  # the largest call, every row at its longest
+    # problems per generate call: --batch-size rows, fewer where their worst-case KV cache would
+    # exceed --kv-cache-gb, but at least one problem's k rows (the plain sampler holds them at once;
+    # vLLM queues what does not fit its KV cache of at most --kv-cache-gb)
+    row_bytes, budget = (kv_cache_bytes(lm.config, 1, longest, lm.dtype.itemsize),
+                         int(cfg.kv_cache_gb * 1e9))
+    # heldout without --batch-size as train.evaluate: a call per problem
+    per_call = {b: 1 if b == "heldout" and cfg.batch_size is None
+                else max(1, min(cfg.batch_size or BATCH_SIZE, budget // row_bytes) // s["k"])
+                for b, s in sets.items()}
+    # the largest call, every row at its longest
+    need = max(per_call[b] * s["k"] for b, s in sets.items()) * row_bytes
     if rank == 0:
         calls = ", ".join(f"{b} {per_call[b]} x {s['k']}" for b, s in sets.items())
         kv = min(need, budget) if cfg.rollout == "vllm" else need
         over = "; one problem's k rows exceed it" if need > budget else ""
-        print(f"eval.py: {name}: problems x samples per generate call: {calls}; KV cache at most {kv / 2**30:.2f} GiB "
-              f"per rank (--kv-cache-gb {cfg.kv_cache_gb:g} = {cfg.kv_cache_gb * 1e9 / 2**30:.2f} GiB{over})",
-              flush=True)
+        print(f"eval.py: {name}: problems x samples per generate call: {calls}; KV cache at most "
+              f"{kv / 2**30:.2f} GiB per rank (--kv-cache-gb {cfg.kv_cache_gb:g} = "
+              f"{cfg.kv_cache_gb * 1e9 / 2**30:.2f} GiB{over})", flush=True)
     from engines import choice
 
     engine = choice.make_engine(cfg.rollout, lm, tokenizer, cfg.chat, max_model_len=longest,
@@ -533,36 +605,45 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, de
     return Opened(engine, lm, tokenizer, per_call)
 
 
-def evaluate_model(opened: Opened, name: str, cfg: Config, sets: dict[str, dict], rank: int = 0, world: int = 1):
-    """Sample k answers per problem on this rank's share of every set with the checkpoint `name` (`open_engine`),
-    grade them, gather to rank 0; closes the engine at the end. Yields (set name, {"k", "temperature", "top_p",
-    "metrics", "problems": [...]}) after each set on rank 0 (None on the other ranks)."""
+def evaluate_model(opened: Opened, name: str, cfg: Config, sets: dict[str, dict], rank: int = 0,
+                   world: int = 1):
+    """Sample k answers per problem on this rank's share of every set with the checkpoint `name`
+    (`open_engine`), grade them, gather to rank 0; closes the engine at the end. Yields (set name,
+    {"k", "temperature", "top_p", "metrics", "problems": [...]}) after each set on rank 0 (None on
+    the other ranks)."""
     import torch
     from tqdm import tqdm
 
     import rollout
 
     engine, lm, tokenizer, per_call = opened
-    calls = {b: [range(start, min(start + per_call[b], len(s["rows"])))  # this rank's calls: every world-th one
-                 for start in range(0, len(s["rows"]), per_call[b])][rank::world] for b, s in sets.items()}
-    bar = tqdm(total=sum(len(idx) for b in calls for idx in calls[b]), desc=f"{name} (rank 0 of {world})",
-               disable=rank != 0)
+    # this rank's calls: every world-th one
+    calls = {b: [range(start, min(start + per_call[b], len(s["rows"])))
+                 for start in range(0, len(s["rows"]), per_call[b])][rank::world]
+             for b, s in sets.items()}
+    bar = tqdm(total=sum(len(idx) for b in calls for idx in calls[b]),
+               desc=f"{name} (rank 0 of {world})", disable=rank != 0)
     try:
         with engine.ready(lm):  # vllm: the weights are pushed once, for every set
             for b, s in sets.items():
                 k, rows = s["k"], s["rows"]
                 problems = []
                 for idx in calls[b]:
-                    prompts = [rollout.format_prompt(tokenizer, rows[i]["problem"], cfg.chat, cfg.instruction)
+                    prompts = [rollout.format_prompt(tokenizer, rows[i]["problem"], cfg.chat,
+                                                     cfg.instruction)
                                for i in idx]
-                    with torch.no_grad():  # rows j*k .. j*k+k-1 answer problem idx[j] (difference 5: the seed)
-                        ro = engine.sample(prompts, k, [problem_seed(cfg.seed, idx[0])], len(prompts),
-                                           cfg.max_new_tokens, cfg.temperature, cfg.top_p)
+                    # rows j*k .. j*k+k-1 answer problem idx[j] (difference 5: the seed)
+                    with torch.no_grad():
+                        ro = engine.sample(prompts, k, [problem_seed(cfg.seed, idx[0])],
+                                           len(prompts), cfg.max_new_tokens, cfg.temperature,
+                                           cfg.top_p)
                     texts = ro.texts(tokenizer)
                     lengths = ro.response_mask.sum(-1).tolist()  # (B,) tokens including EOS
                     truncated = ro.truncated.tolist()  # (B,)
-                    answered = [rows[idx[r // k]] for r in range(len(texts))]  # the row each response answers
-                    values = reward.rewards(texts, [row["gold"] for row in answered], cfg.reward, answered)
+                    # the row each response answers
+                    answered = [rows[idx[r // k]] for r in range(len(texts))]
+                    values = reward.rewards(texts, [row["gold"] for row in answered], cfg.reward,
+                                            answered)
                     for j, i in enumerate(idx):
                         gold = rows[i]["gold"]
                         problems.append({"index": i, "problem": rows[i]["problem"], "gold": gold,
@@ -575,34 +656,37 @@ def evaluate_model(opened: Opened, name: str, cfg: Config, sets: dict[str, dict]
                     import torch.distributed as dist
                     parts = [None] * world if rank == 0 else None
                     dist.gather_object(problems, parts, dst=0)
-                    problems = sorted((p for part in parts for p in part), key=lambda p: p["index"]) \
+                    problems = sorted((p for part in parts for p in part),
+                                      key=lambda p: p["index"]) \
                         if rank == 0 else []
                 yield b, {"k": k, "temperature": cfg.temperature, "top_p": cfg.top_p,
-                          "metrics": benchmark_metrics(problems), "problems": problems} if rank == 0 else None
+                          "metrics": benchmark_metrics(problems),
+                          "problems": problems} if rank == 0 else None
     finally:  # also when your --reward function raises: the bar's line ends before the error's
         bar.close()
     engine.close()
 
 
 def check_weights(name: str) -> None:
-    """Raise ValueError when a file of the model folder `name` differs from the checksums of its export.json (a
-    train.py export: run_folder.export_damage) or a .safetensors file cannot be read (truncated by an interrupted
-    copy or export): its header must describe the whole file. Other names pass."""
+    """Raise ValueError when a file of the model folder `name` differs from the checksums of its
+    export.json (a train.py export: run_folder.export_damage) or a .safetensors file cannot be read
+    (truncated by an interrupted copy or export): its header must describe the whole file. Other
+    names pass."""
     if not os.path.isdir(name):
         return
     import run_folder
     damage = run_folder.export_damage(Path(name))
     if damage:
-        raise ValueError(f"{name}: {damage} differs from its export.json checksums; copy or export it again "
-                         f"(python train.py --resume RUN --export-hf)")
+        raise ValueError(f"{name}: {damage} differs from its export.json checksums; copy or export "
+                         f"it again (python train.py --resume RUN --export-hf)")
     from safetensors import SafetensorError, safe_open
     for path in sorted(Path(name).glob("*.safetensors")):
         try:
             with safe_open(str(path), framework="numpy"):
                 pass
         except (SafetensorError, OSError) as e:
-            raise ValueError(f"{path}: not a complete safetensors file ({str(e).strip()}); copy or export it "
-                             f"again") from None
+            raise ValueError(f"{path}: not a complete safetensors file ({str(e).strip()}); "
+                             f"copy or export it again") from None
 
 
 def main(argv: list[str] | None = None) -> dict | None:
@@ -615,8 +699,9 @@ def main(argv: list[str] | None = None) -> dict | None:
             text = table(results)
         else:
             if (Path(cfg.out) / "results.json").exists() and not cfg.overwrite:
-                raise ValueError(f"--out {cfg.out} holds the results of an earlier evaluation (results.json): choose "
-                                 f"another --out, or replace them with --overwrite")
+                raise ValueError(f"--out {cfg.out} holds the results of an earlier evaluation "
+                                 f"(results.json): choose another --out, or replace them "
+                                 f"with --overwrite")
             try:  # before any sampling: a read-only run folder, say
                 errors.check_writable("--out", cfg.out)
             except OSError as e:
@@ -636,10 +721,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     if stale and rank == 0:
         print(f"eval.py: warning: {stale}", file=sys.stderr)
     if cfg.run and rank == 0:
-        print(f"eval.py: prompts and sampling of the run {cfg.run}: {'chat template' if cfg.chat else 'raw text'}, "
-              f"instruction {cfg.instruction!r}, temperature {cfg.temperature}, top-p {cfg.top_p}, "
-              f"{cfg.max_new_tokens} new tokens" + (f", stop texts {cfg.stop_text!r}" if cfg.stop_text else ""),
-              flush=True)
+        print(f"eval.py: prompts and sampling of the run {cfg.run}: "
+              f"{'chat template' if cfg.chat else 'raw text'}, instruction {cfg.instruction!r}, "
+              f"temperature {cfg.temperature}, top-p {cfg.top_p}, {cfg.max_new_tokens} new tokens"
+              + (f", stop texts {cfg.stop_text!r}" if cfg.stop_text else ""), flush=True)
     import torch
     import torch.distributed as dist
 
@@ -648,14 +733,15 @@ def main(argv: list[str] | None = None) -> dict | None:
     import run_folder
     from distributed.process_group import init_distributed
 
-    # `model` and `rollout` (torch.distributed.fsdp) are imported before the process group: torch.distributed.fsdp
-    # imported after it holds references to the WORLD group, whose gloo threads then outlive destroy_process_group
-    # and can abort the exit.
+    # `model` and `rollout` (torch.distributed.fsdp) are imported before the process group:
+    # torch.distributed.fsdp imported after it holds references to the WORLD group, whose gloo
+    # threads then outlive destroy_process_group and can abort the exit.
     rank, world, device = init_distributed(cfg.collective_timeout_min, always=False)
     results = {"config": asdict(cfg), "models": {}}
     for spec in cfg.models:
         label, name = _label_name(spec)
-        results["models"][label] = {"name": name, "export": run_folder.export_id(Path(name)), "benchmarks": {}}
+        results["models"][label] = {"name": name, "export": run_folder.export_id(Path(name)),
+                                    "benchmarks": {}}
         try:  # a checkpoint without weights or config, or one vLLM refuses: one line too
             opened = open_engine(name, cfg, sets, rank, device)
         except errors.BAD_INPUT as e:
@@ -664,7 +750,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             for b, got in evaluate_model(opened, name, cfg, sets, rank, world):
                 if rank == 0:
                     results["models"][label]["benchmarks"][b] = got
-                    write_outputs(results, cfg.out)  # after every benchmark, so a long run keeps what it has
+                    # after every benchmark, so a long run keeps what it has
+                    write_outputs(results, cfg.out)
         except reward.RewardError as e:
             raise SystemExit(errors.error("eval.py", e, rank))
         if device.type == "cuda":

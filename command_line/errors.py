@@ -1,6 +1,6 @@
-"""The error type and the one-line messages every file may import (it imports nothing of the project): a bad
-input is one line `PROG: error: ...` and exit status 2 (docs/paper.md, "Deliberate differences": every bad input
-is one line)."""
+"""The error type and the one-line messages every file may import (it imports nothing of the
+project): a bad input is one line `PROG: error: ...` and exit status 2 (docs/paper.md,
+"Deliberate differences": every bad input is one line)."""
 from __future__ import annotations
 
 import sys
@@ -9,16 +9,19 @@ from pathlib import Path
 
 
 class InputError(Exception):
-    """A failure the user can act on, told in one line with exit status 2 (`BAD_INPUT`): run_folder.RunError (a full
-    disk, a folder in use, no usable checkpoint), reward.RewardError (an error raised by your --reward function)."""
+    """A failure the user can act on, told in one line with exit status 2 (`BAD_INPUT`):
+    run_folder.RunError (a full disk, a folder in use, no usable checkpoint), reward.RewardError (an
+    error raised by your --reward function)."""
 
 
-# What bad inputs raise: one line `PROG: error: ...` and exit status 2 (`error`); also a full disk, a folder in use.
+# What bad inputs raise: one line `PROG: error: ...` and exit status 2 (`error`); also a full disk,
+# a folder in use.
 BAD_INPUT = (FileNotFoundError, ValueError, KeyError, ImportError, OSError, InputError)
 
 
 def one_line(e: BaseException) -> str:
-    """An error as one line: its message's first line (an OSError's reason without "[Errno N]"), or its type."""
+    """An error as one line: its message's first line (an OSError's reason without "[Errno N]"), or
+    its type."""
     if isinstance(e, OSError) and e.strerror:
         return e.strerror + (f": {e.filename}" if e.filename else "")
     text = str(e).strip()
@@ -26,9 +29,9 @@ def one_line(e: BaseException) -> str:
 
 
 def check_writable(flag: str, folder: str | Path) -> None:
-    """Raise OSError in one line (naming `flag`) when files cannot be made in `folder`, or where it does not exist yet
-    in the nearest folder above it (which would hold it): a read-only mount, no permission, a file in the way. A
-    probe file that leaves nothing behind."""
+    """Raise OSError in one line (naming `flag`) when files cannot be made in `folder`, or where it
+    does not exist yet in the nearest folder above it (which would hold it): a read-only mount, no
+    permission, a file in the way. A probe file that leaves nothing behind."""
     folder = Path(folder)
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     if not existing.is_dir():
@@ -40,7 +43,9 @@ def check_writable(flag: str, folder: str | Path) -> None:
 
 
 def error(prog: str, e: BaseException | str, rank: int = 0) -> int:
-    """A bad input: one line `PROG: error: ...` on stderr (rank 0 only); returns the exit status 2."""
+    """A bad input: one line `PROG: error: ...` on stderr (rank 0 only); returns the exit
+    status 2."""
     if rank == 0:
-        print(f"{prog}: error: {e if isinstance(e, str) else one_line(e)}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {e if isinstance(e, str) else one_line(e)}", file=sys.stderr,
+              flush=True)
     return 2

@@ -1,1 +1,2 @@
-"""What a run needs in memory (the estimate checked before anything loads) and the allocator setting."""
+"""What a run needs in memory (the estimate checked before anything loads) and the allocator
+setting."""

@@ -1,19 +1,22 @@
-"""Chained sums: a second built-in-sized task with longer responses than one-digit sums, for SmolLM2-135M (the RQ2
-experiments of docs/experiments.md, where spurious tokens need room to occur).
+"""Chained sums: a second built-in-sized task with longer responses than one-digit sums, for
+SmolLM2-135M (the RQ2 experiments of docs/experiments.md, where spurious tokens need room to occur).
 
-    python -m tasks.chain_sums                       # (re)writes tasks/chain_sums.jsonl (726 problems)
-    python train.py --data tasks/chain_sums.jsonl --prompt-key prompt --answer-key answer --no-chat \\
-        --instruction "" --max-response-len 64 --reward tasks.chain_sums:reward --heldout 64 \\
-        --max-tokens-per-micro-batch 2048     # the cpu preset's one micro-batch per mini-batch: ~25 GB here
+  python -m tasks.chain_sums  # (re)writes tasks/chain_sums.jsonl (726 problems)
+  python train.py --data tasks/chain_sums.jsonl --prompt-key prompt --answer-key answer --no-chat \\
+      --instruction "" --max-response-len 64 --reward tasks.chain_sums:reward --heldout 64 \\
+      --max-tokens-per-micro-batch 2048
+      # the cpu preset's one micro-batch per mini-batch: ~25 GB here
 
-A problem is the sum of three one-digit numbers, shown after three worked examples in raw text, so the model
-writes the running sums before the answer ("3 + 5 = 8, 8 + 2 = 10. The answer is 10."). SmolLM2-135M-Instruct
-is right 23% of the time at temperature 1.0 (64 problems x 4 samples; docs/experiments.md has the table that chose
-it), and 87% of its responses run to the 64-token budget (61 tokens on average): the answer, then more
-"Q: ... A: ..." text, since raw text has no end of turn.
+A problem is the sum of three one-digit numbers, shown after three worked examples in raw text, so
+the model writes the running sums before the answer ("3 + 5 = 8, 8 + 2 = 10. The answer is 10.").
+SmolLM2-135M-Instruct is right 23% of the time at temperature 1.0 (64 problems x 4 samples;
+docs/experiments.md has the table that chose it), and 87% of its responses run to the 64-token
+budget (61 tokens on average): the answer, then more "Q: ... A: ..." text, since raw text has no
+end of turn.
 
-`reward(response, answer)`: +1 / -1 (the DAPO reward) on the text before the first blank line, i.e. the answer to
-this problem and not the examples the model goes on to invent, graded by `reward.grade`.
+`reward(response, answer)`: +1 / -1 (the DAPO reward) on the text before the first blank line,
+i.e. the answer to this problem and not the examples the model goes on to invent, graded by
+`reward.grade`.
 """
 import json
 import random
@@ -55,8 +58,10 @@ def graded_chars(response: str) -> int:
 
 
 def main(out: Path = Path(__file__).with_suffix(".jsonl")) -> None:
-    """Every sum of three digits 1-9 but the examples', shuffled (seed 0), one JSONL row each, into `out`."""
-    triples = [(a, b, c) for a in range(1, 10) for b in range(1, 10) for c in range(1, 10) if (a, b, c) not in SHOTS]
+    """Every sum of three digits 1-9 but the examples', shuffled (seed 0), one JSONL row each, into
+    `out`."""
+    triples = [(a, b, c) for a in range(1, 10) for b in range(1, 10) for c in range(1, 10)
+               if (a, b, c) not in SHOTS]
     random.Random(0).shuffle(triples)
     out.write_text("".join(json.dumps(problem(t)) + "\n" for t in triples))
     print(f"{out}: {len(triples)} problems")
