@@ -1,6 +1,7 @@
-"""The run folder: what a training run keeps on disk, and how it survives a cluster (docs/outputs.md; the paper's
-runs last 5-7 days on 64 GPUs, docs/paper.md §6). OUT = --out-dir holds config.json, the logs (*.jsonl),
-checkpoint/step_N/, hf/ (the exported model) and run.lock. One concept per file, imported here under one name
+"""The run folder: what a training run keeps on disk, and how it survives a cluster
+(docs/outputs.md; the paper's runs last 5-7 days on 64 GPUs, docs/paper.md §6). OUT = --out-dir
+holds config.json, the logs (*.jsonl), checkpoint/step_N/, hf/ (the exported model) and run.lock.
+One concept per file, imported here under one name
 (`run_folder.open_run`, `run_folder.Preemption`, ...):
 
     console.py      RunError, `say` (rank 0's line above the progress bar)
@@ -11,7 +12,8 @@ checkpoint/step_N/, hf/ (the exported model) and run.lock. One concept per file,
     logs.py         logs that cannot be torn
     checkpoints.py  verified checkpoints for any world size
     export.py       atomic, dated, verified Hugging Face exports
-    signals.py      stop signals: every rank stops at the same point, writes a checkpoint, exits STOPPED
+    signals.py      stop signals: every rank stops at the same point, writes a checkpoint, exits
+                    STOPPED
     opening.py      a new run, or a resumed one checked against its recipe
     figures.py      the figures of runs, imported on its own (`from run_folder import figures`)
 """
@@ -40,7 +42,8 @@ from run_folder.files import (
 from run_folder.live_curves import LOGGERS, Logger, check_logger, open_logger
 from run_folder.lock import MOUNTS, Lock, node_local_flock
 from run_folder.logs import append, cut_logs, fsync_logs, read_log, write_logs
-from run_folder.opening import finished, finished_read_only, open_run, recipe, recorded_config, resume_changes
+from run_folder.opening import (finished, finished_read_only, open_run, recipe, recorded_config,
+                                resume_changes)
 from run_folder.signals import (
                               INTERRUPTED,
                               STOPPED,

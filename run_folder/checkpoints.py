@@ -1,7 +1,7 @@
-"""Checkpoints (docs/outputs.md): model and optimizer state as DCP shards (any world size), everything else in one
-state.pt; the size and CRC-32 of every file go into manifest.json before `latest` names the folder, and a resume
-verifies them all and falls back to the newest checkpoint that passes (docs/paper.md, "Deliberate differences":
-run folder 1 and 3)."""
+"""Checkpoints (docs/outputs.md): model and optimizer state as DCP shards (any world size),
+everything else in one state.pt; the size and CRC-32 of every file go into manifest.json before
+`latest` names the folder, and a resume verifies them all and falls back to the newest checkpoint
+that passes (docs/paper.md, "Deliberate differences": run folder 1 and 3)."""
 from __future__ import annotations
 
 import json
@@ -31,8 +31,8 @@ def crc32(path: Path) -> str:
 
 
 def _checksums(folder: Path, names: list[str], rank: int, world: int) -> dict[str, list | None]:
-    """{name: [bytes, crc32], or None when unreadable} of the files `names` of a folder, each rank reading
-    names[rank::world]; the result gathered on every rank (a collective)."""
+    """{name: [bytes, crc32], or None when unreadable} of the files `names` of a folder, each rank
+    reading names[rank::world]; the result gathered on every rank (a collective)."""
     mine = {}
     for n in names[rank::world]:
         try:
@@ -45,7 +45,8 @@ def _checksums(folder: Path, names: list[str], rank: int, world: int) -> dict[st
 
 
 def _unique_names(state_dict: dict) -> dict:
-    """The state dict without the names of a parameter stored under an earlier name (tied embeddings)."""
+    """The state dict without the names of a parameter stored under an earlier name (tied
+    embeddings)."""
     seen, unique = set(), {}
     for name, t in state_dict.items():
         local = t.to_local() if hasattr(t, "to_local") else t
@@ -67,13 +68,13 @@ class ModelAndOptimizer:
 
 def save_checkpoint(out: Path, done: int, trained: ModelAndOptimizer, config: dict, rank: int,
                     world: int, extra: dict | None = None) -> float:
-    """Every rank: the checkpoint after `done` steps in OUT/checkpoint/step_<done>: DCP shards of the model (and of
-    AdamW unless weights-only: config["save_optimizer"]), `state.pt` (step, scheduler, RNG states, config: the run's
-    config.json values; `extra`: the trainer's own state, e.g. the S2T window), then `manifest.json` (every file's
-    size and CRC-32), then `latest` names it; the oldest complete checkpoints beyond config["keep_checkpoints"] are
-    deleted. Returns the seconds it took. A failure on any
-    rank (a full disk) raises RunError on every rank, with the new folder removed and the previous checkpoints
-    untouched."""
+    """Every rank: the checkpoint after `done` steps in OUT/checkpoint/step_<done>: DCP shards of
+    the model (and of AdamW unless weights-only: config["save_optimizer"]), `state.pt` (step,
+    scheduler, RNG states, config: the run's config.json values; `extra`: the trainer's own state,
+    e.g. the S2T window), then `manifest.json` (every file's size and CRC-32), then `latest` names
+    it; the oldest complete checkpoints beyond config["keep_checkpoints"] are deleted. Returns the
+    seconds it took. A failure on any rank (a full disk) raises RunError on every rank, with the new
+    folder removed and the previous checkpoints untouched."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -87,29 +88,35 @@ def save_checkpoint(out: Path, done: int, trained: ModelAndOptimizer, config: di
     failed = None
     try:
         model_sd, optim_sd = get_state_dict(policy, optimizer)
-        dcp.save({"model": _unique_names(model_sd), **({"optim": optim_sd} if save_optimizer else {})},
+        dcp.save({"model": _unique_names(model_sd),
+                  **({"optim": optim_sd} if save_optimizer else {})},
                  checkpoint_id=str(path))
         if rank == 0:
             torch.save({"step": done, "optimizer": save_optimizer, "config": config, "world": world,
                         "scheduler": scheduler.state_dict(), "python_rng": random.getstate(),
                         "torch_rng": torch.get_rng_state(),
-                        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+                        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available()
+                                    else None,
                         **(extra or {})},
                        path / "state.pt")
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - OSError, torch's "[enforce fail at ...]"
-        # DCP wraps each rank's error (a full disk in a shard) in a CheckpointException, a BaseException: its first
-        failed = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+        # DCP wraps each rank's error (a full disk in a shard) in a CheckpointException, a
+        # BaseException: its first
+        failed = (next(iter(e.failures.values()))[0]
+                  if isinstance(e, CheckpointException) and e.failures else e)
     failed = agreed_write_failure(failed, path, rank)
-    if failed is None:  # every file written: their sizes and checksums, then the manifest, then `latest`
+    if failed is None:  # every file written: sizes and checksums, then the manifest, then `latest`
         names = [sorted(p.name for p in path.iterdir()) if rank == 0 else None]
-        dist.broadcast_object_list(names, src=0)  # one listing (a shared filesystem may list late elsewhere)
+        # one listing (a shared filesystem may list late elsewhere)
+        dist.broadcast_object_list(names, src=0)
         files = _checksums(path, names[0], rank, world)
         try:
             unreadable = [n for n, v in files.items() if v is None]
             if unreadable:
                 raise OSError(f"{unreadable[0]} cannot be read back")
             if rank == 0:
-                write_atomic(path / "manifest.json", json.dumps({"step": done, "files": files}).encode())
+                write_atomic(path / "manifest.json",
+                             json.dumps({"step": done, "files": files}).encode())
                 fsync_logs(out)
                 write_atomic(latest, path.name.encode())
         except OSError as e:
@@ -118,7 +125,7 @@ def save_checkpoint(out: Path, done: int, trained: ModelAndOptimizer, config: di
     if failed is not None:
         dist.barrier()
         raise RunError(f"could not write {path} (a full disk?): {failed}; {resumable(out)}")
-    if rank == 0:  # the newest `keep` complete checkpoints stay (this one included), and nothing older
+    if rank == 0:  # the newest `keep` complete checkpoints stay (this one included), none older
         for old in [p for p in _step_dirs(out) if int(p.name[5:]) < done][max(keep - 1, 0):]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
@@ -126,18 +133,18 @@ def save_checkpoint(out: Path, done: int, trained: ModelAndOptimizer, config: di
 
 
 def verified_checkpoint(out: Path, rank: int, world: int) -> tuple[int, Path]:
-    """Every rank: (steps done, folder) of the newest checkpoint of OUT whose every file has its manifest's size and
-    CRC-32 (each rank checks a share of the files). A newer checkpoint that fails, or a `latest` that names a missing
-    one or cannot be read, is reported with a warning, and the run goes on from an older one (the newer ones are
-    removed); with none left, RunError. A collective: rank 0 reads the folder, every rank reads its share of the
-    files."""
+    """Every rank: (steps done, folder) of the newest checkpoint of OUT whose every file has its
+    manifest's size and CRC-32 (each rank checks a share of the files). A newer checkpoint that
+    fails, or a `latest` that names a missing one or cannot be read, is reported with a warning, and
+    the run goes on from an older one (the newer ones are removed); with none left, RunError. A
+    collective: rank 0 reads the folder, every rank reads its share of the files."""
     plan, latest, named = [None], out / "checkpoint" / "latest", None
     if rank == 0 and latest.is_file():
         try:
             named = latest.read_bytes().decode("utf-8").strip()
-        except (OSError, UnicodeDecodeError) as e:  # a flipped bit, a foreign file: the manifests decide
-            say(f"{latest} cannot be read ({getattr(e, 'strerror', None) or 'not UTF-8'}): it names no checkpoint",
-                warning=True)
+        except (OSError, UnicodeDecodeError) as e:  # a flipped bit, foreign file: manifests decide
+            say(f"{latest} cannot be read ({getattr(e, 'strerror', None) or 'not UTF-8'}): "
+                f"it names no checkpoint", warning=True)
     if rank == 0:
         if named is not None and not (out / "checkpoint" / named / "manifest.json").is_file():
             say(f"{latest} names {named}, which is missing or incomplete", warning=True)
@@ -149,21 +156,24 @@ def verified_checkpoint(out: Path, rank: int, world: int) -> tuple[int, Path]:
         bad = [n for n in sorted(expected) if found[n] != expected[n]]
         if not bad:
             if rank == 0 and named != name:
-                say(f"resuming from {name}, the newest checkpoint that passes its checks", warning=True)
+                say(f"resuming from {name}, the newest checkpoint that passes its checks",
+                    warning=True)
                 for newer in _step_dirs(out):  # damaged or incomplete: the run writes them again
                     if int(newer.name[5:]) > int(name[5:]):
                         shutil.rmtree(newer, ignore_errors=True)
                 write_atomic(latest, name.encode())
             dist.barrier()
             return int(name[5:]), path
-        what = ", ".join(f"{n} ({'unreadable' if found[n] is None else 'damaged'})" for n in bad[:3])
+        what = ", ".join(f"{n} ({'unreadable' if found[n] is None else 'damaged'})"
+                         for n in bad[:3])
         say(f"{path} fails its manifest: {what}; trying an older checkpoint", rank, warning=True)
-    raise RunError(f"{out} has no checkpoint that passes its checks (the run stopped before its first one, or every "
-                   f"checkpoint is damaged); start it anew with --overwrite")
+    raise RunError(f"{out} has no checkpoint that passes its checks (the run stopped before its "
+                   f"first one, or every checkpoint is damaged); start it anew with --overwrite")
 
 
 def _manifest(folder: Path) -> dict | None:
-    """{file: [bytes, crc32]} of a checkpoint folder's manifest.json, None without a readable one (incomplete)."""
+    """{file: [bytes, crc32]} of a checkpoint folder's manifest.json, None without a readable one
+    (incomplete)."""
     try:
         return json.loads((folder / "manifest.json").read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -171,18 +181,23 @@ def _manifest(folder: Path) -> dict | None:
 
 
 def load_checkpoint(path: Path, trained: ModelAndOptimizer) -> dict:
-    """Every rank: restore model, optimizer (when the checkpoint has it), scheduler and RNG states from the
-    checkpoint folder `path` (any number of ranks: DCP reshards); returns its state.pt (step, config, ...)."""
+    """Every rank: restore model, optimizer (when the checkpoint has it), scheduler and RNG states
+    from the checkpoint folder `path` (any number of ranks: DCP reshards); returns its state.pt
+    (step, config, ...)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
 
     policy, optimizer, scheduler = trained.policy, trained.optimizer, trained.scheduler
     state = torch.load(path / "state.pt", weights_only=False)
     model_sd, optim_sd = get_state_dict(policy, optimizer)
-    loaded = {"model": _unique_names(model_sd), **({"optim": optim_sd} if state["optimizer"] else {})}
-    dcp.load(loaded, checkpoint_id=str(path))  # in place: a tied name's tensor is its first name's, loaded too
+    loaded = {"model": _unique_names(model_sd),
+              **({"optim": optim_sd} if state["optimizer"] else {})}
+    # in place: a tied name's tensor is its first name's, loaded too
+    dcp.load(loaded, checkpoint_id=str(path))
     if state["optimizer"]:
-        set_state_dict(policy, optimizer, model_state_dict=model_sd, optim_state_dict=loaded["optim"])
+        set_state_dict(policy, optimizer, model_state_dict=model_sd,
+                       optim_state_dict=loaded["optim"])
     else:
         set_model_state_dict(policy, model_sd)
     scheduler.load_state_dict(state["scheduler"])
