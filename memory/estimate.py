@@ -35,9 +35,10 @@ def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: 
     sharded over `world` ranks. compute_bytes: 2 for bf16 mixed precision (CUDA), 4 for fp32.
     tokens: prompt + response tokens of one training micro-batch (--max-tokens-per-micro-batch). The
     rollout phase holds the sharded parameters and AdamW states (gradients are freed after each
-    step), the gathered full copy (FSDP2, `distributed.sharding.gathered`), the KV cache of one generate call
-    (`rollout_call`: its rows at prompt_len + response_len positions), and the prefill's
-    activations. Returned keys: the terms, "train_peak", "rollout_peak" and "peak" (their max).
+    step), the gathered full copy (FSDP2, `distributed.sharding.gathered`), the KV cache of one
+    generate call (`rollout_call`: its rows at prompt_len + response_len positions), and the
+    prefill's activations. Returned keys: the terms, "train_peak", "rollout_peak" and "peak" (their
+    max).
     """
     D, I, layers, V = (config.hidden_size, config.intermediate_size, config.num_hidden_layers,
                        config.vocab_size)
