@@ -1,28 +1,20 @@
 """Figures of training runs, drawn from the files train.py writes into a run folder
-(docs/outputs.md).
+(docs/outputs.md), redrawn and overlaid later from those files alone (no model); closing lines.
 
-    python train.py --plot RUN [RUN ...] [--out PNG]
-        # redraw / overlay finished runs (train.py hands over here)
+    python train.py --plot RUN [RUN ...] [--out PNG]     # also: python -m run_folder.figures RUN
 
-- `metrics.png`: reward, entropy and silenced fraction per step (metrics.jsonl) and the held-out
-  accuracy (eval.jsonl), one line per run.
-- `s2t.png`: what S2T saw (tokens.jsonl, docs/paper.md §4): the drawn response tokens in the
-  (probability, entropy) plane with the tau_p line, the mini-batch tau_h values, correct vs
-  incorrect responses and the silenced tokens marked; beside it the closed-form logit-gradient norm
-  |w| sqrt(1 - 2p + sum_v p_v^2) of silenced vs kept tokens. One row per setting; the tokens of its
-  seeds are pooled.
-- `gradient.png`: RQ1, that norm's binned median against p and against H, with the correlations it
-  illustrates.
-- `entropy_change.png` (runs made with `--entropy-change`): the paper's entropy mechanism, the mean
-  change of the entropy an update made at silenced tokens, kept candidates and other tokens, per
-  step, beside the entropy.
+- `metrics.png`: reward, entropy and silenced fraction per step (metrics.jsonl), held-out accuracy.
+- `s2t.png`: what S2T saw (tokens.jsonl, docs/paper.md §4): drawn tokens in the (p, H) plane with
+  tau_p and the tau_h values, correct vs incorrect responses, the silenced tokens marked; beside it
+  the logit-gradient norm |w| sqrt(1 - 2p + sum_v p_v^2) of silenced vs kept tokens (seeds pooled).
+- `gradient.png`: RQ1, that norm's binned median against p and against H, with its correlations.
+- `entropy_change.png` (`--entropy-change`): the entropy change an update made at silenced tokens,
+  kept candidates and other tokens, per step, beside the entropy (the paper's mechanism).
 - `counterfactual.png` (`python -m tools.counterfactual RUN --plot`, RQ2): each analysed token's
-  effect on the success rate against its probability, silenced vs kept candidates vs other tokens
-  (counterfactual.jsonl).
+  effect on the success rate against its probability, by kind (counterfactual.jsonl).
 
-Runs are redrawn and overlaid after the fact from their files alone (no model), also by `python -m
-run_folder.figures RUN ...`. matplotlib is optional: without it every function prints one line on
-stderr, draws nothing. Choices 1-9: docs/paper.md, "Deliberate differences", run_folder/figures.py.
+matplotlib is optional: without it every function prints one line on stderr and draws nothing.
+Choices 1-9: docs/paper.md, "Deliberate differences", run_folder/figures.py.
 """
 import json
 import math

@@ -12,11 +12,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import rollout
-from distributed.sharding import shard_policy
+from distributed.sharding import gathered, shard_policy
 from engines import choice
 from fast_decode import cuda_graphs, decode_step
 from model import Policy, position_ids_from_mask, tiny_model, tiny_tokenizer
-from rollout import INSTRUCTION, Rollout, Sampling, format_prompt, gathered, generate, sample_groups
+from rollout import INSTRUCTION, Rollout, Sampling, format_prompt, generate, sample_groups
 from tests.sampler_checks import (REAL_VOCAB, eos_biased_model, recomputed_logprobs, toy_prompts,
                                   two_processes)
 

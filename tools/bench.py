@@ -55,8 +55,8 @@ import run_folder
 import train
 from config import CPU_PRESET, Config, parse_config
 from model import Policy, load_model
-from distributed.sharding import shard_policy
-from rollout import Rollout, Sampling, format_prompt, gathered, generate
+from distributed.sharding import gathered, shard_policy
+from rollout import Rollout, Sampling, format_prompt, generate
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: tools/ sits in it
 
@@ -309,7 +309,7 @@ def bench_rollout():
     (same batch, length and sampling settings, interleaved repetitions, medians), how far decoding
     is from the machine's limit (bytes of weights read per step / measured copy bandwidth, and FLOPs
     per step / measured matmul throughput), and the time per token under 2-process FSDP2 (inside
-    `rollout.gathered`) against the same rank decoding an unsharded copy.
+    `distributed.sharding.gathered`) against the same rank decoding an unsharded copy.
 
     Deliberate choices:
     1. One thread per process (restored afterwards): the machine is shared, and OpenMP threads that
@@ -836,12 +836,12 @@ def _gpu_numerics(sizes, cfg, state, device, out):
 
 
 def _gpu_rollouts(sizes, state, device, bandwidth, out):
-    """rollout.generate inside rollout.gathered (the training path), EOS never sampled (fixed work),
-    three ways: through the model's forward (`written_out=False`: the eager sampler of docs/gpu.md's
-    first runs) and through the written-out step eagerly (`DecodeStep`) at the largest batch, and
-    through the captured step (`CapturedStep`, one static cache for every batch size, as in a
-    rollout phase; its graphs are captured in a first call of the same size, timed apart) at every
-    batch size; and transformers' `model.generate` at the first (sampling at T = 1, no
+    """rollout.generate inside sharding.gathered (the training path), EOS never sampled (fixed
+    work), three ways: through the model's forward (`written_out=False`: the eager sampler of
+    docs/gpu.md's first runs) and through the written-out step eagerly (`DecodeStep`) at the largest
+    batch, and through the captured step (`CapturedStep`, one static cache for every batch size, as
+    in a rollout phase; its graphs are captured in a first call of the same size, timed apart) at
+    every batch size; and transformers' `model.generate` at the first (sampling at T = 1, no
     top-k / top-p, EOS masked). A step against the roofline: (weight bytes + the KV-cache bytes a
     step reads, its filled length averaged over the call's steps) / the measured copy bandwidth."""
     policy, tokenizer = state.policy, state.tokenizer
@@ -1015,7 +1015,7 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
     train.train_step per response length 1k / 4k / 16k on synthetic rollouts: tokens/s, MFU against
     the bf16 matmul rate measured here, peak memory; (2) `numerics`: log-probs and entropy of that
     policy against an fp32 copy of the same weights, and the chunked LM head against the naive one
-    (fp32 and bf16, fp64 reference); (3) `rollout`: rollout.generate inside rollout.gathered x 512
+    (fp32 and bf16, fp64 reference); (3) `rollout`: rollout.generate inside sharding.gathered x 512
     new tokens through the model's forward and the written-out step eagerly at batch 256, through
     the captured step (cuda_graphs.CapturedStep: CUDA graphs) at batch 64 and 256, and transformers'
     `model.generate` at batch 64, per step against the roofline ((bf16 weight bytes + the KV-cache
