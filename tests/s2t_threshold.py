@@ -1,5 +1,5 @@
-"""The S2T threshold the hand-worked cases of test_stapo.py and tests/test_step_metrics_s2t_diagnostics.py share,
-and a log-prob on either side of it."""
+"""The S2T threshold the hand-worked cases of test_stapo.py and
+tests/test_step_metrics_s2t_diagnostics.py share, and a log-prob on either side of it."""
 import math
 
 TAU_P = 0.002

@@ -1,5 +1,5 @@
-"""distributed/sharding.py: FSDP2 sharding of the policy on 2 processes (torchrun, gloo) against the unsharded
-policy, the weights read on every rank or on rank 0 only (`from_rank0`).
+"""distributed/sharding.py: FSDP2 sharding of the policy on 2 processes (torchrun, gloo) against the
+unsharded policy, the weights read on every rank or on rank 0 only (`from_rank0`).
 """
 import os
 import subprocess
@@ -12,9 +12,9 @@ from tests.model_batches import model_batch
 from tests.toy_task import ROOT
 
 
-# ==================================================================================================================
+# ==================================================================================================
 # distributed/sharding.py: shard_policy, from_rank0
-# ==================================================================================================================
+# ==================================================================================================
 _FSDP_SCRIPT = textwrap.dedent('''
     """Run by torchrun with 2 gloo processes: the FSDP2-sharded Policy equals the plain one."""
     import os
@@ -83,20 +83,22 @@ _FSDP_SCRIPT = textwrap.dedent('''
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # as train.py does: no interpreter teardown racing torch's gloo threads
-''')
+''')  # noqa: E501 - the script's lines are the string's content
 
 
 def test_model_fsdp2_two_processes_match_unsharded(tmp_path):
-    """torchrun, 2 gloo ranks: log-probs, entropy and every gradient (LM head included, tied or not) of the sharded
-    Policy equal the unsharded ones, and save_hf from the sharded model reloads to identical logits; so when the
-    model is read on rank 0 only and the other rank builds it on the meta device (sharding.from_rank0)."""
+    """torchrun, 2 gloo ranks: log-probs, entropy and every gradient (LM head included, tied or not)
+    of the sharded Policy equal the unsharded ones, and save_hf from the sharded model reloads to
+    identical logits; so when the model is read on rank 0 only and the other rank builds it on the
+    meta device (sharding.from_rank0)."""
     script = tmp_path / "fsdp_check.py"
     script.write_text(_FSDP_SCRIPT)
     torch.save(model_batch(), tmp_path / "batch.pt")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-         str(tmp_path / "batch.pt"), str(tmp_path / "saved")], capture_output=True, text=True, env=env, timeout=300)
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(script), str(tmp_path / "batch.pt"), str(tmp_path / "saved")], capture_output=True,
+        text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     for case in ("untied every rank", "tied every rank", "untied once", "tied once"):
         assert f"FSDP2 OK {case}" in result.stdout, result.stdout

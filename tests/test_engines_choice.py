@@ -9,11 +9,12 @@ from rollout import Sampling, format_prompt, sample_groups
 from tests.sampler_checks import REAL_VOCAB
 
 
-# ==================================================================================================================
+# ==================================================================================================
 # engines/choice.py: make_engine
-# ==================================================================================================================
+# ==================================================================================================
 def test_plain_engine_passes_the_stop_text():
-    """make_engine(stop_text=...) gives the plain engine the texts; its rows end where `generate`'s do."""
+    """make_engine(stop_text=...) gives the plain engine the texts; its rows end
+    where `generate`'s do."""
     tok = tiny_tokenizer()
     lm = tiny_model()
     prompts = [format_prompt(tok, p, chat=False, instruction="") for p in ("12", "ab", "x y")]
@@ -23,5 +24,6 @@ def test_plain_engine_passes_the_stop_text():
     sampling = Sampling(20, eos_token_id=engine.eos, pad_token_id=engine.pad, vocab_size=REAL_VOCAB,
                         stop_text=rollout.StopText(tok, ["e", " t"]))
     want = sample_groups(lm, prompts, 2, sampling, generator=torch.Generator().manual_seed(7))
-    assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.response_mask, want.response_mask)
+    assert torch.equal(got.response_ids, want.response_ids) and \
+        torch.equal(got.response_mask, want.response_mask)
     assert any("e" in t or " t" in t for t in got.texts(tok))

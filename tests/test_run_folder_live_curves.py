@@ -1,5 +1,6 @@
-"""run_folder/live_curves.py: --logger tensorboard | wandb get exactly the keys and values of metrics.jsonl and
-eval.jsonl, through a tiny run (each skipped without its package); a missing one is one line before the model loads.
+"""run_folder/live_curves.py: --logger tensorboard | wandb get exactly the keys and values of
+metrics.jsonl and eval.jsonl, through a tiny run (each skipped without its package); a missing one
+is one line before the model loads.
 """
 import importlib.util
 import json
@@ -11,9 +12,9 @@ import train
 from tests.toy_task import EVEN, one_thread, patch_toy_task, read_metrics, toy_args, toy_data
 
 
-# ==================================================================================================================
+# ==================================================================================================
 # run_folder/live_curves.py: the loggers (run_folder.Logger)
-# ==================================================================================================================
+# ==================================================================================================
 @pytest.mark.parametrize("name", ["tensorboard", "wandb"])
 def test_train_logger_gets_the_metrics_keys(tmp_path, monkeypatch, name):
     """--logger receives exactly the keys of metrics.jsonl and eval.jsonl lines, at their steps."""
@@ -27,15 +28,16 @@ def test_train_logger_gets_the_metrics_keys(tmp_path, monkeypatch, name):
         monkeypatch.setenv("WANDB_MODE", "offline")
         monkeypatch.setenv("WANDB_SILENT", "true")
         log = wandb.sdk.wandb_run.Run.log
-        monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log",
-                            lambda self, data, step=None, **kw: (logged.append((step, dict(data))),
-                                                                 log(self, data, step=step, **kw))[1])
+        monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log", lambda self, data, step=None, **kw: (
+            logged.append((step, dict(data))), log(self, data, step=step, **kw))[1])
     out = tmp_path / "run"
     with one_thread():
         assert train.main(toy_args(toy_data(tmp_path), out, steps=2, heldout=4, logger=name,
                                     export_hf=False)) == 0
-    lines = read_metrics(out) + [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
-    expected = {key for line in lines for key in line if key != "step" and not isinstance(line[key], list)}
+    lines = read_metrics(out) + [json.loads(x)
+                                 for x in (out / "eval.jsonl").read_text().splitlines()]
+    expected = {key for line in lines for key in line
+                if key != "step" and not isinstance(line[key], list)}
     assert "eval/correct" not in expected  # the per-problem counts stay in eval.jsonl
     if name == "tensorboard":
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -58,7 +60,8 @@ def test_train_logger_gets_the_metrics_keys(tmp_path, monkeypatch, name):
 
 def test_train_logger_missing_package_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else find_spec(n, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: None if n == "tensorboard" else find_spec(n, *a))
     monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", logger="tensorboard")) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -1,5 +1,6 @@
-"""tools/confirm.py: the confirmatory experiment's statistics against tabulated values, its power calculation, its
-reading rules one case each, the gate's report and the tables from hand-built run folders."""
+"""tools/confirm.py: the confirmatory experiment's statistics against tabulated values, its power
+calculation, its reading rules one case each, the gate's report and the tables from hand-built run
+folders."""
 import json
 import math
 
@@ -10,12 +11,13 @@ from tools import confirm
 
 
 def test_confirm_t_distribution_matches_tables():
-    """Student's t from the incomplete beta function: two-sided p and quantiles as printed in statistics tables."""
+    """Student's t from the incomplete beta function: two-sided p and quantiles as printed in
+    statistics tables."""
     assert confirm.t_two_sided_p(2.0, 10) == pytest.approx(0.07339, abs=1e-5)
     assert confirm.t_two_sided_p(0.0, 5) == pytest.approx(1.0)
     assert confirm.t_two_sided_p(12.706, 1) == pytest.approx(0.05, abs=1e-4)
-    for p, df, table in ((0.975, 5, 2.5706), (0.975, 29, 2.0452), (0.95, 29, 1.6991), (0.975, 1, 12.7062),
-                         (0.995, 10, 3.1693)):
+    for p, df, table in ((0.975, 5, 2.5706), (0.975, 29, 2.0452), (0.95, 29, 1.6991),
+                         (0.975, 1, 12.7062), (0.995, 10, 3.1693)):
         assert confirm.t_quantile(p, df) == pytest.approx(table, abs=1e-4)
     t = confirm.paired_t([0.1, 0.2, 0.3, 0.4])  # mean 0.25, sd 0.1291, se 0.0645, t 3.873 on 3 df
     assert t["t"] == pytest.approx(3.873, abs=1e-3) and t["p"] == pytest.approx(0.0305, abs=1e-3)
@@ -24,23 +26,27 @@ def test_confirm_t_distribution_matches_tables():
 
 
 def test_confirm_wilcoxon_exact_and_holm():
-    """Wilcoxon's exact signed-rank p by counting sign assignments (n = 6: 2^6 of them), zeros dropped, ties at
-    their mean rank; Holm's step-down adjustment."""
+    """Wilcoxon's exact signed-rank p by counting sign assignments (n = 6: 2^6 of them), zeros
+    dropped, ties at their mean rank; Holm's step-down adjustment."""
     assert confirm.wilcoxon([1, 2, 3, 4, 5, 6]) == (21.0, pytest.approx(2 / 64))
-    assert confirm.wilcoxon([1, -2, 3, 4, 5, 6]) == (19.0, pytest.approx(6 / 64))  # W- = 2: {2}, {1, 2}... 3 ways
+    # W- = 2: {2}, {1, 2}... 3 ways
+    assert confirm.wilcoxon([1, -2, 3, 4, 5, 6]) == (19.0, pytest.approx(6 / 64))
     assert confirm.wilcoxon([0, 0, 1, -1]) == (1.5, pytest.approx(1.0))  # ties: ranks 1.5 and 1.5
     w, p = confirm.wilcoxon([0.5, 1.0, 1.0, -0.5, 2.0])  # ranks 1.5, 3.5, 3.5, 1.5, 5
-    brute = [sum(r for r, s in zip((1.5, 3.5, 3.5, 1.5, 5), signs) if s) for signs in np.ndindex(*[2] * 5)]
+    brute = [sum(r for r, s in zip((1.5, 3.5, 3.5, 1.5, 5), signs) if s)
+             for signs in np.ndindex(*[2] * 5)]
     assert w == 13.5 and p == pytest.approx(2 * sum(x <= 1.5 for x in brute) / 32)
     assert confirm.holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
 
 
 def test_confirm_power_and_seeds():
-    """Power by simulation against the normal approximation's closed form at large n, and the plan's seed count."""
+    """Power by simulation against the normal approximation's closed form at large n, and the
+    plan's seed count."""
     sd, n = 0.074, 60
     normal = 1 - 0.5 * (1 + math.erf((1.96 - 0.04 / (sd / math.sqrt(n))) / math.sqrt(2)))
     assert confirm.power(n, sd, draws=50_000) == pytest.approx(normal, abs=0.02)
-    assert confirm.power(10, sd, delta=0.0, draws=50_000) == pytest.approx(0.05, abs=0.005)  # the test's level
+    # the test's level
+    assert confirm.power(10, sd, delta=0.0, draws=50_000) == pytest.approx(0.05, abs=0.005)
     sd, df = confirm.pooled_sd(confirm.FIRST_EXPERIMENT)
     assert df == 25 and sd == pytest.approx(0.0741, abs=1e-4)
     assert confirm.seeds_needed(sd) == 29
@@ -52,13 +58,19 @@ def _primary(mean, p, ci90=(-1, 1)):
 
 def test_confirm_reading_one_case_per_rule():
     """Each of the plan's readings from the comparisons that make it."""
-    assert confirm.reading(_primary(0.05, 0.01), _primary(0.03, 0.02), False).startswith("not a test")
+    assert confirm.reading(_primary(0.05, 0.01), _primary(0.03, 0.02), False).startswith(
+        "not a test")
     assert confirm.reading(_primary(-0.05, 0.01), None, True) == "harms at this scale"
-    assert confirm.reading(_primary(0.05, 0.01), _primary(0.03, 0.02), True) == "supports the claim at this scale"
-    assert confirm.reading(_primary(0.05, 0.01), _primary(0.03, 0.2), True).startswith("supports, but not")
-    assert confirm.reading(_primary(0.05, 0.01), _primary(-0.03, 0.01), True).startswith("supports, but not")
-    assert confirm.reading(_primary(0.01, 0.3, (-0.03, 0.035)), None, True).startswith("refutes at this scale")
-    assert confirm.reading(_primary(0.01, 0.3, (-0.05, 0.035)), None, True) == "cannot tell at this scale"
+    assert confirm.reading(_primary(0.05, 0.01), _primary(0.03, 0.02), True) == \
+        "supports the claim at this scale"
+    assert confirm.reading(_primary(0.05, 0.01), _primary(0.03, 0.2), True).startswith(
+        "supports, but not")
+    assert confirm.reading(_primary(0.05, 0.01), _primary(-0.03, 0.01), True).startswith(
+        "supports, but not")
+    assert confirm.reading(_primary(0.01, 0.3, (-0.03, 0.035)), None, True).startswith(
+        "refutes at this scale")
+    assert confirm.reading(_primary(0.01, 0.3, (-0.05, 0.035)), None, True) == \
+        "cannot tell at this scale"
 
 
 def _write_run(folder, algo, seed, acc, silenced, rule, heldout=0.5, before=True, extra=None):
@@ -66,43 +78,51 @@ def _write_run(folder, algo, seed, acc, silenced, rule, heldout=0.5, before=True
     (folder / "config.json").write_text(json.dumps({"algo": algo, "seed": seed}))
     (folder / "metrics.jsonl").write_text("".join(json.dumps({
         "step": t + 1, "reward/acc": a, "entropy/mean": 0.5 - 0.01 * t, "s2t/silenced": silenced,
-        "s2t/rule_silenced": rule, "s2t/candidates": 2.0, **(extra or {})}) + "\n" for t, a in enumerate(acc)))
-    evals = ([{"step": 0, "eval/acc": 0.3}] if before else []) + [{"step": len(acc), "eval/acc": heldout}]
+        "s2t/rule_silenced": rule, "s2t/candidates": 2.0, **(extra or {})}) + "\n"
+        for t, a in enumerate(acc)))
+    evals = ([{"step": 0, "eval/acc": 0.3}] if before else []) + \
+        [{"step": len(acc), "eval/acc": heldout}]
     (folder / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
 
 
 def test_confirm_report_from_run_folders(tmp_path):
-    """tools/confirm.py RUNS: the primary outcome skips the warm-up steps; STAPO better than JustRL in every seed and
-    than RandMask reads "supports"; a RandMask run whose count differs from the rule's fails the manipulation check."""
+    """tools/confirm.py RUNS: the primary outcome skips the warm-up steps; STAPO better than JustRL
+    in every seed and than RandMask reads "supports"; a RandMask run whose count differs from the
+    rule's fails the manipulation check."""
     rng = np.random.default_rng(0)
     for seed in range(5):
         base = list(rng.uniform(0.2, 0.6, 16))
         _write_run(tmp_path / f"justrl-{seed}", "justrl", seed, [0.9, 0.9] + base[2:], 0, 1.0)
-        _write_run(tmp_path / f"stapo-{seed}", "stapo", seed, [0.0, 0.0] + [a + 0.1 for a in base[2:]], 1.0, 1.0,
-                   before=False)
-        _write_run(tmp_path / f"randmask-{seed}", "randmask", seed, [0.5, 0.5] + [a + 0.05 * (seed % 2) for a in
-                                                                                   base[2:]], 1.0, 1.0, before=False)
+        _write_run(tmp_path / f"stapo-{seed}", "stapo", seed,
+                   [0.0, 0.0] + [a + 0.1 for a in base[2:]], 1.0, 1.0, before=False)
+        _write_run(tmp_path / f"randmask-{seed}", "randmask", seed,
+                   [0.5, 0.5] + [a + 0.05 * (seed % 2) for a in base[2:]], 1.0, 1.0, before=False)
     _write_run(tmp_path / "stapo-9", "stapo", 9, [0.5] * 10, 1.0, 1.0)  # unfinished: left out
     arms = confirm.read_runs(tmp_path)
     assert sorted(arms["stapo"]) == [0, 1, 2, 3, 4]
     primary = confirm.compare(arms, "stapo", "justrl", "primary")
-    assert primary["diffs"] == pytest.approx([0.1] * 5) and primary["p"] < 1e-10  # the warm-up steps left out
+    # the warm-up steps left out
+    assert primary["diffs"] == pytest.approx([0.1] * 5) and primary["p"] < 1e-10
     text = confirm.report(arms)
     assert "| stapo - justrl | training acc after warm-up (primary) | 5 |" in text
-    assert "manipulation check: passed" in text and text.endswith("supports the claim at this scale")
+    assert "manipulation check: passed" in text and \
+        text.endswith("supports the claim at this scale")
     (tmp_path / "randmask-0" / "metrics.jsonl").write_text(
-        (tmp_path / "randmask-0" / "metrics.jsonl").read_text().replace('"s2t/silenced": 1.0', '"s2t/silenced": 2.0'))
-    assert confirm.report(confirm.read_runs(tmp_path)).endswith("not a test: the manipulation check failed")
+        (tmp_path / "randmask-0" / "metrics.jsonl").read_text().replace(
+            '"s2t/silenced": 1.0', '"s2t/silenced": 2.0'))
+    assert confirm.report(confirm.read_runs(tmp_path)).endswith(
+        "not a test: the manipulation check failed")
     confirm.figure(confirm.read_runs(tmp_path), tmp_path / "confirm.png")
     assert (tmp_path / "confirm.png").stat().st_size > 10_000
 
 
 def test_confirm_gate_report(tmp_path, capsys):
-    """tools/confirm.py gate RUN ...: S2T's activity against the bar 0.25 a step, the parameter-gradient shares with
-    cancellation beside the per-token logit-gradient shares, the graded part's share of tokens."""
-    cells = {f"shares/{x}_{k}_{part}": 1.0 for x in ("grad", "n") for k in ("candidate", "low_p", "high_p_pos",
-                                                                              "high_p_rest") for part in ("graded",
-                                                                                                          "after")}
+    """tools/confirm.py gate RUN ...: S2T's activity against the bar 0.25 a step, the
+    parameter-gradient shares with cancellation beside the per-token logit-gradient shares, the
+    graded part's share of tokens."""
+    cells = {f"shares/{x}_{k}_{part}": 1.0 for x in ("grad", "n")
+             for k in ("candidate", "low_p", "high_p_pos", "high_p_rest")
+             for part in ("graded", "after")}
     cells |= {"shares/grad_candidate_graded": 0.02, "shares/grad_candidate_after": 0.0,
               "shares/n_high_p_pos_graded": 93.0, "grad_share/n": 1.0, "grad_share/all": 2.0,
               "grad_share/candidates": 0.5, "grad_share/without": 1.8}
@@ -110,13 +130,15 @@ def test_confirm_gate_report(tmp_path, capsys):
         _write_run(tmp_path / f"gate-{seed}", "justrl", seed, [0.3] * 16, 0.0, rule, extra=cells)
     assert confirm.main(["gate", str(tmp_path / "gate-100"), str(tmp_path / "gate-101")]) == 0
     out = capsys.readouterr().out
-    assert "would silence 0.50 tokens a step (16 in 32 steps; the gate's bar 0.25): the gate passes" in out
-    assert "the candidates' terms alone 0.500 (25% of the whole" in out and "without them 1.800 (90%" in out
+    assert "would silence 0.50 tokens a step (16 in 32 steps; the gate's bar 0.25): " \
+           "the gate passes" in out
+    assert "the candidates' terms alone 0.500 (25% of the whole" in out and \
+        "without them 1.800 (90%" in out
     assert "tokens in the graded part: 96.0%" in out  # (93 + 1 + 1 + 1) of 100
     for seed in (100, 101):
         (tmp_path / f"gate-{seed}" / "metrics.jsonl").write_text(
-            (tmp_path / f"gate-{seed}" / "metrics.jsonl").read_text().replace('"s2t/rule_silenced": 1.0',
-                                                                             '"s2t/rule_silenced": 0.0'))
+            (tmp_path / f"gate-{seed}" / "metrics.jsonl").read_text().replace(
+                '"s2t/rule_silenced": 1.0', '"s2t/rule_silenced": 0.0'))
     confirm.main(["gate", str(tmp_path / "gate-100"), str(tmp_path / "gate-101")])
     assert "**inert at this scale**" in capsys.readouterr().out
     assert confirm.main(["gate", str(tmp_path / "nothing")]) == 2
