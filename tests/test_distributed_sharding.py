@@ -32,7 +32,8 @@ _FSDP_SCRIPT = textwrap.dedent('''
     input_ids = torch.cat([input_ids, input_ids.flip(0)])  # 6 rows, 3 per rank
     attention_mask, response_mask = torch.cat([attention_mask, attention_mask.flip(0)]), torch.cat(
         [response_mask, response_mask.flip(0)])
-    weights = torch.linspace(-1, 1, response_mask.numel()).reshape(response_mask.shape)  # a generic loss
+    # a generic loss
+    weights = torch.linspace(-1, 1, response_mask.numel()).reshape(response_mask.shape)
     rows = slice(3 * rank, 3 * rank + 3)
 
     def make_lm(tied):
@@ -44,17 +45,23 @@ _FSDP_SCRIPT = textwrap.dedent('''
 
     for tied, once in ((False, False), (True, False), (False, True), (True, True)):
         reference = model.Policy(make_lm(tied))
-        ref_logprobs, ref_entropy, _ = reference(input_ids, attention_mask, response_mask, chunk_size=5)
-        (0.5 * (weights * ref_logprobs).sum()).backward()  # FSDP2 averages gradients over the 2 ranks
+        ref_logprobs, ref_entropy, _ = reference(input_ids, attention_mask, response_mask,
+                                                 chunk_size=5)
+        # FSDP2 averages gradients over the 2 ranks
+        (0.5 * (weights * ref_logprobs).sum()).backward()
 
-        if once:  # read on rank 0 only; rank 1 builds it on the meta device and receives its shards (and buffers)
+        # read on rank 0 only; rank 1 builds it on the meta device and receives its shards (and
+        # buffers)
+        if once:
             lm, _ = sharding.from_rank0(lambda: (make_lm(tied), model.tiny_tokenizer()))
             assert (rank == 0) != (lm.lm_head.weight.device.type == "meta")
             assert (lm.lm_head.weight is lm.model.embed_tokens.weight) == tied
             sharded = sharding.shard_policy(model.Policy(lm), from_rank0=True, device="cpu")
         else:  # every rank reads the same weights
-            sharded = sharding.shard_policy(model.Policy(make_lm(tied)), mixed_precision=True)  # CPU: stays fp32
-        logprobs, entropy, _ = sharded(input_ids[rows], attention_mask[rows], response_mask[rows], chunk_size=5)
+            # CPU: stays fp32
+            sharded = sharding.shard_policy(model.Policy(make_lm(tied)), mixed_precision=True)
+        logprobs, entropy, _ = sharded(input_ids[rows], attention_mask[rows], response_mask[rows],
+                                       chunk_size=5)
         (weights[rows] * logprobs).sum().backward()
         gathered = [torch.zeros_like(logprobs) for _ in range(2)]
         dist.all_gather(gathered, logprobs.detach())
@@ -63,27 +70,32 @@ _FSDP_SCRIPT = textwrap.dedent('''
 
         ref_params = dict(reference.named_parameters())
         names = [name for name, _ in sharded.named_parameters()]
-        assert ("lm.lm_head.weight" in names) != tied  # tied: one shared parameter, named after the embedding
+        # tied: one shared parameter, named after the embedding
+        assert ("lm.lm_head.weight" in names) != tied
         for name, param in sharded.named_parameters():
             assert param.dtype == torch.float32
-            torch.testing.assert_close(param.grad.full_tensor(), ref_params[name].grad, atol=1e-5, rtol=1e-4,
-                                       msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(param.grad.full_tensor(), ref_params[name].grad, atol=1e-5,
+                                       rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
         model.save_hf(sharded, model.tiny_tokenizer(), out_dir)
         if rank == 0:
             reloaded = AutoModelForCausalLM.from_pretrained(out_dir)
             with torch.no_grad():
-                torch.testing.assert_close(reloaded(input_ids).logits, reference.lm(input_ids).logits, atol=0, rtol=0)
+                torch.testing.assert_close(reloaded(input_ids).logits,
+                                           reference.lm(input_ids).logits, atol=0, rtol=0)
             print("FSDP2 OK", "tied" if tied else "untied", "once" if once else "every rank")
-    try:  # an error reading the model on rank 0 is raised on every rank (none waits for weights that never come)
+    # an error reading the model on rank 0 is raised on every rank (none waits for weights that
+    # never come)
+    try:
         sharding.from_rank0(lambda: model.load_model(out_dir + "-missing"))
     except FileNotFoundError as e:
-        sys.stdout.write(f"raised on rank {rank}: {e}\\n")  # one write: the ranks' lines do not interleave
+        # one write: the ranks' lines do not interleave
+        sys.stdout.write(f"raised on rank {rank}: {e}\\n")
         sys.stdout.flush()
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # as train.py does: no interpreter teardown racing torch's gloo threads
-''')  # noqa: E501 - the script's lines are the string's content
+''')
 
 
 def test_model_fsdp2_two_processes_match_unsharded(tmp_path):

@@ -205,14 +205,15 @@ import json, sys, torch
 import model, rollout
 from engines import choice
 lm, tok = model.load_model("tiny64")
-prompts = [rollout.format_prompt(tok, p, chat=False, instruction="") for p in ("1+1", "2+3", "4+4", "x")]
+prompts = [rollout.format_prompt(tok, p, chat=False, instruction="")
+           for p in ("1+1", "2+3", "4+4", "x")]
 stop = json.loads(sys.argv[1])
 engine = choice.make_engine(sys.argv[2], lm, tok, False, stop_text=stop, max_model_len=64,
                             kv_cache_memory_bytes=32 << 20, dtype=torch.float32)
 with engine.ready(lm):
     r = engine.sample(prompts, 1, [0], 4, 24, 0.0, 1.0)
 print(json.dumps([ids[m.bool()].tolist() for ids, m in zip(r.response_ids, r.response_mask)]))
-"""  # noqa: E501 - the script's lines are the string's content
+"""
 
 
 @needs_vllm

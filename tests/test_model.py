@@ -181,12 +181,14 @@ sys.path.insert(0, {root!r})
 import model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 torch.manual_seed(0)
-config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=1,
-                     num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
+config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                     num_attention_heads=1, num_key_value_heads=1, head_dim=16,
+                     tie_word_embeddings=False)
 policy = model.Policy(Qwen3ForCausalLM(config)).train()
 
 
-def step(L):  # 2 rows of L columns; row 1's prompt has 16 padding columns: left padding, as in training
+# 2 rows of L columns; row 1's prompt has 16 padding columns: left padding, as in training
+def step(L):
     input_ids, attention_mask = torch.randint(4, 128, (2, L)), torch.ones(2, L, dtype=torch.long)
     attention_mask[1, :16] = 0
     policy(input_ids, attention_mask, torch.ones(2, L // 2, dtype=torch.long))[0].sum().backward()
@@ -196,9 +198,10 @@ step(64)  # warm up
 with open("/proc/self/statm") as f:
     base = int(f.read().split()[1]) * resource.getpagesize() / 2**20  # MiB resident now
 step({L})
-with open("/proc/self/status") as f:  # VmHWM, the peak of this process image (ru_maxrss can be the parent's)
-    print(next(int(x.split()[1]) for x in f if x.startswith("VmHWM")) / 2**10 - base)  # peak MiB of the step
-"""  # noqa: E501 - the script's lines are the string's content
+# the step's peak MiB: VmHWM, the peak of this process image (ru_maxrss can be the parent's)
+with open("/proc/self/status") as f:
+    print(next(int(x.split()[1]) for x in f if x.startswith("VmHWM")) / 2**10 - base)
+"""
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
