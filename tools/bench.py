@@ -1768,7 +1768,7 @@ def _packing_table(policy, batch: Rollout, cfg, budgets=(768, 32768), reps=3):
               f"{t['padded'] / t['shared']:.2f}x | {t['packed'] / t['shared']:.2f}x |", flush=True)
 
 
-_MALLOC_PROBE = ("""import statistics, sys, tempfile
+_MALLOC_PROBE = """import statistics, sys, tempfile
 sys.path.insert(0, {root!r})
 from dataclasses import replace
 from unittest import mock
@@ -1777,19 +1777,18 @@ import torch.distributed as dist
 import config, reward, train
 from tools import bench
 if not {keep}:
-    train.keep_freed_memory = lambda: None  # glibc's malloc as it comes (train.setup calls"""
-                 """ allocator.keep_freed_memory)
-cfg = config.parse_config(["--preset", "cpu", "--max-tokens-per-micro-batch", "{budget}","""
-                 """ "--out-dir",
-                           tempfile.mkdtemp(prefix="bench-malloc-"), "--overwrite"])[0]
+    # glibc's malloc as it comes (train.setup calls allocator.keep_freed_memory)
+    train.keep_freed_memory = lambda: None
+cfg = config.parse_config(["--preset", "cpu", "--max-tokens-per-micro-batch", "{budget}",
+                           "--out-dir", tempfile.mkdtemp(prefix="bench-malloc-"),
+                           "--overwrite"])[0]
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 state = bench._train_run(cfg, torch.device("cpu"))
 run = replace(state, engine=bench._CachedEngine(state.engine))
-with mock.patch.object(reward, "reward", bench._parity):
-    times = [train.train_step(run, 0)[0]["time/update_s"] for _ in range({steps} + 1)][1:]"""
-                 """  # after a warm-up
+with mock.patch.object(reward, "reward", bench._parity):  # the times after a warm-up step
+    times = [train.train_step(run, 0)[0]["time/update_s"] for _ in range({steps} + 1)][1:]
 print(statistics.median(times))
-""")
+"""
 
 
 def _parity(response, gold, mode="dapo"):
