@@ -698,24 +698,28 @@ def figures(run_dirs: list[str], out_png: str) -> list[str]:
         run_dirs, str(beside("entropy_change")), ENTROPY_CHANGE_PANELS) else [])
 
 
-def main(argv: list[str]) -> int:
-    """`train.py --plot RUN [RUN ...] [--out PNG]` in any order; a missing run folder is a one-line
-    error."""
-    parser = OneLineParser(prog="train.py", description=USAGE)  # errors: "train.py: error: ..."
-    parser.add_argument("--plot", nargs="+", required=True, metavar="RUN",
-                        help="run folders (train.py --out-dir)")
+def main(argv: list[str], prog: str = "train.py") -> int:
+    """`train.py --plot RUN [RUN ...] [--out PNG]` (or `python -m run_folder.figures RUN ...`) in
+    any order; a missing run folder is a one-line error "PROG: error: ..."."""
+    parser = OneLineParser(prog=prog, description=USAGE)
+    parser.add_argument("runs", nargs="*", metavar="RUN", help="run folders (train.py --out-dir)")
+    parser.add_argument("--plot", nargs="+", default=[], metavar="RUN",
+                        help="run folders, as train.py --plot takes them")
     parser.add_argument("--out", help="PNG of the metrics figure (the S2T figure goes beside it)")
     parser.add_argument("--table", action="store_true", help="also print the runs' summary table, "
                         "one row per setting, seeds pooled (the algorithms side by side)")
     parser.add_argument("--sensitivity", action="store_true", help="instead: the (tau_p, quantile) "
                         "grid of the runs, as a table and OUT (default FIRST_RUN/sensitivity.png)")
     args = parser.parse_args(argv)
-    missing = [r for r in args.plot if not (Path(r) / "metrics.jsonl").is_file()]
+    runs = [*args.plot, *args.runs]
+    if not runs:
+        parser.error("give the run folders to draw: RUN [RUN ...]")
+    missing = [r for r in runs if not (Path(r) / "metrics.jsonl").is_file()]
     if missing:
         parser.error(f"no run folder with a metrics.jsonl at {', '.join(missing)}")
-    first = Path(args.plot[0])
+    first = Path(runs[0])
     out = args.out or str(first / ("sensitivity.png" if args.sensitivity
-                                   else "metrics.png" if len(args.plot) == 1 else "compare.png"))
+                                   else "metrics.png" if len(runs) == 1 else "compare.png"))
     try:  # before anything is drawn: a read-only run folder, say
         check_writable("--out" if args.out else "--plot", Path(out).parent)
     except OSError as e:
@@ -723,15 +727,15 @@ def main(argv: list[str]) -> int:
     if args.out:  # a figure into a folder that does not exist yet: make it
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.sensitivity:
-        print(summary_table(args.plot, by="thresholds"))
-        if not plot_sensitivity(args.plot, out):
+        print(summary_table(runs, by="thresholds"))
+        if not plot_sensitivity(runs, out):
             return 1
         print(out)
         return 0
-    written = figures(args.plot, out)
+    written = figures(runs, out)
     if args.table:
-        print(summary_table(args.plot))
-    for run in dict.fromkeys(args.plot):  # RQ1's numbers beside its figure
+        print(summary_table(runs))
+    for run in dict.fromkeys(runs):  # RQ1's numbers beside its figure
         if correlation_line(run):
             print(f"{run}: {correlation_line(run)}")
     print("\n".join(written))
@@ -763,5 +767,4 @@ def closing_lines(cfg, out: Path) -> None:
 
 
 if __name__ == "__main__":  # python -m run_folder.figures RUN [RUN ...]: train.py --plot's figures
-    arguments = sys.argv[1:]
-    sys.exit(main(arguments if "--plot" in arguments else ["--plot", *arguments]))
+    sys.exit(main(sys.argv[1:], prog="python -m run_folder.figures"))

@@ -265,6 +265,14 @@ def test_plot_cli_output_location_heldout_panel_and_errors(tmp_path, monkeypatch
     module = subprocess.run([sys.executable, "-m", "run_folder.figures", a, b, "--out", out],
                             cwd=ROOT, capture_output=True, text=True)
     assert module.returncode == 0 and (tmp_path / "module.png").is_file(), module.stderr
+    # flags before the runs, and its errors named for the module (they once needed the runs first)
+    first = subprocess.run([sys.executable, "-m", "run_folder.figures", "--out", out + "2.png", a],
+                           cwd=ROOT, capture_output=True, text=True)
+    assert first.returncode == 0 and Path(out + "2.png").is_file(), first.stderr
+    gone = subprocess.run([sys.executable, "-m", "run_folder.figures", str(tmp_path / "missing")],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert gone.returncode == 2 and gone.stderr.strip().splitlines()[-1].startswith(
+        "python -m run_folder.figures: error: no run folder"), gone.stderr
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         train.main(["--plot", a, str(tmp_path / "missing")])
