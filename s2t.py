@@ -13,12 +13,8 @@ What S2T saw and did, for the metrics, is step_metrics/s2t_diagnostics.py. Delib
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    pass
 
 
 def quantile_of(values: torch.Tensor, q: float) -> float | None:
@@ -69,13 +65,19 @@ def spurious_mask(logprobs: torch.Tensor, entropy: torch.Tensor, advantages: tor
     return cand & (entropy.detach() < tau_h), tau_h  # condition 3, strict (choice 1)
 
 
-def window_after(window: torch.Tensor, entropies: torch.Tensor, size: int) -> torch.Tensor:
-    """--quantile-window (choice 7): the entropies of the last `size` candidates once a mini-batch's
-    candidates (entropies (n,), all ranks' in the mini-batch's row order, `spurious_mask`'s
-    `gather`) follow the window's (n',), oldest first, on the CPU. The same on any number of ranks;
-    train.py keeps it in checkpoints."""
-    return torch.cat([window, entropies.detach().float().cpu()])[-size:] \
-        if size else window  # (<= size,)
+class QuantileWindow:
+    """--quantile-window (choice 7): tau_h also pools the entropies of the last `size` candidates
+    before this mini-batch (all ranks' in the mini-batch's row order, oldest first, on the CPU), so
+    a mini-batch with few candidates gets a steadier threshold. The same on any number of ranks;
+    train.py keeps `values` in checkpoints."""
+
+    def __init__(self, size: int, values: torch.Tensor | None = None):
+        self.size = size
+        self.values = torch.zeros(0) if values is None else values  # (<= size,)
+
+    def add(self, entropies: torch.Tensor) -> None:
+        """A mini-batch's candidates (n,) join the window; the oldest beyond `size` leave it."""
+        self.values = torch.cat([self.values, entropies.detach().float().cpu()])[-self.size:]
 
 
 def random_keys(seed: int, rows: range, length: int) -> torch.Tensor:

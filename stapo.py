@@ -176,11 +176,17 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """(B, T) k3 estimate of KL(pi_theta || pi_ref) (DeepSeekMath):
     exp(ref - logp) - (ref - logp) - 1 >= 0.
 
-    Differentiable in logprobs. GRPO adds `beta * (weights * kl_k3(...)).sum() / denominator` to the
-    policy loss.
+    Differentiable in logprobs; GRPO's loss adds beta * `kl_term`.
     """
     d = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
     return d.exp() - d - 1
+
+
+def kl_term(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, weights: torch.Tensor,
+            denominator: float) -> torch.Tensor:
+    """GRPO's KL term, 0-d, differentiable in logprobs: sum(I * k3) / N (the loss adds it times
+    --kl-beta). logprobs, ref_logprobs, weights (B, T); denominator: the global N."""
+    return (weights * kl_k3(logprobs, ref_logprobs)).sum() / max(denominator, 1.0)
 
 
 def tis_weight(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
@@ -191,33 +197,41 @@ def tis_weight(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
 
         w_t = min(pi_old(y_t) / pi_sampler(y_t), C)
 
-    train.py multiplies the loss weights by it after the denominator is counted (the token mean
-    stays over tokens)."""
+    `token_weights` multiplies the token weights by it after N is counted (the token mean stays
+    over tokens)."""
     # (B, T) log pi_old / pi_sampler
     d = (old_logprobs - sampler_logprobs).detach().clamp(max=LOG_RATIO_CLAMP)
     return d.exp().clamp(max=cap)
 
 
 class TokenWeights(NamedTuple):
-    weights: torch.Tensor  # (B, T) float: I_it (GRPO: I_it / |y_i|)
+    """One mini-batch's decision (this rank's rows of it): what the step weighs its tokens by."""
+    weights: torch.Tensor  # (B, T) float: the token weights I_it (GRPO: I_it / |y_i|; TIS: * w_t)
     silenced: torch.Tensor  # (B, T) bool: response tokens the algorithm removes
     threshold: float | None  # the mini-batch's entropy threshold (S2T's tau_h, 20-Entropy's), None
-    denominator: torch.Tensor  # 0-d float: this rank's share of N (sum it over ranks)
+    denominator: torch.Tensor  # 0-d float: this rank's share of N (sum it over ranks: N)
+    rule: torch.Tensor | None  # (B, T) bool: S2T's rule as the paper states it (None: not applied)
 
 
 @dataclass(frozen=True)
 class MiniBatchContext:
     """What this rank's rows of a mini-batch need from outside them; the default: one process
-    holds the whole mini-batch, and the paper's rule.
+    holds the whole mini-batch, the paper's rule, no option.
     gather: concatenates a 1-D tensor over ranks (all_gather_cat), so entropy thresholds are over
     the whole mini-batch; None: this process holds the whole mini-batch.
-    keys (B, T): randmask's random keys (s2t.random_keys of the rows' places in the whole
-    mini-batch); other algorithms ignore them.
-    earlier: entropies of the candidates before this mini-batch that S2T's tau_h pools
-    (--quantile-window, s2t.window_after); None: the paper's rule."""
+    seed, rows, length: randmask's keys (s2t.random_keys), seeded per mini-batch, each row's by its
+    place in the whole mini-batch (rows; None: 0..B-1) up to the run's longest response (length;
+    None: T), so the silenced positions are the same on any number of ranks.
+    window: --quantile-window's earlier candidates (s2t.QuantileWindow; S2T's rules only), which
+    this mini-batch's candidates then join; None: the paper's rule.
+    tis: (B, T) truncated importance-sampling weights (`tis_weight`), applied after N is counted
+    (the token mean stays over tokens); None: no TIS."""
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None
-    keys: torch.Tensor | None = None
-    earlier: torch.Tensor | None = None
+    seed: int = 0
+    rows: range | None = None
+    length: int | None = None
+    window: s2t.QuantileWindow | None = None
+    tis: torch.Tensor | None = None
 
 
 def token_weights(algo: str, logprobs: torch.Tensor | None, entropy: torch.Tensor | None,
@@ -229,21 +243,27 @@ def token_weights(algo: str, logprobs: torch.Tensor | None, entropy: torch.Tenso
 
     logprobs, entropy (B, T) of the current policy (None for an algorithm that silences nothing:
     JustRL, GRPO); advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1; context: the other
-    ranks' rows, randmask's keys, the earlier candidates (`MiniBatchContext`).
+    ranks' rows, randmask's keys, the window, TIS (`MiniBatchContext`).
     """
-    a, gather, keys, earlier = algorithm(algo), context.gather, context.keys, context.earlier
+    a, gather = algorithm(algo), context.gather
     mask = response_mask > 0  # (B, T)
-    silenced, threshold = torch.zeros_like(mask), None
+    silenced, threshold, rule = torch.zeros_like(mask), None, None
     if a.silence in ("s2t", "random", "high_entropy"):
+        window = context.window
         silenced, threshold = s2t.spurious_mask(logprobs, entropy, advantages, response_mask, tau_p,
-                                                quantile, gather, earlier)
+                                                quantile, gather,
+                                                None if window is None else window.values)
+        rule = silenced
+        if window is not None:  # the mini-batch's candidates join the window (ranks in order)
+            cand = entropy.detach()[s2t.candidates(logprobs, advantages, response_mask, tau_p)]
+            window.add(cand if gather is None else gather(cand))
     if a.silence == "random":  # S2T's count over the whole mini-batch, at random candidates
-        if keys is None:
-            raise ValueError("randmask needs the random keys of the rows (s2t.random_keys)")
+        B, T = mask.shape
+        keys = s2t.random_keys(context.seed, context.rows or range(B), context.length or T)
         count = silenced.sum().float().reshape(1)  # (1,) this rank's S2T count
         n = int((count if gather is None else gather(count)).sum().item())
         silenced = s2t.random_subset(s2t.candidates(logprobs, advantages, response_mask, tau_p), n,
-                                     keys, gather)
+                                     keys[:, :T], gather)
     elif a.silence == "high_entropy":  # the candidates S2T keeps: H >= tau_h
         silenced = s2t.candidates(logprobs, advantages, response_mask, tau_p) & ~silenced
     elif a.silence == "candidates":
@@ -263,4 +283,6 @@ def token_weights(algo: str, logprobs: torch.Tensor | None, entropy: torch.Tenso
         part = mask.sum().float()
     else:  # N = sum_i sum_t I_it
         part = weights.sum()
-    return TokenWeights(weights, silenced, threshold, part)
+    if context.tis is not None:  # TIS: I_it * min(pi_old / pi_sampler, C), N as counted
+        weights = weights * context.tis
+    return TokenWeights(weights, silenced, threshold, part, rule)

@@ -23,7 +23,6 @@ import eval as ev
 import model
 import reward
 import rollout
-import s2t
 import stapo
 import train
 from command_line import errors
@@ -128,23 +127,24 @@ def test_train_packed_rows_match_each_row_alone(algo):
         if algo == "grpo" else None
     adv = stapo.group_advantages(torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, -1.0]), 3)[:, None] \
         .expand_as(mask)
-    keys = s2t.random_keys(0, range(len(mask)), mask.shape[1])
-    weights, _, _, den = stapo.token_weights(algo, logprobs.detach(), entropy, adv, mask, cfg.tau_p,
-                                             cfg.quantile, stapo.MiniBatchContext(keys=keys))
+    weights, _, _, den, _ = stapo.token_weights(algo, logprobs.detach(), entropy, adv, mask,
+                                                cfg.tau_p, cfg.quantile)
     clip = stapo.clip_range(cfg.algo, cfg.clip_low, cfg.clip_high)
     want, _ = stapo.policy_loss(logprobs, old, adv, weights, *clip, cfg.dual_clip, den)
     if ref is not None:
-        want = want + cfg.kl_beta * (weights * stapo.kl_k3(logprobs, ref)).sum() / den
+        want = want + cfg.kl_beta * (weights * stapo.kl_k3(logprobs, ref)).sum() / den  # I k3 / N
     want_grads = torch.autograd.grad(want, list(lm.parameters()))
     assert sum(g.abs().sum() for g in want_grads) > 0
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         for budget in (10**6, 16, 1):
             run = SimpleNamespace(cfg=replace(cfg, max_tokens_per_micro_batch=budget),
-                                  device=torch.device("cpu"), policy=policy, world=1)
+                                  device=torch.device("cpu"), policy=policy, world=1,
+                                  on_policy=False)
             lm.zero_grad(set_to_none=True)
             mb = train.MiniBatch(batch, adv, model.TokenStats(old, None, None), ref,
-                                 torch.ones(len(batch), dtype=torch.bool))
+                                 torch.ones(len(batch), dtype=torch.bool),
+                                 stapo.MiniBatchContext())
             loss = train.accumulate_gradients(run, mb, weights, float(den)).loss
             assert loss == pytest.approx(want.item(), abs=1e-6), budget  # the KL term included
             for p_, w_ in zip(lm.parameters(), want_grads):
@@ -780,25 +780,27 @@ def test_train_sets_mkl_reproducibility_before_torch_loads():
     assert source.index('os.environ.setdefault("MKL_CBWR"') < source.index("\nimport torch")
 
 
-# -------------------------------------------------------------- randmask's keys (train.random_keys)
+# -------------------------------------------- a rank's rows of each mini-batch (train.mini_batches)
 
-def test_algo_randmask_keys_do_not_depend_on_the_ranks():
-    """train.random_keys: rank r of W holds rows r*b..r*b+b-1 of the mini-batch (train.rank_slice);
-    its keys are those rows' keys of one process, whatever T its rows were padded to."""
-    cfg = config.Config(seed=3, max_response_len=8)
-    whole = train.random_keys(SimpleNamespace(cfg=cfg, rank=0), 2, 1, _keys_mb(6, 8))  # (6, 8)
-    for world in (2, 3):
-        b = 6 // world
-        for rank in range(world):
-            T = 8 - rank  # ranks pad their rows to different lengths
-            got = train.random_keys(SimpleNamespace(cfg=cfg, rank=rank), 2, 1, _keys_mb(b, T))
-            assert torch.equal(got, whole[rank * b:(rank + 1) * b, :T])
-    assert not torch.equal(whole, train.random_keys(SimpleNamespace(cfg=cfg, rank=0), 2, 0,
-                                                    _keys_mb(6, 8)))
-    assert not torch.equal(whole, train.random_keys(SimpleNamespace(cfg=cfg, rank=0), 3, 1,
-                                                    _keys_mb(6, 8)))
+def test_train_mini_batches_place_each_rank_s_rows():
+    """train.mini_batches: rank r of W holds rows r*b..r*b+b-1 of each mini-batch (rank_slice), so
+    randmask's keys (stapo.MiniBatchContext: seeded from (seed, step, k), each row's by its
+    place) are the same on any number of ranks; the mini-batches of a step and of two steps
+    differ."""
+    batch = packing_batch()  # 6 rows: this rank's 2 prompts x G = 3, 2 mini-batches of 3
+    cfg = config.Config(seed=3, group_size=3, prompts_per_step=4, mini_batch_prompts=2,
+                        max_response_len=8)
+    pi_old = model.TokenStats(*(torch.zeros(6, 7) for _ in range(3)))
 
+    def contexts(rank, step):
+        run = SimpleNamespace(cfg=cfg, rank=rank, world=2, device=torch.device("cpu"),
+                              ref_policy=None, window=None)
+        return [mb.context for mb in train.mini_batches(run, step, batch, torch.ones(6),
+                                                        torch.ones(6), pi_old)]
 
-def _keys_mb(b, T):
-    return SimpleNamespace(rollout=SimpleNamespace(
-        response_ids=torch.zeros(b, T, dtype=torch.long)))
+    for rank in range(2):
+        mbs = contexts(rank, 2)
+        assert [c.rows for c in mbs] == [range(3 * rank, 3 * rank + 3)] * 2
+        assert [c.length for c in mbs] == [8, 8] and mbs[0].seed != mbs[1].seed
+        assert [c.seed for c in mbs] == [c.seed for c in contexts(1 - rank, 2)]
+        assert [c.seed for c in mbs] != [c.seed for c in contexts(rank, 3)]

@@ -32,7 +32,9 @@ import reward
 import run_folder
 import s2t
 import stapo
+from distributed.process_group import init_distributed
 from run_folder import figures
+from step_metrics.watch import Watch
 
 
 # ------------------------------------------------------------------------------------ the estimator
@@ -243,6 +245,29 @@ class Step:
     matches_run: bool | None
 
 
+class Replay(Watch):
+    """Each mini-batch's decision as the replayed step made it (`regenerate_step`): p, H, the mask,
+    the candidates and S2T's rule, on the CPU."""
+
+    def __init__(self, batch, cfg, step: int):
+        self.batch, self.cfg, self.step, self.seen = batch, cfg, step, []
+
+    def backward(self, k, mb, pi_theta, weights, update) -> None:
+        adv, mask, first = mb.advantages, mb.mask, sum(x[1] for x in self.seen)
+        if not torch.equal(mb.rollout.response_ids.cpu(),
+                           self.batch.response_ids[first:first + len(mb.rollout)].cpu()):
+            raise ValueError(f"step {self.step}: the replayed rollout differs from the "
+                             "regenerated one (not seeded?)")
+        rule = weights.rule  # S2T's rule: the step's own, or once here (another --algo)
+        if rule is None:
+            rule = s2t.spurious_mask(pi_theta.logprobs, pi_theta.entropy, adv, mask,
+                                     self.cfg.tau_p, self.cfg.quantile)[0]
+        self.seen.append((k, len(mb.rollout), pi_theta.logprobs.cpu(), pi_theta.entropy.cpu(),
+                          mask.cpu(), weights.silenced.cpu(),
+                          s2t.candidates(pi_theta.logprobs, adv, mask, self.cfg.tau_p).cpu(),
+                          rule.cpu()))
+
+
 def regenerate_step(run_dir: Path, step: int) -> Step:
     """Step `step` (from 1) of the train.py run in `run_dir`, every mini-batch, as the run made it.
 
@@ -269,10 +294,11 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
                                 f"checkpoints: {', '.join(f'step_{s}' for s in kept) or 'none'}; "
                                 f"so steps {', '.join(str(s + 1) for s in [0, *kept])} can be "
                                 f"analysed; keep more with --save-every 1 --keep-checkpoints N)")
-    if not train.dist.is_initialized():
-        train.init_distributed()
+    if not torch.distributed.is_initialized():
+        init_distributed()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    run = train.setup(cfg, train.read_inputs(cfg, 1), 0, 1, device, None, run_folder.Preemption())
+    run = train.setup(cfg, config.read_inputs(cfg, 1), 0, 1, device, None,
+                      run_folder.Preemption())
     # the state after step - 1: model, optimizer and scheduler (the replay makes the run's updates)
     if step > 1:
         trained = run_folder.ModelAndOptimizer(run.policy, run.optimizer, run.scheduler)
@@ -286,26 +312,12 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
         return reward.rewards([text], [row["answer"]], cfg.reward, [row])[0]  # as train.py calls it
 
     rewards = torch.tensor([score(text, i) for i, text in enumerate(texts)])  # (B,)
-    seen = []  # per mini-batch: its decision, as train_step made it
-
-    def keep(k, mb, pi_theta, weights):
-        adv, mask, first = mb.advantages, mb.mask, sum(x[1] for x in seen)
-        if not torch.equal(mb.rollout.response_ids.cpu(),
-                           batch.response_ids[first:first + len(mb.rollout)].cpu()):
-            raise ValueError(f"step {step}: the replayed rollout differs from the regenerated one "
-                             f"(not seeded?)")
-        seen.append((k, len(mb.rollout), pi_theta.logprobs.cpu(), pi_theta.entropy.cpu(),
-                     mask.cpu(), weights.silenced.cpu(),
-                     s2t.candidates(pi_theta.logprobs, adv, mask, cfg.tau_p).cpu(),
-                     s2t.spurious_mask(pi_theta.logprobs, pi_theta.entropy, adv, mask, cfg.tau_p,
-                                       cfg.quantile, earlier=run.window  # choice 8
-                                       if cfg.quantile_window else None)[0].cpu()))
-
+    replay = Replay(batch, cfg, step)
     pi_old = {name: x.detach().clone() for name, x in run.policy.state_dict().items()}
-    # the same rollout again (seeded), then the step's updates
-    train.train_step(run, step, on_mask=keep)
+    # the same rollout again (seeded), then the step's updates, watched
+    train.train_step(run, step, replay)
     run.policy.load_state_dict(pi_old)
-    k, sizes, logprobs, entropy, mask, silenced, candidates, rule = zip(*seen)
+    k, sizes, logprobs, entropy, mask, silenced, candidates, rule = zip(*replay.seen)
     matches = _matches_run(run_dir, step, cfg, rewards, batch, texts,
                            sum(int(x.sum()) for x in candidates),
                            sum(int(x.sum()) for x in silenced))
