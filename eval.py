@@ -188,7 +188,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     if values.get("instruction") is None:
         import rollout
         values["instruction"] = rollout.INSTRUCTION
-    # train.py seeds its held-out evaluation with --seed + 1 (heldout_accuracy)
+    # train.py seeds its held-out evaluation with --seed + 1 (evaluation.heldout.heldout_accuracy)
     if values.get("seed") is None:
         values["seed"] = run["seed"] + 1 if run else 0
     # a run's export after N steps: RUN/eval/step_N, so a newer one gets its own
@@ -256,7 +256,7 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0,
     # vLLM queues what does not fit its KV cache of at most --kv-cache-gb)
     row_bytes, budget = (kv_cache_bytes(lm.config, 1, longest, lm.dtype.itemsize),
                          int(cfg.kv_cache_gb * 1e9))
-    # heldout without --batch-size as heldout_accuracy: a call per problem
+    # heldout without --batch-size as evaluation.heldout.heldout_accuracy: a call per problem
     per_call = {b: 1 if b == "heldout" and cfg.batch_size is None
                 else max(1, min(cfg.batch_size or BATCH_SIZE, budget // row_bytes) // s["k"])
                 for b, s in sets.items()}
