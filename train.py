@@ -63,7 +63,7 @@ from distributed.process_group import (  # noqa: E402
     all_gather_cat, all_max, all_sum, gather, init_distributed)
 from distributed.sharding import from_rank0, shard_policy  # noqa: E402
 from engines.choice import compute_dtype, prompts_per_call, rollout_engine  # noqa: E402
-from eval import evaluate_heldout  # noqa: E402
+from evaluation.heldout import evaluate_heldout  # noqa: E402
 from memory.allocator import keep_freed_memory  # noqa: E402
 from memory.estimate import memory_line, run_estimate  # noqa: E402
 from model import Policy, TokenStats, lm_vocab_size, load_model  # noqa: E402
