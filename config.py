@@ -230,7 +230,7 @@ CPU_PRESET = dict(
 )
 
 
-# train.py --plot's line in --help (run_folder.figures.main parses the rest)
+# train.py --plot's line in --help (reports.report.main parses the rest)
 PLOT_HELP = ("redraw the figures of finished runs, RUN/metrics.png, s2t.png and gradient.png "
              "(several runs: overlaid), and print RQ1's correlations, without training (not "
              "--plots, which draws this run's at its end); `python train.py --plot RUN --help` "
@@ -255,7 +255,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
 
     given = parse_flags(Config, argv, "train.py",
                         notes={k: f"cpu preset: {v!r}" for k, v in CPU_PRESET.items()},
-                        modes={"plot": PLOT_HELP})  # --plot: train.main calls figures.main first
+                        modes={"plot": PLOT_HELP})  # --plot: train.main calls report.main first
     if given.get("light"):
         given = {**LIGHT, **given}
     cuda = torch.cuda.is_available()

@@ -4,14 +4,14 @@ and Algorithm 1; the recipe of §6), on 1 CPU, 1 GPU or many GPU nodes with the 
     python train.py                               # no GPU: the CPU default (SmolLM2-135M, sums)
     torchrun --standalone --nproc_per_node=2 train.py --out-dir out/train-cpu-2   # 2 processes
     python train.py --model Qwen/Qwen3-1.7B-Base  # 1 GPU: the paper's recipe (DAPO-Math-17k, G = 8)
-    python train.py --plot runs/stapo runs/justrl # the runs overlaid (run_folder/figures.py)
+    python train.py --plot runs/stapo runs/justrl # the runs overlaid (reports/report.py)
 
 Reading order: `train_step` (one RL step, numbered 1-4) and the functions it calls, in the order it
 calls them; `train`, the loop (held-out evaluations, checkpoints, stops, the closing lines); `setup`
 and `main`. The machinery it calls: config.py (what a run is told), run_folder/ (checkpoints, logs,
-resume, stop signals, figures), step_metrics/ (the metrics line), distributed/ (`all_sum`,
-`gather`, FSDP2), engines/ (the rollout engines), eval.py (the held-out evaluation). Deliberate
-differences 1-9: docs/paper.md, "Deliberate differences", train.py.
+resume, stop signals), reports/ (figures, closing lines), step_metrics/ (the metrics line),
+distributed/ (`all_sum`, `gather`, FSDP2), engines/ (the rollout engines), eval.py (the held-out
+evaluation). Deliberate differences 1-9: docs/paper.md, "Deliberate differences", train.py.
 """
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ from evaluation.heldout import evaluate_heldout  # noqa: E402
 from memory.allocator import keep_freed_memory  # noqa: E402
 from memory.estimate import memory_line, run_estimate  # noqa: E402
 from model import Policy, TokenStats, lm_vocab_size, load_model  # noqa: E402
-from run_folder import ModelAndOptimizer, figures, plural, read_log, say  # noqa: E402
+from reports import report  # noqa: E402
+from run_folder import ModelAndOptimizer, plural, read_log, say  # noqa: E402
 from step_metrics import s2t_diagnostics  # noqa: E402
 from step_metrics.step_log import Probes, StepLog, StepResult, completions  # noqa: E402
 from step_metrics.step_warnings import busy, zero_gradient  # noqa: E402
@@ -419,7 +420,7 @@ def finish(run: Run) -> None:
         return
     if run.logger:
         run.logger.close()
-    figures.closing_lines(cfg, out)
+    report.closing_lines(cfg, out)
 
 
 def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, world: int, device,
@@ -506,8 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     run the same command again), run_folder.INTERRUPTED (Ctrl-C again: left at once, the last
     checkpoint kept)."""
     argv = sys.argv[1:] if argv is None else argv
-    if "--plot" in argv:  # train.py --plot RUN [RUN ...]: figures only (run_folder/figures.py)
-        return figures.main(argv)
+    if "--plot" in argv:  # train.py --plot RUN [RUN ...]: figures only (reports/report.py)
+        return report.main(argv)
     rank = int(os.environ.get("RANK", 0))  # until the process group exists: torchrun's env://
     run = lock = None
     # from here on, SIGTERM / SIGUSR1 / SIGINT: a checkpoint, exit

@@ -10,7 +10,7 @@ import torch
 
 import train
 from model import tiny_model
-from run_folder import figures
+from reports import figures
 from tests.toy_task import EVEN, one_thread, patch_toy_task, toy_args, toy_data
 from tools import counterfactual
 

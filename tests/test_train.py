@@ -29,8 +29,8 @@ from command_line import errors
 from data import heldout_count, load_rows, read_rows
 from engines import choice
 from model import Policy, tiny_model, tiny_tokenizer
+from reports import summary
 from rollout import format_prompt
-from run_folder import figures
 from step_metrics import step_log
 from tests.model_batches import packing_batch
 from tests.toy_task import (
@@ -629,14 +629,14 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
         "held-out accuracy before training", "held-out accuracy after 1 step"]
     metrics = read_metrics(tmp_path / "run")
     assert out[-3].startswith(f"stapo silenced {int(metrics[0]['s2t/silenced'])} tokens in ")
-    assert out[-2].startswith("logit-gradient norm vs p: Spearman ")  # figures.correlation_line
+    assert out[-2].startswith("logit-gradient norm vs p: Spearman ")  # summary.correlation_line
     steps = [{"s2t/silenced": 3.0, "s2t/candidates": 5.0},
              {"s2t/silenced": 0.0, "s2t/candidates": 1.0},
              {"s2t/silenced": 2.0, "s2t/candidates": 2.0}]
-    assert figures.silenced_summary("stapo", steps, ["spurious.jsonl", "s2t.png"]) == (
+    assert summary.silenced_summary("stapo", steps, ["spurious.jsonl", "s2t.png"]) == (
         "stapo silenced 5 tokens in 2 of 3 steps; S2T candidates (A > 0, p < tau_p): 8 "
         "(metrics.jsonl s2t/*; see spurious.jsonl, s2t.png)")
-    assert figures.silenced_summary("justrl", [], []) == (
+    assert summary.silenced_summary("justrl", [], []) == (
         "justrl silenced 0 tokens in 0 of 0 steps; S2T candidates (A > 0, p < tau_p): 0 "
         "(metrics.jsonl s2t/*)")
     # a log without lines is never made

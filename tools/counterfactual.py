@@ -33,7 +33,8 @@ import run_folder
 import s2t
 import stapo
 from distributed.process_group import init_distributed
-from run_folder import figures
+from reports import figures
+from reports.summary import step_spans
 from step_metrics.watch import Watch
 
 
@@ -511,7 +512,7 @@ def pooled_groups(lines: list[dict]) -> dict[str, dict[str, list[dict]]]:
     out = {}
     for algo in dict.fromkeys(x["algo"] for x in lines):
         mine = [x for x in lines if x["algo"] == algo]
-        steps = figures.step_spans(sorted({x["step"] for x in mine}))
+        steps = step_spans(sorted({x["step"] for x in mine}))
         name = f"{algo} ({len({x['seed'] for x in mine})} seeds, steps {steps})"
         out[name] = {f"{kind}, {part}": [x for x in mine if x["kind"] == kind and x["part"] == part]
                      for kind in KINDS for part in PARTS}
