@@ -53,8 +53,9 @@ import reward
 import rollout
 import run_folder
 import train
-from config import CPU_PRESET, Config, parse_config
+from config import CPU_PRESET, Config, parse_config, read_inputs
 from model import Policy, load_model
+from distributed.process_group import init_distributed
 from distributed.sharding import gathered, shard_policy
 from rollout import Rollout, Sampling, format_prompt, generate
 
@@ -65,7 +66,7 @@ def _train_run(cfg, device) -> train.Run:
     """train.py's state for `cfg` on one process (an initialized process group), without a run
     folder: what `train.main` builds before its loop, for benches that call `train.train_step`
     themselves."""
-    return train.setup(cfg, train.read_inputs(cfg, 1), 0, 1, device, None, run_folder.Preemption())
+    return train.setup(cfg, read_inputs(cfg, 1), 0, 1, device, None, run_folder.Preemption())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1103,7 +1104,7 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
                  fsdp=True, warmup_steps=0, save_every=0, rollout="plain",
                  out_dir=str(work / "train"), prompts_per_step=1, mini_batch_prompts=1)
     if {"train", "numerics", "rollout"} & set(parts):
-        train.init_distributed()
+        init_distributed()
         try:
             # load_model(dir), Policy, gradient checkpointing, FSDP2, AdamW
             state = _train_run(cfg, device)
@@ -1774,11 +1775,15 @@ from dataclasses import replace
 from unittest import mock
 import torch
 import torch.distributed as dist
-import config, reward, train
-from tools import bench
+import config, reward
+from memory import allocator
+assert "train" not in sys.modules, "the allocator's setting goes in before train.py is imported"
 if not {keep}:
-    # glibc's malloc as it comes (train.setup calls allocator.keep_freed_memory)
-    train.keep_freed_memory = lambda: None
+    # glibc's malloc as it comes: train.setup calls allocator.keep_freed_memory, a no-op from here
+    # on (set before train.py's import, which may take the name from allocator)
+    allocator.keep_freed_memory = lambda: None
+import train
+from tools import bench
 cfg = config.parse_config(["--preset", "cpu", "--max-tokens-per-micro-batch", "{budget}",
                            "--out-dir", tempfile.mkdtemp(prefix="bench-malloc-"),
                            "--overwrite"])[0]
