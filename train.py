@@ -479,7 +479,7 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
     if cfg.algo == "grpo" and cfg.kl_beta > 0:
         ref_policy = make_policy(load()[0]).requires_grad_(False)
     # fused: one kernel over all parameters (CPU: 4-5x faster than the foreach loop at SmolLM2's
-    # 135M, tools/bench.py flops)
+    # 135M, python -m tools.bench flops)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   fused=True)
     # lr: linear warm-up over warmup_steps optimizer steps, then constant

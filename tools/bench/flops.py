@@ -176,7 +176,7 @@ dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 state = harness.train_run(cfg, torch.device("cpu"))
 run = replace(state, engine=flops._CachedEngine(state.engine))
 with mock.patch.object(reward, "reward", flops._parity):  # the times after a warm-up step
-    times = [train.train_step(run, 0)[0]["time/update_s"] for _ in range({steps} + 1)][1:]
+    times = [train.logged_step(run, 0)[0]["time/update_s"] for _ in range({steps} + 1)][1:]
 print(statistics.median(times))
 """
 
@@ -282,13 +282,13 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
             sampled = engine  # the CPU default's batch, for the packing table
         # warm-up (first touch of every buffer), not timed
         with mock.patch.object(reward, "reward", parity):
-            train.train_step(replace(state, engine=engine), 0)
+            train.logged_step(replace(state, engine=engine), 0)
         for budget in budgets:
             run = replace(state, cfg=replace(cfg, max_tokens_per_micro_batch=budget), engine=engine)
             times = []
             with mock.patch.object(reward, "reward", parity):
                 for step in range(steps):
-                    metrics = train.train_step(run, 0)[0]
+                    metrics = train.logged_step(run, 0)[0]
                     times.append((metrics["time/update_s"], metrics["time/rollout_s"]))
             b = engine.batch
             rows = cfg.mini_batch_prompts * cfg.group_size
@@ -341,7 +341,7 @@ def bench_flops(steps: int = 3, budgets=(32768, 4096, 2048, 1024, 768, 512, 256)
         for budget in (32768, 768):
             run = replace(state, cfg=replace(cfg, max_tokens_per_micro_batch=budget), engine=engine)
             with mock.patch.object(reward, "reward", parity):
-                p = _update_profile(lambda: train.train_step(run, 0))
+                p = _update_profile(lambda: train.logged_step(run, 0))
             rest = p["wall"] - p["lm_head"] - p["attention"] - p["optimizer"] - p["grad_clip"]
             share = lambda x: f"{x:.2f} ({x / p['wall']:.0%})"  # noqa: E731
             print(f"| {label} | {budget} | {p['wall']:.2f} | {share(p['lm_head'])} | "

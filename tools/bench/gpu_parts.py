@@ -124,7 +124,7 @@ def gpu_train(sizes, cfg, state, device, flops_rate, out):
         _reset_peak(device)
         engine = _SyntheticEngine(T, device, tokenizer)
         seconds, (metrics, *_) = _dev_timed(
-            lambda: train.train_step(replace(state, cfg=step_cfg, engine=engine), k), device)
+            lambda: train.logged_step(replace(state, cfg=step_cfg, engine=engine), k), device)
         if k == 0:
             continue
         n_seq, row = n_prompts * G, sizes.prompt_len + T
