@@ -216,7 +216,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Ten
 
 
 # Finished rows leave the running batch once they are this share of it (difference 4). A drop copies
-# only the caches of the rows moved into the freed slots; tools/bench/generate.py compares cadences.
+# only the caches of the rows moved into the freed slots; tools/bench/engines.py compares cadences.
 COMPACT_FRACTION = 0.0
 
 
