@@ -17,36 +17,17 @@ from __future__ import annotations
 
 import math
 import os
-import random
-import signal
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
+from startup import early  # first: MKL's reproducible sums, before torch loads
 
-def _interrupted(signum, frame):
-    """Ctrl-C before main's run_folder.Preemption takes SIGINT over: nothing to save yet, so leave
-    at once."""
-    print("train.py: interrupted (SIGINT) before the run began: nothing was written",
-          file=sys.stderr, flush=True)
-    os._exit(130)
+if __name__ == "__main__":  # a stop signal while the modules load waits for the run to take it
+    early.hold_signals("train.py")
 
-
-# A stop signal that comes while the modules below load (seconds on a busy machine) waits, blocked,
-# until main's run_folder.Preemption takes it over; without this it killed the run (exit 143, no
-# stopped.json). Ctrl-C leaves at once, in one line (it printed a KeyboardInterrupt traceback).
-if __name__ == "__main__":
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
-    signal.signal(signal.SIGINT, _interrupted)
-
-# MKL's conditional numerical reproducibility, set before torch loads MKL: without it MKL may pick,
-# per call, a summation order that depends on memory alignment. With the deterministic kernels of
-# `setup`, two runs of one command (or a run and its resume) agree bit for bit at a fixed thread
-# count (docs/training.md, Reproducibility).
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
-
-import torch  # noqa: E402 - after MKL_CBWR
+import torch  # noqa: E402 - after startup.early
 import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -54,21 +35,18 @@ import config  # noqa: E402
 import reward  # noqa: E402
 import rollout  # noqa: E402
 import run_folder  # noqa: E402
-import s2t  # noqa: E402
 import stapo  # noqa: E402
 from command_line import errors  # noqa: E402
-from config import read_inputs, too_few  # noqa: E402
+from config import read_inputs  # noqa: E402
 from data import prompt_indices, rank_slice  # noqa: E402
 from distributed.process_group import (  # noqa: E402
     all_gather_cat, all_max, all_sum, gather, init_distributed)
-from distributed.sharding import from_rank0, shard_policy  # noqa: E402
-from engines.choice import compute_dtype, prompts_per_call, rollout_engine  # noqa: E402
+from engines.choice import compute_dtype, prompts_per_call  # noqa: E402
 from evaluation.heldout import evaluate_heldout  # noqa: E402
-from memory.allocator import keep_freed_memory  # noqa: E402
-from memory.estimate import memory_line, run_estimate  # noqa: E402
-from model import Policy, TokenStats, lm_vocab_size, load_model  # noqa: E402
+from model import TokenStats  # noqa: E402
 from reports import report  # noqa: E402
 from run_folder import ModelAndOptimizer, plural, read_log, say  # noqa: E402
+from startup.run import Run, setup  # noqa: E402
 from step_metrics import s2t_diagnostics  # noqa: E402
 from step_metrics.step_log import Probes, StepLog, StepResult, completions  # noqa: E402
 from step_metrics.step_warnings import busy, zero_gradient  # noqa: E402
@@ -76,31 +54,6 @@ from step_metrics.watch import Watch, Watches  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------- the step
-@dataclass
-class Run:
-    """A run's state between steps (`setup` makes it): the configuration, the process, the models,
-    the data."""
-    cfg: config.Config
-    rank: int
-    world: int
-    device: torch.device
-    policy: Policy
-    ref_policy: Policy | None  # GRPO's reference model (--kl-beta > 0), else None
-    tokenizer: object
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    engine: object  # the rollout engine (engines.make_engine)
-    rows: list[dict]  # training problems {"problem", "answer"} (data.py), their prompts (token ids)
-    prompts: list[list[int]]
-    test_rows: list[dict]  # held-out problems and their prompts
-    test_prompts: list[list[int]]
-    preemption: run_folder.Preemption  # stop signals (SIGTERM, SIGUSR1) on any rank
-    logger: run_folder.Logger | None  # --logger (rank 0)
-    start: int = 0  # steps already done (a resumed run)
-    window: s2t.QuantileWindow | None = None  # --quantile-window's earlier candidates
-    on_policy: bool = False  # the update's forward gives pi_old (`on_policy`)
-
-
 def train_step(run: Run, step: int, watch: Watch = Watch()) -> bool:
     """Step `step` (counted from 1): one rollout batch and its mini-batch updates, the paper's
     Algorithm 1. False when a stop signal came during the rollout (nothing was updated). `watch`
@@ -173,7 +126,7 @@ def old_policy_stats(run: Run, batch: rollout.Rollout) -> TokenStats:
     """pi_old: p, H and collision of the policy before the step's updates, (B, T) each (D2): a pass
     without gradients. On policy (`on_policy`) the update's own forward is that pass: the tensors
     start at 0 and `accumulate_gradients` fills them in, detached (ratio 1)."""
-    if run.on_policy:
+    if on_policy(run.cfg):
         return TokenStats(*(torch.zeros_like(batch.logprobs) for _ in range(3)))
     return token_stats(run.policy, batch, run.cfg, run.device)
 
@@ -229,7 +182,7 @@ def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor, N: floa
     gradients then fills pi_old in."""
     cfg, device = run.cfg, run.device
     if all_sum(((mb.advantages != 0) & (weights > 0)).sum())[0] == 0 and mb.ref_logprobs is None:
-        if run.on_policy:
+        if on_policy(cfg):
             for whole, part in zip(mb.pi_old, token_stats(run.policy, mb.rollout, cfg, device)):
                 whole.copy_(part)
         return None
@@ -248,7 +201,7 @@ def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor, N: floa
         # TokenStats, (b', T') each
         pi_theta = policy_forward(run.policy, mb.rollout.select(rows), cfg, device)
         cut = (rows, slice(0, pi_theta.logprobs.shape[1]))
-        if run.on_policy:  # pi_old is this forward's, detached (ratio 1; `old_policy_stats`)
+        if on_policy(cfg):  # pi_old is this forward's, detached (ratio 1; `old_policy_stats`)
             for whole, piece in zip(mb.pi_old, pi_theta):
                 whole[cut] = piece.detach()
         loss, stats = stapo.policy_loss(pi_theta.logprobs, mb.pi_old.logprobs[cut].to(device),
@@ -423,84 +376,6 @@ def finish(run: Run) -> None:
     report.closing_lines(cfg, out)
 
 
-def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, world: int, device,
-          checkpoint: Path | None, preemption: run_folder.Preemption) -> Run:
-    """The model, its sharding, the optimizer, the rollout engine, and the checkpoint a resume
-    continues from."""
-    if device.type == "cpu":
-        keep_freed_memory()
-        # Deterministic kernels: without them the backward on several threads sums in a varying
-        # order, so two runs of one command at 2 threads, or a run and its resume, differ from the
-        # first update on (docs/training.md, Reproducibility). CUDA keeps its fast kernels.
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    train_rows, test_rows = rows
-    # one process: read onto its device; several: read once on rank 0, the others build it on the
-    # meta device and receive their shards of the weights from rank 0 in shard_policy
-    # (sharding.from_rank0)
-    load = (lambda: load_model(cfg.model, device=device)) if world == 1 else (lambda: from_rank0(
-        lambda: load_model(cfg.model)))
-    lm, tokenizer = load()
-    if cfg.chat and not tokenizer.chat_template:
-        raise ValueError(f"the tokenizer of {cfg.model!r} has no chat template; use --no-chat")
-    # the rows whose prompt fits --max-prompt-len, their prompts, how many did not (difference 7)
-    train_rows, train_prompts, dropped = rollout.fitting_prompts(tokenizer, train_rows, cfg.chat,
-                                                                 cfg.instruction,
-                                                                 cfg.max_prompt_len)
-    test_rows, test_prompts, dropped_test = rollout.fitting_prompts(tokenizer, test_rows, cfg.chat,
-                                                                    cfg.instruction,
-                                                                    cfg.max_prompt_len)
-    if not train_prompts:
-        raise ValueError(f"every prompt of {cfg.data or 'the built-in task'} is longer than "
-                         "--max-prompt-len")
-    too_few(cfg, len(train_prompts))
-    if (dropped or dropped_test) and rank == 0:
-        print(f"train.py: dropped {dropped} of {dropped + len(train_prompts)} training prompts and "
-              f"{dropped_test} of {dropped_test + len(test_prompts)} held-out prompts longer than "
-              f"--max-prompt-len {cfg.max_prompt_len} tokens", file=sys.stderr, flush=True)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    if rank == 0:  # the memory model's estimate (docs/memory.md), every row at its longest
-        per_call = prompts_per_call(cfg, cfg.prompts_per_step // world, lm.config,
-                                    compute_dtype(cfg, device).itemsize)
-        print(memory_line(run_estimate(cfg, lm.config, world, max(map(len, train_prompts)),
-                                       per_call)), flush=True)
-
-    def make_policy(model_lm):
-        policy = Policy(model_lm, vocab_size=lm_vocab_size(tokenizer))  # the sampler's rows only
-        if cfg.grad_checkpointing:
-            model_lm.gradient_checkpointing_enable({"use_reentrant": False})
-        if cfg.fsdp:  # in_effect: on with several processes or CUDA
-            shard_policy(policy, mixed_precision=cfg.mixed_precision, from_rank0=world > 1,
-                         device=device)
-        return policy
-
-    policy = make_policy(lm)
-    ref_policy = None
-    if cfg.algo == "grpo" and cfg.kl_beta > 0:
-        ref_policy = make_policy(load()[0]).requires_grad_(False)
-    # fused: one kernel over all parameters (CPU: 4-5x faster than the foreach loop at SmolLM2's
-    # 135M, python -m tools.bench flops)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  fused=True)
-    # lr: linear warm-up over warmup_steps optimizer steps, then constant
-    warmup = lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1))  # noqa: E731
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
-    start, window = 0, None
-    if checkpoint is not None:  # any number of ranks: DCP reshards (run_folder.load_checkpoint)
-        trained = ModelAndOptimizer(policy, optimizer, scheduler)
-        start, window = run_folder.resume(checkpoint, trained, cfg.steps, rank)
-    engine = rollout_engine(cfg, lm, tokenizer, train_prompts + test_prompts, rank, world, device,
-                            preemption.requested)  # the plain sampler stops at a signal
-    logger = run_folder.open_logger(cfg.logger, Path(cfg.out_dir), asdict(cfg)) if rank == 0 \
-        else None
-    return Run(cfg=cfg, rank=rank, world=world, device=device, policy=policy, ref_policy=ref_policy,
-               tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, engine=engine,
-               rows=train_rows, prompts=train_prompts, test_rows=test_rows,
-               test_prompts=test_prompts, preemption=preemption, logger=logger, start=start,
-               window=s2t.QuantileWindow(cfg.quantile_window, window)
-               if cfg.quantile_window else None, on_policy=on_policy(cfg))
-
-
 def main(argv: list[str] | None = None) -> int:
     """`python train.py [flags]`: exit status 0 (trained, or nothing left to do), 2 (a bad input or
     a full disk: one line), run_folder.STOPPED (a stop signal or Ctrl-C: a checkpoint was written,
@@ -555,11 +430,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Leave without interpreter teardown. FSDP's DTensors keep torch's process group alive past
-    # destroy_process_group, and when a gloo worker thread is still releasing the last collective's
-    # tensors as Python finalizes, it aborts the finished run ("terminate called without an active
-    # exception", ~1 run in 20 on CPU).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    early.leave(main())  # without interpreter teardown (startup/early.py)

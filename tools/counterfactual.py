@@ -35,6 +35,7 @@ import stapo
 from distributed.process_group import init_distributed
 from reports import figures
 from reports.summary import step_spans
+from startup.run import setup
 from step_metrics.watch import Watch
 
 
@@ -298,7 +299,7 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
     if not torch.distributed.is_initialized():
         init_distributed()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    run = train.setup(cfg, config.read_inputs(cfg, 1), 0, 1, device, None,
+    run = setup(cfg, config.read_inputs(cfg, 1), 0, 1, device, None,
                       run_folder.Preemption())
     # the state after step - 1: model, optimizer and scheduler (the replay makes the run's updates)
     if step > 1:

@@ -162,10 +162,10 @@ import torch
 import torch.distributed as dist
 import config, reward
 from memory import allocator
-assert "train" not in sys.modules, "the allocator's setting goes in before train.py is imported"
+assert "startup.run" not in sys.modules, "the allocator's setting goes in before setup's import"
 if not {keep}:
-    # glibc's malloc as it comes: train.setup calls allocator.keep_freed_memory, a no-op from here
-    # on (set before train.py's import, which may take the name from allocator)
+    # glibc's malloc as it comes: setup calls allocator.keep_freed_memory, a no-op from here on
+    # (set before startup/run.py's import, which takes the name from allocator)
     allocator.keep_freed_memory = lambda: None
 import train
 from tools.bench import flops, harness

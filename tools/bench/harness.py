@@ -7,17 +7,17 @@ import time
 from pathlib import Path
 
 import run_folder
-import train
 from config import read_inputs
+from startup.run import Run, setup
 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the repository: tools/bench/ sits in it
 
 
-def train_run(cfg, device) -> train.Run:
+def train_run(cfg, device) -> Run:
     """train.py's state for `cfg` on one process (an initialized process group), without a run
-    folder: what `train.main` builds before its loop, for benches that call `train.train_step`
+    folder: what `train.main` builds before its loop, for benches that call `train.logged_step`
     themselves."""
-    return train.setup(cfg, read_inputs(cfg, 1), 0, 1, device, None, run_folder.Preemption())
+    return setup(cfg, read_inputs(cfg, 1), 0, 1, device, None, run_folder.Preemption())
 
 
 def timed(fn):
