@@ -210,7 +210,8 @@ class TokenWeights(NamedTuple):
     silenced: torch.Tensor  # (B, T) bool: response tokens the algorithm removes
     threshold: float | None  # the mini-batch's entropy threshold (S2T's tau_h, 20-Entropy's), None
     denominator: torch.Tensor  # 0-d float: this rank's share of N (sum it over ranks: N)
-    rule: torch.Tensor | None  # (B, T) bool: S2T's rule as the paper states it (None: not applied)
+    rule: torch.Tensor | None  # (B, T) bool: what S2T's rule silences, whatever the algorithm does
+    # (None: not applied, on policy)
 
 
 @dataclass(frozen=True)
@@ -222,16 +223,19 @@ class MiniBatchContext:
     seed, rows, length: randmask's keys (s2t.random_keys), seeded per mini-batch, each row's by its
     place in the whole mini-batch (rows; None: 0..B-1) up to the run's longest response (length;
     None: T), so the silenced positions are the same on any number of ranks.
-    window: --quantile-window's earlier candidates (s2t.QuantileWindow; S2T's rules only), which
-    this mini-batch's candidates then join; None: the paper's rule.
+    window: --quantile-window's earlier candidates (s2t.QuantileWindow), which this mini-batch's
+    candidates then join; None: the paper's rule.
     tis: (B, T) truncated importance-sampling weights (`tis_weight`), applied after N is counted
-    (the token mean stays over tokens); None: no TIS."""
+    (the token mean stays over tokens); None: no TIS.
+    known: p and H are the current policy's before the update; False on policy (train.on_policy),
+    where only the update's forward gives them: S2T's rule is then not applied here."""
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None
     seed: int = 0
     rows: range | None = None
     length: int | None = None
     window: s2t.QuantileWindow | None = None
     tis: torch.Tensor | None = None
+    known: bool = True
 
 
 def token_weights(algo: str, logprobs: torch.Tensor | None, entropy: torch.Tensor | None,
@@ -241,22 +245,23 @@ def token_weights(algo: str, logprobs: torch.Tensor | None, entropy: torch.Tenso
     """The token weights of one mini-batch (this rank's rows of it) and its share of the denominator
     N.
 
-    logprobs, entropy (B, T) of the current policy (None for an algorithm that silences nothing:
-    JustRL, GRPO); advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1; context: the other
-    ranks' rows, randmask's keys, the window, TIS (`MiniBatchContext`).
+    logprobs, entropy (B, T) of the current policy (unread when not `context.known`); advantages
+    (B, T) (or (B, 1)); response_mask (B, T) 0/1; context: the other ranks' rows, randmask's keys,
+    the window, TIS, whether p and H are known (`MiniBatchContext`).
     """
-    a, gather = algorithm(algo), context.gather
+    a, gather, window = algorithm(algo), context.gather, context.window
     mask = response_mask > 0  # (B, T)
-    silenced, threshold, rule = torch.zeros_like(mask), None, None
-    if a.silence in ("s2t", "random", "high_entropy"):
-        window = context.window
-        silenced, threshold = s2t.spurious_mask(logprobs, entropy, advantages, response_mask, tau_p,
-                                                quantile, gather,
-                                                None if window is None else window.values)
-        rule = silenced
+    silenced, threshold, rule, tau_h = torch.zeros_like(mask), None, None, None
+    if context.known:  # S2T's rule, whatever the algorithm silences (the metrics read it)
+        rule, tau_h = s2t.spurious_mask(logprobs, entropy, advantages, response_mask, tau_p,
+                                        quantile, gather, None if window is None else window.values)
         if window is not None:  # the mini-batch's candidates join the window (ranks in order)
             cand = entropy.detach()[s2t.candidates(logprobs, advantages, response_mask, tau_p)]
             window.add(cand if gather is None else gather(cand))
+    elif a.silence is not None:
+        raise ValueError(f"--algo {algo} reads p and H before the update: it cannot run on policy")
+    if a.silence in ("s2t", "random", "high_entropy"):
+        silenced, threshold = rule, tau_h
     if a.silence == "random":  # S2T's count over the whole mini-batch, at random candidates
         B, T = mask.shape
         keys = s2t.random_keys(context.seed, context.rows or range(B), context.length or T)

@@ -151,7 +151,8 @@ def mini_batches(run: Run, step: int, batch: rollout.Rollout, rewards: torch.Ten
     """This rank's rows of each of the step's mini-batches, in order (rank r holds rows r*b ..
     r*b+b-1 of each, `rank_slice`), with GRPO's reference log-probs (one pass over the batch) and
     the context of their token weights: the other ranks' rows, randmask's keys seeded from (seed,
-    step, k), the --quantile-window, TIS's weights min(pi_old / pi_sampler, cap)."""
+    step, k), the --quantile-window, TIS's weights min(pi_old / pi_sampler, cap), whether p and H
+    are known before the update (not on policy)."""
     cfg, b = run.cfg, run.cfg.mini_batch_prompts // run.world * run.cfg.group_size
     adv = advantages[:, None].expand_as(batch.logprobs)  # (B, T): every token of y_i gets A_i
     ref = token_stats(run.ref_policy, batch, cfg, run.device).logprobs if run.ref_policy else None
@@ -161,7 +162,7 @@ def mini_batches(run: Run, step: int, batch: rollout.Rollout, rewards: torch.Ten
             pi_old.logprobs[rows], batch.logprobs[rows], cfg.tis_cap)
         context = stapo.MiniBatchContext(all_gather_cat, hash((cfg.seed, step, k)) % 2**62,
                                          range(run.rank * b, (run.rank + 1) * b),
-                                         cfg.max_response_len, run.window, tis)
+                                         cfg.max_response_len, run.window, tis, not on_policy(cfg))
         yield MiniBatch(batch.select(rows), adv[rows], pi_old.rows(rows),
                         None if ref is None else ref[rows], rewards[rows] > 0, context)
 

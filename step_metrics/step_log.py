@@ -51,6 +51,20 @@ CELLS = tuple(f"{kind}_{part}" for kind in s2t_diagnostics.TOKEN_KINDS
               for part in s2t_diagnostics.PARTS)
 
 
+def on_policy_rule(pi_theta: TokenStats, mb, cfg) -> torch.Tensor:
+    """(b, T) bool: what S2T's rule silences in a mini-batch whose p and H only its update's forward
+    gave (on policy: stapo.token_weights could not apply it), pooling the --quantile-window, whose
+    state then only this metric reads; the mini-batch's candidates then join it."""
+    window = mb.context.window
+    rule, _ = s2t.spurious_mask(pi_theta.logprobs, pi_theta.entropy, mb.advantages, mb.mask,
+                                cfg.tau_p, cfg.quantile, all_gather_cat,
+                                None if window is None else window.values)
+    if window is not None:
+        cand = s2t.candidates(pi_theta.logprobs, mb.advantages, mb.mask, cfg.tau_p)  # (b, T)
+        window.add(all_gather_cat(pi_theta.entropy.detach()[cand]))
+    return rule
+
+
 def graded_tokens(batch: Rollout, tokenizer, mode: str) -> torch.Tensor:
     """(B, T) bool: each response's graded part (reward.graded_count), the rest of it being the text
     after the answer."""
@@ -168,9 +182,8 @@ class StepLog(Watch):
         diag = s2t_diagnostics.diagnostics(pi_theta, mb.advantages, mb.mask, weights.silenced,
                                            cfg.tau_p, grad_norm=g)
         rule = weights.rule  # (b, T) what S2T silences, whatever --algo does: the step's own
-        if rule is None:  # an algorithm without S2T's rule: the rule once, for this metric
-            rule = s2t.spurious_mask(pi_theta.logprobs, pi_theta.entropy, mb.advantages, mb.mask,
-                                     cfg.tau_p, cfg.quantile, all_gather_cat)[0]
+        if rule is None:  # on policy p and H came with the update: the rule once, for this metric
+            rule = on_policy_rule(pi_theta, mb, cfg)
         self.sums["rule_silenced"] += rule.sum().item()
         # the closed-form logit-gradient norm per kind of token and part of the response
         if self.graded is not None:

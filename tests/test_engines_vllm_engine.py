@@ -132,7 +132,7 @@ def test_train_vllm_logprob_diff_and_resume(tmp_path, monkeypatch):
     rollout/logprob_diff ~ 0 in fp32, and the resumed step (sampled from weights pushed after a
     checkpoint load) equals the uninterrupted run's (per-request seeds)."""
     patch_toy_task(monkeypatch, EVEN)
-    monkeypatch.setattr(train, "load_model", lambda name, **kw: (
+    monkeypatch.setattr("startup.run.load_model", lambda name, **kw: (
         tiny_model(vocab_size=TOY_VOCAB, head_dim=64), tiny_tokenizer()))
     data = toy_data(tmp_path)
     flags = dict(_VLLM_FLAGS, tis_cap=2.0, export_hf=False)

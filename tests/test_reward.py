@@ -465,8 +465,8 @@ def test_train_and_eval_pass_the_row_to_your_reward_function(tmp_path, monkeypat
     """train.py's step and held-out evaluation and eval.py --run call your function with the row's
     fields: a reward that reads a `parity` field trains (samples.jsonl shows its rewards for both
     splits), and eval.py gives the run's held-out numbers with it."""
-    monkeypatch.setattr(train, "lm_vocab_size", lambda tokenizer: TOY_VOCAB)
-    monkeypatch.setattr(train, "load_model",
+    monkeypatch.setattr("startup.run.lm_vocab_size", lambda tokenizer: TOY_VOCAB)
+    monkeypatch.setattr("startup.run.load_model",
                         lambda name, **kw: (tiny_model(vocab_size=TOY_VOCAB), tiny_tokenizer()))
     (tmp_path / "parity.py").write_text(_ROW_REWARD)
     data = tmp_path / "rows.jsonl"
@@ -513,8 +513,8 @@ def test_train_and_eval_use_your_own_reward_function(tmp_path, monkeypatch, caps
     --run takes the run's reward and gives the same held-out numbers; a bad spec is one line before
     the model loads, and an error inside the function while training or evaluating is one line
     naming the function and the exception, exit status 2."""
-    monkeypatch.setattr(train, "lm_vocab_size", lambda tokenizer: TOY_VOCAB)
-    monkeypatch.setattr(train, "load_model",
+    monkeypatch.setattr("startup.run.lm_vocab_size", lambda tokenizer: TOY_VOCAB)
+    monkeypatch.setattr("startup.run.load_model",
                         lambda name, **kw: (tiny_model(vocab_size=TOY_VOCAB), tiny_tokenizer()))
     (tmp_path / "rewards.py").write_text(_HALF_REWARD)
     even, boom = f"{tmp_path / 'rewards.py'}:even", f"{tmp_path / 'rewards.py'}:boom"
@@ -537,12 +537,12 @@ def test_train_and_eval_use_your_own_reward_function(tmp_path, monkeypatch, caps
     bench = results["models"][str(tmp_path / "run" / "hf")]["benchmarks"]["heldout"]
     assert bench["metrics"]["avg@k"] == pytest.approx(100 * last["eval/acc"])
     capsys.readouterr()
-    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("startup.run.load_model", lambda *a, **k: pytest.fail("the model loaded"))
     assert train.main(toy_args(data, tmp_path / "bad",
                                reward=f"{tmp_path / 'rewards.py'}:odd")) == 2
     one_line_error(capsys, f"train.py: error: reward {tmp_path / 'rewards.py'}:odd: "
                             f"{tmp_path / 'rewards.py'} has no function odd")
-    monkeypatch.setattr(train, "load_model",
+    monkeypatch.setattr("startup.run.load_model",
                         lambda name, **kw: (tiny_model(vocab_size=TOY_VOCAB), tiny_tokenizer()))
     args = toy_args(data, tmp_path / "boom", reward=boom)
     with one_thread():

@@ -23,6 +23,7 @@ import eval as ev
 import model
 import reward
 import rollout
+import s2t
 import stapo
 import train
 from command_line import errors
@@ -32,6 +33,7 @@ from model import Policy, tiny_model, tiny_tokenizer
 from reports import summary
 from rollout import format_prompt
 from step_metrics import step_log
+from step_metrics.watch import Watch
 from tests.model_batches import packing_batch
 from tests.toy_task import (
     ANSWER,
@@ -49,6 +51,7 @@ from tests.toy_task import (
     tensors_close,
     toy_args,
     toy_data,
+    toy_run,
     varied_data,
 )
 
@@ -339,7 +342,7 @@ def test_train_bad_out_dir_and_float_flags_are_one_line_errors(tmp_path, monkeyp
     before anything loads."""
     data = toy_data(tmp_path)
     (tmp_path / "file").write_text("x")
-    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("startup.run.load_model", lambda *a, **k: pytest.fail("the model loaded"))
     assert train.main(toy_args(data, tmp_path / "file" / "run")) == 2
     one_line_error(capsys, f"--out-dir {tmp_path / 'file' / 'run'} cannot be made: "
                            f"{tmp_path / 'file'} is a file")
@@ -579,7 +582,7 @@ def test_train_policy_on_another_device_than_the_rollout_engine(tmp_path, monkey
     patch_toy_task(monkeypatch, EVEN)
     start = train.init_distributed
     monkeypatch.setattr(train, "init_distributed", lambda timeout_min=60: (*start()[:2], _OTHER))
-    monkeypatch.setattr(train, "load_model", lambda name, device=None, **kw: (
+    monkeypatch.setattr("startup.run.load_model", lambda name, device=None, **kw: (
         tiny_model(vocab_size=TOY_VOCAB)._apply(OnOther if device == _OTHER else lambda t: t),
         tiny_tokenizer()))
     monkeypatch.setattr(choice, "make_engine", lambda name, lm, tokenizer, chat, stop=None, **kw:
@@ -804,3 +807,36 @@ def test_train_mini_batches_place_each_rank_s_rows():
         assert [c.length for c in mbs] == [8, 8] and mbs[0].seed != mbs[1].seed
         assert [c.seed for c in mbs] == [c.seed for c in contexts(1 - rank, 2)]
         assert [c.seed for c in mbs] != [c.seed for c in contexts(rank, 3)]
+
+
+# ------------------------------------------------ the metrics read the step's decision (watch.py)
+
+@pytest.mark.parametrize("algo", ["stapo", "justrl", "randmask"])
+def test_train_step_applies_the_s2t_rule_once_and_the_metrics_read_it(tmp_path, monkeypatch,
+                                                                     algo):
+    """One step of 2 mini-batches: S2T's rule runs once per mini-batch, with one all-gather of its
+    candidates' entropies (the metrics line once ran it a second time, with a second all-gather),
+    and s2t/rule_silenced counts the decision the step made (for STAPO also s2t/silenced)."""
+    calls, gathers = [], []
+    rule, gather = s2t.spurious_mask, train.all_gather_cat
+    monkeypatch.setattr(s2t, "spurious_mask", lambda *a: calls.append(1) or rule(*a))
+    monkeypatch.setattr(train, "all_gather_cat", lambda v: gathers.append(1) or gather(v))
+    monkeypatch.setattr(step_log, "all_gather_cat", lambda v: gathers.append(1) or gather(v))
+    decided = []
+
+    class Decisions(Watch):
+        def backward(self, k, mb, pi_theta, weights, update):
+            decided.append(weights)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with one_thread():
+            run = toy_run(tmp_path, monkeypatch, algo=algo)
+            metrics = train.logged_step(run, 1, Decisions()).metrics
+    finally:
+        dist.destroy_process_group()
+    assert len(decided) == 2 and len(calls) == 2, (len(decided), len(calls))
+    assert len(gathers) == 2 + (algo == "randmask") * 4  # randmask: its count and keys, twice
+    assert metrics["s2t/rule_silenced"] == sum(int(w.rule.sum()) for w in decided) > 0
+    if algo == "stapo":
+        assert metrics["s2t/silenced"] == metrics["s2t/rule_silenced"]

@@ -36,6 +36,7 @@ from distributed.process_group import init_distributed
 from reports import figures
 from reports.summary import step_spans
 from startup.run import setup
+from step_metrics.step_log import on_policy_rule
 from step_metrics.watch import Watch
 
 
@@ -260,10 +261,9 @@ class Replay(Watch):
                            self.batch.response_ids[first:first + len(mb.rollout)].cpu()):
             raise ValueError(f"step {self.step}: the replayed rollout differs from the "
                              "regenerated one (not seeded?)")
-        rule = weights.rule  # S2T's rule: the step's own, or once here (another --algo)
+        rule = weights.rule  # S2T's rule: the step's own, or once here (on policy)
         if rule is None:
-            rule = s2t.spurious_mask(pi_theta.logprobs, pi_theta.entropy, adv, mask,
-                                     self.cfg.tau_p, self.cfg.quantile)[0]
+            rule = on_policy_rule(pi_theta, mb, self.cfg)
         self.seen.append((k, len(mb.rollout), pi_theta.logprobs.cpu(), pi_theta.entropy.cpu(),
                           mask.cpu(), weights.silenced.cpu(),
                           s2t.candidates(pi_theta.logprobs, adv, mask, self.cfg.tau_p).cpu(),
