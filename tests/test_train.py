@@ -779,8 +779,9 @@ def test_train_sets_mkl_reproducibility_before_torch_loads():
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                              env=env)
         assert out.stdout.strip() == expected, out.stderr[-2000:]
-    source = (ROOT / "train.py").read_text()
-    assert source.index('os.environ.setdefault("MKL_CBWR"') < source.index("\nimport torch")
+    source = (ROOT / "train.py").read_text()  # startup/early.py sets it; train.py imports it first
+    assert source.index("from startup import early") < source.index("\nimport torch")
+    assert 'os.environ.setdefault("MKL_CBWR"' in (ROOT / "startup" / "early.py").read_text()
 
 
 # -------------------------------------------- a rank's rows of each mini-batch (train.mini_batches)
