@@ -139,7 +139,7 @@ def newcombe(keep: int, exclude: int, k: int, z: float = 1.96) -> tuple[float, f
 
 
 def engine_sampler(engine, temperature: float, top_p: float) -> Callable:
-    """`token_effects`'s sample() from a rollout engine (rollout.PlainEngine or VLLMEngine, inside
+    """`token_effects`'s sample() from a rollout engine (PlainEngine or VLLMEngine, inside
     its `ready`): the prefixes are prompts, one generate call for all of them (the K rows of a
     prefix share its prefill). With `exclude`, the first token of each continuation comes from
     `redraw_without` (the plain engine's model), the rest from the engine."""
