@@ -1,7 +1,7 @@
 """Rollouts (docs/paper.md §1 and §6): G responses per prompt from the rollout policy pi_old, at
 temperature 1.0 / top-p 1.0 in training. Prompt formatting (the instruction is data.INSTRUCTION;
 `fitting_prompts` keeps the prompts that fit --max-prompt-len), the reference batched sampler with a
-KV cache (`generate`), the `Rollout` batch and `PlainEngine`, the engine train.py and eval.py call.
+KV cache (`generate`) and the `Rollout` batch.
 
 The sampler is the whole of `generate`: left-pad the prompts, prefill each distinct prompt once (the
 G rows of a group take copies of its KV cache), then decode one token per step with a KV cache
@@ -11,21 +11,20 @@ sampling distribution and the recomputed pi_old agree, up to the matmul kernel: 
 passes over the vocabulary to sample, and writes into preallocated (B, T) buffers.
 
 Its fast decode step is fast_decode/ (written out layer by layer, or captured in CUDA graphs); the
-vLLM engine, which returns the same `Rollout`, and `make_engine`, which picks an engine by name, sit
-above this file in engines/. Deliberate differences 1-10: docs/paper.md, "Deliberate differences",
-rollout.py.
+engines train.py and eval.py call, which return the same `Rollout` (`PlainEngine`: this sampler on
+the policy's weights; the vLLM engine), and `make_engine`, which picks one by name, sit above this
+file in engines/. Deliberate differences 1-10: docs/paper.md, "Deliberate differences", rollout.py.
 """
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
 
 from data import INSTRUCTION
-from distributed.sharding import gathered
 from fast_decode.cuda_graphs import CapturedStep
 from fast_decode.decode_step import DecodeStep, InPlaceCache, drop_finished, onednn_linears, packed
-from model import PACKED_SDPA, attention_buckets, first_with_same_prompt, position_ids_from_mask
+from model import attention_buckets, first_with_same_prompt, position_ids_from_mask
 
 
 def format_prompt(tokenizer, problem: str, chat: bool = True,
@@ -414,95 +413,3 @@ def sample_groups(model, prompt_ids: list[list[int]], group_size: int, sampling:
                   **kwargs) -> Rollout:
     """G = group_size responses per prompt in one batch; group i is rows i*G .. i*G+G-1."""
     return generate(model, [p for p in prompt_ids for _ in range(group_size)], sampling, **kwargs)
-
-
-def concat(parts: list[Rollout], pad: int) -> Rollout:
-    """One Rollout from several: prompts left-padded to the longest P, responses right-padded to the
-    longest T."""
-    P = max(r.prompt_ids.shape[1] for r in parts)
-    T = max(r.response_ids.shape[1] for r in parts)
-
-    def left(x, value):
-        return torch.nn.functional.pad(x, (P - x.shape[1], 0), value=value)
-
-    def right(x, value):
-        return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
-
-    return Rollout(
-        torch.cat([left(r.prompt_ids, pad) for r in parts]),
-        torch.cat([left(r.prompt_mask, 0) for r in parts]),
-        torch.cat([right(r.response_ids, pad) for r in parts]),
-        torch.cat([right(r.response_mask, 0) for r in parts]),
-        torch.cat([right(r.logprobs, 0.0) for r in parts]), torch.cat([r.truncated for r in parts]))
-
-
-def request_seed(call_seed: int, row: int) -> int:
-    """The vLLM seed of row `row` of the generate call seeded `call_seed` (so a resumed run samples
-    the same)."""
-    return (call_seed * 1_000_003 + row) % 2**63
-
-
-class PlainEngine:
-    """`generate` (this file's sampler) on the policy's own weights: the default, and the readable
-    reference."""
-    name = "plain"
-
-    def __init__(self, lm, eos_token_id, pad_token_id: int, vocab_size: int | None,
-                 stop: Callable[[], bool] | None = None, max_len: int | None = None,
-                 captured: bool = False, stop_text: StopText | None = None):
-        """max_len: the run's longest prompt + response (train.py and eval.py give it), the length
-        of a phase's static cache; captured: decode through a `CapturedStep` (difference 10;
-        train.py's --cuda-graphs);
-        stop_text: where responses also end (--stop-text)."""
-        self.lm, self.eos, self.pad, self.vocab_size = lm, eos_token_id, pad_token_id, vocab_size
-        self.stop = stop
-        self.stop_text = stop_text
-        self.step = True  # generate's `written_out`: a DecodeStep during a rollout phase
-        self.max_len = max_len
-        self.captured = captured
-        self.static = None  # the phase's CapturedStep, made at its first sample call
-        lm.set_attn_implementation(PACKED_SDPA)  # as Policy does: model.grouped_sdpa under a mask
-
-    @contextmanager
-    def ready(self, policy):
-        """The rollout phase: under FSDP2 the parameters stay gathered (`gathered`); every rank must
-        enter. On CPU the decode step's weights are stacked and reordered here, once for every
-        generate call of the phase; with `captured`, its static cache and graphs are made at the
-        phase's first sample call."""
-        with gathered(policy):
-            # CUDA: the written-out step only to be captured (difference 10)
-            cuda = next(self.lm.parameters()).is_cuda
-            self.step = DecodeStep(self.lm, self.vocab_size) if DecodeStep.supports(self.lm) and (
-                self.captured or not cuda) else True
-            try:
-                yield self
-            finally:
-                # the copies go; the weights change before the next phase
-                self.step, self.static = True, None
-
-    def sample(self, prompts: list[list[int]], group_size: int, seeds: list[int], chunk: int,
-               max_new_tokens: int, temperature: float, top_p: float) -> Rollout:
-        """`group_size` responses per prompt, `chunk` prompts per generate call, call c seeded with
-        seeds[c]; cut short (incomplete) when `stop()` turns true. With `captured` in a phase, the
-        phase's static cache holds the largest call's rows x the longest prompt + response, and is
-        made anew only if a later call needs more."""
-        device, parts, step = next(self.lm.parameters()).device, [], self.step
-        if self.captured and isinstance(step, DecodeStep):  # difference 10
-            rows = min(chunk, len(prompts)) * group_size
-            length = max(self.max_len or 0, max(map(len, prompts)) + max_new_tokens)
-            if self.static is None or self.static.rows < rows or self.static.max_len < length:
-                self.static = None  # the smaller cache goes before the larger one is allocated
-                self.static = CapturedStep(step, rows, length)
-            step = self.static
-        sampling = Sampling(max_new_tokens, temperature, top_p, self.eos, self.pad, self.vocab_size,
-                            self.stop_text)
-        for c, seed in zip(range(0, len(prompts), chunk), seeds):
-            parts.append(sample_groups(self.lm, prompts[c:c + chunk], group_size, sampling,
-                                       generator=torch.Generator(device).manual_seed(seed),
-                                       stop=self.stop, written_out=step))
-            if self.stop is not None and self.stop():
-                break
-        return concat(parts, self.pad)
-
-    def close(self):
-        pass

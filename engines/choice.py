@@ -1,5 +1,5 @@
-"""The rollout engine by name (train.py's and eval.py's --rollout): 'plain' (rollout.PlainEngine,
-the reference sampler) or 'vllm' (VLLMEngine, imported only when chosen), and a training run's
+"""The rollout engine by name (train.py's and eval.py's --rollout): 'plain' (PlainEngine, the
+reference sampler) or 'vllm' (VLLMEngine, imported only when chosen), and a training run's
 engine sized for its KV-cache budget (`rollout_engine`). It sits above both engines, so that neither
 imports the other."""
 from __future__ import annotations
@@ -9,10 +9,11 @@ from typing import Callable
 import torch
 
 import config
+from engines.plain_engine import PlainEngine
 from engines.vllm_engine import VLLMEngine, VLLMSettings
 from memory.estimate import kv_cache_bytes
 from model import lm_vocab_size
-from rollout import PlainEngine, StopText, eos_ids
+from rollout import StopText, eos_ids
 
 
 def make_engine(name: str, lm, tokenizer, chat: bool, stop: Callable[[], bool] | None = None,

@@ -1,5 +1,5 @@
 """The vLLM engine (--rollout vllm; docs/rollouts.md): a colocated vllm.LLM behind the same `sample`
-call and `Rollout` as rollout.PlainEngine, its weights pushed from the policy once per rollout
+call and `Rollout` as PlainEngine, its weights pushed from the policy once per rollout
 phase; vLLM is imported only when chosen (docs/paper.md, "Deliberate differences": sampler 7 and the
 vLLM engine's own)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from memory.estimate import kv_cache_bytes
-from rollout import Rollout, StopText, left_pad, request_seed
+from rollout import Rollout, StopText, left_pad
 
 
 @contextmanager
@@ -70,6 +70,12 @@ class VLLMSettings:
     kv_cache_memory_bytes: int
     dtype: torch.dtype
     seed: int = 0
+
+
+def request_seed(call_seed: int, row: int) -> int:
+    """The vLLM seed of row `row` of the generate call seeded `call_seed` (so a resumed run samples
+    the same)."""
+    return (call_seed * 1_000_003 + row) % 2**63
 
 
 class VLLMEngine:

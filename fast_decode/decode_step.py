@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.models.llama.modeling_llama import rotate_half
 
-from model import grouped_sdpa
+from attention.packed_sdpa import grouped_sdpa
 
 
 class InPlaceLayer(DynamicLayer):

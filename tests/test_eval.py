@@ -19,7 +19,7 @@ import rollout
 import run_folder
 import train
 from data import builtin_task, load_rows
-from engines import choice
+from engines import choice, plain_engine
 from memory.estimate import kv_cache_bytes
 from model import tiny_tokenizer
 from rollout import INSTRUCTION, format_prompt
@@ -167,7 +167,7 @@ def test_eval_kv_cache_budget_bounds_every_call(tmp_path, monkeypatch, capsys):
     Qwen3-1.7B at k = 32 and 20k tokens, more than an H200 has.)"""
     made, calls = {}, []
 
-    class Recording(rollout.PlainEngine):
+    class Recording(plain_engine.PlainEngine):
         def sample(self, prompts, group_size, *args):
             calls.append(len(prompts) * group_size)
             return super().sample(prompts, group_size, *args)

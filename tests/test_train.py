@@ -28,7 +28,7 @@ import stapo
 import train
 from command_line import errors
 from data import heldout_count, load_rows, read_rows
-from engines import choice
+from engines import choice, plain_engine
 from model import Policy, tiny_model, tiny_tokenizer
 from reports import summary
 from rollout import format_prompt
@@ -563,7 +563,7 @@ def test_second_device_simulation_raises_like_cuda():
         assert cpu.tolist() == [0.0, 1.0, 2.0, 3.0] and not isinstance(x.cpu(), OnOther)
 
 
-class _CPUCopyEngine(rollout.PlainEngine):
+class _CPUCopyEngine(plain_engine.PlainEngine):
     """An engine with vLLM's contract: its own copy of the weights (pushed in `ready`), batches on
     the CPU."""
 

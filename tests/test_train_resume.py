@@ -432,14 +432,15 @@ def _same_run(a: Path, b: Path, keys: tuple[str, ...] | None = None, atol: float
                   load_file(b / "hf" / "model.safetensors"), atol=atol)
 
 
+_PLAIN = "engines.plain_engine.PlainEngine"  # its sample: a rollout or an evaluation
 # the phase a signal comes in: (the call that sends it, its number, the steps of the checkpoint
 # left, eval lines, where the stop line says it came)
-_PHASES = {"rollout": (("rollout.PlainEngine", "sample"), 3, 1, [0],
+_PHASES = {"rollout": ((_PLAIN, "sample"), 3, 1, [0],
                        "in step 2's rollout (the step is dropped)"),
            "update": (("train", "old_policy_stats"), 2, 2, [0],  # once a step
                       "in step 2 (its updates finished)"),
            # --eval-every 2: eval 0, step 1, step 2, eval 2
-           "eval": (("rollout.PlainEngine", "sample"), 4, 2, [0],
+           "eval": ((_PLAIN, "sample"), 4, 2, [0],
                     "in the evaluation after 2 steps (it runs again on resume)")}
 
 
@@ -506,7 +507,7 @@ def test_train_ctrl_c_checkpoints_a_second_leaves_at_once_and_resume_auto_contin
     # the user's command: no --resume
     twice = toy_args(data, tmp_path / "twice", steps=3, save_every=1)
     proc = run_train(tmp_path, twice,
-                     hook=("hook_signal_at", "rollout.PlainEngine", "sample", 2, "0", "SIGINT", 2),
+                     hook=("hook_signal_at", _PLAIN, "sample", 2, "0", "SIGINT", 2),
                      expect=run_folder.INTERRUPTED)
     again = twice + ["--resume", "auto"]
     assert proc.stderr.splitlines()[-1] == (f"train.py: warning: SIGINT after SIGINT: leaving "
@@ -620,7 +621,7 @@ def test_train_stop_signal_to_one_rank_stops_both_then_resume_on_other_world_siz
     run_train(tmp_path, toy_args(data, tmp_path / "full", steps=3, heldout=3))
     two_one = toy_args(data, tmp_path / "two_one", steps=3, heldout=3, resume="auto")
     proc = run_train(tmp_path, two_one, nproc=2,
-                     hook=("hook_signal_at", "rollout.PlainEngine", "sample", 3, "1", "SIGUSR1"),
+                     hook=("hook_signal_at", _PLAIN, "sample", 3, "1", "SIGUSR1"),
                      expect=None)
     assert proc.returncode != 0 and ("stopped by SIGUSR1 (to another rank) in step 2's rollout "
                                      "(the step is dropped), 1 step of 3 done") in proc.stdout, \
@@ -628,7 +629,7 @@ def test_train_stop_signal_to_one_rank_stops_both_then_resume_on_other_world_siz
     assert json.loads((tmp_path / "two_one" / "stopped.json").read_text())["steps_done"] == 1
     run_train(tmp_path, two_one)
     one_two = toy_args(data, tmp_path / "one_two", steps=3, heldout=3, resume="auto")
-    run_train(tmp_path, one_two, hook=("hook_signal_at", "rollout.PlainEngine", "sample", 3),
+    run_train(tmp_path, one_two, hook=("hook_signal_at", _PLAIN, "sample", 3),
               expect=run_folder.STOPPED)
     run_train(tmp_path, one_two, nproc=2)
     for run in ("two_one", "one_two"):

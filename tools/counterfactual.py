@@ -123,7 +123,7 @@ def token_effects(sample: Callable, grade: Callable, rows: list[tuple[list[int],
 
 
 def engine_sampler(engine, temperature: float, top_p: float) -> Callable:
-    """`token_effects`'s sample() from a rollout engine (rollout.PlainEngine or VLLMEngine, inside
+    """`token_effects`'s sample() from a rollout engine (PlainEngine or VLLMEngine, inside
     its `ready`): the prefixes are prompts, one generate call for all of them (the K rows of a
     prefix share its prefill). With `exclude`, the first token of each continuation comes from
     `redraw_without` (the plain engine's model), the rest from the engine."""
