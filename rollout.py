@@ -70,8 +70,9 @@ class Rollout:
     prompt_mask: torch.Tensor    # (B, P) long 0/1
     response_ids: torch.Tensor   # (B, T) long, pad after EOS
     response_mask: torch.Tensor  # (B, T) long 0/1: 1 on every generated token including EOS
-    # (B, T) float32: log pi_old(y_t | x, y_<t) under the full tempered softmax, 0 at pad
-    logprobs: torch.Tensor
+    # (B, T) float32: the sampler's log pi(y_t | x, y_<t) under the full tempered softmax, 0 at
+    # pad: what the rollout engine reports (pi_old is recomputed by the training forward, D2)
+    sampler_logprobs: torch.Tensor
     truncated: torch.Tensor      # (B,) bool: no EOS within max_new_tokens
 
     def training_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:

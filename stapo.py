@@ -113,24 +113,24 @@ def surrogate_weight(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advanta
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                loss_mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28,
+                weights: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28,
                 dual_clip: float | None = None, denominator=None) -> tuple[torch.Tensor, dict]:
-    """Negated clipped surrogate, aggregated as sum(loss_mask * per_token_loss) / denominator.
+    """Negated clipped surrogate, aggregated as sum(weights * per_token_loss) / denominator.
 
     logprobs (B, T) differentiable, old_logprobs (B, T) of the rollout policy, advantages (B, T) (or
-    (B, 1)), loss_mask (B, T) float weights (0/1, or 1/|y_i| for GRPO). denominator: float or 0-d
-    tensor, the global number from `token_weights` summed over ranks; default loss_mask.sum()
+    (B, 1)), weights (B, T) the token weights I_it (0/1, or 1/|y_i| for GRPO). denominator: float or
+    0-d tensor, the global N (`token_weights`' shares summed over ranks); default weights.sum()
     (one-batch use).
         per_token_loss = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)
         dual clip (A < 0): per_token_loss = min(per_token_loss, -dual_clip A)      (dual_clip > 1)
     stats: 0-d detached tensors on the input's device (no host sync; call .item() when logging),
-    computed over the tokens with loss_mask > 0 of this call (unweighted token fractions):
+    computed over the tokens with weights > 0 of this call (unweighted token fractions):
         clip/frac_low   fraction with A < 0 and r < 1 - clip_low: the lower clip active (no grad)
         clip/frac_high  fraction with A > 0 and r > 1 + clip_high: the upper clip active (no grad)
         clip/frac_dual  (with dual_clip only) fraction with A < 0 and r > dual_clip: dual clip on
         ratio/mean      mean r
         kl/approx       mean k3 estimate of KL(pi_old || pi_theta): r - 1 - log r
-        loss/tokens     number of tokens with loss_mask > 0 (weighs these means over micro-batches)
+        loss/tokens     number of tokens with weights > 0 (weighs these means over micro-batches)
     """
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
@@ -145,13 +145,13 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                                      torch.minimum(per_token_loss, -dual_clip * advantages),
                                      per_token_loss)
     if denominator is None:
-        denominator = loss_mask.sum()
+        denominator = weights.sum()
     # never a bf16 count
     denominator = torch.as_tensor(denominator, device=per_token_loss.device).float()
-    loss = (loss_mask * per_token_loss).sum() / denominator.clamp(min=1)  # -1/N sum I_it min(...)
+    loss = (weights * per_token_loss).sum() / denominator.clamp(min=1)  # -1/N sum I_it min(...)
 
     with torch.no_grad():
-        sel = loss_mask > 0  # (B, T)
+        sel = weights > 0  # (B, T)
         count = sel.sum()
         n = count.clamp(min=1).float()
         r = ratio.detach()
@@ -209,7 +209,7 @@ class TokenWeights(NamedTuple):
     weights: torch.Tensor  # (B, T) float: the token weights I_it (GRPO: I_it / |y_i|; TIS: * w_t)
     silenced: torch.Tensor  # (B, T) bool: response tokens the algorithm removes
     threshold: float | None  # the mini-batch's entropy threshold (S2T's tau_h, 20-Entropy's), None
-    denominator: torch.Tensor  # 0-d float: this rank's share of N (sum it over ranks: N)
+    share: torch.Tensor  # 0-d float: this rank's share of N (summed over ranks: N)
     rule: torch.Tensor | None  # (B, T) bool: what S2T's rule silences, whatever the algorithm does
     # (None: not applied, on policy)
 

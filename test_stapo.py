@@ -350,7 +350,7 @@ def _update(algo, batch, sizes, beta=0.04):
     param = torch.nn.Parameter(logprobs.clone())
     chunks = torch.arange(len(logprobs)).split(sizes)
     parts = _ranks(algo, batch, chunks)
-    den = sum(p.denominator for p in parts)  # all_sum over ranks
+    den = sum(p.share for p in parts)  # all_sum over ranks
     total = 0.0
     for p, c in zip(parts, chunks):
         loss, _ = stapo.policy_loss(param[c], old[c], adv[c], p.weights,

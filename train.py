@@ -82,7 +82,7 @@ def train_step(run: Run, step: int, watch: Watch = Watch()) -> bool:
         # of N; thresholds over the whole mini-batch
         weights = stapo.token_weights(cfg.algo, pi_theta.logprobs, pi_theta.entropy,
                                       mb.advantages, mb.mask, cfg.tau_p, cfg.quantile, mb.context)
-        N = all_sum(weights.denominator)[0]  # N = sum_i sum_t I_it over the whole mini-batch
+        N = all_sum(weights.share)[0]  # N = sum_i sum_t I_it over the whole mini-batch
         run.optimizer.zero_grad(set_to_none=True)
         watch.weighed(k, mb, pi_theta, weights, N)
         # the gradient of -J, micro-batch by micro-batch; None: nothing to learn (D6)
@@ -127,7 +127,7 @@ def old_policy_stats(run: Run, batch: rollout.Rollout) -> TokenStats:
     without gradients. On policy (`on_policy`) the update's own forward is that pass: the tensors
     start at 0 and `accumulate_gradients` fills them in, detached (ratio 1)."""
     if on_policy(run.cfg):
-        return TokenStats(*(torch.zeros_like(batch.logprobs) for _ in range(3)))
+        return TokenStats(*(torch.zeros_like(batch.sampler_logprobs) for _ in range(3)))
     return token_stats(run.policy, batch, run.cfg, run.device)
 
 
@@ -154,12 +154,12 @@ def mini_batches(run: Run, step: int, batch: rollout.Rollout, rewards: torch.Ten
     step, k), the --quantile-window, TIS's weights min(pi_old / pi_sampler, cap), whether p and H
     are known before the update (not on policy)."""
     cfg, b = run.cfg, run.cfg.mini_batch_prompts // run.world * run.cfg.group_size
-    adv = advantages[:, None].expand_as(batch.logprobs)  # (B, T): every token of y_i gets A_i
+    adv = advantages[:, None].expand_as(batch.sampler_logprobs)  # (B, T): A_i on every token of y_i
     ref = token_stats(run.ref_policy, batch, cfg, run.device).logprobs if run.ref_policy else None
     for k, first in enumerate(range(0, len(batch), b)):
         rows = slice(first, first + b)
         tis = None if cfg.tis_cap is None else stapo.tis_weight(  # (b, T)
-            pi_old.logprobs[rows], batch.logprobs[rows], cfg.tis_cap)
+            pi_old.logprobs[rows], batch.sampler_logprobs[rows], cfg.tis_cap)
         context = stapo.MiniBatchContext(all_gather_cat, hash((cfg.seed, step, k)) % 2**62,
                                          range(run.rank * b, (run.rank + 1) * b),
                                          cfg.max_response_len, run.window, tis, not on_policy(cfg))

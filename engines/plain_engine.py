@@ -34,7 +34,8 @@ def concat(parts: list[Rollout], pad: int) -> Rollout:
         torch.cat([left(r.prompt_mask, 0) for r in parts]),
         torch.cat([right(r.response_ids, pad) for r in parts]),
         torch.cat([right(r.response_mask, 0) for r in parts]),
-        torch.cat([right(r.logprobs, 0.0) for r in parts]), torch.cat([r.truncated for r in parts]))
+        torch.cat([right(r.sampler_logprobs, 0.0) for r in parts]),
+        torch.cat([r.truncated for r in parts]))
 
 
 class PlainEngine:

@@ -255,7 +255,7 @@ class StepLog(Watch):
         mask = self.batch.response_mask.float()  # (B, T)
         self.sums["entropy"] += (self.pi_old.entropy * mask).sum()
         self.sums["logprob_diff"] += \
-            ((self.pi_old.logprobs - self.batch.logprobs).abs() * mask).sum()
+            ((self.pi_old.logprobs - self.batch.sampler_logprobs).abs() * mask).sum()
         tot = dict(zip(self.sums, all_sum(*self.sums.values())))
         counts, updates = self.counts, self.counts["updates"]
 

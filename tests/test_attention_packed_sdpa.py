@@ -71,11 +71,11 @@ def test_rollout_grouped_sdpa_no_repeated_cache(monkeypatch):
     (ref, ref_calls), (r, calls) = runs["sdpa"], runs[packed_sdpa.PACKED_SDPA]
     assert torch.equal(r.response_ids, ref.response_ids) and \
         len(set(r.response_mask.sum(1).tolist())) > 1
-    torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(r.sampler_logprobs, ref.sampler_logprobs, atol=1e-5, rtol=0)
     # transformers': every step
     assert calls == [] and len(ref_calls) > 2 * lm.config.num_hidden_layers
     sampled = generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(1),
                        written_out=False)
     recomputed = recomputed_logprobs(lm, sampled, 1.0, REAL_VOCAB)
-    torch.testing.assert_close(sampled.logprobs[sampled.response_mask.bool()],
+    torch.testing.assert_close(sampled.sampler_logprobs[sampled.response_mask.bool()],
                                recomputed[sampled.response_mask.bool()], atol=1e-5, rtol=0)

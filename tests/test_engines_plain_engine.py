@@ -38,7 +38,7 @@ def test_plain_engine_takes_the_weights_once_per_phase(monkeypatch):
         per_call = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)
         assert len(built) == 1 + len(prompts)
         assert torch.equal(r.response_ids, per_call.response_ids)
-        torch.testing.assert_close(r.logprobs, per_call.logprobs, atol=1e-6, rtol=0)
+        torch.testing.assert_close(r.sampler_logprobs, per_call.sampler_logprobs, atol=1e-6, rtol=0)
         return r
 
     before = phase()
@@ -78,4 +78,4 @@ def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
         assert built == [(2, 200), (4, 200)] and engine.static is not held
     assert engine.static is None and engine.step is True
     assert torch.equal(r.response_ids, eager.response_ids)
-    torch.testing.assert_close(r.logprobs, eager.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(r.sampler_logprobs, eager.sampler_logprobs, atol=1e-5, rtol=0)

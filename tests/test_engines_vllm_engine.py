@@ -319,7 +319,8 @@ class TestVLLMEngine:
         assert len(set(lengths.tolist())) > 2 and r.truncated.any() and not r.truncated.all()
         # greedy log-probs: under the temperature-1 softmax, as rollout.generate's
         mask = r.response_mask.bool()
-        torch.testing.assert_close(r.logprobs[mask], recomputed_logprobs(lm, r, 1.0, None)[mask],
+        torch.testing.assert_close(r.sampler_logprobs[mask],
+                                   recomputed_logprobs(lm, r, 1.0, None)[mask],
                                    atol=1e-5, rtol=0)
 
     def test_vllm_weight_push_after_optimizer_step(self, vllm_engine):
@@ -351,5 +352,6 @@ class TestVLLMEngine:
             not torch.equal(a.response_ids, c.response_ids)
         assert len(set(map(tuple, a.response_ids[:3].tolist()))) > 1  # a prompt's G samples differ
         mask = a.response_mask.bool()
-        torch.testing.assert_close(a.logprobs[mask], recomputed_logprobs(lm, a, 0.7, None)[mask],
+        torch.testing.assert_close(a.sampler_logprobs[mask],
+                                   recomputed_logprobs(lm, a, 0.7, None)[mask],
                                    atol=1e-5, rtol=0)

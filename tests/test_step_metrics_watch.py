@@ -20,7 +20,7 @@ class Recorder(Watch):
         self.seen.append((self.name, "rolled_out", None))
 
     def weighed(self, k, mb, pi_theta, weights, N):
-        assert N == float(weights.denominator)  # one process: N is this rank's share
+        assert N == float(weights.share)  # one process: N is this rank's share
         self.seen.append((self.name, "weighed", k))
 
     def backward(self, k, mb, pi_theta, weights, update):

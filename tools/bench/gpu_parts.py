@@ -291,7 +291,8 @@ def gpu_rollouts(sizes, state, device, bandwidth, out):
                           cuda_graphs.CapturedStep(step, batch, P + n_new, capture=False)))
         out.append({"part": "captured_check", "batch": batch, "new_tokens": n,
                     "same_tokens": torch.equal(a.response_ids, b.response_ids),
-                    "logprob_max_abs_diff": (a.logprobs - b.logprobs).abs().max().item()})
+                    "logprob_max_abs_diff":
+                        (a.sampler_logprobs - b.sampler_logprobs).abs().max().item()})
         print(f"CapturedStep replayed vs its body run eagerly, {batch} x {n}: same tokens "
               f"{out[-1]['same_tokens']}, log-prob max diff "
               f"{out[-1]['logprob_max_abs_diff']:.2e}", flush=True)
