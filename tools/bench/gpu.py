@@ -141,7 +141,7 @@ def bench_gpu(smoke=False, out=None, parts=GPU_PARTS):
     """Paper: STAPO (arXiv:2602.15620), docs/paper.md §6, trains Qwen3-1.7B/8B with FSDP, responses
     up to 15,360 tokens. One prepared run on one CUDA GPU, no network: a random model of
     Qwen3-1.7B's exact shape (QWEN3_1_7B) and a word-level tokenizer of its full vocabulary, saved
-    to a temporary folder and loaded by train.setup (FSDP2 via sharding.shard_policy, bf16
+    to a temporary folder and loaded by startup.run.setup (FSDP2 via sharding.shard_policy, bf16
     compute / fp32 master weights, activation checkpointing, AdamW); then (1) `train`: one
     train.train_step per response length 1k / 4k / 16k on synthetic rollouts: tokens/s, MFU against
     the bf16 matmul rate measured here, peak memory; (2) `numerics`: log-probs and entropy of that
