@@ -130,7 +130,7 @@ def gpu_train(sizes, cfg, state, device, flops_rate, out):
         n_seq, row = n_prompts * G, sizes.prompt_len + T
         tokens = n_seq * row
         update = metrics["time/update_s"]
-        estimate = memory_estimate(  # the arguments setup (startup/run.py) prints its memory line with
+        estimate = memory_estimate(  # the arguments startup.run.setup prints its memory line with
             lm.config, 1, min(max(micro, row), n_seq * row), True,
             RolloutCall(n_seq, sizes.prompt_len, T), fsdp=True,
             compute_bytes=2 if device.type == "cuda" else 4,
