@@ -15,7 +15,7 @@ files and a run's held-out set are read by data.py, the benchmarks by evaluation
 this file splits the problems across ranks, samples and grades them; evaluation/results.py counts
 (avg@k, pass@k) and writes OUT/results.json and OUT/table.md (docs/evaluation.md). Every input is
 checked before a model loads; an error is one line, exit status 2. Nothing here imports train.py.
-Deliberate differences 1-6: docs/paper.md, "Deliberate differences", eval.py.
+Deliberate differences D52-D57: docs/paper.md, "Deliberate differences".
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ RUN_FIELDS = {"chat": "chat", "instruction": "instruction", "temperature": "temp
 BATCH_SIZE = 64  # --batch-size's default, but for heldout
 
 
-def parse_config(argv: list[str] | None = None) -> Config:
+def parse_config(argv: list[str] | None = None) -> Config:  # D57
     """argv -> Config. Each value: the flag given, else the training run's (--run, or the run folder
     an --models HF directory sits in), else the default. Checks names and paths; loads no data and
     no model."""
@@ -289,7 +289,7 @@ def evaluate_model(opened: Opened, name: str, cfg: Config, sets: dict[str, dict]
     import rollout
 
     engine, lm, tokenizer, per_call = opened
-    # this rank's calls: every world-th one
+    # this rank's calls: every world-th one; pure data parallelism (D53)
     calls = {b: [range(start, min(start + per_call[b], len(s["rows"])))
                  for start in range(0, len(s["rows"]), per_call[b])][rank::world]
              for b, s in sets.items()}
@@ -304,7 +304,7 @@ def evaluate_model(opened: Opened, name: str, cfg: Config, sets: dict[str, dict]
                     prompts = [rollout.format_prompt(tokenizer, rows[i]["problem"], cfg.chat,
                                                      cfg.instruction)
                                for i in idx]
-                    # rows j*k .. j*k+k-1 answer problem idx[j] (difference 5: the seed)
+                    # rows j*k .. j*k+k-1 answer problem idx[j] (D56: the seed)
                     with torch.no_grad():
                         ro = engine.sample(prompts, k, [problem_seed(cfg.seed, idx[0])],
                                            len(prompts), cfg.max_new_tokens, cfg.temperature,
@@ -312,7 +312,7 @@ def evaluate_model(opened: Opened, name: str, cfg: Config, sets: dict[str, dict]
                     texts = ro.texts(tokenizer)
                     lengths = ro.response_mask.sum(-1).tolist()  # (B,) tokens including EOS
                     truncated = ro.truncated.tolist()  # (B,)
-                    # the row each response answers
+                    # the row each response answers; graded by rule only (D52)
                     answered = [rows[idx[r // k]] for r in range(len(texts))]
                     values = reward.rewards(texts, [row["gold"] for row in answered], cfg.reward,
                                             answered)

@@ -5,8 +5,8 @@ logit-gradient norm), the packed training forward (`Policy`), and saving a Huggi
 
 Everything here is model plumbing the paper takes from veRL; the quantities are the paper's. The
 attention of packed rows lives in attention/, the GGUF conversion in model_files/, the process group
-and FSDP2 sharding in distributed/, the memory estimate in memory/. Deliberate differences 1-8:
-docs/paper.md, "Deliberate differences", model.py.
+and FSDP2 sharding in distributed/, the memory estimate in memory/. Deliberate differences D16-D23:
+docs/paper.md, "Deliberate differences".
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ class _ChunkedHead(torch.autograd.Function):
             p = logp.exp()  # (C, V) pi(v)
             logprobs[rows] = logp.gather(1, targets[rows, None]).squeeze(1)  # log pi(y_t)
             # products in logp's buffer (no third (C, V) buffer), pairwise sums, accurate at any V
-            entropy[rows] = -logp.mul_(p).sum(-1)  # H = -sum_v pi(v) log pi(v) (difference 6)
+            entropy[rows] = -logp.mul_(p).sum(-1)  # H = -sum_v pi(v) log pi(v) (D21)
             collision[rows] = torch.mul(p, p, out=logp).sum(-1)  # sum_v pi(v)^2
             del z, logp
         ctx.save_for_backward(hidden, weight, targets, lse)
@@ -162,7 +162,7 @@ def chunked_logprobs_entropy(hidden, weight, targets, temperature=1.0, chunk_siz
     `(logprobs, entropy, collision)`, each (N,) float32 (float64 for float64 inputs). Equal to the
     naive `log_softmax(hidden @ weight.T / temperature)` computation; logprobs are differentiable
     w.r.t. hidden and weight, entropy and collision are detached. At most `chunk_size x V` logits
-    exist at once (see `_ChunkedHead`)."""
+    exist at once (see `_ChunkedHead`; D16)."""
     logprobs, entropy, collision = _ChunkedHead.apply(hidden, weight, targets, temperature,
                                                       chunk_size, vocab_size)
     return (logprobs, entropy, collision) if with_collision else (logprobs, entropy)
@@ -200,7 +200,7 @@ def attention_buckets(lengths: list[int], padding: float = ATTENTION_PADDING) ->
 
 
 # --------------------------------------------------------------------------------------------------
-# The policy: backbone + chunked head on response positions only.
+# The policy: backbone + chunked head on response positions only (D17).
 
 
 class TokenStats(NamedTuple):
@@ -239,7 +239,7 @@ class Policy(nn.Module):
         response_mask (B, T). Returns TokenStats: logprobs, entropy, collision, each (B, T) float32
         and 0 where response_mask == 0.
 
-        Packed rows (difference 7): the real tokens of the B rows run end to end as one row of N
+        Packed rows (D22): the real tokens of the B rows run end to end as one row of N
         tokens, positions restarting at 0 for each sequence, and a prompt that several rows share
         (the G responses of one prompt) only once, in its first row; attention is restricted to each
         sequence (`packed_sdpa_attention`). No attention mask is built, no padding reaches a matmul,
@@ -302,7 +302,7 @@ def lm_vocab_size(tokenizer) -> int:
     return len(tokenizer)
 
 
-def _set_pad_token(lm, tokenizer):
+def _set_pad_token(lm, tokenizer):  # D20
     """Pad with a special token other than EOS when the tokenizer has one (the unk or
     `<|endoftext|>` token); otherwise with EOS, which is safe because masks never come from pad
     ids."""

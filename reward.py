@@ -11,7 +11,7 @@ how its text is cleaned (normalize), the math answer parser (model output never 
 sympify or parse_expr), equality (equivalence) and its budgets (limits); your own reward function is
 loaded and called by grader/user_reward.py.
 
-Deliberate differences 1-5: docs/paper.md, "Deliberate differences", reward.py.
+Deliberate differences D11-D15: docs/paper.md, "Deliberate differences".
 """
 import functools
 import time
@@ -67,9 +67,9 @@ def reward(response, gold, mode="dapo", row=None):
     "MODULE:FUNCTION": your function (`load_reward`), called as FUNCTION(response, gold, **the
     fields of `row` it takes), row = the data row the response answers ({"problem", "fields"},
     data.read_rows). A response is correct when its reward is positive."""
-    if ":" in mode:
+    if ":" in mode:  # your own function (D15)
         return user_reward.call(load_reward(mode), mode, [response], [gold], [row])[0]
-    if mode == "strict":
+    if mode == "strict":  # the paper's string match; the default compares values (D11)
         deadline = time.monotonic() + TIMEOUT_S
         try:
             boxes = extract_final(response, deadline)[2] if isinstance(response, str) else []

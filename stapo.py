@@ -16,7 +16,7 @@ differs only in the token weights and the denominator (`ALGORITHMS`, the table a
                 S2T's size, else 1 (control)
     highmask    0 on the candidates S2T keeps, else 1      kept tokens      0.2, 0.28
 `token_weights` makes one mini-batch's weights and this rank's share of N (thresholds over the whole
-mini-batch through a `gather` over ranks). Deliberate differences 1-7: docs/paper.md, stapo.py.
+mini-batch through a `gather` over ranks). Deliberate differences D31-D37: docs/paper.md.
 """
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -89,7 +89,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
 
 def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
     # log r = log p - log p_old, clamped so that exp() cannot overflow (zero gradient beyond +-20,
-    # never reached)
+    # never reached; D32)
     return (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
 
 
@@ -140,7 +140,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     surrogate = torch.minimum(ratio * advantages,
                               ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
     per_token_loss = -surrogate  # (B, T)
-    if dual_clip is not None:
+    if dual_clip is not None:  # verl's dual clip for A < 0 (D33)
         per_token_loss = torch.where(advantages < 0,
                                      torch.minimum(per_token_loss, -dual_clip * advantages),
                                      per_token_loss)
@@ -148,7 +148,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         denominator = weights.sum()
     # never a bf16 count
     denominator = torch.as_tensor(denominator, device=per_token_loss.device).float()
-    loss = (weights * per_token_loss).sum() / denominator.clamp(min=1)  # -1/N sum I_it min(...)
+    loss = (weights * per_token_loss).sum() / denominator.clamp(min=1)  # -1/N sum I min(...) (D36)
 
     with torch.no_grad():
         sel = weights > 0  # (B, T)
@@ -279,15 +279,15 @@ def token_weights(algo: str, logprobs: torch.Tensor | None, entropy: torch.Tenso
         threshold = s2t.quantile_of(values if gather is None else gather(values),
                                     1 - ENTROPY_TOP_FRACTION)
         if threshold is not None:  # None only if the mini-batch has no response tokens
-            silenced = mask & (entropy.detach() < threshold)  # keep H >= tau: top 20% (choice 4)
+            silenced = mask & (entropy.detach() < threshold)  # keep H >= tau: top 20% (D34)
     weights = (mask & ~silenced).float()  # (B, T): I_it
     if a.denominator == "sequences":  # GRPO: 1/|y_i| per token, N = sequences with a response token
         weights = weights / mask.float().sum(dim=1, keepdim=True).clamp(min=1)
         part = mask.any(dim=1).sum().float()
-    elif a.denominator == "response":  # 20-Entropy: N = all response tokens (choice 4)
+    elif a.denominator == "response":  # 20-Entropy: N = all response tokens (D34)
         part = mask.sum().float()
     else:  # N = sum_i sum_t I_it
         part = weights.sum()
-    if context.tis is not None:  # TIS: I_it * min(pi_old / pi_sampler, C), N as counted
+    if context.tis is not None:  # TIS: I_it * min(pi_old / pi_sampler, C), N as counted (D37)
         weights = weights * context.tis
     return TokenWeights(weights, silenced, threshold, part, rule)

@@ -11,7 +11,7 @@ calls them; `train`, the loop (held-out evaluations, checkpoints, stops, the clo
 and `main`. The machinery it calls: config.py (what a run is told), run_folder/ (checkpoints, logs,
 resume, stop signals), reports/ (figures, closing lines), step_metrics/ (the metrics line),
 distributed/ (`all_sum`, `gather`, FSDP2), engines/ (the rollout engines), eval.py (the held-out
-evaluation). Deliberate differences 1-9: docs/paper.md, "Deliberate differences", train.py.
+evaluation). Deliberate differences D38-D46: docs/paper.md, "Deliberate differences".
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def train_step(run: Run, step: int, watch: Watch = Watch()) -> bool:
     sees the step's decisions at four moments (step_metrics/watch.py: the metrics line, the
     instruments, the counterfactual's replay)."""
     cfg, G, policy = run.cfg, run.cfg.group_size, run.policy
-    # 1. Rollout: G responses y_i ~ pi_old to each of this rank's prompts (D3: seeded per call).
+    # 1. Rollout: G responses y_i ~ pi_old to each of this rank's prompts (D40: seeded per call).
     batch, prompt_rows = sample(run, step)  # prompt_rows: the training row of each prompt
     if run.preemption.agreed():  # a stop signal came during the rollout: drop the step
         return False
@@ -69,7 +69,7 @@ def train_step(run: Run, step: int, watch: Watch = Watch()) -> bool:
     rows = [run.rows[prompt_rows[i // G]] for i in range(len(texts))]  # each response's data row
     rewards = torch.tensor(reward.rewards(texts, [r["answer"] for r in rows], cfg.reward, rows))
     advantages = stapo.group_advantages(rewards, G).to(run.device)  # (B,)
-    # 3. pi_old: p, H and collision of the policy that sampled, before the step's updates (D2).
+    # 3. pi_old: p, H and collision of the policy that sampled, before the step's updates (D39).
     pi_old = old_policy_stats(run, batch)  # TokenStats of (B, T) each
     watch.rolled_out(batch, texts, prompt_rows, rewards, advantages, pi_old)
 
@@ -82,10 +82,10 @@ def train_step(run: Run, step: int, watch: Watch = Watch()) -> bool:
         # of N; thresholds over the whole mini-batch
         weights = stapo.token_weights(cfg.algo, pi_theta.logprobs, pi_theta.entropy,
                                       mb.advantages, mb.mask, cfg.tau_p, cfg.quantile, mb.context)
-        N = all_sum(weights.share)[0]  # N = sum_i sum_t I_it over the whole mini-batch
+        N = all_sum(weights.share)[0]  # N = sum_i sum_t I_it over the whole mini-batch (D31)
         run.optimizer.zero_grad(set_to_none=True)
         watch.weighed(k, mb, pi_theta, weights, N)
-        # the gradient of -J, micro-batch by micro-batch; None: nothing to learn (D6)
+        # the gradient of -J, micro-batch by micro-batch; None: nothing to learn (D43)
         update = accumulate_gradients(run, mb, weights.weights, N)
         watch.backward(k, mb, pi_theta, weights, update)
         grad_norm = optimizer_step(run) if update else None  # None: no step was made
@@ -97,7 +97,7 @@ def train_step(run: Run, step: int, watch: Watch = Watch()) -> bool:
 def sample(run: Run, step: int) -> tuple[rollout.Rollout, list[int]]:
     """(this rank's rollout batch of step `step` on the policy's device, the training row of each
     prompt): its prompts in mini-batch order (`rank_slice`), each generate call seeded from (seed,
-    step, global index of its first prompt) (D3)."""
+    step, global index of its first prompt) (D40)."""
     cfg, position = run.cfg, step - 1  # the steps before this one: the data position
     indices = prompt_indices(position, len(run.rows), cfg)
     positions = rank_slice(len(indices), cfg, run.rank, run.world)
@@ -123,7 +123,7 @@ def on_policy(cfg: config.Config) -> bool:
 
 
 def old_policy_stats(run: Run, batch: rollout.Rollout) -> TokenStats:
-    """pi_old: p, H and collision of the policy before the step's updates, (B, T) each (D2): a pass
+    """pi_old: p, H and collision of the policy before the step's updates, (B, T) each (D39): a pass
     without gradients. On policy (`on_policy`) the update's own forward is that pass: the tensors
     start at 0 and `accumulate_gradients` fills them in, detached (ratio 1)."""
     if on_policy(run.cfg):
@@ -179,7 +179,7 @@ def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor, N: floa
     over token-budget micro-batches, no optimizer step: sum_micro sum_ranks
     (world * loss_part) / world = J's gradient, however the rows are grouped. weights (b, T): the
     token weights I_it; N: the global denominator. None, and no gradient, when no rank has a token
-    with A != 0 and I > 0 and there is no KL term: the gradient is 0 (D6); on policy a pass without
+    with A != 0 and I > 0 and there is no KL term: the gradient is 0 (D43); on policy a pass without
     gradients then fills pi_old in."""
     cfg, device = run.cfg, run.device
     if all_sum(((mb.advantages != 0) & (weights > 0)).sum())[0] == 0 and mb.ref_logprobs is None:
@@ -211,9 +211,9 @@ def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor, N: floa
         if mb.ref_logprobs is not None:  # GRPO with --kl-beta > 0: + beta * sum(I * k3) / N
             kl = stapo.kl_term(pi_theta.logprobs, mb.ref_logprobs[cut].to(device),
                                weights[cut].to(device), N)
-            loss = loss + cfg.kl_beta * kl
+            loss = loss + cfg.kl_beta * kl  # the KL term, outside policy_loss (D35)
             kl_sum += kl.item()
-        (loss * run.world).backward()  # FSDP2 divides the summed gradient by world (D5)
+        (loss * run.world).backward()  # FSDP2 divides the summed gradient by world (D42)
         loss_sum += loss.item()
         tokens = stats["loss/tokens"].item()
         sums["loss_tokens"] += tokens
@@ -227,7 +227,7 @@ def optimizer_step(run: Run) -> float | None:
     the clip, or None and no step when it is not finite (the norm is global: every rank agrees)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(run.policy.parameters(), run.cfg.grad_clip)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    if not math.isfinite(grad_norm):
+    if not math.isfinite(grad_norm):  # D43
         run.optimizer.zero_grad(set_to_none=True)
         return None
     run.optimizer.step()
@@ -279,7 +279,7 @@ def train(run: Run) -> int:
     """The training loop: steps, their logs, evaluations, checkpoints, the export. Returns the exit
     status: 0, or run_folder.STOPPED when a stop signal ended the run early (with a checkpoint).
     Step N (from 1) is the same N in the console, every log (eval.jsonl: evaluated after N
-    steps, 0 = before training) and checkpoint/step_N."""
+    steps, 0 = before training) and checkpoint/step_N (D46)."""
     cfg, start = run.cfg, run.start
     evaluated = {r["step"] for r in read_log(Path(cfg.out_dir) / "eval.jsonl")}
     # a resume's due evaluation; where a stop came

@@ -1,4 +1,4 @@
-"""Attention inside the policy's forward (docs/paper.md, "Deliberate differences": model.py 7 and 8;
+"""Attention inside the policy's forward (docs/paper.md, "Deliberate differences": D22 and D23;
 docs/memory.md#attention-path): the attention implementation `PACKED_SDPA` that model.Policy and the
 plain sampler give their model. For a packed row (`PackedRows`: where each sequence's tokens are)
 attention stays within each sequence, the sequences laid out in model.attention_buckets's buckets
@@ -71,7 +71,7 @@ def grouped_sdpa(query, key, value, attention_mask, scaling: float | None = None
     (R, KV, L, hd) -> (R, q, H, hd). transformers' SDPA path copies the keys and values once per
     head group (`repeat_kv`) whenever a mask is given, as CUDA's fused kernels need; PyTorch's CPU
     kernel takes the groups as they are (`enable_gqa`), 3-4x faster for the sampler's decode steps
-    over a cache of left-padded prompts (docs/rollouts.md)."""
+    over a cache of left-padded prompts (docs/rollouts.md; D23)."""
     return nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True).transpose(1, 2)
 

@@ -19,9 +19,9 @@ from rollout import StopText, eos_ids
 def make_engine(name: str, lm, tokenizer, chat: bool, stop: Callable[[], bool] | None = None,
                 captured: bool = False, stop_text: list[str] | None = None, **vllm_kwargs):
     """The rollout engine `name` ('plain' or 'vllm') for the HF model `lm`; vLLM is imported only
-    for 'vllm'.
+    for 'vllm' (D45).
     stop: the plain sampler's early end (a vLLM generate call always finishes); captured: the plain
-    engine decodes through CUDA graphs (difference 10); stop_text: texts that also end a response
+    engine decodes through CUDA graphs (D10); stop_text: texts that also end a response
     (--stop-text, `StopText`); vllm_kwargs: VLLMSettings's max_model_len (also the plain engine's
     static cache length), kv_cache_memory_bytes, dtype, seed."""
     args = (lm, eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, lm_vocab_size(tokenizer))

@@ -1,6 +1,6 @@
 """The plain engine (--rollout plain, the default; docs/rollouts.md): rollout.py's reference sampler
 `generate` on the policy's own weights, behind the same `sample` call and `Rollout` as the vLLM
-engine (docs/paper.md §1 and "Deliberate differences": sampler 6, 9 and 10): a rollout phase keeps
+engine (docs/paper.md §1 and "Deliberate differences": D6, D9 and D10): a rollout phase keeps
 FSDP2's parameters gathered and builds the written-out decode step once (`ready`), and `sample`
 makes G responses per prompt in chunks of prompts, one generate call each, joined into one batch
 (`concat`).
@@ -47,7 +47,7 @@ class PlainEngine:
                  stop: Callable[[], bool] | None = None, max_len: int | None = None,
                  captured: bool = False, stop_text: StopText | None = None):
         """max_len: the run's longest prompt + response (train.py and eval.py give it), the length
-        of a phase's static cache; captured: decode through a `CapturedStep` (difference 10;
+        of a phase's static cache; captured: decode through a `CapturedStep` (D10;
         train.py's --cuda-graphs);
         stop_text: where responses also end (--stop-text)."""
         self.lm, self.eos, self.pad, self.vocab_size = lm, eos_token_id, pad_token_id, vocab_size
@@ -66,7 +66,7 @@ class PlainEngine:
         generate call of the phase; with `captured`, its static cache and graphs are made at the
         phase's first sample call."""
         with gathered(policy):
-            # CUDA: the written-out step only to be captured (difference 10)
+            # CUDA: the written-out step only to be captured (D10)
             cuda = next(self.lm.parameters()).is_cuda
             self.step = DecodeStep(self.lm, self.vocab_size) if DecodeStep.supports(self.lm) and (
                 self.captured or not cuda) else True
@@ -83,7 +83,7 @@ class PlainEngine:
         phase's static cache holds the largest call's rows x the longest prompt + response, and is
         made anew only if a later call needs more."""
         device, parts, step = next(self.lm.parameters()).device, [], self.step
-        if self.captured and isinstance(step, DecodeStep):  # difference 10
+        if self.captured and isinstance(step, DecodeStep):  # D10
             rows = min(chunk, len(prompts)) * group_size
             length = max(self.max_len or 0, max(map(len, prompts)) + max_new_tokens)
             if self.static is None or self.static.rows < rows or self.static.max_len < length:

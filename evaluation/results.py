@@ -3,7 +3,7 @@ over problems of the fraction of k samples graded correct, and the unbiased pass
 response length and the truncation rate beside it (`benchmark_metrics`); OUT/results.json (every
 sample with its verdict) read back and checked (`read_results`), graded again with the current
 reward.py (`regrade`), and OUT/table.md, the paper's table with one row per checkpoint (`table`)
-(docs/paper.md, "Deliberate differences": eval.py 3 and 4)."""
+(docs/paper.md, "Deliberate differences": D54 and D55)."""
 from __future__ import annotations
 
 import json
@@ -23,7 +23,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def benchmark_metrics(problems: list[dict]) -> dict:
+def benchmark_metrics(problems: list[dict]) -> dict:  # D54
     """avg@k = mean over problems of the fraction of correct samples; pass@k with k = samples per
     problem; mean length (tokens) and truncation rate over all samples. Accuracies in percent."""
     samples = [s for p in problems for s in p["samples"]]
@@ -94,7 +94,7 @@ def table(results: dict) -> str:
     seen = [b for m in results["models"].values() for b in m["benchmarks"]]
     benches = ([b for b in BENCHMARKS if b in seen]
                + list(dict.fromkeys(b for b in seen if b not in BENCHMARKS)))
-    paper = [b for b in benches if b in PAPER_BENCHMARKS]
+    paper = [b for b in benches if b in PAPER_BENCHMARKS]  # Avg: these only (D55)
     cfg = results["config"]
     prompt = (f"{'chat template' if cfg['chat'] else 'raw text'} + instruction "
               f"{cfg['instruction']!r}")

@@ -1,7 +1,7 @@
 """Whether a predicted answer equals the gold (docs/grader.md): parsed values compared exactly
 (sympy Rationals), expressions at points and symbolically, tuples, sets and intervals part by part,
 equations by their value, multiple choice by its letter, a gold of several answers against one box
-per part (`answer_parts`) (docs/paper.md, "Deliberate differences": grader 1-3)."""
+per part (`answer_parts`) (docs/paper.md, "Deliberate differences": D11-D13)."""
 import re
 
 import sympy as sp
@@ -228,7 +228,7 @@ _RETRACT = re.compile(r"\b(?:wait|actually|instead|mistake|wrong|incorrect|error
                       r"correction|oops)\b", re.I)
 
 
-def answer_parts(text, boxes, golds, deadline):
+def answer_parts(text, boxes, golds, deadline):  # D13
     """A gold of k > 1 answers against the last k boxes, one per part
     ("(a) \\boxed{6} ... (b) \\boxed{15}"), when none of them is unterminated, empty or hedged and
     no retraction stands between them."""

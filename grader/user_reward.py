@@ -1,4 +1,4 @@
-"""Your own reward function (docs/paper.md §1 and "Deliberate differences": reward.py 5;
+"""Your own reward function (docs/paper.md §1 and "Deliberate differences": D15;
 docs/training.md#your-own-data-reward-and-recipe): --reward FILE.py:FUNCTION or MODULE:FUNCTION,
 loaded once and checked (`load_function`), called on a response or a batch with the row's fields it
 takes by keyword (`call`); whatever it does wrong is one line naming it (`RewardError`). reward.py's

@@ -1,5 +1,5 @@
 """A GGUF file loaded as a plain Hugging Face model (docs/paper.md §2 and "Deliberate differences":
-model.py 4; docs/model.md#loading): de-quantized to float32 and rebuilt, so that it trains and saves
+D19; docs/model.md#loading): de-quantized to float32 and rebuilt, so that it trains and saves
 like any other, its EOS read from the file, and converted once: the HF folder is cached by the
 file's content and the converter's versions, and written into place by one rename
 (`gguf_cache_dir`). model.py's `load_model` reads "smollm2" and every .gguf file through
@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
-def load_gguf(path):
+def load_gguf(path):  # D19
     """A GGUF file -> a plain (unquantized, savable) HF model and its tokenizer, converted once: the
     HF folder is kept in the cache (`gguf_cache_dir`) and read from there afterwards (SmolLM2-135M:
     ~45 s of GGUF parsing the first time, ~2 s from the cache)."""

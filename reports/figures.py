@@ -14,7 +14,7 @@
   effect on the success rate against its probability, by kind (counterfactual.jsonl).
 
 matplotlib is optional: without it every function prints one line on stderr and draws nothing.
-Choices 1-9: docs/paper.md, "Deliberate differences", reports/figures.py.
+Choices D74-D82: docs/paper.md, "Deliberate differences".
 """
 import sys
 from pathlib import Path
@@ -32,7 +32,7 @@ ENTROPY_CHANGE_PANELS = tuple(("metrics.jsonl", f"entropy_change/{kind}",
                               for kind, title in (("silenced", "silenced tokens"),
                                                   ("candidate", "kept candidates"),
                                                   ("other", "other tokens"))) + \
-    (("metrics.jsonl", "entropy/mean", "entropy"),)  # train.py --entropy-change; choice 8
+    (("metrics.jsonl", "entropy/mean", "entropy"),)  # train.py --entropy-change; D82
 # s2t.grad_norm_logits, w = r A
 GRADIENT_NORM = r"logit-gradient norm $|w|\,\sqrt{1 - 2p + \sum_v p_v^2}$"
 STYLES = ("-", "--", ":", "-.")
@@ -65,7 +65,7 @@ def plot_metrics(run_dirs: list[str], out_png: str, panels: tuple = METRIC_PANEL
     from matplotlib.ticker import MaxNLocator
 
     group = {run: name for name, runs in seed_groups(run_dirs).items() for run in runs}
-    colors = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(group.values()))}  # choice 3
+    colors = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(group.values()))}  # D76
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
     for ax, (name, key, title) in zip(axes, panels):
         data = {}  # run -> {step: value} of the runs with this panel's key
@@ -73,7 +73,7 @@ def plot_metrics(run_dirs: list[str], out_png: str, panels: tuple = METRIC_PANEL
             lines = [m for m in read_log(Path(run) / name) if metric_value(m, key) is not None]
             if lines:
                 data[run] = {m["step"]: m[key] for m in lines}
-        # choice 3: group -> (steps, mean, runs per step) at the steps two or more of its runs have
+        # D76: group -> (steps, mean, runs per step) at the steps two or more of its runs have
         means = {}
         for g in dict.fromkeys(group[run] for run in data):
             runs = [values for run, values in data.items() if group[run] == g]
@@ -81,7 +81,7 @@ def plot_metrics(run_dirs: list[str], out_png: str, panels: tuple = METRIC_PANEL
             if steps:
                 have = [[r[x] for r in runs if x in r] for x in steps]
                 means[g] = steps, [sum(v) / len(v) for v in have], sorted({len(v) for v in have})
-        # choice 5: evaluations are points, with no line between them
+        # D78: evaluations are points, with no line between them
         curves, points = {}, name == "eval.jsonl"
         for i, run in enumerate(run_dirs):
             if run in data:
@@ -106,7 +106,7 @@ def plot_metrics(run_dirs: list[str], out_png: str, panels: tuple = METRIC_PANEL
             ax.set_ylim(-0.04, 1.04)  # an accuracy
         if key.startswith("entropy_change/"):  # a change: its sign is the point
             ax.axhline(0, color="k", linewidth=0.6, linestyle="--")
-        same = [names for names in curves.values() if len(names) > 1]  # choice 2
+        same = [names for names in curves.values() if len(names) > 1]  # D75
         if same:
             # three names a line, so that a long group stays inside the panel
             lines = ["identical: " + "\n    = ".join(" = ".join(n[i:i + 3])
@@ -115,7 +115,7 @@ def plot_metrics(run_dirs: list[str], out_png: str, panels: tuple = METRIC_PANEL
             ax.text(0.02, 0.02, "\n".join(lines), transform=ax.transAxes, fontsize=7, va="bottom")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("steps done (0 = before training)" if points else "step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # choice 1
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # D74
         steps = [x for xs, _ in curves for x in xs]
         # points clear of the frame; whole steps around one
         if steps and (points or max(steps) - min(steps) < 2):
@@ -123,7 +123,7 @@ def plot_metrics(run_dirs: list[str], out_png: str, panels: tuple = METRIC_PANEL
             ax.set_xlim(min(steps) - pad, max(steps) + pad)
         if not curves:
             ax.text(0.5, 0.5, f"no {name}", transform=ax.transAxes, ha="center", color="gray")
-    named = {}  # choice 9: one legend under the panels, every label any panel has, once
+    named = {}  # D80: one legend under the panels, every label any panel has, once
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             named.setdefault(label, handle)
@@ -172,7 +172,7 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
             for ax, y in ((ax_h, "H"), (ax_g, "grad_norm")):
                 ax.scatter([tok["p"][i] for i in sel], [tok[y][i] for i in sel],
                            label=f"{name} ({len(sel)})", **style)
-        if taus:  # choice 6: the thresholds as one bar on the tau_p line, a tick at their median
+        if taus:  # D79: the thresholds as one bar on the tau_p line, a tick at their median
             low, median, high = taus[0], taus[len(taus) // 2], taus[-1]
             ax_h.errorbar([tau_p], [median], yerr=[[median - low], [high - median]], fmt="_",
                           markersize=18, mew=2.5, elinewidth=4, alpha=0.8, capsize=0,
@@ -186,7 +186,7 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
             ax.set_xlim(max(min(tok["p"], default=1e-6) / 2, 1e-9), 1.5)
 
         def mean(sel):
-            w = sum(tok["weight"][i] for i in sel)
+            w = sum(tok["weight"][i] for i in sel)  # weighted: means over all tokens (D77)
             return (f"{sum(tok['grad_norm'][i] * tok['weight'][i] for i in sel) / w:.3g}" if w
                     else "-")
 
@@ -202,7 +202,7 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
         ax_g.set_ylabel(GRADIENT_NORM)
         ax_g.set_title(f"mean norm (weighted): silenced {mean(silenced)} vs kept {mean(kept)}",
                        fontsize=10)
-        # choice 6: beside the plane, over no token
+        # D79: beside the plane, over no token
         ax_g.legend(*ax_h.get_legend_handles_labels(), fontsize=10, loc="upper left",
                     bbox_to_anchor=(1.02, 1), borderaxespad=0)
     fig.tight_layout()

@@ -3,8 +3,8 @@ docs/paper.md §8: RQ1's correlations, RQ3/RQ4's algorithms side by side, RQ5's 
 runs that are seeds of one setting (`seed_groups`), one run's summary (`run_summary`), the markdown
 table over runs (`summary_table`), and the lines train.py prints at a run's end: what the mask
 silenced (`silenced_summary`), RQ1's correlations (`correlation_line`), a divergence (`divergence`).
-Choice 8 (an entropy change of 0.0 is no such tokens): docs/paper.md, "Deliberate differences",
-reports/figures.py.
+D82 (an entropy change of 0.0 is no such tokens) and D81 (a correlation's scope): docs/paper.md,
+"Deliberate differences".
 """
 import json
 from pathlib import Path
@@ -44,7 +44,7 @@ def seed_groups(run_dirs: list[str]) -> dict[str, list[str]]:
 
 def metric_value(line: dict, key: str) -> float | None:
     """A metrics line's value of `key`, None where absent or where an entropy-change kind had no
-    tokens (choice 8)."""
+    tokens (D82)."""
     value = line.get(key)
     return None if value is None or (key.startswith("entropy_change/") and value == 0.0) else value
 
@@ -75,7 +75,7 @@ def run_summary(run: str) -> dict:
             "entropy_end": steps[-1]["entropy/mean"] if steps else None,
             "reward_end": steps[-1]["reward/mean"] if steps else None,
             "acc_end": steps[-1].get("reward/acc") if steps else None,
-            # --entropy-change: mean of the step means over the steps with such tokens (choice 8)
+            # --entropy-change: mean of the step means over the steps with such tokens (D82)
             **{f"entropy_change_{kind}":
                _mean_or_none([v for v in (metric_value(m, f"entropy_change/{kind}")
                                           for m in steps) if v is not None])
@@ -172,7 +172,7 @@ def step_spans(steps: list[int]) -> str:
 
 
 def correlation_line(run: str) -> str:
-    """One line of RQ1's correlations for a run folder ('' without tokens.jsonl)."""
+    """One line of RQ1's correlations for a run folder ('' without tokens.jsonl; D81)."""
     records = read_log(Path(run) / "tokens.jsonl")
     if not records:
         return ""

@@ -113,7 +113,7 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
 def fitting(cfg: config.Config, tokenizer, rows: tuple[list[dict], list[dict]],
             rank: int) -> tuple[list[dict], list[list[int]], list[dict], list[list[int]]]:
     """(training rows, their prompts, held-out rows, their prompts): the rows whose prompt fits
-    --max-prompt-len (difference 7), with one line on rank 0 of how many did not; a ValueError when
+    --max-prompt-len (D44), with one line on rank 0 of how many did not; a ValueError when
     none of the training rows fits or too few for a step do."""
     train_rows, train_prompts, dropped = rollout.fitting_prompts(tokenizer, rows[0], cfg.chat,
                                                                  cfg.instruction,

@@ -1,5 +1,6 @@
 """The layout (docs/layout.md): the tutorial at the top, the machinery in folders; no import circle;
-the budgets; one test file per code file, named for its path (docs/tests.md)."""
+the budgets; docs/paper.md's links to the code lines they name; one test file per code file, named
+for its path (docs/tests.md)."""
 import ast
 import re
 from collections import defaultdict
@@ -186,6 +187,56 @@ def test_no_tool_reaches_into_train():
             and node.value.id == "train"}
     assert {(p, name) for p, name in used if name not in own} == set()
     assert any(name == "logged_step" for _, name in used)
+
+
+# ---------------------------------------------------------------- docs/paper.md's links to the code
+LINK = re.compile(r"\[([^\]]+):(\d+)\]\(\.\./([^)#]+)#L(\d+)\)")  # [PATH:NN](../PATH#LNN)
+
+
+def paper_section(title: str) -> str:
+    """docs/paper.md's section `## title`, up to the next `## ` heading."""
+    text = (ROOT / "docs" / "paper.md").read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def linked_line(link: tuple[str, str, str, str]) -> str:
+    """The line that a `LINK` match names, once its text (PATH:NN) and its URL are seen to agree and
+    the file to hold that line."""
+    text_path, text_line, path, line = link
+    assert (text_path, text_line) == (path, line), link
+    assert (ROOT / path).is_file(), link
+    lines = (ROOT / path).read_text().splitlines()
+    assert 1 <= int(line) <= len(lines), link
+    return lines[int(line) - 1]
+
+
+def test_deliberate_differences_link_their_lines():
+    """docs/paper.md's deliberate differences are numbered once, D1 .. Dn in document order, no gap
+    or repeat; each links exactly one line, `[PATH:NN](../PATH#LNN)`, that carries its marker DN;
+    every DN in the code (outside the tests) names an item that exists. Each row of "One name per
+    quantity" links a line that holds the name it gives (its last identifier)."""
+    section = paper_section("Deliberate differences")
+    assert not re.search(r"^\d+\. ", section, re.M)  # no item left with a per-file number
+    items = re.findall(r"^\*\*D(\d+)\.\*\* (.*)$", section, re.M)
+    assert [int(n) for n, _ in items] == list(range(1, len(items) + 1)) and len(items) > 50
+    for n, body in items:
+        links = LINK.findall(body)
+        assert len(links) == 1 and body.count("](") == 1, f"D{n}: {body}"
+        assert re.search(rf"\bD{n}\b", linked_line(links[0])), f"D{n}: {links[0]}"
+    markers = {(str(p), int(m)) for p in _code_files()
+               for m in re.findall(r"\bD(\d+)\b", (ROOT / p).read_text())}
+    assert {(p, m) for p, m in markers if not 1 <= m <= len(items)} == set()
+    rows = [re.split(r"(?<!\\)\|", line)[1:-1]
+            for line in paper_section("One name per quantity").splitlines()
+            if line.startswith("| ") and "](" in line]
+    assert len(rows) >= 20
+    for paper, code, where in rows:
+        name = re.findall(r"`([^`]+)`", code)[0]
+        last = re.findall(r"\w+", name)[-1]
+        (link,) = LINK.findall(where)
+        assert re.search(rf"\b{last}\b", linked_line(link)), (paper, name, link)
 
 
 # ------------------------------------------------------ the tests follow the layout (docs/tests.md)

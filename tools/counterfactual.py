@@ -11,7 +11,7 @@ they "contribute negligibly to the correct reasoning outcome". This file measure
 contribution, effect(y_t) = P(success | x, y_<=t) - P(success | x, y_<t), and its contrast
 against a redraw without y_t, from K graded continuations per side, for the tokens a replayed
 step silenced, the candidates it kept and other tokens (the estimator and its intervals:
-docs/experiments.md, "The counterfactual estimator"). Deliberate choices 1-8: docs/paper.md.
+docs/experiments.md, "The counterfactual estimator"). Deliberate choices D58-D65: docs/paper.md.
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def token_effects(sample: Callable, grade: Callable, rows: list[tuple[list[int],
         continuation of prefix i starts with exclude[i] (the policy's next-token distribution
         without it, renormalized).
     grade(row, response) -> float: the reward of a whole response (token ids) to prompt
-    `row`; > 0 is a success.
+    `row`; > 0 is a success (D58).
     rows[row] = (prompt, response): token ids (a response: its generated tokens, EOS included, no
     padding).
     """
@@ -87,16 +87,16 @@ def token_effects(sample: Callable, grade: Callable, rows: list[tuple[list[int],
         y = rows[row][1]
         if not 0 <= t < len(y):
             raise ValueError(f"token {t} of row {row} is outside its {len(y)}-token response")
-        # y_t is the response's EOS or its last token at the budget (choice 3)
+        # y_t is the response's EOS or its last token at the budget (D60)
         ends = t + 1 == len(y)
         prefixes += [_Prefix(j, "keep", y[:t + 1], 0 if ends else max_response_len - (t + 1)),
-                     _Prefix(j, "resample", y[:t], max_response_len - t),
+                     _Prefix(j, "resample", y[:t], max_response_len - t),  # D59
                      _Prefix(j, "exclude", y[:t], max_response_len - t)]
     outcomes = {}  # (token, side) -> K successes (0/1)
     for p in prefixes:
         if p.budget == 0:  # the response itself, K times
             outcomes[p.token, p.side] = [float(grade(tokens[p.token][0], p.response) > 0)] * k
-    calls = []  # the redraws without y_t in calls of their own; longest budget first (choice 4)
+    calls = []  # the redraws without y_t in calls of their own; longest budget first (D61)
     for redraw in (False, True):
         todo = sorted((p for p in prefixes if p.budget > 0 and (p.side == "exclude") == redraw),
                       key=lambda p: -p.budget)
@@ -220,13 +220,13 @@ class Step:
     response_mask: torch.Tensor  # (B, T)
     silenced: torch.Tensor  # (B, T) bool: the algorithm's mask
     candidates: torch.Tensor  # (B, T) bool: A > 0, p < tau_p
-    # (B, T) bool: what the S2T rule (the run's tau_p, q) silences, whatever the algorithm
+    # (B, T) bool: what the S2T rule (the run's tau_p, q) silences, whatever the algorithm (D65)
     s2t_rule: torch.Tensor
     # the regenerated rollout and masks agree with the run's logs (None: no line)
     matches_run: bool | None
 
 
-class Replay(Watch):
+class Replay(Watch):  # D63
     """Each mini-batch's decision as the replayed step made it (`regenerate_step`): p, H, the mask,
     the candidates and S2T's rule, on the CPU."""
 
@@ -316,7 +316,7 @@ def _matches_run(run_dir: Path, step: int, cfg, rewards, batch, texts: list[str]
                  silenced: int) -> bool | None:
     """Whether a regenerated step is the run's (config `cfg`): its mean reward, length and S2T
     candidate and silenced counts against the step's metrics.jsonl line, and the first response of
-    its first prompts against samples.jsonl (None: the run never made the step)."""
+    its first prompts against samples.jsonl (None: the run never made the step; D64)."""
     G, n_samples = cfg.group_size, cfg.samples_per_step
     line = next((m for m in run_folder.read_log(run_dir / "metrics.jsonl")
                  if m["step"] == step), None)

@@ -22,7 +22,7 @@ def variance(xs: list[float]) -> float:
     return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
 
 
-def newcombe(keep: int, exclude: int, k: int, z: float = 1.96) -> tuple[float, float]:
+def newcombe(keep: int, exclude: int, k: int, z: float = 1.96) -> tuple[float, float]:  # D62
     """Newcombe's hybrid score interval (1998, method 10) of p1 - p2 for p1 = keep / k,
     p2 = exclude / k, from the two Wilson intervals (l_i, u_i):
     (d - sqrt((p1 - l1)^2 + (u2 - p2)^2), d + sqrt((u1 - p1)^2 + (p2 - l2)^2))."""
