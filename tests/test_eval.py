@@ -234,8 +234,8 @@ def _tiny_run(folder: Path, **values) -> Path:
 
 
 def _record_sampling(monkeypatch) -> list[dict]:
-    """Wrap rollout.sample_groups: each call's prompts and sampling arguments are appended to the
-    returned list."""
+    """Wrap rollout.sample_groups where the plain engine calls it (engines/plain_engine.py): each
+    call's prompts and sampling arguments are appended to the returned list."""
     calls, sample = [], rollout.sample_groups
 
     def recorded(lm, prompts, k, sampling, **kw):
@@ -243,7 +243,7 @@ def _record_sampling(monkeypatch) -> list[dict]:
             "temperature", "top_p", "max_new_tokens")}})
         return sample(lm, prompts, k, sampling, **kw)
 
-    monkeypatch.setattr(rollout, "sample_groups", recorded)
+    monkeypatch.setattr("engines.plain_engine.sample_groups", recorded)
     return calls
 
 
