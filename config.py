@@ -9,8 +9,8 @@ The flag builder and --config files are command_line/flags.py.
 
 No torch at import (parse_config and read_inputs import torch and the files whose rules they
 check, stapo.py, reward.py, run_folder, when they run), so that `eval.py --help` answers at once;
-train.py is never imported: tools that need a Config import this file. Deliberate differences 1-5:
-docs/paper.md, "Deliberate differences", config.py.
+train.py is never imported: tools that need a Config import this file. Deliberate differences
+D47-D51: docs/paper.md, "Deliberate differences".
 """
 from __future__ import annotations
 
@@ -222,7 +222,7 @@ class Config:
 # builtin_task, sized so `python train.py` (2.5 min) and
 # `torchrun --standalone --nproc_per_node=2 train.py` (6 min) finish in < 15 minutes on 2 idle
 # cores, and S2T silences tokens in most steps (docs/training.md, Time).
-CPU_PRESET = dict(
+CPU_PRESET = dict(  # D47
     model="smollm2", data="", chat=False, instruction="The answer is", temperature=1.0,
     max_response_len=24, steps=10, prompts_per_step=16, mini_batch_prompts=8, lr=3.5e-6,
     warmup_steps=0, grad_checkpointing=False, rollout_chunk=0, save_every=0, keep_checkpoints=1,
@@ -230,7 +230,7 @@ CPU_PRESET = dict(
 )
 
 
-# train.py --plot's line in --help (run_folder.figures.main parses the rest)
+# train.py --plot's line in --help (reports.report.main parses the rest)
 PLOT_HELP = ("redraw the figures of finished runs, RUN/metrics.png, s2t.png and gradient.png "
              "(several runs: overlaid), and print RQ1's correlations, without training (not "
              "--plots, which draws this run's at its end); `python train.py --plot RUN --help` "
@@ -255,13 +255,13 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
 
     given = parse_flags(Config, argv, "train.py",
                         notes={k: f"cpu preset: {v!r}" for k, v in CPU_PRESET.items()},
-                        modes={"plot": PLOT_HELP})  # --plot: train.main calls figures.main first
+                        modes={"plot": PLOT_HELP})  # --plot: train.main calls report.main first
     if given.get("light"):
         given = {**LIGHT, **given}
     cuda = torch.cuda.is_available()
     preset = given.get("preset", "auto")
     if preset == "auto":
-        preset = "paper" if cuda else "cpu"
+        preset = "paper" if cuda else "cpu"  # D38
     if preset not in ("paper", "cpu"):
         raise ValueError(f"unknown --preset {preset!r}; valid: auto, paper, cpu")
     defaults = CPU_PRESET if preset == "cpu" else {}
@@ -349,7 +349,7 @@ _AT_LEAST = dict(steps=1, prompts_per_step=1, group_size=2, mini_batch_prompts=1
 def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> tuple[Config, list[str]]:
     """The config the run actually uses, which config.json records, and the lines for rank 0 to
     print: a warning for each flag given on the command line that has no effect on this machine or
-    with these settings (stored as in effect), a note where --rollout auto could not choose
+    with these settings (stored as in effect; D51), a note where --rollout auto could not choose
     vLLM on CUDA."""
     notes, rollout_engine = [], cfg.rollout
     if cfg.rollout == "auto":  # vLLM where it pays (CUDA) and is installed

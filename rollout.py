@@ -1,31 +1,30 @@
 """Rollouts (docs/paper.md §1 and §6): G responses per prompt from the rollout policy pi_old, at
 temperature 1.0 / top-p 1.0 in training. Prompt formatting (the instruction is data.INSTRUCTION;
 `fitting_prompts` keeps the prompts that fit --max-prompt-len), the reference batched sampler with a
-KV cache (`generate`), the `Rollout` batch and `PlainEngine`, the engine train.py and eval.py call.
+KV cache (`generate`) and the `Rollout` batch.
 
 The sampler is the whole of `generate`: left-pad the prompts, prefill each distinct prompt once (the
 G rows of a group take copies of its KV cache), then decode one token per step with a KV cache
 allocated once and written in place, computing logits only for the last position. Per step: one
 backbone forward and one head matmul, as `model.Policy` computes the training forward (so the
-sampling distribution and the recomputed pi_old agree, up to the matmul kernel: difference 8), two
+sampling distribution and the recomputed pi_old agree, up to the matmul kernel: D8), two
 passes over the vocabulary to sample, and writes into preallocated (B, T) buffers.
 
 Its fast decode step is fast_decode/ (written out layer by layer, or captured in CUDA graphs); the
-vLLM engine, which returns the same `Rollout`, and `make_engine`, which picks an engine by name, sit
-above this file in engines/. Deliberate differences 1-10: docs/paper.md, "Deliberate differences",
-rollout.py.
+engines train.py and eval.py call, which return the same `Rollout` (`PlainEngine`: this sampler on
+the policy's weights; the vLLM engine), and `make_engine`, which picks one by name, sit above this
+file in engines/. Deliberate differences D1-D10: docs/paper.md, "Deliberate differences".
 """
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
 
 from data import INSTRUCTION
-from distributed.sharding import gathered
 from fast_decode.cuda_graphs import CapturedStep
 from fast_decode.decode_step import DecodeStep, InPlaceCache, drop_finished, onednn_linears, packed
-from model import PACKED_SDPA, attention_buckets, first_with_same_prompt, position_ids_from_mask
+from model import attention_buckets, first_with_same_prompt, position_ids_from_mask
 
 
 def format_prompt(tokenizer, problem: str, chat: bool = True,
@@ -71,8 +70,9 @@ class Rollout:
     prompt_mask: torch.Tensor    # (B, P) long 0/1
     response_ids: torch.Tensor   # (B, T) long, pad after EOS
     response_mask: torch.Tensor  # (B, T) long 0/1: 1 on every generated token including EOS
-    # (B, T) float32: log pi_old(y_t | x, y_<t) under the full tempered softmax, 0 at pad
-    logprobs: torch.Tensor
+    # (B, T) float32: the sampler's log pi(y_t | x, y_<t) under the full tempered softmax, 0 at
+    # pad: what the rollout engine reports (pi_old is recomputed by the training forward, D39)
+    sampler_logprobs: torch.Tensor
     truncated: torch.Tensor      # (B,) bool: no EOS within max_new_tokens
 
     def training_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,7 +196,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Ten
     the full tempered softmax (B,)). Two passes over the vocabulary when top_p = 1 (exp, cumulative
     sum), no sort:
     log pi(v) = z_v - max(z) - log sum_w exp(z_w - max(z)), z = logits / temperature."""
-    # (B, V'); greedy: temperature 1
+    # (B, V'); greedy: temperature 1 (D3)
     z = logits.float() if temperature in (0, 1) else logits.float() / temperature
     z_max = z.amax(dim=-1, keepdim=True)  # (B, 1)
     weights = (z - z_max).exp_()  # (B, V') unnormalized pi(v) = exp(z_v - max z)
@@ -212,11 +212,11 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Ten
     else:
         cdf = weights.cumsum(dim=-1)  # (B, V')
         token, total = _inverse_cdf(cdf, u), cdf[:, -1]  # (B,), (B,)
-    return token, z.gather(-1, token[:, None]).squeeze(1) - z_max.squeeze(1) - total.log()
+    return token, z.gather(-1, token[:, None]).squeeze(1) - z_max.squeeze(1) - total.log()  # D1
 
 
-# Finished rows leave the running batch once they are this share of it (difference 4). A drop copies
-# only the caches of the rows moved into the freed slots; tools/bench.py compares cadences.
+# Finished rows leave the running batch once they are this share of it (D4). A drop copies
+# only the caches of the rows moved into the freed slots; tools/bench/engines.py compares cadences.
 COMPACT_FRACTION = 0.0
 
 
@@ -297,9 +297,9 @@ def generate(model, prompt_ids: list[list[int]], sampling: Sampling,
     never; the tokens are the same either way). `stop()`, asked at each stop check, ends the
     call early (the trainer's stop signal, run_folder.Preemption): that rollout is incomplete, the
     caller drops it. `written_out`: decode through `DecodeStep` where it supports the model
-    (difference 9), built for this call; a `DecodeStep` of this model built since its weights last
+    (D9), built for this call; a `DecodeStep` of this model built since its weights last
     changed (`PlainEngine` builds one per rollout phase): through that one; a `CapturedStep` of such
-    a step: through its static cache and graphs (difference 10); False: through the model's own
+    a step: through its static cache and graphs (D10); False: through the model's own
     forward at every step (the same tokens up to rounding).
     The KV cache goes in as `past_key_values` (transformers 5.17-5.19; later 5.x also call it
     `cache`).
@@ -313,15 +313,15 @@ def generate(model, prompt_ids: list[list[int]], sampling: Sampling,
     prompt, prompt_mask = (x.to(device) for x in left_pad(prompt_ids, pad))  # (B, P)
     P = prompt.shape[1]
     decoder = model.get_decoder()
-    captured = written_out if isinstance(written_out, CapturedStep) else None  # difference 10
-    # difference 9 (a bare call on CUDA: the model's forward)
+    captured = written_out if isinstance(written_out, CapturedStep) else None  # D10
+    # D9 (a bare call on CUDA: the model's forward)
     step = captured.step if captured else written_out if isinstance(written_out, DecodeStep) else \
         DecodeStep(model, vocab_size) if written_out and DecodeStep.supports(model) and not \
         next(model.parameters()).is_cuda else None
     if step is not None and (step.decoder is not decoder or step.vocab_size != vocab_size):
         raise ValueError(f"generate got the DecodeStep of another model or vocab_size "
                          f"({step.vocab_size}, not {vocab_size})")
-    # inference_mode: cheaper per op
+    # inference_mode: cheaper per op; oneDNN linears on CPU (D8)
     with torch.inference_mode(), nullcontext() if step else onednn_linears(decoder):
         # Full-batch output buffers, and the running batch: `rows` (R,) are the rows still decoding,
         # in the order of the cache's first R rows, as are their attention mask and positions.
@@ -343,7 +343,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: Sampling,
 
         # The backbone and the LM head are called as Policy.forward calls them, so the sampler and
         # the training forward compute the same distribution (up to the matmul kernel on CPU:
-        # difference 8), and the head only sees the last position.
+        # D8), and the head only sees the last position.
         # (R, D) -> (R, V')
         head = step.head if step else packed(model.get_output_embeddings().weight[:vocab_size])
         cache = captured.cache(B, P + T) if captured else InPlaceCache(model.config, B, P + T)
@@ -360,9 +360,9 @@ def generate(model, prompt_ids: list[list[int]], sampling: Sampling,
             slot = torch.searchsorted(unique, first)  # (B,) each row's prompt among the U
             cache.copy_rows(rows, slot, B)
             hidden = hidden[slot]  # (B, P, D)
-        logits = head(hidden[:, -1])  # (R, V') real vocabulary rows only (difference 2)
+        logits = head(hidden[:, -1])  # (R, V') real vocabulary rows only (D2)
         greedy = sampling.temperature == 0
-        for t in range(T):
+        for t in range(T):  # D5: a uniform per row of the full batch, every step
             u = None if greedy else torch.rand(B, generator=generator, device=device)[rows]  # (R,)
             token, logprob = _sample(logits, sampling.temperature, sampling.top_p, u)  # (R,), (R,)
             response_ids[rows, t], logprobs[rows, t] = token, logprob
@@ -383,7 +383,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: Sampling,
                     break
                 if compact is not None and n_running < len(rows) \
                         and len(rows) - n_running >= compact * len(rows):
-                    order = drop_finished(running, cache)  # (R',) difference 4
+                    order = drop_finished(running, cache)  # (R',) D4
                     rows, token = rows[order], token[order]
                     attention_mask, positions = attention_mask[order], positions[order]
             if captured:
@@ -396,7 +396,7 @@ def generate(model, prompt_ids: list[list[int]], sampling: Sampling,
                 use_cache=True).last_hidden_state  # (R, 1, D)
             logits = head(hidden[:, -1])  # (R, V')
 
-    # Rows sample on after their EOS until they are dropped (difference 4); mask and blank that
+    # Rows sample on after their EOS until they are dropped (D4); mask and blank that
     # afterwards. A call ended early (every row finished, or `stop`) made t + 1 tokens.
     response_ids, logprobs = response_ids[:, :t + 1], logprobs[:, :t + 1]  # (B, t + 1)
     is_eos = torch.isin(response_ids, eos)  # (B, T)
@@ -414,95 +414,3 @@ def sample_groups(model, prompt_ids: list[list[int]], group_size: int, sampling:
                   **kwargs) -> Rollout:
     """G = group_size responses per prompt in one batch; group i is rows i*G .. i*G+G-1."""
     return generate(model, [p for p in prompt_ids for _ in range(group_size)], sampling, **kwargs)
-
-
-def concat(parts: list[Rollout], pad: int) -> Rollout:
-    """One Rollout from several: prompts left-padded to the longest P, responses right-padded to the
-    longest T."""
-    P = max(r.prompt_ids.shape[1] for r in parts)
-    T = max(r.response_ids.shape[1] for r in parts)
-
-    def left(x, value):
-        return torch.nn.functional.pad(x, (P - x.shape[1], 0), value=value)
-
-    def right(x, value):
-        return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)
-
-    return Rollout(
-        torch.cat([left(r.prompt_ids, pad) for r in parts]),
-        torch.cat([left(r.prompt_mask, 0) for r in parts]),
-        torch.cat([right(r.response_ids, pad) for r in parts]),
-        torch.cat([right(r.response_mask, 0) for r in parts]),
-        torch.cat([right(r.logprobs, 0.0) for r in parts]), torch.cat([r.truncated for r in parts]))
-
-
-def request_seed(call_seed: int, row: int) -> int:
-    """The vLLM seed of row `row` of the generate call seeded `call_seed` (so a resumed run samples
-    the same)."""
-    return (call_seed * 1_000_003 + row) % 2**63
-
-
-class PlainEngine:
-    """`generate` (this file's sampler) on the policy's own weights: the default, and the readable
-    reference."""
-    name = "plain"
-
-    def __init__(self, lm, eos_token_id, pad_token_id: int, vocab_size: int | None,
-                 stop: Callable[[], bool] | None = None, max_len: int | None = None,
-                 captured: bool = False, stop_text: StopText | None = None):
-        """max_len: the run's longest prompt + response (train.py and eval.py give it), the length
-        of a phase's static cache; captured: decode through a `CapturedStep` (difference 10;
-        train.py's --cuda-graphs);
-        stop_text: where responses also end (--stop-text)."""
-        self.lm, self.eos, self.pad, self.vocab_size = lm, eos_token_id, pad_token_id, vocab_size
-        self.stop = stop
-        self.stop_text = stop_text
-        self.step = True  # generate's `written_out`: a DecodeStep during a rollout phase
-        self.max_len = max_len
-        self.captured = captured
-        self.static = None  # the phase's CapturedStep, made at its first sample call
-        lm.set_attn_implementation(PACKED_SDPA)  # as Policy does: model.grouped_sdpa under a mask
-
-    @contextmanager
-    def ready(self, policy):
-        """The rollout phase: under FSDP2 the parameters stay gathered (`gathered`); every rank must
-        enter. On CPU the decode step's weights are stacked and reordered here, once for every
-        generate call of the phase; with `captured`, its static cache and graphs are made at the
-        phase's first sample call."""
-        with gathered(policy):
-            # CUDA: the written-out step only to be captured (difference 10)
-            cuda = next(self.lm.parameters()).is_cuda
-            self.step = DecodeStep(self.lm, self.vocab_size) if DecodeStep.supports(self.lm) and (
-                self.captured or not cuda) else True
-            try:
-                yield self
-            finally:
-                # the copies go; the weights change before the next phase
-                self.step, self.static = True, None
-
-    def sample(self, prompts: list[list[int]], group_size: int, seeds: list[int], chunk: int,
-               max_new_tokens: int, temperature: float, top_p: float) -> Rollout:
-        """`group_size` responses per prompt, `chunk` prompts per generate call, call c seeded with
-        seeds[c]; cut short (incomplete) when `stop()` turns true. With `captured` in a phase, the
-        phase's static cache holds the largest call's rows x the longest prompt + response, and is
-        made anew only if a later call needs more."""
-        device, parts, step = next(self.lm.parameters()).device, [], self.step
-        if self.captured and isinstance(step, DecodeStep):  # difference 10
-            rows = min(chunk, len(prompts)) * group_size
-            length = max(self.max_len or 0, max(map(len, prompts)) + max_new_tokens)
-            if self.static is None or self.static.rows < rows or self.static.max_len < length:
-                self.static = None  # the smaller cache goes before the larger one is allocated
-                self.static = CapturedStep(step, rows, length)
-            step = self.static
-        sampling = Sampling(max_new_tokens, temperature, top_p, self.eos, self.pad, self.vocab_size,
-                            self.stop_text)
-        for c, seed in zip(range(0, len(prompts), chunk), seeds):
-            parts.append(sample_groups(self.lm, prompts[c:c + chunk], group_size, sampling,
-                                       generator=torch.Generator(device).manual_seed(seed),
-                                       stop=self.stop, written_out=step))
-            if self.stop is not None and self.stop():
-                break
-        return concat(parts, self.pad)
-
-    def close(self):
-        pass

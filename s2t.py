@@ -8,17 +8,13 @@ A response token is spurious (silenced, I_it = 0) iff all three hold:
 The gradient of a token's objective w.r.t. its logits has norm |w| sqrt(1 - 2p + sum_v p_v^2),
 w = r A (`grad_norm_logits`): low p and low H (large sum p^2) give the largest, spurious updates.
 What S2T saw and did, for the metrics, is step_metrics/s2t_diagnostics.py. Deliberate differences
-1-7: docs/paper.md, "Deliberate differences", s2t.py.
+D24-D30: docs/paper.md, "Deliberate differences".
 """
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    pass
 
 
 def quantile_of(values: torch.Tensor, q: float) -> float | None:
@@ -30,7 +26,7 @@ def quantile_of(values: torch.Tensor, q: float) -> float | None:
         return None
     pos = q * (n - 1)  # fractional rank (0-based) of the quantile in the sorted values
     lo, hi = math.floor(pos), math.ceil(pos)
-    v_lo, v_hi = values.sort().values[[lo, hi]].double().tolist()
+    v_lo, v_hi = values.sort().values[[lo, hi]].double().tolist()  # not torch.quantile (D26)
     return v_lo + (pos - lo) * (v_hi - v_lo)
 
 
@@ -40,7 +36,7 @@ def candidates(logprobs: torch.Tensor, advantages: torch.Tensor, response_mask: 
 
     logprobs (B, T) of the current policy; advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1.
     """
-    # p_it < tau_p  <=>  log p_it < log tau_p
+    # p_it < tau_p  <=>  log p_it < log tau_p (D25)
     return (advantages > 0) & (logprobs.detach() < math.log(tau_p)) & (response_mask > 0)  # (B, T)
 
 
@@ -57,25 +53,31 @@ def spurious_mask(logprobs: torch.Tensor, entropy: torch.Tensor, advantages: tor
     so that tau_h is the quantile over the whole mini-batch when each rank holds a share of its
     rows; None: one process.
     earlier (n',): entropies of candidates before this mini-batch pooled into the quantile
-    (--quantile-window, choice 7); None: the paper's rule."""
+    (--quantile-window, D30); None: the paper's rule."""
     cand = candidates(logprobs, advantages, response_mask, tau_p)  # (B, T): conditions 1 and 2
     values = entropy.detach()[cand]  # (n,) entropies of this rank's candidates
-    values = values if gather is None else gather(values)  # (n_all,) the whole mini-batch's
-    if earlier is not None and values.numel():  # choice 7 (no candidate here: none silenced)
+    values = values if gather is None else gather(values)  # (n_all,) the whole mini-batch's (D27)
+    if earlier is not None and values.numel():  # D30 (no candidate here: none silenced)
         values = torch.cat([earlier.to(values), values])  # (n' + n_all,): and the window's
     tau_h = quantile_of(values, quantile)  # q-quantile over the mini-batch's candidates
-    if tau_h is None:  # no candidates anywhere: nothing is silenced (choice 5)
+    if tau_h is None:  # no candidates anywhere: nothing is silenced (D28)
         return torch.zeros_like(cand), None
-    return cand & (entropy.detach() < tau_h), tau_h  # condition 3, strict (choice 1)
+    return cand & (entropy.detach() < tau_h), tau_h  # condition 3, strict (D24)
 
 
-def window_after(window: torch.Tensor, entropies: torch.Tensor, size: int) -> torch.Tensor:
-    """--quantile-window (choice 7): the entropies of the last `size` candidates once a mini-batch's
-    candidates (entropies (n,), all ranks' in the mini-batch's row order, `spurious_mask`'s
-    `gather`) follow the window's (n',), oldest first, on the CPU. The same on any number of ranks;
-    train.py keeps it in checkpoints."""
-    return torch.cat([window, entropies.detach().float().cpu()])[-size:] \
-        if size else window  # (<= size,)
+class QuantileWindow:
+    """--quantile-window (D30): tau_h also pools the entropies of the last `size` candidates
+    before this mini-batch (all ranks' in the mini-batch's row order, oldest first, on the CPU), so
+    a mini-batch with few candidates gets a steadier threshold. The same on any number of ranks;
+    train.py keeps `values` in checkpoints."""
+
+    def __init__(self, size: int, values: torch.Tensor | None = None):
+        self.size = size
+        self.values = torch.zeros(0) if values is None else values  # (<= size,)
+
+    def add(self, entropies: torch.Tensor) -> None:
+        """A mini-batch's candidates (n,) join the window; the oldest beyond `size` leave it."""
+        self.values = torch.cat([self.values, entropies.detach().float().cpu()])[-self.size:]
 
 
 def random_keys(seed: int, rows: range, length: int) -> torch.Tensor:
@@ -99,7 +101,7 @@ def random_subset(cand: torch.Tensor, n: int, keys: torch.Tensor, gather=None) -
     every = values if gather is None else gather(values)  # (n_all,) all candidates' keys, any order
     if n == 0 or every.numel() == 0:
         return torch.zeros_like(cand)
-    kth = every.sort().values[min(n, every.numel()) - 1]  # the n-th smallest key
+    kth = every.sort().values[min(n, every.numel()) - 1]  # the n-th smallest key (D29)
     return cand & (keys.to(cand.device) <= kth)  # (B, T); keys are distinct almost surely
 
 

@@ -16,7 +16,7 @@ differs only in the token weights and the denominator (`ALGORITHMS`, the table a
                 S2T's size, else 1 (control)
     highmask    0 on the candidates S2T keeps, else 1      kept tokens      0.2, 0.28
 `token_weights` makes one mini-batch's weights and this rank's share of N (thresholds over the whole
-mini-batch through a `gather` over ranks). Deliberate differences 1-7: docs/paper.md, stapo.py.
+mini-batch through a `gather` over ranks). Deliberate differences D31-D37: docs/paper.md.
 """
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -89,7 +89,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
 
 def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
     # log r = log p - log p_old, clamped so that exp() cannot overflow (zero gradient beyond +-20,
-    # never reached)
+    # never reached; D32)
     return (logprobs - old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
 
 
@@ -113,24 +113,24 @@ def surrogate_weight(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advanta
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                loss_mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28,
+                weights: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.28,
                 dual_clip: float | None = None, denominator=None) -> tuple[torch.Tensor, dict]:
-    """Negated clipped surrogate, aggregated as sum(loss_mask * per_token_loss) / denominator.
+    """Negated clipped surrogate, aggregated as sum(weights * per_token_loss) / denominator.
 
     logprobs (B, T) differentiable, old_logprobs (B, T) of the rollout policy, advantages (B, T) (or
-    (B, 1)), loss_mask (B, T) float weights (0/1, or 1/|y_i| for GRPO). denominator: float or 0-d
-    tensor, the global number from `token_weights` summed over ranks; default loss_mask.sum()
+    (B, 1)), weights (B, T) the token weights I_it (0/1, or 1/|y_i| for GRPO). denominator: float or
+    0-d tensor, the global N (`token_weights`' shares summed over ranks); default weights.sum()
     (one-batch use).
         per_token_loss = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)
         dual clip (A < 0): per_token_loss = min(per_token_loss, -dual_clip A)      (dual_clip > 1)
     stats: 0-d detached tensors on the input's device (no host sync; call .item() when logging),
-    computed over the tokens with loss_mask > 0 of this call (unweighted token fractions):
+    computed over the tokens with weights > 0 of this call (unweighted token fractions):
         clip/frac_low   fraction with A < 0 and r < 1 - clip_low: the lower clip active (no grad)
         clip/frac_high  fraction with A > 0 and r > 1 + clip_high: the upper clip active (no grad)
         clip/frac_dual  (with dual_clip only) fraction with A < 0 and r > dual_clip: dual clip on
         ratio/mean      mean r
         kl/approx       mean k3 estimate of KL(pi_old || pi_theta): r - 1 - log r
-        loss/tokens     number of tokens with loss_mask > 0 (weighs these means over micro-batches)
+        loss/tokens     number of tokens with weights > 0 (weighs these means over micro-batches)
     """
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
@@ -140,18 +140,18 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     surrogate = torch.minimum(ratio * advantages,
                               ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
     per_token_loss = -surrogate  # (B, T)
-    if dual_clip is not None:
+    if dual_clip is not None:  # verl's dual clip for A < 0 (D33)
         per_token_loss = torch.where(advantages < 0,
                                      torch.minimum(per_token_loss, -dual_clip * advantages),
                                      per_token_loss)
     if denominator is None:
-        denominator = loss_mask.sum()
+        denominator = weights.sum()
     # never a bf16 count
     denominator = torch.as_tensor(denominator, device=per_token_loss.device).float()
-    loss = (loss_mask * per_token_loss).sum() / denominator.clamp(min=1)  # -1/N sum I_it min(...)
+    loss = (weights * per_token_loss).sum() / denominator.clamp(min=1)  # -1/N sum I min(...) (D36)
 
     with torch.no_grad():
-        sel = loss_mask > 0  # (B, T)
+        sel = weights > 0  # (B, T)
         count = sel.sum()
         n = count.clamp(min=1).float()
         r = ratio.detach()
@@ -176,11 +176,17 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """(B, T) k3 estimate of KL(pi_theta || pi_ref) (DeepSeekMath):
     exp(ref - logp) - (ref - logp) - 1 >= 0.
 
-    Differentiable in logprobs. GRPO adds `beta * (weights * kl_k3(...)).sum() / denominator` to the
-    policy loss.
+    Differentiable in logprobs; GRPO's loss adds beta * `kl_term`.
     """
     d = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)
     return d.exp() - d - 1
+
+
+def kl_term(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, weights: torch.Tensor,
+            denominator: float) -> torch.Tensor:
+    """GRPO's KL term, 0-d, differentiable in logprobs: sum(I * k3) / N (the loss adds it times
+    --kl-beta). logprobs, ref_logprobs, weights (B, T); denominator: the global N."""
+    return (weights * kl_k3(logprobs, ref_logprobs)).sum() / max(denominator, 1.0)
 
 
 def tis_weight(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
@@ -191,33 +197,45 @@ def tis_weight(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
 
         w_t = min(pi_old(y_t) / pi_sampler(y_t), C)
 
-    train.py multiplies the loss weights by it after the denominator is counted (the token mean
-    stays over tokens)."""
+    `token_weights` multiplies the token weights by it after N is counted (the token mean stays
+    over tokens)."""
     # (B, T) log pi_old / pi_sampler
     d = (old_logprobs - sampler_logprobs).detach().clamp(max=LOG_RATIO_CLAMP)
     return d.exp().clamp(max=cap)
 
 
 class TokenWeights(NamedTuple):
-    weights: torch.Tensor  # (B, T) float: I_it (GRPO: I_it / |y_i|)
+    """One mini-batch's decision (this rank's rows of it): what the step weighs its tokens by."""
+    weights: torch.Tensor  # (B, T) float: the token weights I_it (GRPO: I_it / |y_i|; TIS: * w_t)
     silenced: torch.Tensor  # (B, T) bool: response tokens the algorithm removes
     threshold: float | None  # the mini-batch's entropy threshold (S2T's tau_h, 20-Entropy's), None
-    denominator: torch.Tensor  # 0-d float: this rank's share of N (sum it over ranks)
+    share: torch.Tensor  # 0-d float: this rank's share of N (summed over ranks: N)
+    rule: torch.Tensor | None  # (B, T) bool: what S2T's rule silences, whatever the algorithm does
+    # (None: not applied, on policy)
 
 
 @dataclass(frozen=True)
 class MiniBatchContext:
     """What this rank's rows of a mini-batch need from outside them; the default: one process
-    holds the whole mini-batch, and the paper's rule.
+    holds the whole mini-batch, the paper's rule, no option.
     gather: concatenates a 1-D tensor over ranks (all_gather_cat), so entropy thresholds are over
     the whole mini-batch; None: this process holds the whole mini-batch.
-    keys (B, T): randmask's random keys (s2t.random_keys of the rows' places in the whole
-    mini-batch); other algorithms ignore them.
-    earlier: entropies of the candidates before this mini-batch that S2T's tau_h pools
-    (--quantile-window, s2t.window_after); None: the paper's rule."""
+    seed, rows, length: randmask's keys (s2t.random_keys), seeded per mini-batch, each row's by its
+    place in the whole mini-batch (rows; None: 0..B-1) up to the run's longest response (length;
+    None: T), so the silenced positions are the same on any number of ranks.
+    window: --quantile-window's earlier candidates (s2t.QuantileWindow), which this mini-batch's
+    candidates then join; None: the paper's rule.
+    tis: (B, T) truncated importance-sampling weights (`tis_weight`), applied after N is counted
+    (the token mean stays over tokens); None: no TIS.
+    known: p and H are the current policy's before the update; False on policy (train.on_policy),
+    where only the update's forward gives them: S2T's rule is then not applied here."""
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None
-    keys: torch.Tensor | None = None
-    earlier: torch.Tensor | None = None
+    seed: int = 0
+    rows: range | None = None
+    length: int | None = None
+    window: s2t.QuantileWindow | None = None
+    tis: torch.Tensor | None = None
+    known: bool = True
 
 
 def token_weights(algo: str, logprobs: torch.Tensor | None, entropy: torch.Tensor | None,
@@ -227,23 +245,30 @@ def token_weights(algo: str, logprobs: torch.Tensor | None, entropy: torch.Tenso
     """The token weights of one mini-batch (this rank's rows of it) and its share of the denominator
     N.
 
-    logprobs, entropy (B, T) of the current policy (None for an algorithm that silences nothing:
-    JustRL, GRPO); advantages (B, T) (or (B, 1)); response_mask (B, T) 0/1; context: the other
-    ranks' rows, randmask's keys, the earlier candidates (`MiniBatchContext`).
+    logprobs, entropy (B, T) of the current policy (unread when not `context.known`); advantages
+    (B, T) (or (B, 1)); response_mask (B, T) 0/1; context: the other ranks' rows, randmask's keys,
+    the window, TIS, whether p and H are known (`MiniBatchContext`).
     """
-    a, gather, keys, earlier = algorithm(algo), context.gather, context.keys, context.earlier
+    a, gather, window = algorithm(algo), context.gather, context.window
     mask = response_mask > 0  # (B, T)
-    silenced, threshold = torch.zeros_like(mask), None
+    silenced, threshold, rule, tau_h = torch.zeros_like(mask), None, None, None
+    if context.known:  # S2T's rule, whatever the algorithm silences (the metrics read it)
+        rule, tau_h = s2t.spurious_mask(logprobs, entropy, advantages, response_mask, tau_p,
+                                        quantile, gather, None if window is None else window.values)
+        if window is not None:  # the mini-batch's candidates join the window (ranks in order)
+            cand = entropy.detach()[s2t.candidates(logprobs, advantages, response_mask, tau_p)]
+            window.add(cand if gather is None else gather(cand))
+    elif a.silence is not None:
+        raise ValueError(f"--algo {algo} reads p and H before the update: it cannot run on policy")
     if a.silence in ("s2t", "random", "high_entropy"):
-        silenced, threshold = s2t.spurious_mask(logprobs, entropy, advantages, response_mask, tau_p,
-                                                quantile, gather, earlier)
+        silenced, threshold = rule, tau_h
     if a.silence == "random":  # S2T's count over the whole mini-batch, at random candidates
-        if keys is None:
-            raise ValueError("randmask needs the random keys of the rows (s2t.random_keys)")
+        B, T = mask.shape
+        keys = s2t.random_keys(context.seed, context.rows or range(B), context.length or T)
         count = silenced.sum().float().reshape(1)  # (1,) this rank's S2T count
         n = int((count if gather is None else gather(count)).sum().item())
         silenced = s2t.random_subset(s2t.candidates(logprobs, advantages, response_mask, tau_p), n,
-                                     keys, gather)
+                                     keys[:, :T], gather)
     elif a.silence == "high_entropy":  # the candidates S2T keeps: H >= tau_h
         silenced = s2t.candidates(logprobs, advantages, response_mask, tau_p) & ~silenced
     elif a.silence == "candidates":
@@ -254,13 +279,15 @@ def token_weights(algo: str, logprobs: torch.Tensor | None, entropy: torch.Tenso
         threshold = s2t.quantile_of(values if gather is None else gather(values),
                                     1 - ENTROPY_TOP_FRACTION)
         if threshold is not None:  # None only if the mini-batch has no response tokens
-            silenced = mask & (entropy.detach() < threshold)  # keep H >= tau: top 20% (choice 4)
+            silenced = mask & (entropy.detach() < threshold)  # keep H >= tau: top 20% (D34)
     weights = (mask & ~silenced).float()  # (B, T): I_it
     if a.denominator == "sequences":  # GRPO: 1/|y_i| per token, N = sequences with a response token
         weights = weights / mask.float().sum(dim=1, keepdim=True).clamp(min=1)
         part = mask.any(dim=1).sum().float()
-    elif a.denominator == "response":  # 20-Entropy: N = all response tokens (choice 4)
+    elif a.denominator == "response":  # 20-Entropy: N = all response tokens (D34)
         part = mask.sum().float()
     else:  # N = sum_i sum_t I_it
         part = weights.sum()
-    return TokenWeights(weights, silenced, threshold, part)
+    if context.tis is not None:  # TIS: I_it * min(pi_old / pi_sampler, C), N as counted (D37)
+        weights = weights * context.tis
+    return TokenWeights(weights, silenced, threshold, part, rule)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import s2t
 import stapo
-import train
+from distributed.process_group import all_gather_cat
 from tests.s2t_threshold import HIGH_LP, LOW_LP, TAU_P
 from tests.sampler_checks import two_processes
 
@@ -228,16 +228,17 @@ def test_s2t_quantile_window_pools_earlier_candidates():
     none = s2t.spurious_mask(torch.full((1, 1), HIGH_LP), ent, one, one,
                              earlier=torch.tensor([0.9]))
     assert not none[0].any() and none[1] is None
-    window = torch.zeros(0)
+    window = s2t.QuantileWindow(4)
     for piece in ([1.0, 2.0], [], [3.0], [4.0, 5.0, 6.0]):
-        window = s2t.window_after(window, torch.tensor(piece), 4)
-    assert window.tolist() == [3.0, 4.0, 5.0, 6.0]
-    # 0: the paper's rule
-    assert s2t.window_after(window, torch.tensor([7.0]), 0).tolist() == window.tolist()
-    # stapo.token_weights hands the window to the rule (S2T and its controls)
-    window = stapo.MiniBatchContext(earlier=torch.tensor([0.1, 0.2, 0.3]))
-    weights = stapo.token_weights("stapo", lp, ent, one, one, context=window)
+        window.add(torch.tensor(piece))
+    assert window.values.tolist() == [3.0, 4.0, 5.0, 6.0]
+    # stapo.token_weights hands the window to the rule (S2T and its controls), and the
+    # mini-batch's candidates then join it
+    window = s2t.QuantileWindow(4, torch.tensor([0.1, 0.2, 0.3]))
+    weights = stapo.token_weights("stapo", lp, ent, one, one,
+                                  context=stapo.MiniBatchContext(window=window))
     assert weights.silenced.all() and weights.threshold == pytest.approx(0.2625)
+    assert window.values.tolist() == pytest.approx([0.1, 0.2, 0.3, 0.25])
 
 
 def test_s2t_no_candidates():
@@ -314,9 +315,9 @@ def _at(values, threshold):
     return torch.tensor([threshold])
 
 
-def _keys(chunk, seed=5):
-    """randmask's keys of these rows of the batch (their places in the whole mini-batch), T = 8."""
-    return s2t.random_keys(seed, range(int(chunk[0]), int(chunk[-1]) + 1), 8)
+def _rows(chunk):
+    """These rows' places in the whole mini-batch (randmask's keys)."""
+    return range(int(chunk[0]), int(chunk[-1]) + 1)
 
 
 def _ranks(algo, batch, chunks, seed=5):
@@ -333,7 +334,7 @@ def _ranks(algo, batch, chunks, seed=5):
         def gather(values, i):
             seen[i].append(values)
             return values if every is None else every[len(seen[i]) - 1]
-        contexts = [stapo.MiniBatchContext(lambda v, i=i: gather(v, i), _keys(c, seed))
+        contexts = [stapo.MiniBatchContext(lambda v, i=i: gather(v, i), seed, _rows(c), 8)
                     for i, c in enumerate(chunks)]
         parts = [stapo.token_weights(algo, logprobs[c], entropy[c], adv[c], mask[c], TAU_P, 0.75,
                                      context) for c, context in zip(chunks, contexts)]
@@ -342,19 +343,20 @@ def _ranks(algo, batch, chunks, seed=5):
 
 
 def _update(algo, batch, sizes, beta=0.04):
-    """What train.py does for one mini-batch whose rows are split over ranks (`sizes` rows each),
-    each rank's rows one micro-batch: returns (summed loss, grad, weights)."""
+    """One mini-batch's update, its rows split over ranks (`sizes` rows each), each rank's rows one
+    micro-batch, with the calls of train.accumulate_gradients (token_weights, policy_loss, kl_term)
+    and the ranks' gathers simulated: returns (summed loss, grad, weights)."""
     logprobs, entropy, old, ref, adv, mask = batch
     param = torch.nn.Parameter(logprobs.clone())
     chunks = torch.arange(len(logprobs)).split(sizes)
     parts = _ranks(algo, batch, chunks)
-    den = sum(p.denominator for p in parts)  # all_sum over ranks
+    den = sum(p.share for p in parts)  # all_sum over ranks
     total = 0.0
     for p, c in zip(parts, chunks):
         loss, _ = stapo.policy_loss(param[c], old[c], adv[c], p.weights,
                                     *stapo.ALGORITHMS[algo].clip, denominator=den)
         if algo == "grpo":
-            loss = loss + beta * (p.weights * stapo.kl_k3(param[c], ref[c])).sum() / den
+            loss = loss + beta * stapo.kl_term(param[c], ref[c], p.weights, den)
         loss.backward()
         total += loss.item()
     return total, param.grad, torch.cat([p.weights for p in parts])
@@ -380,8 +382,8 @@ def test_algo_microbatch_split_invariant(algo):
 
 def test_algo_stapo_silences_and_renormalizes():
     logprobs, entropy, old, ref, adv, mask = _batch()
-    weights, silenced, tau, den = stapo.token_weights("stapo", logprobs, entropy, adv, mask,
-                                                      TAU_P, 0.75)
+    weights, silenced, tau, den, _ = stapo.token_weights("stapo", logprobs, entropy, adv, mask,
+                                                         TAU_P, 0.75)
     n_cand = s2t.candidates(logprobs, adv, mask, TAU_P).sum().item()
     assert 0 < silenced.sum().item() < n_cand  # the fixture silences some but not all candidates
     assert torch.equal(silenced, s2t.spurious_mask(logprobs, entropy, adv, mask, TAU_P, 0.75)[0])
@@ -411,8 +413,8 @@ def test_algo_stapo_equals_justrl_without_silencing():
 
 def test_algo_fullmask_silences_all_candidates():
     logprobs, entropy, old, ref, adv, mask = _batch()
-    weights, silenced, tau, den = stapo.token_weights("fullmask", logprobs, entropy, adv, mask,
-                                                      TAU_P)
+    weights, silenced, tau, den, _ = stapo.token_weights("fullmask", logprobs, entropy, adv, mask,
+                                                         TAU_P)
     assert torch.equal(silenced, s2t.candidates(logprobs, adv, mask, TAU_P)) and tau is None
     assert den.item() == mask.sum().item() - silenced.sum().item()
 
@@ -427,9 +429,9 @@ def test_algo_randmask_silences_s2t_count_at_random():
     assert 0 < n < cand.sum().item()
     chosen = []
     for seed in range(40):
-        context = stapo.MiniBatchContext(keys=s2t.random_keys(seed, range(6), 8))
-        weights, silenced, tau, den = stapo.token_weights("randmask", logprobs, entropy, adv, mask,
-                                                          TAU_P, 0.75, context)
+        context = stapo.MiniBatchContext(seed=seed, length=8)
+        weights, silenced, tau, den, _ = \
+            stapo.token_weights("randmask", logprobs, entropy, adv, mask, TAU_P, 0.75, context)
         # S2T's count, candidates only
         assert silenced.sum().item() == n and not (silenced & ~cand).any()
         assert den.item() == mask.sum().item() - n and \
@@ -440,8 +442,6 @@ def test_algo_randmask_silences_s2t_count_at_random():
         chosen.append(silenced)
     assert len({tuple(c.flatten().tolist()) for c in chosen}) > 1  # another seed, other tokens
     assert (torch.stack(chosen).sum(0)[cand] > 0).all()  # every candidate is chosen under some seed
-    with pytest.raises(ValueError, match="random keys"):
-        stapo.token_weights("randmask", logprobs, entropy, adv, mask, TAU_P, 0.75)
 
 
 _PERM = [0, 3, 4, 1, 2, 5]  # _batch's rows reordered: lengths 8, 8, 6 on rank 0, 5, 3, 2 on rank 1
@@ -456,9 +456,9 @@ def _randmask_worker(rank: int, init_file: str, out_dir: str):
     T = int(mask.sum(1).max())  # 8 on rank 0, 5 on rank 1
     out = {}
     for algo in ("randmask", "highmask", "stapo"):
-        keys = s2t.random_keys(5, range(3 * rank, 3 * rank + 3), 8)[:, :T]
+        context = stapo.MiniBatchContext(all_gather_cat, 5, range(3 * rank, 3 * rank + 3), 8)
         w = stapo.token_weights(algo, logprobs[:, :T], entropy[:, :T], adv[:, :T], mask[:, :T],
-                                TAU_P, 0.75, stapo.MiniBatchContext(train.all_gather_cat, keys))
+                                TAU_P, 0.75, context)
         out[algo] = torch.nn.functional.pad(w.silenced, (0, 8 - T))
     torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
@@ -473,7 +473,7 @@ def test_algo_controls_two_processes_equal_one():
         parts = [torch.load(os.path.join(tmp, f"{rank}.pt")) for rank in range(2)]
     logprobs, entropy, old, ref, adv, mask = (x[_PERM] for x in _batch())
     for algo in ("randmask", "highmask", "stapo"):
-        context = stapo.MiniBatchContext(keys=s2t.random_keys(5, range(6), 8))
+        context = stapo.MiniBatchContext(seed=5, length=8)
         one = stapo.token_weights(algo, logprobs, entropy, adv, mask, TAU_P, 0.75, context)
         assert one.silenced.any(), algo
         assert torch.equal(torch.cat([p[algo] for p in parts]), one.silenced), algo
@@ -483,8 +483,8 @@ def test_algo_highmask_silences_the_candidates_s2t_keeps():
     logprobs, entropy, old, ref, adv, mask = _batch()
     cand = s2t.candidates(logprobs, adv, mask, TAU_P)
     s2t_silenced, tau_h = s2t.spurious_mask(logprobs, entropy, adv, mask, TAU_P, 0.75)
-    weights, silenced, tau, den = stapo.token_weights("highmask", logprobs, entropy, adv, mask,
-                                                      TAU_P, 0.75)
+    weights, silenced, tau, den, _ = stapo.token_weights("highmask", logprobs, entropy, adv, mask,
+                                                         TAU_P, 0.75)
     assert torch.equal(silenced, cand & ~s2t_silenced) and silenced.any() and tau == tau_h
     assert (entropy[silenced] >= tau_h).all()  # the high-entropy candidates
     assert den.item() == mask.sum().item() - silenced.sum().item()
@@ -499,8 +499,8 @@ def test_algo_20_entropy_keeps_top_fifth_and_full_denominator():
     mask = torch.ones(B, T)
     lp = torch.full((B, T), -1.0)
     adv = torch.ones(B, T)
-    weights, silenced, tau, den = stapo.token_weights("20-entropy", lp, entropy, adv, mask, TAU_P,
-                                                      quantile=0.5)
+    weights, silenced, tau, den, _ = \
+        stapo.token_weights("20-entropy", lp, entropy, adv, mask, TAU_P, quantile=0.5)
     assert tau == pytest.approx(79.2)  # 0.8 * 99, whatever quantile S2T uses
     assert weights.sum().item() == 20 and torch.equal(weights > 0, entropy >= 80)
     assert silenced.sum().item() == 80
@@ -509,7 +509,8 @@ def test_algo_20_entropy_keeps_top_fifth_and_full_denominator():
 
 def test_algo_grpo_is_mean_of_sequence_means():
     logprobs, entropy, old, ref, adv, mask = _batch()
-    weights, silenced, tau, den = stapo.token_weights("grpo", logprobs, entropy, adv, mask, TAU_P)
+    weights, silenced, tau, den, _ = \
+        stapo.token_weights("grpo", logprobs, entropy, adv, mask, TAU_P)
     assert not silenced.any()
     assert den.item() == 6
     loss, _ = stapo.policy_loss(logprobs, old, adv, weights, 0.2, 0.2, denominator=den)

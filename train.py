@@ -4,51 +4,30 @@ and Algorithm 1; the recipe of §6), on 1 CPU, 1 GPU or many GPU nodes with the 
     python train.py                               # no GPU: the CPU default (SmolLM2-135M, sums)
     torchrun --standalone --nproc_per_node=2 train.py --out-dir out/train-cpu-2   # 2 processes
     python train.py --model Qwen/Qwen3-1.7B-Base  # 1 GPU: the paper's recipe (DAPO-Math-17k, G = 8)
-    python train.py --plot runs/stapo runs/justrl # the runs overlaid (run_folder/figures.py)
+    python train.py --plot runs/stapo runs/justrl # the runs overlaid (reports/report.py)
 
 Reading order: `train_step` (one RL step, numbered 1-4) and the functions it calls, in the order it
 calls them; `train`, the loop (held-out evaluations, checkpoints, stops, the closing lines); `setup`
 and `main`. The machinery it calls: config.py (what a run is told), run_folder/ (checkpoints, logs,
-resume, stop signals, figures), step_metrics/ (the metrics line), distributed/ (`all_sum`,
-`gather`, FSDP2), engines/ (the rollout engines), eval.py (the held-out evaluation). Deliberate
-differences 1-9: docs/paper.md, "Deliberate differences", train.py.
+resume, stop signals), reports/ (figures, closing lines), step_metrics/ (the metrics line),
+distributed/ (`all_sum`, `gather`, FSDP2), engines/ (the rollout engines), eval.py (the held-out
+evaluation). Deliberate differences D38-D46: docs/paper.md, "Deliberate differences".
 """
 from __future__ import annotations
 
 import math
 import os
-import random
-import signal
 import sys
-import time
-import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Iterator, NamedTuple
 
+from startup import early  # first: MKL's reproducible sums, before torch loads
 
-def _interrupted(signum, frame):
-    """Ctrl-C before main's run_folder.Preemption takes SIGINT over: nothing to save yet, so leave
-    at once."""
-    print("train.py: interrupted (SIGINT) before the run began: nothing was written",
-          file=sys.stderr, flush=True)
-    os._exit(130)
+if __name__ == "__main__":  # a stop signal while the modules load waits for the run to take it
+    early.hold_signals("train.py")
 
-
-# A stop signal that comes while the modules below load (seconds on a busy machine) waits, blocked,
-# until main's run_folder.Preemption takes it over; without this it killed the run (exit 143, no
-# stopped.json). Ctrl-C leaves at once, in one line (it printed a KeyboardInterrupt traceback).
-if __name__ == "__main__":
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
-    signal.signal(signal.SIGINT, _interrupted)
-
-# MKL's conditional numerical reproducibility, set before torch loads MKL: without it MKL may pick,
-# per call, a summation order that depends on memory alignment. With the deterministic kernels of
-# `setup`, two runs of one command (or a run and its resume) agree bit for bit at a fixed thread
-# count (docs/training.md, Reproducibility).
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
-
-import torch  # noqa: E402 - after MKL_CBWR
+import torch  # noqa: E402 - after startup.early
 import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -56,167 +35,69 @@ import config  # noqa: E402
 import reward  # noqa: E402
 import rollout  # noqa: E402
 import run_folder  # noqa: E402
-import s2t  # noqa: E402
 import stapo  # noqa: E402
 from command_line import errors  # noqa: E402
-from config import read_inputs, too_few  # noqa: E402
+from config import read_inputs  # noqa: E402
 from data import prompt_indices, rank_slice  # noqa: E402
 from distributed.process_group import (  # noqa: E402
     all_gather_cat, all_max, all_sum, gather, init_distributed)
-from distributed.sharding import from_rank0, shard_policy  # noqa: E402
-from engines.choice import compute_dtype, prompts_per_call, rollout_engine  # noqa: E402
-from eval import evaluate_heldout  # noqa: E402
-from memory.allocator import keep_freed_memory  # noqa: E402
-from memory.estimate import memory_line, run_estimate  # noqa: E402
-from model import Policy, TokenStats, lm_vocab_size, load_model  # noqa: E402
-from run_folder import ModelAndOptimizer, figures, plural, read_log, say  # noqa: E402
+from engines.choice import compute_dtype, prompts_per_call  # noqa: E402
+from evaluation.heldout import evaluate_heldout  # noqa: E402
+from model import TokenStats  # noqa: E402
+from reports import report  # noqa: E402
+from run_folder import ModelAndOptimizer, plural, read_log, say  # noqa: E402
+from startup.run import Run, setup  # noqa: E402
 from step_metrics import s2t_diagnostics  # noqa: E402
-from step_metrics.step_log import StepLog, StepResult, completions  # noqa: E402
+from step_metrics.step_log import Probes, StepLog, StepResult, completions  # noqa: E402
 from step_metrics.step_warnings import busy, zero_gradient  # noqa: E402
+from step_metrics.watch import Watch, Watches  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------- the step
-@dataclass
-class Run:
-    """A run's state between steps (`setup` makes it): the configuration, the process, the models,
-    the data."""
-    cfg: config.Config
-    rank: int
-    world: int
-    device: torch.device
-    policy: Policy
-    ref_policy: Policy | None  # GRPO's reference model (--kl-beta > 0), else None
-    tokenizer: object
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    engine: object  # the rollout engine (engines.make_engine)
-    rows: list[dict]  # training problems {"problem", "answer"} (data.py), their prompts (token ids)
-    prompts: list[list[int]]
-    test_rows: list[dict]  # held-out problems and their prompts
-    test_prompts: list[list[int]]
-    preemption: run_folder.Preemption  # stop signals (SIGTERM, SIGUSR1) on any rank
-    logger: run_folder.Logger | None  # --logger (rank 0)
-    start: int = 0  # steps already done (a resumed run)
-    # --quantile-window's earlier candidates (s2t.window_after)
-    window: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
-
-
-def train_step(run: Run, step: int, on_mask: Callable | None = None) -> StepResult | None:
-    """Step `step` (counted from 1): one rollout batch and its mini-batch updates (paper
-    Algorithm 1); None when a stop signal came during the rollout (nothing was updated). on_mask(k,
-    mb, pi_theta, weights), if given, sees each mini-batch's decision (tools/counterfactual.py
-    replays a step with it)."""
-    cfg, G, device, policy = run.cfg, run.cfg.group_size, run.device, run.policy
-    t0 = time.time()
-    # 1. G responses to each of this rank's prompts (difference 3: seeded per generate call).
+def train_step(run: Run, step: int, watch: Watch = Watch()) -> bool:
+    """Step `step` (counted from 1): one rollout batch and its mini-batch updates, the paper's
+    Algorithm 1. False when a stop signal came during the rollout (nothing was updated). `watch`
+    sees the step's decisions at four moments (step_metrics/watch.py: the metrics line, the
+    instruments, the counterfactual's replay)."""
+    cfg, G, policy = run.cfg, run.cfg.group_size, run.policy
+    # 1. Rollout: G responses y_i ~ pi_old to each of this rank's prompts (D40: seeded per call).
     batch, prompt_rows = sample(run, step)  # prompt_rows: the training row of each prompt
     if run.preemption.agreed():  # a stop signal came during the rollout: drop the step
-        return None
+        return False
     # 2. Rewards R_i, advantages A_i = (R_i - mean_j R_j) / (std_j R_j + eps); a group: one rank.
     texts = batch.texts(run.tokenizer)
     rows = [run.rows[prompt_rows[i // G]] for i in range(len(texts))]  # each response's data row
     rewards = torch.tensor(reward.rewards(texts, [r["answer"] for r in rows], cfg.reward, rows))
-    advantages = stapo.group_advantages(rewards, G).to(device)  # (B,)
-    adv = advantages[:, None].expand_as(batch.logprobs)  # (B, T): every token of y_i gets A_i
-    # 3. pi_old: log-probs, entropy and collision of the policy that sampled, before the step's
-    #    updates (difference 2): one no-grad pass, or None on policy, where each mini-batch's update
-    #    gives them. TokenStats of (B, T) each.
-    pi_old = None if on_policy(cfg) else token_stats(policy, batch, cfg, device)
-    ref = run.ref_policy
-    ref_logprobs = token_stats(ref, batch, cfg, device).logprobs if ref else None
-    log = StepLog(run, step, batch, rewards, advantages, time.time() - t0,
-                  completions(run, step, "train", texts, rewards.tolist(), prompt_rows, G))
+    advantages = stapo.group_advantages(rewards, G).to(run.device)  # (B,)
+    # 3. pi_old: p, H and collision of the policy that sampled, before the step's updates (D39).
+    pi_old = old_policy_stats(run, batch)  # TokenStats of (B, T) each
+    watch.rolled_out(batch, texts, prompt_rows, rewards, advantages, pi_old)
 
-    # 4. Mini-batch updates, each with the token weights of its own p and H (paper Algorithm 1).
-    t0 = time.time()
+    # 4. Mini-batch updates, each with the token weights I of its own pi_theta (Algorithm 1).
     policy.train()
-    rows_per_mb = cfg.mini_batch_prompts // run.world * G  # this rank's rows of one mini-batch
-    for k, first in enumerate(range(0, len(batch), rows_per_mb)):
-        rows = slice(first, first + rows_per_mb)
-        mb = MiniBatch(batch.select(rows), adv[rows], None if pi_old is None else pi_old.rows(rows),
-                       None if ref_logprobs is None else ref_logprobs[rows], rewards[rows] > 0)
-        # pi_theta: p, H (and collision) of the current policy, pi_old's before the first update (on
-        # policy: not needed for the weights, and known from the update's own forward)
-        pi_theta = mb.pi_old if k == 0 else token_stats(policy, mb.rollout, cfg, device)
-        # The algorithm's token weights I_it (S2T: the mask, tau_h over the whole mini-batch) and
-        # the global N; p, H None: not needed; randmask's keys (b, T); --quantile-window: earlier
-        # candidates in tau_h.
-        p, H = (None, None) if pi_theta is None else (pi_theta.logprobs, pi_theta.entropy)
-        randmask = stapo.ALGORITHMS[cfg.algo].silence == "random"
-        keys = random_keys(run, step, k, mb) if randmask else None
-        earlier = run.window if cfg.quantile_window else None
-        weights = stapo.token_weights(cfg.algo, p, H, mb.advantages, mb.mask, cfg.tau_p,
-                                      cfg.quantile,
-                                      stapo.MiniBatchContext(all_gather_cat, keys, earlier))
-        denominator, nonzero = all_sum(weights.denominator,
-                                       ((mb.advantages != 0) & (weights.weights > 0)).sum())
-        loss_weights = weights.weights  # (b, T)
-        if cfg.tis_cap is not None:  # truncated importance sampling: min(pi_old / pi_sampler, cap)
-            loss_weights = loss_weights * stapo.tis_weight(mb.pi_old.logprobs, mb.rollout.logprobs,
-                                                           cfg.tis_cap)
-        # all-zero advantages and no KL term: no update (difference 6)
-        skip = nonzero == 0 and run.ref_policy is None
+    for k, mb in enumerate(mini_batches(run, step, batch, rewards, advantages, pi_old)):
+        # pi_theta: p, H (and collision) of the current policy; before the first update, pi_old's
+        pi_theta = mb.pi_old if k == 0 else token_stats(policy, mb.rollout, cfg, run.device)
+        # I_it (STAPO: 0 where S2T silences, A > 0, p < tau_p, H < tau_h) and this rank's share
+        # of N; thresholds over the whole mini-batch
+        weights = stapo.token_weights(cfg.algo, pi_theta.logprobs, pi_theta.entropy,
+                                      mb.advantages, mb.mask, cfg.tau_p, cfg.quantile, mb.context)
+        N = all_sum(weights.share)[0]  # N = sum_i sum_t I_it over the whole mini-batch (D31)
         run.optimizer.zero_grad(set_to_none=True)
-        part = None  # --gradient-share: the gradient of the candidates' terms alone, made first
-        if cfg.gradient_share and not skip and pi_theta is not None:
-            part = candidate_gradient(run, mb, pi_theta, loss_weights, denominator)
-        update = None if skip else accumulate_gradients(run, mb, loss_weights, denominator)
-        if part is not None:
-            log.gradient_share(part)
-        mb.pi_old = pi_old_after(run, mb, update)  # (b, T) each; on policy known only now
-        pi_theta = mb.pi_old if pi_theta is None else pi_theta  # what the mask saw (on policy)
-        log.s2t(k, mb, pi_theta, weights)
-        if on_mask:
-            on_mask(k, mb, pi_theta, weights)
-        if cfg.quantile_window:  # the mini-batch's candidates join the window (ranks in order)
-            cand = s2t.candidates(pi_theta.logprobs, mb.advantages, mb.mask, cfg.tau_p)  # (b, T)
-            run.window = s2t.window_after(run.window, all_gather_cat(pi_theta.entropy[cand]),
-                                          cfg.quantile_window)
-        if skip:
-            log.skipped("zero_adv")
-            continue
-        log.add(update.sums)
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
-                          else grad_norm)
-        if not math.isfinite(grad_norm):  # the norm is global, so every rank skips together
-            warnings.warn(f"step {step} mini-batch {k}: non-finite gradient norm, update skipped")
-            run.optimizer.zero_grad(set_to_none=True)
-            log.skipped("nonfinite")
-            continue
-        run.optimizer.step()
-        run.scheduler.step()
-        log.updated(grad_norm, update)
-        if cfg.entropy_change:  # what the update did to the entropy at each kind of position
-            log.entropy_change(k, mb, pi_theta,
-                               token_stats(policy, mb.rollout, cfg, device).entropy, weights)
+        watch.weighed(k, mb, pi_theta, weights, N)
+        # the gradient of -J, micro-batch by micro-batch; None: nothing to learn (D43)
+        update = accumulate_gradients(run, mb, weights.weights, N)
+        watch.backward(k, mb, pi_theta, weights, update)
+        grad_norm = optimizer_step(run) if update else None  # None: no step was made
+        watch.updated(k, mb, pi_theta, weights, grad_norm)
     run.optimizer.zero_grad(set_to_none=True)
-    return log.close(time.time() - t0)
-
-
-def random_keys(run: Run, step: int, k: int, mb: MiniBatch) -> torch.Tensor:
-    """(b, T) randmask's keys for this rank's rows of mini-batch k of step `step`: seeded from
-    (seed, step, k) and each row's place in the whole mini-batch (rank_slice: rank r holds rows r*b
-    .. r*b+b-1), so the silenced positions are the same on every number of ranks."""
-    b, T = mb.rollout.response_ids.shape
-    rows = range(run.rank * b, (run.rank + 1) * b)
-    return s2t.random_keys(hash((run.cfg.seed, step, k)) % 2**62, rows,
-                           run.cfg.max_response_len)[:, :T]
-
-
-def on_policy(cfg: config.Config) -> bool:
-    """Whether the update's own forward stands in for the pi_old pass: one mini-batch per step (the
-    policy has not moved when that forward runs, so pi_old = its log-probs, detached: ratio 1),
-    weights that need no p or H before it (JustRL, GRPO) and no TIS (which weighs by pi_old before
-    the loss)."""
-    return (cfg.mini_batch_prompts == cfg.prompts_per_step
-            and stapo.ALGORITHMS[cfg.algo].silence is None and cfg.tis_cap is None)
+    return True
 
 
 def sample(run: Run, step: int) -> tuple[rollout.Rollout, list[int]]:
     """(this rank's rollout batch of step `step` on the policy's device, the training row of each
     prompt): its prompts in mini-batch order (`rank_slice`), each generate call seeded from (seed,
-    step, global index of its first prompt) (difference 3)."""
+    step, global index of its first prompt) (D40)."""
     cfg, position = run.cfg, step - 1  # the steps before this one: the data position
     indices = prompt_indices(position, len(run.rows), cfg)
     positions = rank_slice(len(indices), cfg, run.rank, run.world)
@@ -232,39 +113,83 @@ def sample(run: Run, step: int) -> tuple[rollout.Rollout, list[int]]:
     return batch.to(run.device), prompt_rows  # the engine's device (vLLM: the CPU) -> the policy's
 
 
+def on_policy(cfg: config.Config) -> bool:
+    """Whether the update's own forward stands in for the pi_old pass: one mini-batch per step (the
+    policy has not moved when that forward runs, so pi_old = its log-probs, detached: ratio 1),
+    weights that need no p or H before it (JustRL, GRPO) and no TIS (which weighs by pi_old before
+    the loss)."""
+    return (cfg.mini_batch_prompts == cfg.prompts_per_step
+            and stapo.ALGORITHMS[cfg.algo].silence is None and cfg.tis_cap is None)
+
+
+def old_policy_stats(run: Run, batch: rollout.Rollout) -> TokenStats:
+    """pi_old: p, H and collision of the policy before the step's updates, (B, T) each (D39): a pass
+    without gradients. On policy (`on_policy`) the update's own forward is that pass: the tensors
+    start at 0 and `accumulate_gradients` fills them in, detached (ratio 1)."""
+    if on_policy(run.cfg):
+        return TokenStats(*(torch.zeros_like(batch.sampler_logprobs) for _ in range(3)))
+    return token_stats(run.policy, batch, run.cfg, run.device)
+
+
 @dataclass
 class MiniBatch:
     """This rank's rows of one mini-batch and what their update reads."""
     rollout: rollout.Rollout
     advantages: torch.Tensor  # (b, T): A_i on every token of y_i
-    pi_old: TokenStats | None  # p, H, collision, (b, T) each; None on policy until its update
+    pi_old: TokenStats  # p, H, collision, (b, T) each: rows of the step's pi_old
     ref_logprobs: torch.Tensor | None  # (b, T) GRPO's reference model with --kl-beta > 0, else None
     correct: torch.Tensor  # (b,) bool: a positive reward
+    context: stapo.MiniBatchContext  # what stapo.token_weights needs beyond these rows
 
     @property
     def mask(self) -> torch.Tensor:
         return self.rollout.response_mask.float()  # (b, T)
 
 
+def mini_batches(run: Run, step: int, batch: rollout.Rollout, rewards: torch.Tensor,
+                 advantages: torch.Tensor, pi_old: TokenStats) -> Iterator[MiniBatch]:
+    """This rank's rows of each of the step's mini-batches, in order (rank r holds rows r*b ..
+    r*b+b-1 of each, `rank_slice`), with GRPO's reference log-probs (one pass over the batch) and
+    the context of their token weights: the other ranks' rows, randmask's keys seeded from (seed,
+    step, k), the --quantile-window, TIS's weights min(pi_old / pi_sampler, cap), whether p and H
+    are known before the update (not on policy)."""
+    cfg, b = run.cfg, run.cfg.mini_batch_prompts // run.world * run.cfg.group_size
+    adv = advantages[:, None].expand_as(batch.sampler_logprobs)  # (B, T): A_i on every token of y_i
+    ref = token_stats(run.ref_policy, batch, cfg, run.device).logprobs if run.ref_policy else None
+    for k, first in enumerate(range(0, len(batch), b)):
+        rows = slice(first, first + b)
+        tis = None if cfg.tis_cap is None else stapo.tis_weight(  # (b, T)
+            pi_old.logprobs[rows], batch.sampler_logprobs[rows], cfg.tis_cap)
+        context = stapo.MiniBatchContext(all_gather_cat, hash((cfg.seed, step, k)) % 2**62,
+                                         range(run.rank * b, (run.rank + 1) * b),
+                                         cfg.max_response_len, run.window, tis, not on_policy(cfg))
+        yield MiniBatch(batch.select(rows), adv[rows], pi_old.rows(rows),
+                        None if ref is None else ref[rows], rewards[rows] > 0, context)
+
+
 class Update(NamedTuple):
     """What `accumulate_gradients` did on this rank."""
     loss: float  # the policy loss -J of this rank's rows
     kl: float  # GRPO's KL term (0 without --kl-beta)
-    sums: dict  # token counts and token-weighted clip statistics, for StepLog
-    pi_old: TokenStats | None  # on policy: the forward's p, H, collision, detached, (b, T) each
+    sums: dict  # token counts and token-weighted clip statistics (the metrics line)
 
 
-def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor,
-                         denominator: float) -> Update:
+def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor, N: float) -> Update | None:
     """The gradient of one mini-batch's objective J (paper Eq. 3, stapo.policy_loss) accumulated
     over token-budget micro-batches, no optimizer step: sum_micro sum_ranks
     (world * loss_part) / world = J's gradient, however the rows are grouped. weights (b, T): the
-    token weights I_it; denominator: the global N."""
-    cfg, device, clip = run.cfg, run.device, stapo.clip_range(run.cfg.algo, run.cfg.clip_low,
-                                                              run.cfg.clip_high)
+    token weights I_it; N: the global denominator. None, and no gradient, when no rank has a token
+    with A != 0 and I > 0 and there is no KL term: the gradient is 0 (D43); on policy a pass without
+    gradients then fills pi_old in."""
+    cfg, device = run.cfg, run.device
+    if all_sum(((mb.advantages != 0) & (weights > 0)).sum())[0] == 0 and mb.ref_logprobs is None:
+        if on_policy(cfg):
+            for whole, part in zip(mb.pi_old, token_stats(run.policy, mb.rollout, cfg, device)):
+                whole.copy_(part)
+        return None
+    clip = stapo.clip_range(cfg.algo, cfg.clip_low, cfg.clip_high)
     sums = dict.fromkeys(("computed_tokens", "attention_cells", "real_tokens", "loss_tokens",
-                          *stapo.CLIP_STATS),
-                         0.0)
+                          *stapo.CLIP_STATS), 0.0)
     # the same count on every rank
     micro = mb.rollout.micro_batches(cfg.max_tokens_per_micro_batch, agree=all_max)
     for rows in micro:  # tokens the backbone runs (a shared prompt once), cells attention lays out
@@ -272,58 +197,42 @@ def accumulate_gradients(run: Run, mb: MiniBatch, weights: torch.Tensor,
         sums["computed_tokens"] += computed
         sums["attention_cells"] += cells
     sums["real_tokens"] += mb.rollout.lengths().sum().item()
-    on_policy_pi_old = None if mb.pi_old is not None else TokenStats(
-        *(torch.zeros_like(mb.rollout.logprobs) for _ in range(3)))
     loss_sum = kl_sum = 0.0
     for rows in micro:
         # TokenStats, (b', T') each
         pi_theta = policy_forward(run.policy, mb.rollout.select(rows), cfg, device)
         cut = (rows, slice(0, pi_theta.logprobs.shape[1]))
-        if on_policy_pi_old is not None:  # on policy: pi_old is this forward's, detached (ratio 1)
-            for whole, piece in zip(on_policy_pi_old, pi_theta):
+        if on_policy(cfg):  # pi_old is this forward's, detached (ratio 1; `old_policy_stats`)
+            for whole, piece in zip(mb.pi_old, pi_theta):
                 whole[cut] = piece.detach()
-        pi_old = (mb.pi_old if on_policy_pi_old is None else on_policy_pi_old).logprobs
-        loss, stats = stapo.policy_loss(pi_theta.logprobs, pi_old[cut].to(device),
+        loss, stats = stapo.policy_loss(pi_theta.logprobs, mb.pi_old.logprobs[cut].to(device),
                                         mb.advantages[cut].to(device), weights[cut].to(device),
-                                        *clip, cfg.dual_clip, denominator)
+                                        *clip, cfg.dual_clip, N)
         if mb.ref_logprobs is not None:  # GRPO with --kl-beta > 0: + beta * sum(I * k3) / N
-            kl = (weights[cut].to(device) * stapo.kl_k3(pi_theta.logprobs,
-                                                        mb.ref_logprobs[cut].to(device))).sum()
-            kl = kl / max(denominator, 1.0)
-            loss = loss + cfg.kl_beta * kl
+            kl = stapo.kl_term(pi_theta.logprobs, mb.ref_logprobs[cut].to(device),
+                               weights[cut].to(device), N)
+            loss = loss + cfg.kl_beta * kl  # the KL term, outside policy_loss (D35)
             kl_sum += kl.item()
-        (loss * run.world).backward()  # FSDP2 divides the summed gradient by world (difference 5)
+        (loss * run.world).backward()  # FSDP2 divides the summed gradient by world (D42)
         loss_sum += loss.item()
         tokens = stats["loss/tokens"].item()
         sums["loss_tokens"] += tokens
         for key in stapo.CLIP_STATS:
             sums[key] += stats[key].item() * tokens if key in stats else 0.0  # token-weighted means
-    return Update(loss_sum, kl_sum, sums, on_policy_pi_old)
+    return Update(loss_sum, kl_sum, sums)
 
 
-def candidate_gradient(run: Run, mb: MiniBatch, pi_theta: TokenStats, weights: torch.Tensor,
-                       denominator: float) -> list[torch.Tensor] | None:
-    """--gradient-share: the parameter gradient of the objective's terms at the candidates it keeps
-    (A > 0, p < tau_p, weight > 0), with the same N, one parameter's tensor each (on every rank;
-    None, and nothing computed, when the mini-batch has no such candidate on any rank); the
-    gradients are zeroed again after."""
-    kept = s2t.candidates(pi_theta.logprobs, mb.advantages, mb.mask, run.cfg.tau_p)  # (b, T)
-    kept &= weights > 0
-    if all_sum(kept.sum())[0] == 0:
+def optimizer_step(run: Run) -> float | None:
+    """Clip the gradient to --grad-clip and step the optimizer and the lr schedule: the norm before
+    the clip, or None and no step when it is not finite (the norm is global: every rank agrees)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.policy.parameters(), run.cfg.grad_clip)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    if not math.isfinite(grad_norm):  # D43
+        run.optimizer.zero_grad(set_to_none=True)
         return None
-    accumulate_gradients(run, mb, weights * kept, denominator)
-    part = [p.grad.detach().clone() for p in run.policy.parameters()]
-    run.optimizer.zero_grad(set_to_none=True)
-    return part
-
-
-def pi_old_after(run: Run, mb: MiniBatch, update: Update | None) -> TokenStats:
-    """pi_old's p, H and collision on the mini-batch's rows after its update, (b, T) each
-    (difference 2): the step's pass before its updates (`mb.pi_old`), or on policy the update's own
-    forward, detached (a pass of its own where it made none)."""
-    if mb.pi_old is not None:
-        return mb.pi_old
-    return update.pi_old if update else token_stats(run.policy, mb.rollout, run.cfg, run.device)
+    run.optimizer.step()
+    run.scheduler.step()
+    return grad_norm
 
 
 def policy_forward(policy, rows: rollout.Rollout, cfg: config.Config, device) -> TokenStats:
@@ -352,11 +261,25 @@ def token_stats(policy, batch: rollout.Rollout, cfg: config.Config, device) -> T
 
 
 # ----------------------------------------------------------------------------------------- the loop
+def logged_step(run: Run, step: int, *watches: Watch) -> StepResult | None:
+    """`train_step` watched by its metrics line (step_metrics/step_log.py) and `watches`: the
+    step's records, or None when a stop signal dropped the step."""
+    cfg = run.cfg
+    log = StepLog(cfg, step, run.rank, run.tokenizer, Probes(
+        lambda texts, rewards, rows: completions(run, step, "train", texts, rewards, rows,
+                                                 cfg.group_size),
+        lambda mb, weights, N: accumulate_gradients(run, mb, weights, N),
+        lambda rows: token_stats(run.policy, rows, cfg, run.device), run.policy.parameters))
+    if not train_step(run, step, Watches(log, *watches)):
+        return None
+    return log.result(run.scheduler.get_last_lr()[0])
+
+
 def train(run: Run) -> int:
     """The training loop: steps, their logs, evaluations, checkpoints, the export. Returns the exit
     status: 0, or run_folder.STOPPED when a stop signal ended the run early (with a checkpoint).
     Step N (from 1) is the same N in the console, every log (eval.jsonl: evaluated after N
-    steps, 0 = before training) and checkpoint/step_N."""
+    steps, 0 = before training) and checkpoint/step_N (D46)."""
     cfg, start = run.cfg, run.start
     evaluated = {r["step"] for r in read_log(Path(cfg.out_dir) / "eval.jsonl")}
     # a resume's due evaluation; where a stop came
@@ -369,7 +292,7 @@ def train(run: Run) -> int:
         for step in range(start + 1, cfg.steps + 1):
             if stopped:
                 break
-            result = train_step(run, step)
+            result = logged_step(run, step)
             if result is None:  # a stop signal during the rollout
                 stopped, where = True, f"in step {step}'s rollout (the step is dropped)"
                 break
@@ -419,7 +342,9 @@ def checkpoint(run: Run, done: int) -> int:
     `done`."""
     cfg, trained = run.cfg, ModelAndOptimizer(run.policy, run.optimizer, run.scheduler)
     run_folder.save_checkpoint(Path(cfg.out_dir), done, trained, run_folder.recipe(asdict(cfg)),
-                               run.rank, run.world, {"s2t_window": run.window})
+                               run.rank, run.world,
+                               {"s2t_window": run.window.values if run.window
+                                else torch.zeros(0)})
     return done
 
 
@@ -449,84 +374,7 @@ def finish(run: Run) -> None:
         return
     if run.logger:
         run.logger.close()
-    figures.closing_lines(cfg, out)
-
-
-def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, world: int, device,
-          checkpoint: Path | None, preemption: run_folder.Preemption) -> Run:
-    """The model, its sharding, the optimizer, the rollout engine, and the checkpoint a resume
-    continues from."""
-    if device.type == "cpu":
-        keep_freed_memory()
-        # Deterministic kernels: without them the backward on several threads sums in a varying
-        # order, so two runs of one command at 2 threads, or a run and its resume, differ from the
-        # first update on (docs/training.md, Reproducibility). CUDA keeps its fast kernels.
-        torch.use_deterministic_algorithms(True, warn_only=True)
-    train_rows, test_rows = rows
-    # one process: read onto its device; several: read once on rank 0, the others build it on the
-    # meta device and receive their shards of the weights from rank 0 in shard_policy
-    # (sharding.from_rank0)
-    load = (lambda: load_model(cfg.model, device=device)) if world == 1 else (lambda: from_rank0(
-        lambda: load_model(cfg.model)))
-    lm, tokenizer = load()
-    if cfg.chat and not tokenizer.chat_template:
-        raise ValueError(f"the tokenizer of {cfg.model!r} has no chat template; use --no-chat")
-    # the rows whose prompt fits --max-prompt-len, their prompts, how many did not (difference 7)
-    train_rows, train_prompts, dropped = rollout.fitting_prompts(tokenizer, train_rows, cfg.chat,
-                                                                 cfg.instruction,
-                                                                 cfg.max_prompt_len)
-    test_rows, test_prompts, dropped_test = rollout.fitting_prompts(tokenizer, test_rows, cfg.chat,
-                                                                    cfg.instruction,
-                                                                    cfg.max_prompt_len)
-    if not train_prompts:
-        raise ValueError(f"every prompt of {cfg.data or 'the built-in task'} is longer than "
-                         "--max-prompt-len")
-    too_few(cfg, len(train_prompts))
-    if (dropped or dropped_test) and rank == 0:
-        print(f"train.py: dropped {dropped} of {dropped + len(train_prompts)} training prompts and "
-              f"{dropped_test} of {dropped_test + len(test_prompts)} held-out prompts longer than "
-              f"--max-prompt-len {cfg.max_prompt_len} tokens", file=sys.stderr, flush=True)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    if rank == 0:  # the memory model's estimate (docs/memory.md), every row at its longest
-        per_call = prompts_per_call(cfg, cfg.prompts_per_step // world, lm.config,
-                                    compute_dtype(cfg, device).itemsize)
-        print(memory_line(run_estimate(cfg, lm.config, world, max(map(len, train_prompts)),
-                                       per_call)), flush=True)
-
-    def make_policy(model_lm):
-        policy = Policy(model_lm, vocab_size=lm_vocab_size(tokenizer))  # the sampler's rows only
-        if cfg.grad_checkpointing:
-            model_lm.gradient_checkpointing_enable({"use_reentrant": False})
-        if cfg.fsdp:  # in_effect: on with several processes or CUDA
-            shard_policy(policy, mixed_precision=cfg.mixed_precision, from_rank0=world > 1,
-                         device=device)
-        return policy
-
-    policy = make_policy(lm)
-    ref_policy = None
-    if cfg.algo == "grpo" and cfg.kl_beta > 0:
-        ref_policy = make_policy(load()[0]).requires_grad_(False)
-    # fused: one kernel over all parameters (CPU: 4-5x faster than the foreach loop at SmolLM2's
-    # 135M, tools/bench.py flops)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  fused=True)
-    # lr: linear warm-up over warmup_steps optimizer steps, then constant
-    warmup = lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1))  # noqa: E731
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
-    start, window = 0, torch.zeros(0)
-    if checkpoint is not None:  # any number of ranks: DCP reshards (run_folder.load_checkpoint)
-        trained = ModelAndOptimizer(policy, optimizer, scheduler)
-        start, window = run_folder.resume(checkpoint, trained, cfg.steps, rank)
-    engine = rollout_engine(cfg, lm, tokenizer, train_prompts + test_prompts, rank, world, device,
-                            preemption.requested)  # the plain sampler stops at a signal
-    logger = run_folder.open_logger(cfg.logger, Path(cfg.out_dir), asdict(cfg)) if rank == 0 \
-        else None
-    return Run(cfg=cfg, rank=rank, world=world, device=device, policy=policy, ref_policy=ref_policy,
-               tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, engine=engine,
-               rows=train_rows, prompts=train_prompts, test_rows=test_rows,
-               test_prompts=test_prompts, preemption=preemption, logger=logger, start=start,
-               window=window)
+    report.closing_lines(cfg, out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -535,8 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     run the same command again), run_folder.INTERRUPTED (Ctrl-C again: left at once, the last
     checkpoint kept)."""
     argv = sys.argv[1:] if argv is None else argv
-    if "--plot" in argv:  # train.py --plot RUN [RUN ...]: figures only (run_folder/figures.py)
-        return figures.main(argv)
+    if "--plot" in argv:  # train.py --plot RUN [RUN ...]: figures only (reports/report.py)
+        return report.main(argv)
     rank = int(os.environ.get("RANK", 0))  # until the process group exists: torchrun's env://
     run = lock = None
     # from here on, SIGTERM / SIGUSR1 / SIGINT: a checkpoint, exit
@@ -583,11 +431,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Leave without interpreter teardown. FSDP's DTensors keep torch's process group alive past
-    # destroy_process_group, and when a gloo worker thread is still releasing the last collective's
-    # tensors as Python finalizes, it aborts the finished run ("terminate called without an active
-    # exception", ~1 run in 20 on CPU).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    early.leave(main())  # without interpreter teardown (startup/early.py)

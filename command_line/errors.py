@@ -1,6 +1,6 @@
 """The error type and the one-line messages every file may import (it imports nothing of the
 project): a bad input is one line `PROG: error: ...` and exit status 2 (docs/paper.md,
-"Deliberate differences": every bad input is one line)."""
+"Deliberate differences": D50)."""
 from __future__ import annotations
 
 import sys
@@ -16,7 +16,7 @@ class InputError(Exception):
 
 # What bad inputs raise: one line `PROG: error: ...` and exit status 2 (`error`); also a full disk,
 # a folder in use.
-BAD_INPUT = (FileNotFoundError, ValueError, KeyError, ImportError, OSError, InputError)
+BAD_INPUT = (FileNotFoundError, ValueError, KeyError, ImportError, OSError, InputError)  # D50
 
 
 def one_line(e: BaseException) -> str:

@@ -46,7 +46,7 @@ class OneLineParser(argparse.ArgumentParser):
 def parse_flags(cls, argv: list[str] | None, prog: str, notes: dict[str, str] | None = None,
                 modes: dict[str, str] | None = None) -> dict:
     """The flags given in argv, as {field: value}, for the dataclass `cls` (absent flags are absent:
-    the caller layers them over its defaults, a preset or a training run's config.json).
+    the caller layers them over its defaults, a preset or a training run's config.json) (D48).
 
     One --flag per field (underscores -> dashes); its --help is the string literal under the field,
     its default and `notes[field]`. bool -> --flag/--no-flag, list[X] -> one or more X (repeatable:
@@ -129,7 +129,7 @@ def read_config(cls, path: str) -> dict:
     return check_values(cls, values, path)
 
 
-def check_values(cls, values: dict, source: str) -> dict:
+def check_values(cls, values: dict, source: str) -> dict:  # D49
     """`values` ({field name: value}, e.g. a config file's or a run's config.json) checked against
     the fields of the dataclass `cls`: every key is a field and every value has the field's type (a
     float field takes an integer, a field of X | None takes null, nothing else converts: "0.001" is

@@ -64,7 +64,7 @@ def shard_policy(policy: Policy, mixed_precision: bool = True, from_rank0: bool 
         mp = MixedPrecisionPolicy()  # no casting: fp32 compute and reductions (CPU / gloo)
     for layer in policy.lm.get_decoder().layers:
         fully_shard(layer, mp_policy=mp)
-    fully_shard(policy, mp_policy=mp)
+    fully_shard(policy, mp_policy=mp)  # the root last: embeddings, norm, head (D18)
     if from_rank0:
         if dist.get_rank() == 0:
             policy.to(device)
@@ -79,7 +79,7 @@ def shard_policy(policy: Policy, mixed_precision: bool = True, from_rank0: bool 
 
 
 @contextmanager
-def gathered(policy: torch.nn.Module):
+def gathered(policy: torch.nn.Module):  # D6
     """Under FSDP2, hold every FSDP module of `policy` unsharded for the duration (one all-gather
     per module at entry, one reshard at exit) with FSDP's forward hooks detached, so decoding
     `policy.lm` is a plain model: no collective and no FSDP bookkeeping per token. A no-op without

@@ -1,5 +1,5 @@
-"""The rollout engine by name (train.py's and eval.py's --rollout): 'plain' (rollout.PlainEngine,
-the reference sampler) or 'vllm' (VLLMEngine, imported only when chosen), and a training run's
+"""The rollout engine by name (train.py's and eval.py's --rollout): 'plain' (PlainEngine, the
+reference sampler) or 'vllm' (VLLMEngine, imported only when chosen), and a training run's
 engine sized for its KV-cache budget (`rollout_engine`). It sits above both engines, so that neither
 imports the other."""
 from __future__ import annotations
@@ -9,18 +9,19 @@ from typing import Callable
 import torch
 
 import config
+from engines.plain_engine import PlainEngine
 from engines.vllm_engine import VLLMEngine, VLLMSettings
 from memory.estimate import kv_cache_bytes
 from model import lm_vocab_size
-from rollout import PlainEngine, StopText, eos_ids
+from rollout import StopText, eos_ids
 
 
 def make_engine(name: str, lm, tokenizer, chat: bool, stop: Callable[[], bool] | None = None,
                 captured: bool = False, stop_text: list[str] | None = None, **vllm_kwargs):
     """The rollout engine `name` ('plain' or 'vllm') for the HF model `lm`; vLLM is imported only
-    for 'vllm'.
+    for 'vllm' (D45).
     stop: the plain sampler's early end (a vLLM generate call always finishes); captured: the plain
-    engine decodes through CUDA graphs (difference 10); stop_text: texts that also end a response
+    engine decodes through CUDA graphs (D10); stop_text: texts that also end a response
     (--stop-text, `StopText`); vllm_kwargs: VLLMSettings's max_model_len (also the plain engine's
     static cache length), kv_cache_memory_bytes, dtype, seed."""
     args = (lm, eos_ids(lm, tokenizer, chat), tokenizer.pad_token_id, lm_vocab_size(tokenizer))

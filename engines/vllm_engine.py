@@ -1,6 +1,6 @@
 """The vLLM engine (--rollout vllm; docs/rollouts.md): a colocated vllm.LLM behind the same `sample`
-call and `Rollout` as rollout.PlainEngine, its weights pushed from the policy once per rollout
-phase; vLLM is imported only when chosen (docs/paper.md, "Deliberate differences": sampler 7 and the
+call and `Rollout` as PlainEngine, its weights pushed from the policy once per rollout
+phase; vLLM is imported only when chosen (docs/paper.md, "Deliberate differences": D7 and the
 vLLM engine's own)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from memory.estimate import kv_cache_bytes
-from rollout import Rollout, StopText, left_pad, request_seed
+from rollout import Rollout, StopText, left_pad
 
 
 @contextmanager
@@ -72,6 +72,12 @@ class VLLMSettings:
     seed: int = 0
 
 
+def request_seed(call_seed: int, row: int) -> int:
+    """The vLLM seed of row `row` of the generate call seeded `call_seed` (so a resumed run samples
+    the same)."""
+    return (call_seed * 1_000_003 + row) % 2**63
+
+
 class VLLMEngine:
     """A colocated vLLM `LLM` in this process (tensor parallel 1, one per rank, as TRL's colocate
     mode), created once; `ready(policy)` pushes the current weights into it in place before each
@@ -88,7 +94,7 @@ class VLLMEngine:
       rows >= vocab_size excluded (`allowed_token_ids`). Log-probs: vLLM's `processed_logprobs` of
       the sampled token, i.e. after the temperature and the allowed-token mask: the full tempered
       softmax (as `generate`) when top_p == 1; with top_p < 1 vLLM renormalizes over the nucleus
-      (differs from `generate`'s difference 1); greedy (temperature 0): the temperature-1 softmax,
+      (differs from `generate`'s D1); greedy (temperature 0): the temperature-1 softmax,
       as `generate`. Batches come back on the CPU; the trainer moves them.
     - CUDA (read against TRL's colocate mode and verl's rollout mode; not run here): CUDA graphs
       (verl's `enforce_eager: False`; eager on CPU), `gpu_memory_utilization` from the free memory

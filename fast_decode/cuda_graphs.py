@@ -1,7 +1,7 @@
 """The plain sampler's decode step captured in CUDA graphs (train.py's --cuda-graphs; docs/gpu.md):
 the written-out step (`DecodeStep`) with static shapes, one graph per batch bucket and length block
 of a static KV cache, replayed with its inputs copied into static buffers, as nano-vllm and gpt-fast
-do (docs/paper.md, "Deliberate differences": sampler 10). On the CPU the same class runs the step
+do (docs/paper.md, "Deliberate differences": D10). On the CPU the same class runs the step
 eagerly on the same buffers (the tests)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from fast_decode.decode_step import DecodeStep, InPlaceCache
 
 # The captured step's attention reads the cache up to the filled length rounded up to this many
-# positions: a graph per length block that a phase reaches (difference 10), at most this many
+# positions: a graph per length block that a phase reaches (D10), at most this many
 # unfilled positions read per row.
 LENGTH_BLOCK = 256
 
@@ -25,7 +25,7 @@ def batch_buckets(rows: int) -> list[int]:
 
 class CapturedStep:
     """The decode step (`DecodeStep`) and the LM head with static shapes for one rollout phase
-    (difference 10). The KV cache (rows x max_len tokens per layer), the attention mask and the
+    (D10). The KV cache (rows x max_len tokens per layer), the attention mask and the
     step's inputs and logits are allocated once; generate calls `cache(B, P + T)` once per call (the
     prefill writes into the same buffers), then once per step:
         copy in:  token[:R], position[:R], mask[:R] <- the R running rows';

@@ -2,7 +2,7 @@
 written in place (`InPlaceCache`), the decoder's linears through oneDNN with reordered weights
 (`onednn_linears`), and the decode step of a Llama, Qwen2 or Qwen3 model written out layer by layer
 (`DecodeStep`). rollout.generate decodes through them; they compute the model's own equations
-(docs/paper.md, "Deliberate differences": sampler 4, 8, 9)."""
+(docs/paper.md, "Deliberate differences": D4, D8, D9)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -12,7 +12,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.models.llama.modeling_llama import rotate_half
 
-from model import grouped_sdpa
+from attention.packed_sdpa import grouped_sdpa
 
 
 class InPlaceLayer(DynamicLayer):
@@ -56,7 +56,7 @@ class InPlaceLayer(DynamicLayer):
 
     def write(self, key_states: torch.Tensor, value_states: torch.Tensor, column: torch.Tensor,
               length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The captured step's write (difference 10): the new (R, kv_heads, 1, head_dim) states at
+        """The captured step's write (D10): the new (R, kv_heads, 1, head_dim) states at
         position `column` (a (1,) tensor, no host value: a CUDA graph replays it); returns the R
         rows' first `length` positions (R, kv_heads, length, head_dim), unfilled ones included. The
         caller advances the length (`InPlaceCache.written`)."""
@@ -133,7 +133,7 @@ def _packs(weight: torch.Tensor) -> bool:
 
 
 def packed(weight: torch.Tensor):
-    """x -> x @ weight^T through oneDNN with `weight` reordered once (difference 8), or the plain
+    """x -> x @ weight^T through oneDNN with `weight` reordered once (D8), or the plain
     matmul."""
     if not _packs(weight):
         return lambda x: x @ weight.T
@@ -144,7 +144,7 @@ def packed(weight: torch.Tensor):
 @contextmanager
 def onednn_linears(module: torch.nn.Module):
     """For the duration, every `nn.Linear` of `module` whose weight `_packs` computes through oneDNN
-    with its weight reordered once into oneDNN's blocked layout (difference 8): one more copy of
+    with its weight reordered once into oneDNN's blocked layout (D8): one more copy of
     those weights meanwhile."""
     linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear) and _packs(m.weight)
                and "forward" not in vars(m)]
@@ -161,7 +161,7 @@ def onednn_linears(module: torch.nn.Module):
 def _packed_cat(linears: list[torch.nn.Linear]):
     """x -> x @ [W_1; W_2; ...]^T + [b_1; b_2; ...] through oneDNN (F.linear where `_packs` does not
     hold, e.g. on CUDA): several projections of the same input as one matmul over their stacked
-    weights (difference 9); a single projection's weight is not copied unless reordered.
+    weights (D9); a single projection's weight is not copied unless reordered.
     x (..., in) -> (..., sum of out)."""
     weights, biases = [m.weight.detach() for m in linears], [m.bias for m in linears]
     weight = torch.cat(weights) if len(weights) > 1 else weights[0]  # (sum of out, in)
@@ -174,7 +174,7 @@ def _packed_cat(linears: list[torch.nn.Linear]):
 
 def _grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                        mask: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Attention of one query position over grouped heads, for the captured step (difference 10):
+    """Attention of one query position over grouped heads, for the captured step (D10):
     query (R, H, 1, hd), keys / values (R, KV, L, hd), additive mask (R, 1, 1, L) -> (R, 1, H, hd).
     The H / KV query heads that read key head j (h // (H / KV) = j, as transformers' repeat_kv
     arranges them) are taken as that many query positions of head j under the same mask, so SDPA's
@@ -190,7 +190,7 @@ def _grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 class DecodeStep:
     """One decode step of a Llama / Qwen2 / Qwen3 decoder (`WRITTEN_OUT`) on the CPU or CUDA (there
-    through `CapturedStep`: difference 10), written out layer by layer (difference 9):
+    through `CapturedStep`: D10), written out layer by layer (D9):
     token (R,) -> the last hidden state (R, 1, D) after the final norm, as
     `decoder(input_ids=token[:, None], position_ids=..., attention_mask=..., past_key_values=cache)`
     returns it. Per layer, the equations of the model's own forward:
@@ -226,7 +226,7 @@ class DecodeStep:
     @staticmethod
     def supports(model) -> bool:
         """A decoder of a family in `WRITTEN_OUT` whose weights all `_packs` (a CPU model in fp32 or
-        bf16) or are plain CUDA tensors (difference 10)."""
+        bf16) or are plain CUDA tensors (D10)."""
         return (model.config.model_type in WRITTEN_OUT and all(
             _packs(p) or (p.is_cuda and type(p.data) is torch.Tensor)
             for p in model.get_decoder().layers.parameters()))
@@ -235,7 +235,7 @@ class DecodeStep:
                  attention_mask: torch.Tensor | None, cache: InPlaceCache,
                  column: torch.Tensor | None = None) -> torch.Tensor:
         """column None: the cache grows by `update` and attention reads its filled views (the eager
-        step); a (1,) tensor: the captured step's static shapes (difference 10), the new keys and
+        step); a (1,) tensor: the captured step's static shapes (D10), the new keys and
         values written at `column` and attention over the first attention_mask.shape[1] positions,
         the unfilled ones masked by `attention_mask`."""
         h = self.decoder.embed_tokens(token[:, None])  # (R, 1, D)

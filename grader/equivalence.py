@@ -1,11 +1,12 @@
 """Whether a predicted answer equals the gold (docs/grader.md): parsed values compared exactly
 (sympy Rationals), expressions at points and symbolically, tuples, sets and intervals part by part,
-equations by their value, multiple choice by its letter (docs/paper.md, "Deliberate differences":
-grader 1-3)."""
+equations by their value, multiple choice by its letter, a gold of several answers against one box
+per part (`answer_parts`) (docs/paper.md, "Deliberate differences": D11-D13)."""
 import re
 
 import sympy as sp
 
+from grader.extraction import HEDGE
 from grader.limits import MAX_ANSWER_CHARS, Refused, tick
 from grader.normalize import DECIMAL, clean_answer, decimal_gold, squash
 from grader.parser import Eqn, Rel, Seq, as_set, parse_answer
@@ -220,3 +221,29 @@ def equivalent(pred, golds, deadline):
         return False
     except Exception:  # Refused or any sympy error on an odd answer: not equivalent, never a crash
         return False
+
+
+# --------------------------------------------------------------------------------- one box per part
+_RETRACT = re.compile(r"\b(?:wait|actually|instead|mistake|wrong|incorrect|error|re-?check|"
+                      r"correction|oops)\b", re.I)
+
+
+def answer_parts(text, boxes, golds, deadline):  # D13
+    """A gold of k > 1 answers against the last k boxes, one per part
+    ("(a) \\boxed{6} ... (b) \\boxed{15}"), when none of them is unterminated, empty or hedged and
+    no retraction stands between them."""
+    try:
+        k = len(golds) if len(golds) > 1 else \
+            len(parse_answer(clean_answer(golds[0], deadline)[0], deadline))
+    except Exception:  # Refused, or any sympy error: a gold that can't be counted has no parts
+        return False
+    last = boxes[-k:]
+    if not 1 < k <= len(boxes) or any(not (c and c.strip()) or HEDGE.match(text[e : e + 100])
+                                      for _, e, c in last):
+        return False
+    if _RETRACT.search(text[last[0][1] : last[-1][0]]):
+        return False  # \boxed{3} ... wait, actually \boxed{5}: the second replaces the first
+    joined = text[boxes[-k - 1][1] : last[0][0]] if len(boxes) > k and boxes[-k - 1][1] else ""
+    if len(joined) <= 40 and re.search(r"\b(?:or|maybe|possibly|perhaps)\b", joined, re.I):
+        return False  # (a) \boxed{7} or \boxed{6}: the first part is a hedge
+    return equivalent(", ".join(c for _, _, c in last), golds, deadline)

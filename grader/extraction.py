@@ -1,9 +1,11 @@
 """Where the final answer sits in a response (docs/grader.md): the last \\boxed{...} (hedges and
-retractions read), "the answer is ..." phrases, a final sentence stating one value. Texts in, answer
-texts out; reward.extract_final picks among them."""
+retractions read), "the answer is ..." phrases, a response or last line that is only a value, a
+final sentence stating one value. Texts in, answer texts out; `extract_final` picks among them
+(after </think> only, before an invented next turn) for reward.py."""
 import re
 
-from grader.limits import MAX_ANSWER_CHARS, tick
+from grader.limits import MAX_ANSWER_CHARS, TAIL_CHARS, tick
+from grader.parser import WORDS
 
 # --------------------------------------------------------------------------------------- extraction
 # also a bare boxed{5}
@@ -194,3 +196,75 @@ def from_conclusion(text):
     if len(sentence.split()) > 20 or _RELATION.search(sentence) or len(numbers) != 1:
         return None
     return numbers[0].rstrip(",")
+
+
+# --------------------------------------------------------------------------------- the final answer
+# the model's turn ends at a chat-template token: what follows (an invented next turn) is no answer
+_TURN_END = re.compile(r"<\|[a-z_]{2,30}\|>|<(?:start|end)_of_turn>|</s>")
+_FOREIGN = r"[^\x00-\x7f°²³¹⁰⁴-⁹⁻π√≤≥≠±−×÷∞€£¥]"  # letters of other scripts: prose, not a value
+_NOT_UNIT = {"or", "and", "not", "no", "is", "wrong", "maybe", "perhaps", "possibly",
+             "approximately", "about"}
+
+
+def _bare(line):
+    """`line` as an answer when it is only a value: "42", "x = 3", "1,234", "33.5%", "3+2",
+    "$\\frac13 $", "\\[ 9 \\]", "$28$ %", "$1,000.99" (money), "[45 degrees]" (Geometry3K's
+    brackets), "C"; else None. Words other than function names and one unit after a number
+    ("45 degrees") make it prose, and so do letters of other scripts."""
+    s = line.strip()
+    s = s[:-1].rstrip() if s.endswith(".") and not s.endswith("..") else s
+    if re.fullmatch(r"\[[^\[\],;]*\]", s):
+        s = s[1:-1].strip()  # [45], [$\sqrt{4}$]
+    span = SPAN.fullmatch(s)
+    if span:  # any one math span ($odd$); an inline one on one line only ($ \n 9 \n $ is not math)
+        inner = next(g for g in span.groups() if g is not None).strip()
+        return inner or None if not ((span.group(2) or span.group(3)) and "\n" in inner) else None
+    if "\n" in s:
+        return None
+    # $28$ %
+    s = SPAN.sub(lambda m: " %s " % next(g for g in m.groups() if g is not None), s).strip()
+    s = re.sub(r"^\\?\$(?=\d)|(?<=\d)\\?\$$", "", s)  # $1,000.99, 1,000.99$, \$10: money
+    if not re.search(r"[0-9A-Za-z]", s) or len(s) > 300 or re.search(r"\$|\\[(\[]|" + _FOREIGN, s):
+        return None
+    words = re.sub(r"\\(?:text|mbox|mathrm|begin|end)\s*\{[^{}]*\}", " ", s)  # \text{ cm}: a unit
+    unit = re.search(r"(?<=\d)\s*([a-zA-Z]{2,})$", words)  # 45 degrees; not "5 is wrong", "5 or"
+    words = words[: unit.start()] if unit and unit.group(1).lower() not in _NOT_UNIT else words
+    return None if any(w.lower() not in WORDS
+                       for w in re.findall(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}", words)) else s
+
+
+def _from_bare(text):
+    """A response that is only a value (_bare), or whose last line (or display block) is one after a
+    finished sentence or a colon ("First compute 6*7.\\n42"); not a line of a list of values
+    ("1\\n2\\n3")."""
+    text = text.strip()
+    whole = _bare(text)
+    if whole is not None or "\n" not in text:
+        return whole
+    opener = {"$$": "$$", "\\]": "\\["}.get(text[-2:])  # last block: a display, else the last line
+    at = text.rfind(opener, 0, len(text) - 2) if opener else -1
+    before, block = (text[:at], text[at:]) if at >= 0 else text.rsplit("\n", 1)
+    before = before.rstrip()
+    if not before.endswith((".", "!", "?", ":", "。", "：")) or \
+            _bare(before.rsplit("\n", 1)[-1]) is not None:
+        return None
+    return _bare(block)
+
+
+def extract_final(response, deadline):
+    """-> (answer or None, the text it was found in, the boxes of that text as find_boxes gives
+    them). With </think>, only the text after it is searched (nothing there: no answer); an
+    unfinished <think> has no answer."""
+    text = next((t for t in _TURN_END.split(response[-TAIL_CHARS:]) if t.strip()), "")
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1]
+    elif "<think>" in text:
+        return None, "", []  # the reasoning never ended
+    boxes = find_boxes(text, deadline)
+    if boxes:
+        return from_boxes(text, boxes, deadline), text, boxes
+    tags = re.findall(r"<answer>(.*?)</answer>", text[-5000:], re.DOTALL)
+    answer = tags[-1].strip() if tags else from_phrase(text[-5000:])
+    for read in (_from_bare, from_conclusion):
+        answer = read(text[-2000:]) if answer is None else answer
+    return answer or None, text, []

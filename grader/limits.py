@@ -1,7 +1,7 @@
 """The grader's budgets (docs/grader.md): every grade is bounded without signals, so it works in
 threads and worker processes. The response tail, the answer's length, tokens, nesting depth, digits,
 exponents, factorials and trig arguments are capped, and one deadline is checked while extracting,
-parsing and comparing (docs/paper.md, "Deliberate differences": grader 4). Anything refused or late
+parsing and comparing (docs/paper.md, "Deliberate differences": D14). Anything refused or late
 grades as not equivalent."""
 import time
 

@@ -1,7 +1,7 @@
 """An answer's text cleaned for parsing (docs/grader.md): LaTeX wrappers, units, layout and spacing
 removed, \\dfrac and friends unified, percent, repeating decimals and matrices rewritten; `squash`
 for the string match (--reward strict); `decimal_gold` for the one tolerance (docs/paper.md,
-"Deliberate differences": grader 2)."""
+"Deliberate differences": D12)."""
 import re
 
 import sympy as sp
@@ -145,7 +145,7 @@ def squash(s):
 DECIMAL = re.compile(r"[+-]?(\d*)(?:\.(\d*))?(?:e([+-]?\d+)|\\(?:times|cdot)10\^\{?([+-]?\d+)\}?)?")
 
 
-def decimal_gold(s):
+def decimal_gold(s):  # the one tolerance (D12)
     """(value, half unit of the last digit) if `s` is a rounded decimal (docstring, point 2), else
     None."""
     m = DECIMAL.fullmatch(re.sub(r"\s+", "", s)) if len(s) < 60 else None

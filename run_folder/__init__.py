@@ -15,7 +15,6 @@ One concept per file, imported here under one name
     signals.py      stop signals: every rank stops at the same point, writes a checkpoint, exits
                     STOPPED
     opening.py      a new run, or a resumed one checked against its recipe
-    figures.py      the figures of runs, imported on its own (`from run_folder import figures`)
 """
 # ruff: noqa: F401 (the names below are this package's interface)
 from run_folder.agreement import agree, agreed_failure, agreed_write_failure, broadcast_failure

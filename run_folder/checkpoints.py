@@ -1,7 +1,7 @@
 """Checkpoints (docs/outputs.md): model and optimizer state as DCP shards (any world size),
 everything else in one state.pt; the size and CRC-32 of every file go into manifest.json before
 `latest` names the folder, and a resume verifies them all and falls back to the newest checkpoint
-that passes (docs/paper.md, "Deliberate differences": run folder 1 and 3)."""
+that passes (docs/paper.md, "Deliberate differences": D83 and D85)."""
 from __future__ import annotations
 
 import json
@@ -44,7 +44,7 @@ def _checksums(folder: Path, names: list[str], rank: int, world: int) -> dict[st
     return {n: v for part in parts for n, v in part.items()}
 
 
-def _unique_names(state_dict: dict) -> dict:
+def _unique_names(state_dict: dict) -> dict:  # D85
     """The state dict without the names of a parameter stored under an earlier name (tied
     embeddings)."""
     seen, unique = set(), {}
@@ -132,7 +132,7 @@ def save_checkpoint(out: Path, done: int, trained: ModelAndOptimizer, config: di
     return time.time() - t0
 
 
-def verified_checkpoint(out: Path, rank: int, world: int) -> tuple[int, Path]:
+def verified_checkpoint(out: Path, rank: int, world: int) -> tuple[int, Path]:  # D83
     """Every rank: (steps done, folder) of the newest checkpoint of OUT whose every file has its
     manifest's size and CRC-32 (each rank checks a share of the files). A newer checkpoint that
     fails, or a `latest` that names a missing one or cannot be read, is reported with a warning, and

@@ -1,7 +1,7 @@
 """Stop signals (docs/outputs.md#preemption): SIGTERM, SIGUSR1 or SIGINT on any rank makes every
 rank stop at the same point, write a checkpoint and exit with status STOPPED; a second Ctrl-C leaves
 at once (INTERRUPTED); the same command with --resume auto continues (docs/paper.md,
-"Deliberate differences": run folder 2)."""
+"Deliberate differences": D84)."""
 from __future__ import annotations
 
 import json
@@ -30,7 +30,7 @@ INTERRUPTED = 130
 
 
 # --------------------------------------------------------------------------------------- preemption
-class Preemption:
+class Preemption:  # D84
     """SIGTERM, SIGUSR1 and SIGINT (SLURM sends one of the first two before it preempts or at
     --signal=USR1@SECONDS; torchrun forwards SIGINT, SIGTERM and others to its workers; Ctrl-C in a
     terminal is SIGINT) set a flag instead of killing the process; the training loop stops at its

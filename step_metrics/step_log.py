@@ -1,11 +1,14 @@
-"""A step's metrics (docs/outputs.md, Metrics glossary): `StepLog` keeps this rank's sums over
-sequences and tokens, reduces them over ranks once, in `close`, into the metrics.jsonl line, with
-the step's spurious.jsonl, samples.jsonl and tokens.jsonl records (`StepResult`). train.train_step
-feeds it."""
+"""A step's metrics (docs/outputs.md, Metrics glossary): `StepLog` watches the step through the seam
+(step_metrics/watch.py), keeps this rank's sums over sequences and tokens and reduces them over
+ranks once, in `result`, into the metrics.jsonl line, with the step's spurious.jsonl, samples.jsonl
+and tokens.jsonl records (`StepResult`). It reads the step's own decisions (the mask, tau_h, N):
+it never recomputes them. --gradient-share and --entropy-change ride on it (`Probes`)."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+import time
+import warnings
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 
@@ -14,6 +17,7 @@ import s2t
 import stapo
 from distributed.process_group import all_gather_cat, all_sum
 from step_metrics import s2t_diagnostics
+from step_metrics.watch import Watch
 
 if TYPE_CHECKING:
     from model import TokenStats
@@ -29,10 +33,36 @@ class StepResult(NamedTuple):
     tokens: list[dict]
 
 
+class Probes(NamedTuple):
+    """What the metrics ask of the run beside the step's decisions (train.py makes them):
+    samples(texts, rewards, prompt_rows): samples.jsonl records (`completions`);
+    gradient(mb, weights, N): accumulate a gradient with other token weights (--gradient-share);
+    stats(rollout): p, H, collision of the current policy (--entropy-change);
+    parameters(): the policy's parameters (their .grad)."""
+    samples: Callable
+    gradient: Callable
+    stats: Callable
+    parameters: Callable
+
+
 ENTROPY_KINDS = ("silenced", "candidate", "other")  # s2t_diagnostics.entropy_change's token kinds
 # s2t_diagnostics.token_cells' keys
 CELLS = tuple(f"{kind}_{part}" for kind in s2t_diagnostics.TOKEN_KINDS
               for part in s2t_diagnostics.PARTS)
+
+
+def on_policy_rule(pi_theta: TokenStats, mb, cfg) -> torch.Tensor:
+    """(b, T) bool: what S2T's rule silences in a mini-batch whose p and H only its update's forward
+    gave (on policy: stapo.token_weights could not apply it), pooling the --quantile-window, whose
+    state then only this metric reads; the mini-batch's candidates then join it."""
+    window = mb.context.window
+    rule, _ = s2t.spurious_mask(pi_theta.logprobs, pi_theta.entropy, mb.advantages, mb.mask,
+                                cfg.tau_p, cfg.quantile, all_gather_cat,
+                                None if window is None else window.values)
+    if window is not None:
+        cand = s2t.candidates(pi_theta.logprobs, mb.advantages, mb.mask, cfg.tau_p)  # (b, T)
+        window.add(all_gather_cat(pi_theta.entropy.detach()[cand]))
+    return rule
 
 
 def graded_tokens(batch: Rollout, tokenizer, mode: str) -> torch.Tensor:
@@ -44,70 +74,123 @@ def graded_tokens(batch: Rollout, tokenizer, mode: str) -> torch.Tensor:
     return graded
 
 
-class StepLog:
-    """The metric bookkeeping of one step: sums over this rank's sequences and tokens, reduced over
-    ranks once, in `close`, into the metrics.jsonl line (docs/outputs.md, Metrics glossary), and the
-    step's spurious.jsonl, samples.jsonl and tokens.jsonl records."""
+class StepLog(Watch):
+    """The metric bookkeeping of one step, a `Watch`: sums over this rank's sequences and tokens,
+    reduced over ranks once, in `result`, into the metrics.jsonl line (docs/outputs.md, Metrics
+    glossary), and the step's spurious.jsonl, samples.jsonl and tokens.jsonl records. Made at the
+    start of the step (its rollout time counts from then)."""
 
-    def __init__(self, run, step: int, batch: Rollout, rewards, advantages, t_rollout: float,
-                 samples: list[dict]):
-        self.run, self.step, self.batch, self.t_rollout = run, step, batch, t_rollout
-        mask = batch.response_mask.float()  # (B, T)
-        # "correct": a positive reward is correct
-        self.sums = {"reward": rewards.sum(), "correct": (rewards > 0).sum(),
-                     "seqs": len(batch), "tokens": mask.sum(), "truncated": batch.truncated.sum(),
-                     "zero_adv": (advantages == 0).sum()}
-        self.sums |= dict.fromkeys(["entropy", "logprob_diff", "candidates", "silenced", "kept",
-                                    "rule_silenced", "silenced_p", "silenced_h", "gn_silenced",
-                                    "gn_kept", "loss/policy", "loss/kl", "loss_tokens",
-                                    *stapo.CLIP_STATS, "computed_tokens", "attention_cells",
-                                    "real_tokens"], 0.0)
+    def __init__(self, cfg, step: int, rank: int, tokenizer, probes: Probes):
+        self.cfg, self.step, self.rank, self.tokenizer, self.probes = cfg, step, rank, tokenizer, \
+            probes
+        self.t0, self.t_rollout = time.time(), 0.0
+        self.sums = dict.fromkeys(["entropy", "logprob_diff", "candidates", "silenced", "kept",
+                                   "rule_silenced", "silenced_p", "silenced_h", "gn_silenced",
+                                   "gn_kept", "loss/policy", "loss/kl", "loss_tokens",
+                                   *stapo.CLIP_STATS, "computed_tokens", "attention_cells",
+                                   "real_tokens"], 0.0)
         self.sums |= dict.fromkeys([f"entropy_change/{kind}_{x}" for kind in ENTROPY_KINDS
                                     for x in ("sum", "n")], 0.0)
         # equal on every rank
         self.counts = {"updates": 0, "skipped/zero_adv": 0, "skipped/nonfinite": 0}
-        if run.cfg.gradient_share:
+        if cfg.gradient_share:
             self.counts["grad_share/n"] = 0
         # summed norms, global (gradient_share)
         self.grad_share = {"all": 0.0, "candidates": 0.0, "without": 0.0}
-        self.grad_norm_sum = 0.0
+        self.grad_norm_sum, self.part, self.update = 0.0, None, None
+        self.spurious, self.samples, self.tokens = [], [], []
+
+    def rolled_out(self, batch: Rollout, texts, prompt_rows, rewards, advantages,
+                   pi_old: TokenStats) -> None:
+        """The rollout's counts, its samples.jsonl records, and pi_old (read in `result`: on policy
+        the update's forward fills it in)."""
+        self.t_rollout, self.t0 = time.time() - self.t0, time.time()
+        self.batch, self.pi_old = batch, pi_old
+        mask = batch.response_mask.float()  # (B, T)
+        # "correct": a positive reward is correct
+        self.sums |= {"reward": rewards.sum(), "correct": (rewards > 0).sum(),
+                      "seqs": len(batch), "tokens": mask.sum(), "truncated": batch.truncated.sum(),
+                      "zero_adv": (advantages == 0).sum()}
         # --entropy-change: (B, T) bool, the graded part of each response (graded_tokens)
         self.graded = None
-        if run.cfg.entropy_change:
-            self.graded = graded_tokens(batch, run.tokenizer, run.cfg.reward)
+        if self.cfg.entropy_change:
+            self.graded = graded_tokens(batch, self.tokenizer, self.cfg.reward)
             self.sums |= dict.fromkeys([f"shares/{x}_{cell}" for x in ("grad", "n", "dH", "dHn")
                                         for cell in CELLS], 0.0)
-        self.pi_old_logprobs = torch.zeros_like(batch.logprobs)  # (B, T) pi_old of the step's rows
-        self.pi_old_entropy = torch.zeros_like(batch.logprobs)
-        # samples: samples.jsonl records (`completions`)
-        self.spurious, self.samples, self.tokens = [], samples, []
+        self.samples = self.probes.samples(texts, rewards.tolist(), prompt_rows)
+
+    def weighed(self, k: int, mb, pi_theta: TokenStats, weights: stapo.TokenWeights,
+                N: float) -> None:
+        """--gradient-share: the parameter gradient of the objective's terms at the candidates it
+        keeps (A > 0, p < tau_p, weight > 0), with the same N, made before the update's (on every
+        rank; none when no rank has such a candidate, and on policy, where p is known only from
+        the update's forward); the gradients are zeroed again after."""
+        self.part = None
+        if not self.cfg.gradient_share:
+            return
+        kept = s2t.candidates(pi_theta.logprobs, mb.advantages, mb.mask, self.cfg.tau_p)  # (b, T)
+        kept &= weights.weights > 0
+        if all_sum(kept.sum())[0] == 0:
+            return
+        self.probes.gradient(mb, weights.weights * kept, N)
+        self.part = [p.grad.detach().clone() for p in self.probes.parameters()]
+        for p in self.probes.parameters():
+            p.grad = None
+
+    def backward(self, k: int, mb, pi_theta: TokenStats, weights: stapo.TokenWeights,
+                 update) -> None:
+        """The gradient shares (--gradient-share), what the mask did (`s2t`), the forward's token
+        counts and clip statistics, or a skipped update."""
+        self.update = update
+        if self.part is not None:
+            self.gradient_share(self.part)
+        self.s2t(k, mb, pi_theta, weights)
+        if update is None:
+            self.counts["skipped/zero_adv"] += 1
+            return
+        for key, value in update.sums.items():
+            self.sums[key] += value
+
+    def updated(self, k: int, mb, pi_theta: TokenStats, weights: stapo.TokenWeights,
+                grad_norm: float | None) -> None:
+        """An optimizer step (its gradient norm and this rank's losses; --entropy-change: what it
+        did to the entropy), or none, for a non-finite gradient norm."""
+        if self.update is None:
+            return
+        if grad_norm is None:
+            warnings.warn(f"step {self.step} mini-batch {k}: non-finite gradient norm, update "
+                          "skipped")
+            self.counts["skipped/nonfinite"] += 1
+            return
+        self.counts["updates"] += 1
+        self.grad_norm_sum += grad_norm
+        self.sums["loss/policy"] += self.update.loss
+        self.sums["loss/kl"] += self.update.kl
+        if self.cfg.entropy_change:  # what the update did to the entropy at each kind of position
+            self.entropy_change(k, mb, pi_theta, self.probes.stats(mb.rollout).entropy, weights)
 
     def s2t(self, k: int, mb, pi_theta: TokenStats, weights: stapo.TokenWeights) -> None:
         """What the mask did in mini-batch k, from p, H of the policy it saw (pi_theta) and pi_old
         (mb.pi_old): counts, p, H and closed-form logit-gradient norms (w = r A, 0 where clipped) of
         silenced vs kept tokens, up to --spurious-per-step spurious.jsonl lines and a tokens.jsonl
-        record; pi_old's entropy and its distance from the sampler over the rows (summed in
-        `close`)."""
-        cfg, tokenizer, ids = self.run.cfg, self.run.tokenizer, mb.rollout.response_ids
-        first = k * len(mb.rollout)  # the rows of mini-batch k in the step's batch
-        self.pi_old_logprobs[first:first + len(mb.rollout)] = mb.pi_old.logprobs
-        self.pi_old_entropy[first:first + len(mb.rollout)] = mb.pi_old.entropy
+        record."""
+        cfg, tokenizer, ids = self.cfg, self.tokenizer, mb.rollout.response_ids
         w = stapo.surrogate_weight(pi_theta.logprobs, mb.pi_old.logprobs, mb.advantages,  # (b, T)
                                    *stapo.clip_range(cfg.algo, cfg.clip_low, cfg.clip_high),
                                    cfg.dual_clip)
         g = s2t.grad_norm_logits(w, pi_theta.logprobs, pi_theta.collision)  # (b, T)
         diag = s2t_diagnostics.diagnostics(pi_theta, mb.advantages, mb.mask, weights.silenced,
                                            cfg.tau_p, grad_norm=g)
-        rule, _ = s2t.spurious_mask(pi_theta.logprobs, pi_theta.entropy, mb.advantages, mb.mask,
-                                    cfg.tau_p, cfg.quantile, all_gather_cat,
-                                    self.run.window if cfg.quantile_window else None)  # (b, T)
-        self.sums["rule_silenced"] += rule.sum().item()  # what S2T silences, whatever --algo does
+        rule = weights.rule  # (b, T) what S2T silences, whatever --algo does: the step's own
+        if rule is None:  # on policy p and H came with the update: the rule once, for this metric
+            rule = on_policy_rule(pi_theta, mb, cfg)
+        self.sums["rule_silenced"] += rule.sum().item()
         # the closed-form logit-gradient norm per kind of token and part of the response
         if self.graded is not None:
             for cell, sel in self.cells(k, mb, pi_theta).items():
                 self.sums[f"shares/grad_{cell}"] += g[sel].sum().item()
                 self.sums[f"shares/n_{cell}"] += sel.sum().item()
-        for key, value in diag.items():  # sums and counts, divided in `close`
+        for key, value in diag.items():  # sums and counts, divided in `result`
             self.sums[key] += value
         left = max(cfg.spurious_per_step - len(self.spurious), 0)
         self.spurious += [{"step": self.step, "mini_batch": k,
@@ -120,24 +203,19 @@ class StepLog:
         # what S2T saw: a seeded sample of the mini-batch's tokens for OUT/tokens.jsonl
         if cfg.token_sample:
             gen = torch.Generator().manual_seed(
-                hash((cfg.seed, self.step - 1, k, self.run.rank)) % 2**62)
+                hash((cfg.seed, self.step - 1, k, self.rank)) % 2**62)
             sampled = s2t_diagnostics.token_sample(pi_theta, mb.advantages, mb.mask,
                                                    weights.silenced, cfg.token_sample, gen,
                                                    cfg.tau_p, w)
             self.tokens.append(s2t_diagnostics.token_record(self.step, k, weights.threshold,
                                                             sampled, mb.correct))
 
-    def add(self, sums: dict) -> None:
-        """Token counts and clip statistics of a mini-batch's forward (accumulate_gradients)."""
-        for key, value in sums.items():
-            self.sums[key] += value
-
     def gradient_share(self, part: list[torch.Tensor]) -> None:
         """--gradient-share: the parameter-gradient norms of the whole objective g, of its terms at
-        the candidates g_c (`candidate_gradient`) and of the rest g - g_c, before the clip
-        (cancellation counted: these are norms of sums, unlike the per-token logit-gradient norms of
+        the candidates g_c (`weighed`) and of the rest g - g_c, before the clip (cancellation
+        counted: these are norms of sums, unlike the per-token logit-gradient norms of
         shares/*)."""
-        whole = [p.grad.detach() for p in self.run.policy.parameters()]
+        whole = [p.grad.detach() for p in self.probes.parameters()]
         norms = [torch.nn.utils.get_total_norm(g)
                  for g in (whole, part, [a - b for a, b in zip(whole, part)])]
         g, g_c, rest = (float(n.full_tensor() if hasattr(n, "full_tensor") else n) for n in norms)
@@ -145,25 +223,13 @@ class StepLog:
         for key, value in (("all", g), ("candidates", g_c), ("without", rest)):
             self.grad_share[key] += value
 
-    def skipped(self, why: str) -> None:
-        """A mini-batch made no optimizer step: why is "zero_adv" or "nonfinite" (skipped/* in
-        metrics.jsonl)."""
-        self.counts[f"skipped/{why}"] += 1
-
-    def updated(self, grad_norm: float, update) -> None:
-        """An optimizer step was made: its gradient norm and this rank's losses."""
-        self.counts["updates"] += 1
-        self.grad_norm_sum += grad_norm
-        self.sums["loss/policy"] += update.loss
-        self.sums["loss/kl"] += update.kl
-
     def entropy_change(self, k: int, mb, pi_theta: TokenStats, entropy_after: torch.Tensor,
                        weights: stapo.TokenWeights) -> None:
         """--entropy-change: the entropy at mini-batch k's positions before its update (with the p
         that makes the candidates) and after it (b, T), summed per kind of token
         (s2t_diagnostics.entropy_change) and per kind x part (s2t_diagnostics.token_cells)."""
         candidates = s2t.candidates(pi_theta.logprobs, mb.advantages, mb.mask,  # (b, T)
-                                    self.run.cfg.tau_p)
+                                    self.cfg.tau_p)
         change = s2t_diagnostics.entropy_change(pi_theta.entropy, entropy_after, mb.mask,
                                                 weights.silenced, candidates)
         for key, value in change.items():
@@ -179,15 +245,17 @@ class StepLog:
         b = len(mb.rollout)
         graded = self.graded[k * b:(k + 1) * b].to(mb.mask.device)  # (b, T)
         return s2t_diagnostics.token_cells(pi_theta.logprobs, mb.advantages, mb.mask, graded,
-                                           self.run.cfg.tau_p)
+                                           self.cfg.tau_p)
 
-    def close(self, t_update: float) -> StepResult:
-        """The step's metrics.jsonl line from the sums of all ranks, and its other records."""
+    def result(self, lr: float) -> StepResult:
+        """The step's metrics.jsonl line from the sums of all ranks (lr: the learning rate after
+        the step), and its other records."""
+        t_update = time.time() - self.t0
         # pi_old's entropy and distance from the sampler, all rows
         mask = self.batch.response_mask.float()  # (B, T)
-        self.sums["entropy"] += (self.pi_old_entropy * mask).sum()
+        self.sums["entropy"] += (self.pi_old.entropy * mask).sum()
         self.sums["logprob_diff"] += \
-            ((self.pi_old_logprobs - self.batch.logprobs).abs() * mask).sum()
+            ((self.pi_old.logprobs - self.batch.sampler_logprobs).abs() * mask).sum()
         tot = dict(zip(self.sums, all_sum(*self.sums.values())))
         counts, updates = self.counts, self.counts["updates"]
 
@@ -220,16 +288,16 @@ class StepLog:
                 1 - tot["computed_tokens"] / tot["real_tokens"] if tot["real_tokens"] else 0.0,
             "ratio/mean": mean("ratio/mean", n_loss), "kl/approx": mean("kl/approx", n_loss),
             "grad_norm": self.grad_norm_sum / max(updates, 1),
-            "lr": self.run.scheduler.get_last_lr()[0],
+            "lr": lr,
             **{k: float(v) for k, v in counts.items()},
             "time/rollout_s": t_rollout, "time/update_s": t_update,
             "tokens_per_s": n_tok / max(t_rollout + t_update, 1e-9),
         }
-        if self.run.cfg.gradient_share:  # mean norms over the mini-batches with candidates
+        if self.cfg.gradient_share:  # mean norms over the mini-batches with candidates
             metrics |= {f"grad_share/{key}": value / max(counts["grad_share/n"], 1)
                         for key, value in self.grad_share.items()}
         # mean H_after - H_before over the step's updates, per kind of token
-        if self.run.cfg.entropy_change:
+        if self.cfg.entropy_change:
             metrics |= {f"entropy_change/{kind}": mean(f"entropy_change/{kind}_sum",
                                                        tot[f"entropy_change/{kind}_n"])
                         for kind in ENTROPY_KINDS}

@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import model  # noqa: E402
 import reward  # noqa: E402
+import startup.run  # noqa: E402
 import train  # noqa: E402
 
 VOCAB = 14
@@ -34,11 +35,11 @@ if task != "real":
     head_dim = int(os.environ.get("TOY_HEAD_DIM", 16))
     # any text (the built-in task's prompts): all 104 characters
     if os.environ.get("TOY_VOCAB") == "full":
-        train.load_model = lambda name, **kw: (model.tiny_model(head_dim=head_dim),
-                                               model.tiny_tokenizer())
+        startup.run.load_model = lambda name, **kw: (model.tiny_model(head_dim=head_dim),
+                                                     model.tiny_tokenizer())
     else:  # the toy task's digits
-        train.lm_vocab_size = lambda tokenizer: VOCAB
-        train.load_model = lambda name, **kw: (
+        startup.run.lm_vocab_size = lambda tokenizer: VOCAB
+        startup.run.load_model = lambda name, **kw: (
             model.tiny_model(vocab_size=VOCAB, head_dim=head_dim), model.tiny_tokenizer())
 # a quiet machine: no oversubscription warning in the outputs tests read
 os.getloadavg = lambda: (0.0, 0.0, 0.0)

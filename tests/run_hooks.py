@@ -6,8 +6,8 @@ import sys
 import threading
 
 import config
-import rollout
 import train
+from engines.plain_engine import PlainEngine
 
 
 def hook_count_micro_batches(log: str) -> None:
@@ -45,11 +45,11 @@ def hook_signal_at(owner: str, name: str, nth: int, rank: str = "0", sig: str = 
                    times: int = 1, parent: bool = False) -> None:
     """(testdata/train_run.py) A stop signal from inside the run at a chosen call (deterministic: no
     timing): `sig` `times` times to this process (or, `parent`, to the one that started it:
-    torchrun) at the nth call of OWNER.NAME (owner: "train" or "rollout.PlainEngine"), on rank
-    `rank`."""
+    torchrun) at the nth call of OWNER.NAME (owner: "train" or "engines.plain_engine.PlainEngine"),
+    on rank `rank`."""
     import signal
 
-    module, _, cls = owner.partition(".")
+    module, _, cls = owner.rpartition(".") if "." in owner else (owner, "", "")
     target = getattr(sys.modules[module], cls) if cls else sys.modules[module]
     original, calls = getattr(target, name), []
 
@@ -67,7 +67,7 @@ def hook_signal_then_hang(nth: int) -> None:
     rank waits in a collective for a frozen one (SIGSTOP, a dead network)."""
     import signal
 
-    sample, calls = rollout.PlainEngine.sample, []
+    sample, calls = PlainEngine.sample, []
 
     def hangs(*args, **kwargs):
         calls.append(1)
@@ -75,7 +75,7 @@ def hook_signal_then_hang(nth: int) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
             threading.Event().wait()
         return sample(*args, **kwargs)
-    rollout.PlainEngine.sample = hangs
+    PlainEngine.sample = hangs
 
 
 def hook_data_unreadable_on_rank_1() -> None:

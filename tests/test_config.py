@@ -48,7 +48,7 @@ def test_train_eval_samples_zero_and_numeric_flags(tmp_path, monkeypatch, capsys
     assert not (tmp_path / "noeval" / "eval.jsonl").exists() and \
         len(read_metrics(tmp_path / "noeval")) == 1
     assert "held-out accuracy" not in capsys.readouterr().out
-    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr("startup.run.load_model", lambda *a, **k: pytest.fail("loaded a model"))
     for flag, value, expected in [("eval_samples", -1, "--eval-samples must be >= 0 (got -1)"),
                                   ("max_tokens_per_micro_batch", 0,
                                    "--max-tokens-per-micro-batch must be >= 1"),

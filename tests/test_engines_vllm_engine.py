@@ -132,7 +132,7 @@ def test_train_vllm_logprob_diff_and_resume(tmp_path, monkeypatch):
     rollout/logprob_diff ~ 0 in fp32, and the resumed step (sampled from weights pushed after a
     checkpoint load) equals the uninterrupted run's (per-request seeds)."""
     patch_toy_task(monkeypatch, EVEN)
-    monkeypatch.setattr(train, "load_model", lambda name, **kw: (
+    monkeypatch.setattr("startup.run.load_model", lambda name, **kw: (
         tiny_model(vocab_size=TOY_VOCAB, head_dim=64), tiny_tokenizer()))
     data = toy_data(tmp_path)
     flags = dict(_VLLM_FLAGS, tis_cap=2.0, export_hf=False)
@@ -319,7 +319,8 @@ class TestVLLMEngine:
         assert len(set(lengths.tolist())) > 2 and r.truncated.any() and not r.truncated.all()
         # greedy log-probs: under the temperature-1 softmax, as rollout.generate's
         mask = r.response_mask.bool()
-        torch.testing.assert_close(r.logprobs[mask], recomputed_logprobs(lm, r, 1.0, None)[mask],
+        torch.testing.assert_close(r.sampler_logprobs[mask],
+                                   recomputed_logprobs(lm, r, 1.0, None)[mask],
                                    atol=1e-5, rtol=0)
 
     def test_vllm_weight_push_after_optimizer_step(self, vllm_engine):
@@ -351,5 +352,6 @@ class TestVLLMEngine:
             not torch.equal(a.response_ids, c.response_ids)
         assert len(set(map(tuple, a.response_ids[:3].tolist()))) > 1  # a prompt's G samples differ
         mask = a.response_mask.bool()
-        torch.testing.assert_close(a.logprobs[mask], recomputed_logprobs(lm, a, 0.7, None)[mask],
+        torch.testing.assert_close(a.sampler_logprobs[mask],
+                                   recomputed_logprobs(lm, a, 0.7, None)[mask],
                                    atol=1e-5, rtol=0)

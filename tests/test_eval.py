@@ -1,10 +1,11 @@
-"""eval.py: its command line, benchmarks and metrics, end to end on a tiny model, --run and
---regrade, one-line errors."""
+"""eval.py: its command line, end to end on a tiny model, --run and --regrade, one-line errors
+(the benchmarks and the metrics: tests/test_evaluation_benchmarks.py and
+test_evaluation_results.py)."""
 import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,16 +19,16 @@ import rollout
 import run_folder
 import train
 from data import builtin_task, load_rows
-from engines import choice
+from engines import choice, plain_engine
 from memory.estimate import kv_cache_bytes
 from model import tiny_tokenizer
 from rollout import INSTRUCTION, format_prompt
 from tests.sampler_checks import REAL_VOCAB
-from tests.toy_task import (EVEN, ROOT, TESTDATA, TOY_VOCAB, one_thread, patch_toy_task,
-                            reward_jsonl, toy_args, toy_data)
+from tests.toy_task import (EVEN, ROOT, TESTDATA, TOY_VOCAB, one_thread, patch_toy_task, toy_args,
+                            toy_data)
 
 # ==================================================================================================
-# eval.py: benchmarks and metrics
+# eval.py: the command line, end to end, --regrade
 # ==================================================================================================
 DATA = TESTDATA / "benchmarks"
 
@@ -49,95 +50,6 @@ def test_eval_cli_flags_and_help(capsys):
     with pytest.raises(SystemExit):
         ev.parse_config(["--help"])
     assert "temperature 0.7, top-p 0.9" in capsys.readouterr().out
-
-
-def test_eval_every_local_benchmark_loads_with_gold():
-    for name, spec in ev.BENCHMARKS.items():
-        rows = ev.load_benchmark(name, DATA)
-        assert len(rows) == len(reward_jsonl(DATA / spec.file)) >= 3, name
-        for row in rows:
-            assert isinstance(row["problem"], str) and row["problem"].strip(), name
-            assert isinstance(row["answer"], str) and row["answer"].strip(), name
-            gold = row["gold"] if isinstance(row["gold"], list) else [row["gold"]]
-            assert gold and all(isinstance(g, str) and g.strip() for g in gold), name
-            # the grader reads it
-            assert reward.grade(f"So \\boxed{{{row['answer']}}}.", row["gold"]), (name, row["gold"])
-
-
-def test_eval_known_golds():
-    def gold(name, i):
-        return ev.load_benchmark(name, DATA)[i]["gold"]
-
-    # AIME's leading zero
-    assert gold("aime24", 0) == "024" and reward.grade("\\boxed{24}", gold("aime24", 0))
-    assert gold("aime25", 1) == "12"
-    assert gold("amc23", 0) == "55.0"  # a float in the file, kept as a string
-    assert gold("math500", 0) == r"\left( 2, \frac{3\pi}{2} \right)"
-    assert gold("minerva", 0) == "1.5"  # the last \boxed{} of the solution, not the first (1/4)
-    assert gold("minerva", 2) == "3.15e7"
-    assert gold("olympiadbench", 0) == ["$10$"]
-    assert gold("olympiadbench", 1) == ["$2$,$-2$"]  # a multiple-answer row
-    assert ev.load_benchmark("olympiadbench", DATA)[1]["answer"] == "$2$,$-2$"
-    assert reward.grade(r"\boxed{-2, 2}", gold("olympiadbench", 1))  # a list gold needs all answers
-    assert not reward.grade(r"\boxed{2}", gold("olympiadbench", 1))
-    assert gold("gsm8k", 0) == "12"  # "#### 12"
-    assert gold("gsm8k", 1) == "2125"  # "#### 2,125": thousands comma dropped
-
-
-def test_eval_missing_gold_is_an_error(tmp_path):
-    lines = [{"question": "1+1?", "answer": "2 #### 2"},
-             {"question": "2+2?", "answer": "it is four"}]
-    (tmp_path / "gsm8k.jsonl").write_text("\n".join(json.dumps(r) for r in lines))
-    with pytest.raises(ValueError, match=r"gsm8k: line 2 .*no gold answer"):
-        ev.load_benchmark("gsm8k", tmp_path)
-    (tmp_path / "minerva_math.jsonl").write_text(json.dumps({"problem": "x?",
-                                                             "solution": "no box here"}))
-    with pytest.raises(ValueError, match=r"minerva: line 1 "):
-        ev.load_benchmark("minerva", tmp_path)
-
-
-def test_eval_hub_layout_mapping(monkeypatch):
-    """The Hub code path (datasets.load_dataset) on testdata/hub/<name>/, rows in the layout (field
-    names, types) of each Hub copy: every benchmark maps to the same problems and golds as its local
-    file."""
-    # math-ai/aime24: the solution's last box or its bare text
-    hub_golds = {"aime24": ["24", "56", "9"]}
-    for name, spec in ev.BENCHMARKS.items():
-        monkeypatch.setitem(ev.BENCHMARKS, name,
-                            replace(spec, hub_id=str(TESTDATA / "hub" / name), hub_config=None))
-        hub, local = ev.load_benchmark(name), ev.load_benchmark(name, DATA)
-        assert [r["problem"] for r in hub] == [r["problem"] for r in local], name
-        assert [r["gold"] for r in hub] == hub_golds.get(name, [r["gold"] for r in local]), name
-    assert {k: v for k, v in ev.load_benchmark("amc23")[0].items() if k != "fields"} == {
-        "problem": "What is $1+2+3+\\cdots+10$?", "answer": "55.0", "gold": "55.0"}
-    # the row as read
-    assert ev.load_benchmark("amc23")[0]["fields"]["question"] == "What is $1+2+3+\\cdots+10$?"
-    assert ev.load_benchmark("olympiadbench")[1]["gold"] == ["$2$,$-2$"]  # a list column stays one
-
-
-def test_eval_pass_at_k_hand_computed():
-    # 1 - C(n-c, k) / C(n, k)
-    assert ev.pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # C(3,2)=3, C(4,2)=6 -> 0.5
-    assert ev.pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)  # C(3,3)=1, C(5,3)=10 -> 0.9
-    assert ev.pass_at_k(32, 1, 1) == pytest.approx(1 / 32)  # pass@1 = c/n
-    assert ev.pass_at_k(4, 0, 4) == 0.0 and ev.pass_at_k(4, 1, 4) == 1.0 \
-        and ev.pass_at_k(4, 3, 2) == 1.0
-
-
-def test_eval_metrics_on_fabricated_verdicts():
-    def problem(verdicts, lengths, truncated):
-        return {"samples": [{"correct": v, "length": n, "truncated": t}
-                            for v, n, t in zip(verdicts, lengths, truncated)]}
-
-    problems = [problem([1, 0, 0, 0], [10, 20, 30, 40], [0, 0, 0, 1]),
-                problem([1, 1, 1, 1], [5, 5, 5, 5], [0, 0, 0, 0]),
-                problem([0, 0, 0, 0], [100, 100, 100, 100], [1, 1, 1, 1])]
-    m = ev.benchmark_metrics(problems)
-    assert m["k"] == 4 and m["problems"] == 3
-    assert m["avg@k"] == pytest.approx(100 * (1 / 4 + 4 / 4 + 0 / 4) / 3)  # 41.67
-    assert m["pass@k"] == pytest.approx(100 * (1 + 1 + 0) / 3)  # 66.67
-    assert m["mean_length"] == pytest.approx((100 + 20 + 400) / 12)  # 43.33
-    assert m["truncated"] == pytest.approx(100 * 5 / 12)
 
 
 def _run_tiny(out, extra=()):
@@ -255,7 +167,7 @@ def test_eval_kv_cache_budget_bounds_every_call(tmp_path, monkeypatch, capsys):
     Qwen3-1.7B at k = 32 and 20k tokens, more than an H200 has.)"""
     made, calls = {}, []
 
-    class Recording(rollout.PlainEngine):
+    class Recording(plain_engine.PlainEngine):
         def sample(self, prompts, group_size, *args):
             calls.append(len(prompts) * group_size)
             return super().sample(prompts, group_size, *args)
@@ -322,8 +234,8 @@ def _tiny_run(folder: Path, **values) -> Path:
 
 
 def _record_sampling(monkeypatch) -> list[dict]:
-    """Wrap rollout.sample_groups: each call's prompts and sampling arguments are appended to the
-    returned list."""
+    """Wrap rollout.sample_groups where the plain engine calls it (engines/plain_engine.py): each
+    call's prompts and sampling arguments are appended to the returned list."""
     calls, sample = [], rollout.sample_groups
 
     def recorded(lm, prompts, k, sampling, **kw):
@@ -331,7 +243,7 @@ def _record_sampling(monkeypatch) -> list[dict]:
             "temperature", "top_p", "max_new_tokens")}})
         return sample(lm, prompts, k, sampling, **kw)
 
-    monkeypatch.setattr(rollout, "sample_groups", recorded)
+    monkeypatch.setattr("engines.plain_engine.sample_groups", recorded)
     return calls
 
 

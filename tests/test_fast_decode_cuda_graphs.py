@@ -49,7 +49,7 @@ def test_rollout_captured_step_same_tokens_as_eager(monkeypatch, temperature, to
     assert torch.equal(r.response_ids, ref.response_ids) and \
         torch.equal(r.response_mask, ref.response_mask)
     assert torch.equal(r.truncated, ref.truncated)
-    torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(r.sampler_logprobs, ref.sampler_logprobs, atol=1e-5, rtol=0)
     lengths = ref.response_mask.sum(1)
     # very different lengths
     assert lengths.min() <= 12 and ref.truncated.any() and len(set(lengths.tolist())) >= 4
@@ -132,7 +132,8 @@ def test_rollout_captured_step_contract(monkeypatch):
     assert replays == keys and captures == list(dict.fromkeys(keys)) and len(captures) < len(keys)
     assert sorted(graphs.graphs) == sorted(captures)
     for a, b in zip(first, again):
-        assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
+        assert torch.equal(a.response_ids, b.response_ids) and \
+            torch.equal(a.sampler_logprobs, b.sampler_logprobs)
     for rows, tokens in ((9, 30), (8, 31)):
         with pytest.raises(ValueError, match="exceeds the phase's static cache"):
             generate(lm, (prompts * 3)[:rows], replace(sampling, max_new_tokens=tokens),

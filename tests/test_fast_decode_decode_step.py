@@ -135,7 +135,8 @@ def test_rollout_written_out_decode_step(family):
             # the prefill only; else the prefill and each step
             assert len(calls) == (1 if written_out else steps)
         assert torch.equal(runs[0].response_ids, runs[1].response_ids)
-        torch.testing.assert_close(runs[0].logprobs, runs[1].logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(runs[0].sampler_logprobs, runs[1].sampler_logprobs, atol=1e-5,
+                                   rtol=0)
         assert runs[0].prompt_mask.float().mean() < 1 and steps > 8
         # greedy rows stop apart
         assert temperature or len(set(runs[0].response_mask.sum(1).tolist())) > 2

@@ -1,6 +1,6 @@
 """grader/equivalence.py: whether a predicted answer equals the gold, through reward.grade: the
 normalization, number, symbolic, equation, tuple, set and interval rules, multiple choice, several
-answers.
+answers, one box per part.
 """
 import pytest
 
@@ -160,3 +160,21 @@ def test_reward_list_golds_are_several_answers():
     assert not reward.grade("\\boxed{69}", ["$69$", "$84$"])
     assert reward.grade("\\boxed{\\sqrt{8}}", ["$2 \\sqrt{2}$"])
     assert reward.grade("\\boxed{x}", ["$f(x)=x$"])
+
+
+def test_reward_several_boxes_for_several_parts():
+    """A gold of k answers is also compared with the last k boxes (one box per part), unless one is
+    hedged."""
+    two = "For part (a) the point is $\\boxed{(3,3)}$, and for part (b) we get $\\boxed{(1,1)}$."
+    assert reward.grade(two, "(3,3), (1,1)") and reward.grade(two, ["(1,1)", "(3,3)"])
+    # one-answer gold: the last box
+    assert not reward.grade(two, "(3,3)") and reward.grade(two, "(1,1)")
+    # the last two boxes are not the answers
+    assert not reward.grade(two + " Also $\\boxed{(2,2)}$.", "(3,3), (1,1)")
+    assert not reward.grade("(a) $\\boxed{6}$. (b) $\\boxed{15}$ (or maybe 16)", ["6", "15"])
+    assert not reward.grade("(a) $\\boxed{6}$ or possibly 7. (b) $\\boxed{15}$.", ["6", "15"])
+    assert not reward.grade("(a) $\\boxed{}$. (b) $\\boxed{15}$.", ["6", "15"])
+    # a retraction
+    assert not reward.grade("So $\\boxed{3}$. Wait, that is wrong: actually $\\boxed{5}$.", "3, 5")
+    # part (a) hedged
+    assert not reward.grade("(a) $\\boxed{7}$ or $\\boxed{6}$. (b) $\\boxed{15}$.", ["6", "15"])

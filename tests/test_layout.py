@@ -1,5 +1,6 @@
 """The layout (docs/layout.md): the tutorial at the top, the machinery in folders; no import circle;
-the budgets; one test file per code file, named for its path (docs/tests.md)."""
+the budgets; docs/paper.md's links to the code lines they name; one test file per code file, named
+for its path (docs/tests.md)."""
 import ast
 import re
 from collections import defaultdict
@@ -124,9 +125,31 @@ def test_no_import_circle_between_rooms():
 
 
 def test_machinery_imports_no_tutorial_file_that_imports_it():
-    """The error type and one-line messages are a leaf: command_line/errors.py imports nothing of
-    the project."""
-    assert import_graph()["command_line.errors"] == set()
+    """No module in a folder imports a top-level file that imports, directly or through others, a
+    module of that folder (engines/ imports rollout.py, which must never import engines/); the
+    check finds a planted one. The error type and one-line messages are a leaf:
+    command_line/errors.py imports nothing of the project."""
+    graph = import_graph()
+
+    def reaches(start: str, room: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            m = todo.pop()
+            if m.split(".")[0] == room and "." in m:
+                return True
+            if m not in seen:
+                seen.add(m)
+                todo += graph.get(m, ())
+        return False
+
+    def back_up(g):
+        return sorted((m, t) for m, targets in g.items() if "." in m for t in targets
+                      if "." not in t and reaches(t, m.split(".")[0]))
+
+    assert back_up(graph) == []
+    assert graph["command_line.errors"] == set()
+    graph = dict(graph, rollout=graph["rollout"] | {"engines.choice"})  # a planted climb back
+    assert ("engines.choice", "rollout") in back_up(graph)
 
 
 def test_top_level_is_the_tutorial():
@@ -136,14 +159,84 @@ def test_top_level_is_the_tutorial():
 
 
 def test_budgets():
-    """The six step files: at most 2,400 lines together, none over 600; every module docstring at
-    most 20 lines."""
+    """The six step files: at most 1,800 lines together, none over 450 (train.py included); every
+    other file outside the tests and data at most 600; train_step's body at most 60 lines; every
+    module docstring at most 20 lines."""
     lines = {f: len((ROOT / f).read_text().splitlines()) for f in STEP_FILES}
-    assert sum(lines.values()) <= 2400 and max(lines.values()) <= 600, lines
+    assert sum(lines.values()) <= 1800 and max(lines.values()) <= 450, lines
+    other = {str(p): len((ROOT / p).read_text().splitlines()) for p in _code_files()}
+    assert {p: n for p, n in other.items() if n > 600} == {}
+    tree = ast.parse((ROOT / "train.py").read_text())
+    step = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train_step")
+    assert step.end_lineno - step.body[1].lineno + 1 <= 60  # the body after its docstring
     for path in [*_code_files(), Path("test_stapo.py"), Path("conftest.py")]:
         body = ast.parse((ROOT / path).read_text()).body
         if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
             assert body[0].end_lineno - body[0].lineno + 1 <= 20, path
+
+
+def test_no_tool_reaches_into_train():
+    """tools/ use train.py's own functions only (`train.X` where train.py defines X), never a
+    name train.py imported from elsewhere: those come from their home, so train.py's imports can
+    change freely."""
+    tree = ast.parse((ROOT / "train.py").read_text())
+    own = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    used = {(str(p), node.attr) for p in _code_files() if p.parts[0] == "tools"
+            for node in ast.walk(ast.parse((ROOT / p).read_text()))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "train"}
+    assert {(p, name) for p, name in used if name not in own} == set()
+    assert any(name == "logged_step" for _, name in used)
+
+
+# ---------------------------------------------------------------- docs/paper.md's links to the code
+LINK = re.compile(r"\[([^\]]+):(\d+)\]\(\.\./([^)#]+)#L(\d+)\)")  # [PATH:NN](../PATH#LNN)
+
+
+def paper_section(title: str) -> str:
+    """docs/paper.md's section `## title`, up to the next `## ` heading."""
+    text = (ROOT / "docs" / "paper.md").read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def linked_line(link: tuple[str, str, str, str]) -> str:
+    """The line that a `LINK` match names, once its text (PATH:NN) and its URL are seen to agree and
+    the file to hold that line."""
+    text_path, text_line, path, line = link
+    assert (text_path, text_line) == (path, line), link
+    assert (ROOT / path).is_file(), link
+    lines = (ROOT / path).read_text().splitlines()
+    assert 1 <= int(line) <= len(lines), link
+    return lines[int(line) - 1]
+
+
+def test_deliberate_differences_link_their_lines():
+    """docs/paper.md's deliberate differences are numbered once, D1 .. Dn in document order, no gap
+    or repeat; each links exactly one line, `[PATH:NN](../PATH#LNN)`, that carries its marker DN;
+    every DN in the code (outside the tests) names an item that exists. Each row of "One name per
+    quantity" links a line that holds the name it gives (its last identifier)."""
+    section = paper_section("Deliberate differences")
+    assert not re.search(r"^\d+\. ", section, re.M)  # no item left with a per-file number
+    items = re.findall(r"^\*\*D(\d+)\.\*\* (.*)$", section, re.M)
+    assert [int(n) for n, _ in items] == list(range(1, len(items) + 1)) and len(items) > 50
+    for n, body in items:
+        links = LINK.findall(body)
+        assert len(links) == 1 and body.count("](") == 1, f"D{n}: {body}"
+        assert re.search(rf"\bD{n}\b", linked_line(links[0])), f"D{n}: {links[0]}"
+    markers = {(str(p), int(m)) for p in _code_files()
+               for m in re.findall(r"\bD(\d+)\b", (ROOT / p).read_text())}
+    assert {(p, m) for p, m in markers if not 1 <= m <= len(items)} == set()
+    rows = [re.split(r"(?<!\\)\|", line)[1:-1]
+            for line in paper_section("One name per quantity").splitlines()
+            if line.startswith("| ") and "](" in line]
+    assert len(rows) >= 20
+    for paper, code, where in rows:
+        name = re.findall(r"`([^`]+)`", code)[0]
+        last = re.findall(r"\w+", name)[-1]
+        (link,) = LINK.findall(where)
+        assert re.search(rf"\b{last}\b", linked_line(link)), (paper, name, link)
 
 
 # ------------------------------------------------------ the tests follow the layout (docs/tests.md)

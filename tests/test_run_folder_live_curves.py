@@ -62,7 +62,7 @@ def test_train_logger_missing_package_is_a_one_line_error(tmp_path, monkeypatch,
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda n, *a: None if n == "tensorboard" else find_spec(n, *a))
-    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("startup.run.load_model", lambda *a, **k: pytest.fail("the model loaded"))
     assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", logger="tensorboard")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install tensorboard" in err[0] and not (tmp_path / "run").exists()

@@ -10,9 +10,8 @@ import torch
 
 import train
 from model import tiny_model
-from run_folder import figures
 from tests.toy_task import EVEN, one_thread, patch_toy_task, toy_args, toy_data
-from tools import counterfactual
+from tools import counterfactual, counterfactual_tables
 
 # ==================================================================================================
 # tools/counterfactual.py and s2t_diagnostics.entropy_change: what the mask removes and what an
@@ -118,7 +117,7 @@ def test_counterfactual_pick_tokens_and_summary():
     correct = torch.tensor([True, True, False])
     picked = counterfactual.pick_tokens(silenced, cand, mask, correct, 2,
                                         torch.Generator().manual_seed(0))
-    kinds = {k: [(r, t) for kk, r, t in picked if kk == k] for k in counterfactual.KINDS}
+    kinds = {k: [(r, t) for kk, r, t in picked if kk == k] for k in counterfactual_tables.KINDS}
     assert kinds["silenced"] == [(0, 1), (0, 2)] and kinds["candidate"] == [(0, 0), (1, 1)]
     # row 2 is wrong
     assert len(kinds["other"]) == 2 and set(kinds["other"]) <= {(0, 3), (1, 0), (1, 2)}
@@ -129,7 +128,7 @@ def test_counterfactual_pick_tokens_and_summary():
 
     lines = [line("silenced", 0, 1.0, 1.0, 1.0, True), line("silenced", 1, 0.5, 1.0, 1.0, False),
              line("other", 0, 1.0, 0.75, 0.5, False, "after")]
-    table = counterfactual.summary(lines)
+    table = counterfactual_tables.summary(lines)
     # two responses: intervals resample them; 1 of 2 negligible, both effects <= 0, 1 of 2 settled
     assert "| silenced, graded | 2 (2) | -0.250 (-0.500, +0.000) | -0.250 (-0.500, +0.000) | " \
            "50% (0%, 100%) (delta 0.2) | 100% | 50% | 0.75 / 1.00 / 1.00 |" in table
@@ -137,94 +136,6 @@ def test_counterfactual_pick_tokens_and_summary():
     assert "| other, after | 1 (1) | +0.250 (+0.250, +0.250) | +0.500 (+0.500, +0.500) | " \
            "0% (0%, 0%)" in table
     assert all(line.count("|") == table.splitlines()[0].count("|") for line in table.splitlines())
-
-
-def test_counterfactual_wilson_interval_and_pooled_groups(tmp_path, monkeypatch):
-    """The Wilson interval against published values (Newcombe 1998: 81/263 -> 0.2553-0.3662;
-    0/10 -> 0-0.2775); pooled groups per algorithm: its kinds, then its candidates split by the S2T
-    rule, whatever mask it trained with."""
-    assert counterfactual.wilson(81, 263) == pytest.approx((0.2553, 0.3662), abs=1e-4)
-    assert counterfactual.wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
-
-    def line(algo, seed, step, kind, candidate, rule, effect=0.0, part="graded"):
-        return {"algo": algo, "seed": seed, "step": step, "row": step, "kind": kind, "part": part,
-                "candidate": candidate, "s2t_rule": rule, "effect": effect, "stderr": 0.1,
-                "keep": 0.5, "resample": 0.5 - effect, "exclude": 0.5 - effect, "contrast": effect,
-                "negligible": effect == 0, "delta": 0.2}
-
-    lines = [line("justrl", 0, 1, "candidate", True, True),
-             line("justrl", 0, 2, "candidate", True, False, 0.5),
-             line("justrl", 1, 3, "other", False, False, part="after"),
-             line("fullmask", 0, 1, "silenced", True, False, 0.5),
-             line("fullmask", 0, 1, "silenced", True, True)]
-    groups = counterfactual.pooled_groups(lines)
-    assert list(groups) == ["justrl (2 seeds, steps 1-3)", "fullmask (1 seeds, steps 1)"]
-    justrl, fullmask = groups.values()
-    assert [len(justrl[f"{k}, {p}"])
-            for k in counterfactual.KINDS for p in counterfactual.PARTS] == [0, 0, 2, 0, 0, 1]
-    assert [x["step"] for x in justrl["candidates the S2T rule silences"]] == [1]
-    assert [x["step"] for x in justrl["candidates the S2T rule keeps"]] == [2]
-    assert [x["effect"] for x in fullmask["candidates the S2T rule keeps"]] == [0.5]
-    table = counterfactual.pooled_summary(lines).splitlines()
-    # 8 groups and 3 differences (graded, after, both) per algorithm
-    assert len(table) == 2 + 2 * (8 + 3)
-    assert table[2].startswith("| justrl (2 seeds, steps 1-3) | silenced, graded | 0 |")
-    assert table[9].startswith("|  | candidates the S2T rule keeps | 1 (1) | "
-                               "+0.500 (+0.500, +0.500) | +0.500 (+0.500, +0.500) | 0% (0%, 0%)")
-    # the figure: each group's size and share under its tick label, nothing written inside the axes
-    # over the points
-    import matplotlib.pyplot as plt
-    closed = []
-    monkeypatch.setattr(plt, "close", closed.append)
-    assert figures.plot_counterfactual_groups(groups, str(tmp_path / "groups.png"),
-                                              counterfactual.cluster_interval)
-    monkeypatch.undo()
-    axes = closed[0].axes
-    assert [t.get_text() for t in axes[1].get_xticklabels()] == [
-        "silenced\ngraded\nn = 2\n50% negl.", "cand., S2T\nsilences\nn = 1\n100% negl.",
-        "cand., S2T\nkeeps\nn = 1\n0% negl."]
-    assert all(not ax.texts for ax in axes)
-    plt.close(closed[0])
-
-
-def test_counterfactual_differences_resample_responses():
-    """The difference between two groups of tokens (the candidates the S2T rule silences minus those
-    it keeps) resamples responses, not tokens: 20 agreeing tokens of one response widen the interval
-    well beyond the one that counts them as 20 responses, and tokens of one response in both groups
-    move together (the same values: a difference of exactly 0 in every replicate); `--table` prints
-    it per part and for both."""
-    a, b = [1.0] * 20 + [0.0] * 10, [1.0] * 5 + [0.0] * 5
-    a_responses, b_responses = (["r0"] * 20 + [f"r{i}" for i in range(1, 11)],
-                                [f"s{i}" for i in range(10)])
-    d, lo, hi = counterfactual.cluster_difference(a, a_responses, b, b_responses)
-    d_tokens, lo_tokens, hi_tokens = counterfactual.cluster_difference(a, list(range(30)), b,
-                                                                       b_responses)
-    assert d == d_tokens == pytest.approx(20 / 30 - 0.5) and lo < lo_tokens < d < hi
-    assert hi - lo > 1.5 * (hi_tokens - lo_tokens)  # 1.30 against 0.73
-    v, shared = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0], list("abcdef")
-    assert counterfactual.cluster_difference(v, shared, v, shared) == (0.0, 0.0, 0.0)
-    # apart: they vary apart
-    assert counterfactual.cluster_difference(v, shared, v, list("ghijkl"))[1] < -0.3
-    assert all(math.isnan(x) for x in counterfactual.cluster_difference(v, shared, [], []))
-
-    def line(row, rule, negligible, part):
-        contrast = 0.0 if negligible else 0.5
-        return {"algo": "stapo", "seed": 0, "step": 1, "row": row,
-                "kind": "silenced" if rule else "candidate", "part": part, "candidate": True,
-                "s2t_rule": rule, "effect": contrast, "stderr": 0.1, "keep": 1.0,
-                "resample": 1.0 - contrast, "exclude": 1.0 - contrast, "contrast": contrast,
-                "negligible": negligible, "delta": 0.2}
-
-    lines = [line(0, True, True, "after")] * 20 \
-        + [line(r, True, False, "after") for r in range(1, 11)] \
-        + [line(r, False, r % 2 == 0, "after") for r in range(11, 21)] \
-        + [line(21, True, False, "graded")]
-    rows = counterfactual.pooled_summary(lines).splitlines()[-3:]
-    assert rows[0] == "|  | S2T rule, silences - keeps, graded | 1 - 0 | - | - | - | - | - | - |"
-    assert rows[1].startswith("|  | S2T rule, silences - keeps, after | 30 - 10 (21) | -0.083 (")
-    assert rows[2].startswith("|  | S2T rule, silences - keeps, both | 31 - 10 (22) | ")
-    negligible = rows[1].split(" | ")[5]  # the share negligible, silenced minus kept: 20/30 - 5/10
-    assert negligible.startswith("+0.17 (") and float(negligible.split("(")[1].split(",")[0]) < -0.5
 
 
 def test_counterfactual_contrast_redraw_and_equivalence():
@@ -251,16 +162,16 @@ def test_counterfactual_contrast_redraw_and_equivalence():
     assert top not in draws[0]
     # Newcombe's example has unequal n: the formula with the two Wilson intervals
     p1, p2 = 56 / 70, 48 / 80
-    (l1, u1), (l2, u2) = counterfactual.wilson(56, 70), counterfactual.wilson(48, 80)
+    (l1, u1), (l2, u2) = counterfactual_tables.wilson(56, 70), counterfactual_tables.wilson(48, 80)
     d = p1 - p2
     assert (d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2),
             d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)) == \
         pytest.approx((0.0524, 0.3339), abs=1e-4)
     # unanimous: not 0 wide
-    assert counterfactual.newcombe(8, 8, 8) == pytest.approx((-0.3244, 0.3244), abs=1e-4)
-    assert counterfactual.newcombe(32, 32, 32)[1] == pytest.approx(0.1072, abs=1e-4)
+    assert counterfactual_tables.newcombe(8, 8, 8) == pytest.approx((-0.3244, 0.3244), abs=1e-4)
+    assert counterfactual_tables.newcombe(32, 32, 32)[1] == pytest.approx(0.1072, abs=1e-4)
     # a large interval around a small difference: not negligible
-    lo, hi = counterfactual.newcombe(16, 14, 32)
+    lo, hi = counterfactual_tables.newcombe(16, 14, 32)
     assert lo < 0.0625 < 0.2 < hi  # 0.0625 is inside +-0.2, its interval is not
 
 
@@ -285,7 +196,7 @@ def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
         assert counterfactual.main(cmd) == 0
     assert (run / "counterfactual.jsonl").read_text() == first
     assert {x["step"] for x in lines} == {1, 2} \
-        and {x["kind"] for x in lines} == set(counterfactual.KINDS)
+        and {x["kind"] for x in lines} == set(counterfactual_tables.KINDS)
     for x in lines:
         assert {"kind", "effect", "stderr", "k", "step", "row", "t", "token", "p", "H", "A", "keep",
                 "resample", "reward", "context", "exclude", "contrast", "contrast_ci", "negligible",
@@ -301,7 +212,7 @@ def test_counterfactual_command_on_a_tiny_run(tmp_path, monkeypatch, capsys):
         assert x["kind"] != "other" or x["reward"] > 0
         assert x["s2t_rule"] == (x["kind"] == "silenced")  # a STAPO run: its mask is the rule
     assert all(sum(x["kind"] == kind and x["step"] == step for x in lines) <= 2  # --tokens 2
-               for kind in counterfactual.KINDS for step in (1, 2))
+               for kind in counterfactual_tables.KINDS for step in (1, 2))
     assert {x["mini_batch"] for x in lines} == {0, 1}
     out = capsys.readouterr().out
     assert "| kind | tokens (responses) | mean effect (95% CI) | mean contrast" in out \

@@ -28,11 +28,12 @@ import stapo
 import train
 from command_line import errors
 from data import heldout_count, load_rows, read_rows
-from engines import choice
+from engines import choice, plain_engine
 from model import Policy, tiny_model, tiny_tokenizer
+from reports import summary
 from rollout import format_prompt
-from run_folder import figures
 from step_metrics import step_log
+from step_metrics.watch import Watch
 from tests.model_batches import packing_batch
 from tests.toy_task import (
     ANSWER,
@@ -50,6 +51,7 @@ from tests.toy_task import (
     tensors_close,
     toy_args,
     toy_data,
+    toy_run,
     varied_data,
 )
 
@@ -128,23 +130,24 @@ def test_train_packed_rows_match_each_row_alone(algo):
         if algo == "grpo" else None
     adv = stapo.group_advantages(torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, -1.0]), 3)[:, None] \
         .expand_as(mask)
-    keys = s2t.random_keys(0, range(len(mask)), mask.shape[1])
-    weights, _, _, den = stapo.token_weights(algo, logprobs.detach(), entropy, adv, mask, cfg.tau_p,
-                                             cfg.quantile, stapo.MiniBatchContext(keys=keys))
+    weights, _, _, den, _ = stapo.token_weights(algo, logprobs.detach(), entropy, adv, mask,
+                                                cfg.tau_p, cfg.quantile)
     clip = stapo.clip_range(cfg.algo, cfg.clip_low, cfg.clip_high)
     want, _ = stapo.policy_loss(logprobs, old, adv, weights, *clip, cfg.dual_clip, den)
     if ref is not None:
-        want = want + cfg.kl_beta * (weights * stapo.kl_k3(logprobs, ref)).sum() / den
+        want = want + cfg.kl_beta * (weights * stapo.kl_k3(logprobs, ref)).sum() / den  # I k3 / N
     want_grads = torch.autograd.grad(want, list(lm.parameters()))
     assert sum(g.abs().sum() for g in want_grads) > 0
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         for budget in (10**6, 16, 1):
             run = SimpleNamespace(cfg=replace(cfg, max_tokens_per_micro_batch=budget),
-                                  device=torch.device("cpu"), policy=policy, world=1)
+                                  device=torch.device("cpu"), policy=policy, world=1,
+                                  on_policy=False)
             lm.zero_grad(set_to_none=True)
             mb = train.MiniBatch(batch, adv, model.TokenStats(old, None, None), ref,
-                                 torch.ones(len(batch), dtype=torch.bool))
+                                 torch.ones(len(batch), dtype=torch.bool),
+                                 stapo.MiniBatchContext())
             loss = train.accumulate_gradients(run, mb, weights, float(den)).loss
             assert loss == pytest.approx(want.item(), abs=1e-6), budget  # the KL term included
             for p_, w_ in zip(lm.parameters(), want_grads):
@@ -339,7 +342,7 @@ def test_train_bad_out_dir_and_float_flags_are_one_line_errors(tmp_path, monkeyp
     before anything loads."""
     data = toy_data(tmp_path)
     (tmp_path / "file").write_text("x")
-    monkeypatch.setattr(train, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("startup.run.load_model", lambda *a, **k: pytest.fail("the model loaded"))
     assert train.main(toy_args(data, tmp_path / "file" / "run")) == 2
     one_line_error(capsys, f"--out-dir {tmp_path / 'file' / 'run'} cannot be made: "
                            f"{tmp_path / 'file'} is a file")
@@ -560,7 +563,7 @@ def test_second_device_simulation_raises_like_cuda():
         assert cpu.tolist() == [0.0, 1.0, 2.0, 3.0] and not isinstance(x.cpu(), OnOther)
 
 
-class _CPUCopyEngine(rollout.PlainEngine):
+class _CPUCopyEngine(plain_engine.PlainEngine):
     """An engine with vLLM's contract: its own copy of the weights (pushed in `ready`), batches on
     the CPU."""
 
@@ -579,7 +582,7 @@ def test_train_policy_on_another_device_than_the_rollout_engine(tmp_path, monkey
     patch_toy_task(monkeypatch, EVEN)
     start = train.init_distributed
     monkeypatch.setattr(train, "init_distributed", lambda timeout_min=60: (*start()[:2], _OTHER))
-    monkeypatch.setattr(train, "load_model", lambda name, device=None, **kw: (
+    monkeypatch.setattr("startup.run.load_model", lambda name, device=None, **kw: (
         tiny_model(vocab_size=TOY_VOCAB)._apply(OnOther if device == _OTHER else lambda t: t),
         tiny_tokenizer()))
     monkeypatch.setattr(choice, "make_engine", lambda name, lm, tokenizer, chat, stop=None, **kw:
@@ -629,14 +632,14 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
         "held-out accuracy before training", "held-out accuracy after 1 step"]
     metrics = read_metrics(tmp_path / "run")
     assert out[-3].startswith(f"stapo silenced {int(metrics[0]['s2t/silenced'])} tokens in ")
-    assert out[-2].startswith("logit-gradient norm vs p: Spearman ")  # figures.correlation_line
+    assert out[-2].startswith("logit-gradient norm vs p: Spearman ")  # summary.correlation_line
     steps = [{"s2t/silenced": 3.0, "s2t/candidates": 5.0},
              {"s2t/silenced": 0.0, "s2t/candidates": 1.0},
              {"s2t/silenced": 2.0, "s2t/candidates": 2.0}]
-    assert figures.silenced_summary("stapo", steps, ["spurious.jsonl", "s2t.png"]) == (
+    assert summary.silenced_summary("stapo", steps, ["spurious.jsonl", "s2t.png"]) == (
         "stapo silenced 5 tokens in 2 of 3 steps; S2T candidates (A > 0, p < tau_p): 8 "
         "(metrics.jsonl s2t/*; see spurious.jsonl, s2t.png)")
-    assert figures.silenced_summary("justrl", [], []) == (
+    assert summary.silenced_summary("justrl", [], []) == (
         "justrl silenced 0 tokens in 0 of 0 steps; S2T candidates (A > 0, p < tau_p): 0 "
         "(metrics.jsonl s2t/*)")
     # a log without lines is never made
@@ -776,29 +779,65 @@ def test_train_sets_mkl_reproducibility_before_torch_loads():
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                              env=env)
         assert out.stdout.strip() == expected, out.stderr[-2000:]
-    source = (ROOT / "train.py").read_text()
-    assert source.index('os.environ.setdefault("MKL_CBWR"') < source.index("\nimport torch")
+    source = (ROOT / "train.py").read_text()  # startup/early.py sets it; train.py imports it first
+    assert source.index("from startup import early") < source.index("\nimport torch")
+    assert 'os.environ.setdefault("MKL_CBWR"' in (ROOT / "startup" / "early.py").read_text()
 
 
-# -------------------------------------------------------------- randmask's keys (train.random_keys)
+# -------------------------------------------- a rank's rows of each mini-batch (train.mini_batches)
 
-def test_algo_randmask_keys_do_not_depend_on_the_ranks():
-    """train.random_keys: rank r of W holds rows r*b..r*b+b-1 of the mini-batch (train.rank_slice);
-    its keys are those rows' keys of one process, whatever T its rows were padded to."""
-    cfg = config.Config(seed=3, max_response_len=8)
-    whole = train.random_keys(SimpleNamespace(cfg=cfg, rank=0), 2, 1, _keys_mb(6, 8))  # (6, 8)
-    for world in (2, 3):
-        b = 6 // world
-        for rank in range(world):
-            T = 8 - rank  # ranks pad their rows to different lengths
-            got = train.random_keys(SimpleNamespace(cfg=cfg, rank=rank), 2, 1, _keys_mb(b, T))
-            assert torch.equal(got, whole[rank * b:(rank + 1) * b, :T])
-    assert not torch.equal(whole, train.random_keys(SimpleNamespace(cfg=cfg, rank=0), 2, 0,
-                                                    _keys_mb(6, 8)))
-    assert not torch.equal(whole, train.random_keys(SimpleNamespace(cfg=cfg, rank=0), 3, 1,
-                                                    _keys_mb(6, 8)))
+def test_train_mini_batches_place_each_rank_s_rows():
+    """train.mini_batches: rank r of W holds rows r*b..r*b+b-1 of each mini-batch (rank_slice), so
+    randmask's keys (stapo.MiniBatchContext: seeded from (seed, step, k), each row's by its
+    place) are the same on any number of ranks; the mini-batches of a step and of two steps
+    differ."""
+    batch = packing_batch()  # 6 rows: this rank's 2 prompts x G = 3, 2 mini-batches of 3
+    cfg = config.Config(seed=3, group_size=3, prompts_per_step=4, mini_batch_prompts=2,
+                        max_response_len=8)
+    pi_old = model.TokenStats(*(torch.zeros(6, 7) for _ in range(3)))
+
+    def contexts(rank, step):
+        run = SimpleNamespace(cfg=cfg, rank=rank, world=2, device=torch.device("cpu"),
+                              ref_policy=None, window=None)
+        return [mb.context for mb in train.mini_batches(run, step, batch, torch.ones(6),
+                                                        torch.ones(6), pi_old)]
+
+    for rank in range(2):
+        mbs = contexts(rank, 2)
+        assert [c.rows for c in mbs] == [range(3 * rank, 3 * rank + 3)] * 2
+        assert [c.length for c in mbs] == [8, 8] and mbs[0].seed != mbs[1].seed
+        assert [c.seed for c in mbs] == [c.seed for c in contexts(1 - rank, 2)]
+        assert [c.seed for c in mbs] != [c.seed for c in contexts(rank, 3)]
 
 
-def _keys_mb(b, T):
-    return SimpleNamespace(rollout=SimpleNamespace(
-        response_ids=torch.zeros(b, T, dtype=torch.long)))
+# ------------------------------------------------ the metrics read the step's decision (watch.py)
+
+@pytest.mark.parametrize("algo", ["stapo", "justrl", "randmask"])
+def test_train_step_applies_the_s2t_rule_once_and_the_metrics_read_it(tmp_path, monkeypatch,
+                                                                     algo):
+    """One step of 2 mini-batches: S2T's rule runs once per mini-batch, with one all-gather of its
+    candidates' entropies (the metrics line once ran it a second time, with a second all-gather),
+    and s2t/rule_silenced counts the decision the step made (for STAPO also s2t/silenced)."""
+    calls, gathers = [], []
+    rule, gather = s2t.spurious_mask, train.all_gather_cat
+    monkeypatch.setattr(s2t, "spurious_mask", lambda *a: calls.append(1) or rule(*a))
+    monkeypatch.setattr(train, "all_gather_cat", lambda v: gathers.append(1) or gather(v))
+    monkeypatch.setattr(step_log, "all_gather_cat", lambda v: gathers.append(1) or gather(v))
+    decided = []
+
+    class Decisions(Watch):
+        def backward(self, k, mb, pi_theta, weights, update):
+            decided.append(weights)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with one_thread():
+            run = toy_run(tmp_path, monkeypatch, algo=algo)
+            metrics = train.logged_step(run, 1, Decisions()).metrics
+    finally:
+        dist.destroy_process_group()
+    assert len(decided) == 2 and len(calls) == 2, (len(decided), len(calls))
+    assert len(gathers) == 2 + (algo == "randmask") * 4  # randmask: its count and keys, twice
+    assert metrics["s2t/rule_silenced"] == sum(int(w.rule.sum()) for w in decided) > 0
+    if algo == "stapo":
+        assert metrics["s2t/silenced"] == metrics["s2t/rule_silenced"]

@@ -289,7 +289,7 @@ def test_train_full_disk_in_a_checkpoint_shard_is_one_line_even_in_a_stop(
                                f"train.py --resume auto --out-dir {tmp_path / 'cut'} continues")
         assert sorted(p.name for p in (tmp_path / "cut" / "checkpoint").iterdir()) == \
             ["latest", "step_1"]
-        step_log, made = train.StepLog, []
+        step_log, made = train.old_policy_stats, []
 
         def signal_in_step_2(*args):
             made.append(1)
@@ -297,7 +297,7 @@ def test_train_full_disk_in_a_checkpoint_shard_is_one_line_even_in_a_stop(
                 os.kill(os.getpid(), signal.SIGTERM)
             return step_log(*args)
 
-        monkeypatch.setattr(train, "StepLog", signal_in_step_2)
+        monkeypatch.setattr(train, "old_policy_stats", signal_in_step_2)
         args = toy_args(data, tmp_path / "stop", steps=3, save_every=1, export_hf=False,
                         resume="auto")
         assert train.main(args) == run_folder.STOPPED
@@ -311,7 +311,7 @@ def test_train_full_disk_in_a_checkpoint_shard_is_one_line_even_in_a_stop(
         assert sorted(p.name for p in (tmp_path / "stop" / "checkpoint").iterdir()) == \
             ["latest", "step_1"]
         monkeypatch.setattr(dcp_files, "_write_item", write_item)
-        monkeypatch.setattr(train, "StepLog", step_log)
+        monkeypatch.setattr(train, "old_policy_stats", step_log)
         assert train.main(args) == 0
     assert [m["step"] for m in read_metrics(tmp_path / "stop")] == [1, 2, 3]
 
@@ -432,14 +432,15 @@ def _same_run(a: Path, b: Path, keys: tuple[str, ...] | None = None, atol: float
                   load_file(b / "hf" / "model.safetensors"), atol=atol)
 
 
+_PLAIN = "engines.plain_engine.PlainEngine"  # its sample: a rollout or an evaluation
 # the phase a signal comes in: (the call that sends it, its number, the steps of the checkpoint
 # left, eval lines, where the stop line says it came)
-_PHASES = {"rollout": (("rollout.PlainEngine", "sample"), 3, 1, [0],
+_PHASES = {"rollout": ((_PLAIN, "sample"), 3, 1, [0],
                        "in step 2's rollout (the step is dropped)"),
-           "update": (("train", "StepLog"), 2, 2, [0],  # once a step
+           "update": (("train", "old_policy_stats"), 2, 2, [0],  # once a step
                       "in step 2 (its updates finished)"),
            # --eval-every 2: eval 0, step 1, step 2, eval 2
-           "eval": (("rollout.PlainEngine", "sample"), 4, 2, [0],
+           "eval": ((_PLAIN, "sample"), 4, 2, [0],
                     "in the evaluation after 2 steps (it runs again on resume)")}
 
 
@@ -489,8 +490,9 @@ def test_train_ctrl_c_checkpoints_a_second_leaves_at_once_and_resume_auto_contin
     data = toy_data(tmp_path)
     run_train(tmp_path, toy_args(data, tmp_path / "full", steps=3))
     once = toy_args(data, tmp_path / "once", steps=3, resume="auto")
-    proc = run_train(tmp_path, once, hook=("hook_signal_at", "train", "StepLog", 2, "0", "SIGINT"),
-                expect=run_folder.STOPPED)
+    proc = run_train(tmp_path, once,
+                     hook=("hook_signal_at", "train", "old_policy_stats", 2, "0", "SIGINT"),
+                     expect=run_folder.STOPPED)
     lines = [x for x in proc.stdout.splitlines() if "stopped by" in x]
     assert len(lines) == 1 and lines[0].startswith("stopped by SIGINT in step 2 (its updates "
                                                    "finished), 2 steps of 3 done, "), \
@@ -505,7 +507,7 @@ def test_train_ctrl_c_checkpoints_a_second_leaves_at_once_and_resume_auto_contin
     # the user's command: no --resume
     twice = toy_args(data, tmp_path / "twice", steps=3, save_every=1)
     proc = run_train(tmp_path, twice,
-                     hook=("hook_signal_at", "rollout.PlainEngine", "sample", 2, "0", "SIGINT", 2),
+                     hook=("hook_signal_at", _PLAIN, "sample", 2, "0", "SIGINT", 2),
                      expect=run_folder.INTERRUPTED)
     again = twice + ["--resume", "auto"]
     assert proc.stderr.splitlines()[-1] == (f"train.py: warning: SIGINT after SIGINT: leaving "
@@ -529,7 +531,8 @@ def test_train_ctrl_c_under_torchrun_stops_both_ranks_and_the_same_command_conti
     args = toy_args(data, tmp_path / "two", steps=3, resume="auto")
     # torchrun exits 1 whatever its workers' status
     proc = run_train(tmp_path, args, nproc=2, expect=None,
-                     hook=("hook_signal_at", "train", "StepLog", 2, "0", "SIGINT", 1, True))
+                     hook=("hook_signal_at", "train", "old_policy_stats", 2, "0", "SIGINT", 1,
+                           True))
     lines = [x for x in proc.stdout.splitlines() if "stopped by" in x]
     assert len(lines) == 1 and lines[0].startswith("stopped by SIGINT in step 2 (its updates "
                                                    "finished), 2 steps of 3 done"), \
@@ -618,7 +621,7 @@ def test_train_stop_signal_to_one_rank_stops_both_then_resume_on_other_world_siz
     run_train(tmp_path, toy_args(data, tmp_path / "full", steps=3, heldout=3))
     two_one = toy_args(data, tmp_path / "two_one", steps=3, heldout=3, resume="auto")
     proc = run_train(tmp_path, two_one, nproc=2,
-                     hook=("hook_signal_at", "rollout.PlainEngine", "sample", 3, "1", "SIGUSR1"),
+                     hook=("hook_signal_at", _PLAIN, "sample", 3, "1", "SIGUSR1"),
                      expect=None)
     assert proc.returncode != 0 and ("stopped by SIGUSR1 (to another rank) in step 2's rollout "
                                      "(the step is dropped), 1 step of 3 done") in proc.stdout, \
@@ -626,7 +629,7 @@ def test_train_stop_signal_to_one_rank_stops_both_then_resume_on_other_world_siz
     assert json.loads((tmp_path / "two_one" / "stopped.json").read_text())["steps_done"] == 1
     run_train(tmp_path, two_one)
     one_two = toy_args(data, tmp_path / "one_two", steps=3, heldout=3, resume="auto")
-    run_train(tmp_path, one_two, hook=("hook_signal_at", "rollout.PlainEngine", "sample", 3),
+    run_train(tmp_path, one_two, hook=("hook_signal_at", _PLAIN, "sample", 3),
               expect=run_folder.STOPPED)
     run_train(tmp_path, one_two, nproc=2)
     for run in ("two_one", "one_two"):

@@ -13,9 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import config
 import reward
-import train
+import run_folder
+from config import read_inputs
 from model import tiny_model, tiny_tokenizer
+from startup.run import setup
 
 # ==================================================================================================
 # reward.py: answer extraction and grading
@@ -77,8 +80,8 @@ def patch_toy_task(monkeypatch, check: str = ANSWER) -> None:
     """The toy task in this process (testdata/train_run.py sets it up in another)."""
     monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo":
                         1.0 if CHECKS[check](response, gold) else -1.0)
-    monkeypatch.setattr(train, "lm_vocab_size", lambda tokenizer: TOY_VOCAB)
-    monkeypatch.setattr(train, "load_model",
+    monkeypatch.setattr("startup.run.lm_vocab_size", lambda tokenizer: TOY_VOCAB)
+    monkeypatch.setattr("startup.run.load_model",
                         lambda name, **kw: (tiny_model(vocab_size=TOY_VOCAB), tiny_tokenizer()))
 
 
@@ -179,3 +182,12 @@ def one_line_error(capsys, expected: str) -> None:
     errors = [x for x in err.splitlines() if x.startswith("train.py: error:")]
     assert len(errors) == 1 and expected in errors[0] and "Traceback" not in err, \
         (expected, err[-2000:])
+
+
+def toy_run(tmp_path, monkeypatch, **flags):
+    """A Run of the toy task in this process (a 1-process group must exist), as train.main builds
+    it: tau_p 0.2, so the random model's tokens are candidates."""
+    patch_toy_task(monkeypatch, EVEN)
+    cfg, _, _ = config.parse_config(budget_args(varied_data(tmp_path), tmp_path / "run",
+                                                flags.pop("algo", "stapo"), flags, 40))
+    return setup(cfg, read_inputs(cfg, 1), 0, 1, torch.device("cpu"), None, run_folder.Preemption())

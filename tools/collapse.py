@@ -16,7 +16,7 @@ compared seed by seed. The outcomes, fixed before the runs:
                     (entropy/mean)
     held-out acc    eval/acc after 4, 8 and 12 steps (64 problems x 4 samples)
 and the statistics (docs/experiments.md): paired sign tests and bootstrap intervals over seeds and
-problems. Deliberate choices 1-5: docs/paper.md, "Deliberate differences", tools/collapse.py.
+problems. Deliberate choices D66-D70: docs/paper.md, "Deliberate differences".
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def collapse_step(acc: list[float], after: int = COLLAPSE_AFTER) -> int | None:
     a_t < m_t / 2 and a_(t+1) < m_(t+1) / 2 (m: the running peak), or None."""
     peak = [max(acc[:t + 1]) for t in range(len(acc))]  # m_t, 0-based
     for t in range(after, len(acc) - 1):  # 0-based t = step t + 1
-        if acc[t] < peak[t] / 2 and acc[t + 1] < peak[t + 1] / 2:
+        if acc[t] < peak[t] / 2 and acc[t + 1] < peak[t + 1] / 2:  # two steps in a row (D67)
             return t + 1
     return None
 
@@ -51,7 +51,7 @@ def entropy_rise(entropy: list[float]) -> float:
 
 def sign_test(diffs: list[float]) -> tuple[int, int, float]:
     """(positive, negative, exact two-sided p) of the sign test on the non-zero differences (ties
-    dropped)."""
+    dropped; D66)."""
     pos, neg = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
     n, k = pos + neg, min(pos, neg)
     if n == 0:
@@ -129,7 +129,7 @@ def compare(arms: dict, a: str, b: str) -> list[dict]:
             ("entropy rise", [x["rise"] for x in A], [x["rise"] for x in B], None, None),
             # not pre-registered: the arms of a seed train on the same prompts in the same order, so
             # this mean compares them on matched prompts, where a_t alone mostly follows the
-            # prompts' difficulty
+            # prompts' difficulty (D68)
             ("training acc, mean of all steps (not pre-registered)",
              [float(np.mean(x["acc"])) for x in A], [float(np.mean(x["acc"])) for x in B],
              None, None)]
@@ -176,7 +176,7 @@ def shares_before_collapse(folder: Path, collapse: int | None) -> dict[str, list
     return out
 
 
-def why_table(arms: dict, algo: str = "justrl") -> str:
+def why_table(arms: dict, algo: str = "justrl") -> str:  # --why (D70)
     """Markdown: what carries `algo`'s updates on its steps before the collapse, per kind x part
     (averaged over its seeds, the range over seeds in brackets)."""
     per_seed = {seed: shares_before_collapse(run["folder"], run["collapse"])
@@ -233,7 +233,7 @@ def table(arms: dict) -> str:
     return "\n".join(lines)
 
 
-def reading(arms: dict, seeds: int = 6) -> str:
+def reading(arms: dict, seeds: int = 6) -> str:  # D69
     """The plan's one sentence, by its rules fixed before the runs (docs/experiments.md,
     "How each result will be read"): supports, supports but not S2T's choice, refutes, or cannot
     tell at this scale. Needs JustRL, STAPO and RandMask complete in all `seeds` seeds."""

@@ -16,7 +16,7 @@ signed-rank test as a check), STAPO - JustRL first, then STAPO - RandMask (a fix
 second counts only if the first is significant); secondaries (entropy rise, held-out accuracy after
 the last step) with Holm's correction over their four tests; the collapse indicator descriptive
 only; a manipulation check (tokens S2T silenced per run; RandMask's count equals S2T's rule).
-
+Deliberate choices D71-D73: docs/paper.md, "Deliberate differences".
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def _beta_fraction(a: float, b: float, x: float) -> float:
 
 
 def incomplete_beta(a: float, b: float, x: float) -> float:
-    """I_x(a, b), the regularized incomplete beta function, for x in [0, 1]."""
+    """I_x(a, b), the regularized incomplete beta function, for x in [0, 1] (D71)."""
     if x <= 0 or x >= 1:
         return float(x >= 1)
     front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) +
@@ -109,7 +109,7 @@ def paired_t(diffs: list[float], level: float = 0.95) -> dict:
 
 def wilcoxon(diffs: list[float]) -> tuple[float, float]:
     """(W+, exact two-sided p) of Wilcoxon's signed-rank test: zeros dropped, ties given their mean
-    rank (choice 2)."""
+    rank (D72)."""
     d = [x for x in diffs if x != 0]
     if not d:
         return 0.0, 1.0
@@ -146,7 +146,7 @@ def holm(ps: list[float]) -> list[float]:
 
 def power(n: int, sd: float, delta: float = DELTA, draws: int = 200_000, seed: int = 0) -> float:
     """The share of two-sided paired t-tests at level 0.05 on n differences ~ N(delta, sd^2) that
-    reject (choice 3)."""
+    reject (D73)."""
     d = np.random.default_rng(seed).normal(delta, sd, size=(draws, n))  # (draws, n)
     t = d.mean(1) / (d.std(1, ddof=1) / math.sqrt(n))
     return float((np.abs(t) > t_quantile(0.975, n - 1)).mean())

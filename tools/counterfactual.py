@@ -11,7 +11,7 @@ they "contribute negligibly to the correct reasoning outcome". This file measure
 contribution, effect(y_t) = P(success | x, y_<=t) - P(success | x, y_<t), and its contrast
 against a redraw without y_t, from K graded continuations per side, for the tokens a replayed
 step silenced, the candidates it kept and other tokens (the estimator and its intervals:
-docs/experiments.md, "The counterfactual estimator"). Deliberate choices 1-8: docs/paper.md.
+docs/experiments.md, "The counterfactual estimator"). Deliberate choices D58-D65: docs/paper.md.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-import numpy as np
 import torch
 
 from command_line import errors, flags
@@ -32,7 +31,13 @@ import reward
 import run_folder
 import s2t
 import stapo
-from run_folder import figures
+from distributed.process_group import init_distributed
+from reports import figures
+from startup.run import setup
+from step_metrics.step_log import on_policy_rule
+from step_metrics.watch import Watch
+from tools.counterfactual_tables import (KINDS, cluster_interval, mean, newcombe, pooled_groups,
+                                         pooled_summary, summary, variance)
 
 
 # ------------------------------------------------------------------------------------ the estimator
@@ -71,7 +76,7 @@ def token_effects(sample: Callable, grade: Callable, rows: list[tuple[list[int],
         continuation of prefix i starts with exclude[i] (the policy's next-token distribution
         without it, renormalized).
     grade(row, response) -> float: the reward of a whole response (token ids) to prompt
-    `row`; > 0 is a success.
+    `row`; > 0 is a success (D58).
     rows[row] = (prompt, response): token ids (a response: its generated tokens, EOS included, no
     padding).
     """
@@ -82,16 +87,16 @@ def token_effects(sample: Callable, grade: Callable, rows: list[tuple[list[int],
         y = rows[row][1]
         if not 0 <= t < len(y):
             raise ValueError(f"token {t} of row {row} is outside its {len(y)}-token response")
-        # y_t is the response's EOS or its last token at the budget (choice 3)
+        # y_t is the response's EOS or its last token at the budget (D60)
         ends = t + 1 == len(y)
         prefixes += [_Prefix(j, "keep", y[:t + 1], 0 if ends else max_response_len - (t + 1)),
-                     _Prefix(j, "resample", y[:t], max_response_len - t),
+                     _Prefix(j, "resample", y[:t], max_response_len - t),  # D59
                      _Prefix(j, "exclude", y[:t], max_response_len - t)]
     outcomes = {}  # (token, side) -> K successes (0/1)
     for p in prefixes:
         if p.budget == 0:  # the response itself, K times
             outcomes[p.token, p.side] = [float(grade(tokens[p.token][0], p.response) > 0)] * k
-    calls = []  # the redraws without y_t in calls of their own; longest budget first (choice 4)
+    calls = []  # the redraws without y_t in calls of their own; longest budget first (D61)
     for redraw in (False, True):
         todo = sorted((p for p in prefixes if p.budget > 0 and (p.side == "exclude") == redraw),
                       key=lambda p: -p.budget)
@@ -109,37 +114,16 @@ def token_effects(sample: Callable, grade: Callable, rows: list[tuple[list[int],
     for j, (row, t) in enumerate(tokens):
         keep, resample, exclude = \
             outcomes[j, "keep"], outcomes[j, "resample"], outcomes[j, "exclude"]
-        effects.append(Effect(row, t, k, _mean(keep), _mean(resample),
-                              _mean(keep) - _mean(resample),
-                              math.sqrt(_variance(keep) / k + _variance(resample) / k),
-                              _mean(exclude), _mean(keep) - _mean(exclude),
+        effects.append(Effect(row, t, k, mean(keep), mean(resample),
+                              mean(keep) - mean(resample),
+                              math.sqrt(variance(keep) / k + variance(resample) / k),
+                              mean(exclude), mean(keep) - mean(exclude),
                               newcombe(int(sum(keep)), int(sum(exclude)), k)))
     return effects
 
 
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
-
-
-def _variance(xs: list[float]) -> float:
-    """Unbiased sample variance."""
-    m = _mean(xs)
-    return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
-
-
-def newcombe(keep: int, exclude: int, k: int, z: float = 1.96) -> tuple[float, float]:
-    """Newcombe's hybrid score interval (1998, method 10) of p1 - p2 for p1 = keep / k,
-    p2 = exclude / k, from the two Wilson intervals (l_i, u_i):
-    (d - sqrt((p1 - l1)^2 + (u2 - p2)^2), d + sqrt((u1 - p1)^2 + (p2 - l2)^2))."""
-    p1, p2 = keep / k, exclude / k
-    (l1, u1), (l2, u2) = wilson(keep, k, z), wilson(exclude, k, z)
-    d = p1 - p2
-    return (d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2),
-            d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2))
-
-
 def engine_sampler(engine, temperature: float, top_p: float) -> Callable:
-    """`token_effects`'s sample() from a rollout engine (rollout.PlainEngine or VLLMEngine, inside
+    """`token_effects`'s sample() from a rollout engine (PlainEngine or VLLMEngine, inside
     its `ready`): the prefixes are prompts, one generate call for all of them (the K rows of a
     prefix share its prefill). With `exclude`, the first token of each continuation comes from
     `redraw_without` (the plain engine's model), the rest from the engine."""
@@ -192,7 +176,6 @@ def redraw_without(lm, prefixes: list[list[int]], exclude: list[int], k: int, te
 
 
 # --------------------------------------------------------------------------------------- the tokens
-KINDS = ("silenced", "candidate", "other")
 
 
 def pick_tokens(silenced: torch.Tensor, candidates: torch.Tensor, response_mask: torch.Tensor,
@@ -237,10 +220,32 @@ class Step:
     response_mask: torch.Tensor  # (B, T)
     silenced: torch.Tensor  # (B, T) bool: the algorithm's mask
     candidates: torch.Tensor  # (B, T) bool: A > 0, p < tau_p
-    # (B, T) bool: what the S2T rule (the run's tau_p, q) silences, whatever the algorithm
+    # (B, T) bool: what the S2T rule (the run's tau_p, q) silences, whatever the algorithm (D65)
     s2t_rule: torch.Tensor
     # the regenerated rollout and masks agree with the run's logs (None: no line)
     matches_run: bool | None
+
+
+class Replay(Watch):  # D63
+    """Each mini-batch's decision as the replayed step made it (`regenerate_step`): p, H, the mask,
+    the candidates and S2T's rule, on the CPU."""
+
+    def __init__(self, batch, cfg, step: int):
+        self.batch, self.cfg, self.step, self.seen = batch, cfg, step, []
+
+    def backward(self, k, mb, pi_theta, weights, update) -> None:
+        adv, mask, first = mb.advantages, mb.mask, sum(x[1] for x in self.seen)
+        if not torch.equal(mb.rollout.response_ids.cpu(),
+                           self.batch.response_ids[first:first + len(mb.rollout)].cpu()):
+            raise ValueError(f"step {self.step}: the replayed rollout differs from the "
+                             "regenerated one (not seeded?)")
+        rule = weights.rule  # S2T's rule: the step's own, or once here (on policy)
+        if rule is None:
+            rule = on_policy_rule(pi_theta, mb, self.cfg)
+        self.seen.append((k, len(mb.rollout), pi_theta.logprobs.cpu(), pi_theta.entropy.cpu(),
+                          mask.cpu(), weights.silenced.cpu(),
+                          s2t.candidates(pi_theta.logprobs, adv, mask, self.cfg.tau_p).cpu(),
+                          rule.cpu()))
 
 
 def regenerate_step(run_dir: Path, step: int) -> Step:
@@ -269,10 +274,11 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
                                 f"checkpoints: {', '.join(f'step_{s}' for s in kept) or 'none'}; "
                                 f"so steps {', '.join(str(s + 1) for s in [0, *kept])} can be "
                                 f"analysed; keep more with --save-every 1 --keep-checkpoints N)")
-    if not train.dist.is_initialized():
-        train.init_distributed()
+    if not torch.distributed.is_initialized():
+        init_distributed()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    run = train.setup(cfg, train.read_inputs(cfg, 1), 0, 1, device, None, run_folder.Preemption())
+    run = setup(cfg, config.read_inputs(cfg, 1), 0, 1, device, None,
+                      run_folder.Preemption())
     # the state after step - 1: model, optimizer and scheduler (the replay makes the run's updates)
     if step > 1:
         trained = run_folder.ModelAndOptimizer(run.policy, run.optimizer, run.scheduler)
@@ -286,26 +292,12 @@ def regenerate_step(run_dir: Path, step: int) -> Step:
         return reward.rewards([text], [row["answer"]], cfg.reward, [row])[0]  # as train.py calls it
 
     rewards = torch.tensor([score(text, i) for i, text in enumerate(texts)])  # (B,)
-    seen = []  # per mini-batch: its decision, as train_step made it
-
-    def keep(k, mb, pi_theta, weights):
-        adv, mask, first = mb.advantages, mb.mask, sum(x[1] for x in seen)
-        if not torch.equal(mb.rollout.response_ids.cpu(),
-                           batch.response_ids[first:first + len(mb.rollout)].cpu()):
-            raise ValueError(f"step {step}: the replayed rollout differs from the regenerated one "
-                             f"(not seeded?)")
-        seen.append((k, len(mb.rollout), pi_theta.logprobs.cpu(), pi_theta.entropy.cpu(),
-                     mask.cpu(), weights.silenced.cpu(),
-                     s2t.candidates(pi_theta.logprobs, adv, mask, cfg.tau_p).cpu(),
-                     s2t.spurious_mask(pi_theta.logprobs, pi_theta.entropy, adv, mask, cfg.tau_p,
-                                       cfg.quantile, earlier=run.window  # choice 8
-                                       if cfg.quantile_window else None)[0].cpu()))
-
+    replay = Replay(batch, cfg, step)
     pi_old = {name: x.detach().clone() for name, x in run.policy.state_dict().items()}
-    # the same rollout again (seeded), then the step's updates
-    train.train_step(run, step, on_mask=keep)
+    # the same rollout again (seeded), then the step's updates, watched
+    train.train_step(run, step, replay)
     run.policy.load_state_dict(pi_old)
-    k, sizes, logprobs, entropy, mask, silenced, candidates, rule = zip(*seen)
+    k, sizes, logprobs, entropy, mask, silenced, candidates, rule = zip(*replay.seen)
     matches = _matches_run(run_dir, step, cfg, rewards, batch, texts,
                            sum(int(x.sum()) for x in candidates),
                            sum(int(x.sum()) for x in silenced))
@@ -324,7 +316,7 @@ def _matches_run(run_dir: Path, step: int, cfg, rewards, batch, texts: list[str]
                  silenced: int) -> bool | None:
     """Whether a regenerated step is the run's (config `cfg`): its mean reward, length and S2T
     candidate and silenced counts against the step's metrics.jsonl line, and the first response of
-    its first prompts against samples.jsonl (None: the run never made the step)."""
+    its first prompts against samples.jsonl (None: the run never made the step; D64)."""
     G, n_samples = cfg.group_size, cfg.samples_per_step
     line = next((m for m in run_folder.read_log(run_dir / "metrics.jsonl")
                  if m["step"] == step), None)
@@ -375,158 +367,6 @@ def analyse_step(st: Step, step: int, k: int, n_tokens: int, seed: int, prefixes
             "data_index": st.data_index[row], "mini_batch": st.mini_batch[row],
             "rollout_matches_run": st.matches_run})
     return lines
-
-
-# -------------------------------------------------------------------------------------- the summary
-# the token sits in the graded part of its response, or in the text after the answer
-PARTS = ("graded", "after")
-HEAD = ("tokens (responses) | mean effect (95% CI) | mean contrast (95% CI) | "
-        "negligible (95% CI) | effect <= 0 | outcome settled | success kept / redrawn / without |")
-
-
-def summary(lines: list[dict]) -> str:
-    """The table printed at the end: one row per kind and part of the response (`summary_row`)."""
-    rows = [(kind, part, [x for x in lines if (x["kind"], x["part"]) == (kind, part)])
-            for kind in KINDS for part in PARTS]
-    return "\n".join(["| kind | " + HEAD, "|---" * (HEAD.count("|") + 1) + "|",
-                      *(f"| {kind}, {part} | {summary_row(group)}" for kind, part, group in rows)])
-
-
-def summary_row(lines: list[dict]) -> str:
-    """The cells of one group of tokens: its count (and its responses'), the mean effect and the
-    mean contrast with 95% intervals that resample whole responses (`cluster_interval`), the share
-    negligible by the equivalence test (the contrast's Newcombe interval inside +-delta; the paper's
-    "negligible contribution", the S2T rule's precision when the group is what it silenced) with its
-    clustered interval, the share of effects <= 0, the share whose outcome was settled before the
-    token (all 2K continuations agree: the answer was already written, or already missed), and the
-    mean success rates with the token kept, redrawn, and redrawn without it."""
-    n = len(lines)
-    if not n:
-        return "0 | - | - | - | - | - | - |"
-    clusters = [(x.get("algo"), x.get("seed"), x.get("step"), x.get("row")) for x in lines]
-
-    def cell(values, fmt):
-        lo, hi = cluster_interval(values, clusters)
-        return f"{fmt.format(_mean(values))} ({fmt.format(lo)}, {fmt.format(hi)})"
-
-    settled = sum(x["keep"] == x["resample"] == x["exclude"] and x["keep"] in (0.0, 1.0)
-                  for x in lines)
-    return (f"{n} ({len(set(clusters))}) | {cell([x['effect'] for x in lines], '{:+.3f}')} | "
-            f"{cell([x['contrast'] for x in lines], '{:+.3f}')} | "
-            f"{cell([float(x['negligible']) for x in lines], '{:.0%}')} "
-            f"(delta {lines[0]['delta']:g}) | "
-            f"{sum(x['effect'] <= 0 for x in lines) / n:.0%} | {settled / n:.0%} | "
-            f"{_mean([x['keep'] for x in lines]):.2f} / "
-            f"{_mean([x['resample'] for x in lines]):.2f} / "
-            f"{_mean([x['exclude'] for x in lines]):.2f} |")
-
-
-def cluster_interval(values: list[float], clusters: list, n: int = 2000, seed: int = 0,
-                     level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of `values` resampling whole clusters (the tokens
-    of one response) with replacement: the mean of a replicate is over all tokens of its drawn
-    clusters. One cluster: (mean, mean)."""
-    keys = list(dict.fromkeys(clusters))
-    index = {key: i for i, key in enumerate(keys)}
-    sums, counts = np.zeros(len(keys)), np.zeros(len(keys))
-    for v, c in zip(values, clusters):
-        sums[index[c]] += v
-        counts[index[c]] += 1
-    draw = np.random.default_rng(seed).integers(len(keys), size=(n, len(keys)))  # (n, clusters)
-    stats = sums[draw].sum(1) / counts[draw].sum(1)  # (n,)
-    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
-    return float(lo), float(hi)
-
-
-def cluster_difference(a: list[float], a_clusters: list, b: list[float], b_clusters: list,
-                       n: int = 2000, seed: int = 0,
-                       level: float = 0.95) -> tuple[float, float, float]:
-    """mean(a) - mean(b) and its percentile bootstrap interval resampling whole clusters (responses)
-    of both groups at once: a drawn response brings its tokens of each group, so tokens of one
-    response, in one group or in both, are never counted as independent. Replicates that draw no
-    token of a group are dropped. (nan, nan, nan) when a group is empty."""
-    if not a or not b:
-        return math.nan, math.nan, math.nan
-    keys = list(dict.fromkeys([*a_clusters, *b_clusters]))
-    index = {key: i for i, key in enumerate(keys)}
-    sums, counts = np.zeros((2, len(keys))), np.zeros((2, len(keys)))  # (group, clusters)
-    for g, (values, clusters) in enumerate(((a, a_clusters), (b, b_clusters))):
-        for v, c in zip(values, clusters):
-            sums[g, index[c]] += v
-            counts[g, index[c]] += 1
-    draw = np.random.default_rng(seed).integers(len(keys), size=(n, len(keys)))  # (n, clusters)
-    s, c = sums[:, draw].sum(2), counts[:, draw].sum(2)  # (group, n)
-    ok = (c > 0).all(0)  # (n,)
-    stats = s[0, ok] / c[0, ok] - s[1, ok] / c[1, ok]
-    lo, hi = np.quantile(stats, [(1 - level) / 2, (1 + level) / 2])
-    return _mean(a) - _mean(b), float(lo), float(hi)
-
-
-def difference_row(a: list[dict], b: list[dict]) -> str:
-    """The cells of group a minus group b (token lines): the counts, and the differences of the mean
-    effect, the mean contrast and the share negligible with 95% intervals resampling responses
-    (`cluster_difference`)."""
-    if not a or not b:
-        return f"{len(a)} - {len(b)} | - | - | - | - | - | - |"
-
-    def key(x):
-        return x.get("algo"), x.get("seed"), x.get("step"), x.get("row")
-
-    def cell(field, fmt):
-        d, lo, hi = cluster_difference([float(x[field]) for x in a], [key(x) for x in a],
-                                       [float(x[field]) for x in b], [key(x) for x in b])
-        return f"{fmt.format(d)} ({fmt.format(lo)}, {fmt.format(hi)})"
-
-    responses = len({key(x) for x in a + b})
-    return (f"{len(a)} - {len(b)} ({responses}) | {cell('effect', '{:+.3f}')} | "
-            f"{cell('contrast', '{:+.3f}')} | {cell('negligible', '{:+.2f}')} | - | - | - |")
-
-
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The Wilson score interval of a proportion successes / n (95% at z = 1.96):
-    (p + z^2/2n -+ z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n); it stays inside [0, 1] and is not
-    empty at 0 or n successes."""
-    p = successes / n
-    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
-
-
-def pooled_groups(lines: list[dict]) -> dict[str, dict[str, list[dict]]]:
-    """{algorithm (its seeds and steps): {group: lines}} of many runs' lines: per algorithm the
-    three kinds, then its candidates (A > 0, p < tau_p) split by the S2T rule (`s2t_rule`: what
-    STAPO's mask silences in that mini-batch, whatever the run's algorithm), i.e. the rule's
-    precision against the candidates it keeps, on the same tokens."""
-    out = {}
-    for algo in dict.fromkeys(x["algo"] for x in lines):
-        mine = [x for x in lines if x["algo"] == algo]
-        steps = figures.step_spans(sorted({x["step"] for x in mine}))
-        name = f"{algo} ({len({x['seed'] for x in mine})} seeds, steps {steps})"
-        out[name] = {f"{kind}, {part}": [x for x in mine if x["kind"] == kind and x["part"] == part]
-                     for kind in KINDS for part in PARTS}
-        out[name] |= {f"candidates the S2T rule {verb}":
-                      [x for x in mine if x["candidate"] and x["s2t_rule"] == rule]
-                      for verb, rule in (("silences", True), ("keeps", False))}
-    return out
-
-
-def pooled_summary(lines: list[dict]) -> str:
-    """RQ2 over many runs (`python -m tools.counterfactual --table RUN ...`): a `summary_row` per
-    group of `pooled_groups`, then per algorithm the candidates the S2T rule silences minus those it
-    keeps (`difference_row`), in the graded part, after it and in both: the entropy condition's
-    effect, within a part (the part alone decides much of a token's effect), with intervals over
-    responses."""
-    rows = []
-    for name, groups in pooled_groups(lines).items():
-        rows += [f"| {name if i == 0 else ''} | {group} | {summary_row(g)}"
-                 for i, (group, g) in enumerate(groups.items())]
-        silences, keeps = \
-            groups["candidates the S2T rule silences"], groups["candidates the S2T rule keeps"]
-        for part in (*PARTS, None):
-            a, b = ([x for x in g if part in (None, x["part"])] for g in (silences, keeps))
-            rows.append(f"|  | S2T rule, silences - keeps, {part or 'both'} | "
-                        f"{difference_row(a, b)}")
-    return "\n".join(["| algorithm | which tokens | " + HEAD, "|---" * (HEAD.count("|") + 2) + "|",
-                      *rows])
 
 
 # ------------------------------------------------------------------------------------- command line

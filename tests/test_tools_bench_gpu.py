@@ -1,4 +1,5 @@
-"""tools/bench.py gpu: the prepared GPU check, at toy shapes on the CPU."""
+"""tools/bench/gpu.py: the prepared GPU check (`python -m tools.bench gpu`), at toy shapes on the
+CPU."""
 import json
 import math
 
@@ -6,7 +7,7 @@ from tests.toy_task import one_thread
 
 
 # ==================================================================================================
-# tools/bench.py gpu: the prepared GPU check, at toy shapes on the CPU
+# tools/bench/gpu.py: the prepared GPU check, at toy shapes on the CPU
 # ==================================================================================================
 def test_bench_gpu_smoke(tmp_path):
     """`python -m tools.bench gpu --smoke` runs every part of the GPU check (so it cannot rot
@@ -14,10 +15,10 @@ def test_bench_gpu_smoke(tmp_path):
     head the fp64 naive one, each sampler (the model's forward, the written-out step, the captured
     step's CPU stand-in, model.generate) makes exactly its tokens, the captured step's body gives
     the same tokens however it runs, and train.py makes its two steps with an update each."""
-    from tools import bench
+    from tools.bench import gpu
 
     with one_thread():
-        bench.bench_gpu(smoke=True, out=tmp_path)
+        gpu.bench_gpu(smoke=True, out=tmp_path)
     rows = json.loads((tmp_path / "gpu.json").read_text())["rows"]
     assert [r["part"] for r in rows] == ["train"] * 3 + ["numerics"] * 2 + ["head"] * 2 + \
         ["rollout"] * 5 + ["captured_check"] + ["e2e"] * 2
@@ -42,9 +43,10 @@ def test_bench_gpu_smoke(tmp_path):
         else:
             assert r["updates"] == 1 and 1 <= r["response/len_mean"] <= 8  # --max-response-len 8
     table = (tmp_path / "gpu.md").read_text()
+    assert table.startswith("python -m tools.bench gpu --smoke: CPU, torch ")
     assert "| one mini-batch update |" in table and "| train.py step |" in table and \
         "vLLM: not measured" in table
     # --parts: only those; the table is written after each (a run cut short keeps what it measured)
-    bench.bench_gpu(smoke=True, out=tmp_path / "some", parts=("numerics",))
+    gpu.bench_gpu(smoke=True, out=tmp_path / "some", parts=("numerics",))
     assert {r["part"] for r in json.loads((tmp_path / "some" / "gpu.json").read_text())["rows"]} \
         == {"numerics", "head"}
