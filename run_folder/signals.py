@@ -171,13 +171,21 @@ class Preemption:
         return bool(flag.item())
 
 
-def write_stopped(out: Path, signal_name: str, saved: int | None) -> None:
+def write_stopped(out: Path, signal_name: str, saved: int | None) -> str | None:
     """OUT/stopped.json: the run was stopped by a signal, with the checkpoint of `saved` steps
     (None: stopped before its first step); removed when the run goes on. A requeue script tests it
-    (torchrun exits 1 whatever its workers' status; `python train.py` exits with STOPPED)."""
-    write_atomic(out / "stopped.json", json.dumps({
-        "signal": signal_name, "steps_done": saved or 0,
-        "checkpoint": f"checkpoint/step_{saved}" if saved else None}).encode())
+    (torchrun exits 1 whatever its workers' status; `python train.py` exits with STOPPED). Returns
+    None, or the warning (naming the file, why and what to do) when it cannot be written (a full
+    disk): the stop goes on, and exits with its status all the same."""
+    path = out / "stopped.json"
+    try:
+        write_atomic(path, json.dumps({
+            "signal": signal_name, "steps_done": saved or 0,
+            "checkpoint": f"checkpoint/step_{saved}" if saved else None}).encode())
+    except OSError as e:
+        return (f"could not write {path} ({e.strerror or e}): a requeue script that looks for it "
+                f"misses this stop; free space on its disk, then continue as this stop says")
+    return None
 
 
 def stopped(out_dir: str, steps: int, rank: int, preemption: Preemption, saved: int, where: str,
@@ -186,8 +194,8 @@ def stopped(out_dir: str, steps: int, rank: int, preemption: Preemption, saved: 
     after `done` steps (default: `saved`), with the checkpoint of `saved` steps (0: none); returns
     STOPPED."""
     done = saved if done is None else done
-    if rank == 0:
-        write_stopped(Path(out_dir), preemption.signal, saved or None)
+    if rank == 0 and (failed := write_stopped(Path(out_dir), preemption.signal, saved or None)):
+        say(failed, rank, warning=True)
     kept = (f"checkpoint/step_{saved} is kept; continue with: {preemption.command}" if saved else
             f"nothing to keep; {preemption.command} starts it again")
     say(f"stopped by {preemption.signal} {where}, {plural(done, 'step')} of {steps} done, "

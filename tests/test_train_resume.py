@@ -25,6 +25,7 @@ import config
 import eval as ev
 import model
 import run_folder
+import run_folder.files
 import run_folder.logs
 import train
 from model import Policy
@@ -32,6 +33,7 @@ from tests.toy_task import (
     EVEN,
     ROOT,
     TOY_VOCAB,
+    full_disk,
     md5s,
     one_line_error,
     one_thread,
@@ -314,6 +316,48 @@ def test_train_full_disk_in_a_checkpoint_shard_is_one_line_even_in_a_stop(
         monkeypatch.setattr(train, "old_policy_stats", step_log)
         assert train.main(args) == 0
     assert [m["step"] for m in read_metrics(tmp_path / "stop")] == [1, 2, 3]
+
+
+def test_train_stop_on_a_full_disk_still_exits_stopped_naming_the_kept_checkpoint(
+        tmp_path, monkeypatch, capsys):
+    """Ctrl-C in step 2, right after the checkpoint of step 1, with the disk full from then on: the
+    stop's checkpoint and stopped.json cannot be written; each is one warning naming its file, and
+    the run still exits run_folder.STOPPED naming checkpoint/step_1; with space again the same
+    command finishes. (stopped.json's write raised: exit 2, no stopped.json, so a requeue script
+    that tests it or exit 75 dropped the job.)"""
+    patch_toy_task(monkeypatch, EVEN)
+    data, full, made = toy_data(tmp_path), [], []
+    monkeypatch.setattr(run_folder.files, "open", full_disk(open, when=lambda: full),
+                        raising=False)
+    step_stats = train.old_policy_stats
+
+    def signal_in_step_2(*args):
+        made.append(1)
+        if len(made) == 2:
+            full.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+        return step_stats(*args)
+
+    monkeypatch.setattr(train, "old_policy_stats", signal_in_step_2)
+    args = toy_args(data, tmp_path / "run", steps=3, save_every=1, export_hf=False,
+                    resume="auto")
+    with one_thread():
+        assert train.main(args) == run_folder.STOPPED
+    out, err = capsys.readouterr()
+    assert (f"train.py: warning: could not write {tmp_path / 'run' / 'stopped.json'} (No space "
+            f"left on device): a requeue script that looks for it misses this stop; free space on "
+            f"its disk") in err and "Traceback" not in err and "error" not in err, err
+    assert (f"train.py: warning: could not write {tmp_path / 'run' / 'checkpoint' / 'step_2'} "
+            f"(a full disk?)") in err, err
+    assert "stopped by SIGINT in step 2 (its updates finished), 2 steps of 3 done" in out and \
+        "checkpoint/step_1 is kept; continue with: " in out, out
+    assert not (tmp_path / "run" / "stopped.json").exists() and \
+        not list((tmp_path / "run").glob("*.tmp-*"))
+    full.clear()
+    monkeypatch.setattr(train, "old_policy_stats", step_stats)
+    with one_thread():
+        assert train.main(args) == 0
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3]
 
 
 def test_train_torn_latest_falls_back_to_the_newest_complete_checkpoint(

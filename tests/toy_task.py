@@ -2,6 +2,7 @@
 toy data, the flags of a small run, the reward patched to a rule (`patch_toy_task`), a run in a
 fresh process (`run_train`, testdata/train_run.py), and what the tests read back (metrics,
 checksums, one-line errors)."""
+import errno
 import json
 import os
 import subprocess
@@ -191,3 +192,16 @@ def toy_run(tmp_path, monkeypatch, **flags):
     cfg, _, _ = config.parse_config(budget_args(varied_data(tmp_path), tmp_path / "run",
                                                 flags.pop("algo", "stapo"), flags, 40))
     return setup(cfg, read_inputs(cfg, 1), 0, 1, torch.device("cpu"), None, run_folder.Preemption())
+
+
+def full_disk(real_open, names: tuple[str, ...] | None = None, when=lambda: True):
+    """An `open` for a module's namespace (monkeypatch) on a full disk: while when() holds, a file
+    opened for writing whose name is one of `names` (None: any), or its temporary file
+    (NAME.tmp-PID, run_folder.write_atomic's), raises OSError ENOSPC naming it; no root needed."""
+    def opened(path, mode="r", *args, **kwargs):
+        name = Path(path).name
+        if when() and any(c in mode for c in "wax+") and (names is None or any(
+                name == n or name.startswith(n + ".tmp-") for n in names)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(path, mode, *args, **kwargs)
+    return opened
