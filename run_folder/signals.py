@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from command_line.errors import one_line
 from run_folder.console import plural, say
 from run_folder.files import complete_steps, write_atomic
 
@@ -104,8 +105,7 @@ class Preemption:
                 elif started is not None and self.deadline_s and not self.done.is_set():
                     wait = started + self.deadline_s - time.monotonic()
                     if wait <= 0:
-                        self.on_deadline()
-                        return
+                        self._exit_after(self.on_deadline, STOPPED)
                 if not select.select([read], [], [], wait)[0]:
                     continue
                 byte = os.read(read, 1)
@@ -134,7 +134,19 @@ class Preemption:
         """A second stop signal with SIGINT among the two: `on_leave` ends the process (once, from
         whichever of the main thread and the watchdog sees it first)."""
         if self.leaving.acquire(blocking=False):
-            self.on_leave(signal.Signals(signum).name)
+            self._exit_after(lambda: self.on_leave(signal.Signals(signum).name), INTERRUPTED)
+
+    @staticmethod
+    def _exit_after(leave, status: int) -> None:
+        """leave(), which ends the process; if it raises instead, one line and exit `status`: never
+        an exception into the code a signal interrupted (your reward function) nor a dead
+        watchdog (a rank that never leaves)."""
+        try:
+            leave()
+        except BaseException as e:  # noqa: BLE001 - whatever it was, the process leaves
+            print(f"train.py: warning: leaving at once ({one_line(e)})", file=sys.stderr,
+                  flush=True)
+        os._exit(status)
 
     @staticmethod
     def _leave_before_start(name: str) -> None:
@@ -209,16 +221,23 @@ def leave(out_dir: str, rank: int, preemption: Preemption, why: str, status: int
     signal handler): stopped.json (rank 0) naming the newest complete checkpoint, one line (on every
     rank when `every_rank`, else on rank 0), exit `status`. `why` begins the line: what made the
     rank leave."""
-    out, kept = Path(out_dir), complete_steps(Path(out_dir))
-    if rank == 0:
-        write_stopped(out, preemption.signal or "a stop signal", kept[0] if kept else None)
+    out, kept, failed = Path(out_dir), [], None
+    try:  # a full disk, an unreadable folder: said in one line, and the rank leaves all the same
+        kept = complete_steps(out)
+        if rank == 0:
+            failed = write_stopped(out, preemption.signal or "a stop signal",
+                                   kept[0] if kept else None)
+    except OSError as e:
+        failed = f"could not read or write {out} ({one_line(e)})"
     then = (f"checkpoint/step_{kept[0]} is kept; continue with: {preemption.command}" if kept else
             f"no checkpoint was kept; {preemption.command} starts the run again")
     if every_rank or rank == 0:
         # below a progress bar's unfinished line
         bar = "\n" if rank == 0 and tqdm._instances else ""
-        print(f"{bar}train.py: warning: {'rank %d: ' % rank if every_rank else ''}{why}: leaving "
-              f"without a checkpoint of this stop; {then}", file=sys.stderr, flush=True)
+        who = 'rank %d: ' % rank if every_rank else ''
+        print(bar + "".join(f"train.py: warning: {who}{line}\n" for line in [failed] if line)
+              + f"train.py: warning: {who}{why}: leaving without a checkpoint of this stop; {then}",
+              file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(status)
 

@@ -62,6 +62,19 @@ def hook_signal_at(owner: str, name: str, nth: int, rank: str = "0", sig: str = 
     setattr(target, name, wrapped)
 
 
+def hook_full_disk(names: list[str], then: str = "", *args) -> None:
+    """(testdata/train_run.py) run_folder's atomic writes of the files `names` fail as on a full
+    disk (ENOSPC at their temporary file), then the hook named `then` with `args`, if any."""
+    import builtins
+
+    import run_folder.files
+    from tests.toy_task import full_disk
+
+    run_folder.files.open = full_disk(builtins.open, tuple(names))
+    if then:
+        globals()[then](*args)
+
+
 def hook_signal_then_hang(nth: int) -> None:
     """(testdata/train_run.py) SIGTERM at the nth rollout, and then the rollout never returns, as a
     rank waits in a collective for a frozen one (SIGSTOP, a dead network)."""

@@ -653,6 +653,43 @@ def test_train_stop_deadline_leaves_a_run_held_by_a_frozen_rank(tmp_path):
     _same_run(tmp_path / "cut", tmp_path / "full")
 
 
+def test_train_second_ctrl_c_or_deadline_on_a_full_disk_leaves_in_one_line(tmp_path):
+    """A full disk where stopped.json goes. A second Ctrl-C that comes inside your reward function:
+    one warning naming stopped.json, the usual line naming checkpoint/step_1, exit
+    run_folder.INTERRUPTED, and your function is not blamed. A stop held by a frozen rank: the
+    --stop-deadline-s guard still leaves, exit run_folder.STOPPED. (The signal handler's OSError
+    surfaced inside the reward function: "reward function ... raised OSError", exit 2; the
+    watchdog thread died on the write and the rank never left.)"""
+    data, own = toy_data(tmp_path), tmp_path / "own_reward.py"
+    own.write_text("import os, signal\ncalls = []\n\n\ndef first_digit(response, answer):\n"
+                   "    calls.append(1)\n"
+                   "    if len(calls) == 17:  # step 2's first response: Ctrl-C twice\n"
+                   "        os.kill(os.getpid(), signal.SIGINT)\n"
+                   "        os.kill(os.getpid(), signal.SIGINT)\n"
+                   "    return 1.0 if response.strip()[:1] == answer else -1.0\n")
+    args = toy_args(data, tmp_path / "twice", steps=3, save_every=1, export_hf=False,
+                    reward=f"{own}:first_digit")
+    proc = run_train(tmp_path, args, hook=("hook_full_disk", ["stopped.json"]),
+                     expect=run_folder.INTERRUPTED, timeout=300)
+    err = proc.stderr.splitlines()
+    assert err[-2:] == [
+        f"train.py: warning: could not write {tmp_path / 'twice' / 'stopped.json'} (No space left "
+        f"on device): a requeue script that looks for it misses this stop; free space on its disk, "
+        f"then continue as this stop says",
+        f"train.py: warning: SIGINT after SIGINT: leaving without a checkpoint of this stop; "
+        f"checkpoint/step_1 is kept; continue with: {_command(args + ['--resume', 'auto'])}"], \
+        proc.stderr[-2000:]
+    assert "reward function" not in proc.stderr and "Traceback" not in proc.stderr
+    args = toy_args(data, tmp_path / "frozen", steps=3, save_every=1, stop_deadline_s=1)
+    proc = run_train(tmp_path, args, hook=("hook_full_disk", ["stopped.json"],
+                                           "hook_signal_then_hang", 2),
+                     expect=run_folder.STOPPED, timeout=120)
+    assert ("train.py: warning: rank 0: SIGTERM came 1 s ago (--stop-deadline-s) and the ranks "
+            "have not stopped together") in proc.stderr and \
+        "checkpoint/step_1 is kept" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
+    assert not list((tmp_path / "frozen").glob("stopped.json*"))
+
+
 def test_train_stop_signal_to_one_rank_stops_both_then_resume_on_other_world_sizes(tmp_path):
     """2 -> 1: SIGUSR1 to rank 1 only, in step 2's rollout: both ranks stop at the same point
     (rank 0 learns it through the process group), the checkpoint of step 1 stays; 1 process resumes

@@ -103,18 +103,18 @@ def read_metrics(out: Path) -> list[dict]:
 
 
 def run_train(tmp_path: Path, args: list[str], nproc: int = 1, check: str = EVEN,
-              head_dim: int = 16, hook: tuple | None = None,
-              expect: int | None = 0) -> subprocess.CompletedProcess:
+              head_dim: int = 16, hook: tuple | None = None, expect: int | None = 0,
+              timeout: int = 600) -> subprocess.CompletedProcess:
     """train.py with `args` on the toy task (or check="real": none) in a fresh process,
-    testdata/train_run.py (torchrun for nproc > 1), after the test hook (name, *args) of this file;
-    its exit status must be `expect` (None: any)."""
+    testdata/train_run.py (torchrun for nproc > 1), after the test hook (name, *args) of
+    tests/run_hooks.py; its exit status must be `expect` (None: any), within `timeout` seconds."""
     runner = [str(ROOT / "testdata" / "train_run.py")]
     cmd = [sys.executable, *runner] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         *runner]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOY_REWARD": check, "TOY_HEAD_DIM": str(head_dim),
            "TOY_HOOK": json.dumps([hook[0], list(hook[1:])]) if hook else ""}
-    proc = subprocess.run(cmd + args, capture_output=True, text=True, timeout=600, env=env,
+    proc = subprocess.run(cmd + args, capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=ROOT)
     assert expect is None or proc.returncode == expect, proc.stderr[-3000:]
     return proc
