@@ -26,9 +26,12 @@ class Lock:
     filesystem has no locks at all, the run warns and goes on unlocked."""
 
     def __init__(self, out: Path):
-        out.mkdir(parents=True, exist_ok=True)
         self.path = out / "run.lock"
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise _unwritable(self.path, e) from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -47,9 +50,14 @@ class Lock:
             say(f"{out} is on {local}: its lock holds within this node only, so a run on another "
                 f"node would not be detected; remount without it (NFS: local_lock=none; Lustre: "
                 f"-o flock) or start one job per folder", warning=True)
-        os.ftruncate(self.fd, 0)
-        os.write(self.fd, f"host {socket.gethostname()} pid {os.getpid()} since "
-                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        try:
+            os.ftruncate(self.fd, 0)
+            os.write(self.fd, f"host {socket.gethostname()} pid {os.getpid()} since "
+                              f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        except OSError as e:  # a full disk: no empty lock file left (this process holds the lock)
+            self.path.unlink(missing_ok=True)
+            os.close(self.fd)
+            raise _unwritable(self.path, e) from None
 
     def holder(self) -> str:
         """Who holds the lock, as its file says (it writes that just after locking: wait a moment
@@ -63,6 +71,13 @@ class Lock:
 
     def release(self) -> None:
         os.close(self.fd)
+
+
+def _unwritable(path: Path, e: OSError) -> RunError:
+    """The one line of a lock file that cannot be made or written (a full disk, a read-only
+    folder)."""
+    return RunError(f"could not write {path} ({e.strerror or e}): free space on its disk (or make "
+                    f"the folder writable), then run the same command again")
 
 
 MOUNTS = Path("/proc/self/mounts")  # device, mount point, type, options: one mount per line (Linux)

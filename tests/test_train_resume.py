@@ -908,6 +908,67 @@ def test_train_export_is_atomic_dated_and_eval_warns_when_stale(tmp_path, monkey
                                          f"--export-hf)"], err
 
 
+def test_train_full_disk_in_the_export_the_lock_or_the_figures_is_one_line(
+        tmp_path, monkeypatch, capsys):
+    """A full disk in the Hugging Face export (safetensors' own error), at the very start (writing
+    run.lock) or after the export (a figure): one line naming the file and the fix, exit 2, and
+    nothing torn or empty left (no hf.partial/, no run.lock, no metrics.png); the export's
+    resume exports exactly. (A 17-line safetensors traceback, exit 1; `train.py: error: No space
+    left on device`, naming no file, with an empty run.lock left.)"""
+    import matplotlib.figure
+    import transformers.modeling_utils as hf_files
+    from safetensors import SafetensorError
+
+    patch_toy_task(monkeypatch, EVEN)
+    data, run, save = toy_data(tmp_path), tmp_path / "run", hf_files.safe_save_file
+
+    def safetensors_full_disk(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(bytes(100))  # the part that fit
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                              'message: "No space left on device" })')
+
+    monkeypatch.setattr(hf_files, "safe_save_file", safetensors_full_disk)
+    args = toy_args(data, run, steps=1, resume="auto")
+    with one_thread():
+        assert train.main(args) == 2
+        one_line_error(capsys, f"could not export the model to {run / 'hf'} (No space left on "
+                               f"device); the checkpoint is kept: free space if the disk is full, "
+                               f"then python train.py --resume auto --out-dir {run} exports it")
+        assert not (run / "hf.partial").exists() and not (run / "hf").exists()
+        monkeypatch.setattr(hf_files, "safe_save_file", save)
+        assert train.main(args) == 0  # the export, nothing trained
+    assert json.loads((run / "hf" / "export.json").read_text())["step"] == 1
+    assert [m["step"] for m in read_metrics(run)] == [1]
+
+    write = os.write
+
+    def lock_full_disk(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("run.lock"):
+            raise OSError(28, "No space left on device")
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", lock_full_disk)
+    assert train.main(toy_args(data, tmp_path / "fresh", steps=1)) == 2
+    monkeypatch.setattr(os, "write", write)
+    one_line_error(capsys, f"could not write {tmp_path / 'fresh' / 'run.lock'} (No space left on "
+                           f"device): free space on its disk (or make the folder writable), then "
+                           f"run the same command again")
+    assert list((tmp_path / "fresh").iterdir()) == []
+
+    def figure_full_disk(figure, path, *args, **kwargs):
+        Path(path).write_bytes(b"\x89PNG")  # the part that fit
+        raise OSError(28, "No space left on device")  # a write's error names no file
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", figure_full_disk)
+    with one_thread():
+        assert train.main(toy_args(data, tmp_path / "figures", steps=1, plots=True)) == 2
+    one_line_error(capsys, f"could not write {tmp_path / 'figures' / 'metrics.png'} (No space "
+                           f"left on device): the run is complete (checkpoint and export "
+                           f"written); free space, then python train.py --plot "
+                           f"{tmp_path / 'figures'} draws its figures")
+    assert not (tmp_path / "figures" / "metrics.png").exists()
+
+
 def test_train_resume_checks_a_hand_edited_config(tmp_path, monkeypatch, capsys):
     """A run's config.json edited by hand: a value of the wrong type or an unknown key is one line
     (exit 2) naming the file and the key, and nothing in the run changes. (`"lr": "0.001"` resumed
