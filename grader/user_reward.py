@@ -128,14 +128,24 @@ def call(fn, spec, responses, golds, rows):
                f"raised {type(e).__name__}")
         raise RewardError(f"reward function {spec} {did} at {at.filename}:{at.lineno}"
                           + ("" if isinstance(e, SystemExit) else f": {_first_line(e)}")) from e
-    if batched and (isinstance(values, (str, bytes)) or not hasattr(values, "__len__")
-                    or len(values) != len(responses)):
-        raise RewardError(f"reward function {spec} returned {values!r:.60}, not a list of "
+    if batched and (isinstance(values, (str, bytes)) or not hasattr(values, "__len__")):
+        raise RewardError(f"reward function {spec} returned {_shown(values)}, not a list of "
                           f"{len(responses)} numbers (it is batched: one per response)")
+    if batched and len(values) != len(responses):
+        raise RewardError(f"reward function {spec} returned {len(values)} "
+                          f"value{'s' * (len(values) != 1)} for {len(responses)} responses (it is "
+                          f"batched: one number per response)")
     for value in values:
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise RewardError(f"reward function {spec} returned {value!r:.60}, not a finite number")
+            raise RewardError(f"reward function {spec} returned {_shown(value)}, not a finite "
+                              f"number")
     return [float(v) for v in values]
+
+
+def _shown(value, width=60):
+    """A value as an error line shows it: its repr, cut to `width` characters with '...'."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _first_line(error):

@@ -111,6 +111,12 @@ def test_reward_functions_read_the_row_by_keyword_or_in_batches(tmp_path, monkey
         def short(responses, answers):
             return [1.0]
         short.batched = True
+        def long(responses, answers):
+            return [1.0] * 30
+        long.batched = True
+        def text(responses, answers):
+            return ", ".join(["1.0"] * 30)
+        text.batched = True
         def fails(responses, answers):
             return [1 / 0 for _ in responses]
         fails.batched = True
@@ -138,8 +144,21 @@ def test_reward_functions_read_the_row_by_keyword_or_in_batches(tmp_path, monkey
                             f"(its fields: q, prompt); give it a default")
     with pytest.raises(reward.RewardError) as e:
         reward.rewards(["3", "4"], ["3", "4"], spec("short"), rows)
-    assert str(e.value) == (f"reward function {spec('short')} returned [1.0], not a list of 2 "
-                            f"numbers (it is batched: one per response)")
+    assert str(e.value) == (f"reward function {spec('short')} returned 1 value for 2 responses "
+                            f"(it is batched: one number per response)")
+    with pytest.raises(reward.RewardError) as e:  # it said "returned [1.0, ... 1.0,, not a list"
+        reward.rewards(["3"] * 30, ["3"] * 30, spec("short"), rows * 15)
+    assert str(e.value).endswith("returned 1 value for 30 responses (it is batched: one number "
+                                 "per response)")
+    with pytest.raises(reward.RewardError) as e:
+        reward.rewards(["3", "4"], ["3", "4"], spec("long"), rows)
+    assert str(e.value).endswith("returned 30 values for 2 responses (it is batched: one number "
+                                 "per response)")
+    with pytest.raises(reward.RewardError) as e:
+        reward.rewards(["3", "4"], ["3", "4"], spec("text"), rows)
+    shown = repr(", ".join(["1.0"] * 30))[:57] + "..."  # cut, and said so
+    assert str(e.value).endswith(f"returned {shown}, not a list of 2 numbers (it is batched: one "
+                                 f"per response)")
     line = next(n for n, x in enumerate((tmp_path / "row.py").read_text().splitlines(), 1)
                 if "1 / 0" in x)
     with pytest.raises(reward.RewardError,
