@@ -29,6 +29,7 @@ from run_folder.checkpoints import (
 from run_folder.console import RunError, plural, say
 from run_folder.export import export, export_damage, export_id, export_step, recover_export
 from run_folder.files import (
+                              FORMAT,
                               LOGS,
                               RESUMABLE,
                               RUN_FILES,

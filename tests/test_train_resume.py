@@ -969,6 +969,59 @@ def test_train_full_disk_in_the_export_the_lock_or_the_figures_is_one_line(
     assert not (tmp_path / "figures" / "metrics.png").exists()
 
 
+def test_train_refuses_a_folder_of_another_format_before_changing_it(
+        tmp_path, monkeypatch, capsys):
+    """A checkpoint records the run folder's format (manifest.json, state.pt). One written by
+    another version of train.py (another format, or a layout this one does not write) is refused in
+    one line naming the file and what to do, never --overwrite, before anything in the folder
+    changes; --resume auto too. (A changed manifest was 'no checkpoint passes its checks ... start
+    it anew with --overwrite', which deletes an intact checkpoint; a changed state.pt was
+    `train.py: error: 'python_rng'` after config.json was rewritten and resumes.jsonl appended.)"""
+    patch_toy_task(monkeypatch, EVEN)
+    data, run = toy_data(tmp_path), tmp_path / "run"
+    with one_thread():
+        assert train.main(toy_args(data, run, steps=1, export_hf=False)) == 0
+    step = run / "checkpoint" / "step_1"
+    manifest, state = json.loads((step / "manifest.json").read_text()), \
+        torch.load(step / "state.pt", weights_only=False)
+    assert manifest["format"] == state["format"] == run_folder.FORMAT == 1
+    state_pt = (step / "state.pt").read_bytes()
+
+    def newer_state(**change):  # a state.pt another version wrote, its manifest entry to match
+        new = {k: v for k, v in {**state, **change}.items() if v is not None}
+        torch.save(new, step / "state.pt")
+        files = {**manifest["files"], "state.pt": [(step / "state.pt").stat().st_size,
+                                                   run_folder.crc32(step / "state.pt")]}
+        (step / "manifest.json").write_text(json.dumps({**manifest, "files": files}))
+
+    cases = (
+        (lambda: (step / "manifest.json").write_text(json.dumps({**manifest, "format": 2})),
+         "manifest.json", "run folder format 2; this train.py reads format 1"),
+        (lambda: (step / "manifest.json").write_text(json.dumps(
+            {"step": 1, "entries": manifest["files"]})),
+         "manifest.json", "not laid out as this train.py writes it"),
+        (lambda: newer_state(format=2, python_rng=None), "state.pt",
+         "run folder format 2; this train.py reads format 1"),
+        (lambda: newer_state(format=None, python_rng=None), "state.pt",
+         "not laid out as this train.py writes it"))
+    for change, name, what in cases:
+        change()
+        before = md5s(run)
+        capsys.readouterr()
+        for argv in (["--resume", str(run), "--steps", "2"],
+                     toy_args(data, run, steps=2, export_hf=False, resume="auto")):
+            assert train.main(argv) == 2
+            one_line_error(capsys, f"train.py: error: {step / name} was written by another version "
+                                   f"of train.py ({what}): continue the run with the version "
+                                   f"that wrote it, or train with this one into another "
+                                   f"--out-dir; nothing in {run} was changed")
+            assert md5s(run) == before
+        (step / "manifest.json").write_text(json.dumps(manifest))
+        (step / "state.pt").write_bytes(state_pt)
+    with one_thread():
+        assert train.main(["--resume", str(run), "--steps", "2"]) == 0
+
+
 def test_train_resume_checks_a_hand_edited_config(tmp_path, monkeypatch, capsys):
     """A run's config.json edited by hand: a value of the wrong type or an unknown key is one line
     (exit 2) naming the file and the key, and nothing in the run changes. (`"lr": "0.001"` resumed
