@@ -17,7 +17,8 @@ One concept per file, imported here under one name
     opening.py      a new run, or a resumed one checked against its recipe
 """
 # ruff: noqa: F401 (the names below are this package's interface)
-from run_folder.agreement import agree, agreed_failure, agreed_write_failure, broadcast_failure
+from run_folder.agreement import (agree, agreed_failure, agreed_write_failure, broadcast_failure,
+                                  failure)
 from run_folder.checkpoints import (
                                    ModelAndOptimizer,
                                    crc32,

@@ -92,6 +92,31 @@ class Preemption:
         self.deadline_s, self.on_deadline = deadline_s, on_deadline
         self.armed.set()
 
+    # seconds a rank that got a stop signal waits for the others to join it (`starting`): torchrun
+    # sends SIGTERM when a worker dies and SIGKILL 30 s later
+    START_WAIT_S = 10.0
+
+    def starting(self, join, *args):
+        """join(*args): the process group's start (train.py: init_distributed), which waits for
+        every rank. A rank that died before it (a crash, a bad node) never joins, and torchrun then
+        stops the others with SIGTERM: a stop signal during (or before) the wait leaves
+        START_WAIT_S seconds after it, in one line (nothing written yet), if the wait has not
+        ended; before that, all ranks alive (a preemption), the run stops as usual."""
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # counted from the wait's start at least
+            self.arm(self.START_WAIT_S + (time.monotonic() - self.received if self.received
+                                          else 0.0), self._leave_waiting)
+        try:
+            return join(*args)
+        finally:  # `arm` again (--stop-deadline-s) from here on
+            self.armed.clear()
+            self.deadline_s = self.on_deadline = None
+
+    def _leave_waiting(self) -> None:
+        print(f"train.py: warning: {self.signal or 'a stop signal'} came while this rank waited "
+              f"for the others to start, and {self.START_WAIT_S:g} s later they have not (did one "
+              f"fail?): leaving; nothing was written", file=sys.stderr, flush=True)
+        os._exit(STOPPED)
+
     def _watch(self, read: int) -> None:
         """The watchdog thread: reads each signal's byte from the wakeup pipe; after a first stop
         signal it waits for `arm` and the deadline, and leaves at once at a second one with SIGINT
@@ -99,13 +124,15 @@ class Preemption:
         started = first = None
         try:
             while True:
-                wait = None  # seconds to the deadline, or None: until the next signal
+                # seconds to the deadline, or None: until the next signal
+                wait, deadline_s, on_deadline = None, self.deadline_s, self.on_deadline
                 if started is not None and not self.armed.is_set():
                     wait = 0.2  # not armed yet: look again
-                elif started is not None and self.deadline_s and not self.done.is_set():
-                    wait = started + self.deadline_s - time.monotonic()
-                    if wait <= 0:
-                        self._exit_after(self.on_deadline, STOPPED)
+                elif started is not None and deadline_s and not self.done.is_set():
+                    wait = started + deadline_s - time.monotonic()
+                    if wait <= 0:  # the main thread, blocked in C, may not have named it yet
+                        self.signal = self.signal or signal.Signals(first).name
+                        self._exit_after(on_deadline, STOPPED)
                 if not select.select([read], [], [], wait)[0]:
                     continue
                 byte = os.read(read, 1)

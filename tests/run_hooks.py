@@ -91,6 +91,23 @@ def hook_signal_then_hang(nth: int) -> None:
     PlainEngine.sample = hangs
 
 
+def hook_rank_1_dies_before_the_process_group(joining: str) -> None:
+    """(testdata/train_run.py) Rank 1 dies (exit 1) before it joins the process group, as a worker
+    that crashes during startup, once rank 0 is joining it (the file `joining` exists)."""
+    import time
+
+    init_distributed = train.init_distributed
+
+    def dies(*args, **kwargs):
+        if os.environ.get("RANK") == "1":
+            while not os.path.exists(joining):  # an order of events, not a timing
+                time.sleep(0.05)
+            os._exit(1)
+        open(joining, "w").close()
+        return init_distributed(*args, **kwargs)
+    train.init_distributed = dies
+
+
 def hook_data_unreadable_on_rank_1() -> None:
     """(testdata/train_run.py) Rank 1 cannot read the data (a file one node does not see)."""
     load_rows = config.load_rows
