@@ -181,7 +181,7 @@ class Config:
     """response tokens per mini-batch and rank drawn into OUT/tokens.jsonl for the S2T figure: every
     candidate and silenced token (at most this many) plus this many others at random (0 = none)"""
     seed: int = 0
-    """seed of data order, sampling and initialization"""
+    """seed of data order, sampling and initialization (any 64-bit integer)"""
     out_dir: str = "out/train"
     """output folder: config.json, metrics.jsonl, eval.jsonl, samples.jsonl, spurious.jsonl,
     tokens.jsonl, checkpoint/, hf/, metrics.png, s2t.png"""
@@ -311,7 +311,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
                            ("kv_cache_gb", cfg.kv_cache_gb > 0, "> 0"),
                            ("heldout", cfg.heldout is None or cfg.heldout >= 0, ">= 0"),
                            ("collective_timeout_min", cfg.collective_timeout_min > 0, "> 0"),
-                           ("tis_cap", cfg.tis_cap is None or cfg.tis_cap > 0, "> 0")):
+                           ("tis_cap", cfg.tis_cap is None or cfg.tis_cap > 0, "> 0"),
+                           ("seed", -2**63 <= cfg.seed < 2**63, "a 64-bit integer"),
+                           # its candidates' entropies are kept in memory, 4 bytes each
+                           ("quantile_window", cfg.quantile_window <= 10**9, "<= 10**9")):
         if not ok:
             raise ValueError(f"--{name.replace('_', '-')} must be {rule} "
                              f"(got {getattr(cfg, name)})")

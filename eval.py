@@ -340,9 +340,31 @@ def evaluate_model(opened: Opened, name: str, cfg: Config, sets: dict[str, dict]
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    rank = int(os.environ.get("RANK", 0))
+    """`python eval.py [flags]`: the results (rank 0). A bad input, a full disk, your --reward
+    function failing, a training run writing into --run: one line, exit status 2; Ctrl-C: one line,
+    exit status 130, results.json holding the benchmarks finished before it."""
+    rank, held = int(os.environ.get("RANK", 0)), {"locks": [], "out": None}
+    try:
+        return evaluate(argv, rank, held)
+    except KeyboardInterrupt:
+        if rank == 0:
+            kept = (f"{held['out']}/results.json holds the benchmarks finished before it"
+                    if held["out"] else "nothing was written")
+            print(f"\neval.py: interrupted (SIGINT): {kept}", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    finally:
+        for lock in held["locks"]:
+            lock.release()
+
+
+def evaluate(argv: list[str] | None, rank: int, held: dict) -> dict | None:
+    """main's work; `held`: the run folder's lock ("locks") and the --out it wrote ("out")."""
     try:  # every input is checked before a model loads: one line, exit status 2, nothing written
         cfg = parse_config(argv)
+        if cfg.run:  # no train.py writes into the run while it is evaluated (run_folder/lock.py)
+            import run_folder
+            held["locks"].append(run_folder.Lock(Path(cfg.run), reader="eval.py"))
+            cfg = parse_config(argv)  # the run as the lock holds it
         if cfg.regrade:  # graded and tabled in full before anything is rewritten
             errors.check_writable("--regrade", Path(cfg.regrade).parent)
             results = regrade(read_results(cfg.regrade))
@@ -364,7 +386,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     except errors.BAD_INPUT as e:
         raise SystemExit(errors.error("eval.py", e, rank))
     if cfg.regrade:
-        write_outputs(results, Path(cfg.regrade).parent)
+        try:
+            write_outputs(results, Path(cfg.regrade).parent)
+        except OSError as e:
+            raise SystemExit(errors.error("eval.py", f"{e}, then run the same command again",
+                                          rank)) from None
         print(text)
         return results
     stale = stale_export(Path(cfg.run)) if cfg.run else None
@@ -396,14 +422,21 @@ def main(argv: list[str] | None = None) -> dict | None:
             opened = open_engine(name, cfg, sets, rank, device)
         except errors.BAD_INPUT as e:
             raise SystemExit(errors.error("eval.py", e, rank))
-        try:  # your --reward function raising: one line naming it
+        try:  # your --reward function raising, a full disk: one line naming it
             for b, got in evaluate_model(opened, name, cfg, sets, rank, world):
                 if rank == 0:
                     results["models"][label]["benchmarks"][b] = got
                     # after every benchmark, so a long run keeps what it has
                     write_outputs(results, cfg.out)
+                    held["out"] = cfg.out
         except reward.RewardError as e:
             raise SystemExit(errors.error("eval.py", e, rank))
+        except OSError as e:
+            again = (f" with --overwrite ({cfg.out}/results.json holds the benchmarks finished "
+                     f"before)" if (Path(cfg.out) / "results.json").exists() and not cfg.overwrite
+                     else "")
+            raise SystemExit(errors.error("eval.py", f"{e}, then run the same command again"
+                                          f"{again}", rank)) from None
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if world > 1 and dist.is_initialized():  # closing a vLLM engine already tore the group down

@@ -133,8 +133,18 @@ def table(results: dict) -> str:
 
 
 def write_outputs(results: dict, out: str | Path) -> None:
+    """OUT/results.json and OUT/table.md, each replaced whole (a full disk leaves the earlier file
+    or none, never a torn one that blocks the next attempt); a failure is an OSError in one line
+    naming the file."""
+    from run_folder.files import write_atomic
+
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False,
-                                                 default=str))  # a row's date
-    (out / "table.md").write_text(table(results))
+    for name, text in (("results.json", json.dumps(results, indent=1, ensure_ascii=False,
+                                                   default=str)),  # a row's date
+                       ("table.md", table(results))):
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            write_atomic(out / name, text.encode())
+        except OSError as e:
+            raise OSError(f"could not write {out / name} ({e.strerror or e}): free space on its "
+                          f"disk") from None

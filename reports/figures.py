@@ -23,6 +23,16 @@ from reports.statistics import P_FLAT, gradient_analysis
 from reports.summary import metric_value, run_config, run_summary, seed_groups
 from run_folder.logs import read_log
 
+def save(fig, out_png: str, dpi: int) -> None:
+    """fig.savefig(out_png); a write that fails (a full disk) leaves no torn file and raises OSError
+    naming it."""
+    try:
+        fig.savefig(out_png, dpi=dpi)
+    except OSError as e:
+        Path(out_png).unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror or str(e), str(out_png)) from None
+
+
 METRIC_PANELS = (("metrics.jsonl", "reward/mean", "reward (+-1 mean)"),
                  ("metrics.jsonl", "entropy/mean", "entropy"),
                  ("metrics.jsonl", "s2t/silenced_frac", "silenced fraction"),
@@ -134,7 +144,7 @@ def plot_metrics(run_dirs: list[str], out_png: str, panels: tuple = METRIC_PANEL
     if named:
         fig.legend(list(named.values()), list(named), loc="lower center", ncol=ncol, fontsize=9)
     fig.tight_layout(rect=(0, legend_in / (3.4 + legend_in), 1, 1))
-    fig.savefig(out_png, dpi=90)
+    save(fig, out_png, 90)
     plt.close(fig)
     return True
 
@@ -206,7 +216,7 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
         ax_g.legend(*ax_h.get_legend_handles_labels(), fontsize=10, loc="upper left",
                     bbox_to_anchor=(1.02, 1), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
+    save(fig, out_png, 100)
     plt.close(fig)
     return True
 
@@ -258,7 +268,7 @@ def plot_gradient(run_dirs: list[str], out_png: str) -> bool:
     fig.suptitle("RQ1: a token's logit-gradient norm against its probability and entropy "
                  "(tokens.jsonl, weighted)", fontsize=11)
     fig.tight_layout(rect=(0, 0.08 + 0.05 * ((2 * len(rows) - 1) // 4), 1, 1))
-    fig.savefig(out_png, dpi=100)
+    save(fig, out_png, 100)
     plt.close(fig)
     return True
 
@@ -298,7 +308,7 @@ def plot_sensitivity(run_dirs: list[str], out_png: str) -> bool:
         ax.set_ylabel("quantile q")
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=80)
+    save(fig, out_png, 80)
     plt.close(fig)
     return True
 
@@ -345,7 +355,7 @@ def plot_counterfactual(lines: list[dict], out_png: str) -> bool:
     ax_k.set_xticks(range(len(kinds)), kinds)
     ax_k.set_title("effects per kind, black: mean", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=80)
+    save(fig, out_png, 80)
     plt.close(fig)
     return True
 
@@ -388,7 +398,7 @@ def plot_counterfactual_groups(panels: dict[str, dict[str, list[dict]]], out_png
     axes[0][0].set_ylabel("contrast: success kept - success without the token\n(black: mean, 95% "
                           "interval over responses;\nnegl.: interval inside +-delta)")
     fig.tight_layout()
-    fig.savefig(out_png, dpi=80)
+    save(fig, out_png, 80)
     plt.close(fig)
     return True
 

@@ -10,7 +10,7 @@ from command_line.errors import check_writable
 from command_line.flags import OneLineParser
 from reports.figures import figures, plot_sensitivity
 from reports.summary import correlation_line, divergence, silenced_summary, summary_table
-from run_folder.console import say
+from run_folder.console import RunError, say
 from run_folder.files import RUN_FILES, complete_steps
 from run_folder.logs import read_log
 
@@ -70,7 +70,12 @@ def closing_lines(cfg, out: Path) -> None:
     """A finished run's figures and closing lines, on rank 0 (train.py): what the mask silenced,
     RQ1's correlations, a divergence, what the run wrote and how to continue it."""
     if cfg.plots:
-        figures([str(out)], str(out / "metrics.png"))
+        try:
+            figures([str(out)], str(out / "metrics.png"))
+        except OSError as e:  # a full disk
+            raise RunError(f"could not write {e.filename or out} ({e.strerror or e}): the run is "
+                           f"complete (checkpoint and export written); free space, then python "
+                           f"train.py --plot {out} draws its figures") from None
     shown = [n for n in ("spurious.jsonl", "s2t.png", "gradient.png") if (out / n).exists()]
     steps = read_log(out / "metrics.jsonl")  # resumed steps included
     say(silenced_summary(cfg.algo, steps, shown))

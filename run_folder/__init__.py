@@ -17,7 +17,8 @@ One concept per file, imported here under one name
     opening.py      a new run, or a resumed one checked against its recipe
 """
 # ruff: noqa: F401 (the names below are this package's interface)
-from run_folder.agreement import agree, agreed_failure, agreed_write_failure, broadcast_failure
+from run_folder.agreement import (agree, agreed_failure, agreed_write_failure, broadcast_failure,
+                                  failure)
 from run_folder.checkpoints import (
                                    ModelAndOptimizer,
                                    crc32,
@@ -29,6 +30,7 @@ from run_folder.checkpoints import (
 from run_folder.console import RunError, plural, say
 from run_folder.export import export, export_damage, export_id, export_step, recover_export
 from run_folder.files import (
+                              FORMAT,
                               LOGS,
                               RESUMABLE,
                               RUN_FILES,

@@ -12,7 +12,8 @@ from run_folder.agreement import broadcast_failure
 from run_folder.checkpoints import verified_checkpoint
 from run_folder.console import RunError, say
 from run_folder.export import export_step, recover_export
-from run_folder.files import RESUMABLE, RUN_FILES, complete_steps, write_atomic
+from run_folder.files import (RESUMABLE, RUN_FILES, complete_steps, refuse_another_format,
+                              write_atomic)
 from run_folder.lock import Lock
 from run_folder.logs import append, cut_logs
 
@@ -26,10 +27,11 @@ def recipe(config: dict) -> dict:
 
 def recorded_config(out: Path) -> dict:
     """The config.json of the run in OUT, as a dict (one-line errors for a missing or unreadable
-    file)."""
+    file, or a folder written by another version of train.py: `refuse_another_format`)."""
     path = out / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no run to resume: {path} does not exist")
+    refuse_another_format(out)
     try:
         values = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
