@@ -25,6 +25,7 @@ from typing import Literal
 from command_line.errors import check_writable
 from command_line.flags import check_values, parse_flags
 from data import INSTRUCTION, load_rows, repeated_note
+from model_files.names import check_model_name
 
 
 @dataclass
@@ -379,8 +380,8 @@ def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> tuple[Config,
 # ---------------------------------------------------------------------------- train.py's inputs
 def read_inputs(cfg: Config, world: int) -> tuple[list[dict], list[dict]]:
     """The checks that need neither the model nor the run folder, made first (every rank): the
-    number of processes, the logger, the data -> (training rows, held-out rows) of
-    data.load_rows."""
+    number of processes, the logger, --model (a name that is not there: at once, model_files/
+    names.py), the data -> (training rows, held-out rows) of data.load_rows."""
     import torch.distributed as dist
 
     import run_folder
@@ -389,6 +390,7 @@ def read_inputs(cfg: Config, world: int) -> tuple[list[dict], list[dict]]:
         raise ValueError(f"--prompts-per-step and --mini-batch-prompts must be multiples of the "
                          f"{world} ranks")
     run_folder.check_logger(cfg.logger)
+    check_model_name(cfg.model)
     train_rows, test_rows, repeated = load_rows(cfg)
     if repeated and dist.get_rank() == 0:
         note = repeated_note(cfg.data, repeated, len(train_rows) + len(test_rows))

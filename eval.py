@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             sets = load_sets(cfg)
             import model
             for spec in cfg.models:
-                model.check_model_name(label_name(spec)[1])
+                model.check_model_name(label_name(spec)[1], "--models")
                 check_weights(label_name(spec)[1])
     except errors.BAD_INPUT as e:
         raise SystemExit(errors.error("eval.py", e, rank))

@@ -412,6 +412,22 @@ def test_train_bad_inputs_one_line_error(tmp_path, capsys):
         [x for x in proc.stderr.splitlines() if "error" in x]
 
 
+def test_train_wrong_model_offline_is_one_line_before_the_folder(tmp_path, monkeypatch, capsys):
+    """A mistyped --model with the Hub off: one line naming what --model accepts, without asking
+    the Hub, before the run folder opens (no config.json, no run.lock). It took 27 s of the Hub's
+    retries and left both."""
+    import huggingface_hub
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info",
+                        lambda *a, **k: pytest.fail("the Hub was asked"))
+    out = tmp_path / "o"
+    assert train.main(toy_args(toy_data(tmp_path), out, model="smolm2")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("train.py: error: --model 'smolm2' is not in the "
+                                               "local Hub cache") and "smollm2, tiny" in err[0]
+    assert not out.exists()
+
+
 def test_train_skips_zero_advantage_and_nonfinite_steps(tmp_path, monkeypatch, capsys):
     """All-equal rewards skip every update and say so on the console; a NaN loss skips the update
     with a warning; the run finishes."""
