@@ -24,7 +24,7 @@ from typing import Literal
 
 from command_line.errors import check_writable
 from command_line.flags import check_values, parse_flags
-from data import INSTRUCTION, load_rows, repeated_note
+from data import INSTRUCTION, builtin_task, load_rows, repeated_note
 from model_files.names import check_model_name
 
 
@@ -363,7 +363,7 @@ def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> tuple[Config,
     effective = {"rollout": rollout_engine, "fsdp": cfg.fsdp or world > 1 or cuda,
                  "mixed_precision": cfg.mixed_precision and cuda,
                  "kl_beta": cfg.kl_beta if cfg.algo == "grpo" else 0.0,
-                 "heldout": cfg.heldout if cfg.data else 0,
+                 "heldout": cfg.heldout if cfg.data else len(builtin_task("test")),
                  "eval_every": cfg.eval_every
                  if (not cfg.data or cfg.heldout != 0) and cfg.eval_samples else 0}
     why = {"mixed_precision": "without CUDA (compute is fp32)",
@@ -397,6 +397,13 @@ def read_inputs(cfg: Config, world: int) -> tuple[list[dict], list[dict]]:
         print(f"train.py: note: {note}", file=sys.stderr, flush=True)
     too_few(cfg, len(train_rows))
     return train_rows, test_rows
+
+
+def run_record(cfg: Config, rows: tuple[list[dict], list[dict]]) -> dict:
+    """The values in effect of a run reading `rows` (read_inputs'), which config.json records
+    (run_folder.recipe): `heldout` is the number of rows it holds out and evaluates (not --heldout's
+    null, the default share), from which a resume rebuilds the same rows."""
+    return {**asdict(cfg), "heldout": len(rows[1])}
 
 
 def too_few(cfg: Config, n_rows: int) -> None:

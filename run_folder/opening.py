@@ -18,10 +18,16 @@ from run_folder.logs import append, cut_logs
 
 
 # ------------------------------------------------------------------------------------ opening a run
+# the fields the built-in task (--data '') never reads: it has no fields to name and no Hub split
+UNUSED_BUILTIN = ("prompt_key", "answer_key", "split")
+
+
 def recipe(config: dict) -> dict:
     """What config.json records: the values in effect, without the flags that only say how this
-    command starts (--resume, --overwrite), so that `--config OUT/config.json` reruns the recipe."""
-    return {**config, "resume": "", "overwrite": False}
+    command starts (--resume, --overwrite), so that `--config OUT/config.json` reruns the recipe,
+    and without the fields the built-in task never reads."""
+    return {k: v for k, v in {**config, "resume": "", "overwrite": False}.items()
+            if config["data"] or k not in UNUSED_BUILTIN}
 
 
 def recorded_config(out: Path) -> dict:
@@ -42,8 +48,12 @@ def recorded_config(out: Path) -> dict:
 def resume_changes(recorded: dict, config: dict) -> dict:
     """{flag: [recorded, now]} of what a resume changes; ValueError for a flag outside RESUMABLE (a
     resumed run keeps its recipe). fsdp may change with the number of processes."""
+    # heldout: the built-in task holds out its own 20 whatever was recorded (0 before config.json
+    # recorded what a run held out), and null is --data's default share, which gives the same rows
+    same_rows = not recorded.get("data") or recorded.get("heldout") is None
     changed = {k: [recorded.get(k), v] for k, v in recipe(config).items()
-               if k not in ("out_dir", "fsdp") and recorded.get(k) != v}
+               if k not in ("out_dir", "fsdp") and recorded.get(k) != v
+               and not (k == "heldout" and same_rows)}
     refused = [k for k in changed if k not in RESUMABLE
                or (k == "kv_cache_gb" and config["rollout_chunk"] == 0)]
     if refused:

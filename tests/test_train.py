@@ -289,7 +289,8 @@ def test_train_holds_out_a_tenth_of_your_data_by_default_or_says_there_is_none(
     assert [(e["step"], e["eval/n"]) for e in evals] == [(0, 5 * 4), (1, 5 * 4)]
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     train_rows, heldout, _ = load_rows(SimpleNamespace(**config))
-    assert config["heldout"] is None and len(heldout) == 5 and len(train_rows) == 50
+    # the count it held out, not --heldout's null
+    assert config["heldout"] == 5 and len(heldout) == 5 and len(train_rows) == 50
     out = capsys.readouterr().out
     assert "held-out accuracy before training" in out and "no held-out evaluation" not in out
     small = tmp_path / "small.jsonl"
