@@ -61,7 +61,7 @@ def rollout_engine(cfg: config.Config, lm, tokenizer, prompts: list[list[int]], 
                   int(cfg.kv_cache_gb * 1e9))
     if rank == 0:
         what = (f"vLLM KV cache {kv_vllm / 2**30:.2f} GiB" if cfg.rollout == "vllm" else
-                f"{chunk} prompts x G {G} per generate call, KV cache at most "
+                f"{chunk} prompt{'s' * (chunk != 1)} x G {G} per generate call, KV cache at most "
                 f"{kv_call / 2**30:.2f} GiB")
         print(f"rollout ({cfg.rollout}): {what} per rank (--kv-cache-gb {cfg.kv_cache_gb:g} = "
               f"{cfg.kv_cache_gb * 1e9 / 2**30:.2f} GiB)", flush=True)

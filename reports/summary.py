@@ -142,8 +142,8 @@ def silenced_summary(algo: str, steps: list[dict], files: list[str]) -> str:
     """The console line that counts what the mask silenced over a run (its metrics.jsonl lines)."""
     silenced = [int(m.get("s2t/silenced", 0)) for m in steps]
     candidates = sum(int(m.get("s2t/candidates", 0)) for m in steps)
-    return (f"{algo} silenced {sum(silenced)} tokens in {sum(n > 0 for n in silenced)} of "
-            f"{len(steps)} steps; S2T candidates (A > 0, p < tau_p): {candidates} "
+    return (f"{algo} silenced {plural(sum(silenced), 'token')} in {sum(n > 0 for n in silenced)} "
+            f"of {plural(len(steps), 'step')}; S2T candidates (A > 0, p < tau_p): {candidates} "
             f"(metrics.jsonl s2t/*{'; see ' if files else ''}{', '.join(files)})")
 
 

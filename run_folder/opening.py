@@ -10,7 +10,7 @@ from pathlib import Path
 from command_line.errors import check_writable, one_line
 from run_folder.agreement import broadcast_failure
 from run_folder.checkpoints import verified_checkpoint
-from run_folder.console import RunError, say
+from run_folder.console import RunError, plural, say
 from run_folder.export import export_step, recover_export
 from run_folder.files import RESUMABLE, RUN_FILES, complete_steps, write_atomic
 from run_folder.lock import Lock
@@ -95,8 +95,8 @@ def open_run(config: dict, recorded: dict | None, rank: int, world: int, command
             return 0, None, lock
         done, path = verified_checkpoint(out, rank, world)
         if config["steps"] < done:
-            raise RunError(f"--steps {config['steps']} is less than the {done} steps {out} "
-                           f"has done")
+            raise RunError(f"--steps {config['steps']} is less than the {plural(done, 'step')} "
+                           f"{out} has done")
         if finished(out, config, done):
             if lock is not None:
                 lock.release()
