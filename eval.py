@@ -242,10 +242,12 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0,
 
     import model as model_lib
     import rollout
+    import run_folder
     from memory.estimate import kv_cache_bytes
 
     device = torch.device("cpu") if device is None else device
     dtype = torch.bfloat16 if device.type == "cuda" else None
+    run_folder.quiet_library_bars()  # transformers' "Loading weights"
     lm, tokenizer = model_lib.load_model(name, dtype=dtype, device=device,
                                          require_chat_template=cfg.chat)
     lm.eval()
