@@ -384,11 +384,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     import rollout  # noqa: F401
     import run_folder
     from distributed.process_group import init_distributed
+    from step_metrics.step_warnings import fit_threads
 
     # `model` and `rollout` (torch.distributed.fsdp) are imported before the process group:
     # torch.distributed.fsdp imported after it holds references to the WORLD group, whose gloo
     # threads then outlive destroy_process_group and can abort the exit.
     rank, world, device = init_distributed(cfg.collective_timeout_min, always=False)
+    fit_threads(device, rank, "eval.py")  # a busy CPU machine: fewer torch threads
     results = {"config": asdict(cfg), "models": {}}
     for spec in cfg.models:
         label, name = label_name(spec)
