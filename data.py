@@ -84,7 +84,7 @@ def load_rows(cfg) -> tuple[list[dict], list[dict], int]:
     rows, repeated = read_rows(cfg.data, cfg.prompt_key, cfg.answer_key, cfg.split)
     heldout = heldout_count(len(rows), cfg.heldout)
     if heldout >= len(rows):
-        raise ValueError(f"--heldout {heldout} leaves no training rows ({len(rows)} rows in "
+        raise ValueError(f"--heldout {heldout} leaves no training rows (of the {len(rows)} in "
                          f"{cfg.data})")
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     rows = [rows[i] for i in order]

@@ -242,10 +242,12 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0,
 
     import model as model_lib
     import rollout
+    import run_folder
     from memory.estimate import kv_cache_bytes
 
     device = torch.device("cpu") if device is None else device
     dtype = torch.bfloat16 if device.type == "cuda" else None
+    run_folder.quiet_library_bars()  # transformers' "Loading weights"
     lm, tokenizer = model_lib.load_model(name, dtype=dtype, device=device,
                                          require_chat_template=cfg.chat)
     lm.eval()
@@ -381,7 +383,7 @@ def evaluate(argv: list[str] | None, rank: int, held: dict) -> dict | None:
             sets = load_sets(cfg)
             import model
             for spec in cfg.models:
-                model.check_model_name(label_name(spec)[1])
+                model.check_model_name(label_name(spec)[1], "--models")
                 check_weights(label_name(spec)[1])
     except errors.BAD_INPUT as e:
         raise SystemExit(errors.error("eval.py", e, rank))
@@ -408,11 +410,13 @@ def evaluate(argv: list[str] | None, rank: int, held: dict) -> dict | None:
     import rollout  # noqa: F401
     import run_folder
     from distributed.process_group import init_distributed
+    from step_metrics.step_warnings import fit_threads
 
     # `model` and `rollout` (torch.distributed.fsdp) are imported before the process group:
     # torch.distributed.fsdp imported after it holds references to the WORLD group, whose gloo
     # threads then outlive destroy_process_group and can abort the exit.
     rank, world, device = init_distributed(cfg.collective_timeout_min, always=False)
+    fit_threads(device, rank, "eval.py")  # a busy CPU machine: fewer torch threads
     results = {"config": asdict(cfg), "models": {}}
     for spec in cfg.models:
         label, name = label_name(spec)

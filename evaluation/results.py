@@ -13,6 +13,7 @@ from pathlib import Path
 import reward
 from data import describe
 from evaluation.benchmarks import BENCHMARKS, PAPER_BENCHMARKS, TITLES
+from run_folder.console import plural
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -105,7 +106,7 @@ def table(results: dict) -> str:
                f"({', '.join(TITLES[b] for b in paper)}); GSM8K and your own sets are never "
                f"averaged." if paper else "")  # no paper benchmark: no Avg column
     # train.py exports
-    exports = [f"{label} is the export after {e['step']} steps (checksum {e['checksum']})"
+    exports = [f"{label} is the export after {plural(e['step'], 'step')} (checksum {e['checksum']})"
                for label, model in results["models"].items() if (e := model.get("export"))]
     lines = [f"avg@k (%), temperature {cfg['temperature']}, top-p {cfg['top_p']}, "
              f"max {cfg['max_new_tokens']} new tokens, {prompt}{source}{correct}.{average}"

@@ -16,6 +16,7 @@
 matplotlib is optional: without it every function prints one line on stderr and draws nothing.
 Choices D74-D82: docs/paper.md, "Deliberate differences".
 """
+import math
 import sys
 from pathlib import Path
 
@@ -187,7 +188,7 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
             ax_h.errorbar([tau_p], [median], yerr=[[median - low], [high - median]], fmt="_",
                           markersize=18, mew=2.5, elinewidth=4, alpha=0.8, capsize=0,
                           color="tab:red", zorder=3,
-                          label=f"tau_h of {len(taus)} mini-batch{'es' if len(taus) > 1 else ''}: "
+                          label=f"tau_h of {_batches(len(taus), len(records))}: "
                                 f"median {median:.2f}, {low:.2f}-{high:.2f}")
         for ax in (ax_h, ax_g):
             ax.set_xscale("log")
@@ -207,8 +208,9 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
         ax_h.set_ylabel("entropy H")
         who = _label(runs[0]) if len(runs) == 1 else f"{len(runs)} runs of {g}"
         # two lines: a run's folder is a long name
-        ax_h.set_title(f"{who}:\n{n:,} drawn tokens ({with_gradient:,} with a gradient), "
-                       f"{len(records)} mini-batches", fontsize=10)
+        ax_h.set_title(f"{who}:\n{n:,} drawn token{'s' * (n != 1)} ({with_gradient:,} with a "
+                       f"gradient), {len(records)} mini-batch{'es' * (len(records) != 1)}",
+                       fontsize=10)
         ax_g.set_ylabel(GRADIENT_NORM)
         ax_g.set_title(f"mean norm (weighted): silenced {mean(silenced)} vs kept {mean(kept)}",
                        fontsize=10)
@@ -219,6 +221,40 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
     save(fig, out_png, 100)
     plt.close(fig)
     return True
+
+
+def _batches(with_tau: int, every: int) -> str:
+    """The mini-batches a tau_h bar summarizes, counted as the title counts them: "3 mini-batches",
+    or "16 of the 24 mini-batches (those with candidates)"."""
+    if with_tau == every:
+        return f"{with_tau} mini-batch{'es' * (with_tau != 1)}"
+    return f"{with_tau} of the {every} mini-batches (those with candidates)"
+
+
+def _logit_ticks(ax, fig) -> None:
+    """A logit-scaled p axis labelled at 1, 2 and 5 x 10^-k, 0.5, 0.9, 0.99 and 0.999 in its
+    range, the decades and 0.5, 0.9, ... first, each label kept only where it touches none kept
+    (matplotlib's own labels ran into each other: "2·10^-2 3·10^-2 4·10^-2")."""
+    from matplotlib.ticker import FixedFormatter, FixedLocator, NullFormatter
+
+    low, high = ax.get_xlim()
+    first = [10.0 ** -k for k in range(9, 0, -1)] + [0.5, 0.9, 0.99, 0.999]
+    ticks = sorted(t for t in first + [m * 10.0 ** -k for k in range(9, 0, -1) for m in (2, 5)]
+                   if low <= t <= high)
+    texts = [f"{t:g}" if t >= 1e-3 else
+             f"${t / 10 ** math.floor(math.log10(t)):.0f}\\cdot10^{{{math.floor(math.log10(t))}}}$"
+             .replace("$1\\cdot", "$") for t in ticks]
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.xaxis.set_major_formatter(FixedFormatter(texts))
+    fig.canvas.draw()
+    boxes = [label.get_window_extent().expanded(1, 1).padded(3) for label in ax.get_xticklabels()]
+    kept = []
+    for i in sorted(range(len(ticks)), key=lambda i: ticks[i] not in first):
+        if all(not boxes[i].overlaps(boxes[j]) for j in kept):
+            kept.append(i)
+    ax.xaxis.set_major_formatter(FixedFormatter([t if i in kept else ""
+                                                 for i, t in enumerate(texts)]))
 
 
 def plot_gradient(run_dirs: list[str], out_png: str) -> bool:
@@ -263,11 +299,19 @@ def plot_gradient(run_dirs: list[str], out_png: str) -> bool:
     ax_h.set_title("\n".join(said_h), fontsize=9)
     for ax in (ax_p, ax_h):
         ax.set_ylabel(GRADIENT_NORM + ": median, 25-75%", fontsize=9)
-    fig.legend(*ax_p.get_legend_handles_labels(), loc="lower center", ncol=min(4, 2 * len(rows)),
-               fontsize=10)
+    # one column per setting (correct, incorrect), below the panels, sized as drawn: inside the
+    # figure
+    legend = fig.legend(*ax_p.get_legend_handles_labels(), loc="lower center", ncol=len(rows),
+                        fontsize=10)
     fig.suptitle("RQ1: a token's logit-gradient norm against its probability and entropy "
                  "(tokens.jsonl, weighted)", fontsize=11)
-    fig.tight_layout(rect=(0, 0.08 + 0.05 * ((2 * len(rows) - 1) // 4), 1, 1))
+    fig.canvas.draw()
+    fig.set_figwidth(max(fig.get_figwidth(),
+                         legend.get_window_extent().width / fig.dpi + 0.4))  # a long name
+    fig.canvas.draw()
+    below = legend.get_window_extent().height / fig.bbox.height
+    fig.tight_layout(rect=(0, below + 0.02, 1, 1))
+    _logit_ticks(ax_p, fig)
     save(fig, out_png, 100)
     plt.close(fig)
     return True

@@ -24,12 +24,14 @@ from transformers import AutoModelForCausalLM
 import config
 import eval as ev
 import model
+import reward
 import run_folder
 import run_folder.files
 import run_folder.logs
 import train
 from model import Policy
 from tests.toy_task import (
+    CHECKS,
     EVEN,
     ROOT,
     TOY_VOCAB,
@@ -234,6 +236,39 @@ def test_train_resume_keeps_the_recipe_and_records_what_changed(tmp_path, monkey
         len(read_metrics(run)) == 3
 
 
+def test_train_config_records_what_the_run_used_and_resumes(tmp_path, monkeypatch):
+    """config.json records the held-out rows a run evaluated: the built-in task's 20 (it said 0),
+    a tenth of --data's rows as their count (it said null); a built-in-task run records none of
+    the fields only --data reads. Both resume, and so do runs whose config.json was written before
+    (0 or null, those fields): the same held-out rows, nothing refused."""
+    monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo":
+                        1.0 if CHECKS[EVEN](response, gold) else -1.0)  # the full tiny model
+    builtin, data = tmp_path / "builtin", tmp_path / "data"
+    unused = {"prompt_key": "prompt", "answer_key": "answer", "split": "train"}
+    with one_thread():
+        for run, rows in ((builtin, ""), (data, toy_data(tmp_path))):
+            args = toy_args(rows, run, steps=1, eval_samples=1, export_hf=False)
+            at = args.index("--heldout")  # the default
+            assert train.main(args[:at] + args[at + 2:]) == 0
+        recorded = {run: json.loads((run / "config.json").read_text()) for run in (builtin, data)}
+        assert recorded[builtin]["heldout"] == 20 and not set(unused) & set(recorded[builtin])
+        assert recorded[data]["heldout"] == 5 and recorded[data]["answer_key"] == "answer"
+        for run in (builtin, data):
+            assert train.main(["--resume", str(run), "--steps", "2"]) == 0
+        # as config.json was written before it recorded the count
+        (builtin / "config.json").write_text(json.dumps({**recorded[builtin], **unused,
+                                                         "heldout": 0, "steps": 2}))
+        (data / "config.json").write_text(json.dumps({**recorded[data], "heldout": None,
+                                                      "steps": 2}))
+        for run in (builtin, data):
+            assert train.main(["--resume", str(run), "--steps", "3"]) == 0
+            assert json.loads((run / "config.json").read_text()) == {**recorded[run], "steps": 3}
+            assert [json.loads(x)["changed"] for x in (run / "resumes.jsonl").read_text()
+                    .splitlines()] == [{"steps": [1, 2]}, {"steps": [2, 3]}]
+            evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+            assert [e["eval/n"] for e in evals] == [recorded[run]["heldout"]] * 4
+
+
 def test_train_full_disk_in_a_checkpoint_keeps_the_last_one(tmp_path, monkeypatch, capsys):
     """A checkpoint write that fails (a full disk: torch.save's 'unexpected pos') stops the run in
     one line, exit 2; the half-written folder is removed, `latest` still names the previous
@@ -425,7 +460,7 @@ def test_train_hf_export_reproduces_logprobs(tmp_path, monkeypatch):
     try:
         # main's steps, keeping the run's policy
         with one_thread(), run_folder.Preemption() as preemption:
-            rows = train.read_inputs(cfg, world)
+            rows = config.read_inputs(cfg, world)
             _, _, lock = run_folder.open_run(asdict(cfg), None, rank, world, "")
             run = train.setup(cfg, rows, rank, world, device, None, preemption)
             assert train.train(run) == 0
