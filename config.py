@@ -24,7 +24,8 @@ from typing import Literal
 
 from command_line.errors import check_writable
 from command_line.flags import check_values, parse_flags
-from data import INSTRUCTION, load_rows, repeated_note
+from data import INSTRUCTION, builtin_task, load_rows, repeated_note
+from model_files.names import check_model_name
 
 
 @dataclass
@@ -181,7 +182,7 @@ class Config:
     """response tokens per mini-batch and rank drawn into OUT/tokens.jsonl for the S2T figure: every
     candidate and silenced token (at most this many) plus this many others at random (0 = none)"""
     seed: int = 0
-    """seed of data order, sampling and initialization"""
+    """seed of data order, sampling and initialization (any 64-bit integer)"""
     out_dir: str = "out/train"
     """output folder: config.json, metrics.jsonl, eval.jsonl, samples.jsonl, spurious.jsonl,
     tokens.jsonl, checkpoint/, hf/, metrics.png, s2t.png"""
@@ -311,7 +312,10 @@ def parse_config(argv: list[str] | None = None) -> tuple[Config, dict | None, li
                            ("kv_cache_gb", cfg.kv_cache_gb > 0, "> 0"),
                            ("heldout", cfg.heldout is None or cfg.heldout >= 0, ">= 0"),
                            ("collective_timeout_min", cfg.collective_timeout_min > 0, "> 0"),
-                           ("tis_cap", cfg.tis_cap is None or cfg.tis_cap > 0, "> 0")):
+                           ("tis_cap", cfg.tis_cap is None or cfg.tis_cap > 0, "> 0"),
+                           ("seed", -2**63 <= cfg.seed < 2**63, "a 64-bit integer"),
+                           # its candidates' entropies are kept in memory, 4 bytes each
+                           ("quantile_window", cfg.quantile_window <= 10**9, "<= 10**9")):
         if not ok:
             raise ValueError(f"--{name.replace('_', '-')} must be {rule} "
                              f"(got {getattr(cfg, name)})")
@@ -362,7 +366,7 @@ def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> tuple[Config,
     effective = {"rollout": rollout_engine, "fsdp": cfg.fsdp or world > 1 or cuda,
                  "mixed_precision": cfg.mixed_precision and cuda,
                  "kl_beta": cfg.kl_beta if cfg.algo == "grpo" else 0.0,
-                 "heldout": cfg.heldout if cfg.data else 0,
+                 "heldout": cfg.heldout if cfg.data else len(builtin_task("test")),
                  "eval_every": cfg.eval_every
                  if (not cfg.data or cfg.heldout != 0) and cfg.eval_samples else 0}
     why = {"mixed_precision": "without CUDA (compute is fp32)",
@@ -379,8 +383,8 @@ def in_effect(cfg: Config, given: dict, cuda: bool, world: int) -> tuple[Config,
 # ---------------------------------------------------------------------------- train.py's inputs
 def read_inputs(cfg: Config, world: int) -> tuple[list[dict], list[dict]]:
     """The checks that need neither the model nor the run folder, made first (every rank): the
-    number of processes, the logger, the data -> (training rows, held-out rows) of
-    data.load_rows."""
+    number of processes, the logger, --model (a name that is not there: at once, model_files/
+    names.py), the data -> (training rows, held-out rows) of data.load_rows."""
     import torch.distributed as dist
 
     import run_folder
@@ -389,12 +393,20 @@ def read_inputs(cfg: Config, world: int) -> tuple[list[dict], list[dict]]:
         raise ValueError(f"--prompts-per-step and --mini-batch-prompts must be multiples of the "
                          f"{world} ranks")
     run_folder.check_logger(cfg.logger)
+    check_model_name(cfg.model)
     train_rows, test_rows, repeated = load_rows(cfg)
     if repeated and dist.get_rank() == 0:
         note = repeated_note(cfg.data, repeated, len(train_rows) + len(test_rows))
         print(f"train.py: note: {note}", file=sys.stderr, flush=True)
     too_few(cfg, len(train_rows))
     return train_rows, test_rows
+
+
+def run_record(cfg: Config, rows: tuple[list[dict], list[dict]]) -> dict:
+    """The values in effect of a run reading `rows` (read_inputs'), which config.json records
+    (run_folder.recipe): `heldout` is the number of rows it holds out and evaluates (not --heldout's
+    null, the default share), from which a resume rebuilds the same rows."""
+    return {**asdict(cfg), "heldout": len(rows[1])}
 
 
 def too_few(cfg: Config, n_rows: int) -> None:

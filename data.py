@@ -84,7 +84,7 @@ def load_rows(cfg) -> tuple[list[dict], list[dict], int]:
     rows, repeated = read_rows(cfg.data, cfg.prompt_key, cfg.answer_key, cfg.split)
     heldout = heldout_count(len(rows), cfg.heldout)
     if heldout >= len(rows):
-        raise ValueError(f"--heldout {heldout} leaves no training rows ({len(rows)} rows in "
+        raise ValueError(f"--heldout {heldout} leaves no training rows (of the {len(rows)} in "
                          f"{cfg.data})")
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     rows = [rows[i] for i in order]
@@ -101,8 +101,8 @@ def prompt_indices(position: int, n_rows: int, cfg) -> list[int]:
     for pos in range(position * cfg.prompts_per_step, (position + 1) * cfg.prompts_per_step):
         epoch, i = divmod(pos, n_rows)
         if epoch not in perms:
-            perms[epoch] = torch.randperm(
-                n_rows, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + epoch))
+            seed = (cfg.seed * 100_003 + epoch) % 2**64  # as torch reads it: any 64-bit --seed
+            perms[epoch] = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed))
         out.append(int(perms[epoch][i]))
     return out
 
@@ -182,7 +182,8 @@ def repeated_note(data: str, repeated: int, kept: int) -> str:
     """The console note for rows of `data` dropped because they repeat an earlier row (kept: the
     rows left)."""
     return (f"{data}: dropped {repeated:,} of {repeated + kept:,} rows that repeat an earlier "
-            f"row's problem and answer; {kept:,} rows remain")
+            f"row's problem and answer; "
+            + ("1 row remains" if kept == 1 else f"{kept:,} rows remain"))
 
 
 def describe(value) -> str:

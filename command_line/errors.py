@@ -3,6 +3,7 @@ project): a bad input is one line `PROG: error: ...` and exit status 2 (docs/pap
 "Deliberate differences": D50)."""
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -20,12 +21,14 @@ BAD_INPUT = (FileNotFoundError, ValueError, KeyError, ImportError, OSError, Inpu
 
 
 def one_line(e: BaseException) -> str:
-    """An error as one line: its message's first line (an OSError's reason without "[Errno N]"), or
-    its type."""
+    """An error as one line: its message's first line (an OSError's reason without "[Errno N]",
+    the reason inside a Rust library's `IoError(Os { ..., message: "..." })`: safetensors'), or its
+    type."""
     if isinstance(e, OSError) and e.strerror:
         return e.strerror + (f": {e.filename}" if e.filename else "")
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    rust = re.search(r'IoError\(Os \{[^}]*message: "([^"]+)"', text)
+    return rust[1] if rust else text.splitlines()[0] if text else type(e).__name__
 
 
 def check_writable(flag: str, folder: str | Path) -> None:

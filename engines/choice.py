@@ -14,6 +14,7 @@ from engines.vllm_engine import VLLMEngine, VLLMSettings
 from memory.estimate import kv_cache_bytes
 from model import lm_vocab_size
 from rollout import StopText, eos_ids
+from run_folder.console import plural
 
 
 def make_engine(name: str, lm, tokenizer, chat: bool, stop: Callable[[], bool] | None = None,
@@ -56,15 +57,16 @@ def rollout_engine(cfg: config.Config, lm, tokenizer, prompts: list[list[int]], 
     n, G, dtype = cfg.prompts_per_step // world, cfg.group_size, compute_dtype(cfg, device)
     chunk, tokens = (prompts_per_call(cfg, n, lm.config, dtype.itemsize),
                      cfg.max_prompt_len + cfg.max_response_len)
-    kv_call = kv_cache_bytes(lm.config, chunk * G, tokens, dtype.itemsize)
     kv_vllm = min(kv_cache_bytes(lm.config, n * G, tokens, dtype.itemsize),
                   int(cfg.kv_cache_gb * 1e9))
-    if rank == 0:
-        what = (f"vLLM KV cache {kv_vllm / 2**30:.2f} GiB" if cfg.rollout == "vllm" else
-                f"{chunk} prompts x G {G} per generate call, KV cache at most "
-                f"{kv_call / 2**30:.2f} GiB")
-        print(f"rollout ({cfg.rollout}): {what} per rank (--kv-cache-gb {cfg.kv_cache_gb:g} = "
-              f"{cfg.kv_cache_gb * 1e9 / 2**30:.2f} GiB)", flush=True)
+    budget = f"--kv-cache-gb {cfg.kv_cache_gb:g} = {cfg.kv_cache_gb * 1e9 / 2**30:.2f} GiB"
+    if rank == 0:  # the plain sampler's KV cache is in the memory line; vLLM's is reserved
+        print(f"rollout ({cfg.rollout}): " + (
+            f"vLLM reserves a KV cache of {kv_vllm / 2**30:.2f} GiB per rank ({budget})"
+            if cfg.rollout == "vllm" else
+            f"{plural(chunk, 'prompt')} x G {G} per generate call on each rank ("
+            + (f"--rollout-chunk {cfg.rollout_chunk})" if cfg.rollout_chunk else
+               f"{budget} holds their KV cache at --max-prompt-len)")), flush=True)
     longest = max(map(len, prompts)) + cfg.max_response_len  # train and held-out prompts
     return make_engine(cfg.rollout, lm, tokenizer, cfg.chat, stop, max_model_len=longest,
                                kv_cache_memory_bytes=kv_vllm, dtype=dtype, seed=cfg.seed,

@@ -28,8 +28,8 @@ def stale_export(run: Path) -> str | None:
 
     exported, kept = run_folder.export_step(run / "hf"), run_folder.complete_steps(run)
     if exported is not None and kept and kept[0] > exported:
-        return (f"{run / 'hf'} holds the model after {exported} steps, but the run's newest "
-                f"checkpoint is after {kept[0]} "
+        return (f"{run / 'hf'} holds the model after {run_folder.plural(exported, 'step')}, but "
+                f"the run's newest checkpoint is after {kept[0]} "
                 f"(python train.py --resume {run} --export-hf exports it)")
     return None
 
@@ -44,7 +44,7 @@ def export_command(run: Path, recorded: dict) -> str:
         return "the run has no checkpoint to export"
     # a run stopped early: its checkpoint
     steps = "" if kept[0] == recorded["steps"] else f" --steps {kept[0]}"
-    return (f"export its checkpoint after {kept[0]} steps with: "
+    return (f"export its checkpoint after {run_folder.plural(kept[0], 'step')} with: "
             f"python train.py --resume {run}{steps} --export-hf")
 
 

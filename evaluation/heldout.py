@@ -26,7 +26,7 @@ def evaluate_heldout(run, done: int) -> bool:
     when = f"after {run_folder.plural(done, 'step')}" if done else "before training"
     run_folder.say(f"held-out accuracy {when}: {result['eval/acc']:.4f} = "
                    f"{100 * result['eval/acc']:.2f}% as eval.py reports it "
-                   f"({int(result['eval/n'])} samples)", run.rank)
+                   f"({run_folder.plural(int(result['eval/n']), 'sample')})", run.rank)
     return True
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import reward
 from data import describe
 from evaluation.benchmarks import BENCHMARKS, PAPER_BENCHMARKS, TITLES
+from run_folder.console import plural
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -105,7 +106,7 @@ def table(results: dict) -> str:
                f"({', '.join(TITLES[b] for b in paper)}); GSM8K and your own sets are never "
                f"averaged." if paper else "")  # no paper benchmark: no Avg column
     # train.py exports
-    exports = [f"{label} is the export after {e['step']} steps (checksum {e['checksum']})"
+    exports = [f"{label} is the export after {plural(e['step'], 'step')} (checksum {e['checksum']})"
                for label, model in results["models"].items() if (e := model.get("export"))]
     lines = [f"avg@k (%), temperature {cfg['temperature']}, top-p {cfg['top_p']}, "
              f"max {cfg['max_new_tokens']} new tokens, {prompt}{source}{correct}.{average}"
@@ -133,8 +134,18 @@ def table(results: dict) -> str:
 
 
 def write_outputs(results: dict, out: str | Path) -> None:
+    """OUT/results.json and OUT/table.md, each replaced whole (a full disk leaves the earlier file
+    or none, never a torn one that blocks the next attempt); a failure is an OSError in one line
+    naming the file."""
+    from run_folder.files import write_atomic
+
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, ensure_ascii=False,
-                                                 default=str))  # a row's date
-    (out / "table.md").write_text(table(results))
+    for name, text in (("results.json", json.dumps(results, indent=1, ensure_ascii=False,
+                                                   default=str)),  # a row's date
+                       ("table.md", table(results))):
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            write_atomic(out / name, text.encode())
+        except OSError as e:
+            raise OSError(f"could not write {out / name} ({e.strerror or e}): free space on its "
+                          f"disk") from None

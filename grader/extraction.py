@@ -66,6 +66,10 @@ SPAN = re.compile(r"\$\$([^$]{1,300})\$\$|\$([^$]{1,300})\$|"
 _BOLD = re.compile(r"\*\*([^*]{1,60})\*\*")
 
 
+# markdown bold around a value, as layout: "64 + 67 = **131**", "**131**" (not a**2: a power)
+_EMPHASIS = re.compile(r"(?<![\w*\\])\*\*(?=\S)([^*\n]{1,60}?)(?<=\S)\*\*(?![\w*])")
+
+
 # x >= 5 is no number's answer
 _RELATION = re.compile(r"[<>≤≥≠]|!=|\\(?:le|ge|ne|lt|gt|leq|geq|neq)(?![a-zA-Z])")
 
@@ -209,10 +213,12 @@ _NOT_UNIT = {"or", "and", "not", "no", "is", "wrong", "maybe", "perhaps", "possi
 def _bare(line):
     """`line` as an answer when it is only a value: "42", "x = 3", "1,234", "33.5%", "3+2",
     "$\\frac13 $", "\\[ 9 \\]", "$28$ %", "$1,000.99" (money), "[45 degrees]" (Geometry3K's
-    brackets), "C"; else None. Words other than function names and one unit after a number
-    ("45 degrees") make it prose, and so do letters of other scripts."""
+    brackets), "C", in markdown bold or not ("64 + 67 = **131**"); else None. Words other than
+    function names and one unit after a number ("45 degrees") make it prose, and so do letters of
+    other scripts."""
     s = line.strip()
     s = s[:-1].rstrip() if s.endswith(".") and not s.endswith("..") else s
+    s = _EMPHASIS.sub(r"\1", s)
     if re.fullmatch(r"\[[^\[\],;]*\]", s):
         s = s[1:-1].strip()  # [45], [$\sqrt{4}$]
     span = SPAN.fullmatch(s)

@@ -4,6 +4,7 @@ loaded once and checked (`load_function`), called on a response or a batch with 
 takes by keyword (`call`); whatever it does wrong is one line naming it (`RewardError`). reward.py's
 `reward` and `rewards` call it in place of the built-in modes.
 """
+import copy
 import functools
 import importlib
 import importlib.util
@@ -110,26 +111,41 @@ def _keywords(fn, spec, rows, batched):
 
 def call(fn, spec, responses, golds, rows):
     """fn's rewards of the responses (lists; one call with lists if fn is batched, else fn(response,
-    gold, **fields) for the one response) as floats; anything it raises, or a value that is not a
-    finite number, is a RewardError naming the function (and, for an exception, the file:line that
-    raised it)."""
+    gold, **fields) for the one response) as floats; anything it raises (SystemExit from
+    sys.exit included; Ctrl-C's KeyboardInterrupt passes), or a value that is not a finite number,
+    is a RewardError naming the function (and, for an exception, the file:line that raised it). It
+    gets copies of the golds and the row's fields: what it changes in them stays with it."""
     batched = getattr(fn, "batched", False)
-    keywords = _keywords(fn, spec, rows, batched)
+    keywords, golds = copy.deepcopy((_keywords(fn, spec, rows, batched), list(golds)))
     try:
-        values = fn(responses, golds, **keywords) if batched else \
+        values = fn(list(responses), golds, **keywords) if batched else \
             [fn(responses[0], golds[0], **keywords)]
-    except Exception as e:  # noqa: BLE001 - user code: any exception -> a line naming it and where
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - user code: anything -> a line naming it and where
         at = traceback.extract_tb(e.__traceback__)[-1]  # the innermost frame: where it was raised
-        raise RewardError(f"reward function {spec} raised {type(e).__name__} at "
-                          f"{at.filename}:{at.lineno}: {_first_line(e)}") from e
-    if batched and (isinstance(values, (str, bytes)) or not hasattr(values, "__len__")
-                    or len(values) != len(responses)):
-        raise RewardError(f"reward function {spec} returned {values!r:.60}, not a list of "
+        did = (f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else
+               f"raised {type(e).__name__}")
+        raise RewardError(f"reward function {spec} {did} at {at.filename}:{at.lineno}"
+                          + ("" if isinstance(e, SystemExit) else f": {_first_line(e)}")) from e
+    if batched and (isinstance(values, (str, bytes)) or not hasattr(values, "__len__")):
+        raise RewardError(f"reward function {spec} returned {_shown(values)}, not a list of "
                           f"{len(responses)} numbers (it is batched: one per response)")
+    if batched and len(values) != len(responses):
+        raise RewardError(f"reward function {spec} returned {len(values)} "
+                          f"value{'s' * (len(values) != 1)} for {len(responses)} responses (it is "
+                          f"batched: one number per response)")
     for value in values:
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise RewardError(f"reward function {spec} returned {value!r:.60}, not a finite number")
+            raise RewardError(f"reward function {spec} returned {_shown(value)}, not a finite "
+                              f"number")
     return [float(v) for v in values]
+
+
+def _shown(value, width=60):
+    """A value as an error line shows it: its repr, cut to `width` characters with '...'."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _first_line(error):

@@ -87,14 +87,35 @@ def memory_estimate(config, world: int = 1, tokens: int = 32768, checkpointing: 
     return terms
 
 
-def memory_line(est: dict[str, float]) -> str:
-    """One line for the start of a run: the estimated peak per rank and its largest terms."""
-    return (f"estimated peak memory per rank, every row at its longest (an upper bound): "
-            f"{est['peak']:.1f} GiB (training {est['train_peak']:.1f}: "
-            f"params + grads + AdamW {est['params'] + est['grads'] + est['adam']:.1f}, activations "
-            f"{est['activations']:.1f}; rollout {est['rollout_peak']:.1f}: gathered copy "
-            f"{est['rollout_gathered']:.1f}, KV cache {est['kv_cache']:.1f}; "
-            f"memory.estimate.memory_estimate)")
+def added_up(total_label: str, parts: dict[str, float], unit: str = "GiB") -> str:
+    """"LABEL T GiB = a x + b y + ..." of `parts` in GiB, shown in `unit` (GiB or MiB) to one
+    decimal, rounded so that the parts shown add up to the total shown (cumulative rounding);
+    parts that round to 0.0 are left out."""
+    scale = 1024 if unit == "MiB" else 1
+    shown, before, running = [], 0.0, 0.0
+    for name, value in parts.items():
+        running += value * scale
+        rounded = round(running, 1) - round(before, 1)
+        before = running
+        if round(rounded, 1) > 0:
+            shown.append(f"{name} {rounded:.1f}")
+    return f"{total_label} {round(running, 1):.1f} {unit} = " + " + ".join(shown or ["0.0"])
+
+
+def memory_line(est: dict[str, float], rows: int, tokens: int) -> str:
+    """One line for the start of a run: the estimated peak per rank, in training and in sampling,
+    each the sum of its terms (in MiB below 1 GiB); the KV cache is that of one generate call of
+    `rows` rows of `tokens` positions."""
+    training = {"weights + gradients + AdamW": est["params"] + est["grads"] + est["adam"],
+                "activations": est["activations"], "logits": est["head"],
+                "gathered layers": est["train_gathered"]}
+    sampling = {"weights + AdamW": est["params"] + est["adam"],
+                "gathered copy": est["rollout_gathered"],
+                f"KV cache ({rows} rows x {tokens} tokens per generate call)": est["kv_cache"],
+                "sampling buffers": est["rollout_work"]}
+    unit = "GiB" if est["peak"] >= 1 else "MiB"
+    return (f"memory per rank, estimated with every row at its longest (an upper bound): "
+            f"{added_up('training', training, unit)}; {added_up('sampling', sampling, unit)}")
 
 
 def run_estimate(cfg, lm_config, world: int, prompt_len: int, per_call: int) -> dict:

@@ -16,12 +16,23 @@
 matplotlib is optional: without it every function prints one line on stderr and draws nothing.
 Choices D74-D82: docs/paper.md, "Deliberate differences".
 """
+import math
 import sys
 from pathlib import Path
 
 from reports.statistics import P_FLAT, gradient_analysis
 from reports.summary import metric_value, run_config, run_summary, seed_groups
 from run_folder.logs import read_log
+
+def save(fig, out_png: str, dpi: int) -> None:
+    """fig.savefig(out_png); a write that fails (a full disk) leaves no torn file and raises OSError
+    naming it."""
+    try:
+        fig.savefig(out_png, dpi=dpi)
+    except OSError as e:
+        Path(out_png).unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror or str(e), str(out_png)) from None
+
 
 METRIC_PANELS = (("metrics.jsonl", "reward/mean", "reward (+-1 mean)"),
                  ("metrics.jsonl", "entropy/mean", "entropy"),
@@ -134,7 +145,7 @@ def plot_metrics(run_dirs: list[str], out_png: str, panels: tuple = METRIC_PANEL
     if named:
         fig.legend(list(named.values()), list(named), loc="lower center", ncol=ncol, fontsize=9)
     fig.tight_layout(rect=(0, legend_in / (3.4 + legend_in), 1, 1))
-    fig.savefig(out_png, dpi=90)
+    save(fig, out_png, 90)
     plt.close(fig)
     return True
 
@@ -177,7 +188,7 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
             ax_h.errorbar([tau_p], [median], yerr=[[median - low], [high - median]], fmt="_",
                           markersize=18, mew=2.5, elinewidth=4, alpha=0.8, capsize=0,
                           color="tab:red", zorder=3,
-                          label=f"tau_h of {len(taus)} mini-batch{'es' if len(taus) > 1 else ''}: "
+                          label=f"tau_h of {_batches(len(taus), len(records))}: "
                                 f"median {median:.2f}, {low:.2f}-{high:.2f}")
         for ax in (ax_h, ax_g):
             ax.set_xscale("log")
@@ -197,8 +208,9 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
         ax_h.set_ylabel("entropy H")
         who = _label(runs[0]) if len(runs) == 1 else f"{len(runs)} runs of {g}"
         # two lines: a run's folder is a long name
-        ax_h.set_title(f"{who}:\n{n:,} drawn tokens ({with_gradient:,} with a gradient), "
-                       f"{len(records)} mini-batches", fontsize=10)
+        ax_h.set_title(f"{who}:\n{n:,} drawn token{'s' * (n != 1)} ({with_gradient:,} with a "
+                       f"gradient), {len(records)} mini-batch{'es' * (len(records) != 1)}",
+                       fontsize=10)
         ax_g.set_ylabel(GRADIENT_NORM)
         ax_g.set_title(f"mean norm (weighted): silenced {mean(silenced)} vs kept {mean(kept)}",
                        fontsize=10)
@@ -206,9 +218,43 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
         ax_g.legend(*ax_h.get_legend_handles_labels(), fontsize=10, loc="upper left",
                     bbox_to_anchor=(1.02, 1), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
+    save(fig, out_png, 100)
     plt.close(fig)
     return True
+
+
+def _batches(with_tau: int, every: int) -> str:
+    """The mini-batches a tau_h bar summarizes, counted as the title counts them: "3 mini-batches",
+    or "16 of the 24 mini-batches (those with candidates)"."""
+    if with_tau == every:
+        return f"{with_tau} mini-batch{'es' * (with_tau != 1)}"
+    return f"{with_tau} of the {every} mini-batches (those with candidates)"
+
+
+def _logit_ticks(ax, fig) -> None:
+    """A logit-scaled p axis labelled at 1, 2 and 5 x 10^-k, 0.5, 0.9, 0.99 and 0.999 in its
+    range, the decades and 0.5, 0.9, ... first, each label kept only where it touches none kept
+    (matplotlib's own labels ran into each other: "2·10^-2 3·10^-2 4·10^-2")."""
+    from matplotlib.ticker import FixedFormatter, FixedLocator, NullFormatter
+
+    low, high = ax.get_xlim()
+    first = [10.0 ** -k for k in range(9, 0, -1)] + [0.5, 0.9, 0.99, 0.999]
+    ticks = sorted(t for t in first + [m * 10.0 ** -k for k in range(9, 0, -1) for m in (2, 5)]
+                   if low <= t <= high)
+    texts = [f"{t:g}" if t >= 1e-3 else
+             f"${t / 10 ** math.floor(math.log10(t)):.0f}\\cdot10^{{{math.floor(math.log10(t))}}}$"
+             .replace("$1\\cdot", "$") for t in ticks]
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.xaxis.set_major_formatter(FixedFormatter(texts))
+    fig.canvas.draw()
+    boxes = [label.get_window_extent().expanded(1, 1).padded(3) for label in ax.get_xticklabels()]
+    kept = []
+    for i in sorted(range(len(ticks)), key=lambda i: ticks[i] not in first):
+        if all(not boxes[i].overlaps(boxes[j]) for j in kept):
+            kept.append(i)
+    ax.xaxis.set_major_formatter(FixedFormatter([t if i in kept else ""
+                                                 for i, t in enumerate(texts)]))
 
 
 def plot_gradient(run_dirs: list[str], out_png: str) -> bool:
@@ -253,12 +299,20 @@ def plot_gradient(run_dirs: list[str], out_png: str) -> bool:
     ax_h.set_title("\n".join(said_h), fontsize=9)
     for ax in (ax_p, ax_h):
         ax.set_ylabel(GRADIENT_NORM + ": median, 25-75%", fontsize=9)
-    fig.legend(*ax_p.get_legend_handles_labels(), loc="lower center", ncol=min(4, 2 * len(rows)),
-               fontsize=10)
+    # one column per setting (correct, incorrect), below the panels, sized as drawn: inside the
+    # figure
+    legend = fig.legend(*ax_p.get_legend_handles_labels(), loc="lower center", ncol=len(rows),
+                        fontsize=10)
     fig.suptitle("RQ1: a token's logit-gradient norm against its probability and entropy "
                  "(tokens.jsonl, weighted)", fontsize=11)
-    fig.tight_layout(rect=(0, 0.08 + 0.05 * ((2 * len(rows) - 1) // 4), 1, 1))
-    fig.savefig(out_png, dpi=100)
+    fig.canvas.draw()
+    fig.set_figwidth(max(fig.get_figwidth(),
+                         legend.get_window_extent().width / fig.dpi + 0.4))  # a long name
+    fig.canvas.draw()
+    below = legend.get_window_extent().height / fig.bbox.height
+    fig.tight_layout(rect=(0, below + 0.02, 1, 1))
+    _logit_ticks(ax_p, fig)
+    save(fig, out_png, 100)
     plt.close(fig)
     return True
 
@@ -298,7 +352,7 @@ def plot_sensitivity(run_dirs: list[str], out_png: str) -> bool:
         ax.set_ylabel("quantile q")
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=80)
+    save(fig, out_png, 80)
     plt.close(fig)
     return True
 
@@ -345,7 +399,7 @@ def plot_counterfactual(lines: list[dict], out_png: str) -> bool:
     ax_k.set_xticks(range(len(kinds)), kinds)
     ax_k.set_title("effects per kind, black: mean", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=80)
+    save(fig, out_png, 80)
     plt.close(fig)
     return True
 
@@ -388,7 +442,7 @@ def plot_counterfactual_groups(panels: dict[str, dict[str, list[dict]]], out_png
     axes[0][0].set_ylabel("contrast: success kept - success without the token\n(black: mean, 95% "
                           "interval over responses;\nnegl.: interval inside +-delta)")
     fig.tight_layout()
-    fig.savefig(out_png, dpi=80)
+    save(fig, out_png, 80)
     plt.close(fig)
     return True
 

@@ -1,5 +1,5 @@
 """A run's report: at the end of a run, its figures and closing lines (`closing_lines`: what the
-mask silenced, RQ1's correlations, a divergence, what the run wrote; docs/outputs.md), and the
+mask silenced, a divergence, what the run wrote; docs/outputs.md), and the
 command line that redraws and overlays finished runs from their files alone (`main`: `python
 train.py --plot RUN ...`, `python -m reports RUN ...`; docs/paper.md §8: RQ1's correlations,
 --table's algorithms side by side, --sensitivity's (tau_p, quantile) grid).
@@ -10,7 +10,7 @@ from command_line.errors import check_writable
 from command_line.flags import OneLineParser
 from reports.figures import figures, plot_sensitivity
 from reports.summary import correlation_line, divergence, silenced_summary, summary_table
-from run_folder.console import say
+from run_folder.console import RunError, say
 from run_folder.files import RUN_FILES, complete_steps
 from run_folder.logs import read_log
 
@@ -67,15 +67,19 @@ def main(argv: list[str], prog: str = "train.py") -> int:
 
 
 def closing_lines(cfg, out: Path) -> None:
-    """A finished run's figures and closing lines, on rank 0 (train.py): what the mask silenced,
-    RQ1's correlations, a divergence, what the run wrote and how to continue it."""
+    """A finished run's figures and closing lines, on rank 0 (train.py): what the mask silenced, a
+    divergence, what the run wrote and how to continue it. RQ1's correlations are gradient.png's
+    title and `--plot`'s lines, not the run's."""
     if cfg.plots:
-        figures([str(out)], str(out / "metrics.png"))
+        try:
+            figures([str(out)], str(out / "metrics.png"))
+        except OSError as e:  # a full disk
+            raise RunError(f"could not write {e.filename or out} ({e.strerror or e}): the run is "
+                           f"complete (checkpoint and export written); free space, then python "
+                           f"train.py --plot {out} draws its figures") from None
     shown = [n for n in ("spurious.jsonl", "s2t.png", "gradient.png") if (out / n).exists()]
     steps = read_log(out / "metrics.jsonl")  # resumed steps included
     say(silenced_summary(cfg.algo, steps, shown))
-    if correlation_line(str(out)):  # RQ1: the gradient norm against p and H (gradient.png)
-        say(correlation_line(str(out)))
     diverged = divergence(steps)
     if diverged:
         say(diverged + "; lower --lr (or raise --warmup-steps)", warning=True)

@@ -2,9 +2,9 @@
 docs/paper.md §8: RQ1's correlations, RQ3/RQ4's algorithms side by side, RQ5's threshold grid):
 runs that are seeds of one setting (`seed_groups`), one run's summary (`run_summary`), the markdown
 table over runs (`summary_table`), and the lines train.py prints at a run's end: what the mask
-silenced (`silenced_summary`), RQ1's correlations (`correlation_line`), a divergence (`divergence`).
-D82 (an entropy change of 0.0 is no such tokens) and D81 (a correlation's scope): docs/paper.md,
-"Deliberate differences".
+silenced (`silenced_summary`), a divergence (`divergence`); RQ1's correlations (`correlation_line`)
+for `--plot`. D82 (an entropy change of 0.0 is no such tokens) and D81 (a correlation's scope):
+docs/paper.md, "Deliberate differences".
 """
 import json
 from pathlib import Path
@@ -142,9 +142,9 @@ def silenced_summary(algo: str, steps: list[dict], files: list[str]) -> str:
     """The console line that counts what the mask silenced over a run (its metrics.jsonl lines)."""
     silenced = [int(m.get("s2t/silenced", 0)) for m in steps]
     candidates = sum(int(m.get("s2t/candidates", 0)) for m in steps)
-    return (f"{algo} silenced {sum(silenced)} tokens in {sum(n > 0 for n in silenced)} of "
-            f"{len(steps)} steps; S2T candidates (A > 0, p < tau_p): {candidates} "
-            f"(metrics.jsonl s2t/*{'; see ' if files else ''}{', '.join(files)})")
+    return (f"{algo} silenced {plural(sum(silenced), 'token')} in {sum(n > 0 for n in silenced)} "
+            f"of {plural(len(steps), 'step')}, of {plural(candidates, 'candidate')} (tokens of "
+            f"correct answers with p < tau_p)" + (f"; see {', '.join(files)}" if files else ""))
 
 
 def divergence(steps: list[dict]) -> str:

@@ -4,7 +4,7 @@ holds config.json, the logs (*.jsonl), checkpoint/step_N/, hf/ (the exported mod
 One concept per file, imported here under one name
 (`run_folder.open_run`, `run_folder.Preemption`, ...):
 
-    console.py      RunError, `say` (rank 0's line above the progress bar)
+    console.py      RunError, `say` (rank 0's line above the progress bar), `quiet_library_bars`
     files.py        what the folder holds, an atomic write, the commands that continue a stopped run
     agreement.py    every rank agrees on a failure
     lock.py         one writer: an exclusive lock on OUT/run.lock
@@ -17,7 +17,8 @@ One concept per file, imported here under one name
     opening.py      a new run, or a resumed one checked against its recipe
 """
 # ruff: noqa: F401 (the names below are this package's interface)
-from run_folder.agreement import agree, agreed_failure, agreed_write_failure, broadcast_failure
+from run_folder.agreement import (agree, agreed_failure, agreed_write_failure, broadcast_failure,
+                                  failure)
 from run_folder.checkpoints import (
                                    ModelAndOptimizer,
                                    crc32,
@@ -26,9 +27,10 @@ from run_folder.checkpoints import (
                                    save_checkpoint,
                                    verified_checkpoint,
 )
-from run_folder.console import RunError, plural, say
+from run_folder.console import RunError, plural, quiet_library_bars, say
 from run_folder.export import export, export_damage, export_id, export_step, recover_export
 from run_folder.files import (
+                              FORMAT,
                               LOGS,
                               RESUMABLE,
                               RUN_FILES,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from run_folder.agreement import agreed_write_failure
 from run_folder.console import RunError, plural, say
-from run_folder.files import _step_dirs, resumable, write_atomic
+from run_folder.files import FORMAT, _step_dirs, resumable, write_atomic
 from run_folder.logs import fsync_logs
 
 
@@ -92,7 +92,8 @@ def save_checkpoint(out: Path, done: int, trained: ModelAndOptimizer, config: di
                   **({"optim": optim_sd} if save_optimizer else {})},
                  checkpoint_id=str(path))
         if rank == 0:
-            torch.save({"step": done, "optimizer": save_optimizer, "config": config, "world": world,
+            torch.save({"format": FORMAT, "step": done, "optimizer": save_optimizer,
+                        "config": config, "world": world,
                         "scheduler": scheduler.state_dict(), "python_rng": random.getstate(),
                         "torch_rng": torch.get_rng_state(),
                         "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available()
@@ -116,7 +117,7 @@ def save_checkpoint(out: Path, done: int, trained: ModelAndOptimizer, config: di
                 raise OSError(f"{unreadable[0]} cannot be read back")
             if rank == 0:
                 write_atomic(path / "manifest.json",
-                             json.dumps({"step": done, "files": files}).encode())
+                             json.dumps({"format": FORMAT, "step": done, "files": files}).encode())
                 fsync_logs(out)
                 write_atomic(latest, path.name.encode())
         except OSError as e:

@@ -46,14 +46,15 @@ def export(policy, tokenizer, out: Path, step: int, dtype: torch.dtype, rank: in
                 os.replace(final, old)
             os.replace(partial, final)
             shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - OSError; safetensors' own error for a full disk
         failed = e
     failed = agreed_write_failure(failed, partial, rank)
     if failed is not None:
         if rank == 0 and old.exists() and not final.exists():
             os.replace(old, final)
         raise RunError(f"could not export the model to {final} ({failed}); the checkpoint is kept: "
-                       f"python train.py --resume auto --out-dir {out} exports it again")
+                       f"free space if the disk is full, then python train.py --resume auto "
+                       f"--out-dir {out} exports it again")
 
 
 def recover_export(out: Path) -> None:

@@ -1,8 +1,10 @@
 """What a run folder holds (docs/outputs.md) and what to type next: the files a run writes
-(`RUN_FILES`), the settings a resume may change (`RESUMABLE`), an atomic write, the steps of its
+(`RUN_FILES`), the settings a resume may change (`RESUMABLE`), its format version (`FORMAT`: a
+folder of another is refused before anything in it changes), an atomic write, the steps of its
 complete checkpoints, and the command lines that continue a stopped run."""
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
@@ -16,6 +18,13 @@ LOGS = ("metrics.jsonl", "eval.jsonl", "samples.jsonl", "spurious.jsonl", "token
 # What a run writes into OUT: a new run refuses a folder that holds any of these unless --overwrite.
 RUN_FILES = ("config.json", *LOGS, "checkpoint", "hf", "stopped.json", "metrics.png", "s2t.png",
              "gradient.png", "tensorboard", "wandb", "eval")
+
+
+# The layout of what a checkpoint holds (manifest.json, state.pt), recorded in both as "format":
+# a version of train.py that changes it raises this number, and each refuses the other's folders.
+# A checkpoint without the key was written before it was recorded: format 1.
+FORMAT = 1
+STATE_KEYS = ("step", "optimizer", "scheduler", "python_rng", "torch_rng", "cuda_rng")
 
 
 # Flags that may change when a run is resumed: how long it runs, what it evaluates and logs, how
@@ -54,6 +63,34 @@ def complete_steps(out: Path) -> list[int]:
     """Steps of the complete checkpoints of OUT (a manifest.json, written last), newest first; not
     verified."""
     return [int(p.name[5:]) for p in _step_dirs(out) if (p / "manifest.json").is_file()]
+
+
+def refuse_another_format(out: Path) -> None:
+    """ValueError in one line when a complete checkpoint of OUT was written by another version of
+    train.py: its manifest.json or state.pt records another FORMAT, or (none recorded) is not laid
+    out as this version writes them. Read only, by every rank, before anything in OUT changes. A
+    file that cannot be read is left to the resume's verification (a damaged checkpoint)."""
+    import torch
+
+    for folder in [p for p in _step_dirs(out) if (p / "manifest.json").is_file()]:
+        try:
+            manifest = json.loads((folder / "manifest.json").read_text())
+            state = torch.load(folder / "state.pt", weights_only=False, map_location="cpu")
+        except Exception:  # noqa: BLE001 - unreadable or damaged: the verification's to report
+            continue
+        for name, record, laid_out in (
+                ("manifest.json", manifest, isinstance(manifest, dict)
+                 and isinstance(manifest.get("files"), dict)),
+                ("state.pt", state, isinstance(state, dict) and set(STATE_KEYS) <= set(state))):
+            found = record.get("format", 1) if isinstance(record, dict) else None
+            if found == FORMAT and laid_out:
+                continue
+            what = (f"run folder format {found!r}; this train.py reads format {FORMAT}"
+                    if found not in (None, FORMAT) else "not laid out as this train.py writes it")
+            raise ValueError(f"{folder / name} was written by another version of train.py "
+                             f"({what}): continue the run with the version that wrote it, or "
+                             f"train with this one into another --out-dir; nothing in {out} was "
+                             f"changed")
 
 
 def resumable(out: Path) -> str:

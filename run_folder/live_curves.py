@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from command_line.errors import one_line
+from run_folder.console import say
+
 # -------------------------------------------------------------------------------------- live curves
 # --logger -> the package it needs
 LOGGERS = {"": None, "tensorboard": "tensorboard", "wandb": "wandb"}
@@ -45,8 +48,13 @@ class Logger:
             self.writer.log(values, step=record["step"])
 
     def close(self) -> None:
-        # tensorboard, wandb
-        (self.writer.close if hasattr(self.writer, "close") else self.writer.finish)()
+        """Flush and close the logger; one that cannot (a full disk) is a warning, so that a stop
+        still writes stopped.json and exits with its status."""
+        try:  # tensorboard, wandb
+            (self.writer.close if hasattr(self.writer, "close") else self.writer.finish)()
+        except Exception as e:  # noqa: BLE001 - whatever the logger's package raises
+            say(f"could not close the --logger's files ({one_line(e)}): its last curves may be "
+                f"missing; metrics.jsonl and eval.jsonl hold them", warning=True)
 
 
 def open_logger(name: str, out: Path, config: dict) -> Logger | None:

@@ -3,6 +3,7 @@ a second run or resume into the folder fails in one line naming the holder. The 
 lock when its process dies, so a killed run never blocks its resume."""
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -25,31 +26,54 @@ class Lock:
     the lock holds within one node: the run says so in one line (`node_local_flock`). Where the
     filesystem has no locks at all, the run warns and goes on unlocked."""
 
-    def __init__(self, out: Path):
-        out.mkdir(parents=True, exist_ok=True)
-        self.path = out / "run.lock"
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    def __init__(self, out: Path, reader: str = ""):
+        """reader: the program ('eval.py') that takes a shared lock instead, to read the run and
+        write beside it: refused while a run writes there; no run can start there (--overwrite
+        included) until it ends; none where the folder cannot hold a lock file (read-only: no run
+        writes there either)."""
+        self.path, self.fd = out / "run.lock", None
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not reader:
+                out.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            if reader and e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                return
+            raise _unwritable(self.path, e) from None
+        try:
+            fcntl.flock(self.fd, (fcntl.LOCK_SH if reader else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self.fd)
+            if reader:
+                raise RunError(f"{out} is being written by a training run ({self.holder()}): "
+                               f"evaluate it when that run has ended, or stop it") from None
             raise RunError(f"{out} is in use by another run ({self.holder()}); one run writes into "
                            f"a folder at a time: wait for it, stop it, or choose another "
                            f"--out-dir") from None
         except OSError as e:  # ENOLCK, EOPNOTSUPP, ENOSYS: a filesystem without locks
+            if reader:
+                return
             say(f"{out} cannot be locked ({e.strerror}): a second run into it would not be "
                 f"detected", warning=True)
         try:
             local = node_local_flock(out, MOUNTS.read_text())
         except OSError:  # no /proc (not Linux)
             local = None
-        if local:
+        if local and not reader:
             say(f"{out} is on {local}: its lock holds within this node only, so a run on another "
                 f"node would not be detected; remount without it (NFS: local_lock=none; Lustre: "
                 f"-o flock) or start one job per folder", warning=True)
-        os.ftruncate(self.fd, 0)
-        os.write(self.fd, f"host {socket.gethostname()} pid {os.getpid()} since "
-                          f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        try:
+            os.ftruncate(self.fd, 0)
+            since = time.strftime('%Y-%m-%d %H:%M:%S')
+            os.write(self.fd, f"{reader + ' ' if reader else ''}host {socket.gethostname()} pid "
+                              f"{os.getpid()} since {since}\n".encode())
+        except OSError as e:  # a full disk: no empty lock file left (this process holds the lock)
+            if reader:
+                return
+            self.path.unlink(missing_ok=True)
+            os.close(self.fd)
+            raise _unwritable(self.path, e) from None
 
     def holder(self) -> str:
         """Who holds the lock, as its file says (it writes that just after locking: wait a moment
@@ -62,7 +86,16 @@ class Lock:
         return "a process that has not written its name yet"
 
     def release(self) -> None:
-        os.close(self.fd)
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _unwritable(path: Path, e: OSError) -> RunError:
+    """The one line of a lock file that cannot be made or written (a full disk, a read-only
+    folder)."""
+    return RunError(f"could not write {path} ({e.strerror or e}): free space on its disk (or make "
+                    f"the folder writable), then run the same command again")
 
 
 MOUNTS = Path("/proc/self/mounts")  # device, mount point, type, options: one mount per line (Linux)

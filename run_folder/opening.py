@@ -10,26 +10,34 @@ from pathlib import Path
 from command_line.errors import check_writable, one_line
 from run_folder.agreement import broadcast_failure
 from run_folder.checkpoints import verified_checkpoint
-from run_folder.console import RunError, say
+from run_folder.console import RunError, plural, say
 from run_folder.export import export_step, recover_export
-from run_folder.files import RESUMABLE, RUN_FILES, complete_steps, write_atomic
+from run_folder.files import (RESUMABLE, RUN_FILES, complete_steps, refuse_another_format,
+                              write_atomic)
 from run_folder.lock import Lock
 from run_folder.logs import append, cut_logs
 
 
 # ------------------------------------------------------------------------------------ opening a run
+# the fields the built-in task (--data '') never reads: it has no fields to name and no Hub split
+UNUSED_BUILTIN = ("prompt_key", "answer_key", "split")
+
+
 def recipe(config: dict) -> dict:
     """What config.json records: the values in effect, without the flags that only say how this
-    command starts (--resume, --overwrite), so that `--config OUT/config.json` reruns the recipe."""
-    return {**config, "resume": "", "overwrite": False}
+    command starts (--resume, --overwrite), so that `--config OUT/config.json` reruns the recipe,
+    and without the fields the built-in task never reads."""
+    return {k: v for k, v in {**config, "resume": "", "overwrite": False}.items()
+            if config["data"] or k not in UNUSED_BUILTIN}
 
 
 def recorded_config(out: Path) -> dict:
     """The config.json of the run in OUT, as a dict (one-line errors for a missing or unreadable
-    file)."""
+    file, or a folder written by another version of train.py: `refuse_another_format`)."""
     path = out / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no run to resume: {path} does not exist")
+    refuse_another_format(out)
     try:
         values = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -42,8 +50,12 @@ def recorded_config(out: Path) -> dict:
 def resume_changes(recorded: dict, config: dict) -> dict:
     """{flag: [recorded, now]} of what a resume changes; ValueError for a flag outside RESUMABLE (a
     resumed run keeps its recipe). fsdp may change with the number of processes."""
+    # heldout: the built-in task holds out its own 20 whatever was recorded (0 before config.json
+    # recorded what a run held out), and null is --data's default share, which gives the same rows
+    same_rows = not recorded.get("data") or recorded.get("heldout") is None
     changed = {k: [recorded.get(k), v] for k, v in recipe(config).items()
-               if k not in ("out_dir", "fsdp") and recorded.get(k) != v}
+               if k not in ("out_dir", "fsdp") and recorded.get(k) != v
+               and not (k == "heldout" and same_rows)}
     refused = [k for k in changed if k not in RESUMABLE
                or (k == "kv_cache_gb" and config["rollout_chunk"] == 0)]
     if refused:
@@ -85,8 +97,8 @@ def open_run(config: dict, recorded: dict | None, rank: int, world: int, command
             return 0, None, lock
         done, path = verified_checkpoint(out, rank, world)
         if config["steps"] < done:
-            raise RunError(f"--steps {config['steps']} is less than the {done} steps {out} "
-                           f"has done")
+            raise RunError(f"--steps {config['steps']} is less than the {plural(done, 'step')} "
+                           f"{out} has done")
         if finished(out, config, done):
             if lock is not None:
                 lock.release()

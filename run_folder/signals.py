@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from command_line.errors import one_line
 from run_folder.console import plural, say
 from run_folder.files import complete_steps, write_atomic
 
@@ -91,6 +92,31 @@ class Preemption:  # D84
         self.deadline_s, self.on_deadline = deadline_s, on_deadline
         self.armed.set()
 
+    # seconds a rank that got a stop signal waits for the others to join it (`starting`): torchrun
+    # sends SIGTERM when a worker dies and SIGKILL 30 s later
+    START_WAIT_S = 10.0
+
+    def starting(self, join, *args):
+        """join(*args): the process group's start (train.py: init_distributed), which waits for
+        every rank. A rank that died before it (a crash, a bad node) never joins, and torchrun then
+        stops the others with SIGTERM: a stop signal during (or before) the wait leaves
+        START_WAIT_S seconds after it, in one line (nothing written yet), if the wait has not
+        ended; before that, all ranks alive (a preemption), the run stops as usual."""
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # counted from the wait's start at least
+            self.arm(self.START_WAIT_S + (time.monotonic() - self.received if self.received
+                                          else 0.0), self._leave_waiting)
+        try:
+            return join(*args)
+        finally:  # `arm` again (--stop-deadline-s) from here on
+            self.armed.clear()
+            self.deadline_s = self.on_deadline = None
+
+    def _leave_waiting(self) -> None:
+        print(f"train.py: warning: {self.signal or 'a stop signal'} came while this rank waited "
+              f"for the others to start, and {self.START_WAIT_S:g} s later they have not (did one "
+              f"fail?): leaving; nothing was written", file=sys.stderr, flush=True)
+        os._exit(STOPPED)
+
     def _watch(self, read: int) -> None:
         """The watchdog thread: reads each signal's byte from the wakeup pipe; after a first stop
         signal it waits for `arm` and the deadline, and leaves at once at a second one with SIGINT
@@ -98,14 +124,15 @@ class Preemption:  # D84
         started = first = None
         try:
             while True:
-                wait = None  # seconds to the deadline, or None: until the next signal
+                # seconds to the deadline, or None: until the next signal
+                wait, deadline_s, on_deadline = None, self.deadline_s, self.on_deadline
                 if started is not None and not self.armed.is_set():
                     wait = 0.2  # not armed yet: look again
-                elif started is not None and self.deadline_s and not self.done.is_set():
-                    wait = started + self.deadline_s - time.monotonic()
-                    if wait <= 0:
-                        self.on_deadline()
-                        return
+                elif started is not None and deadline_s and not self.done.is_set():
+                    wait = started + deadline_s - time.monotonic()
+                    if wait <= 0:  # the main thread, blocked in C, may not have named it yet
+                        self.signal = self.signal or signal.Signals(first).name
+                        self._exit_after(on_deadline, STOPPED)
                 if not select.select([read], [], [], wait)[0]:
                     continue
                 byte = os.read(read, 1)
@@ -134,7 +161,19 @@ class Preemption:  # D84
         """A second stop signal with SIGINT among the two: `on_leave` ends the process (once, from
         whichever of the main thread and the watchdog sees it first)."""
         if self.leaving.acquire(blocking=False):
-            self.on_leave(signal.Signals(signum).name)
+            self._exit_after(lambda: self.on_leave(signal.Signals(signum).name), INTERRUPTED)
+
+    @staticmethod
+    def _exit_after(leave, status: int) -> None:
+        """leave(), which ends the process; if it raises instead, one line and exit `status`: never
+        an exception into the code a signal interrupted (your reward function) nor a dead
+        watchdog (a rank that never leaves)."""
+        try:
+            leave()
+        except BaseException as e:  # noqa: BLE001 - whatever it was, the process leaves
+            print(f"train.py: warning: leaving at once ({one_line(e)})", file=sys.stderr,
+                  flush=True)
+        os._exit(status)
 
     @staticmethod
     def _leave_before_start(name: str) -> None:
@@ -171,13 +210,21 @@ class Preemption:  # D84
         return bool(flag.item())
 
 
-def write_stopped(out: Path, signal_name: str, saved: int | None) -> None:
+def write_stopped(out: Path, signal_name: str, saved: int | None) -> str | None:
     """OUT/stopped.json: the run was stopped by a signal, with the checkpoint of `saved` steps
     (None: stopped before its first step); removed when the run goes on. A requeue script tests it
-    (torchrun exits 1 whatever its workers' status; `python train.py` exits with STOPPED)."""
-    write_atomic(out / "stopped.json", json.dumps({
-        "signal": signal_name, "steps_done": saved or 0,
-        "checkpoint": f"checkpoint/step_{saved}" if saved else None}).encode())
+    (torchrun exits 1 whatever its workers' status; `python train.py` exits with STOPPED). Returns
+    None, or the warning (naming the file, why and what to do) when it cannot be written (a full
+    disk): the stop goes on, and exits with its status all the same."""
+    path = out / "stopped.json"
+    try:
+        write_atomic(path, json.dumps({
+            "signal": signal_name, "steps_done": saved or 0,
+            "checkpoint": f"checkpoint/step_{saved}" if saved else None}).encode())
+    except OSError as e:
+        return (f"could not write {path} ({e.strerror or e}): a requeue script that looks for it "
+                f"misses this stop; free space on its disk, then continue as this stop says")
+    return None
 
 
 def stopped(out_dir: str, steps: int, rank: int, preemption: Preemption, saved: int, where: str,
@@ -186,8 +233,8 @@ def stopped(out_dir: str, steps: int, rank: int, preemption: Preemption, saved: 
     after `done` steps (default: `saved`), with the checkpoint of `saved` steps (0: none); returns
     STOPPED."""
     done = saved if done is None else done
-    if rank == 0:
-        write_stopped(Path(out_dir), preemption.signal, saved or None)
+    if rank == 0 and (failed := write_stopped(Path(out_dir), preemption.signal, saved or None)):
+        say(failed, rank, warning=True)
     kept = (f"checkpoint/step_{saved} is kept; continue with: {preemption.command}" if saved else
             f"nothing to keep; {preemption.command} starts it again")
     say(f"stopped by {preemption.signal} {where}, {plural(done, 'step')} of {steps} done, "
@@ -201,16 +248,23 @@ def leave(out_dir: str, rank: int, preemption: Preemption, why: str, status: int
     signal handler): stopped.json (rank 0) naming the newest complete checkpoint, one line (on every
     rank when `every_rank`, else on rank 0), exit `status`. `why` begins the line: what made the
     rank leave."""
-    out, kept = Path(out_dir), complete_steps(Path(out_dir))
-    if rank == 0:
-        write_stopped(out, preemption.signal or "a stop signal", kept[0] if kept else None)
+    out, kept, failed = Path(out_dir), [], None
+    try:  # a full disk, an unreadable folder: said in one line, and the rank leaves all the same
+        kept = complete_steps(out)
+        if rank == 0:
+            failed = write_stopped(out, preemption.signal or "a stop signal",
+                                   kept[0] if kept else None)
+    except OSError as e:
+        failed = f"could not read or write {out} ({one_line(e)})"
     then = (f"checkpoint/step_{kept[0]} is kept; continue with: {preemption.command}" if kept else
             f"no checkpoint was kept; {preemption.command} starts the run again")
     if every_rank or rank == 0:
         # below a progress bar's unfinished line
         bar = "\n" if rank == 0 and tqdm._instances else ""
-        print(f"{bar}train.py: warning: {'rank %d: ' % rank if every_rank else ''}{why}: leaving "
-              f"without a checkpoint of this stop; {then}", file=sys.stderr, flush=True)
+        who = 'rank %d: ' % rank if every_rank else ''
+        print(bar + "".join(f"train.py: warning: {who}{line}\n" for line in [failed] if line)
+              + f"train.py: warning: {who}{why}: leaving without a checkpoint of this stop; {then}",
+              file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(status)
 

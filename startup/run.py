@@ -51,6 +51,7 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
           checkpoint: Path | None, preemption: run_folder.Preemption) -> Run:
     """The model, its sharding, the optimizer, the rollout engine, and the checkpoint a resume
     continues from."""
+    run_folder.quiet_library_bars()  # transformers' "Loading weights", "Writing model shards"
     if device.type == "cpu":
         keep_freed_memory()
         # Deterministic kernels: without them the backward on several threads sums in a varying
@@ -71,8 +72,9 @@ def setup(cfg: config.Config, rows: tuple[list[dict], list[dict]], rank: int, wo
     if rank == 0:  # the memory model's estimate (docs/memory.md), every row at its longest
         per_call = prompts_per_call(cfg, cfg.prompts_per_step // world, lm.config,
                                     compute_dtype(cfg, device).itemsize)
-        print(memory_line(run_estimate(cfg, lm.config, world, max(map(len, train_prompts)),
-                                       per_call)), flush=True)
+        longest = max(map(len, train_prompts))
+        print(memory_line(run_estimate(cfg, lm.config, world, longest, per_call),
+                          per_call * cfg.group_size, longest + cfg.max_response_len), flush=True)
 
     def make_policy(model_lm):
         policy = Policy(model_lm, vocab_size=lm_vocab_size(tokenizer))  # the sampler's rows only

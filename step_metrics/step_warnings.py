@@ -1,13 +1,19 @@
 """The console warnings of a run's steps: every group tied (no gradient at all), a machine
 oversubscribed at start or when a step is far slower than the ones before it
-(docs/performance.md)."""
+(docs/performance.md); at start on a busy CPU machine, torch's threads lowered to the free cores
+unless the user chose a count (`fit_threads`, train.py and eval.py)."""
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
 from run_folder import plural, say
+
+# torch's own thread count, before any caller could choose one (train.py and eval.py import this
+# file before their first line runs)
+THREADS_AT_IMPORT = torch.get_num_threads()
 
 
 def zero_gradient(metrics: dict, group_size: int) -> str:
@@ -46,6 +52,48 @@ def oversubscribed(load: float, cores: int, threads: int, processes: int, ours: 
             f"process{'es' if processes > 1 else ''}; {fix}")
 
 
+def fitted_threads(load: float, cores: int, threads: int, processes: int) -> int:
+    """The most torch threads per process, at most `threads` and at least 1, that keep the load of
+    others (`load`, before this run computes) plus this run's threads x processes within the cores
+    (the bound `oversubscribed` tests)."""
+    return max(1, min(threads, int((cores + 0.5 - load) // processes)))
+
+
+def user_threads() -> bool:
+    """Whether the user chose torch's thread count: OMP_NUM_THREADS or MKL_NUM_THREADS set, or
+    torch.set_num_threads called before the run (a count other than torch's own)."""
+    return any(os.environ.get(v, "").strip() for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")) \
+        or torch.get_num_threads() != THREADS_AT_IMPORT
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def fit_threads(device, rank: int, prog: str = "train.py") -> None:
+    """At start, on every rank of a CPU run: on a machine oversubscribed by other work, torch's
+    threads lowered to those that fit the free cores (`fitted_threads`), said in one line on rank 0;
+    where the user chose the count (`user_threads`), kept, with `oversubscribed`'s warning. The
+    thread count changes rounding, not the algorithm: a run repeats bit for bit at one count
+    (docs/training.md, Reproducibility), which OMP_NUM_THREADS fixes."""
+    if device.type != "cpu":
+        return
+    threads, processes = torch.get_num_threads(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    load, cores = os.getloadavg()[0], _cores()
+    line = oversubscribed(load, cores, threads, processes)
+    fit = fitted_threads(load, cores, threads, processes)
+    if line and (user_threads() or fit >= threads):
+        if rank == 0:
+            print(f"{prog}: warning: {line}", file=sys.stderr, flush=True)
+    elif line:
+        torch.set_num_threads(fit)
+        if rank == 0:
+            print(f"{prog}: note: the machine is busy (load {load:.1f} on "
+                  f"{plural(cores, 'core')}): {plural(fit, 'torch thread')} per process instead of "
+                  f"{threads}; OMP_NUM_THREADS=N fixes the count (a run repeats bit for bit at one "
+                  f"count)", file=sys.stderr, flush=True)
+
+
 def slow_step(tokens_per_s: list[float], factor: float = 3.0) -> bool:
     """Whether the last step (tokens_per_s: metrics.jsonl's, one per step of this attempt) is
     `factor` times slower than the median of the steps before it, when the step before it was not
@@ -58,15 +106,22 @@ def slow_step(tokens_per_s: list[float], factor: float = 3.0) -> bool:
 
 
 def busy(device, rank: int, tokens_per_s: list[float]) -> None:
-    """On rank 0 of a CPU run: one warning when the machine is oversubscribed (oversubscribed: the
-    load against the cores and torch's threads x this machine's processes), at start (tokens_per_s
-    empty) and when a step is far slower than the ones before it (slow_step)."""
-    if device.type != "cpu" or rank != 0 or (tokens_per_s and not slow_step(tokens_per_s)):
+    """A CPU run on a busy machine: at start (tokens_per_s empty) `fit_threads` (every rank); when a
+    step is far slower than the ones before it (slow_step), one warning on rank 0 when the machine
+    is oversubscribed (the load against the cores and torch's threads x this machine's processes),
+    with how much slower."""
+    if device.type != "cpu":
+        return
+    if not tokens_per_s:
+        fit_threads(device, rank)
+        return
+    if rank != 0 or not slow_step(tokens_per_s):
         return
     threads, processes = torch.get_num_threads(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     # ours: the run's own share, once running
-    line = oversubscribed(os.getloadavg()[0], cores, threads, processes,
-                          ours=threads * processes if tokens_per_s else 0.0)
+    line = oversubscribed(os.getloadavg()[0], _cores(), threads, processes,
+                          ours=threads * processes)
+    before = sorted(tokens_per_s[:-1])
     if line:
-        say(line, warning=True)
+        say(f"the last step ran {before[len(before) // 2] / tokens_per_s[-1]:.1f}x slower than the "
+            f"ones before it: {line}", warning=True)

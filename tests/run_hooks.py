@@ -62,6 +62,19 @@ def hook_signal_at(owner: str, name: str, nth: int, rank: str = "0", sig: str = 
     setattr(target, name, wrapped)
 
 
+def hook_full_disk(names: list[str], then: str = "", *args) -> None:
+    """(testdata/train_run.py) run_folder's atomic writes of the files `names` fail as on a full
+    disk (ENOSPC at their temporary file), then the hook named `then` with `args`, if any."""
+    import builtins
+
+    import run_folder.files
+    from tests.toy_task import full_disk
+
+    run_folder.files.open = full_disk(builtins.open, tuple(names))
+    if then:
+        globals()[then](*args)
+
+
 def hook_signal_then_hang(nth: int) -> None:
     """(testdata/train_run.py) SIGTERM at the nth rollout, and then the rollout never returns, as a
     rank waits in a collective for a frozen one (SIGSTOP, a dead network)."""
@@ -76,6 +89,23 @@ def hook_signal_then_hang(nth: int) -> None:
             threading.Event().wait()
         return sample(*args, **kwargs)
     PlainEngine.sample = hangs
+
+
+def hook_rank_1_dies_before_the_process_group(joining: str) -> None:
+    """(testdata/train_run.py) Rank 1 dies (exit 1) before it joins the process group, as a worker
+    that crashes during startup, once rank 0 is joining it (the file `joining` exists)."""
+    import time
+
+    init_distributed = train.init_distributed
+
+    def dies(*args, **kwargs):
+        if os.environ.get("RANK") == "1":
+            while not os.path.exists(joining):  # an order of events, not a timing
+                time.sleep(0.05)
+            os._exit(1)
+        open(joining, "w").close()
+        return init_distributed(*args, **kwargs)
+    train.init_distributed = dies
 
 
 def hook_data_unreadable_on_rank_1() -> None:

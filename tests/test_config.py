@@ -64,6 +64,26 @@ def test_train_eval_samples_zero_and_numeric_flags(tmp_path, monkeypatch, capsys
     assert not (tmp_path / "bad").exists()
 
 
+def test_train_seed_and_quantile_window_ranges_are_checked_before_the_folder(
+        tmp_path, monkeypatch, capsys):
+    """Any 64-bit --seed trains (2**63 - 1 included); one beyond, or a --quantile-window too large
+    to hold, is one line naming the flag before the run folder is made, so the corrected command
+    runs. (--seed 2**63 failed after the held-out evaluation with "Overflow when unpacking long
+    long", naming no flag, and its half-opened folder refused the corrected rerun; --quantile-window
+    10**30 printed a PyTorch slice warning in every step.)"""
+    patch_toy_task(monkeypatch, EVEN)
+    data, run = toy_data(tmp_path), tmp_path / "run"
+    for flag, value, rule in (("seed", 2**63, "be a 64-bit integer"),
+                              ("quantile_window", 10**30, "be <= 10**9")):
+        assert train.main(toy_args(data, run, heldout=2, **{flag: value})) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"train.py: error: --{flag.replace('_', '-')} must {rule} (got {value})"]
+        assert not run.exists()
+    with one_thread():
+        assert train.main(toy_args(data, run, heldout=2, seed=2**63 - 1, export_hf=False)) == 0
+    assert read_metrics(run)[0]["step"] == 1
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what CPU-only flags do")
 def test_train_flags_without_effect_warn_and_config_records_what_ran(tmp_path, monkeypatch, capsys):
     """--mixed-precision needs CUDA and --kl-beta needs GRPO: each warns in one line, and

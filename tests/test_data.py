@@ -70,6 +70,7 @@ def test_eval_data_errors_name_fields_lines_and_count_duplicates(tmp_path, monke
         {"problem": "1+1?", "answer": "3", "fields": {"q": "1+1?", "a": "3"}}], 2)
     assert repeated_note(str(path), 2, 3) == (f"{path}: dropped 2 of 5 rows that repeat an earlier "
                                               f"row's problem and answer; 3 rows remain")
+    assert repeated_note("d", 1, 1).endswith("answer; 1 row remains")  # it said "1 rows remain"
 
 
 def test_read_rows_of_a_jsonl_file_needs_no_datasets(tmp_path):

@@ -482,3 +482,89 @@ def test_eval_of_a_run_without_export_names_the_export_command_and_results_name_
     assert results["models"][str(run / "hf")]["export"]["step"] == 3
     assert [json.loads((run / "eval" / f"step_{n}" / "results.json").read_text())["models"][
         str(run / "hf")]["export"]["step"] for n in (2, 3)] == [2, 3]
+
+
+class _TornWrite:
+    """A file on a full disk: a write keeps half of its data, then raises ENOSPC."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        self.f.write(data[:len(data) // 2])
+        self.f.flush()
+        raise OSError(28, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def test_eval_full_disk_a_training_run_and_ctrl_c_are_one_line(tmp_path, monkeypatch, capsys):
+    """A full disk in results.json: one line naming it and the fix, no torn file left, so the same
+    command then evaluates and --regrade reads it. eval.py --run takes the run folder's lock
+    (shared): refused in one line while train.py writes there, and train.py --overwrite refused
+    while it evaluates. Ctrl-C: one line naming what results.json holds, exit 130. (A torn
+    results.json then blocked a rerun and was "not JSON" to --regrade; an evaluation raced by
+    --overwrite saved the old model's results in the new run; Ctrl-C printed a 30-71 line
+    traceback.)"""
+    import builtins
+    import io
+
+    real_open = io.open
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        return _TornWrite(f) if Path(path).name.startswith("results.json") and "w" in mode else f
+
+    out = tmp_path / "e"
+    monkeypatch.setattr(io, "open", full_disk)
+    monkeypatch.setattr(builtins, "open", full_disk)
+    with pytest.raises(SystemExit) as e:
+        _run_tiny(out)
+    monkeypatch.setattr(io, "open", real_open)
+    monkeypatch.setattr(builtins, "open", real_open)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and [x for x in err.splitlines() if "eval.py" in x] == [
+        f"eval.py: error: could not write {out / 'results.json'} (No space left on device): free "
+        f"space on its disk, then run the same command again"] and "Traceback" not in err, err
+    assert not [p.name for p in out.iterdir() if p.name.startswith("results.json")]
+    _run_tiny(out)
+    assert ev.main(["--regrade", str(out / "results.json")])["models"]["tiny"]
+
+    patch_toy_task(monkeypatch, EVEN)
+    monkeypatch.setattr(model, "lm_vocab_size", lambda tokenizer: TOY_VOCAB)
+    run, data = tmp_path / "run", toy_data(tmp_path)
+    with one_thread():
+        assert train.main(toy_args(data, run, heldout=2, steps=1)) == 0
+    training = run_folder.Lock(run)  # train.py writing into the run
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--run", str(run)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith(
+        f"eval.py: error: {run} is being written by a training run (host ") and err[0].endswith(
+        "): evaluate it when that run has ended, or stop it"), err
+    training.release()
+    evaluating = run_folder.Lock(run, reader="eval.py")  # eval.py --run evaluating it
+    assert train.main(toy_args(data, run, heldout=2, steps=1, overwrite=True)) == 2
+    err = capsys.readouterr().err
+    assert f"train.py: error: {run} is in use by another run (eval.py host " in err, err
+    evaluating.release()
+    assert json.loads((run / "hf" / "export.json").read_text())["step"] == 1  # untouched
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plain_engine.PlainEngine, "sample", interrupted)
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--run", str(run)])
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and err.strip().splitlines()[-1] == (
+        "eval.py: interrupted (SIGINT): nothing was written") and "Traceback" not in err, err
+    run_folder.Lock(run).release()  # the lock went with it

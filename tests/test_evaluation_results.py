@@ -1,7 +1,7 @@
 """evaluation/results.py: pass@k and avg@k against hand computations."""
 import pytest
 
-from evaluation.results import benchmark_metrics, pass_at_k
+from evaluation.results import benchmark_metrics, pass_at_k, table
 
 
 # ==================================================================================================
@@ -30,3 +30,13 @@ def test_eval_metrics_on_fabricated_verdicts():
     assert m["pass@k"] == pytest.approx(100 * (1 + 1 + 0) / 3)  # 66.67
     assert m["mean_length"] == pytest.approx((100 + 20 + 400) / 12)  # 43.33
     assert m["truncated"] == pytest.approx(100 * 5 / 12)
+
+
+def test_eval_table_names_an_export_after_one_step_in_the_singular():
+    """A train.py export after 1 step: "the export after 1 step" (it said "after 1 steps")."""
+    metrics = benchmark_metrics([{"samples": [{"correct": 1, "length": 3, "truncated": 0}]}])
+    results = {"config": {"chat": False, "instruction": "", "run": "", "temperature": 1.0,
+                          "top_p": 1.0, "max_new_tokens": 8},
+               "models": {"run/hf": {"benchmarks": {"heldout": {"metrics": metrics}},
+                                     "export": {"step": 1, "checksum": "0a1b2c3d"}}}}
+    assert "run/hf is the export after 1 step (checksum 0a1b2c3d)." in table(results)

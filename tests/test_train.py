@@ -217,18 +217,23 @@ def test_train_cpu_turns_on_deterministic_kernels(tmp_path, monkeypatch):
 
 def test_train_console_units_and_the_final_bar_once(tmp_path, monkeypatch, capsys):
     """What the console says, in one unit each: KV caches in GiB (the GB of --kv-cache-gb
-    converted), the memory estimate named an upper bound, the held-out accuracy as a fraction and as
-    eval.py's percentage, the bar's silenced tokens as a count; the final progress bar on one line,
-    not redrawn under the closing lines; --help names the cpu preset beside the paper's recipe,
-    eval.py's --data-dir a folder the repository has. (GB beside GiB, 0.087 beside eval.py's 8.75,
-    silenced=3.4e-03 beside counts, the final bar 2-3 times.)"""
+    converted), the memory estimate named an upper bound (no module path), the held-out accuracy as
+    a fraction and as eval.py's percentage, the bar's silenced tokens as a count; the final progress
+    bar on one line, not redrawn under the closing lines; --help names the cpu preset beside the
+    paper's recipe, eval.py's --data-dir a folder the repository has. (GB beside GiB, 0.087 beside
+    eval.py's 8.75, silenced=3.4e-03 beside counts, the final bar 2-3 times.)"""
     patch_toy_task(monkeypatch, EVEN)
     with one_thread():
         assert train.main(toy_args(toy_data(tmp_path), tmp_path / "run", steps=2, heldout=2,
-                                   export_hf=False)) == 0
+                                   export_hf=False, rollout_chunk=0)) == 0
     out, err = capsys.readouterr()
-    assert "KV cache at most 0.00 GiB per rank (--kv-cache-gb 40 = 37.25 GiB)" in out, out
-    assert "estimated peak memory per rank, every row at its longest (an upper bound): " in out
+    # one KV-cache figure, the memory line's (the rollout line had a second, sized otherwise)
+    assert ("rollout (plain): 4 prompts x G 4 per generate call on each rank (--kv-cache-gb 40 = "
+            "37.25 GiB holds their KV cache at --max-prompt-len)") in out, out
+    memory = next(x for x in out.splitlines() if x.startswith("memory per rank"))
+    assert memory.startswith("memory per rank, estimated with every row at its longest (an upper "
+                             "bound): training ") and out.count("KV cache (") == 1
+    assert "memory.estimate" not in out and "Writing model shards" not in err
     acc = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[0])["eval/acc"]
     assert (f"held-out accuracy before training: {acc:.4f} = {100 * acc:.2f}% as eval.py reports "
             f"it (8 samples)") in out
@@ -289,7 +294,8 @@ def test_train_holds_out_a_tenth_of_your_data_by_default_or_says_there_is_none(
     assert [(e["step"], e["eval/n"]) for e in evals] == [(0, 5 * 4), (1, 5 * 4)]
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     train_rows, heldout, _ = load_rows(SimpleNamespace(**config))
-    assert config["heldout"] is None and len(heldout) == 5 and len(train_rows) == 50
+    # the count it held out, not --heldout's null
+    assert config["heldout"] == 5 and len(heldout) == 5 and len(train_rows) == 50
     out = capsys.readouterr().out
     assert "held-out accuracy before training" in out and "no held-out evaluation" not in out
     small = tmp_path / "small.jsonl"
@@ -410,6 +416,22 @@ def test_train_bad_inputs_one_line_error(tmp_path, capsys):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert [x for x in proc.stderr.splitlines() if x.strip()] == \
         [x for x in proc.stderr.splitlines() if "error" in x]
+
+
+def test_train_wrong_model_offline_is_one_line_before_the_folder(tmp_path, monkeypatch, capsys):
+    """A mistyped --model with the Hub off: one line naming what --model accepts, without asking
+    the Hub, before the run folder opens (no config.json, no run.lock). It took 27 s of the Hub's
+    retries and left both."""
+    import huggingface_hub
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info",
+                        lambda *a, **k: pytest.fail("the Hub was asked"))
+    out = tmp_path / "o"
+    assert train.main(toy_args(toy_data(tmp_path), out, model="smolm2")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("train.py: error: --model 'smolm2' is not in the "
+                                               "local Hub cache") and "smollm2, tiny" in err[0]
+    assert not out.exists()
 
 
 def test_train_skips_zero_advantage_and_nonfinite_steps(tmp_path, monkeypatch, capsys):
@@ -631,17 +653,18 @@ def test_train_samples_file_and_console(tmp_path, monkeypatch, capsys):
     assert [x.split(":")[0] for x in out if x.startswith("held-out")] == [
         "held-out accuracy before training", "held-out accuracy after 1 step"]
     metrics = read_metrics(tmp_path / "run")
-    assert out[-3].startswith(f"stapo silenced {int(metrics[0]['s2t/silenced'])} tokens in ")
-    assert out[-2].startswith("logit-gradient norm vs p: Spearman ")  # summary.correlation_line
+    # plain closing lines: RQ1's Spearman correlations are gradient.png's and --plot's
+    assert out[-2].startswith(f"stapo silenced {int(metrics[0]['s2t/silenced'])} tokens in ")
+    assert not any("Spearman" in line for line in out)
     steps = [{"s2t/silenced": 3.0, "s2t/candidates": 5.0},
              {"s2t/silenced": 0.0, "s2t/candidates": 1.0},
              {"s2t/silenced": 2.0, "s2t/candidates": 2.0}]
     assert summary.silenced_summary("stapo", steps, ["spurious.jsonl", "s2t.png"]) == (
-        "stapo silenced 5 tokens in 2 of 3 steps; S2T candidates (A > 0, p < tau_p): 8 "
-        "(metrics.jsonl s2t/*; see spurious.jsonl, s2t.png)")
+        "stapo silenced 5 tokens in 2 of 3 steps, of 8 candidates (tokens of correct answers with "
+        "p < tau_p); see spurious.jsonl, s2t.png")
     assert summary.silenced_summary("justrl", [], []) == (
-        "justrl silenced 0 tokens in 0 of 0 steps; S2T candidates (A > 0, p < tau_p): 0 "
-        "(metrics.jsonl s2t/*)")
+        "justrl silenced 0 tokens in 0 of 0 steps, of 0 candidates (tokens of correct answers with "
+        "p < tau_p)")
     # a log without lines is never made
     logs = [n for n in ("config.json", "metrics.jsonl", "eval.jsonl", "samples.jsonl",
                         "spurious.jsonl", "tokens.jsonl") if (tmp_path / "run" / n).exists()]

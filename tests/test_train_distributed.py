@@ -3,6 +3,7 @@ process: losses, parameters, token budgets, micro-batch counts; a bad input on o
 """
 import importlib.util
 import json
+import shlex
 
 import pytest
 from safetensors.torch import load_file
@@ -161,3 +162,33 @@ def test_train_bad_input_on_one_rank_is_one_line_naming_it(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         "train.py: error: --prompts-per-step 100 is more than the 55 training problems of "
         f"{data} (a step takes each at most once): lower it")
+
+
+def test_train_an_error_on_one_rank_reaches_the_user_and_a_dead_rank_lets_the_others_leave(
+        tmp_path):
+    """Your reward function failing on rank 1 only: rank 1 prints its one line, naming itself and
+    the command that continues, and rank 0, whose collective then fails, adds nothing (no gloo
+    traceback). A rank that dies before the process group exists: torchrun stops the other with
+    SIGTERM, and it leaves in one line instead of waiting in init_distributed until torchrun's
+    SIGKILL. (Rank 1's error was never printed, only rank 0's 'Connection closed by peer'
+    traceback; the other rank waited 30 s and died by SIGKILL without a word.)"""
+    data, own = toy_data(tmp_path), tmp_path / "own_reward.py"
+    own.write_text("import os\n\n\ndef first_digit(response, answer):\n"
+                   "    if os.environ['RANK'] == '1':\n"
+                   "        raise KeyError('no verifier on this node')\n"
+                   "    return 1.0\n")
+    args = toy_args(data, tmp_path / "run", reward=f"{own}:first_digit")
+    proc = run_train(tmp_path, args, nproc=2, expect=None)
+    errors = [x for x in proc.stderr.splitlines() if "train.py: error:" in x]
+    assert proc.returncode != 0 and errors == [
+        f"train.py: error: rank 1: reward function {own}:first_digit raised KeyError at {own}:6: "
+        f"'no verifier on this node'; fix it, then continue with: torchrun ... "
+        f"{shlex.join(['train.py', *args, '--resume', 'auto'])}"], proc.stderr[-3000:]
+    assert "Connection closed" not in proc.stderr and "gloo" not in proc.stderr, proc.stderr[-3000:]
+    proc = run_train(tmp_path, toy_args(data, tmp_path / "dead"), nproc=2, expect=None,
+                     hook=("hook_rank_1_dies_before_the_process_group",
+                           str(tmp_path / "joining")), timeout=120)
+    assert ("train.py: warning: SIGTERM came while this rank waited for the others to start, and "
+            "10 s later they have not (did one fail?): leaving; nothing was written"
+            ) in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "dead").exists()

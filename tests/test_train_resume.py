@@ -24,14 +24,18 @@ from transformers import AutoModelForCausalLM
 import config
 import eval as ev
 import model
+import reward
 import run_folder
+import run_folder.files
 import run_folder.logs
 import train
 from model import Policy
 from tests.toy_task import (
+    CHECKS,
     EVEN,
     ROOT,
     TOY_VOCAB,
+    full_disk,
     md5s,
     one_line_error,
     one_thread,
@@ -232,6 +236,39 @@ def test_train_resume_keeps_the_recipe_and_records_what_changed(tmp_path, monkey
         len(read_metrics(run)) == 3
 
 
+def test_train_config_records_what_the_run_used_and_resumes(tmp_path, monkeypatch):
+    """config.json records the held-out rows a run evaluated: the built-in task's 20 (it said 0),
+    a tenth of --data's rows as their count (it said null); a built-in-task run records none of
+    the fields only --data reads. Both resume, and so do runs whose config.json was written before
+    (0 or null, those fields): the same held-out rows, nothing refused."""
+    monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo":
+                        1.0 if CHECKS[EVEN](response, gold) else -1.0)  # the full tiny model
+    builtin, data = tmp_path / "builtin", tmp_path / "data"
+    unused = {"prompt_key": "prompt", "answer_key": "answer", "split": "train"}
+    with one_thread():
+        for run, rows in ((builtin, ""), (data, toy_data(tmp_path))):
+            args = toy_args(rows, run, steps=1, eval_samples=1, export_hf=False)
+            at = args.index("--heldout")  # the default
+            assert train.main(args[:at] + args[at + 2:]) == 0
+        recorded = {run: json.loads((run / "config.json").read_text()) for run in (builtin, data)}
+        assert recorded[builtin]["heldout"] == 20 and not set(unused) & set(recorded[builtin])
+        assert recorded[data]["heldout"] == 5 and recorded[data]["answer_key"] == "answer"
+        for run in (builtin, data):
+            assert train.main(["--resume", str(run), "--steps", "2"]) == 0
+        # as config.json was written before it recorded the count
+        (builtin / "config.json").write_text(json.dumps({**recorded[builtin], **unused,
+                                                         "heldout": 0, "steps": 2}))
+        (data / "config.json").write_text(json.dumps({**recorded[data], "heldout": None,
+                                                      "steps": 2}))
+        for run in (builtin, data):
+            assert train.main(["--resume", str(run), "--steps", "3"]) == 0
+            assert json.loads((run / "config.json").read_text()) == {**recorded[run], "steps": 3}
+            assert [json.loads(x)["changed"] for x in (run / "resumes.jsonl").read_text()
+                    .splitlines()] == [{"steps": [1, 2]}, {"steps": [2, 3]}]
+            evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+            assert [e["eval/n"] for e in evals] == [recorded[run]["heldout"]] * 4
+
+
 def test_train_full_disk_in_a_checkpoint_keeps_the_last_one(tmp_path, monkeypatch, capsys):
     """A checkpoint write that fails (a full disk: torch.save's 'unexpected pos') stops the run in
     one line, exit 2; the half-written folder is removed, `latest` still names the previous
@@ -316,6 +353,48 @@ def test_train_full_disk_in_a_checkpoint_shard_is_one_line_even_in_a_stop(
     assert [m["step"] for m in read_metrics(tmp_path / "stop")] == [1, 2, 3]
 
 
+def test_train_stop_on_a_full_disk_still_exits_stopped_naming_the_kept_checkpoint(
+        tmp_path, monkeypatch, capsys):
+    """Ctrl-C in step 2, right after the checkpoint of step 1, with the disk full from then on: the
+    stop's checkpoint and stopped.json cannot be written; each is one warning naming its file, and
+    the run still exits run_folder.STOPPED naming checkpoint/step_1; with space again the same
+    command finishes. (stopped.json's write raised: exit 2, no stopped.json, so a requeue script
+    that tests it or exit 75 dropped the job.)"""
+    patch_toy_task(monkeypatch, EVEN)
+    data, full, made = toy_data(tmp_path), [], []
+    monkeypatch.setattr(run_folder.files, "open", full_disk(open, when=lambda: full),
+                        raising=False)
+    step_stats = train.old_policy_stats
+
+    def signal_in_step_2(*args):
+        made.append(1)
+        if len(made) == 2:
+            full.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+        return step_stats(*args)
+
+    monkeypatch.setattr(train, "old_policy_stats", signal_in_step_2)
+    args = toy_args(data, tmp_path / "run", steps=3, save_every=1, export_hf=False,
+                    resume="auto")
+    with one_thread():
+        assert train.main(args) == run_folder.STOPPED
+    out, err = capsys.readouterr()
+    assert (f"train.py: warning: could not write {tmp_path / 'run' / 'stopped.json'} (No space "
+            f"left on device): a requeue script that looks for it misses this stop; free space on "
+            f"its disk") in err and "Traceback" not in err and "error" not in err, err
+    assert (f"train.py: warning: could not write {tmp_path / 'run' / 'checkpoint' / 'step_2'} "
+            f"(a full disk?)") in err, err
+    assert "stopped by SIGINT in step 2 (its updates finished), 2 steps of 3 done" in out and \
+        "checkpoint/step_1 is kept; continue with: " in out, out
+    assert not (tmp_path / "run" / "stopped.json").exists() and \
+        not list((tmp_path / "run").glob("*.tmp-*"))
+    full.clear()
+    monkeypatch.setattr(train, "old_policy_stats", step_stats)
+    with one_thread():
+        assert train.main(args) == 0
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2, 3]
+
+
 def test_train_torn_latest_falls_back_to_the_newest_complete_checkpoint(
         tmp_path, monkeypatch, capsys):
     """checkpoint/latest torn (an older version wrote it in place): the resume warns and uses the
@@ -381,7 +460,7 @@ def test_train_hf_export_reproduces_logprobs(tmp_path, monkeypatch):
     try:
         # main's steps, keeping the run's policy
         with one_thread(), run_folder.Preemption() as preemption:
-            rows = train.read_inputs(cfg, world)
+            rows = config.read_inputs(cfg, world)
             _, _, lock = run_folder.open_run(asdict(cfg), None, rank, world, "")
             run = train.setup(cfg, rows, rank, world, device, None, preemption)
             assert train.train(run) == 0
@@ -609,6 +688,43 @@ def test_train_stop_deadline_leaves_a_run_held_by_a_frozen_rank(tmp_path):
     _same_run(tmp_path / "cut", tmp_path / "full")
 
 
+def test_train_second_ctrl_c_or_deadline_on_a_full_disk_leaves_in_one_line(tmp_path):
+    """A full disk where stopped.json goes. A second Ctrl-C that comes inside your reward function:
+    one warning naming stopped.json, the usual line naming checkpoint/step_1, exit
+    run_folder.INTERRUPTED, and your function is not blamed. A stop held by a frozen rank: the
+    --stop-deadline-s guard still leaves, exit run_folder.STOPPED. (The signal handler's OSError
+    surfaced inside the reward function: "reward function ... raised OSError", exit 2; the
+    watchdog thread died on the write and the rank never left.)"""
+    data, own = toy_data(tmp_path), tmp_path / "own_reward.py"
+    own.write_text("import os, signal\ncalls = []\n\n\ndef first_digit(response, answer):\n"
+                   "    calls.append(1)\n"
+                   "    if len(calls) == 17:  # step 2's first response: Ctrl-C twice\n"
+                   "        os.kill(os.getpid(), signal.SIGINT)\n"
+                   "        os.kill(os.getpid(), signal.SIGINT)\n"
+                   "    return 1.0 if response.strip()[:1] == answer else -1.0\n")
+    args = toy_args(data, tmp_path / "twice", steps=3, save_every=1, export_hf=False,
+                    reward=f"{own}:first_digit")
+    proc = run_train(tmp_path, args, hook=("hook_full_disk", ["stopped.json"]),
+                     expect=run_folder.INTERRUPTED, timeout=300)
+    err = proc.stderr.splitlines()
+    assert err[-2:] == [
+        f"train.py: warning: could not write {tmp_path / 'twice' / 'stopped.json'} (No space left "
+        f"on device): a requeue script that looks for it misses this stop; free space on its disk, "
+        f"then continue as this stop says",
+        f"train.py: warning: SIGINT after SIGINT: leaving without a checkpoint of this stop; "
+        f"checkpoint/step_1 is kept; continue with: {_command(args + ['--resume', 'auto'])}"], \
+        proc.stderr[-2000:]
+    assert "reward function" not in proc.stderr and "Traceback" not in proc.stderr
+    args = toy_args(data, tmp_path / "frozen", steps=3, save_every=1, stop_deadline_s=1)
+    proc = run_train(tmp_path, args, hook=("hook_full_disk", ["stopped.json"],
+                                           "hook_signal_then_hang", 2),
+                     expect=run_folder.STOPPED, timeout=120)
+    assert ("train.py: warning: rank 0: SIGTERM came 1 s ago (--stop-deadline-s) and the ranks "
+            "have not stopped together") in proc.stderr and \
+        "checkpoint/step_1 is kept" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
+    assert not list((tmp_path / "frozen").glob("stopped.json*"))
+
+
 def test_train_stop_signal_to_one_rank_stops_both_then_resume_on_other_world_sizes(tmp_path):
     """2 -> 1: SIGUSR1 to rank 1 only, in step 2's rollout: both ranks stop at the same point
     (rank 0 learns it through the process group), the checkpoint of step 1 stays; 1 process resumes
@@ -825,6 +941,120 @@ def test_train_export_is_atomic_dated_and_eval_warns_when_stale(tmp_path, monkey
                                          f"(damaged) differs from its export.json checksums; copy "
                                          f"or export it again (python train.py --resume RUN "
                                          f"--export-hf)"], err
+
+
+def test_train_full_disk_in_the_export_the_lock_or_the_figures_is_one_line(
+        tmp_path, monkeypatch, capsys):
+    """A full disk in the Hugging Face export (safetensors' own error), at the very start (writing
+    run.lock) or after the export (a figure): one line naming the file and the fix, exit 2, and
+    nothing torn or empty left (no hf.partial/, no run.lock, no metrics.png); the export's
+    resume exports exactly. (A 17-line safetensors traceback, exit 1; `train.py: error: No space
+    left on device`, naming no file, with an empty run.lock left.)"""
+    import matplotlib.figure
+    import transformers.modeling_utils as hf_files
+    from safetensors import SafetensorError
+
+    patch_toy_task(monkeypatch, EVEN)
+    data, run, save = toy_data(tmp_path), tmp_path / "run", hf_files.safe_save_file
+
+    def safetensors_full_disk(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(bytes(100))  # the part that fit
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                              'message: "No space left on device" })')
+
+    monkeypatch.setattr(hf_files, "safe_save_file", safetensors_full_disk)
+    args = toy_args(data, run, steps=1, resume="auto")
+    with one_thread():
+        assert train.main(args) == 2
+        one_line_error(capsys, f"could not export the model to {run / 'hf'} (No space left on "
+                               f"device); the checkpoint is kept: free space if the disk is full, "
+                               f"then python train.py --resume auto --out-dir {run} exports it")
+        assert not (run / "hf.partial").exists() and not (run / "hf").exists()
+        monkeypatch.setattr(hf_files, "safe_save_file", save)
+        assert train.main(args) == 0  # the export, nothing trained
+    assert json.loads((run / "hf" / "export.json").read_text())["step"] == 1
+    assert [m["step"] for m in read_metrics(run)] == [1]
+
+    write = os.write
+
+    def lock_full_disk(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("run.lock"):
+            raise OSError(28, "No space left on device")
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", lock_full_disk)
+    assert train.main(toy_args(data, tmp_path / "fresh", steps=1)) == 2
+    monkeypatch.setattr(os, "write", write)
+    one_line_error(capsys, f"could not write {tmp_path / 'fresh' / 'run.lock'} (No space left on "
+                           f"device): free space on its disk (or make the folder writable), then "
+                           f"run the same command again")
+    assert list((tmp_path / "fresh").iterdir()) == []
+
+    def figure_full_disk(figure, path, *args, **kwargs):
+        Path(path).write_bytes(b"\x89PNG")  # the part that fit
+        raise OSError(28, "No space left on device")  # a write's error names no file
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", figure_full_disk)
+    with one_thread():
+        assert train.main(toy_args(data, tmp_path / "figures", steps=1, plots=True)) == 2
+    one_line_error(capsys, f"could not write {tmp_path / 'figures' / 'metrics.png'} (No space "
+                           f"left on device): the run is complete (checkpoint and export "
+                           f"written); free space, then python train.py --plot "
+                           f"{tmp_path / 'figures'} draws its figures")
+    assert not (tmp_path / "figures" / "metrics.png").exists()
+
+
+def test_train_refuses_a_folder_of_another_format_before_changing_it(
+        tmp_path, monkeypatch, capsys):
+    """A checkpoint records the run folder's format (manifest.json, state.pt). One written by
+    another version of train.py (another format, or a layout this one does not write) is refused in
+    one line naming the file and what to do, never --overwrite, before anything in the folder
+    changes; --resume auto too. (A changed manifest was 'no checkpoint passes its checks ... start
+    it anew with --overwrite', which deletes an intact checkpoint; a changed state.pt was
+    `train.py: error: 'python_rng'` after config.json was rewritten and resumes.jsonl appended.)"""
+    patch_toy_task(monkeypatch, EVEN)
+    data, run = toy_data(tmp_path), tmp_path / "run"
+    with one_thread():
+        assert train.main(toy_args(data, run, steps=1, export_hf=False)) == 0
+    step = run / "checkpoint" / "step_1"
+    manifest, state = json.loads((step / "manifest.json").read_text()), \
+        torch.load(step / "state.pt", weights_only=False)
+    assert manifest["format"] == state["format"] == run_folder.FORMAT == 1
+    state_pt = (step / "state.pt").read_bytes()
+
+    def newer_state(**change):  # a state.pt another version wrote, its manifest entry to match
+        new = {k: v for k, v in {**state, **change}.items() if v is not None}
+        torch.save(new, step / "state.pt")
+        files = {**manifest["files"], "state.pt": [(step / "state.pt").stat().st_size,
+                                                   run_folder.crc32(step / "state.pt")]}
+        (step / "manifest.json").write_text(json.dumps({**manifest, "files": files}))
+
+    cases = (
+        (lambda: (step / "manifest.json").write_text(json.dumps({**manifest, "format": 2})),
+         "manifest.json", "run folder format 2; this train.py reads format 1"),
+        (lambda: (step / "manifest.json").write_text(json.dumps(
+            {"step": 1, "entries": manifest["files"]})),
+         "manifest.json", "not laid out as this train.py writes it"),
+        (lambda: newer_state(format=2, python_rng=None), "state.pt",
+         "run folder format 2; this train.py reads format 1"),
+        (lambda: newer_state(format=None, python_rng=None), "state.pt",
+         "not laid out as this train.py writes it"))
+    for change, name, what in cases:
+        change()
+        before = md5s(run)
+        capsys.readouterr()
+        for argv in (["--resume", str(run), "--steps", "2"],
+                     toy_args(data, run, steps=2, export_hf=False, resume="auto")):
+            assert train.main(argv) == 2
+            one_line_error(capsys, f"train.py: error: {step / name} was written by another version "
+                                   f"of train.py ({what}): continue the run with the version "
+                                   f"that wrote it, or train with this one into another "
+                                   f"--out-dir; nothing in {run} was changed")
+            assert md5s(run) == before
+        (step / "manifest.json").write_text(json.dumps(manifest))
+        (step / "state.pt").write_bytes(state_pt)
+    with one_thread():
+        assert train.main(["--resume", str(run), "--steps", "2"]) == 0
 
 
 def test_train_resume_checks_a_hand_edited_config(tmp_path, monkeypatch, capsys):

@@ -2,6 +2,7 @@
 toy data, the flags of a small run, the reward patched to a rule (`patch_toy_task`), a run in a
 fresh process (`run_train`, testdata/train_run.py), and what the tests read back (metrics,
 checksums, one-line errors)."""
+import errno
 import json
 import os
 import subprocess
@@ -102,18 +103,18 @@ def read_metrics(out: Path) -> list[dict]:
 
 
 def run_train(tmp_path: Path, args: list[str], nproc: int = 1, check: str = EVEN,
-              head_dim: int = 16, hook: tuple | None = None,
-              expect: int | None = 0) -> subprocess.CompletedProcess:
+              head_dim: int = 16, hook: tuple | None = None, expect: int | None = 0,
+              timeout: int = 600) -> subprocess.CompletedProcess:
     """train.py with `args` on the toy task (or check="real": none) in a fresh process,
-    testdata/train_run.py (torchrun for nproc > 1), after the test hook (name, *args) of this file;
-    its exit status must be `expect` (None: any)."""
+    testdata/train_run.py (torchrun for nproc > 1), after the test hook (name, *args) of
+    tests/run_hooks.py; its exit status must be `expect` (None: any), within `timeout` seconds."""
     runner = [str(ROOT / "testdata" / "train_run.py")]
     cmd = [sys.executable, *runner] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         *runner]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOY_REWARD": check, "TOY_HEAD_DIM": str(head_dim),
            "TOY_HOOK": json.dumps([hook[0], list(hook[1:])]) if hook else ""}
-    proc = subprocess.run(cmd + args, capture_output=True, text=True, timeout=600, env=env,
+    proc = subprocess.run(cmd + args, capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=ROOT)
     assert expect is None or proc.returncode == expect, proc.stderr[-3000:]
     return proc
@@ -191,3 +192,16 @@ def toy_run(tmp_path, monkeypatch, **flags):
     cfg, _, _ = config.parse_config(budget_args(varied_data(tmp_path), tmp_path / "run",
                                                 flags.pop("algo", "stapo"), flags, 40))
     return setup(cfg, read_inputs(cfg, 1), 0, 1, torch.device("cpu"), None, run_folder.Preemption())
+
+
+def full_disk(real_open, names: tuple[str, ...] | None = None, when=lambda: True):
+    """An `open` for a module's namespace (monkeypatch) on a full disk: while when() holds, a file
+    opened for writing whose name is one of `names` (None: any), or its temporary file
+    (NAME.tmp-PID, run_folder.write_atomic's), raises OSError ENOSPC naming it; no root needed."""
+    def opened(path, mode="r", *args, **kwargs):
+        name = Path(path).name
+        if when() and any(c in mode for c in "wax+") and (names is None or any(
+                name == n or name.startswith(n + ".tmp-") for n in names)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(path, mode, *args, **kwargs)
+    return opened
