@@ -13,7 +13,6 @@ from pathlib import Path
 import reward
 from data import describe
 from evaluation.benchmarks import BENCHMARKS, PAPER_BENCHMARKS, TITLES
-from run_folder.console import plural
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -105,6 +104,8 @@ def table(results: dict) -> str:
     average = (f" Avg = mean over the {len(paper)} of the paper's six benchmarks evaluated here "
                f"({', '.join(TITLES[b] for b in paper)}); GSM8K and your own sets are never "
                f"averaged." if paper else "")  # no paper benchmark: no Avg column
+    from run_folder.console import plural  # here: run_folder loads torch, eval.py's --help does not
+
     # train.py exports
     exports = [f"{label} is the export after {plural(e['step'], 'step')} (checksum {e['checksum']})"
                for label, model in results["models"].items() if (e := model.get("export"))]
