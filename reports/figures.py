@@ -162,6 +162,7 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
     if plt is None:
         return False
     fig, axes = plt.subplots(len(rows), 2, figsize=(13.5, 4 * len(rows)), squeeze=False)
+    legends = []
     for (ax_h, ax_g), (g, runs) in zip(axes, rows.items()):
         records = [r for run in runs for r in read_log(Path(run) / "tokens.jsonl")]
         tau_p = run_config(runs[0]).get("tau_p", 0.002)
@@ -207,6 +208,7 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
         with_gradient = sum(g > 0 and a != 0 for g, a in zip(tok["grad_norm"], tok["A"]))
         ax_h.set_ylabel("entropy H")
         who = _label(runs[0]) if len(runs) == 1 else f"{len(runs)} runs of {g}"
+        who = who if len(who) <= 80 else "..." + who[-77:]  # a long folder: its end, in the panel
         # two lines: a run's folder is a long name
         ax_h.set_title(f"{who}:\n{n:,} drawn token{'s' * (n != 1)} ({with_gradient:,} with a "
                        f"gradient), {len(records)} mini-batch{'es' * (len(records) != 1)}",
@@ -215,8 +217,10 @@ def plot_tokens(run_dirs: list[str], out_png: str) -> bool:
         ax_g.set_title(f"mean norm (weighted): silenced {mean(silenced)} vs kept {mean(kept)}",
                        fontsize=10)
         # D79: beside the plane, over no token
-        ax_g.legend(*ax_h.get_legend_handles_labels(), fontsize=10, loc="upper left",
-                    bbox_to_anchor=(1.02, 1), borderaxespad=0)
+        legends.append(ax_g.legend(*ax_h.get_legend_handles_labels(), fontsize=10,
+                                   loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0))
+    fig.canvas.draw()  # 5.5 in a panel beside the widest legend (titles were cut, ran together)
+    fig.set_figwidth(11 + max(lg.get_window_extent().width for lg in legends) / fig.dpi + 0.3)
     fig.tight_layout()
     save(fig, out_png, 100)
     plt.close(fig)

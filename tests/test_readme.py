@@ -1,5 +1,6 @@
 """README.md: its two commands (the Makefile's set-up), and its CPU commands run in order."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,6 +83,28 @@ def _readme_cpu_commands() -> list[str]:
     lines = ["python train.py" if line == "make run" else line for line in lines]
     return [line for line in lines
             if line.startswith(("python train.py", "python eval.py", "torchrun"))]
+
+
+def test_readme_numbers_are_the_default_runs_and_it_stays_short():
+    """The README's numbers of the embedded default are the closing lines docs/default_run.txt
+    recorded of one real run of the current code (held-out accuracy before and after, what S2T
+    silenced, the wall time); the README stays within 300 lines and 3,000 words (it had grown to
+    314 and 3,656, its numbers from three earlier commits)."""
+    run = (ROOT / "docs" / "default_run.txt").read_text()
+    before = re.search(r"^held-out accuracy before training: ([\d.]+) ", run, re.M)[1]
+    after = re.search(r"^held-out accuracy after 10 steps: ([\d.]+) ", run, re.M)[1]
+    silenced, steps, candidates = re.search(
+        r"^stapo silenced (\d+) tokens? in (\d+) of 10 steps, of (\d+) candidates", run,
+        re.M).groups()
+    wall = re.search(r"^# wall time: (.+?)(?: \(|$)", run, re.M)[1]
+    readme = (ROOT / "README.md").read_text()
+    flat = " ".join(readme.split())
+    assert (f"held-out accuracy {before} -> {after}; S2T silenced {silenced} of {candidates} "
+            f"candidates in {steps} of 10 steps") in flat
+    assert f"in {wall} " in flat and "docs/default_run.txt" in readme
+    assert (ROOT / "docs" / "default_run_s2t.png").read_bytes()[:4] == b"\x89PNG" and \
+        "(docs/default_run_s2t.png)" in readme
+    assert len(readme.splitlines()) <= 300 and len(readme.split()) <= 3000
 
 
 def test_readme_cpu_commands_run_in_order(tmp_path, monkeypatch):
