@@ -33,7 +33,8 @@ from evaluation.benchmarks import BENCHMARKS, PAPER_BENCHMARKS, load_sets
 from evaluation.benchmarks import load_benchmark  # noqa: F401 (the public eval.load_benchmark)
 from evaluation.checkpoints import (check_weights, export_command, label_name, stale_export,
                                     train_run)
-from evaluation.results import benchmark_metrics, read_results, regrade, table, write_outputs
+from evaluation.results import (benchmark_metrics, read_results, regrade, settings, table,
+                                write_outputs)
 
 # (temperature, top_p), docs/paper.md §7
 PRESETS = {"train-aligned": (1.0, 1.0), "justrl": (0.7, 0.9)}
@@ -391,20 +392,14 @@ def evaluate(argv: list[str] | None, rank: int, held: dict) -> dict | None:
         try:
             write_outputs(results, Path(cfg.regrade).parent)
         except OSError as e:
-            raise SystemExit(errors.error("eval.py", f"{e}, then run the same command again",
-                                          rank)) from None
+            raise SystemExit(errors.error("eval.py", f"{e}, then run it again", rank)) from None
         print(text)
         return results
-    stale = stale_export(Path(cfg.run)) if cfg.run else None
-    if stale and rank == 0:
+    if cfg.run and rank == 0 and (stale := stale_export(Path(cfg.run))):
         print(f"eval.py: warning: {stale}", file=sys.stderr)
     if cfg.run and rank == 0:
-        print(f"eval.py: prompts and sampling of the run {cfg.run}: "
-              f"{'chat template' if cfg.chat else 'raw text'}, instruction {cfg.instruction!r}, "
-              f"temperature {cfg.temperature}, top-p {cfg.top_p}, {cfg.max_new_tokens} new tokens"
-              + (f", stop texts {cfg.stop_text!r}" if cfg.stop_text else ""), flush=True)
+        print(f"eval.py: prompts and sampling of the run {cfg.run}: {settings(cfg)}", flush=True)
     import torch
-    import torch.distributed as dist
 
     import model  # noqa: F401
     import rollout  # noqa: F401
@@ -412,9 +407,8 @@ def evaluate(argv: list[str] | None, rank: int, held: dict) -> dict | None:
     from distributed.process_group import init_distributed
     from step_metrics.step_warnings import fit_threads
 
-    # `model` and `rollout` (torch.distributed.fsdp) are imported before the process group:
-    # torch.distributed.fsdp imported after it holds references to the WORLD group, whose gloo
-    # threads then outlive destroy_process_group and can abort the exit.
+    # model and rollout (torch.distributed.fsdp) before the process group: imported after it, fsdp
+    # holds the WORLD group, whose gloo threads outlive destroy_process_group and abort the exit
     rank, world, device = init_distributed(cfg.collective_timeout_min, always=False)
     fit_threads(device, rank, "eval.py")  # a busy CPU machine: fewer torch threads
     results = {"config": asdict(cfg), "models": {}}
@@ -443,13 +437,14 @@ def evaluate(argv: list[str] | None, rank: int, held: dict) -> dict | None:
                                           f"{again}", rank)) from None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if world > 1 and dist.is_initialized():  # closing a vLLM engine already tore the group down
-        dist.destroy_process_group()
+    if world > 1 and torch.distributed.is_initialized():  # closing a vLLM engine may have ended it
+        torch.distributed.destroy_process_group()
     if rank == 0:
         print(table(results))
         print(f"eval.py: results in {cfg.out}/results.json and {cfg.out}/table.md")
         return results
     return None
+
 
 if __name__ == "__main__":
     main()

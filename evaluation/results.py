@@ -150,3 +150,10 @@ def write_outputs(results: dict, out: str | Path) -> None:
         except OSError as e:
             raise OSError(f"could not write {out / name} ({e.strerror or e}): free space on its "
                           f"disk") from None
+
+
+def settings(cfg) -> str:
+    """The prompts and sampling an evaluation of a training run takes from it (eval.py's Config)."""
+    return (f"{'chat template' if cfg.chat else 'raw text'}, instruction {cfg.instruction!r}, "
+            f"temperature {cfg.temperature}, top-p {cfg.top_p}, {cfg.max_new_tokens} new tokens"
+            + (f", stop texts {cfg.stop_text!r}" if cfg.stop_text else ""))
