@@ -78,7 +78,7 @@ def test_train_resume_is_exact(tmp_path, monkeypatch, capsys):
     assert evals == [0, 2, 3] and "held-out accuracy after 3 steps:" in resumed
     # the whole run
     assert f"stapo silenced {sum(int(m['s2t/silenced']) for m in cut)} tokens in " in resumed
-    assert " of 3 steps; S2T candidates" in resumed
+    assert " of 3 steps, of " in resumed and "(tokens of correct answers with p < tau_p)" in resumed
     drop = {"time/rollout_s", "time/update_s", "tokens_per_s"}
     assert {k: v for k, v in cut[2].items() if k not in drop} == pytest.approx(
         {k: v for k, v in full[2].items() if k not in drop}, rel=1e-6, abs=1e-9)
