@@ -43,6 +43,7 @@ from tools.confirm import holm, paired_t, wilcoxon
 PROG = "tools.mechanism"
 ARMS = ("justrl", "stapo", "randmask")
 FILE = "mechanism.jsonl"
+OUTCOMES = ("ll", "entropy", "acc")  # what `measure` measures (its other keys: seconds)
 SESOI = None  # nats per token: the plan's smallest effect of interest (docs/experiments.md)
 SCREEN_MARGIN = 0.1  # nats: a rollout without a token near log tau_p needs no pi_old pass
 
@@ -63,7 +64,9 @@ class Options:
     max_steps: int = 2000
     """scan at most this many rollout steps (train.py's step numbers and seeds, from 1)"""
     heldout_prompts: int = 0
-    """held-out problems each measure uses (0 = all of the flags' --heldout)"""
+    """held-out problems whose worked solutions (a) are scored (0 = all of the flags' --heldout)"""
+    acc_prompts: int = 64
+    """the first held-out problems of the entropy (b) and the accuracy (c) (0 = all)"""
     acc_samples: int = 4
     """samples per held-out problem for the accuracy (the same seeds for every policy)"""
     prompts_per_call: int = 16
@@ -81,7 +84,7 @@ class HeldOut(NamedTuple):
     solution_target: torch.Tensor  # (B, T) bool: the solution's tokens in the response columns
     responses: rollout.Rollout  # the state's own first sample of each problem
     response_target: torch.Tensor  # (B, T) bool
-    prompts: list[list[int]]  # the held-out prompts
+    prompts: list[list[int]]  # the held-out prompts of (b) and (c)
     rows: list[dict]  # their rows
 
 
@@ -145,11 +148,14 @@ def measure(run, held: HeldOut, opts: Options) -> dict:
 
     cfg = replace(run.cfg, max_tokens_per_micro_batch=max(run.cfg.max_tokens_per_micro_batch, 8192))
     run.policy.eval()
+    t0 = time.time()
     a = train.token_stats(run.policy, held.solutions, cfg, run.device)
     b = train.token_stats(run.policy, held.responses, cfg, run.device)
+    t1 = time.time()
     acc, _ = accuracy(run, held, opts.acc_samples, opts.prompts_per_call)
     return {"ll": float(a.logprobs[held.solution_target].double().mean()),
-            "entropy": float(b.entropy[held.response_target].double().mean()), "acc": acc}
+            "entropy": float(b.entropy[held.response_target].double().mean()), "acc": acc,
+            "forward_s": t1 - t0, "sample_s": time.time() - t1}
 
 
 def likelihood_gradient(run, held: HeldOut) -> list[torch.Tensor]:
@@ -214,12 +220,12 @@ def measure_mini_batch(run, state: State, held: HeldOut, grad_ll: list[torch.Ten
                                                mb.mask, cfg.tau_p, cfg.quantile, mb.context)
         run.optimizer.zero_grad(set_to_none=True)
         run.policy.train()
-        lr = run.optimizer.param_groups[0]["lr"]
+        lr, t0 = run.optimizer.param_groups[0]["lr"], time.time()
         update = train.accumulate_gradients(run, mb, w.weights, float(w.denominator))
         norm = train.optimizer_step(run) if update else None
         arms[arm] = {"N": float(w.denominator), "silenced": int(w.silenced.sum()), "lr": lr,
                      "grad_norm": norm, "predicted": state.moved(grad_ll),
-                     **measure(run, held, opts)}
+                     "update_s": time.time() - t0, **measure(run, held, opts)}
     # (d): the objective's terms at the tokens STAPO silences, with JustRL's N (the gradient of J)
     state.restore()
     silenced = weights["stapo"].silenced
@@ -299,16 +305,18 @@ def setup_state(opts: Options, cfg: config.Config):
 
 def held_out(run, opts: Options) -> HeldOut:
     """The held-out sets of the state: the worked solutions of the first --heldout-prompts
-    problems, and the state's own first sample of each (the fixed responses)."""
-    n = opts.heldout_prompts or len(run.test_rows)
-    prompts, rows = run.test_prompts[:n], run.test_rows[:n]
+    problems, and the state's own first sample of each of the first --acc-prompts (the fixed
+    responses)."""
+    n, m = (k or len(run.test_rows) for k in (opts.heldout_prompts, opts.acc_prompts))
     pad = run.tokenizer.pad_token_id
     targets = [run.tokenizer(worked_solution(r, opts.solutions),
-                             add_special_tokens=False).input_ids for r in rows]
-    solutions, solution_target = teacher_forced(prompts, targets, pad)
-    partial = HeldOut(solutions, solution_target, solutions, solution_target, prompts, rows)
+                             add_special_tokens=False).input_ids for r in run.test_rows[:n]]
+    solutions, solution_target = teacher_forced(run.test_prompts[:n], targets, pad)
+    prompts = run.test_prompts[:m]
+    partial = HeldOut(solutions, solution_target, solutions, solution_target, prompts,
+                      run.test_rows[:m])
     _, out = accuracy(run, partial, 1, opts.prompts_per_call)
-    responses = [ids[m.bool()].tolist() for ids, m in zip(out.response_ids, out.response_mask)]
+    responses = [ids[k.bool()].tolist() for ids, k in zip(out.response_ids, out.response_mask)]
     return partial._replace(**dict(zip(("responses", "response_target"),
                                        teacher_forced(prompts, responses, pad))))
 
@@ -339,12 +347,13 @@ def scan(opts: Options, argv: list[str]) -> int:
     grad_ll = likelihood_gradient(run, held)
     if not lines:
         out.mkdir(parents=True, exist_ok=True)
-        lines = [{"kind": "setup", **recipe, "base": base, "heldout": len(held.prompts),
+        lines = [{"kind": "setup", **recipe, "base": base,
+                  "heldout": [len(held.solutions), len(held.prompts)],
                   "solution_tokens": int(held.solution_target.sum()),
                   "response_tokens": int(held.response_target.sum()),
                   "seconds": time.time() - t0}]
         append(out, lines[0])
-    elif any(not math.isclose(base[k], lines[0]["base"][k], abs_tol=1e-5) for k in base):
+    elif any(not math.isclose(base[k], lines[0]["base"][k], abs_tol=1e-5) for k in OUTCOMES):
         raise ValueError(f"the state measures {base}, not the {lines[0]['base']} of {out / FILE}: "
                          "another checkpoint or code")
     done = {(x["step"], x["k"]) for x in lines if x["kind"] == "minibatch"}
@@ -570,9 +579,9 @@ def main(argv: list[str] | None = None) -> int:
         if opts.resume not in ("", "auto"):
             raise ValueError(f"--resume takes 'auto', not {opts.resume!r}")
         if min(opts.mini_batches, opts.max_steps, opts.acc_samples, opts.prompts_per_call) < 1 \
-                or opts.heldout_prompts < 0:
+                or min(opts.heldout_prompts, opts.acc_prompts) < 0:
             raise ValueError("--mini-batches, --max-steps, --acc-samples and --prompts-per-call "
-                             "must be >= 1, --heldout-prompts >= 0")
+                             "must be >= 1, --heldout-prompts and --acc-prompts >= 0")
         return scan(opts, train_argv)
     except errors.BAD_INPUT as e:
         return errors.error(PROG, e)
