@@ -141,8 +141,8 @@ def toy_argv(tmp_path, out, mini_batches, *extra):
     flags = budget_args(varied_data(tmp_path), tmp_path / "unused", "stapo", {"heldout": 6}, 40)
     cut = flags.index("--out-dir")
     return ["--out-dir", str(out), "--mini-batches", str(mini_batches), "--solutions", "answer",
-            "--acc-samples", "2", "--acc-prompts", "4", "--prompts-per-call", "3", "--max-steps",
-            "20", *extra, "--", *flags[:cut], *flags[cut + 2:]]
+            "--acc-samples", "2", "--acc-prompts", "4", "--prompts-per-call", "3", "--first-step",
+            "2", "--max-steps", "20", *extra, "--", *flags[:cut], *flags[cut + 2:]]
 
 
 def untimed(x):
@@ -156,7 +156,8 @@ def test_tiny_run_writes_its_lines_and_resumes(tmp_path, monkeypatch, capsys, gr
     """Two measured mini-batches of the toy task (tau_p 0.2: the random model's tokens are
     candidates): a setup line, then one line per mini-batch whose arms differ only in their token
     weights (JustRL silences nothing, STAPO and RandMask the same count, N the kept tokens); the
-    lines of a stopped scan, continued with --resume auto, are those of an uninterrupted one."""
+    lines of a stopped scan, continued with --resume auto, are those of an uninterrupted one; the
+    scan starts at --first-step."""
     patch_toy_task(monkeypatch, EVEN)
     out = tmp_path / "scan"
     with one_thread():
@@ -164,7 +165,7 @@ def test_tiny_run_writes_its_lines_and_resumes(tmp_path, monkeypatch, capsys, gr
         lines = [json.loads(x) for x in (out / mechanism.FILE).read_text().splitlines()]
         measured = [x for x in lines if x["kind"] == "minibatch"]
         assert lines[0]["kind"] == "setup" and lines[0]["state"] == "initial"
-        assert len(measured) == 2 and lines[0]["heldout"] == [6, 4]
+        assert len(measured) == 2 and lines[0]["heldout"] == [6, 4] and lines[1]["step"] == 2
         for x in measured:
             a = x["arms"]
             assert x["silenced_graded"] >= 1 and a["justrl"]["silenced"] == 0

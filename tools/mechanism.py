@@ -61,8 +61,10 @@ class Options:
     """the state's name in the lines and the report (default: the checkpoint's, else 'initial')"""
     mini_batches: int = 30
     """measure until this many mini-batches (in which S2T silences a graded token) are done"""
+    first_step: int = 1
+    """the first rollout step scanned (train.py's step numbers: its prompts and seeds)"""
     max_steps: int = 2000
-    """scan at most this many rollout steps (train.py's step numbers and seeds, from 1)"""
+    """scan up to this step"""
     heldout_prompts: int = 0
     """held-out problems whose worked solutions (a) are scored (0 = all of the flags' --heldout)"""
     acc_prompts: int = 64
@@ -357,7 +359,7 @@ def scan(opts: Options, argv: list[str]) -> int:
         raise ValueError(f"the state measures {base}, not the {lines[0]['base']} of {out / FILE}: "
                          "another checkpoint or code")
     done = {(x["step"], x["k"]) for x in lines if x["kind"] == "minibatch"}
-    step = max([x["step"] for x in lines if x["kind"] == "scan"], default=0) + 1
+    step = max([x["step"] for x in lines if x["kind"] == "scan"], default=opts.first_step - 1) + 1
     G, b = cfg.group_size, cfg.mini_batch_prompts * cfg.group_size
     bar = tqdm(total=opts.mini_batches, initial=min(len(done), opts.mini_batches),
                desc=f"{label} mini-batches", dynamic_ncols=True)
@@ -400,7 +402,7 @@ def scan(opts: Options, argv: list[str]) -> int:
         bar.set_postfix({"step": step}, refresh=False)
         step += 1
     bar.close()
-    print(f"{out / FILE}: {len(done)} mini-batches measured, {step - 1} steps scanned")
+    print(f"{out / FILE}: {len(done)} mini-batches measured, steps up to {step - 1} scanned")
     return 0
 
 
@@ -578,9 +580,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("give --out-dir DIR (and train.py's flags after `--`)")
         if opts.resume not in ("", "auto"):
             raise ValueError(f"--resume takes 'auto', not {opts.resume!r}")
-        if min(opts.mini_batches, opts.max_steps, opts.acc_samples, opts.prompts_per_call) < 1 \
+        if min(opts.mini_batches, opts.first_step, opts.acc_samples, opts.prompts_per_call) < 1 \
                 or min(opts.heldout_prompts, opts.acc_prompts) < 0:
-            raise ValueError("--mini-batches, --max-steps, --acc-samples and --prompts-per-call "
+            raise ValueError("--mini-batches, --first-step, --acc-samples and --prompts-per-call "
                              "must be >= 1, --heldout-prompts and --acc-prompts >= 0")
         return scan(opts, train_argv)
     except errors.BAD_INPUT as e:
