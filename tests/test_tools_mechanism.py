@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.toy_task import EVEN, budget_args, one_thread, patch_toy_task, varied_data
+from tests.toy_task import EVEN, budget_args, one_thread, patch_toy_task, toy_run, varied_data
 from tools import mechanism
 
 
@@ -137,6 +137,40 @@ def test_teacher_forced_log_probs_are_the_whole_sequences(group):
 
 
 # --------------------------------------------------------------------------- a run on the toy task
+def test_state_puts_back_the_policy_adamw_and_schedule(tmp_path, monkeypatch, group):
+    """After two updates `State.restore` gives back the state's parameters, AdamW moments, lr and
+    schedule: from a fresh AdamW (its moments gone again) and from one with moments and a lr in
+    its warm-up."""
+    import train
+
+    with one_thread():
+        run = toy_run(tmp_path, monkeypatch, warmup_steps=4)
+
+        def update():
+            for p in run.policy.parameters():
+                p.grad = torch.randn_like(p)
+            train.optimizer_step(run)
+
+        for fresh in (True, False):
+            state = mechanism.State(run)
+            params = {k: v.clone() for k, v in run.policy.state_dict().items()}
+            moments = {i: {k: v.clone() for k, v in x.items()}
+                       for i, x in run.optimizer.state_dict()["state"].items()}
+            lr, epoch = run.optimizer.param_groups[0]["lr"], run.scheduler.last_epoch
+            update()
+            update()
+            assert run.optimizer.param_groups[0]["lr"] != lr
+            state.restore()
+            for k, v in run.policy.state_dict().items():
+                assert torch.equal(v, params[k]), k
+            after = run.optimizer.state_dict()["state"]
+            assert after.keys() == moments.keys() and (after == {}) == fresh
+            assert all(torch.equal(after[i][k], v) for i, x in moments.items()
+                       for k, v in x.items())
+            assert (run.optimizer.param_groups[0]["lr"], run.scheduler.last_epoch) == (lr, epoch)
+            update()  # the next state: moments, a later lr
+
+
 def toy_argv(tmp_path, out, mini_batches, *extra):
     flags = budget_args(varied_data(tmp_path), tmp_path / "unused", "stapo", {"heldout": 6}, 40)
     cut = flags.index("--out-dir")

@@ -27,6 +27,7 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Literal, NamedTuple
 
+from startup import early  # noqa: F401 - first: MKL's reproducible sums, before torch loads
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -37,7 +38,9 @@ import reward
 import rollout
 import run_folder
 import stapo
+import train
 from data import problem_seed
+from step_metrics.step_log import graded_tokens
 from tools.confirm import holm, paired_t, wilcoxon
 
 PROG = "tools.mechanism"
@@ -146,8 +149,6 @@ def accuracy(run, held: HeldOut, samples: int, per_call: int) -> tuple[float, ro
 def measure(run, held: HeldOut, opts: Options) -> dict:
     """The policy's (a) mean log-likelihood per token of the worked solutions, (b) mean entropy per
     token of the fixed responses, (c) accuracy, (nats, nats, share)."""
-    import train
-
     cfg = replace(run.cfg, max_tokens_per_micro_batch=max(run.cfg.max_tokens_per_micro_batch, 8192))
     run.policy.eval()
     t0 = time.time()
@@ -163,8 +164,6 @@ def measure(run, held: HeldOut, opts: Options) -> dict:
 def likelihood_gradient(run, held: HeldOut) -> list[torch.Tensor]:
     """The gradient of (a), the mean log-likelihood per token of the worked solutions, one tensor
     per parameter (the first-order outcome's second factor)."""
-    import train
-
     run.optimizer.zero_grad(set_to_none=True)
     run.policy.train()
     n = held.solution_target.sum()
@@ -181,13 +180,10 @@ def flat(grad: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:
     return torch.zeros(p.numel()) if grad is None else grad.detach().reshape(-1).float().clone()
 
 
-def dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return float(sum(torch.dot(x, y).double() for x, y in zip(a, b)))
-
-
 # ----------------------------------------------------------------------------- one mini-batch
 class State:
-    """A Run at the state, put back before each update: policy, AdamW and schedule (deep copies)."""
+    """A Run at the state, put back before each update: policy, AdamW and schedule (copies; AdamW's
+    moments copied back in place: no third copy of them in memory)."""
 
     def __init__(self, run):
         self.run = run
@@ -197,14 +193,22 @@ class State:
         self.names = [name for name, _ in run.policy.named_parameters()]
 
     def restore(self) -> None:
+        opt, saved = self.run.optimizer, self.optimizer
         self.run.policy.load_state_dict(self.policy)
-        self.run.optimizer.load_state_dict(copy.deepcopy(self.optimizer))  # AdamW steps in place
+        if not saved["state"]:  # a fresh AdamW
+            opt.state.clear()
+        for i, p in enumerate(q for group in opt.param_groups for q in group["params"]):
+            for key, value in saved["state"].get(i, {}).items():
+                state = opt.state[p]
+                state[key] = state[key].copy_(value) if key in state else value.clone()
+        for group, kept in zip(opt.param_groups, saved["param_groups"]):
+            group["lr"] = kept["lr"]  # the schedule's
         self.run.scheduler.load_state_dict(copy.deepcopy(self.scheduler))
 
     def moved(self, direction: list[torch.Tensor]) -> float:
         """<theta - theta_state, direction>: the first-order change along `direction`."""
-        return dot([(p.detach() - self.policy[n]).reshape(-1).float()
-                    for n, p in zip(self.names, self.run.policy.parameters())], direction)
+        return float(sum(torch.dot((p.detach() - self.policy[n]).reshape(-1), d).double()
+                         for n, p, d in zip(self.names, self.run.policy.parameters(), direction)))
 
 
 def measure_mini_batch(run, state: State, held: HeldOut, grad_ll: list[torch.Tensor], mb,
@@ -212,8 +216,6 @@ def measure_mini_batch(run, state: State, held: HeldOut, grad_ll: list[torch.Ten
     """One update of each arm from the state on mini-batch `mb` (train.MiniBatch; its p, H are the
     state's: pi_old), each measured (`measure`); the first-order inner product of the silenced
     tokens' gradient with (a)'s; the tokens STAPO silences."""
-    import train
-
     cfg, pi = run.cfg, mb.pi_old
     arms, weights = {}, {}
     for arm in ARMS:
@@ -234,9 +236,12 @@ def measure_mini_batch(run, state: State, held: HeldOut, grad_ll: list[torch.Ten
     run.optimizer.zero_grad(set_to_none=True)
     run.policy.train()
     train.accumulate_gradients(run, mb, silenced.float(), float(weights["justrl"].denominator))
-    g = [-flat(p.grad, p) for p in run.policy.parameters()]  # the loss is -J
+    g = (flat(p.grad, p) for p in run.policy.parameters())  # one at a time: -dJ (the loss is -J)
+    inner = -float(sum(torch.dot(next(g), d).double() for d in grad_ll))
+    norm_s = math.sqrt(sum(float(p.grad.double().square().sum()) for p in run.policy.parameters()
+                           if p.grad is not None))
     run.optimizer.zero_grad(set_to_none=True)
-    inner, norm_s, norm_ll = dot(g, grad_ll), math.sqrt(dot(g, g)), math.sqrt(dot(grad_ll, grad_ll))
+    norm_ll = math.sqrt(sum(float(d.double().square().sum()) for d in grad_ll))
     state.restore()
     ids = mb.rollout.response_ids
     tokens = [{"row": r, "t": t, "token": run.tokenizer.decode([int(ids[r, t])]),
@@ -326,9 +331,6 @@ def held_out(run, opts: Options) -> HeldOut:
 def scan(opts: Options, argv: list[str]) -> int:
     """Measure mini-batches from the state until --mini-batches are done (or --max-steps are
     scanned), one line each, continuing the lines of a stopped scan."""
-    import train
-    from step_metrics.step_log import graded_tokens
-
     out = Path(opts.out_dir)
     errors.check_writable("--out-dir", out)
     lines = read_lines(out)
@@ -467,15 +469,13 @@ def pairs_needed(sd: float, delta: float, power: float = 0.8, alpha: float = 0.0
     """Mini-batches a two-sided paired t-test at `alpha` needs for `power` at a mean difference
     `delta`: ((z_a + z_b) sd / delta)^2 + z_a^2 / 2 (the normal approximation with Guenther's
     correction for the t's tails), rounded up."""
-    z = NormalDist().inv_cdf
-    za, zb = z(1 - alpha / 2), z(power)
+    za, zb = NormalDist().inv_cdf(1 - alpha / 2), NormalDist().inv_cdf(power)
     return math.ceil(((za + zb) * sd / delta) ** 2 + za * za / 2)
 
 
 def detectable(sd: float, n: int, power: float = 0.8, alpha: float = 0.05) -> float:
     """The mean difference n mini-batches detect with `power` (`pairs_needed` solved for delta)."""
-    z = NormalDist().inv_cdf
-    za, zb = z(1 - alpha / 2), z(power)
+    za, zb = NormalDist().inv_cdf(1 - alpha / 2), NormalDist().inv_cdf(power)
     return (za + zb) * sd / math.sqrt(max(n - za * za / 2, 1e-9))
 
 
