@@ -140,7 +140,7 @@ def test_teacher_forced_log_probs_are_the_whole_sequences(group):
 def test_state_puts_back_the_policy_adamw_and_schedule(tmp_path, monkeypatch, group):
     """After two updates `State.restore` gives back the state's parameters, AdamW moments, lr and
     schedule: from a fresh AdamW (its moments gone again) and from one with moments and a lr in
-    its warm-up."""
+    its warm-up; the first-order change is <theta - theta_state, direction>."""
     import train
 
     with one_thread():
@@ -152,7 +152,8 @@ def test_state_puts_back_the_policy_adamw_and_schedule(tmp_path, monkeypatch, gr
             train.optimizer_step(run)
 
         for fresh in (True, False):
-            state = mechanism.State(run)
+            state = mechanism.State(run, tmp_path / "state.pt",
+                                    [torch.ones(p.numel()) for p in run.policy.parameters()])
             params = {k: v.clone() for k, v in run.policy.state_dict().items()}
             moments = {i: {k: v.clone() for k, v in x.items()}
                        for i, x in run.optimizer.state_dict()["state"].items()}
@@ -160,6 +161,9 @@ def test_state_puts_back_the_policy_adamw_and_schedule(tmp_path, monkeypatch, gr
             update()
             update()
             assert run.optimizer.param_groups[0]["lr"] != lr
+            moved = sum(float((p.detach() - params[n]).sum())
+                        for n, p in run.policy.named_parameters())
+            assert state.moved(state.grad_ll) == pytest.approx(moved, rel=1e-4)
             state.restore()
             for k, v in run.policy.state_dict().items():
                 assert torch.equal(v, params[k]), k

@@ -182,13 +182,16 @@ def flat(grad: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- one mini-batch
 class State:
-    """A Run at the state, put back before each update: policy, AdamW and schedule (copies; AdamW's
-    moments copied back in place: no third copy of them in memory)."""
+    """A Run at the state, put back before each update (the policy, AdamW's moments in place, lr and
+    schedule), and (a)'s gradient there: kept in DIR/state.pt and mapped into memory (the page cache
+    holds them, not the process: two processes of 5 GB were killed for memory)."""
 
-    def __init__(self, run):
-        self.run = run
-        self.policy = copy.deepcopy(run.policy.state_dict())
-        self.optimizer = copy.deepcopy(run.optimizer.state_dict())
+    def __init__(self, run, path: Path, grad_ll: list[torch.Tensor]):
+        self.run, self.path = run, path
+        torch.save({"policy": run.policy.state_dict(), "optimizer": run.optimizer.state_dict(),
+                    "grad_ll": grad_ll}, path)
+        saved = torch.load(path, mmap=True, weights_only=True)
+        self.policy, self.optimizer, self.grad_ll = saved.values()
         self.scheduler = copy.deepcopy(run.scheduler.state_dict())
         self.names = [name for name, _ in run.policy.named_parameters()]
 
@@ -211,12 +214,12 @@ class State:
                          for n, p, d in zip(self.names, self.run.policy.parameters(), direction)))
 
 
-def measure_mini_batch(run, state: State, held: HeldOut, grad_ll: list[torch.Tensor], mb,
-                       graded: torch.Tensor, opts: Options) -> dict:
+def measure_mini_batch(run, state: State, held: HeldOut, mb, graded: torch.Tensor,
+                       opts: Options) -> dict:
     """One update of each arm from the state on mini-batch `mb` (train.MiniBatch; its p, H are the
     state's: pi_old), each measured (`measure`); the first-order inner product of the silenced
     tokens' gradient with (a)'s; the tokens STAPO silences."""
-    cfg, pi = run.cfg, mb.pi_old
+    cfg, pi, grad_ll = run.cfg, mb.pi_old, state.grad_ll
     arms, weights = {}, {}
     for arm in ARMS:
         state.restore()
@@ -346,11 +349,11 @@ def scan(opts: Options, argv: list[str]) -> int:
                          f"{json.dumps({k: lines[0].get(k) for k in recipe})}")
     run = setup_state(opts, cfg)
     held = held_out(run, opts)
-    state, t0 = State(run), time.time()
+    t0 = time.time()
     base = measure(run, held, opts)
-    grad_ll = likelihood_gradient(run, held)
+    out.mkdir(parents=True, exist_ok=True)
+    state = State(run, out / "state.pt", likelihood_gradient(run, held))
     if not lines:
-        out.mkdir(parents=True, exist_ok=True)
         lines = [{"kind": "setup", **recipe, "base": base,
                   "heldout": [len(held.solutions), len(held.prompts)],
                   "solution_tokens": int(held.solution_target.sum()),
@@ -393,7 +396,7 @@ def scan(opts: Options, argv: list[str]) -> int:
                 line = {"kind": "minibatch", "state": label, "step": step, "k": k,
                         "prompt_rows": prompt_rows[k * cfg.mini_batch_prompts:
                                                    (k + 1) * cfg.mini_batch_prompts],
-                        **measure_mini_batch(run, state, held, grad_ll, mb, g, opts),
+                        **measure_mini_batch(run, state, held, mb, g, opts),
                         "base": base, "seconds": time.time() - t1}
                 append(out, line)
                 done.add((step, k))
@@ -404,6 +407,7 @@ def scan(opts: Options, argv: list[str]) -> int:
         bar.set_postfix({"step": step}, refresh=False)
         step += 1
     bar.close()
+    state.path.unlink()
     print(f"{out / FILE}: {len(done)} mini-batches measured, steps up to {step - 1} scanned")
     return 0
 
