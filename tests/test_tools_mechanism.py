@@ -228,9 +228,15 @@ def test_tiny_run_writes_its_lines_and_resumes(tmp_path, monkeypatch, capsys, gr
 
 def test_one_line_errors(tmp_path, capsys):
     for argv, expected in [([], "give --out-dir DIR"),
-                           (["--out-dir", str(tmp_path), "--resume", "yes"], "takes 'auto'"),
+                           (["--out-dir", str(tmp_path), "--resume", "yes"], "invalid choice"),
+                           (["--out-dir", str(tmp_path), "--mini-batches", "0"], "must be >= 1"),
+                           (["--out-dir", str(tmp_path), "--", "--stps", "1"], "did you mean"),
                            (["--report"], "needs folders the tool wrote"),
                            (["--report", str(tmp_path)], "no mechanism.jsonl")]:
-        assert mechanism.main(argv) == 2
+        try:
+            status = mechanism.main(argv)
+        except SystemExit as stop:  # the flags' parser: one line, status 2
+            status = stop.code
+        assert status == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and expected in err and "Traceback" not in err, err

@@ -41,6 +41,7 @@ import stapo
 import train
 from data import problem_seed
 from step_metrics.step_log import graded_tokens
+from tasks.chain_sums import worked
 from tools.confirm import holm, paired_t, wilcoxon
 
 PROG = "tools.mechanism"
@@ -77,9 +78,8 @@ class Options:
     prompts_per_call: int = 16
     """held-out problems per generate call of the accuracy"""
     solutions: Literal["worked", "answer"] = "worked"
-    """the held-out solutions: 'worked' (tasks/chain_sums.py's running sums, ending with the blank
-    line) or 'answer' (the gold answer alone)"""
-    resume: str = ""
+    """'worked' (tasks/chain_sums.py's and the blank line) or 'answer' (the gold answer alone)"""
+    resume: Literal["", "auto"] = ""
     """'auto': continue DIR/mechanism.jsonl where it stopped (the same state and flags)"""
 
 
@@ -97,8 +97,6 @@ class HeldOut(NamedTuple):
 def worked_solution(row: dict, kind: str) -> str:
     """The correct response to a held-out row: tasks/chain_sums.py's worked format after "A:" and
     the blank line that ends a response (--stop-text), or the gold answer alone."""
-    from tasks.chain_sums import worked
-
     if kind == "answer":
         return str(row["answer"])
     question = row["problem"].rstrip().rsplit("Q:", 1)[-1]
@@ -171,13 +169,19 @@ def likelihood_gradient(run, held: HeldOut) -> list[torch.Tensor]:
         stats = train.policy_forward(run.policy, held.solutions.select(rows), run.cfg, run.device)
         target = held.solution_target[rows][:, :stats.logprobs.shape[1]].to(run.device)
         ((stats.logprobs * target).sum() / n).backward()
-    grads = [flat(p.grad, p) for p in run.policy.parameters()]
+    grads = [torch.zeros(p.numel()) if p.grad is None else p.grad.detach().reshape(-1).clone()
+             for p in run.policy.parameters()]
     run.optimizer.zero_grad(set_to_none=True)
     return grads
 
 
-def flat(grad: torch.Tensor | None, p: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(p.numel()) if grad is None else grad.detach().reshape(-1).float().clone()
+def release_freed_memory() -> None:
+    """Undo setup's memory.allocator.keep_freed_memory and give freed memory back: a process at its
+    resident peak was killed for memory on a shared machine (glibc's defaults, then malloc_trim)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-4, 65536), libc.mallopt(-1, 128 * 1024), libc.malloc_trim(0)
 
 
 # ----------------------------------------------------------------------------- one mini-batch
@@ -239,10 +243,10 @@ def measure_mini_batch(run, state: State, held: HeldOut, mb, graded: torch.Tenso
     run.optimizer.zero_grad(set_to_none=True)
     run.policy.train()
     train.accumulate_gradients(run, mb, silenced.float(), float(weights["justrl"].denominator))
-    g = (flat(p.grad, p) for p in run.policy.parameters())  # one at a time: -dJ (the loss is -J)
-    inner = -float(sum(torch.dot(next(g), d).double() for d in grad_ll))
-    norm_s = math.sqrt(sum(float(p.grad.double().square().sum()) for p in run.policy.parameters()
-                           if p.grad is not None))
+    params = [(p.grad.reshape(-1), d) for p, d in zip(run.policy.parameters(), grad_ll)
+              if p.grad is not None]  # the loss is -J
+    inner = -float(sum(torch.dot(g, d).double() for g, d in params))
+    norm_s = math.sqrt(sum(float(g.double().square().sum()) for g, _ in params))
     run.optimizer.zero_grad(set_to_none=True)
     norm_ll = math.sqrt(sum(float(d.double().square().sum()) for d in grad_ll))
     state.restore()
@@ -266,8 +270,7 @@ def measure_mini_batch(run, state: State, held: HeldOut, mb, graded: torch.Tenso
 
 # --------------------------------------------------------------------------------------- the scan
 def read_lines(out: Path) -> list[dict]:
-    """DIR/mechanism.jsonl's whole lines (a line torn by a stop is dropped, and the file rewritten
-    without it)."""
+    """DIR/mechanism.jsonl's whole lines (one torn by a stop dropped, the file rewritten)."""
     torn: list[int] = []
     lines = run_folder.read_log(out / FILE, torn)
     if torn:
@@ -300,16 +303,18 @@ def setup_state(opts: Options, cfg: config.Config):
     from distributed.process_group import init_distributed
     from startup.run import setup
 
+    if opts.checkpoint and not (Path(opts.checkpoint) / "state.pt").is_file():
+        raise FileNotFoundError(f"--checkpoint {opts.checkpoint} is not a train.py checkpoint "
+                                "folder (no state.pt)")
     if not torch.distributed.is_initialized():
         init_distributed()
     run = setup(cfg, config.read_inputs(cfg, 1), 0, 1, torch.device("cpu"), None,
                 run_folder.Preemption())
+    release_freed_memory()
     if opts.checkpoint:
-        if not (Path(opts.checkpoint) / "state.pt").is_file():
-            raise FileNotFoundError(f"--checkpoint {opts.checkpoint} is not a train.py checkpoint "
-                                    "folder (no state.pt)")
         run_folder.load_checkpoint(Path(opts.checkpoint), run_folder.ModelAndOptimizer(
             run.policy, run.optimizer, run.scheduler))
+        release_freed_memory()
     return run
 
 
@@ -356,8 +361,7 @@ def scan(opts: Options, argv: list[str]) -> int:
     if not lines:
         lines = [{"kind": "setup", **recipe, "base": base,
                   "heldout": [len(held.solutions), len(held.prompts)],
-                  "solution_tokens": int(held.solution_target.sum()),
-                  "response_tokens": int(held.response_target.sum()),
+                  "tokens": [int(held.solution_target.sum()), int(held.response_target.sum())],
                   "seconds": time.time() - t0}]
         append(out, lines[0])
     elif any(not math.isclose(base[k], lines[0]["base"][k], abs_tol=1e-5) for k in OUTCOMES):
@@ -393,9 +397,9 @@ def scan(opts: Options, argv: list[str]) -> int:
                 if (step, k) in done or len(done) >= opts.mini_batches:
                     continue
                 t1 = time.time()
+                m = cfg.mini_batch_prompts
                 line = {"kind": "minibatch", "state": label, "step": step, "k": k,
-                        "prompt_rows": prompt_rows[k * cfg.mini_batch_prompts:
-                                                   (k + 1) * cfg.mini_batch_prompts],
+                        "prompt_rows": prompt_rows[k * m:(k + 1) * m],
                         **measure_mini_batch(run, state, held, mb, g, opts),
                         "base": base, "seconds": time.time() - t1}
                 append(out, line)
@@ -509,18 +513,16 @@ def report(lines: list[dict], sesoi: float | None = SESOI) -> str:
     out = ["| state | mini-batches | silenced (graded) a mini-batch | dLL justrl / stapo / "
            "randmask (nats/token) | dH justrl / stapo | dacc justrl / stapo | first-order "
            "predicted dLL justrl | STAPO - JustRL dLL, mean (95% CI) | s a mini-batch |",
-           "|---|---|---|---|---|---|---|---|---|"]
-    states = list(dict.fromkeys(x["state"] for x in lines))
-    for s in states + ["all"]:
+           "|---" * 9 + "|"]
+    for s in [*dict.fromkeys(x["state"] for x in lines), "all"]:
         mine = [x for x in lines if s in ("all", x["state"])]
-        d = {arm: {k: np.mean([x["arms"][arm][k] - x["base"][k] for x in mine])
-                   for k in ("ll", "entropy", "acc")} for arm in ARMS}
+        d = {(a, k): np.mean([x["arms"][a][k] - x["base"][k] for x in mine])
+             for a in ARMS for k in OUTCOMES}
         p = paired_t([outcomes(x)["primary"] for x in mine]) if len(mine) > 1 else None
+        cells = [" / ".join(f"{d[a, k]:{f}}" for a in arms) for k, f, arms in
+                 (("ll", "+.2e", ARMS), ("entropy", "+.2e", ARMS[:2]), ("acc", "+.4f", ARMS[:2]))]
         out.append(f"| {s} | {len(mine)} | {np.mean([x['silenced'] for x in mine]):.2f} "
-                   f"({np.mean([x['silenced_graded'] for x in mine]):.2f}) | "
-                   + " / ".join(f"{d[a]['ll']:+.2e}" for a in ARMS) + " | "
-                   + " / ".join(f"{d[a]['entropy']:+.2e}" for a in ARMS[:2]) + " | "
-                   + " / ".join(f"{d[a]['acc']:+.4f}" for a in ARMS[:2]) + " | "
+                   f"({np.mean([x['silenced_graded'] for x in mine]):.2f}) | {' | '.join(cells)} | "
                    f"{np.mean([x['arms']['justrl']['predicted'] for x in mine]):+.2e} | "
                    + (f"{p['mean']:+.2e} ({p['ci'][0]:+.2e}, {p['ci'][1]:+.2e})" if p else "-")
                    + f" | {np.mean([x['seconds'] for x in mine]):.0f} |")
@@ -582,8 +584,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not opts.out_dir:
             raise ValueError("give --out-dir DIR (and train.py's flags after `--`)")
-        if opts.resume not in ("", "auto"):
-            raise ValueError(f"--resume takes 'auto', not {opts.resume!r}")
         if min(opts.mini_batches, opts.first_step, opts.acc_samples, opts.prompts_per_call) < 1 \
                 or min(opts.heldout_prompts, opts.acc_prompts) < 0:
             raise ValueError("--mini-batches, --first-step, --acc-samples and --prompts-per-call "
