@@ -1,0 +1,242 @@
+"""tools/mechanism.py: the mechanism experiment's statistics against hand-worked values, the
+held-out sets it builds, and one tiny run on the toy task that writes its lines and resumes."""
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.toy_task import EVEN, budget_args, one_thread, patch_toy_task, toy_run, varied_data
+from tools import mechanism
+
+
+# ------------------------------------------------------------------------------- the statistics
+def test_chi_square_against_tables():
+    """Chi-square's CDF and quantiles: 2 df in closed form (1 - exp(-x/2)), the rest against the
+    printed tables (lower 5% of 9 df 3.325, upper 5% of 1 df 3.841 = 1.95996^2, lower 5% of 4 df
+    0.711, upper 2.5% of 40 df 59.342)."""
+    assert mechanism.chi2_cdf(3.0, 2) == pytest.approx(1 - math.exp(-1.5), abs=1e-12)
+    assert mechanism.chi2_quantile(0.05, 2) == pytest.approx(-2 * math.log(0.95), abs=1e-9)
+    assert mechanism.chi2_quantile(0.05, 9) == pytest.approx(3.325113, abs=1e-5)
+    assert mechanism.chi2_quantile(0.95, 1) == pytest.approx(1.959964 ** 2, abs=1e-5)
+    assert mechanism.chi2_quantile(0.05, 4) == pytest.approx(0.710723, abs=1e-5)
+    assert mechanism.chi2_cdf(59.342, 40) == pytest.approx(0.975, abs=1e-4)  # continued fraction
+
+
+def test_sd_upper_bound_and_sample_size():
+    """The upper 95% bound of an sd of 10 values is sd sqrt(9 / 3.325113) = 1.6452 sd; a paired
+    t-test at d = 0.5 needs ((1.959964 + 0.841621) 2)^2 + 1.959964^2 / 2 = 33.32 -> 34 pairs (the
+    noncentral t's exact answer is 34 too), and 34 pairs detect d = 0.4975."""
+    assert mechanism.sd_upper(2.0, 10) == pytest.approx(2 * math.sqrt(9 / 3.325113), rel=1e-5)
+    assert mechanism.pairs_needed(1.0, 0.5) == 34
+    assert mechanism.pairs_needed(2.0, 0.5) == math.ceil((2.801585 * 4) ** 2 + 1.920729)
+    assert mechanism.detectable(1.0, 34) == pytest.approx(2.801585 / math.sqrt(34 - 1.920729),
+                                                          rel=1e-5)
+
+
+def line(state, ll, entropy, acc, cos, base=None):
+    """A measured mini-batch with the arms' held-out values (justrl, stapo, randmask)."""
+    base = base or {"ll": -1.0, "entropy": 0.5, "acc": 0.25}
+    return {"kind": "minibatch", "state": state, "silenced": 1, "silenced_graded": 1,
+            "seconds": 10.0, "base": base, "first_order": {"cos": cos},
+            "arms": {arm: {"ll": ll[i], "entropy": entropy[i], "acc": acc[i], "predicted": 0.0}
+                     for i, arm in enumerate(mechanism.ARMS)}}
+
+
+def test_outcomes_and_report_against_hand_worked_values():
+    """Primary STAPO - JustRL in held-out log-likelihood: differences +0.002, +0.004, +0.003,
+    -0.001: mean 0.002, sd sqrt((0 + 4 + 1 + 9) / 3) e-3 = 2.1602e-3, t = 1.8516 on 3 df, two-sided
+    p = 0.1611 (3 df in closed form: 1 - 2/pi (atan(t/sqrt 3) + (t/sqrt 3) / (1 + t^2/3)));
+    Wilcoxon: ranks 2, 4, 3 positive and 1 negative, W+ = 9 of 10, exact p = 2 * 2 / 16 = 0.25."""
+    lines = [line("a", (-1.0, -0.998, -0.999), (0.5, 0.49, 0.5), (0.25, 0.25, 0.25), -0.1),
+             line("a", (-1.0, -0.996, -0.997), (0.5, 0.5, 0.5), (0.25, 0.26, 0.25), -0.2),
+             line("b", (-1.0, -0.997, -1.0), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), 0.1),
+             line("b", (-1.0, -1.001, -1.0), (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), -0.3)]
+    o = mechanism.outcomes(lines[0])
+    assert o["primary"] == pytest.approx(0.002) and o["ll_vs_randmask"] == pytest.approx(0.001)
+    assert o["entropy"] == pytest.approx(-0.01) and o["acc"] == 0 and o["cosine"] == -0.1
+    t = mechanism.test([mechanism.outcomes(x)["primary"] for x in lines])
+    assert t["mean"] == pytest.approx(0.002) and t["sd"] == pytest.approx(math.sqrt(14 / 3) * 1e-3)
+    assert t["t"] == pytest.approx(0.002 / (math.sqrt(14 / 3) * 1e-3 / 2))
+    x = t["t"] / math.sqrt(3)
+    assert t["p"] == pytest.approx(1 - 2 / math.pi * (math.atan(x) + x / (1 + x * x)), abs=1e-9)
+    assert (t["w_plus"], t["w_p"]) == (9.0, pytest.approx(0.25))
+    text = mechanism.report(lines, sesoi=0.001)
+    assert "| primary | 4 | +2.000e-03" in text
+    assert "reading (the plan's rules): cannot tell" in text
+    assert "| a | 2 |" in text and "| b | 2 |" in text and "| all | 4 |" in text
+    n_point = mechanism.pairs_needed(t["sd"], 0.001)
+    assert f"needs {n_point} mini-batches" in text
+
+
+def test_reading_rules():
+    """Significant and positive supports; significant and negative refutes; a 90% interval inside
+    +-SESOI refutes at this scale; the rest cannot tell; Wilcoxon's disagreement is named."""
+    def primary(mean, p, ci90, w_p=0.01):
+        return {"mean": mean, "p": p, "ci90": ci90, "w_p": w_p}
+
+    assert mechanism.reading(primary(1e-3, 0.01, (5e-4, 2e-3)), 1e-4).startswith("supports")
+    assert "fragile" in mechanism.reading(primary(1e-3, 0.01, (5e-4, 2e-3), w_p=0.2), 1e-4)
+    assert mechanism.reading(primary(-1e-3, 0.01, (-2e-3, -5e-4)), 1e-4).startswith("refutes the")
+    assert mechanism.reading(primary(1e-5, 0.5, (-5e-5, 5e-5)), 1e-4).startswith("refutes at")
+    assert mechanism.reading(primary(1e-5, 0.5, (-5e-4, 5e-4)), 1e-4) == "cannot tell"
+
+
+# ------------------------------------------------------------------------------- the held-out sets
+def test_worked_solution_of_a_chained_sum():
+    from tasks.chain_sums import problem
+
+    row = {"problem": problem((7, 5, 9))["prompt"], "answer": "21"}
+    assert mechanism.worked_solution(row, "worked") == \
+        " 7 + 5 = 12, 12 + 9 = 21. The answer is 21.\n\n"
+    assert mechanism.worked_solution(row, "answer") == "21"
+    with pytest.raises(ValueError, match="not a chained sum"):
+        mechanism.worked_solution({"problem": "What is 2 + 2?", "answer": "4"}, "worked")
+
+
+def test_teacher_forced_shares_the_common_prompt_prefix():
+    """Prompts [5 6 7 1] and [5 6 8]: the prompt is [5 6], the responses [7 1 | t t] and [8 | u];
+    the target marks the solution's columns only; one prompt alone keeps its last token."""
+    batch, target = mechanism.teacher_forced([[5, 6, 7, 1], [5, 6, 8]], [[20, 21], [30]], pad=0)
+    assert batch.prompt_ids.tolist() == [[5, 6], [5, 6]]
+    assert batch.response_ids.tolist() == [[7, 1, 20, 21], [8, 30, 0, 0]]
+    assert batch.response_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert target.tolist() == [[False, False, True, True], [False, True, False, False]]
+    batch, target = mechanism.teacher_forced([[4, 5], [6]], [[9], [9]], pad=0)  # nothing shared
+    assert batch.prompt_ids.tolist() == [[4, 5], [0, 6]] and target.tolist() == [[True], [True]]
+
+
+@pytest.fixture
+def group():
+    """A 1-process group, as train.py's code needs (its collectives)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_teacher_forced_log_probs_are_the_whole_sequences(group):
+    """The log-probs train.token_stats gives at the target columns of a shared-prefix Rollout are
+    those of a plain forward over each prompt + target."""
+    from types import SimpleNamespace
+
+    import train
+    from model import Policy, tiny_model
+
+    lm = tiny_model()
+    prompts, targets = [[5, 6, 7, 9], [5, 6, 8], [5, 6, 10, 11, 12]], [[20, 21], [30], [40, 41, 42]]
+    batch, target = mechanism.teacher_forced(prompts, targets, pad=0)
+    cfg = SimpleNamespace(max_tokens_per_micro_batch=64, temperature=1.0, chunk_size=1024)
+    stats = train.token_stats(Policy(lm), batch, cfg, torch.device("cpu"))
+    for i, (p, t) in enumerate(zip(prompts, targets)):
+        with torch.no_grad():
+            logits = lm(input_ids=torch.tensor([p + t])).logits[0].float()
+        expected = torch.log_softmax(logits, -1)[len(p) - 1:-1].gather(1, torch.tensor(t)[:, None])
+        torch.testing.assert_close(stats.logprobs[i][target[i]], expected[:, 0], atol=1e-5,
+                                   rtol=0)
+
+
+# --------------------------------------------------------------------------- a run on the toy task
+def test_state_puts_back_the_policy_adamw_and_schedule(tmp_path, monkeypatch, group):
+    """After two updates `State.restore` gives back the state's parameters, AdamW moments, lr and
+    schedule: from a fresh AdamW (its moments gone again) and from one with moments and a lr in
+    its warm-up; the first-order change is <theta - theta_state, direction>."""
+    import train
+
+    with one_thread():
+        run = toy_run(tmp_path, monkeypatch, warmup_steps=4)
+
+        def update():
+            for p in run.policy.parameters():
+                p.grad = torch.randn_like(p)
+            train.optimizer_step(run)
+
+        for fresh in (True, False):
+            state = mechanism.State(run, tmp_path / "state.pt",
+                                    [torch.ones(p.numel()) for p in run.policy.parameters()])
+            params = {k: v.clone() for k, v in run.policy.state_dict().items()}
+            moments = {i: {k: v.clone() for k, v in x.items()}
+                       for i, x in run.optimizer.state_dict()["state"].items()}
+            lr, epoch = run.optimizer.param_groups[0]["lr"], run.scheduler.last_epoch
+            update()
+            update()
+            assert run.optimizer.param_groups[0]["lr"] != lr
+            moved = sum(float((p.detach() - params[n]).sum())
+                        for n, p in run.policy.named_parameters())
+            assert state.moved(state.grad_ll) == pytest.approx(moved, rel=1e-4)
+            state.restore()
+            for k, v in run.policy.state_dict().items():
+                assert torch.equal(v, params[k]), k
+            after = run.optimizer.state_dict()["state"]
+            assert after.keys() == moments.keys() and (after == {}) == fresh
+            assert all(torch.equal(after[i][k], v) for i, x in moments.items()
+                       for k, v in x.items())
+            assert (run.optimizer.param_groups[0]["lr"], run.scheduler.last_epoch) == (lr, epoch)
+            update()  # the next state: moments, a later lr
+
+
+def toy_argv(tmp_path, out, mini_batches, *extra):
+    flags = budget_args(varied_data(tmp_path), tmp_path / "unused", "stapo", {"heldout": 6}, 40)
+    cut = flags.index("--out-dir")
+    return ["--out-dir", str(out), "--mini-batches", str(mini_batches), "--solutions", "answer",
+            "--acc-samples", "2", "--acc-prompts", "4", "--prompts-per-call", "3", "--first-step",
+            "2", "--max-steps", "20", *extra, "--", *flags[:cut], *flags[cut + 2:]]
+
+
+def untimed(x):
+    """A line without its timings (`seconds`, `*_s`)."""
+    if not isinstance(x, dict):
+        return x
+    return {k: untimed(v) for k, v in x.items() if k != "seconds" and not k.endswith("_s")}
+
+
+def test_tiny_run_writes_its_lines_and_resumes(tmp_path, monkeypatch, capsys, group):
+    """Two measured mini-batches of the toy task (tau_p 0.2: the random model's tokens are
+    candidates): a setup line, then one line per mini-batch whose arms differ only in their token
+    weights (JustRL silences nothing, STAPO and RandMask the same count, N the kept tokens); the
+    lines of a stopped scan, continued with --resume auto, are those of an uninterrupted one; the
+    scan starts at --first-step."""
+    patch_toy_task(monkeypatch, EVEN)
+    out = tmp_path / "scan"
+    with one_thread():
+        assert mechanism.main(toy_argv(tmp_path, out, 2)) == 0
+        lines = [json.loads(x) for x in (out / mechanism.FILE).read_text().splitlines()]
+        measured = [x for x in lines if x["kind"] == "minibatch"]
+        assert lines[0]["kind"] == "setup" and lines[0]["state"] == "initial"
+        assert len(measured) == 2 and lines[0]["heldout"] == [6, 4] and lines[1]["step"] == 2
+        for x in measured:
+            a = x["arms"]
+            assert x["silenced_graded"] >= 1 and a["justrl"]["silenced"] == 0
+            assert a["stapo"]["silenced"] == a["randmask"]["silenced"] == x["silenced"]
+            assert a["justrl"]["N"] == x["tokens"] == a["stapo"]["N"] + x["silenced"]
+            assert all(a[arm]["ll"] != x["base"]["ll"] for arm in mechanism.ARMS)
+            assert len(x["silenced_tokens"]) == x["silenced"]
+            assert math.isfinite(x["first_order"]["cos"])
+        # a stop after the first mini-batch: the lines up to it, and a torn one
+        first = lines.index(measured[0])
+        (out / mechanism.FILE).write_text("".join(json.dumps(x) + "\n"
+                                                  for x in lines[:first + 1]) + '{"kind": "mi')
+        assert mechanism.main(toy_argv(tmp_path, out, 2)) == 2
+        assert "continue it with --resume auto" in capsys.readouterr().err
+        assert mechanism.main(toy_argv(tmp_path, out, 2, "--resume", "auto")) == 0
+        again = [json.loads(x) for x in (out / mechanism.FILE).read_text().splitlines()]
+    assert [untimed(x) for x in again] == [untimed(x) for x in lines]
+    assert mechanism.main(["--report", str(out)]) == 0
+    assert "| initial | 2 |" in capsys.readouterr().out
+    assert torch.is_grad_enabled()
+
+
+def test_one_line_errors(tmp_path, capsys):
+    for argv, expected in [([], "give --out-dir DIR"),
+                           (["--out-dir", str(tmp_path), "--resume", "yes"], "invalid choice"),
+                           (["--out-dir", str(tmp_path), "--mini-batches", "0"], "must be >= 1"),
+                           (["--out-dir", str(tmp_path), "--", "--stps", "1"], "did you mean"),
+                           (["--report"], "needs folders the tool wrote"),
+                           (["--report", str(tmp_path)], "no mechanism.jsonl")]:
+        try:
+            status = mechanism.main(argv)
+        except SystemExit as stop:  # the flags' parser: one line, status 2
+            status = stop.code
+        assert status == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expected in err and "Traceback" not in err, err
