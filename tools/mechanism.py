@@ -232,9 +232,9 @@ def measure_mini_batch(run, state: State, held: HeldOut, mb, graded: torch.Tenso
         run.optimizer.zero_grad(set_to_none=True)
         run.policy.train()
         lr, t0 = run.optimizer.param_groups[0]["lr"], time.time()
-        update = train.accumulate_gradients(run, mb, w.weights, float(w.denominator))
+        update = train.accumulate_gradients(run, mb, w.weights, float(w.share))
         norm = train.optimizer_step(run) if update else None
-        arms[arm] = {"N": float(w.denominator), "silenced": int(w.silenced.sum()), "lr": lr,
+        arms[arm] = {"N": float(w.share), "silenced": int(w.silenced.sum()), "lr": lr,
                      "grad_norm": norm, "predicted": state.moved(grad_ll),
                      "update_s": time.time() - t0, **measure(run, held, opts)}
     # (d): the objective's terms at the tokens STAPO silences, with JustRL's N (the gradient of J)
@@ -242,7 +242,7 @@ def measure_mini_batch(run, state: State, held: HeldOut, mb, graded: torch.Tenso
     silenced = weights["stapo"].silenced
     run.optimizer.zero_grad(set_to_none=True)
     run.policy.train()
-    train.accumulate_gradients(run, mb, silenced.float(), float(weights["justrl"].denominator))
+    train.accumulate_gradients(run, mb, silenced.float(), float(weights["justrl"].share))
     params = [(p.grad.reshape(-1), d) for p, d in zip(run.policy.parameters(), grad_ll)
               if p.grad is not None]  # the loss is -J
     inner = -float(sum(torch.dot(g, d).double() for g, d in params))
@@ -380,7 +380,7 @@ def scan(opts: Options, argv: list[str]) -> int:
         rewards = torch.tensor(reward.rewards(texts, [r["answer"] for r in rows], cfg.reward, rows))
         advantages = stapo.group_advantages(rewards, G)
         near = (advantages[:, None] > 0) & (batch.response_mask > 0) & \
-            (batch.logprobs < math.log(cfg.tau_p) + SCREEN_MARGIN)  # the sampler's log-probs
+            (batch.sampler_logprobs < math.log(cfg.tau_p) + SCREEN_MARGIN)
         qualifying = []
         if near.any():  # else no candidate: S2T silences nothing in this rollout
             pi_old = train.old_policy_stats(run, batch)
