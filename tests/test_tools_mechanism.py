@@ -2,6 +2,7 @@
 held-out sets it builds, and one tiny run on the toy task that writes its lines and resumes."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +10,8 @@ import torch.distributed as dist
 
 from tests.toy_task import EVEN, budget_args, one_thread, patch_toy_task, toy_run, varied_data
 from tools import mechanism
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------- the statistics
@@ -81,6 +84,39 @@ def test_reading_rules():
     assert mechanism.reading(primary(-1e-3, 0.01, (-2e-3, -5e-4)), 1e-4).startswith("refutes the")
     assert mechanism.reading(primary(1e-5, 0.5, (-5e-5, 5e-5)), 1e-4).startswith("refutes at")
     assert mechanism.reading(primary(1e-5, 0.5, (-5e-4, 5e-4)), 1e-4) == "cannot tell"
+
+
+def test_the_plan_quotes_the_pilot_it_was_sized_from():
+    """docs/experiments.md's plan and pilot table are the report's numbers on the committed pilot
+    lines (docs/experiments/mechanism/pilot/): the primary's sd, its upper bound, the sample sizes
+    at the plan's SESOI, what 60 mini-batches detect, JustRL's own |dLL|, the per-state rows."""
+    import numpy as np
+
+    from run_folder import read_log
+
+    pilot = ROOT / "docs/experiments/mechanism/pilot"
+    lines = [x for state in ("initial", "justrl-step4")
+             for x in read_log(pilot / state / mechanism.FILE) if x["kind"] == "minibatch"]
+    doc = (ROOT / "docs/experiments.md").read_text()
+    primary = [mechanism.outcomes(x)["primary"] for x in lines]
+    sd, n = float(np.std(primary, ddof=1)), len(primary)
+    upper = mechanism.sd_upper(sd, n)
+    justrl = np.mean([abs(x["arms"]["justrl"]["ll"] - x["base"]["ll"]) for x in lines])
+    assert mechanism.SESOI == 2e-4 and "**Smallest effect of interest** (SESOI): 2e-4" in doc
+    assert f"pilot's mean |dLL| {justrl:.2e}" in doc
+    assert f"over its {n} mini-batches is\n{sd:.2e} nats per token" in doc
+    assert f"upper 95% bound of {upper:.2e} (chi-square, {n - 1} df)" in doc
+    assert f"with {mechanism.pairs_needed(sd, mechanism.SESOI)} mini-batches at the point sd and " \
+           f"{mechanism.pairs_needed(upper, mechanism.SESOI)} at the upper bound" in doc
+    assert f"detect {mechanism.detectable(sd, 60):.2e} with 80% power, at the upper bound " \
+           f"{mechanism.detectable(upper, 60):.2e}" in doc
+    table = mechanism.report(lines).splitlines()
+    for row in table[2:4]:  # | state | n | silenced | dLL | ... | mean (CI) | s |
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        assert f"| {' | '.join(cells[:4])} | {cells[-2].split(' ')[0]} |" in doc
+    for state in ("initial", "justrl-step4"):
+        mine = [p for p, x in zip(primary, lines) if x["state"] == state]
+        assert f"{np.std(mine, ddof=1):.2e} over" in doc
 
 
 # ------------------------------------------------------------------------------- the held-out sets

@@ -48,7 +48,7 @@ PROG = "tools.mechanism"
 ARMS = ("justrl", "stapo", "randmask")
 FILE = "mechanism.jsonl"
 OUTCOMES = ("ll", "entropy", "acc")  # what `measure` measures (its other keys: seconds)
-SESOI = None  # nats per token: the plan's smallest effect of interest (docs/experiments.md)
+SESOI = 2e-4  # nats per token: the plan's smallest effect of interest (docs/experiments.md)
 SCREEN_MARGIN = 0.1  # nats: a rollout without a token near log tau_p needs no pi_old pass
 
 
