@@ -95,6 +95,11 @@ def parse_flags(cls, argv: list[str] | None, prog: str, notes: dict[str, str] | 
     return given
 
 
+# config.json's record of the code that wrote it ({"commit", "dirty"}: run_folder.code_version), not
+# a flag: --config FILE reads past it, so that `--config OUT/config.json` reruns a run's recipe.
+RECORD = "code"
+
+
 def read_config(cls, path: str) -> dict:
     """The values of a --config FILE for the dataclass `cls`: a JSON object, or a YAML mapping for
     .yaml / .yml (numbers such as 1e-6 are read as numbers, as JSON and YAML 1.2 read them), checked
@@ -126,7 +131,7 @@ def read_config(cls, path: str) -> dict:
     if not isinstance(values, dict):
         raise ValueError(f"--config {path}: not a mapping of flag names to values but "
                          f"{describe(values)}")
-    return check_values(cls, values, path)
+    return check_values(cls, {k: v for k, v in values.items() if k != RECORD}, path)
 
 
 def check_values(cls, values: dict, source: str) -> dict:  # D49

@@ -9,6 +9,7 @@ docs/paper.md, "Deliberate differences".
 import json
 from pathlib import Path
 
+from command_line.flags import RECORD
 from reports.statistics import P_FLAT, gradient_analysis
 from run_folder.console import plural
 from run_folder.logs import read_log
@@ -23,7 +24,7 @@ def run_config(run: str) -> dict:
 
 
 _NOT_A_SETTING = ("seed", "out_dir", "resume", "logger", "plots", "save_every", "save_optimizer",
-                  "export_hf")
+                  "export_hf", RECORD)
 
 
 def seed_groups(run_dirs: list[str]) -> dict[str, list[str]]:

@@ -35,6 +35,7 @@ from run_folder.files import (
                               RESUMABLE,
                               RUN_FILES,
                               again,
+                              code_version,
                               complete_steps,
                               continue_command,
                               resumable,
@@ -44,7 +45,7 @@ from run_folder.live_curves import LOGGERS, Logger, check_logger, open_logger
 from run_folder.lock import MOUNTS, Lock, node_local_flock
 from run_folder.logs import append, cut_logs, fsync_logs, read_log, write_logs
 from run_folder.opening import (finished, finished_read_only, open_run, recipe, recorded_config,
-                                resume_changes)
+                                resume_changes, write_config)
 from run_folder.signals import (
                               INTERRUPTED,
                               STOPPED,

@@ -1,12 +1,14 @@
 """What a run folder holds (docs/outputs.md) and what to type next: the files a run writes
 (`RUN_FILES`), the settings a resume may change (`RESUMABLE`), its format version (`FORMAT`: a
 folder of another is refused before anything in it changes), an atomic write, the steps of its
-complete checkpoints, and the command lines that continue a stopped run."""
+complete checkpoints, the code that ran (`code_version`: config.json's "code"), and the command
+lines that continue a stopped run."""
 from __future__ import annotations
 
 import json
 import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +36,23 @@ RESUMABLE = ("steps", "eval_every", "eval_samples", "samples_per_step", "spuriou
              "token_sample", "entropy_change", "save_every", "keep_checkpoints", "save_optimizer",
              "export_hf", "plots", "logger", "collective_timeout_min", "max_tokens_per_micro_batch",
              "chunk_size", "grad_checkpointing", "kv_cache_gb", "stop_deadline_s", "light")
+
+
+# -------------------------------------------------------------------------------- the code that ran
+def code_version(root: Path = Path(__file__).resolve().parents[1]) -> dict:
+    """{"commit": the checkout's commit, "dirty": whether its files differ from it (untracked files
+    that git does not ignore count)}; both null outside a git checkout (a copy without .git) or
+    without git. config.json records it as "code" (command_line.flags.RECORD: not a flag)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              timeout=30, check=True).stdout
+    try:
+        if Path(git("rev-parse", "--show-toplevel").strip()).resolve() != root.resolve():
+            return {"commit": None, "dirty": None}  # a copy inside some other repository
+        return {"commit": git("rev-parse", "HEAD").strip(),
+                "dirty": bool(git("status", "--porcelain"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
 
 
 # --------------------------------------------------------------------------------------------- logs

@@ -8,12 +8,13 @@ import shutil
 from pathlib import Path
 
 from command_line.errors import check_writable, one_line
+from command_line.flags import RECORD
 from run_folder.agreement import broadcast_failure
 from run_folder.checkpoints import verified_checkpoint
 from run_folder.console import RunError, plural, say
 from run_folder.export import export_step, recover_export
-from run_folder.files import (RESUMABLE, RUN_FILES, complete_steps, refuse_another_format,
-                              write_atomic)
+from run_folder.files import (RESUMABLE, RUN_FILES, code_version, complete_steps,
+                              refuse_another_format, write_atomic)
 from run_folder.lock import Lock
 from run_folder.logs import append, cut_logs
 
@@ -26,14 +27,22 @@ UNUSED_BUILTIN = ("prompt_key", "answer_key", "split")
 def recipe(config: dict) -> dict:
     """What config.json records: the values in effect, without the flags that only say how this
     command starts (--resume, --overwrite), so that `--config OUT/config.json` reruns the recipe,
-    and without the fields the built-in task never reads."""
+    and without the fields the built-in task never reads. config.json adds the code that wrote it
+    (RECORD, "code": `code_version`), which neither --config nor a resume reads as a flag."""
     return {k: v for k, v in {**config, "resume": "", "overwrite": False}.items()
             if config["data"] or k not in UNUSED_BUILTIN}
 
 
+def write_config(out: Path, config: dict) -> None:
+    """OUT/config.json: the recipe and the code that ran it (a resume writes its own)."""
+    write_atomic(out / "config.json",
+                 json.dumps({**recipe(config), RECORD: code_version()}, indent=1).encode())
+
+
 def recorded_config(out: Path) -> dict:
-    """The config.json of the run in OUT, as a dict (one-line errors for a missing or unreadable
-    file, or a folder written by another version of train.py: `refuse_another_format`)."""
+    """The recipe in OUT's config.json, as a dict without its record of the code (RECORD; one-line
+    errors for a missing or unreadable file, or a folder written by another version of train.py:
+    `refuse_another_format`)."""
     path = out / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no run to resume: {path} does not exist")
@@ -44,7 +53,7 @@ def recorded_config(out: Path) -> dict:
         raise ValueError(f"{path} is not a JSON object ({one_line(e)})") from None
     if not isinstance(values, dict):
         raise ValueError(f"{path} is not a JSON object")
-    return values
+    return {k: v for k, v in values.items() if k != RECORD}
 
 
 def resume_changes(recorded: dict, config: dict) -> dict:
@@ -166,7 +175,7 @@ def _start(out: Path, config: dict, command: str) -> None:
             shutil.rmtree(out / name)
         else:
             (out / name).unlink()
-    write_atomic(out / "config.json", json.dumps(recipe(config), indent=1).encode())
+    write_config(out, config)
 
 
 def _continue(out: Path, config: dict, recorded: dict, done: int) -> None:
@@ -175,5 +184,6 @@ def _continue(out: Path, config: dict, recorded: dict, done: int) -> None:
     recover_export(out)
     (out / "stopped.json").unlink(missing_ok=True)
     cut_logs(out, done)
-    append(out, "resumes.jsonl", [{"step": done, "changed": resume_changes(recorded, config)}])
-    write_atomic(out / "config.json", json.dumps(recipe(config), indent=1).encode())
+    append(out, "resumes.jsonl", [{"step": done, "changed": resume_changes(recorded, config),
+                                   RECORD: code_version()}])
+    write_config(out, config)

@@ -62,7 +62,9 @@ def test_cli_config_file_is_the_base_layer_under_the_flags(tmp_path, capsys):
     data = toy_data(tmp_path)
     recipe = config.parse_config(toy_args(data, tmp_path / "x", lr=0.002, algo="justrl"))[0]
     (tmp_path / "x").mkdir()
-    (tmp_path / "x" / "config.json").write_text(json.dumps(run_folder.recipe(asdict(recipe))))
+    run_folder.write_config(tmp_path / "x", asdict(recipe))  # train.py's, with its "code"
+    assert set(json.loads((tmp_path / "x" / "config.json").read_text())["code"]) == {
+        "commit", "dirty"}
     rerun = config.parse_config(["--config", str(tmp_path / "x" / "config.json"), "--seed", "1",
                                  "--out-dir", str(tmp_path / "x-seed1")])[0]
     # python train.py --config ... reruns it

@@ -231,7 +231,8 @@ def test_train_resume_keeps_the_recipe_and_records_what_changed(tmp_path, monkey
                            "--samples-per-step", "1", "--max-tokens-per-micro-batch", "5"]) == 0
     assert [json.loads(x) for x in (run / "resumes.jsonl").read_text().splitlines()] == [
         {"step": 2, "changed": {"steps": [2, 3], "max_tokens_per_micro_batch": [20, 5],
-                                "eval_every": [0, 1], "samples_per_step": [4, 1]}}]
+                                "eval_every": [0, 1], "samples_per_step": [4, 1]},
+         "code": run_folder.code_version()}]
     assert json.loads((run / "config.json").read_text())["steps"] == 3 and \
         len(read_metrics(run)) == 3
 
@@ -239,7 +240,8 @@ def test_train_resume_keeps_the_recipe_and_records_what_changed(tmp_path, monkey
 def test_train_config_records_what_the_run_used_and_resumes(tmp_path, monkeypatch):
     """config.json records the held-out rows a run evaluated: the built-in task's 20 (it said 0),
     a tenth of --data's rows as their count (it said null); a built-in-task run records none of
-    the fields only --data reads. Both resume, and so do runs whose config.json was written before
+    the fields only --data reads, and both the code that ran ("code": commit, dirty). Both resume,
+    and so do runs whose config.json was written before
     (0 or null, those fields): the same held-out rows, nothing refused."""
     monkeypatch.setattr(reward, "reward", lambda response, gold, mode="dapo":
                         1.0 if CHECKS[EVEN](response, gold) else -1.0)  # the full tiny model
@@ -253,6 +255,8 @@ def test_train_config_records_what_the_run_used_and_resumes(tmp_path, monkeypatc
         recorded = {run: json.loads((run / "config.json").read_text()) for run in (builtin, data)}
         assert recorded[builtin]["heldout"] == 20 and not set(unused) & set(recorded[builtin])
         assert recorded[data]["heldout"] == 5 and recorded[data]["answer_key"] == "answer"
+        # the code that ran: this checkout's commit, whether it had changes (null without git)
+        assert recorded[builtin]["code"] == recorded[data]["code"] == run_folder.code_version()
         for run in (builtin, data):
             assert train.main(["--resume", str(run), "--steps", "2"]) == 0
         # as config.json was written before it recorded the count
