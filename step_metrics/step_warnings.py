@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 
@@ -59,6 +60,26 @@ def fitted_threads(load: float, cores: int, threads: int, processes: int) -> int
     return max(1, min(threads, int((cores + 0.5 - load) // processes)))
 
 
+def busy_cores(window: float = 0.5, stat: str = "/proc/stat") -> float:
+    """The cores busy now: the machine's non-idle share of CPU time over `window` seconds (Linux's
+    /proc/stat: user, nice, system, irq, softirq, steal against idle and iowait) x its CPUs; where
+    it cannot be read, the 1-minute load average. The load average lags: a minute after `make run`'s
+    own set-up ended it still read 1.2 of 2 cores, and the default run took 1 thread."""
+    def times() -> tuple[int, int]:
+        with open(stat) as f:
+            user, nice, system, idle, iowait, irq, softirq, steal = \
+                map(int, f.readline().split()[1:9])
+        return user + nice + system + irq + softirq + steal, idle + iowait
+    try:
+        busy0, idle0 = times()
+        time.sleep(window)
+        busy1, idle1 = times()
+    except (OSError, ValueError):
+        return os.getloadavg()[0]
+    total = (busy1 - busy0) + (idle1 - idle0)
+    return (busy1 - busy0) / total * (os.cpu_count() or 1) if total > 0 else 0.0
+
+
 def user_threads() -> bool:
     """Whether the user chose torch's thread count: OMP_NUM_THREADS or MKL_NUM_THREADS set, or
     torch.set_num_threads called before the run (a count other than torch's own)."""
@@ -71,15 +92,16 @@ def _cores() -> int:
 
 
 def fit_threads(device, rank: int, prog: str = "train.py") -> None:
-    """At start, on every rank of a CPU run: on a machine oversubscribed by other work, torch's
-    threads lowered to those that fit the free cores (`fitted_threads`), said in one line on rank 0;
+    """At start, on every rank of a CPU run: on a machine oversubscribed by other work now
+    (`busy_cores`), torch's threads lowered to those that fit the free cores (`fitted_threads`),
+    said in one line on rank 0;
     where the user chose the count (`user_threads`), kept, with `oversubscribed`'s warning. The
     thread count changes rounding, not the algorithm: a run repeats bit for bit at one count
     (docs/training.md, Reproducibility), which OMP_NUM_THREADS fixes."""
     if device.type != "cpu":
         return
     threads, processes = torch.get_num_threads(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    load, cores = os.getloadavg()[0], _cores()
+    load, cores = busy_cores(), _cores()
     line = oversubscribed(load, cores, threads, processes)
     fit = fitted_threads(load, cores, threads, processes)
     if line and (user_threads() or fit >= threads):
@@ -88,8 +110,8 @@ def fit_threads(device, rank: int, prog: str = "train.py") -> None:
     elif line:
         torch.set_num_threads(fit)
         if rank == 0:
-            print(f"{prog}: note: the machine is busy (load {load:.1f} on "
-                  f"{plural(cores, 'core')}): {plural(fit, 'torch thread')} per process instead of "
+            print(f"{prog}: note: the machine is busy ({load:.1f} of {plural(cores, 'core')} "
+                  f"busy): {plural(fit, 'torch thread')} per process instead of "
                   f"{threads}; OMP_NUM_THREADS=N fixes the count (a run repeats bit for bit at one "
                   f"count)", file=sys.stderr, flush=True)
 
