@@ -52,9 +52,14 @@ MARKERS = ("o", "s", "^", "D", "v", "x")
 
 def _pyplot():
     try:
+        import logging
+
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        # a font cache another matplotlib wrote (~/.cache/matplotlib) lacks the math fonts: 20
+        # "findfont: ... not found" lines on the console, and the figures the same in DejaVu Sans
+        logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)
     except ImportError:
         print("train.py: matplotlib is not installed, no figure (pip install matplotlib)",
               file=sys.stderr)

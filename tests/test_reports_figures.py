@@ -331,3 +331,27 @@ def test_plot_gradient_labels_apart_legend_inside_and_s2t_counts_agree(tmp_path,
     assert ax_h.get_title().endswith("3 mini-batches")
     assert [c.get_label() for c in ax_h.containers] == [
         "tau_h of 2 of the 3 mini-batches (those with candidates): median 2.00, 1.00-2.00"]
+
+
+def test_a_font_cache_without_the_math_fonts_says_nothing(tmp_path, monkeypatch, caplog):
+    """A font cache another matplotlib wrote (~/.cache/matplotlib) that lacks the math fonts printed
+    20 "findfont: Font family ['STIXGeneral'] not found" lines in a fresh clone's `make run`; the
+    figure is drawn in DejaVu Sans, without a line."""
+    import logging
+
+    plt = figures._pyplot()
+    from matplotlib import font_manager
+
+    manager = font_manager.fontManager
+    monkeypatch.setattr(manager, "ttflist", [f for f in manager.ttflist if f.name == "DejaVu Sans"])
+    font_manager.FontManager._findfont_cached.cache_clear()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="matplotlib"):
+            fig, ax = plt.subplots()
+            ax.set_xlabel(figures.GRADIENT_NORM)
+            fig.savefig(tmp_path / "f.png")
+            plt.close(fig)
+    finally:
+        font_manager.FontManager._findfont_cached.cache_clear()
+    assert (tmp_path / "f.png").stat().st_size > 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
