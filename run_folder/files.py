@@ -40,9 +40,10 @@ RESUMABLE = ("steps", "eval_every", "eval_samples", "samples_per_step", "spuriou
 
 # -------------------------------------------------------------------------------- the code that ran
 def code_version(root: Path = Path(__file__).resolve().parents[1]) -> dict:
-    """{"commit": the checkout's commit, "dirty": whether its files differ from it (untracked files
-    that git does not ignore count)}; both null outside a git checkout (a copy without .git) or
-    without git. config.json records it as "code" (command_line.flags.RECORD: not a flag)."""
+    """{"commit": the checkout's commit, "dirty": whether its tracked files differ from it (as
+    `git describe --dirty`: a new untracked file, e.g. a log, does not count)}; both null outside a
+    git checkout (a copy without .git) or without git. config.json records it as "code"
+    (command_line.flags.RECORD: not a flag)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
                               timeout=30, check=True).stdout
@@ -50,7 +51,7 @@ def code_version(root: Path = Path(__file__).resolve().parents[1]) -> dict:
         if Path(git("rev-parse", "--show-toplevel").strip()).resolve() != root.resolve():
             return {"commit": None, "dirty": None}  # a copy inside some other repository
         return {"commit": git("rev-parse", "HEAD").strip(),
-                "dirty": bool(git("status", "--porcelain"))}
+                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
 

@@ -16,8 +16,9 @@ def git(root, *args):
 
 
 def test_code_version_names_the_commit_and_whether_the_tree_changed(tmp_path):
-    """A clean checkout: its HEAD and dirty false; an edited tracked file or an untracked one that
-    git does not ignore: dirty true; an ignored file: clean; a folder inside another repository
+    """A clean checkout: its HEAD and dirty false; an edited tracked file or a staged new one: dirty
+    true; an untracked file (a log beside the code: a fresh clone's `make run > run.log` read
+    dirty) or an ignored one: clean, as `git describe --dirty`; a folder inside another repository
     (a copy of the code in a user's project) or outside any: null, null."""
     root = tmp_path / "repo"
     root.mkdir()
@@ -34,7 +35,9 @@ def test_code_version_names_the_commit_and_whether_the_tree_changed(tmp_path):
     (root / "train.py").write_text("print(2)\n")
     assert code_version(root) == {"commit": head, "dirty": True}
     git(root, "checkout", "-q", "train.py")
-    (root / "mine.py").write_text("")
+    (root / "run.log").write_text("")
+    assert code_version(root) == {"commit": head, "dirty": False}
+    git(root, "add", "run.log")
     assert code_version(root) == {"commit": head, "dirty": True}
     (root / "sub").mkdir()
     assert code_version(root / "sub") == {"commit": None, "dirty": None}
