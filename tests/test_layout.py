@@ -328,3 +328,21 @@ def test_docs_list_every_code_files_tests():
         else:
             assert rows[path].startswith("none of its own"), path
     assert "split by topic" in rows["train.py"]
+
+
+def test_docs_anchor_links_reach_their_headings():
+    """Every link to a heading of a page (README.md and docs/*.md, `page.md#anchor` or `#anchor`)
+    names a heading that exists, by GitHub's rule (lowercase, punctuation dropped, spaces to
+    hyphens); seven pointed at headings renamed with bench.py -> tools.bench."""
+    def slug(heading):
+        return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    headings = {p.resolve(): {slug(h) for h in re.findall(r"^#+ (.*)$", p.read_text(), re.M)}
+                for p in pages}
+    broken = [f"{p.name}: {target}#{anchor}" for p in pages
+              for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", p.read_text())
+              if target.endswith(".md") or not target
+              if anchor not in headings.get((p.parent / target).resolve() if target
+                                            else p.resolve(), {anchor})]
+    assert not broken
