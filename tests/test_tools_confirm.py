@@ -142,3 +142,40 @@ def test_confirm_gate_report(tmp_path, capsys):
     confirm.main(["gate", str(tmp_path / "gate-100"), str(tmp_path / "gate-101")])
     assert "**inert at this scale**" in capsys.readouterr().out
     assert confirm.main(["gate", str(tmp_path / "nothing")]) == 2
+
+
+def test_the_collapse_experiments_t_intervals_are_its_tables():
+    """docs/experiments.md quotes paired t intervals beside the plan's bootstrap (six seeds'
+    percentile bootstrap cannot be wider than their range); each is recomputed here from the paired
+    differences of the section's own table, and the one row whose interval excludes 0 with its
+    Holm p."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "experiments.md").read_text()
+    rows = {}
+    for cells in (line.split("|")[1:-1] for line in doc.splitlines()
+                  if line.startswith("| ") and line.count("|") == 8):
+        name, outcome, diffs = cells[0].strip(), cells[1].strip(), cells[4]
+        if " - " in name and "," in diffs:
+            rows[name, outcome] = [float(d) for d in diffs.split(",")]
+    flat = " ".join(doc.split())
+
+    def quoted(name, outcome):
+        t = confirm.paired_t(rows[name, outcome])
+        return f"{t['ci'][0]:+.2f} to {t['ci'][1]:+.2f}".replace("+-", "-").lstrip("+"), t["p"]
+
+    ci, p = quoted("stapo - justrl", "entropy rise")
+    assert f"paired t 95% interval {ci}, p = {p:.2f}" in flat
+    ci, _ = quoted("stapo - justrl", "held-out acc @12")
+    assert f"t interval {ci}, 4/2" in flat
+    training = "training acc, mean of all steps (not pre-registered)"
+    t = confirm.paired_t(rows["stapo - highmask", training])
+    assert f"-0.043 (paired t 95% interval {t['ci'][0]:.3f} to {t['ci'][1]:.3f}, p = " \
+           f"{t['p']:.3f};" in flat
+    names = [n for n, o in rows if o == training]
+    adjusted = dict(zip(names, confirm.holm([confirm.paired_t(rows[n, training])["p"]
+                                             for n in names])))
+    holm = adjusted["stapo - highmask"]
+    assert len(names) == 7 and f"seven comparisons (adjusted p = {holm:.2f})" in flat
+    assert [n for n in names if confirm.paired_t(rows[n, training])["ci"][1] < 0
+            or confirm.paired_t(rows[n, training])["ci"][0] > 0] == ["stapo - highmask"]
