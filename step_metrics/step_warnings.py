@@ -60,13 +60,16 @@ def fitted_threads(load: float, cores: int, threads: int, processes: int) -> int
     return max(1, min(threads, int((cores + 0.5 - load) // processes)))
 
 
-def busy_cores(window: float = 0.5, stat: str = "/proc/stat") -> float:
+PROC_STAT = "/proc/stat"  # Linux's CPU time counters (tests point it elsewhere: conftest.py)
+
+
+def busy_cores(window: float = 0.5, stat: str = "") -> float:
     """The cores busy now: the machine's non-idle share of CPU time over `window` seconds (Linux's
     /proc/stat: user, nice, system, irq, softirq, steal against idle and iowait) x its CPUs; where
     it cannot be read, the 1-minute load average. The load average lags: a minute after `make run`'s
     own set-up ended it still read 1.2 of 2 cores, and the default run took 1 thread."""
     def times() -> tuple[int, int]:
-        with open(stat) as f:
+        with open(stat or PROC_STAT) as f:
             user, nice, system, idle, iowait, irq, softirq, steal = \
                 map(int, f.readline().split()[1:9])
         return user + nice + system + irq + softirq + steal, idle + iowait
