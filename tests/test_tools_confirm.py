@@ -118,29 +118,34 @@ def test_confirm_report_from_run_folders(tmp_path):
 
 def test_confirm_gate_report(tmp_path, capsys):
     """tools/confirm.py gate RUN ...: S2T's activity against the bar 0.25 a step, the
-    parameter-gradient shares with cancellation beside the per-token logit-gradient shares, the
-    graded part's share of tokens."""
+    parameter-gradient shares with cancellation (the ratio of the mean norms, 0.45 / 5.0 = 9%, with
+    the per-mini-batch range 5%-25%; it printed their mean ratio, 15%) beside the per-token
+    logit-gradient shares, the graded part's share of tokens."""
     cells = {f"shares/{x}_{k}_{part}": 1.0 for x in ("grad", "n")
              for k in ("candidate", "low_p", "high_p_pos", "high_p_rest")
              for part in ("graded", "after")}
     cells |= {"shares/grad_candidate_graded": 0.02, "shares/grad_candidate_after": 0.0,
               "shares/n_high_p_pos_graded": 93.0, "grad_share/n": 1.0, "grad_share/all": 2.0,
               "grad_share/candidates": 0.5, "grad_share/without": 1.8}
+    norms = {100: (2.0, 0.5, 1.8), 101: (8.0, 0.4, 7.9)}  # the whole, the candidates', without
     for seed, rule in ((100, 0.0), (101, 1.0)):
-        _write_run(tmp_path / f"gate-{seed}", "justrl", seed, [0.3] * 16, 0.0, rule, extra=cells)
+        g = dict(zip(("grad_share/all", "grad_share/candidates", "grad_share/without"),
+                     norms[seed]))
+        _write_run(tmp_path / f"gate-{seed}", "justrl", seed, [0.3] * 16, 0.0, rule,
+                   extra=cells | g)
     assert confirm.main(["gate", str(tmp_path / "gate-100"), str(tmp_path / "gate-101")]) == 0
     out = capsys.readouterr().out
     assert "would silence 0.50 tokens a step (16 in 32 steps; the gate's bar 0.25): " \
            "the gate passes" in out
-    assert "the candidates' terms alone 0.500 (25% of the whole" in out and \
-        "without them 1.800 (90%" in out
+    assert "whole objective 5.000, the candidates' terms alone 0.450 (9% of the whole's mean; " \
+           "per mini-batch 5%-25%), without them 4.850 (97%)" in out
     assert "tokens in the graded part: 96.0%" in out  # (93 + 1 + 1 + 1) of 100
     for seed in (100, 101):
         (tmp_path / f"gate-{seed}" / "metrics.jsonl").write_text(
             (tmp_path / f"gate-{seed}" / "metrics.jsonl").read_text().replace(
                 '"s2t/rule_silenced": 1.0', '"s2t/rule_silenced": 0.0'))
     confirm.main(["gate", str(tmp_path / "gate-100"), str(tmp_path / "gate-101")])
-    assert "**inert at this scale**" in capsys.readouterr().out
+    assert "**below the bar**: the experiment ends" in capsys.readouterr().out
     assert confirm.main(["gate", str(tmp_path / "nothing")]) == 2
 
 

@@ -229,15 +229,16 @@ def gate(folders: list[Path]) -> str:
                          for k in ("candidate", "low_p", "high_p_pos", "high_p_rest"))
     lines += ["", f"S2T's rule would silence {np.mean(rule):.2f} tokens a step ({sum(rule):.0f} in "
               f"{len(rule)} steps; the gate's bar 0.25): " +
-              ("**inert at this scale**" if np.mean(rule) < 0.25 else "the gate passes")]
+              ("**below the bar**: the experiment ends" if np.mean(rule) < 0.25
+               else "the gate passes")]
     if share:
         g, g_c, rest = (np.array([m[f"grad_share/{k}"] for m in share])
                         for k in ("all", "candidates", "without"))
         lines.append(f"parameter-gradient norm in the {len(share)} mini-batches with candidates "
                      f"(norms of sums): whole objective {g.mean():.3f}, the candidates' terms "
-                     f"alone {g_c.mean():.3f} ({np.mean(g_c / g):.0%} of the whole, range "
-                     f"{np.min(g_c / g):.0%}-{np.max(g_c / g):.0%}), without them "
-                     f"{rest.mean():.3f} ({np.mean(rest / g):.0%} of the whole)")
+                     f"alone {g_c.mean():.3f} ({g_c.mean() / g.mean():.0%} of the whole's mean; "
+                     f"per mini-batch {np.min(g_c / g):.0%}-{np.max(g_c / g):.0%}), without them "
+                     f"{rest.mean():.3f} ({rest.mean() / g.mean():.0%})")
     if cells:
         logit = np.mean([m["shares/grad_candidate_graded"] + m["shares/grad_candidate_after"]
                          for m in cells])
@@ -247,7 +248,8 @@ def gate(folders: list[Path]) -> str:
         lines.append(f"summed per-token logit-gradient norm (no cancellation): candidates "
                      f"{logit:.1%} of a step's, {n_cand:.2f} of its {n_all:.0f} tokens "
                      f"({n_cand / n_all:.2%}): per token {logit / (n_cand / n_all):.1f}x the "
-                     f"average" if n_cand else "no candidates")
+                     f"average, as the formula has it for p < tau_p (about |rA| a token)"
+                     if n_cand else "no candidates")
         lines.append(f"tokens in the graded part: {graded / total:.1%} (the rest: the token that "
                      f"ends at the blank line, and responses cut at the length limit)")
     return "\n".join(lines)
