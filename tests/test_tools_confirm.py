@@ -3,6 +3,7 @@ calculation, its reading rules one case each, the gate's report and the tables f
 folders."""
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -184,3 +185,40 @@ def test_the_collapse_experiments_t_intervals_are_its_tables():
     assert len(names) == 7 and f"seven comparisons (adjusted p = {holm:.2f})" in flat
     assert [n for n in names if confirm.paired_t(rows[n, training])["ci"][1] < 0
             or confirm.paired_t(rows[n, training])["ci"][0] > 0] == ["stapo - highmask"]
+
+
+def test_the_gates_table_is_its_committed_runs():
+    """docs/experiments.md's gate table and sentences are `confirm.gate` (and the runs' entropies)
+    on the two runs' committed outputs (docs/experiments/gate/: config.json, metrics.jsonl,
+    eval.jsonl of the rerun whose config.json names its commit)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    folders = [root / "docs/experiments/gate" / f"gate-justrl-{seed}" for seed in (100, 101)]
+    doc = (root / "docs" / "experiments.md").read_text()
+    flat = " ".join(doc.split())
+    for folder in folders:
+        run = confirm.read_run(folder)
+        assert json.loads((folder / "config.json").read_text())["code"]["commit"]
+        row = next(line for line in doc.splitlines() if line.startswith(f"| {run['seed']} | 0."))
+        e = run["entropy"]
+        cells = [", ".join(f"{a:.2f}" for a in run["acc"]), f"{run['primary']:.3f}",
+                 f"{np.mean(run['candidates']):.2f} ({sum(run['candidates']):.0f} in 16 steps)",
+                 f"{np.mean(run['rule']):.2f}", f"{e[0]:.2f} / {e[2]:.2f} / {e[15]:.2f}",
+                 f"{run['before']:.3f} / {run['heldout']:.3f}"]
+        assert row == f"| {run['seed']} | {' | '.join(cells)} |"
+    report = confirm.gate(folders)
+    for quoted in ("0.00 tokens a step (0 in 32 steps", "**below the bar**"):
+        assert quoted in report
+    norms = re.search(r"whole objective ([\d.]+), the candidates' terms alone ([\d.]+) \((\d+)% of "
+                      r"the whole's mean; per mini-batch (\d+)%-(\d+)%\), without them ([\d.]+)",
+                      report).groups()
+    whole, alone, share, low, high, rest = norms
+    assert (f"the parameter-gradient norm of the whole objective was {whole} (mean), that of the "
+            f"candidate's terms alone {alone} ({share}% of the whole's mean; per mini-batch {low}% "
+            f"and {high}%") in flat
+    assert f"and that of the rest {rest}:" in flat
+    per_token = re.search(r"candidates ([\d.]+)% of a step's, .*\(([\d.]+)%\): per token ([\d.]+)x",
+                          report).groups()
+    assert (f"gives the 2 candidates {float(per_token[0]):.1f}% of a step's total from "
+            f"{per_token[1]}% of its tokens, {float(per_token[2]):.0f}x the average token") in flat
