@@ -190,7 +190,8 @@ def test_the_collapse_experiments_t_intervals_are_its_tables():
 def test_the_gates_table_is_its_committed_runs():
     """docs/experiments.md's gate table and sentences are `confirm.gate` (and the runs' entropies)
     on the two runs' committed outputs (docs/experiments/gate/: config.json, metrics.jsonl,
-    eval.jsonl of the rerun whose config.json names its commit)."""
+    eval.jsonl of the rerun whose config.json names its commit), and the original's values of seed
+    101, which parted from the rerun at step 13, are those of its rerun at the original commit."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
@@ -218,6 +219,12 @@ def test_the_gates_table_is_its_committed_runs():
             f"candidate's terms alone {alone} ({share}% of the whole's mean; per mini-batch {low}% "
             f"and {high}%") in flat
     assert f"and that of the rest {rest}:" in flat
+    original = confirm.read_run(root / "docs/experiments/gate/check-f52d4aa-101")  # at f52d4aa
+    assert original["acc"][:12] == confirm.read_run(folders[1])["acc"][:12]
+    assert ("the original's steps 13-16 were " + ", ".join(f"{a:.2f}" for a in original["acc"][12:])
+            + f" (mean after warm-up {original['primary']:.3f}), its entropy at step 16 "
+            f"{original['entropy'][15]:.2f} and its held-out accuracy after 16 steps "
+            f"{original['heldout']:.3f}") in flat
     per_token = re.search(r"candidates ([\d.]+)% of a step's, .*\(([\d.]+)%\): per token ([\d.]+)x",
                           report).groups()
     assert (f"gives the 2 candidates {float(per_token[0]):.1f}% of a step's total from "
