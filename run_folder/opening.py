@@ -33,10 +33,11 @@ def recipe(config: dict) -> dict:
             if config["data"] or k not in UNUSED_BUILTIN}
 
 
-def write_config(out: Path, config: dict) -> None:
-    """OUT/config.json: the recipe and the code that ran it (a resume writes its own)."""
-    write_atomic(out / "config.json",
-                 json.dumps({**recipe(config), RECORD: code_version()}, indent=1).encode())
+def write_config(out: Path, config: dict, code: dict | None = None) -> None:
+    """OUT/config.json: the recipe and the code that ran it (`code`, else `code_version`'s; a
+    resume writes its own)."""
+    record = {**recipe(config), RECORD: code or code_version()}
+    write_atomic(out / "config.json", json.dumps(record, indent=1).encode())
 
 
 def recorded_config(out: Path) -> dict:
@@ -184,6 +185,7 @@ def _continue(out: Path, config: dict, recorded: dict, done: int) -> None:
     recover_export(out)
     (out / "stopped.json").unlink(missing_ok=True)
     cut_logs(out, done)
+    code = code_version()  # git, once: resumes.jsonl and config.json
     append(out, "resumes.jsonl", [{"step": done, "changed": resume_changes(recorded, config),
-                                   RECORD: code_version()}])
-    write_config(out, config)
+                                   RECORD: code}])
+    write_config(out, config, code)
