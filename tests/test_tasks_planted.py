@@ -1,0 +1,110 @@
+"""tasks/planted.py: the planted-filler task (its reward, fine-tuning rows, soft targets, the model
+folder it writes) and the numbers docs/experiments.md quotes from its pilot."""
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import model
+from tasks import planted
+from tools import mechanism
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_running_sums_and_a_reward_that_ignores_fillers():
+    assert planted.running_sums("31415926") == "34894351"
+    assert planted.problem("90") == {"prompt": "90:", "answer": "99"}
+    assert planted.reward("34~894351", "34894351") == 1.0
+    assert planted.reward("~34894351~ ", "34894351") == 1.0
+    assert planted.reward("34894352", "34894351") == -1.0
+    assert planted.reward("3489435", "34894351") == -1.0
+
+
+def test_fine_tuning_rows_target_the_filler_free_next_token():
+    """Each row's targets, read where they are set, are the answer and EOS in order; an inserted "~"
+    is an input, never a target; about half the rows hold one."""
+    tok = model.tiny_tokenizer()
+    eos, filler = tok.eos_token_id, tok.convert_tokens_to_ids(planted.FILLER)
+    inputs, targets = planted.sft_rows(random.Random(1), 200, tok, eos)
+    with_filler = 0
+    for ids, target in zip(inputs, targets):
+        assert len(ids) == len(target)
+        prompt = tok.decode(ids[:planted.DIGITS + 1])
+        answer = tok(planted.running_sums(prompt[:-1]), add_special_tokens=False).input_ids
+        assert filler not in target and ids.count(filler) <= 1
+        at = ids.index(filler) if filler in ids else None
+        with_filler += at is not None
+        if at is not None:  # the positions before "~" and of "~" target the next answer token
+            after = ids[at + 1] if at + 1 < len(ids) else eos
+            assert target[at - 1] == target[at] == after
+        assert [t for i, t in enumerate(target) if t >= 0 and i != at] == answer + [eos]
+    assert 70 < with_filler < 130
+
+
+def test_soft_loss_is_least_at_the_soft_target():
+    """The soft cross-entropy's gradient vanishes at logits log((1 - eps) e_right + eps e_filler)
+    (up to a shared constant) and it equals the target's entropy there."""
+    eps, V, filler = 0.01, 6, 5
+    target = torch.tensor([[2, 0, -100]])  # (1, 3): the last position is outside the response
+    probs = torch.full((1, 3, V), 1e-12)
+    for t, right in enumerate([2, 0, 1]):
+        probs[0, t, right], probs[0, t, filler] = 1 - eps, eps
+    logits = probs.log().requires_grad_()
+    loss = planted.soft_loss(logits, target, filler, eps)
+    loss.backward()
+    entropy = -((1 - eps) * np.log(1 - eps) + eps * np.log(eps))
+    assert loss.item() == pytest.approx(entropy, rel=1e-5)
+    assert logits.grad.abs().max() < 1e-6
+
+
+def test_build_writes_a_model_folder_and_data_train_py_reads(tmp_path):
+    """A two-step build: OUT/model loads through model.load_model (a local HF folder), and
+    OUT/planted.jsonl holds distinct problems with their running sums."""
+    planted.build(tmp_path, filler_rate=0.01, sft_steps=2, problems=50, batch=4, calibrate_steps=2)
+    lm, tok = model.load_model(str(tmp_path / "model"))
+    assert tok.convert_tokens_to_ids(planted.FILLER) != tok.unk_token_id
+    rows = [json.loads(x) for x in (tmp_path / "planted.jsonl").read_text().splitlines()]
+    assert len(rows) == len({r["prompt"] for r in rows}) == 50
+    assert all(r["answer"] == planted.running_sums(r["prompt"][:-1]) for r in rows)
+    with pytest.raises(SystemExit):
+        planted.main([str(tmp_path / "x"), "--filler-rate", "1.5"])
+
+
+def test_the_plan_quotes_the_planted_pilot():
+    """docs/experiments.md's planted-filler plan and pilot table are the report's numbers on the
+    committed pilot lines: the primary's sd and upper bound, the sample sizes for the pilot's mean,
+    what 80 mini-batches detect, the silenced tokens and the per-state rows."""
+    from run_folder import read_log
+
+    pilot = ROOT / "docs/experiments/mechanism/planted-pilot"
+    doc = (ROOT / "docs/experiments.md").read_text()
+    lines = [x for state in ("initial", "justrl-step4")
+             for x in read_log(pilot / state / mechanism.FILE) if x["kind"] == "minibatch"]
+    primary = [mechanism.outcomes(x)["primary"] for x in lines]
+    sd, n, mean = float(np.std(primary, ddof=1)), len(primary), float(np.mean(primary))
+    upper = mechanism.sd_upper(sd, n)
+    assert f"over its {n} mini-batches is {sd:.2e} nats per token (upper\n95% bound {upper:.2e}" \
+           f", chi-square, {n - 1} df)" in doc
+    needed = [mechanism.pairs_needed(s, mean) for s in (sd, upper)]
+    assert f"the pilot's mean {mean:+.2e} needs {needed[0]} mini-batches for 80% power at the " \
+           f"point sd and {needed[1]}\nat the upper bound" in doc
+    assert f"detect {mechanism.detectable(sd, 80):.2e} with 80% power at the point\nsd, " \
+           f"{mechanism.detectable(upper, 80):.2e} at the upper bound" in doc
+    assert mechanism.pairs_needed(upper, mechanism.SESOI) == 2 and "2 mini-batches" in doc
+    tokens = [t for x in lines for t in x["silenced_tokens"]]
+    fillers = [t for t in tokens if t["token"] == planted.FILLER]
+    assert f"{len(fillers)} of the {len(tokens)} silenced tokens are a \"~\" (p " \
+           f"{min(t['p'] for t in fillers):.1e} to {max(t['p'] for t in fillers):.1e}, H " \
+           f"{min(t['H'] for t in fillers):.3f} to\n{max(t['H'] for t in fillers):.3f})" in doc
+    assert all(x["candidates"] == 2 for x in lines)
+    bases = [read_log(pilot / s / mechanism.FILE)[0]["base"]["acc"]
+             for s in ("initial", "justrl-step4")]
+    assert f"{bases[0]:.3f} and {bases[1]:.3f}" in doc
+    table = mechanism.report(lines).splitlines()
+    for row in table[2:4]:  # | state | n | silenced | dLL | ... | mean (CI) | s |
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        assert f"| {' | '.join(cells[:4])} | {cells[-2].split(' ')[0]} |" in doc
