@@ -40,18 +40,19 @@ RESUMABLE = ("steps", "eval_every", "eval_samples", "samples_per_step", "spuriou
 
 # -------------------------------------------------------------------------------- the code that ran
 def code_version(root: Path = Path(__file__).resolve().parents[1]) -> dict:
-    """{"commit": the checkout's commit, "dirty": whether its tracked files differ from it (as
-    `git describe --dirty`: a new untracked file, e.g. a log, does not count)}; both null outside a
-    git checkout (a copy without .git) or without git. config.json records it as "code"
-    (command_line.flags.RECORD: not a flag)."""
+    """{"commit": the checkout's commit, "dirty": whether its tracked files differ from it or an
+    untracked .py file, code a run may import, sits beside them (another untracked file, e.g. a log,
+    does not count)}; both null outside a git checkout (a copy without .git) or without git.
+    config.json records it as "code" (command_line.flags.RECORD: not a flag)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
                               timeout=30, check=True).stdout
     try:
         if Path(git("rev-parse", "--show-toplevel").strip()).resolve() != root.resolve():
             return {"commit": None, "dirty": None}  # a copy inside some other repository
+        changes = git("status", "--porcelain", "--untracked-files=all").splitlines()
         return {"commit": git("rev-parse", "HEAD").strip(),
-                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+                "dirty": any(not c.startswith("??") or c.endswith(".py") for c in changes)}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
 

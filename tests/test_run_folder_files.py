@@ -18,8 +18,9 @@ def git(root, *args):
 def test_code_version_names_the_commit_and_whether_the_tree_changed(tmp_path):
     """A clean checkout: its HEAD and dirty false; an edited tracked file or a staged new one: dirty
     true; an untracked file (a log beside the code: a fresh clone's `make run > run.log` read
-    dirty) or an ignored one: clean, as `git describe --dirty`; a folder inside another repository
-    (a copy of the code in a user's project) or outside any: null, null."""
+    dirty) or an ignored one: clean; an untracked .py file (a new module a run imports, even in a
+    new folder): dirty; a folder inside another repository (a copy of the code in a user's project)
+    or outside any: null, null."""
     root = tmp_path / "repo"
     root.mkdir()
     git(root, "init", "-q")
@@ -37,6 +38,10 @@ def test_code_version_names_the_commit_and_whether_the_tree_changed(tmp_path):
     git(root, "checkout", "-q", "train.py")
     (root / "run.log").write_text("")
     assert code_version(root) == {"commit": head, "dirty": False}
+    (root / "tasks").mkdir()
+    (root / "tasks" / "mine.py").write_text("")
+    assert code_version(root) == {"commit": head, "dirty": True}
+    (root / "tasks" / "mine.py").unlink()
     git(root, "add", "run.log")
     assert code_version(root) == {"commit": head, "dirty": True}
     (root / "sub").mkdir()
