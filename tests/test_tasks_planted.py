@@ -81,25 +81,25 @@ def test_the_plan_quotes_the_planted_pilot():
     from run_folder import read_log
 
     pilot = ROOT / "docs/experiments/mechanism/planted-pilot"
-    doc = (ROOT / "docs/experiments.md").read_text()
+    doc = " ".join((ROOT / "docs/experiments.md").read_text().split())  # lines joined
     lines = [x for state in ("initial", "justrl-step4")
              for x in read_log(pilot / state / mechanism.FILE) if x["kind"] == "minibatch"]
     primary = [mechanism.outcomes(x)["primary"] for x in lines]
     sd, n, mean = float(np.std(primary, ddof=1)), len(primary), float(np.mean(primary))
     upper = mechanism.sd_upper(sd, n)
-    assert f"over its {n} mini-batches is {sd:.2e} nats per token (upper\n95% bound {upper:.2e}" \
+    assert f"over its {n} mini-batches is {sd:.2e} nats per token (upper 95% bound {upper:.2e}" \
            f", chi-square, {n - 1} df)" in doc
     needed = [mechanism.pairs_needed(s, mean) for s in (sd, upper)]
     assert f"the pilot's mean {mean:+.2e} needs {needed[0]} mini-batches for 80% power at the " \
-           f"point sd and {needed[1]}\nat the upper bound" in doc
-    assert f"detect {mechanism.detectable(sd, 80):.2e} with 80% power at the point\nsd, " \
+           f"point sd and {needed[1]} at the upper bound" in doc
+    assert f"detect {mechanism.detectable(sd, 80):.2e} with 80% power at the point sd, " \
            f"{mechanism.detectable(upper, 80):.2e} at the upper bound" in doc
     assert mechanism.pairs_needed(upper, mechanism.SESOI) == 2 and "2 mini-batches" in doc
     tokens = [t for x in lines for t in x["silenced_tokens"]]
     fillers = [t for t in tokens if t["token"] == planted.FILLER]
     assert f"{len(fillers)} of the {len(tokens)} silenced tokens are a \"~\" (p " \
            f"{min(t['p'] for t in fillers):.1e} to {max(t['p'] for t in fillers):.1e}, H " \
-           f"{min(t['H'] for t in fillers):.3f} to\n{max(t['H'] for t in fillers):.3f})" in doc
+           f"{min(t['H'] for t in fillers):.3f} to {max(t['H'] for t in fillers):.3f})" in doc
     assert all(x["candidates"] == 2 for x in lines)
     bases = [read_log(pilot / s / mechanism.FILE)[0]["base"]["acc"]
              for s in ("initial", "justrl-step4")]
