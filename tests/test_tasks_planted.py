@@ -10,6 +10,7 @@ import torch
 
 import model
 from tasks import planted
+from tests.toy_task import one_thread
 from tools import mechanism
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,6 +73,23 @@ def test_build_writes_a_model_folder_and_data_train_py_reads(tmp_path):
     assert all(r["answer"] == planted.running_sums(r["prompt"][:-1]) for r in rows)
     with pytest.raises(SystemExit):
         planted.main([str(tmp_path / "x"), "--filler-rate", "1.5"])
+
+
+def test_the_filler_rate_sets_the_fillers_probability(tmp_path):
+    """--filler-rate eps is what the built model gives "~" at the answer's positions: after 100
+    fine-tuning and 100 calibration steps (~5 s) the median p("~") over fresh rows is within 10% of
+    eps, and the 10%-90% range within 25%."""
+    eps = 0.02
+    with one_thread():
+        planted.build(tmp_path, filler_rate=eps, sft_steps=100, problems=10, batch=32,
+                      calibrate_steps=100)
+    lm, tok = model.load_model(str(tmp_path / "model"))
+    ids, target, mask = planted.sft_batch(random.Random(5), 64, tok, tok.eos_token_id)
+    with torch.no_grad():
+        probs = lm(input_ids=ids, attention_mask=mask).logits.softmax(-1)  # (B, T, V)
+    p = probs[..., tok.convert_tokens_to_ids(planted.FILLER)][target >= 0]  # (n,) answer positions
+    assert abs(p.median().item() / eps - 1) < 0.1
+    assert 0.75 * eps < p.quantile(0.1).item() and p.quantile(0.9).item() < 1.25 * eps
 
 
 def test_the_plan_quotes_the_planted_pilot():
