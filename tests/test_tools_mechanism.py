@@ -67,6 +67,8 @@ def test_outcomes_and_report_against_hand_worked_values():
     assert (t["w_plus"], t["w_p"]) == (9.0, pytest.approx(0.25))
     text = mechanism.report(lines, sesoi=0.001)
     assert "| primary | 4 | +2.000e-03" in text
+    assert "| > 0 | cannot tell |" in text.splitlines()[8]  # the primary's row
+    assert text.splitlines()[10].startswith("| entropy |") and "| < 0 |" in text.splitlines()[10]
     assert "reading (the plan's rules): cannot tell" in text
     assert "| a | 2 |" in text and "| b | 2 |" in text and "| all | 4 |" in text
     n_point = mechanism.pairs_needed(t["sd"], 0.001)
@@ -84,6 +86,16 @@ def test_reading_rules():
     assert mechanism.reading(primary(-1e-3, 0.01, (-2e-3, -5e-4)), 1e-4).startswith("refutes the")
     assert mechanism.reading(primary(1e-5, 0.5, (-5e-5, 5e-5)), 1e-4).startswith("refutes at")
     assert mechanism.reading(primary(1e-5, 0.5, (-5e-4, 5e-4)), 1e-4) == "cannot tell"
+
+
+def test_secondary_reading_rules():
+    """Holm p < 0.05 in the plan's predicted direction supports (STAPO - RandMask and accuracy
+    > 0, entropy and the cosine < 0), in the other refutes; Holm p >= 0.05 cannot tell."""
+    assert mechanism.secondary_reading("ll_vs_randmask", 1e-4, 0.01) == "supports"
+    assert mechanism.secondary_reading("acc", -0.01, 0.049) == "refutes"
+    assert mechanism.secondary_reading("entropy", -1e-3, 0.01) == "supports"
+    assert mechanism.secondary_reading("cosine", 0.2, 0.001) == "refutes"
+    assert mechanism.secondary_reading("cosine", -0.2, 0.05) == "cannot tell"
 
 
 def test_the_plan_quotes_the_pilot_it_was_sized_from():

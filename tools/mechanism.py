@@ -430,6 +430,7 @@ def outcomes(line: dict) -> dict:
 
 
 SECONDARY = ("ll_vs_randmask", "entropy", "acc", "cosine")
+PREDICTED = {"ll_vs_randmask": 1, "entropy": -1, "acc": 1, "cosine": -1}  # the plan's signs
 
 
 def chi2_cdf(x: float, df: float) -> float:
@@ -507,6 +508,14 @@ def reading(primary: dict, sesoi: float | None) -> str:
     return "cannot tell"
 
 
+def secondary_reading(name: str, mean: float, holm_p: float) -> str:
+    """The plan's reading of a secondary outcome: Holm p < 0.05 in the predicted direction
+    supports, in the other refutes; otherwise cannot tell."""
+    if holm_p >= 0.05:
+        return "cannot tell"
+    return "supports" if mean * PREDICTED[name] > 0 else "refutes"
+
+
 def report(lines: list[dict], sesoi: float | None = SESOI) -> str:
     """The plan's statistics of measured mini-batches (all states pooled; per state
     descriptive)."""
@@ -531,17 +540,21 @@ def report(lines: list[dict], sesoi: float | None = SESOI) -> str:
     values = {k: [outcomes(x)[k] for x in lines] for k in ("primary", *SECONDARY)}
     tests = {k: test(v) for k, v in values.items()}
     adjusted = dict(zip(SECONDARY, holm([tests[k]["p"] for k in SECONDARY])))
-    out += ["", "| outcome | n | mean (95% CI) | sd | t-test p | Holm p | Wilcoxon p |",
-            "|---|---|---|---|---|---|---|"]
+    out += ["", "| outcome | n | mean (95% CI) | sd | t-test p | Holm p | Wilcoxon p | "
+            "predicted | the plan's reading |", "|---" * 9 + "|"]
     for k, t in tests.items():
+        verdict = reading(t, sesoi).split(":")[0] if k == "primary" else \
+            secondary_reading(k, t["mean"], adjusted[k])
         out.append(f"| {k} | {t['n']} | {t['mean']:+.3e} ({t['ci'][0]:+.3e}, {t['ci'][1]:+.3e}) "
                    f"| {t['sd']:.3e} | {t['p']:.4f} | "
-                   f"{f'{adjusted[k]:.4f}' if k in adjusted else '-'} | {t['w_p']:.4f} |")
+                   f"{f'{adjusted[k]:.4f}' if k in adjusted else '-'} | {t['w_p']:.4f} | "
+                   f"{'> 0' if PREDICTED.get(k, 1) > 0 else '< 0'} | {verdict} |")
     sd, n = tests["primary"]["sd"], tests["primary"]["n"]
     justrl = np.mean([abs(x["arms"]["justrl"]["ll"] - x["base"]["ll"]) for x in lines])
     upper = sd_upper(sd, n)
     out += ["", f"primary sd {sd:.3e} (upper 95% bound {upper:.3e}, chi-square, {n - 1} df); "
-            f"mean |dLL| of JustRL's update {justrl:.3e} nats/token"]
+            f"mean |dLL| of JustRL's update {justrl:.3e} nats/token; the primary's mean is "
+            f"{tests['primary']['mean'] / justrl:+.2e} of it"]
     if sesoi:
         out.append(f"SESOI {sesoi:.3e}: 80% power at alpha 0.05 needs {pairs_needed(sd, sesoi)} "
                    f"mini-batches (at the upper sd: {pairs_needed(upper, sesoi)}); {n} detect "
