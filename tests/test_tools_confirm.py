@@ -11,6 +11,18 @@ import pytest
 from tools import confirm
 
 
+def test_chi_square_against_tables():
+    """Chi-square's CDF and quantiles: 2 df in closed form (1 - exp(-x/2)), the rest against the
+    printed tables (lower 5% of 9 df 3.325, upper 5% of 1 df 3.841 = 1.95996^2, lower 5% of 4 df
+    0.711, upper 2.5% of 40 df 59.342)."""
+    assert confirm.chi2_cdf(3.0, 2) == pytest.approx(1 - math.exp(-1.5), abs=1e-12)
+    assert confirm.chi2_quantile(0.05, 2) == pytest.approx(-2 * math.log(0.95), abs=1e-9)
+    assert confirm.chi2_quantile(0.05, 9) == pytest.approx(3.325113, abs=1e-5)
+    assert confirm.chi2_quantile(0.95, 1) == pytest.approx(1.959964 ** 2, abs=1e-5)
+    assert confirm.chi2_quantile(0.05, 4) == pytest.approx(0.710723, abs=1e-5)
+    assert confirm.chi2_cdf(59.342, 40) == pytest.approx(0.975, abs=1e-4)  # continued fraction
+
+
 def test_confirm_t_distribution_matches_tables():
     """Student's t from the incomplete beta function: two-sided p and quantiles as printed in
     statistics tables."""

@@ -15,18 +15,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------- the statistics
-def test_chi_square_against_tables():
-    """Chi-square's CDF and quantiles: 2 df in closed form (1 - exp(-x/2)), the rest against the
-    printed tables (lower 5% of 9 df 3.325, upper 5% of 1 df 3.841 = 1.95996^2, lower 5% of 4 df
-    0.711, upper 2.5% of 40 df 59.342)."""
-    assert mechanism.chi2_cdf(3.0, 2) == pytest.approx(1 - math.exp(-1.5), abs=1e-12)
-    assert mechanism.chi2_quantile(0.05, 2) == pytest.approx(-2 * math.log(0.95), abs=1e-9)
-    assert mechanism.chi2_quantile(0.05, 9) == pytest.approx(3.325113, abs=1e-5)
-    assert mechanism.chi2_quantile(0.95, 1) == pytest.approx(1.959964 ** 2, abs=1e-5)
-    assert mechanism.chi2_quantile(0.05, 4) == pytest.approx(0.710723, abs=1e-5)
-    assert mechanism.chi2_cdf(59.342, 40) == pytest.approx(0.975, abs=1e-4)  # continued fraction
-
-
 def test_sd_upper_bound_and_sample_size():
     """The upper 95% bound of an sd of 10 values is sd sqrt(9 / 3.325113) = 1.6452 sd; a paired
     t-test at d = 0.5 needs ((1.959964 + 0.841621) 2)^2 + 1.959964^2 / 2 = 33.32 -> 34 pairs (the

@@ -93,6 +93,41 @@ def t_quantile(p: float, df: int) -> float:
     return (lo + hi) / 2
 
 
+def chi2_cdf(x: float, df: float) -> float:
+    """P(X <= x) for chi-square with df degrees of freedom: the regularized lower incomplete gamma
+    P(df/2, x/2) (its series below a + 1, else its continued fraction: Numerical Recipes' gammp)."""
+    a, x = df / 2, x / 2
+    if x <= 0:
+        return 0.0
+    front = math.exp(-x + a * math.log(x) - math.lgamma(a))
+    if x < a + 1:
+        term = total = 1 / a
+        for n in range(1, 1000):
+            term *= x / (a + n)
+            total += term
+            if abs(term) < abs(total) * 1e-15:
+                break
+        return front * total
+    b, c, d = x + 1 - a, 1e300, 1 / (x + 1 - a)
+    h = d
+    for i in range(1, 1000):
+        an, b = -i * (i - a), b + 2
+        d, c = 1 / (an * d + b), b + an / c
+        h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return 1 - front * h
+
+
+def chi2_quantile(p: float, df: float) -> float:
+    """The p-quantile of chi-square with df degrees of freedom, by bisection on its CDF."""
+    lo, hi = 0.0, df + 100 * math.sqrt(df) + 100
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if chi2_cdf(mid, df) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
 def paired_t(diffs: list[float], level: float = 0.95) -> dict:
     """Paired two-sided t-test of mean(diffs) = 0: {mean, sd, t, p, ci (level), ci90}."""
     d = np.asarray(diffs, dtype=float)

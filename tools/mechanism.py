@@ -42,7 +42,7 @@ import train
 from data import problem_seed
 from step_metrics.step_log import graded_tokens
 from tasks.chain_sums import worked
-from tools.confirm import holm, paired_t, wilcoxon
+from tools.confirm import chi2_quantile, holm, paired_t, wilcoxon
 
 PROG = "tools.mechanism"
 ARMS = ("justrl", "stapo", "randmask")
@@ -431,41 +431,6 @@ def outcomes(line: dict) -> dict:
 
 SECONDARY = ("ll_vs_randmask", "entropy", "acc", "cosine")
 PREDICTED = {"ll_vs_randmask": 1, "entropy": -1, "acc": 1, "cosine": -1}  # the plan's signs
-
-
-def chi2_cdf(x: float, df: float) -> float:
-    """P(X <= x) for chi-square with df degrees of freedom: the regularized lower incomplete gamma
-    P(df/2, x/2) (its series below a + 1, else its continued fraction: Numerical Recipes' gammp)."""
-    a, x = df / 2, x / 2
-    if x <= 0:
-        return 0.0
-    front = math.exp(-x + a * math.log(x) - math.lgamma(a))
-    if x < a + 1:
-        term = total = 1 / a
-        for n in range(1, 1000):
-            term *= x / (a + n)
-            total += term
-            if abs(term) < abs(total) * 1e-15:
-                break
-        return front * total
-    b, c, d = x + 1 - a, 1e300, 1 / (x + 1 - a)
-    h = d
-    for i in range(1, 1000):
-        an, b = -i * (i - a), b + 2
-        d, c = 1 / (an * d + b), b + an / c
-        h *= d * c
-        if abs(d * c - 1) < 1e-15:
-            break
-    return 1 - front * h
-
-
-def chi2_quantile(p: float, df: float) -> float:
-    """The p-quantile of chi-square with df degrees of freedom, by bisection on its CDF."""
-    lo, hi = 0.0, df + 100 * math.sqrt(df) + 100
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if chi2_cdf(mid, df) < p else (lo, mid)
-    return (lo + hi) / 2
 
 
 def sd_upper(sd: float, n: int, level: float = 0.95) -> float:
