@@ -126,3 +126,34 @@ def test_the_plan_quotes_the_planted_pilot():
     for row in table[2:4]:  # | state | n | silenced | dLL | ... | mean (CI) | s |
         cells = [c.strip() for c in row.split("|")[1:-1]]
         assert f"| {' | '.join(cells[:4])} | {cells[-2].split(' ')[0]} |" in doc
+
+
+def test_the_results_are_the_report_of_the_committed_runs():
+    """docs/experiments.md's planted results: every line of `tools.mechanism --report` on the
+    committed main-run lines (docs/experiments/mechanism/planted/), and the numbers its reading
+    quotes: the silenced tokens, positive differences, RandMask's overlap, the relative sizes."""
+    from run_folder import read_log
+
+    runs = ROOT / "docs/experiments/mechanism/planted"
+    text = (ROOT / "docs/experiments.md").read_text()
+    doc = " ".join(text.split())  # lines joined
+    lines = [x for state in ("initial", "justrl-step4")
+             for x in read_log(runs / state / mechanism.FILE) if x["kind"] == "minibatch"]
+    for row in mechanism.report(lines).splitlines():
+        assert row in text.splitlines(), row
+    tokens = [t for x in lines for t in x["silenced_tokens"]]
+    fillers = sum(t["token"] == planted.FILLER for t in tokens)
+    assert f"{fillers} of the {len(tokens)} silenced tokens are a \"~\"" in doc
+    primary = [mechanism.outcomes(x)["primary"] for x in lines]
+    t = mechanism.test(primary)
+    assert f"Wilcoxon p = {t['w_p']:.3f}, {sum(d > 0 for d in primary)} of {len(lines)} " \
+           "positive" in doc
+    assert f"{sum(x['randmask_same'] for x in lines)} of the {len(lines)} mini-batches the same" \
+           in doc
+    base = {k: np.mean([x["arms"]["justrl"][k] - x["base"][k] for x in lines])
+            for k in ("ll", "entropy")}
+    entropy = np.mean([mechanism.outcomes(x)["entropy"] for x in lines])
+    assert f"by {t['mean'] / abs(base['ll']):.2%} of what the whole update" in doc
+    assert f"about {entropy / base['entropy']:.1%} of the update's own {base['entropy']:.1e}" in doc
+    assert f"the observed sd ({t['sd']:.2e})" in doc and \
+           f"detected {mechanism.detectable(t['sd'], len(lines)):.1e} with 80% power" in doc
