@@ -58,6 +58,10 @@ def test_outcomes_and_report_against_hand_worked_values():
     assert "| > 0 | cannot tell |" in text.splitlines()[8]  # the primary's row
     assert text.splitlines()[10].startswith("| entropy |") and "| < 0 |" in text.splitlines()[10]
     assert "reading (the plan's rules): cannot tell" in text
+    assert "JustRL's update 0.000e+00 nats/token; the primary's mean is (no share of 0)" in text
+    lower = [{**x, "base": {**x["base"], "ll": -1.002}} for x in lines]  # JustRL's dLL +0.002
+    assert "JustRL's update 2.000e-03 nats/token; the primary's mean is +1.00e+00 of it" in \
+        mechanism.report(lower, sesoi=0.001)
     assert "| a | 2 |" in text and "| b | 2 |" in text and "| all | 4 |" in text
     n_point = mechanism.pairs_needed(t["sd"], 0.001)
     assert f"needs {n_point} mini-batches" in text

@@ -515,11 +515,11 @@ def report(lines: list[dict], sesoi: float | None = SESOI) -> str:
                    f"{f'{adjusted[k]:.4f}' if k in adjusted else '-'} | {t['w_p']:.4f} | "
                    f"{'> 0' if PREDICTED.get(k, 1) > 0 else '< 0'} | {verdict} |")
     sd, n = tests["primary"]["sd"], tests["primary"]["n"]
-    justrl = np.mean([abs(x["arms"]["justrl"]["ll"] - x["base"]["ll"]) for x in lines])
+    justrl = float(np.mean([abs(x["arms"]["justrl"]["ll"] - x["base"]["ll"]) for x in lines]))
     upper = sd_upper(sd, n)
+    share = f"{tests['primary']['mean'] / justrl:+.2e} of it" if justrl else "(no share of 0)"
     out += ["", f"primary sd {sd:.3e} (upper 95% bound {upper:.3e}, chi-square, {n - 1} df); "
-            f"mean |dLL| of JustRL's update {justrl:.3e} nats/token; the primary's mean is "
-            f"{tests['primary']['mean'] / justrl:+.2e} of it"]
+            f"mean |dLL| of JustRL's update {justrl:.3e} nats/token; the primary's mean is {share}"]
     if sesoi:
         out.append(f"SESOI {sesoi:.3e}: 80% power at alpha 0.05 needs {pairs_needed(sd, sesoi)} "
                    f"mini-batches (at the upper sd: {pairs_needed(upper, sesoi)}); {n} detect "
