@@ -107,7 +107,7 @@ def build(out: Path, filler_rate: float = 0.001, sft_steps: int = 300, problems:
         opt.step()
         if step % 100 == 0 or step == sft_steps - 1:
             print(f"fine-tuning step {step}: loss {loss.item():.4f}", flush=True)
-    head = lm.get_output_embeddings().weight  # (V, d)
+    head = lm.get_output_embeddings().weight  # (V, d), untied from the input embedding (tiny_model)
     row = head[filler].detach().clone().requires_grad_()  # (d,) the filler's output row
     opt = torch.optim.Adam([row], lr=lr * 3)
     for _ in range(calibrate_steps):
