@@ -47,13 +47,16 @@ def reward(response: str, answer: str) -> float:
     return 1.0 if response.replace(FILLER, "").strip() == answer else -1.0
 
 
-def sft_rows(rng: random.Random, n: int, tokenizer,
-             eos: int) -> tuple[list[list[int]], list[list[int]]]:
-    """n fine-tuning rows of fresh problems: (input ids, the filler-free next token of each input
-    position, -100 in the prompt). Half hold one "~" at a random response position."""
+def sft_rows(rng: random.Random, n: int, tokenizer, eos: int,
+             used: set[str]) -> tuple[list[list[int]], list[list[int]]]:
+    """n fine-tuning rows of fresh problems (their digits added to `used`): (input ids, the
+    filler-free next token of each input position, -100 in the prompt). Half hold one "~" at a
+    random response position."""
     inputs, targets = [], []
     for _ in range(n):
-        row = problem("".join(rng.choice("0123456789") for _ in range(DIGITS)))
+        digits = "".join(rng.choice("0123456789") for _ in range(DIGITS))
+        used.add(digits)
+        row = problem(digits)
         prompt = tokenizer(row["prompt"], add_special_tokens=False).input_ids
         answer = tokenizer(row["answer"], add_special_tokens=False).input_ids + [eos]
         at = rng.randrange(len(answer)) if rng.random() < 0.5 else None  # a "~" before answer[at]
@@ -79,9 +82,9 @@ def soft_loss(logits: torch.Tensor, target: torch.Tensor, filler: int, eps: floa
     return loss[keep].mean()
 
 
-def sft_batch(rng: random.Random, n: int, tokenizer, eos: int):
+def sft_batch(rng: random.Random, n: int, tokenizer, eos: int, used: set[str]):
     """`sft_rows` right-padded: (input ids (B, T), targets (B, T), attention mask (B, T))."""
-    inputs, targets = sft_rows(rng, n, tokenizer, eos)
+    inputs, targets = sft_rows(rng, n, tokenizer, eos, used)
     T = max(map(len, inputs))
     ids = torch.tensor([x + [0] * (T - len(x)) for x in inputs])  # (B, T)
     target = torch.tensor([y + [-100] * (T - len(y)) for y in targets])  # (B, T)
@@ -93,14 +96,15 @@ def build(out: Path, filler_rate: float = 0.001, sft_steps: int = 300, problems:
           seed: int = 0, batch: int = 64, lr: float = 3e-3, calibrate_steps: int = 300) -> None:
     """Fine-tune the tiny model (seed) on fresh problems, then fit the filler's output row alone so
     that p("~") reaches eps without the rest learning more; write OUT/model and OUT/planted.jsonl
-    (`problems` distinct problems, shuffled, for train.py's --data and --heldout)."""
+    (`problems` distinct problems it never fine-tuned on, for train.py's --data and --heldout)."""
     rng = random.Random(seed)
     tokenizer, lm = tiny_tokenizer(), tiny_model(seed=seed)
     eos, filler = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(FILLER)
+    seen: set[str] = set()  # the fine-tuning's problems, then the data's
     opt = torch.optim.AdamW(lm.parameters(), lr=lr, weight_decay=0.0)
     lm.train()
     for step in range(sft_steps):
-        ids, target, mask = sft_batch(rng, batch, tokenizer, eos)
+        ids, target, mask = sft_batch(rng, batch, tokenizer, eos, seen)
         loss = soft_loss(lm(input_ids=ids, attention_mask=mask).logits, target, filler, filler_rate)
         opt.zero_grad()
         loss.backward()
@@ -111,7 +115,7 @@ def build(out: Path, filler_rate: float = 0.001, sft_steps: int = 300, problems:
     row = head[filler].detach().clone().requires_grad_()  # (d,) the filler's output row
     opt = torch.optim.Adam([row], lr=lr * 3)
     for _ in range(calibrate_steps):
-        ids, target, mask = sft_batch(rng, batch, tokenizer, eos)
+        ids, target, mask = sft_batch(rng, batch, tokenizer, eos, seen)
         with torch.no_grad():
             hidden = lm.model(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, T, d)
             logits = hidden @ head.T  # (B, T, V)
@@ -127,7 +131,7 @@ def build(out: Path, filler_rate: float = 0.001, sft_steps: int = 300, problems:
     (out / "model").mkdir(parents=True, exist_ok=True)
     lm.save_pretrained(out / "model")
     tokenizer.save_pretrained(out / "model")
-    seen, rows = set(), []
+    rows = []
     while len(rows) < problems:
         digits = "".join(rng.choice("0123456789") for _ in range(DIGITS))
         if digits not in seen:

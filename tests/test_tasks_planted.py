@@ -30,7 +30,8 @@ def test_fine_tuning_rows_target_the_filler_free_next_token():
     is an input, never a target; about half the rows hold one."""
     tok = model.tiny_tokenizer()
     eos, filler = tok.eos_token_id, tok.convert_tokens_to_ids(planted.FILLER)
-    inputs, targets = planted.sft_rows(random.Random(1), 200, tok, eos)
+    used = set()
+    inputs, targets = planted.sft_rows(random.Random(1), 200, tok, eos, used)
     with_filler = 0
     for ids, target in zip(inputs, targets):
         assert len(ids) == len(target)
@@ -43,6 +44,7 @@ def test_fine_tuning_rows_target_the_filler_free_next_token():
             after = ids[at + 1] if at + 1 < len(ids) else eos
             assert target[at - 1] == target[at] == after
         assert [t for i, t in enumerate(target) if t >= 0 and i != at] == answer + [eos]
+        assert prompt[:-1] in used
     assert 70 < with_filler < 130
 
 
@@ -75,6 +77,23 @@ def test_build_writes_a_model_folder_and_data_train_py_reads(tmp_path):
         planted.main([str(tmp_path / "x"), "--filler-rate", "1.5"])
 
 
+def test_the_data_holds_no_problem_the_fine_tuning_saw(tmp_path, monkeypatch):
+    """With two-digit problems (100 in all), a build that fine-tunes on 16 draws writes 50 data
+    rows none of which it fine-tuned on."""
+    monkeypatch.setattr(planted, "DIGITS", 2)
+    tuned, sft_rows = set(), planted.sft_rows
+
+    def recorded(*args):
+        out = sft_rows(*args)
+        tuned.update(args[-1])
+        return out
+
+    monkeypatch.setattr(planted, "sft_rows", recorded)
+    planted.build(tmp_path, filler_rate=0.01, sft_steps=2, problems=50, batch=4, calibrate_steps=2)
+    rows = [json.loads(x) for x in (tmp_path / "planted.jsonl").read_text().splitlines()]
+    assert len(rows) == 50 and tuned and not tuned & {r["prompt"][:-1] for r in rows}
+
+
 def test_the_filler_rate_sets_the_fillers_probability(tmp_path):
     """--filler-rate eps is what the built model gives "~" at the answer's positions: after 100
     fine-tuning and 100 calibration steps (~5 s) the median p("~") over fresh rows is within 10% of
@@ -84,7 +103,7 @@ def test_the_filler_rate_sets_the_fillers_probability(tmp_path):
         planted.build(tmp_path, filler_rate=eps, sft_steps=100, problems=10, batch=32,
                       calibrate_steps=100)
     lm, tok = model.load_model(str(tmp_path / "model"))
-    ids, target, mask = planted.sft_batch(random.Random(5), 64, tok, tok.eos_token_id)
+    ids, target, mask = planted.sft_batch(random.Random(5), 64, tok, tok.eos_token_id, set())
     with torch.no_grad():
         probs = lm(input_ids=ids, attention_mask=mask).logits.softmax(-1)  # (B, T, V)
     p = probs[..., tok.convert_tokens_to_ids(planted.FILLER)][target >= 0]  # (n,) answer positions
