@@ -172,7 +172,19 @@ def test_the_results_are_the_report_of_the_committed_runs():
     base = {k: np.mean([x["arms"]["justrl"][k] - x["base"][k] for x in lines])
             for k in ("ll", "entropy")}
     entropy = np.mean([mechanism.outcomes(x)["entropy"] for x in lines])
-    assert f"by {t['mean'] / abs(base['ll']):.2%} of what the whole update" in doc
+    assert f"inside the SESOI of 2e-4: {t['mean'] / abs(base['ll']):.2%} of the whole update" in doc
     assert f"about {entropy / base['entropy']:.1%} of the update's own {base['entropy']:.1e}" in doc
-    assert f"the observed sd ({t['sd']:.2e})" in doc and \
-           f"detected {mechanism.detectable(t['sd'], len(lines)):.1e} with 80% power" in doc
+    assert f"the observed sd ({t['sd']:.2e})" in doc
+    detected = mechanism.detectable(t["sd"], len(lines))
+    assert f"could have detected {detected:.1e} with 80% power" in doc
+    # the deviation: justrl-step4's updates ran at the warm-up's lr; the rescaling in that state
+    step4 = [x for x in lines if x["state"] == "justrl-step4"]
+    lrs = {x["arms"][a]["lr"] for x in step4 for a in mechanism.ARMS}
+    assert lrs == {6.25e-05} and "updates ran at 6.25e-05" in doc
+    rescaled = mechanism.test([x["arms"]["randmask"]["ll"] - x["arms"]["justrl"]["ll"]
+                               for x in step4])
+    mine = np.mean([mechanism.outcomes(x)["primary"] for x in step4])
+    assert f"there ({rescaled['mean']:+.1e}, Wilcoxon p = {rescaled['w_p']:.3f}" in doc
+    assert f"{rescaled['mean'] / mine:.0%} of that state's primary ({mine:+.1e})" in doc
+    cosine = np.mean([mechanism.outcomes(x)["cosine"] for x in lines])
+    assert f"the cosine, the direct test of a harmful direction, is {cosine:.3f}" in doc

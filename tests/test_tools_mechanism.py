@@ -59,6 +59,9 @@ def test_outcomes_and_report_against_hand_worked_values():
     assert text.splitlines()[10].startswith("| entropy |") and "| < 0 |" in text.splitlines()[10]
     assert "reading (the plan's rules): cannot tell" in text
     assert "JustRL's update 0.000e+00 nats/token; the primary's mean is (no share of 0)" in text
+    # RandMask - JustRL: a +0.001, +0.003 (t = 2 on 1 df: p = 1 - 2/pi atan 2 = 0.295); b 0, 0
+    assert "rescaled by the same N): a +2.00e-03 (-1.07e-02, +1.47e-02; t p 0.295" in text
+    assert "; b +0.00e+00" in text and "; all +1.00e-03 (" in text
     lower = [{**x, "base": {**x["base"], "ll": -1.002}} for x in lines]  # JustRL's dLL +0.002
     assert "JustRL's update 2.000e-03 nats/token; the primary's mean is +1.00e+00 of it" in \
         mechanism.report(lower, sesoi=0.001)
