@@ -430,7 +430,7 @@ def outcomes(line: dict) -> dict:
 
 
 SECONDARY = ("ll_vs_randmask", "entropy", "acc", "cosine")
-PREDICTED = {"ll_vs_randmask": 1, "entropy": -1, "acc": 1, "cosine": -1}  # the plan's signs
+PREDICTED = {"primary": 1, "ll_vs_randmask": 1, "entropy": -1, "acc": 1, "cosine": -1}  # plan's
 
 
 def sd_upper(sd: float, n: int, level: float = 0.95) -> float:
@@ -513,7 +513,7 @@ def report(lines: list[dict], sesoi: float | None = SESOI) -> str:
         out.append(f"| {k} | {t['n']} | {t['mean']:+.3e} ({t['ci'][0]:+.3e}, {t['ci'][1]:+.3e}) "
                    f"| {t['sd']:.3e} | {t['p']:.4f} | "
                    f"{f'{adjusted[k]:.4f}' if k in adjusted else '-'} | {t['w_p']:.4f} | "
-                   f"{'> 0' if PREDICTED.get(k, 1) > 0 else '< 0'} | {verdict} |")
+                   f"{'> 0' if PREDICTED[k] > 0 else '< 0'} | {verdict} |")
     rescaled = []  # RandMask - JustRL: the same count silenced at random, the same N (descriptive)
     for s in [*dict.fromkeys(x["state"] for x in lines), "all"]:
         mine = [x["arms"]["randmask"]["ll"] - x["arms"]["justrl"]["ll"] for x in lines
