@@ -126,6 +126,69 @@ def test_the_plan_quotes_the_pilot_it_was_sized_from():
         assert f"{np.std(mine, ddof=1):.2e} over" in doc
 
 
+
+def test_the_results_are_the_report_of_the_committed_main_runs():
+    """docs/experiments.md's SmolLM2 results: every line of `tools.mechanism --report` on the
+    committed main-run lines (docs/experiments/mechanism/main/), and each number its reading
+    quotes: the counts, the relative sizes, the power, the silenced tokens, the JustRL run's lr."""
+    import numpy as np
+
+    from run_folder import read_log
+
+    runs = ROOT / "docs/experiments/mechanism/main"
+    text = (ROOT / "docs/experiments.md").read_text()
+    doc = " ".join(text.split())  # lines joined
+    logs = {state: read_log(runs / state / mechanism.FILE) for state in ("initial", "justrl-step4")}
+    lines = [x for log in logs.values() for x in log if x["kind"] == "minibatch"]
+    assert [len([x for x in lines if x["state"] == s]) for s in logs] == [30, 30]
+    for row in mechanism.report(lines).splitlines():
+        assert row in text.splitlines(), row
+    last = [max(x["step"] for x in log if x["kind"] == "scan") for log in logs.values()]
+    assert f"after steps 1001-{last[0]} (initial) and 1001-{last[1]}" in doc
+    minutes = np.mean([x["seconds"] for x in lines]) / 60
+    assert f"~{minutes:.1f} minutes a mini-batch" in doc
+    out = {k: [mechanism.outcomes(x)[k] for x in lines] for k in mechanism.outcomes(lines[0])}
+    t = mechanism.test(out["primary"])
+    justrl = np.mean([abs(x["arms"]["justrl"]["ll"] - x["base"]["ll"]) for x in lines])
+    assert t["w_p"] < 1e-4 and f"by {-t['mean']:.1e} nats per token *less*" in doc
+    assert f"(95% CI {-t['ci'][1]:.1e} to {-t['ci'][0]:.1e} less; t p = {t['p']:.4f}; " \
+           f"{sum(d > 0 for d in out['primary'])} of 60 positive), {-t['mean'] / justrl:.1%} of " \
+           f"the whole update's held-out effect (mean |dLL| {justrl:.1e})" in doc
+    for state in logs:
+        mine = mechanism.test([d for d, x in zip(out["primary"], lines) if x["state"] == state])
+        assert mine["ci"][1] < 0 and f"{state} {mine['mean']:.2e}" in doc
+    initial = np.mean([d for d, x in zip(out["primary"], lines) if x["state"] == "initial"])
+    assert f"the initial state's primary ({initial:.2e})" in doc
+    assert f"could have detected {mechanism.detectable(t['sd'], 60):.1e} with 80% power; the " \
+           f"observed sd ({t['sd']:.2e})" in doc
+    vs = np.mean(out["ll_vs_randmask"])
+    assert f"costs {-vs:.1e} nats per token more" in doc
+    assert f"the same tokens in {sum(x['randmask_same'] for x in lines)} of the 60" in doc
+    assert f"mean cosine {np.mean(out['cosine']):+.3f}, positive in " \
+           f"{sum(c > 0 for c in out['cosine'])} of 60" in doc
+    dh = np.mean([x["arms"]["justrl"]["entropy"] - x["base"]["entropy"] for x in lines])
+    entropy = np.mean(out["entropy"])
+    assert f"by {-entropy:.1e} nats per token more than JustRL's, {entropy / dh:.0%} of the " \
+           f"update's own {dh:.1e}" in doc
+    acc = mechanism.test(out["acc"])
+    assert f"{acc['mean']:.1e} (95% CI {acc['ci'][0]:.1e} to {acc['ci'][1]:+.1e}); the sample " \
+           f"could have detected {mechanism.detectable(acc['sd'], 60):.1e}" in doc
+    rescaled = np.mean([x["arms"]["randmask"]["ll"] - x["arms"]["justrl"]["ll"] for x in lines])
+    assert f"not-pre-registered line) is {rescaled / t['mean']:.0%} of the primary" in doc
+    # what the sample is: the candidates and the silenced tokens
+    candidates = [x["candidates"] for x in lines]
+    assert f"2 to {max(candidates)} candidates (2 in {candidates.count(2)} of the 60)" in doc
+    tokens = [tok for x in lines for tok in x["silenced_tokens"]]
+    h, p = [tok["H"] for tok in tokens], [tok["p"] for tok in tokens]
+    assert f"the {len(tokens)} silenced tokens' entropies run from {min(h):.3f} to {max(h):.1f} " \
+           f"nats (median {np.median(h):.2f}, {sum(v < 0.5 for v in h)} below 0.5), their p from " \
+           f"{min(p):.1e} to {max(p):.1e}" in doc
+    assert f"~{np.mean([x['tokens'] for x in lines]):.0f} tokens) a mini-batch" in doc
+    # the second state's checkpoint: past the warm-up, so its updates ran at the planned lr
+    steps = read_log(runs / "justrl-3.5e-6-4/metrics.jsonl")
+    assert f"its {sum(x['updates'] for x in steps):.0f} JustRL updates are past the 8" in doc
+    assert {x["arms"][a]["lr"] for x in lines for a in mechanism.ARMS} == {3.5e-6}
+
 # ------------------------------------------------------------------------------- the held-out sets
 def test_worked_solution_of_a_chained_sum():
     from tasks.chain_sums import problem
