@@ -177,14 +177,22 @@ def test_the_results_are_the_report_of_the_committed_runs():
     assert f"the observed sd ({t['sd']:.2e})" in doc
     detected = mechanism.detectable(t["sd"], len(lines))
     assert f"could have detected {detected:.1e} with 80% power" in doc
-    # the deviation: justrl-step4's updates ran at the warm-up's lr; the rescaling in that state
+    # the deviation: justrl-step4's updates ran at the warm-up's lr
     step4 = [x for x in lines if x["state"] == "justrl-step4"]
     lrs = {x["arms"][a]["lr"] for x in step4 for a in mechanism.ARMS}
     assert lrs == {6.25e-05} and "updates ran at 6.25e-05" in doc
-    rescaled = mechanism.test([x["arms"]["randmask"]["ll"] - x["arms"]["justrl"]["ll"]
-                               for x in step4])
+    # every update clipped (N / (N - 1) cancels); RandMask - JustRL in justrl-step4 is the same "~"
+    norms = [x["arms"][a]["grad_norm"] for x in lines for a in mechanism.ARMS]
+    assert min(norms) > 1 and f"every one of the {len(norms)} updates was clipped" in doc
+    assert f"norms {min(norms):.2f} to {max(norms):.2f} before the clip" in doc
+    chance = [x["arms"]["randmask"]["ll"] - x["arms"]["justrl"]["ll"] for x in step4]
+    t4 = mechanism.test(chance)
     mine = np.mean([mechanism.outcomes(x)["primary"] for x in step4])
-    assert f"there ({rescaled['mean']:+.1e}, Wilcoxon p = {rescaled['w_p']:.3f}" in doc
-    assert f"{rescaled['mean'] / mine:.0%} of that state's primary ({mine:+.1e})" in doc
+    same = [x["randmask_same"] for x in step4]
+    assert f"justrl-step4 ({t4['mean']:+.1e}, Wilcoxon p = {t4['w_p']:.3f}" in doc
+    assert f"{t4['mean'] / mine:.0%} of that state's primary ({mine:+.1e}), because there it " \
+           f"left out the same \"~\" in {sum(same)} of the 40 mini-batches " \
+           f"({np.mean([d for d, s in zip(chance, same) if s]):+.1e} on those, " \
+           f"{np.mean([d for d, s in zip(chance, same) if not s]):+.1e} on the others)" in doc
     cosine = np.mean([mechanism.outcomes(x)["cosine"] for x in lines])
     assert f"the cosine, the direct test of a harmful direction, is {cosine:.3f}" in doc

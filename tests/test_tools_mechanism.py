@@ -60,7 +60,7 @@ def test_outcomes_and_report_against_hand_worked_values():
     assert "reading (the plan's rules): cannot tell" in text
     assert "JustRL's update 0.000e+00 nats/token; the primary's mean is (no share of 0)" in text
     # RandMask - JustRL: a +0.001, +0.003 (t = 2 on 1 df: p = 1 - 2/pi atan 2 = 0.295); b 0, 0
-    assert "rescaled by the same N): a +2.00e-03 (-1.07e-02, +1.47e-02; t p 0.295" in text
+    assert "at random): a +2.00e-03 (-1.07e-02, +1.47e-02; t p 0.295" in text
     assert "; b +0.00e+00" in text and "; all +1.00e-03 (" in text
     lower = [{**x, "base": {**x["base"], "ll": -1.002}} for x in lines]  # JustRL's dLL +0.002
     assert "JustRL's update 2.000e-03 nats/token; the primary's mean is +1.00e+00 of it" in \
@@ -130,7 +130,7 @@ def test_the_plan_quotes_the_pilot_it_was_sized_from():
 def test_the_results_are_the_report_of_the_committed_main_runs():
     """docs/experiments.md's SmolLM2 results: every line of `tools.mechanism --report` on the
     committed main-run lines (docs/experiments/mechanism/main/), and each number its reading
-    quotes: the counts, the relative sizes, the power, the silenced tokens, the JustRL run's lr."""
+    quotes: the counts, the relative sizes, the power, the clip, the silenced tokens, the lr."""
     import numpy as np
 
     from run_folder import read_log
@@ -147,43 +147,85 @@ def test_the_results_are_the_report_of_the_committed_main_runs():
     assert f"after steps 1001-{last[0]} (initial) and 1001-{last[1]}" in doc
     minutes = np.mean([x["seconds"] for x in lines]) / 60
     assert f"~{minutes:.1f} minutes a mini-batch" in doc
+
+    def mean_of(key, state="all", arm="justrl"):  # mean (arm - base) over a state's lines
+        return np.mean([x["arms"][arm][key] - x["base"][key] for x in lines
+                        if state in ("all", x["state"])])
+
     out = {k: [mechanism.outcomes(x)[k] for x in lines] for k in mechanism.outcomes(lines[0])}
     t = mechanism.test(out["primary"])
     justrl = np.mean([abs(x["arms"]["justrl"]["ll"] - x["base"]["ll"]) for x in lines])
+    (lo, hi), sesoi = t["ci"], mechanism.SESOI
     assert t["w_p"] < 1e-4 and f"by {-t['mean']:.1e} nats per token *less*" in doc
-    assert f"(95% CI {-t['ci'][1]:.1e} to {-t['ci'][0]:.1e} less; t p = {t['p']:.4f}; " \
+    assert f"(95% CI {-hi:.1e} to {-lo:.1e} less; t p = {t['p']:.4f}; " \
            f"{sum(d > 0 for d in out['primary'])} of 60 positive), {-t['mean'] / justrl:.1%} of " \
-           f"the whole update's held-out effect (mean |dLL| {justrl:.1e})" in doc
+           f"the whole update's held-out effect (mean |dLL| {justrl:.1e}; {-hi / justrl:.1%} to " \
+           f"{-lo / justrl:.1%} by the interval), {-hi / sesoi:.2f} to {-lo / sesoi:.2f} " \
+           "times" in doc
     for state in logs:
-        mine = mechanism.test([d for d, x in zip(out["primary"], lines) if x["state"] == state])
-        assert mine["ci"][1] < 0 and f"{state} {mine['mean']:.2e}" in doc
-    initial = np.mean([d for d, x in zip(out["primary"], lines) if x["state"] == "initial"])
-    assert f"the initial state's primary ({initial:.2e})" in doc
+        mine = [d for d, x in zip(out["primary"], lines) if x["state"] == state]
+        own = np.mean([abs(x["arms"]["justrl"]["ll"] - x["base"]["ll"]) for x in lines
+                       if x["state"] == state])
+        ci = mechanism.test(mine)["ci"]
+        assert ci[1] < 0 and f"{state} {np.mean(mine):.2e} ({-np.mean(mine) / own:.1%}" in doc
+    step4 = mechanism.test([d for d, x in zip(out["primary"], lines)
+                            if x["state"] == "justrl-step4"])["ci"]
+    assert -sesoi / 2 < step4[0]
+    assert f"interval, {step4[0]:.2e} to {step4[1]:.2e}, inside half" in doc
     assert f"could have detected {mechanism.detectable(t['sd'], 60):.1e} with 80% power; the " \
            f"observed sd ({t['sd']:.2e})" in doc
-    vs = np.mean(out["ll_vs_randmask"])
-    assert f"costs {-vs:.1e} nats per token more" in doc
-    assert f"the same tokens in {sum(x['randmask_same'] for x in lines)} of the 60" in doc
+    # STAPO - RandMask: 0 where RandMask left out the same tokens
+    vs = out["ll_vs_randmask"]
+    same = [x["randmask_same"] for x in lines]
+    assert all(d == 0 for d, s in zip(vs, same) if s)
+    other = mechanism.test([d for d, s in zip(vs, same) if not s])
+    assert f"costs {-np.mean(vs):.1e} nats per token more" in doc
+    assert f"the same tokens in {sum(same)} of the 60 mini-batches (a difference of exactly 0); " \
+           f"over the other {other['n']} the difference is {other['mean']:.1e} (t p = " \
+           f"{other['p']:.3f}" in doc
     assert f"mean cosine {np.mean(out['cosine']):+.3f}, positive in " \
            f"{sum(c > 0 for c in out['cosine'])} of 60" in doc
-    dh = np.mean([x["arms"]["justrl"]["entropy"] - x["base"]["entropy"] for x in lines])
-    entropy = np.mean(out["entropy"])
+    # entropy: STAPO's, and how much of it RandMask's update shares
+    dh, entropy = mean_of("entropy"), np.mean(out["entropy"])
     assert f"by {-entropy:.1e} nats per token more than JustRL's, {entropy / dh:.0%} of the " \
            f"update's own {dh:.1e}" in doc
+    chance = mechanism.test([x["arms"]["randmask"]["entropy"] - x["arms"]["justrl"]["entropy"]
+                             for x in lines])
+    choice = mechanism.test([x["arms"]["stapo"]["entropy"] - x["arms"]["randmask"]["entropy"]
+                             for x in lines])
+    assert f"lowers it by {-chance['mean']:.1e} more than JustRL's (95% CI " \
+           f"{-chance['ci'][1]:.1e} to {-chance['ci'][0]:.1e}), " \
+           f"{chance['mean'] / entropy:.0%} of STAPO's; STAPO - RandMask is " \
+           f"{choice['mean']:.1e} (95% CI {choice['ci'][0]:.1e} to {choice['ci'][1]:.1e})" in doc
     acc = mechanism.test(out["acc"])
     assert f"{acc['mean']:.1e} (95% CI {acc['ci'][0]:.1e} to {acc['ci'][1]:+.1e}); the sample " \
            f"could have detected {mechanism.detectable(acc['sd'], 60):.1e}" in doc
-    rescaled = np.mean([x["arms"]["randmask"]["ll"] - x["arms"]["justrl"]["ll"] for x in lines])
-    assert f"not-pre-registered line) is {rescaled / t['mean']:.0%} of the primary" in doc
-    # what the sample is: the candidates and the silenced tokens
+    assert f"{sum(a == 0 for a in out['acc'])} of the 60 differences are 0" in doc
+    # the clip: every update's norm above 1, so N / (N - 1) cancels; the arms' norm ratio
+    norms = [x["arms"][a]["grad_norm"] for x in lines for a in mechanism.ARMS]
+    assert min(norms) > 1 and f"Every one of the {len(norms)} updates was clipped" in doc
+    assert f"norms {min(norms):.2f} to {max(norms):.2f} before the clip" in doc
+    ratio = [x["arms"]["stapo"]["grad_norm"] / x["arms"]["justrl"]["grad_norm"] for x in lines]
+    assert f"(STAPO's norm is {min(ratio):.2f} to {max(ratio):.2f} times JustRL's)" in doc
+    r = {s: np.corrcoef([q for q, x in zip(ratio, lines) if x["state"] == s],
+                        [d for d, x in zip(out["primary"], lines) if x["state"] == s])[0, 1]
+         for s in logs}
+    assert f"(correlation {r['justrl-step4']:.2f} there, {r['initial']:.2f} in the initial" in doc
+    chance_ll = np.mean([x["arms"]["randmask"]["ll"] - x["arms"]["justrl"]["ll"] for x in lines])
+    assert f"not-pre-registered line) is {chance_ll / t['mean']:.0%} of the primary" in doc
+    # what the sample is: the candidates, the silenced tokens, the held-out likelihood
     candidates = [x["candidates"] for x in lines]
     assert f"2 to {max(candidates)} candidates (2 in {candidates.count(2)} of the 60)" in doc
+    one_kept = sum(x["candidates"] - x["silenced"] == 1 for x in lines)
+    assert f"all but the highest-entropy one in {one_kept} of the 60" in doc
     tokens = [tok for x in lines for tok in x["silenced_tokens"]]
     h, p = [tok["H"] for tok in tokens], [tok["p"] for tok in tokens]
     assert f"the {len(tokens)} silenced tokens' entropies run from {min(h):.3f} to {max(h):.1f} " \
            f"nats (median {np.median(h):.2f}, {sum(v < 0.5 for v in h)} below 0.5), their p from " \
            f"{min(p):.1e} to {max(p):.1e}" in doc
     assert f"~{np.mean([x['tokens'] for x in lines]):.0f} tokens) a mini-batch" in doc
+    base = [np.mean([x["base"]["ll"] for x in lines if x["state"] == s]) for s in logs]
+    assert f"(mean log-likelihood {base[0]:.2f} and {base[1]:.2f} nats per token" in doc
     # the second state's checkpoint: past the warm-up, so its updates ran at the planned lr
     steps = read_log(runs / "justrl-3.5e-6-4/metrics.jsonl")
     assert f"its {sum(x['updates'] for x in steps):.0f} JustRL updates are past the 8" in doc

@@ -514,15 +514,15 @@ def report(lines: list[dict], sesoi: float | None = SESOI) -> str:
                    f"| {t['sd']:.3e} | {t['p']:.4f} | "
                    f"{f'{adjusted[k]:.4f}' if k in adjusted else '-'} | {t['w_p']:.4f} | "
                    f"{'> 0' if PREDICTED[k] > 0 else '< 0'} | {verdict} |")
-    rescaled = []  # RandMask - JustRL: the same count silenced at random, the same N (descriptive)
+    chance = []  # RandMask - JustRL: as many candidates left out at random (descriptive)
     for s in [*dict.fromkeys(x["state"] for x in lines), "all"]:
         mine = [x["arms"]["randmask"]["ll"] - x["arms"]["justrl"]["ll"] for x in lines
                 if s in ("all", x["state"])]
         t = test(mine) if len(mine) > 1 else None
-        rescaled.append(f"{s} {t['mean']:+.2e} ({t['ci'][0]:+.2e}, {t['ci'][1]:+.2e}; t p "
-                        f"{t['p']:.3f}, Wilcoxon p {t['w_p']:.3f})" if t else f"{s} -")
-    out += ["", "RandMask - JustRL dLL (not pre-registered: a random candidate silenced, the kept "
-            "tokens rescaled by the same N): " + "; ".join(rescaled)]
+        chance.append(f"{s} {t['mean']:+.2e} ({t['ci'][0]:+.2e}, {t['ci'][1]:+.2e}; t p "
+                      f"{t['p']:.3f}, Wilcoxon p {t['w_p']:.3f})" if t else f"{s} -")
+    out += ["", "RandMask - JustRL dLL (not pre-registered: as many candidates left out, at "
+            "random): " + "; ".join(chance)]
     sd, n = tests["primary"]["sd"], tests["primary"]["n"]
     justrl = float(np.mean([abs(x["arms"]["justrl"]["ll"] - x["base"]["ll"]) for x in lines]))
     upper = sd_upper(sd, n)
