@@ -488,7 +488,8 @@ def report(lines: list[dict], sesoi: float | None = SESOI) -> str:
            "randmask (nats/token) | dH justrl / stapo | dacc justrl / stapo | first-order "
            "predicted dLL justrl | STAPO - JustRL dLL, mean (95% CI) | s a mini-batch |",
            "|---" * 9 + "|"]
-    for s in [*dict.fromkeys(x["state"] for x in lines), "all"]:
+    groups = [*dict.fromkeys(x["state"] for x in lines), "all"]  # each state, then all pooled
+    for s in groups:
         mine = [x for x in lines if s in ("all", x["state"])]
         d = {(a, k): np.mean([x["arms"][a][k] - x["base"][k] for x in mine])
              for a in ARMS for k in OUTCOMES}
@@ -515,7 +516,7 @@ def report(lines: list[dict], sesoi: float | None = SESOI) -> str:
                    f"{f'{adjusted[k]:.4f}' if k in adjusted else '-'} | {t['w_p']:.4f} | "
                    f"{'> 0' if PREDICTED[k] > 0 else '< 0'} | {verdict} |")
     chance = []  # RandMask - JustRL: as many candidates left out at random (descriptive)
-    for s in [*dict.fromkeys(x["state"] for x in lines), "all"]:
+    for s in groups:
         mine = [x["arms"]["randmask"]["ll"] - x["arms"]["justrl"]["ll"] for x in lines
                 if s in ("all", x["state"])]
         t = test(mine) if len(mine) > 1 else None
